@@ -1,0 +1,264 @@
+//! The `postal` command-line tool.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use clap::{Args, Parser, Subcommand};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+
+mod status;
+
+/// Postal: effectively-once event delivery between services over PostgreSQL and Kafka.
+#[derive(Parser, Debug)]
+#[command(name = "postal", version, about, propagate_version = true)]
+struct Cli {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug)]
+struct DbArgs {
+    /// PostgreSQL URL (the password is never logged).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// How long one-shot commands wait for the database before failing.
+    #[arg(long, env = "POSTAL_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, global = true)]
+    connect_timeout: Duration,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create the `postal` schema and apply pending migrations (a no-op when up to date).
+    Migrate,
+    /// Run the relay: publish committed outbox events to Kafka until SIGINT/SIGTERM.
+    Relay(Box<RelayArgs>),
+    /// Show the outbox backlog per topic, the oldest pending event and parked events.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment.
+#[derive(Args, Debug)]
+struct RelayArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS", default_value = "127.0.0.1:9092")]
+    bootstrap_servers: String,
+    /// Extra librdkafka property `key=value` (repeatable; comma-separated in the env), e.g.
+    /// `security.protocol=SASL_SSL`. Overrides Postal's producer defaults.
+    #[arg(long = "kafka", env = "POSTAL_KAFKA", value_delimiter = ',', value_parser = parse_property)]
+    kafka: Vec<(String, String)>,
+    /// CloudEvents `source` written on every record.
+    #[arg(long, env = "POSTAL_SOURCE", default_value = "postal")]
+    source: String,
+    /// Rows claimed per statement.
+    #[arg(long, env = "POSTAL_BATCH_SIZE", default_value_t = 1000)]
+    batch_size: usize,
+    /// Batches awaiting acknowledgement at once.
+    #[arg(long, env = "POSTAL_MAX_IN_FLIGHT", default_value_t = 4)]
+    max_in_flight: usize,
+    /// Claim lease: a crashed relay's rows are retried after this.
+    #[arg(long, env = "POSTAL_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
+    lease: Duration,
+    /// Safety-net polling interval.
+    #[arg(long, env = "POSTAL_POLL_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    poll_interval: Duration,
+    /// Disable LISTEN/NOTIFY wake-ups (poll only).
+    #[arg(long, env = "POSTAL_NO_LISTEN")]
+    no_listen: bool,
+    /// Attempts before an event is parked as failed (broker unavailability never counts).
+    #[arg(long, env = "POSTAL_MAX_ATTEMPTS", default_value_t = 10)]
+    max_attempts: i32,
+    /// First retry backoff ceiling (doubles per attempt, full jitter).
+    #[arg(long, env = "POSTAL_BACKOFF_BASE", default_value = "500ms", value_parser = humantime::parse_duration)]
+    backoff_base: Duration,
+    /// Largest retry backoff.
+    #[arg(long, env = "POSTAL_BACKOFF_MAX", default_value = "5m", value_parser = humantime::parse_duration)]
+    backoff_max: Duration,
+    /// Keep published rows (status `published`) instead of deleting them.
+    #[arg(long, env = "POSTAL_KEEP_PUBLISHED")]
+    keep_published: bool,
+    /// Do not create missing topics: events for them are parked with an error.
+    #[arg(long, env = "POSTAL_NO_CREATE_TOPICS")]
+    no_create_topics: bool,
+    /// Partitions of topics the relay creates.
+    #[arg(long, env = "POSTAL_TOPIC_PARTITIONS", default_value_t = 12)]
+    topic_partitions: i32,
+    /// Replication factor of topics the relay creates.
+    #[arg(long, env = "POSTAL_TOPIC_REPLICATION", default_value_t = 1)]
+    topic_replication: i32,
+    /// How long shutdown waits for in-flight acknowledgements.
+    #[arg(long, env = "POSTAL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    shutdown_timeout: Duration,
+    /// Apply migrations before starting.
+    #[arg(long, env = "POSTAL_MIGRATE")]
+    migrate: bool,
+}
+
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not of the form key=value"))?;
+    let k = k.trim();
+    if k.is_empty() {
+        return Err(format!("{s:?} has an empty key"));
+    }
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("POSTAL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Migrate => {
+            let pool = connect_now(&cli.db).await?;
+            postal_shared::migrate(&pool).await.context("applying migrations")?;
+            println!("postal schema is up to date");
+            Ok(())
+        }
+        Command::Status { json } => {
+            let pool = connect_now(&cli.db).await?;
+            status::print(&pool, json).await
+        }
+        Command::Relay(args) => relay(&cli.db, *args).await,
+    }
+}
+
+fn connect_options(db: &DbArgs) -> anyhow::Result<PgConnectOptions> {
+    let url = db
+        .database_url
+        .as_deref()
+        .ok_or_else(|| anyhow!("no database given: set DATABASE_URL or pass --database-url"))?;
+    url.parse::<PgConnectOptions>()
+        .map_err(|e| anyhow!("invalid DATABASE_URL {}: {e}", redact(url)))
+}
+
+/// Connects for a one-shot command: fails within the connect timeout with one line.
+async fn connect_now(db: &DbArgs) -> anyhow::Result<PgPool> {
+    let opts = connect_options(db)?;
+    let target = format!("{}:{}", opts.get_host(), opts.get_port());
+    PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(db.connect_timeout)
+        .connect_with(opts)
+        .await
+        .map_err(|e| anyhow!("cannot reach PostgreSQL at {target}: {e}"))
+}
+
+/// Replaces the password of a URL with `***`.
+fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparseable url>".to_owned(),
+    }
+}
+
+async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
+    let config = postal_producer::RelayConfig {
+        batch_size: args.batch_size,
+        max_in_flight_batches: args.max_in_flight,
+        lease: args.lease,
+        poll_interval: args.poll_interval,
+        listen: !args.no_listen,
+        max_attempts: args.max_attempts,
+        backoff: postal_producer::Backoff {
+            base: args.backoff_base,
+            max: args.backoff_max,
+        },
+        delete_on_publish: !args.keep_published,
+        shutdown_timeout: args.shutdown_timeout,
+    };
+    config.validate()?;
+    let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers);
+    kafka.source = args.source;
+    kafka.create_topics = !args.no_create_topics;
+    kafka.topic_partitions = args.topic_partitions;
+    kafka.topic_replication = args.topic_replication;
+    kafka.properties = args.kafka.into_iter().collect::<BTreeMap<_, _>>();
+    let transport = postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?;
+
+    let opts = connect_options(db)?;
+    let url = db.database_url.as_deref().map(redact).unwrap_or_default();
+    // Long-running: a lazy pool, so an unreachable database means retries, not an exit.
+    let pool = PgPoolOptions::new()
+        .max_connections((config.max_in_flight_batches + 3) as u32)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(opts);
+    if args.migrate {
+        let mut attempt = 0u32;
+        loop {
+            match postal_shared::migrate(&pool).await {
+                Ok(()) => break,
+                Err(e) => {
+                    attempt += 1;
+                    let wait = Duration::from_secs(u64::from(attempt.min(30)));
+                    tracing::warn!(database = %url, error = %e, retry_in_s = wait.as_secs(), "cannot apply migrations yet; retrying");
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+    tracing::info!(database = %url, "starting relay");
+    let relay = postal_producer::Relay::new(pool, transport, config)?;
+    let stats = relay.run(shutdown_signal()).await?;
+    tracing::info!(published = stats.published, parked = stats.parked, "bye");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,1 @@
+//! Procedural macros of Postal. Use them through `postal-consumer`.

@@ -1,0 +1,78 @@
+//! Relay settings with their documented defaults.
+
+use std::time::Duration;
+
+use crate::backoff::Backoff;
+use crate::Error;
+
+/// How the relay claims, retries and cleans up. Every field has a default (see
+/// [`RelayConfig::default`]); [`RelayConfig::validate`] rejects nonsensical values.
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    /// Rows claimed per statement (default 1000).
+    pub batch_size: usize,
+    /// Batches handed to the transport whose acknowledgements are still awaited (default 4).
+    pub max_in_flight_batches: usize,
+    /// How long a claim holds a row before another relay may take it (default 60 s). Must
+    /// exceed the transport's delivery timeout (Kafka: `message.timeout.ms`, 30 s by default).
+    pub lease: Duration,
+    /// Safety-net polling interval when no notification arrives (default 1 s).
+    pub poll_interval: Duration,
+    /// Wake up on `LISTEN postal_outbox` notifications (default `true`).
+    pub listen: bool,
+    /// Attempts before an event is parked as failed (default 10). Unavailability of the
+    /// destination never counts as an attempt.
+    pub max_attempts: i32,
+    /// Retry backoff: exponential with full jitter (default 500 ms doubling up to 5 min).
+    pub backoff: Backoff,
+    /// Delete rows once published (default `true`); when `false` they are marked `published`
+    /// and removed later by retention cleanup.
+    pub delete_on_publish: bool,
+    /// How long shutdown waits for in-flight acknowledgements (default 20 s).
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            batch_size: 1000,
+            max_in_flight_batches: 4,
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(1),
+            listen: true,
+            max_attempts: 10,
+            backoff: Backoff {
+                base: Duration::from_millis(500),
+                max: Duration::from_secs(300),
+            },
+            delete_on_publish: true,
+            shutdown_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Checks the settings; the error names the offending one.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |m: &str| Err(Error::Config(m.to_owned()));
+        if self.batch_size == 0 || self.batch_size > 100_000 {
+            return bad("batch size must be between 1 and 100000");
+        }
+        if self.max_in_flight_batches == 0 || self.max_in_flight_batches > 64 {
+            return bad("max in-flight batches must be between 1 and 64");
+        }
+        if self.lease < Duration::from_secs(1) {
+            return bad("lease must be at least 1s");
+        }
+        if self.poll_interval.is_zero() {
+            return bad("poll interval must be positive");
+        }
+        if self.max_attempts < 1 {
+            return bad("max attempts must be at least 1");
+        }
+        if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
+            return bad("backoff base must be positive and not above the backoff max");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,120 @@
+//! Writing events into the outbox inside the caller's transaction.
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::event::NewEvent;
+use crate::Error;
+use postal_shared::EventId;
+
+/// Channel on which enqueue wakes the relay (at most one notification per transaction:
+/// PostgreSQL folds identical notifications of one transaction into one).
+pub const NOTIFY_CHANNEL: &str = "postal_outbox";
+
+/// Class id of the transaction-scoped advisory locks that serialise writers of one key
+/// (`'post'` as a 32-bit integer). The object id is `hashtext(key)`.
+pub const KEY_LOCK_CLASS: i32 = 0x706F_7374;
+
+/// Writes one event into the outbox on the caller's connection — normally an open transaction:
+/// `enqueue(&mut *tx, event)`. The event commits or rolls back with the caller's business rows.
+///
+/// It takes `&mut PgConnection`, never a pool, so the outbox write cannot escape the
+/// caller's transaction:
+///
+/// ```compile_fail
+/// # async fn f(pool: sqlx::PgPool, e: postal_producer::NewEvent) {
+/// postal_producer::enqueue(&pool, e).await; // a pool is not a connection: does not compile
+/// # }
+/// ```
+///
+/// Writers of the same key are serialised until commit (a transaction-scoped advisory lock on
+/// the key), so per key the outbox sequence is also the commit order. The relay is woken
+/// with a `NOTIFY` that PostgreSQL delivers once per transaction, after commit.
+pub async fn enqueue(conn: &mut PgConnection, event: NewEvent) -> Result<EventId, Error> {
+    let id = event.id;
+    enqueue_batch(conn, vec![event]).await?;
+    Ok(id)
+}
+
+/// Writes many events in one statement, in the order given (which becomes their outbox
+/// sequence order). Returns their ids in the same order.
+pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<NewEvent>) -> Result<Vec<EventId>, Error> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let trace = crate::trace::current_traceparent();
+    let n = events.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut uuids: Vec<Uuid> = Vec::with_capacity(n);
+    let mut topics = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut types = Vec::with_capacity(n);
+    let mut versions = Vec::with_capacity(n);
+    let mut occurred = Vec::with_capacity(n);
+    let mut content_types = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    let mut deliver_at = Vec::with_capacity(n);
+    for e in events {
+        ids.push(e.id);
+        uuids.push(e.id.as_uuid());
+        topics.push(e.topic.into_string());
+        keys.push(e.key.into_string());
+        types.push(e.event_type.into_string());
+        versions.push(e.schema_version.get());
+        occurred.push(e.occurred_at);
+        content_types.push(e.content_type.into_string());
+        payloads.push(e.payload);
+        let mut h = e.headers;
+        if let Some((parent, state)) = &trace {
+            h.entry(postal_shared::headers::TRACEPARENT.to_owned())
+                .or_insert_with(|| parent.clone());
+            if let Some(state) = state {
+                h.entry(postal_shared::headers::TRACESTATE.to_owned())
+                    .or_insert_with(|| state.clone());
+            }
+        }
+        headers.push(serde_json::to_value(h).map_err(Error::Serialize)?);
+        deliver_at.push(e.deliver_at);
+    }
+
+    let inserted: i64 = sqlx::query_scalar(
+        r#"
+        WITH key_locks AS MATERIALIZED (
+            SELECT count(pg_advisory_xact_lock($12, h)) AS n
+            FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($3::text[]) AS k ORDER BY 1) AS s
+        ), ins AS (
+            INSERT INTO postal.outbox (event_id, topic, event_key, event_type, schema_version,
+                                       occurred_at, content_type, payload, headers,
+                                       available_at, held)
+            SELECT u.id, u.topic, u.k, u.typ, u.ver, u.occ, u.ct, u.payload, u.hdr,
+                   coalesce(u.deliver_at, now()), coalesce(u.deliver_at > now(), false)
+            FROM key_locks,
+                 unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
+                        $6::timestamptz[], $7::text[], $8::bytea[], $9::jsonb[],
+                        $10::timestamptz[])
+                   WITH ORDINALITY AS u(id, topic, k, typ, ver, occ, ct, payload, hdr, deliver_at, ord)
+            ORDER BY u.ord
+            RETURNING 1
+        )
+        SELECT count(*) FROM ins, (SELECT pg_notify($11, '')) AS wake
+        "#,
+    )
+    .bind(&uuids)
+    .bind(&topics)
+    .bind(&keys)
+    .bind(&types)
+    .bind(&versions)
+    .bind(&occurred)
+    .bind(&content_types)
+    .bind(&payloads)
+    .bind(&headers)
+    .bind(&deliver_at)
+    .bind(NOTIFY_CHANNEL)
+    .bind(KEY_LOCK_CLASS)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(Error::from_insert)?;
+    debug_assert_eq!(inserted as usize, n);
+    Ok(ids)
+}

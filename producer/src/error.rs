@@ -1,0 +1,45 @@
+/// Errors of the producer half.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A topic, key, type or other envelope value was invalid.
+    #[error(transparent)]
+    Invalid(#[from] postal_shared::Error),
+    /// The payload could not be serialised as JSON.
+    #[error("payload is not serialisable as JSON: {0}")]
+    Serialize(serde_json::Error),
+    /// The payload exceeds what `enqueue` accepts.
+    #[error("payload of {size} bytes exceeds the maximum of {max} bytes")]
+    PayloadTooLarge {
+        /// Payload size in bytes.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A user header used a name Postal reserves for itself.
+    #[error("header name {0:?} is reserved by Postal or empty")]
+    ReservedHeader(String),
+    /// An event with this id is already in the outbox.
+    #[error("an event with this id is already in the outbox")]
+    DuplicateEventId,
+    /// The relay or transport configuration is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A database call failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The Kafka client could not be created.
+    #[error("kafka client error: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+}
+
+impl Error {
+    pub(crate) fn from_insert(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &e {
+            if db.constraint() == Some("outbox_event_id_unique") {
+                return Error::DuplicateEventId;
+            }
+        }
+        Error::Database(e)
+    }
+}

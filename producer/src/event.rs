@@ -1,0 +1,135 @@
+//! The event a service writes to the outbox.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use postal_shared::{headers, ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
+use serde::Serialize;
+
+use crate::Error;
+
+/// Largest payload `enqueue` accepts (bytes). Brokers usually reject records above ~1 MiB; the
+/// relay checks the destination's own limit again and parks what does not fit.
+pub const MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+
+/// An event to enqueue: what it is, where it goes and its payload.
+///
+/// Build one with [`NewEvent::json`] (typed payload, serialised with serde) or
+/// [`NewEvent::bytes`] (already encoded: Avro, Protobuf, …), then refine it with the `with_*`
+/// methods. The event id is a fresh UUIDv7 unless [`NewEvent::with_id`] supplies one.
+#[derive(Clone, Debug)]
+pub struct NewEvent {
+    pub(crate) id: EventId,
+    pub(crate) topic: Topic,
+    pub(crate) key: EventKey,
+    pub(crate) event_type: EventType,
+    pub(crate) schema_version: SchemaVersion,
+    pub(crate) occurred_at: DateTime<Utc>,
+    pub(crate) content_type: ContentType,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: BTreeMap<String, String>,
+    pub(crate) deliver_at: Option<DateTime<Utc>>,
+}
+
+impl NewEvent {
+    /// An event whose payload is `payload` serialised as JSON.
+    ///
+    /// `topic`, `key` and `event_type` are validated here; an invalid value is an error at the
+    /// call, before anything touches the database.
+    pub fn json<T: Serialize + ?Sized>(
+        topic: impl TryInto<Topic, Error = postal_shared::Error>,
+        key: impl TryInto<EventKey, Error = postal_shared::Error>,
+        event_type: impl TryInto<EventType, Error = postal_shared::Error>,
+        payload: &T,
+    ) -> Result<Self, Error> {
+        let payload = serde_json::to_vec(payload).map_err(Error::Serialize)?;
+        Self::bytes(topic, key, event_type, ContentType::json(), payload)
+    }
+
+    /// An event whose payload is already encoded, with its content type
+    /// (e.g. `application/avro`, `application/x-protobuf`).
+    pub fn bytes(
+        topic: impl TryInto<Topic, Error = postal_shared::Error>,
+        key: impl TryInto<EventKey, Error = postal_shared::Error>,
+        event_type: impl TryInto<EventType, Error = postal_shared::Error>,
+        content_type: ContentType,
+        payload: impl Into<Vec<u8>>,
+    ) -> Result<Self, Error> {
+        let payload = payload.into();
+        if payload.len() > MAX_PAYLOAD_BYTES {
+            return Err(Error::PayloadTooLarge {
+                size: payload.len(),
+                max: MAX_PAYLOAD_BYTES,
+            });
+        }
+        Ok(NewEvent {
+            id: EventId::new(),
+            topic: topic.try_into()?,
+            key: key.try_into()?,
+            event_type: event_type.try_into()?,
+            schema_version: SchemaVersion::ONE,
+            occurred_at: Utc::now(),
+            content_type,
+            payload,
+            headers: BTreeMap::new(),
+            deliver_at: None,
+        })
+    }
+
+    /// Uses a caller-supplied event id (e.g. derived from an idempotency key). Enqueueing the
+    /// same id twice fails with [`Error::DuplicateEventId`].
+    pub fn with_id(mut self, id: EventId) -> Self {
+        self.id = id;
+        self
+    }
+
+    /// Sets the payload's schema version (default 1).
+    pub fn with_schema_version(mut self, version: SchemaVersion) -> Self {
+        self.schema_version = version;
+        self
+    }
+
+    /// Sets when the event occurred (default: when the `NewEvent` was built).
+    pub fn with_occurred_at(mut self, at: DateTime<Utc>) -> Self {
+        self.occurred_at = at;
+        self
+    }
+
+    /// Publishes no earlier than `at`. Until then the event also holds back later events of its
+    /// key, so per-key order is kept.
+    pub fn deliver_at(mut self, at: DateTime<Utc>) -> Self {
+        self.deliver_at = Some(at);
+        self
+    }
+
+    /// Adds a user header, copied to the Kafka record. Names Postal sets itself
+    /// (`ce_*` attributes, `content-type`) are rejected.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Result<Self, Error> {
+        let name = name.into();
+        if name.is_empty() || headers::is_reserved(&name) {
+            return Err(Error::ReservedHeader(name));
+        }
+        self.headers.insert(name, value.into());
+        Ok(self)
+    }
+
+    /// The event's id.
+    pub fn id(&self) -> EventId {
+        self.id
+    }
+
+    /// The destination topic.
+    pub fn topic(&self) -> &Topic {
+        &self.topic
+    }
+
+    /// The event key.
+    pub fn key(&self) -> &EventKey {
+        &self.key
+    }
+
+    /// The encoded payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}

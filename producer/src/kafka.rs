@@ -1,0 +1,385 @@
+//! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+
+use postal_shared::headers as h;
+
+use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
+use crate::Error;
+
+/// Settings of the Kafka transport.
+#[derive(Clone)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub bootstrap_servers: String,
+    /// CloudEvents `source` written on every record (default `postal`).
+    pub source: String,
+    /// Create missing topics through the admin API (default `true`). When `false`, events for
+    /// a missing topic are parked with a clear error.
+    pub create_topics: bool,
+    /// Partition count of created topics (default 12).
+    pub topic_partitions: i32,
+    /// Replication factor of created topics (default 1).
+    pub topic_replication: i32,
+    /// Extra librdkafka properties (TLS, SASL, tuning); they override Postal's defaults.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let props: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                let secret = k.contains("password") || k.contains("secret") || k.contains("key");
+                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("source", &self.source)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication", &self.topic_replication)
+            .field("properties", &props)
+            .finish()
+    }
+}
+
+impl KafkaConfig {
+    /// Defaults for the given bootstrap servers.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        KafkaConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            source: "postal".into(),
+            create_topics: true,
+            topic_partitions: 12,
+            topic_replication: 1,
+            properties: BTreeMap::new(),
+        }
+    }
+
+    /// The librdkafka producer configuration: Postal's defaults, then the user's properties.
+    ///
+    /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
+    /// where Java clients and Debezium put them), `linger.ms=5`, `message.timeout.ms=30000`,
+    /// `queue.buffering.max.messages=1000000`, `allow.auto.create.topics=false`.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.bootstrap_servers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("partitioner", "murmur2_random")
+            .set("linger.ms", "5")
+            .set("message.timeout.ms", "30000")
+            .set("queue.buffering.max.messages", "1000000")
+            .set("queue.buffering.max.kbytes", "1048576")
+            .set("allow.auto.create.topics", "false")
+            .set("log_level", "4");
+        for (k, v) in &self.properties {
+            cfg.set(k, v);
+        }
+        cfg
+    }
+}
+
+#[derive(Clone, Debug)]
+enum TopicState {
+    Ready,
+    Missing(String),
+}
+
+/// Publishes outbox events to Kafka.
+///
+/// Record layout (CloudEvents Kafka protocol binding, binary mode): key = event key, value =
+/// payload, headers `ce_id`, `ce_type`, `ce_source`, `ce_time`, `ce_specversion`, `ce_subject`
+/// (key), `ce_schemaversion`, `ce_postalseq`, `content-type`, then user headers (including
+/// `traceparent` / `tracestate`).
+pub struct KafkaTransport {
+    producer: FutureProducer,
+    admin: AdminClient<DefaultClientContext>,
+    config: KafkaConfig,
+    max_message_bytes: usize,
+    topics: Arc<Mutex<HashMap<String, TopicState>>>,
+}
+
+impl std::fmt::Debug for KafkaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaTransport").field("config", &self.config).finish()
+    }
+}
+
+impl KafkaTransport {
+    /// Creates the producer and admin clients. Fails on invalid librdkafka properties; an
+    /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        if config.topic_partitions < 1 || config.topic_replication < 1 {
+            return Err(Error::Config(
+                "topic partitions and replication factor must be at least 1".into(),
+            ));
+        }
+        let client_config = config.client_config();
+        let producer: FutureProducer = client_config.create()?;
+        let admin: AdminClient<DefaultClientContext> = client_config.create()?;
+        let max_message_bytes = client_config
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1_000_000);
+        Ok(KafkaTransport {
+            producer,
+            admin,
+            config,
+            max_message_bytes,
+            topics: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// The underlying producer (for metrics or tests).
+    pub fn producer(&self) -> &FutureProducer {
+        &self.producer
+    }
+
+    async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
+        if let Some(state) = self.topics.lock().expect("topic cache").get(topic).cloned() {
+            return match state {
+                TopicState::Ready => Ok(()),
+                TopicState::Missing(reason) => Err(PublishError::new(FailureKind::Permanent, reason)),
+            };
+        }
+        let exists = self.topic_exists(topic).await?;
+        let state = if exists {
+            TopicState::Ready
+        } else if self.config.create_topics {
+            self.create_topic(topic).await?;
+            TopicState::Ready
+        } else {
+            TopicState::Missing(format!(
+                "topic {topic:?} does not exist and topic creation is disabled"
+            ))
+        };
+        self.topics
+            .lock()
+            .expect("topic cache")
+            .insert(topic.to_owned(), state.clone());
+        match state {
+            TopicState::Ready => Ok(()),
+            TopicState::Missing(reason) => Err(PublishError::new(FailureKind::Permanent, reason)),
+        }
+    }
+
+    async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {
+        let producer = self.producer.clone();
+        let name = topic.to_owned();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&name), Timeout::After(Duration::from_secs(10)))
+        })
+        .await
+        .map_err(|e| PublishError::new(FailureKind::Transient, e.to_string()))?
+        .map_err(|e| PublishError::new(classify(&e), format!("metadata for {topic:?}: {e}")))?;
+        let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(false);
+        };
+        match t.error() {
+            None => Ok(!t.partitions().is_empty()),
+            Some(err) => {
+                let code = RDKafkaErrorCode::from(err);
+                match code {
+                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => Ok(false),
+                    RDKafkaErrorCode::InvalidTopic => Err(PublishError::new(
+                        FailureKind::Permanent,
+                        format!("invalid topic {topic:?}: {code}"),
+                    )),
+                    RDKafkaErrorCode::TopicAuthorizationFailed => Err(PublishError::new(
+                        FailureKind::Permanent,
+                        format!("not authorised for topic {topic:?}"),
+                    )),
+                    other => Err(PublishError::new(
+                        FailureKind::Unavailable,
+                        format!("metadata for {topic:?}: {other}"),
+                    )),
+                }
+            }
+        }
+    }
+
+    async fn create_topic(&self, topic: &str) -> Result<(), PublishError> {
+        let new = NewTopic::new(
+            topic,
+            self.config.topic_partitions,
+            TopicReplication::Fixed(self.config.topic_replication),
+        );
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self
+            .admin
+            .create_topics([&new], &opts)
+            .await
+            .map_err(|e| PublishError::new(classify(&e), format!("creating topic {topic:?}: {e}")))?;
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((_, RDKafkaErrorCode::InvalidTopic)) => {
+                    return Err(PublishError::new(
+                        FailureKind::Permanent,
+                        format!("invalid topic {topic:?}"),
+                    ))
+                }
+                Err((_, code)) => {
+                    return Err(PublishError::new(
+                        classify_code(code),
+                        format!("creating topic {topic:?}: {code}"),
+                    ))
+                }
+            }
+        }
+        tracing::info!(topic, partitions = self.config.topic_partitions, "created topic");
+        Ok(())
+    }
+
+    fn record_size(event: &OutboundEvent) -> usize {
+        // Payload, key and headers plus a generous allowance for record framing and
+        // Postal's own headers.
+        event.payload.len()
+            + event.key.len()
+            + event
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>()
+            + 512
+    }
+}
+
+type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+impl Transport for KafkaTransport {
+    type Acks = Acks;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Acks {
+        // Resolve every distinct topic once per batch.
+        let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        for e in batch {
+            if !topic_ok.contains_key(e.topic.as_str()) {
+                let r = self.ensure_topic(&e.topic).await;
+                topic_ok.insert(e.topic.as_str(), r);
+            }
+        }
+
+        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> = Vec::with_capacity(batch.len());
+        for e in batch {
+            if let Err(err) = &topic_ok[e.topic.as_str()] {
+                let err = err.clone();
+                pending.push(async move { Err(err) }.boxed());
+                continue;
+            }
+            let size = Self::record_size(e);
+            if size > self.max_message_bytes {
+                let err = PublishError::new(
+                    FailureKind::Permanent,
+                    format!(
+                        "record of about {size} bytes exceeds the producer's message.max.bytes of {}",
+                        self.max_message_bytes
+                    ),
+                );
+                pending.push(async move { Err(err) }.boxed());
+                continue;
+            }
+            let id = e.id.to_string();
+            let time = e.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let version = e.schema_version.to_string();
+            let seq = e.seq.to_string();
+            let mut headers = OwnedHeaders::new_with_capacity(9 + e.headers.len())
+                .insert(Header { key: h::CE_ID, value: Some(id.as_str()) })
+                .insert(Header { key: h::CE_TYPE, value: Some(e.event_type.as_str()) })
+                .insert(Header { key: h::CE_SOURCE, value: Some(self.config.source.as_str()) })
+                .insert(Header { key: h::CE_TIME, value: Some(time.as_str()) })
+                .insert(Header { key: h::CE_SPECVERSION, value: Some(h::SPEC_VERSION) })
+                .insert(Header { key: h::CE_SUBJECT, value: Some(e.key.as_str()) })
+                .insert(Header { key: h::CE_SCHEMA_VERSION, value: Some(version.as_str()) })
+                .insert(Header { key: h::CE_POSTAL_SEQ, value: Some(seq.as_str()) })
+                .insert(Header { key: h::CONTENT_TYPE, value: Some(e.content_type.as_str()) });
+            for (k, v) in &e.headers {
+                headers = headers.insert(Header { key: k.as_str(), value: Some(v.as_str()) });
+            }
+            let mut record = FutureRecord::to(&e.topic)
+                .key(e.key.as_bytes())
+                .payload(e.payload.as_slice())
+                .headers(headers);
+            loop {
+                match self.producer.send_result(record) {
+                    Ok(delivery) => {
+                        pending.push(
+                            async move {
+                                match delivery.await {
+                                    Ok(Ok(_)) => Ok(()),
+                                    Ok(Err((err, _msg))) => Err(PublishError::new(classify(&err), err.to_string())),
+                                    Err(_canceled) => Err(PublishError::new(
+                                        FailureKind::Unavailable,
+                                        "producer shut down before the broker acknowledged",
+                                    )),
+                                }
+                            }
+                            .boxed(),
+                        );
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                        // The local queue is full: give librdkafka a moment to drain it.
+                        record = r;
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    Err((err, _)) => {
+                        let err = PublishError::new(classify(&err), err.to_string());
+                        pending.push(async move { Err(err) }.boxed());
+                        break;
+                    }
+                }
+            }
+        }
+        join_all(pending).boxed()
+    }
+
+    async fn flush(&self, timeout: Duration) {
+        let producer = self.producer.clone();
+        let _ = tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
+    }
+}
+
+/// Maps a Kafka error to how the relay treats it.
+pub fn classify(err: &KafkaError) -> FailureKind {
+    match err.rdkafka_error_code() {
+        Some(code) => classify_code(code),
+        None => FailureKind::Transient,
+    }
+}
+
+fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
+    use RDKafkaErrorCode::*;
+    match code {
+        MessageSizeTooLarge | InvalidMessageSize | InvalidMessage | InvalidTopic | TopicAuthorizationFailed
+        | InvalidRecord | UnsupportedForMessageFormat => {
+            FailureKind::Permanent
+        }
+        MessageTimedOut | BrokerTransportFailure | AllBrokersDown | Resolve | NetworkException
+        | RequestTimedOut | LeaderNotAvailable | NotLeaderForPartition | NotEnoughReplicas
+        | NotEnoughReplicasAfterAppend | BrokerNotAvailable | ReplicaNotAvailable | NotCoordinator
+        | CoordinatorNotAvailable | UnknownTopicOrPartition | UnknownLeaderEpoch | FencedLeaderEpoch
+        | OperationTimedOut | TimedOutQueue | QueueFull | KafkaStorageError | ThrottlingQuotaExceeded => {
+            FailureKind::Unavailable
+        }
+        _ => FailureKind::Transient,
+    }
+}

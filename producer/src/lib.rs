@@ -1,0 +1,49 @@
+//! Postal's producer half: write events into a transactional outbox in the same PostgreSQL
+//! transaction as your business rows, and run a relay that publishes them to Kafka.
+//!
+//! ```no_run
+//! use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig};
+//! use serde::Serialize;
+//!
+//! #[derive(Serialize)]
+//! struct OrderCreated { order_id: i64, total_cents: i64 }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:5432/shop").await?;
+//! postal_shared::migrate(&pool).await?;
+//!
+//! // Business row and event commit together, or not at all.
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("INSERT INTO orders (id, customer) VALUES (7, 'c-42')").execute(&mut *tx).await?;
+//! let event = NewEvent::json("orders", "c-42", "order.created", &OrderCreated { order_id: 7, total_cents: 2999 })?;
+//! let event_id = enqueue(&mut tx, event).await?;
+//! tx.commit().await?;
+//!
+//! // The relay (normally `postal relay`) publishes committed events and removes them.
+//! let transport = KafkaTransport::new(KafkaConfig::new("127.0.0.1:9092"))?;
+//! let relay = Relay::new(pool.clone(), transport, RelayConfig::default())?;
+//! relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await?;
+//! # let _ = event_id; Ok(()) }
+//! ```
+
+mod backoff;
+pub mod claim;
+pub mod complete;
+mod config;
+mod enqueue;
+mod error;
+mod event;
+mod kafka;
+mod relay;
+mod trace;
+mod transport;
+
+pub use backoff::Backoff;
+pub use config::RelayConfig;
+pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
+pub use error::Error;
+pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
+pub use kafka::{classify, KafkaConfig, KafkaTransport};
+pub use relay::{Relay, RelayStats};
+pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};
+pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};

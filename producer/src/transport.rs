@@ -1,0 +1,93 @@
+//! The destination-neutral interface the relay publishes through.
+//!
+//! A transport takes a batch of claimed events in outbox order, hands all of them to its
+//! destination without waiting for each one, and returns a future of per-event outcomes that
+//! resolves once the destination acknowledged (or refused) every event. The relay marks rows
+//! only from those outcomes. Kafka is the transport shipped today ([`crate::KafkaTransport`]);
+//! RabbitMQ or in-process task handlers implement the same trait.
+
+use std::fmt;
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use postal_shared::EventId;
+
+/// A claimed outbox row, ready to publish.
+#[derive(Clone, Debug)]
+pub struct OutboundEvent {
+    /// Outbox sequence number.
+    pub seq: i64,
+    /// The event id (unchanged across every attempt).
+    pub id: EventId,
+    /// Destination topic.
+    pub topic: String,
+    /// Event key (aggregate id).
+    pub key: String,
+    /// Event type.
+    pub event_type: String,
+    /// Payload schema version.
+    pub schema_version: i32,
+    /// When the event occurred.
+    pub occurred_at: DateTime<Utc>,
+    /// Payload content type.
+    pub content_type: String,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// User headers (including `traceparent` when captured).
+    pub headers: Vec<(String, String)>,
+    /// Failed attempts so far.
+    pub attempts: i32,
+}
+
+/// How a failed publish is treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The destination is unreachable or not ready (connection refused, timeouts, no leader).
+    /// Retried with backoff for as long as it takes; never uses up the event's attempts.
+    Unavailable,
+    /// A transient error that counts as an attempt; the event is parked after `max_attempts`.
+    Transient,
+    /// The event can never be published as it is (too large, invalid topic): parked at once.
+    Permanent,
+}
+
+/// Why one event was not published.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublishError {
+    /// How the relay treats it.
+    pub kind: FailureKind,
+    /// Human-readable reason, recorded on the row as `last_error`.
+    pub reason: String,
+}
+
+impl PublishError {
+    /// A failure of the given kind.
+    pub fn new(kind: FailureKind, reason: impl Into<String>) -> Self {
+        PublishError {
+            kind,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.reason)
+    }
+}
+
+/// A destination the relay publishes to.
+pub trait Transport: Send + Sync + 'static {
+    /// Resolves to one outcome per event of the batch, in batch order.
+    type Acks: Future<Output = Vec<Result<(), PublishError>>> + Send + 'static;
+
+    /// Hands the whole batch to the destination, in order, without waiting for
+    /// acknowledgements; returns the future of the acknowledgements.
+    fn send(&self, batch: &[OutboundEvent]) -> impl Future<Output = Self::Acks> + Send;
+
+    /// Waits (bounded) for everything handed over to be acknowledged; called on shutdown.
+    fn flush(&self, timeout: std::time::Duration) -> impl Future<Output = ()> + Send {
+        let _ = timeout;
+        async {}
+    }
+}

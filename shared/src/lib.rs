@@ -1,0 +1,26 @@
+//! Shared vocabulary of Postal: typed event ids, the event envelope's validated parts, the Kafka
+//! header names Postal writes and reads, and the embedded schema migrator.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), postal_shared::Error> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:5432/app").await?;
+//! // Creates the `postal` schema and applies Postal's migrations; a second call is a no-op.
+//! postal_shared::migrate(&pool).await?;
+//!
+//! let id = postal_shared::EventId::new(); // UUIDv7: time-ordered
+//! let topic = postal_shared::Topic::new("orders")?;
+//! assert_eq!(topic.as_str(), "orders");
+//! # let _ = id;
+//! # Ok(()) }
+//! ```
+
+mod envelope;
+mod error;
+pub mod headers;
+mod ids;
+mod migrate;
+
+pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
+pub use error::Error;
+pub use ids::EventId;
+pub use migrate::{migrate, migrator, POSTAL_SCHEMA};

@@ -1,0 +1,42 @@
+//! The embedded migrator. Postal's migrations live in the workspace's `migrations/` directory and
+//! are compiled into this crate.
+
+use sqlx::migrate::Migrator;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::Error;
+
+/// The PostgreSQL schema that holds every Postal object, including sqlx's bookkeeping table
+/// (`postal._sqlx_migrations`), so Postal never collides with an application's own migrations.
+pub const POSTAL_SCHEMA: &str = "postal";
+
+static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+
+/// The embedded migrator, for callers that want to inspect the migrations.
+/// Use [`migrate`] to apply them: it scopes the bookkeeping table to the `postal` schema.
+pub fn migrator() -> &'static Migrator {
+    &MIGRATOR
+}
+
+/// Creates the `postal` schema if needed and applies Postal's pending migrations. Running it
+/// again (or from several processes at once) is a no-op once the schema is current.
+///
+/// The migrations run on a dedicated connection whose `search_path` is `postal`, so sqlx's
+/// bookkeeping table is `postal._sqlx_migrations`, separate from the application's
+/// `public._sqlx_migrations`.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options([("search_path", POSTAL_SCHEMA)]);
+    let mut conn = PgConnection::connect_with(&options).await?;
+    sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
+        .execute(&mut conn)
+        .await?;
+    let result = MIGRATOR.run(&mut conn).await;
+    conn.close().await.ok();
+    result?;
+    tracing::debug!("postal schema is up to date");
+    Ok(())
+}
