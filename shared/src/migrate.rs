@@ -2,6 +2,7 @@
 //! are compiled into this crate.
 
 use sqlx::migrate::Migrator;
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::Error;
@@ -9,6 +10,9 @@ use crate::Error;
 /// The PostgreSQL schema that holds every Postal object, including sqlx's bookkeeping table
 /// (`postal._sqlx_migrations`), so Postal never collides with an application's own migrations.
 pub const POSTAL_SCHEMA: &str = "postal";
+
+/// Advisory lock key held while migrating (`'postalmg'` as a 64-bit integer).
+const MIGRATE_LOCK: i64 = 0x706f_7374_616c_6d67;
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
 
@@ -30,12 +34,30 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
         .as_ref()
         .clone()
         .options([("search_path", POSTAL_SCHEMA)]);
-    let mut conn = PgConnection::connect_with(&options).await?;
-    sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
-        .execute(&mut conn)
+    // Serialise concurrent migrators from the very first statement (CREATE SCHEMA IF NOT
+    // EXISTS races otherwise); the session lock goes away with its connection.
+    let mut lock = PgConnection::connect_with(&options).await?;
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(MIGRATE_LOCK)
+        .execute(&mut lock)
         .await?;
-    let result = MIGRATOR.run(&mut conn).await;
-    conn.close().await.ok();
+    let result = async {
+        sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
+            .execute(&mut lock)
+            .await?;
+        // A one-connection pool whose search_path is `postal`: sqlx's bookkeeping table
+        // lands in the `postal` schema.
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await?;
+        let run = MIGRATOR.run(&pool).await;
+        pool.close().await;
+        run?;
+        Ok::<(), Error>(())
+    }
+    .await;
+    lock.close().await.ok();
     result?;
     tracing::debug!("postal schema is up to date");
     Ok(())

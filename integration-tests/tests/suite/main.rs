@@ -1,1 +1,11 @@
-fn main() {}
+//! Postal's integration suite: one test binary, one module per scenario.
+//!
+//! Services come from `DATABASE_URL` / `KAFKA_BOOTSTRAP_SERVERS` when set, else from
+//! testcontainers (see `postal_integration_tests`). Every test takes a fresh database and
+//! unique topic names.
+
+mod common;
+mod enqueue;
+mod migrations;
+mod relay;
+mod smoke;

@@ -1,0 +1,68 @@
+//! Schema: Postal's objects and migration bookkeeping stay in the `postal` schema.
+
+use postal_integration_tests::services;
+
+static APP_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("tests/app_migrations");
+
+/// Guarantee: an application with its own sqlx migrations and Postal's migrations can run both,
+/// in either order, twice, without either seeing the other's bookkeeping.
+#[tokio::test]
+async fn app_and_postal_migrations_coexist_and_rerun_as_no_ops() {
+    let db = services().await.empty_db().await;
+    APP_MIGRATOR.run(&db.pool).await.expect("app migrations");
+    postal_shared::migrate(&db.pool).await.expect("postal migrations");
+    // Twice, in the other order: no-ops.
+    postal_shared::migrate(&db.pool).await.expect("postal migrations again");
+    APP_MIGRATOR.run(&db.pool).await.expect("app migrations again");
+
+    let app_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public._sqlx_migrations")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let postal_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM postal._sqlx_migrations")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(app_rows, 1, "public bookkeeping holds only the app's migration");
+    assert_eq!(
+        postal_rows as usize,
+        postal_shared::migrator().iter().count(),
+        "postal bookkeeping holds exactly Postal's migrations"
+    );
+    // Postal's tables are in `postal`, the app's in `public`.
+    let misplaced: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables
+         WHERE table_schema = 'public' AND table_name IN ('outbox', 'processed_events')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(misplaced, 0);
+    let pk: Vec<String> = sqlx::query_scalar(
+        "SELECT a.attname FROM pg_index i
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+         WHERE i.indrelid = 'postal.processed_events'::regclass AND i.indisprimary ORDER BY a.attname",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(pk, vec!["consumer_name".to_owned(), "event_id".to_owned()]);
+}
+
+/// Guarantee: several processes migrating at once all succeed and leave one schema.
+#[tokio::test]
+async fn concurrent_migrations_are_safe() {
+    let db = services().await.empty_db().await;
+    let runs = (0..4).map(|_| {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { postal_shared::migrate(&pool).await })
+    });
+    for r in futures::future::join_all(runs).await {
+        r.unwrap().expect("concurrent migrate");
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM postal._sqlx_migrations")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(n as usize, postal_shared::migrator().iter().count());
+}

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Local stack without Docker: a PostgreSQL 15 cluster and a tansu Kafka-protocol broker, both on
+# loopback, both kept in the project-local, git-ignored directory .stack/.
+#
+#   scripts/stack.sh up [--storage memory|sqlite]   start (harmless when already up)
+#   scripts/stack.sh down                           stop exactly what `up` started (by pid)
+#   scripts/stack.sh env                            print DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS
+#   scripts/stack.sh status                         say what runs
+#   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu if missing
+#
+# Ports: POSTAL_PG_PORT (default 55432), POSTAL_KAFKA_PORT (default 59092).
+# Storage: --storage or POSTAL_BROKER_STORAGE: memory (default; fast, for benchmarks) or
+# sqlite (durable, .stack/tansu/tansu.db; survives kill -9 and restart).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STACK="${POSTAL_STACK_DIR:-$ROOT/.stack}"
+PG_PORT="${POSTAL_PG_PORT:-55432}"
+KAFKA_PORT="${POSTAL_KAFKA_PORT:-59092}"
+STORAGE="${POSTAL_BROKER_STORAGE:-memory}"
+TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
+PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
+
+log() { echo "stack: $*" >&2; }
+die() { echo "stack: error: $*" >&2; exit 1; }
+
+tansu_bin() {
+  if [ -n "${POSTAL_TANSU_BIN:-}" ]; then echo "$POSTAL_TANSU_BIN"; return; fi
+  if command -v tansu >/dev/null 2>&1; then command -v tansu; return; fi
+  if [ -x "$HOME/.cargo/bin/tansu" ]; then echo "$HOME/.cargo/bin/tansu"; return; fi
+  echo ""
+}
+
+ensure_postgres() {
+  if [ -x "$PG_BIN/initdb" ]; then return; fi
+  log "PostgreSQL 15 binaries missing: installing the Debian package"
+  command -v apt-get >/dev/null || die "no $PG_BIN/initdb and no apt-get to install postgresql-15"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  # policy-rc.d keeps the package from starting its own cluster.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+  [ -x "$PG_BIN/initdb" ] || die "postgresql-15 installed but $PG_BIN/initdb is missing"
+}
+
+ensure_tansu() {
+  if [ -n "$(tansu_bin)" ]; then return; fi
+  log "tansu missing: cargo install tansu@$TANSU_VERSION (about 12 minutes on 2 cores, once per machine)"
+  cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql >&2 \
+    || die "cargo install tansu failed"
+}
+
+# initdb refuses to run as root, so the cluster belongs to the postgres user, who must be able to
+# reach the data directory: give every ancestor the search (x) bit for others if it lacks it.
+open_path_for_postgres() {
+  local d="$1"
+  while [ "$d" != "/" ]; do
+    if [ "$(stat -c %A "$d" | cut -c10)" != "x" ] && [ "$(stat -c %A "$d" | cut -c10)" != "t" ]; then
+      chmod o+x "$d"
+    fi
+    d="$(dirname "$d")"
+  done
+}
+
+as_postgres() {
+  if [ "$(id -u)" = "0" ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+    runuser -u postgres -- "$@"
+  else
+    "$@"
+  fi
+}
+
+pg_running() {
+  [ -f "$STACK/pg/data/postmaster.pid" ] && as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" status >/dev/null 2>&1
+}
+
+pg_up() {
+  ensure_postgres
+  mkdir -p "$STACK/pg"
+  if [ "$(id -u)" = "0" ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+    chown postgres "$STACK/pg"
+    open_path_for_postgres "$STACK/pg"
+  fi
+  if pg_running; then log "postgres already running on 127.0.0.1:$PG_PORT"; return; fi
+  if [ ! -f "$STACK/pg/data/PG_VERSION" ]; then
+    log "initdb $STACK/pg/data"
+    as_postgres "$PG_BIN/initdb" -D "$STACK/pg/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >/dev/null
+    cat >> "$STACK/pg/data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+unix_socket_directories = '$STACK/pg'
+max_connections = 300
+shared_buffers = 256MB
+max_wal_size = 2GB
+CONF
+  fi
+  log "starting postgres on 127.0.0.1:$PG_PORT"
+  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$STACK/pg/postgres.log" >&2; die "postgres did not start"; }
+}
+
+pg_down() {
+  if pg_running; then
+    log "stopping postgres"
+    as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -m fast -w stop >/dev/null
+  fi
+}
+
+tansu_pid() {
+  local f="$STACK/tansu/tansu.pid"
+  [ -f "$f" ] || return 1
+  local pid; pid="$(cat "$f")"
+  # Only a live process that is still our tansu counts.
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q tansu && echo "$pid"
+}
+
+wait_port() {
+  local port="$1" secs="$2"
+  for _ in $(seq 1 $((secs * 10))); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  return 1
+}
+
+tansu_up() {
+  ensure_tansu
+  mkdir -p "$STACK/tansu"
+  if pid="$(tansu_pid)"; then log "tansu already running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; return; fi
+  local engine
+  case "$STORAGE" in
+    memory) engine="memory://tansu/" ;;
+    sqlite) engine="sqlite://tansu.db" ;;
+    *) die "unknown storage '$STORAGE' (memory or sqlite)" ;;
+  esac
+  log "starting tansu on 127.0.0.1:$KAFKA_PORT (storage $STORAGE)"
+  (
+    cd "$STACK/tansu"
+    exec "$(tansu_bin)" broker \
+      --kafka-cluster-id postal \
+      --kafka-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+      --kafka-advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+      --storage-engine "$engine" \
+      ${POSTAL_TANSU_ARGS:-} >>"$STACK/tansu/tansu.log" 2>&1
+  ) &
+  echo $! > "$STACK/tansu/tansu.pid"
+  echo "$STORAGE" > "$STACK/tansu/storage"
+  wait_port "$KAFKA_PORT" 30 || { tail -20 "$STACK/tansu/tansu.log" >&2; die "tansu did not open port $KAFKA_PORT"; }
+}
+
+tansu_down() {
+  if pid="$(tansu_pid)"; then
+    log "stopping tansu (pid $pid)"
+    kill -TERM "$pid"
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+  fi
+  rm -f "$STACK/tansu/tansu.pid"
+}
+
+print_env() {
+  echo "export DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+  echo "export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$KAFKA_PORT"
+}
+
+cmd="${1:-}"; shift || true
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --storage) STORAGE="$2"; shift 2 ;;
+    --storage=*) STORAGE="${1#*=}"; shift ;;
+    *) die "unknown argument $1" ;;
+  esac
+done
+
+case "$cmd" in
+  up) pg_up; tansu_up; print_env ;;
+  pg-up) pg_up; print_env ;;
+  down) tansu_down; pg_down ;;
+  env) print_env ;;
+  ensure-tools) ensure_postgres; ensure_tansu ;;
+  status)
+    if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
+    if pid="$(tansu_pid)"; then echo "tansu: running (pid $pid, storage $(cat "$STACK/tansu/storage" 2>/dev/null)) on 127.0.0.1:$KAFKA_PORT"; else echo "tansu: stopped"; fi ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs every test: brings the local stack up (installing PostgreSQL 15 and tansu if missing),
+# runs the workspace's unit, integration and doc tests against it, then the testcontainers smoke
+# step when a Docker engine can run here.
+#
+#   scripts/test.sh            all of it
+#   POSTAL_SKIP_TESTCONTAINERS=1 scripts/test.sh   without the Docker step
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+step() { echo; echo "=== $* ==="; }
+
+step "local stack (PostgreSQL 15 + tansu, no Docker)"
+eval "$(bash scripts/stack.sh up)"
+export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS
+echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS"
+
+step "workspace tests against the local stack (external-services mode)"
+cargo test --workspace --all-targets --no-fail-fast
+
+step "doc tests"
+cargo test --workspace --doc
+
+if [ "${POSTAL_SKIP_TESTCONTAINERS:-0}" = "1" ]; then
+  step "testcontainers smoke test: skipped (POSTAL_SKIP_TESTCONTAINERS=1)"
+  exit 0
+fi
+step "testcontainers smoke test (local images, Docker engine)"
+rc=0
+bash scripts/testcontainers-images.sh all || rc=$?
+if [ "$rc" = "3" ]; then
+  echo "testcontainers smoke test NOT RUN: the Docker engine cannot start on this machine (see above)."
+  exit 0
+fi
+exit "$rc"
