@@ -102,6 +102,7 @@ smoke() {
 }
 
 case "${1:-all}" in
+  rootfs) rootfs >/dev/null ;;
   build) ensure_engine || exit $?; build ;;
   smoke) ensure_engine || exit $?; smoke ;;
   all) ensure_engine || exit $?; build; smoke ;;

@@ -49,7 +49,11 @@ enum Command {
 #[derive(Args, Debug)]
 struct RelayArgs {
     /// Kafka bootstrap servers.
-    #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS", default_value = "127.0.0.1:9092")]
+    #[arg(
+        long,
+        env = "KAFKA_BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
     bootstrap_servers: String,
     /// Extra librdkafka property `key=value` (repeatable; comma-separated in the env), e.g.
     /// `security.protocol=SASL_SSL`. Overrides Postal's producer defaults.
@@ -122,7 +126,10 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -142,7 +149,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate => {
             let pool = connect_now(&cli.db).await?;
-            postal_shared::migrate(&pool).await.context("applying migrations")?;
+            postal_shared::migrate(&pool)
+                .await
+                .context("applying migrations")?;
             println!("postal schema is up to date");
             Ok(())
         }

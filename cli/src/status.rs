@@ -40,14 +40,19 @@ pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());
     }
-    println!("{:<40} {:>10} {:>8} {:>14}", "TOPIC", "PENDING", "FAILED", "OLDEST (s)");
+    println!(
+        "{:<40} {:>10} {:>8} {:>14}",
+        "TOPIC", "PENDING", "FAILED", "OLDEST (s)"
+    );
     for t in &status.topics {
         println!(
             "{:<40} {:>10} {:>8} {:>14}",
             t.topic,
             t.pending,
             t.failed,
-            t.oldest_pending_age_s.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into())
+            t.oldest_pending_age_s
+                .map(|a| format!("{a:.1}"))
+                .unwrap_or_else(|| "-".into())
         );
     }
     if status.topics.is_empty() {

@@ -41,10 +41,15 @@ pub async fn wait_ready(bootstrap: &str, timeout: Duration) -> Result<(), String
             .map_err(|e| e.to_string())?;
         let deadline = Instant::now() + timeout;
         loop {
-            match producer.client().fetch_metadata(None, Duration::from_secs(2)) {
+            match producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(2))
+            {
                 Ok(_) => return Ok(()),
                 Err(e) if Instant::now() > deadline => {
-                    return Err(format!("broker at {bootstrap} unreachable after {timeout:?}: {e}"))
+                    return Err(format!(
+                        "broker at {bootstrap} unreachable after {timeout:?}: {e}"
+                    ))
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
@@ -63,14 +68,20 @@ pub fn partitions(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<i32> {
         .expect("metadata client");
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(md) = producer.client().fetch_metadata(Some(topic), Duration::from_secs(2)) {
+        if let Ok(md) = producer
+            .client()
+            .fetch_metadata(Some(topic), Duration::from_secs(2))
+        {
             if let Some(t) = md.topics().iter().find(|t| t.name() == topic) {
                 if t.error().is_none() && !t.partitions().is_empty() {
                     return t.partitions().iter().map(|p| p.id()).collect();
                 }
             }
         }
-        assert!(Instant::now() < deadline, "topic {topic} did not appear within {timeout:?}");
+        assert!(
+            Instant::now() < deadline,
+            "topic {topic} did not appear within {timeout:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -96,7 +107,8 @@ fn read_all_blocking(bootstrap: &str, topic: &str, min: usize, timeout: Duration
         .expect("reader consumer");
     let mut tpl = TopicPartitionList::new();
     for p in parts {
-        tpl.add_partition_offset(topic, p, Offset::Beginning).expect("partition");
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .expect("partition");
     }
     consumer.assign(&tpl).expect("assign");
     let deadline = Instant::now() + timeout;

@@ -54,18 +54,22 @@ pub async fn services() -> &'static Services {
 fn init_services() -> Result<Services, String> {
     init_tracing();
     let db = std::env::var("DATABASE_URL").ok().filter(|s| !s.is_empty());
-    let kafka = std::env::var("KAFKA_BOOTSTRAP_SERVERS").ok().filter(|s| !s.is_empty());
-    let services = match (db, kafka) {
-        (Some(database_url), Some(bootstrap)) => Services {
-            database_url,
-            bootstrap,
-            mode: Mode::External,
-        },
-        (None, None) => containers::start()?,
-        _ => {
-            return Err("set both DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS, or neither (testcontainers)".into())
-        }
-    };
+    let kafka = std::env::var("KAFKA_BOOTSTRAP_SERVERS")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let services =
+        match (db, kafka) {
+            (Some(database_url), Some(bootstrap)) => Services {
+                database_url,
+                bootstrap,
+                mode: Mode::External,
+            },
+            (None, None) => containers::start()?,
+            _ => return Err(
+                "set both DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS, or neither (testcontainers)"
+                    .into(),
+            ),
+        };
     // Both must answer within a bounded time.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -103,7 +107,9 @@ impl Services {
     /// Creates a new database with a unique name, applies Postal's migrations and returns it.
     pub async fn fresh_db(&self) -> TestDb {
         let db = self.empty_db().await;
-        postal_shared::migrate(&db.pool).await.expect("migrate test database");
+        postal_shared::migrate(&db.pool)
+            .await
+            .expect("migrate test database");
         db
     }
 
@@ -205,9 +211,10 @@ mod containers {
     );
 
     async fn start_containers() -> Result<(Services, Keep), String> {
-        let pg_spec = std::env::var("POSTAL_TEST_PG_IMAGE").unwrap_or_else(|_| "postgres:16".into());
-        let kafka_spec =
-            std::env::var("POSTAL_TEST_KAFKA_IMAGE").unwrap_or_else(|_| "apache/kafka:3.9.1".into());
+        let pg_spec =
+            std::env::var("POSTAL_TEST_PG_IMAGE").unwrap_or_else(|_| "postgres:16".into());
+        let kafka_spec = std::env::var("POSTAL_TEST_KAFKA_IMAGE")
+            .unwrap_or_else(|_| "apache/kafka:3.9.1".into());
 
         let (name, tag) = split_image(&pg_spec);
         let pg = GenericImage::new(name, tag)
@@ -250,8 +257,14 @@ mod containers {
             image
                 .with_env_var("KAFKA_NODE_ID", "1")
                 .with_env_var("KAFKA_PROCESS_ROLES", "broker,controller")
-                .with_env_var("KAFKA_LISTENERS", format!("PLAINTEXT://:{port},CONTROLLER://:9093"))
-                .with_env_var("KAFKA_ADVERTISED_LISTENERS", format!("PLAINTEXT://127.0.0.1:{port}"))
+                .with_env_var(
+                    "KAFKA_LISTENERS",
+                    format!("PLAINTEXT://:{port},CONTROLLER://:9093"),
+                )
+                .with_env_var(
+                    "KAFKA_ADVERTISED_LISTENERS",
+                    format!("PLAINTEXT://127.0.0.1:{port}"),
+                )
                 .with_env_var("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
                 .with_env_var(
                     "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP",

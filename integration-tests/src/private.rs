@@ -20,7 +20,14 @@ fn is_root() -> bool {
 fn pg_command(bin: &Path) -> Command {
     if is_root() {
         let mut c = Command::new("setpriv");
-        c.args(["--reuid", "postgres", "--regid", "postgres", "--init-groups"]).arg(bin);
+        c.args([
+            "--reuid",
+            "postgres",
+            "--regid",
+            "postgres",
+            "--init-groups",
+        ])
+        .arg(bin);
         c
     } else {
         Command::new(bin)
@@ -28,7 +35,8 @@ fn pg_command(bin: &Path) -> Command {
 }
 
 fn pg_bin(name: &str) -> PathBuf {
-    let dir = std::env::var("POSTAL_PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into());
+    let dir =
+        std::env::var("POSTAL_PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into());
     PathBuf::from(dir).join(name)
 }
 
@@ -45,17 +53,35 @@ impl PrivatePostgres {
         let dir = std::env::temp_dir().join(format!("postal-pg-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("pg dir");
         if is_root() {
-            let ok = Command::new("chown").arg("-R").arg("postgres").arg(&dir).status();
-            assert!(ok.map(|s| s.success()).unwrap_or(false), "chown {dir:?} to postgres");
+            let ok = Command::new("chown")
+                .arg("-R")
+                .arg("postgres")
+                .arg(&dir)
+                .status();
+            assert!(
+                ok.map(|s| s.success()).unwrap_or(false),
+                "chown {dir:?} to postgres"
+            );
         }
         let out = pg_command(&pg_bin("initdb"))
             .arg("-D")
             .arg(dir.join("data"))
-            .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"])
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+            ])
             .stdout(Stdio::null())
             .output()
             .expect("run initdb");
-        assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let mut pg = PrivatePostgres {
             dir,
             port: free_port(),
@@ -73,12 +99,20 @@ impl PrivatePostgres {
     /// (Re)starts the server and waits until it accepts connections.
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "server already running");
-        let log = std::fs::File::create(self.dir.join(format!("log-{}", uuid::Uuid::now_v7().simple())))
-            .expect("log file");
+        let log = std::fs::File::create(
+            self.dir
+                .join(format!("log-{}", uuid::Uuid::now_v7().simple())),
+        )
+        .expect("log file");
         let child = pg_command(&pg_bin("postgres"))
             .arg("-D")
             .arg(self.dir.join("data"))
-            .args(["-p", &self.port.to_string(), "-c", "listen_addresses=127.0.0.1"])
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-c",
+                "listen_addresses=127.0.0.1",
+            ])
             .arg("-k")
             .arg(&self.dir)
             .args(["-c", "max_connections=200", "-c", "fsync=on"])
@@ -96,7 +130,9 @@ impl PrivatePostgres {
     /// process) and reaps it.
     pub fn crash(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill").args(["-QUIT", &child.id().to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-QUIT", &child.id().to_string()])
+                .status();
             let _ = child.wait();
         }
     }
@@ -135,7 +171,8 @@ pub struct PrivateBroker {
 impl PrivateBroker {
     /// Starts a broker on a free port with storage in a fresh temporary directory.
     pub async fn start() -> PrivateBroker {
-        let dir = std::env::temp_dir().join(format!("postal-tansu-{}", uuid::Uuid::now_v7().simple()));
+        let dir =
+            std::env::temp_dir().join(format!("postal-tansu-{}", uuid::Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).expect("tansu dir");
         let mut b = PrivateBroker {
             dir,
@@ -189,6 +226,10 @@ impl PrivateBroker {
 impl Drop for PrivateBroker {
     fn drop(&mut self) {
         self.kill();
+        if std::env::var_os("POSTAL_TEST_KEEP").is_some() {
+            eprintln!("keeping broker directory {}", self.dir.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -26,7 +26,9 @@ where
 
 /// Waits until PostgreSQL at `url` accepts a connection.
 pub async fn ready_postgres(url: &str, timeout: Duration) -> Result<(), String> {
-    let opts: PgConnectOptions = url.parse().map_err(|e| format!("invalid DATABASE_URL: {e}"))?;
+    let opts: PgConnectOptions = url
+        .parse()
+        .map_err(|e| format!("invalid DATABASE_URL: {e}"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match opts.connect().await {

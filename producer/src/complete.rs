@@ -13,10 +13,12 @@ pub struct Failure {
     pub counts: bool,
     /// Park now (permanent failure or attempts exhausted).
     pub park: bool,
+    /// Whether the row holds back later events of its key meanwhile.
+    pub hold: bool,
     /// When to retry, from now.
     pub retry_in: Duration,
-    /// Recorded as `last_error`.
-    pub reason: String,
+    /// Recorded as `last_error` (kept unchanged when `None`).
+    pub reason: Option<String>,
 }
 
 /// In one statement: deletes (or marks published) the acknowledged rows and reschedules or
@@ -29,9 +31,13 @@ pub async fn complete(
 ) -> Result<(), sqlx::Error> {
     let seqs: Vec<i64> = failures.iter().map(|f| f.seq).collect();
     let incs: Vec<i32> = failures.iter().map(|f| i32::from(f.counts)).collect();
-    let delays: Vec<i64> = failures.iter().map(|f| f.retry_in.as_millis() as i64).collect();
+    let delays: Vec<i64> = failures
+        .iter()
+        .map(|f| f.retry_in.as_millis() as i64)
+        .collect();
     let parks: Vec<bool> = failures.iter().map(|f| f.park).collect();
-    let reasons: Vec<&str> = failures.iter().map(|f| f.reason.as_str()).collect();
+    let reasons: Vec<Option<&str>> = failures.iter().map(|f| f.reason.as_deref()).collect();
+    let holds: Vec<bool> = failures.iter().map(|f| f.hold).collect();
     let sql = if delete_on_publish {
         r#"
         WITH done AS (
@@ -41,12 +47,12 @@ pub async fn complete(
             SET attempts = o.attempts + u.inc,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
-                held = true,
-                last_error = u.reason,
+                held = u.hold,
+                last_error = coalesce(u.reason, o.last_error),
                 claimed_by = NULL,
                 locked_until = NULL
-            FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[])
-                 AS u(seq, inc, delay_ms, park, reason)
+            FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[], $7::bool[])
+                 AS u(seq, inc, delay_ms, park, reason, hold)
             WHERE o.seq = u.seq AND o.status = 'pending'
             RETURNING 1
         )
@@ -65,12 +71,12 @@ pub async fn complete(
             SET attempts = o.attempts + u.inc,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
-                held = true,
-                last_error = u.reason,
+                held = u.hold,
+                last_error = coalesce(u.reason, o.last_error),
                 claimed_by = NULL,
                 locked_until = NULL
-            FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[])
-                 AS u(seq, inc, delay_ms, park, reason)
+            FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[], $7::bool[])
+                 AS u(seq, inc, delay_ms, park, reason, hold)
             WHERE o.seq = u.seq AND o.status = 'pending'
             RETURNING 1
         )
@@ -84,6 +90,7 @@ pub async fn complete(
         .bind(&delays)
         .bind(&parks)
         .bind(&reasons)
+        .bind(&holds)
         .fetch_one(pool)
         .await?;
     Ok(())

@@ -38,7 +38,10 @@ pub async fn enqueue(conn: &mut PgConnection, event: NewEvent) -> Result<EventId
 
 /// Writes many events in one statement, in the order given (which becomes their outbox
 /// sequence order). Returns their ids in the same order.
-pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<NewEvent>) -> Result<Vec<EventId>, Error> {
+pub async fn enqueue_batch(
+    conn: &mut PgConnection,
+    events: Vec<NewEvent>,
+) -> Result<Vec<EventId>, Error> {
     if events.is_empty() {
         return Ok(Vec::new());
     }

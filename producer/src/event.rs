@@ -104,7 +104,11 @@ impl NewEvent {
 
     /// Adds a user header, copied to the Kafka record. Names Postal sets itself
     /// (`ce_*` attributes, `content-type`) are rejected.
-    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Result<Self, Error> {
+    pub fn with_header(
+        mut self,
+        name: impl Into<String>,
+        value: impl Into<String>,
+    ) -> Result<Self, Error> {
         let name = name.into();
         if name.is_empty() || headers::is_reserved(&name) {
             return Err(Error::ReservedHeader(name));

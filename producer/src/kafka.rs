@@ -1,6 +1,6 @@
 //! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -108,7 +108,10 @@ enum TopicState {
 /// (key), `ce_schemaversion`, `ce_postalseq`, `content-type`, then user headers (including
 /// `traceparent` / `tracestate`).
 pub struct KafkaTransport {
-    producer: FutureProducer,
+    producer: std::sync::RwLock<FutureProducer>,
+    /// Set when the broker answered with a fatal or unknown error: the producer (and its
+    /// idempotence state) is replaced before the next batch.
+    reset: Arc<std::sync::atomic::AtomicBool>,
     admin: AdminClient<DefaultClientContext>,
     config: KafkaConfig,
     max_message_bytes: usize,
@@ -117,7 +120,9 @@ pub struct KafkaTransport {
 
 impl std::fmt::Debug for KafkaTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaTransport").field("config", &self.config).finish()
+        f.debug_struct("KafkaTransport")
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -138,7 +143,8 @@ impl KafkaTransport {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1_000_000);
         Ok(KafkaTransport {
-            producer,
+            producer: std::sync::RwLock::new(producer),
+            reset: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             admin,
             config,
             max_message_bytes,
@@ -146,16 +152,40 @@ impl KafkaTransport {
         })
     }
 
-    /// The underlying producer (for metrics or tests).
-    pub fn producer(&self) -> &FutureProducer {
-        &self.producer
+    /// The current producer (for metrics or tests).
+    pub fn producer(&self) -> FutureProducer {
+        self.producer.read().expect("producer lock").clone()
+    }
+
+    /// Replaces the producer if the last batch left it in a fatal or unknown state: a fresh
+    /// producer gets a new idempotent producer id from the broker.
+    fn reset_if_needed(&self) {
+        if !self.reset.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        match self.config.client_config().create::<FutureProducer>() {
+            Ok(p) => {
+                let old = std::mem::replace(&mut *self.producer.write().expect("producer lock"), p);
+                // Destroying a client can block briefly: not on the async worker.
+                tokio::task::spawn_blocking(move || drop(old));
+                tracing::info!(
+                    "recreated the Kafka producer after delivery timeouts or a fatal broker error"
+                );
+            }
+            Err(e) => {
+                self.reset.store(true, std::sync::atomic::Ordering::Release);
+                tracing::warn!(error = %e, "could not recreate the Kafka producer; keeping the old one");
+            }
+        }
     }
 
     async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
         if let Some(state) = self.topics.lock().expect("topic cache").get(topic).cloned() {
             return match state {
                 TopicState::Ready => Ok(()),
-                TopicState::Missing(reason) => Err(PublishError::new(FailureKind::Permanent, reason)),
+                TopicState::Missing(reason) => {
+                    Err(PublishError::new(FailureKind::Permanent, reason))
+                }
             };
         }
         let exists = self.topic_exists(topic).await?;
@@ -180,7 +210,7 @@ impl KafkaTransport {
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let name = topic.to_owned();
         let metadata = tokio::task::spawn_blocking(move || {
             producer
@@ -198,7 +228,9 @@ impl KafkaTransport {
             Some(err) => {
                 let code = RDKafkaErrorCode::from(err);
                 match code {
-                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => Ok(false),
+                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => {
+                        Ok(false)
+                    }
                     RDKafkaErrorCode::InvalidTopic => Err(PublishError::new(
                         FailureKind::Permanent,
                         format!("invalid topic {topic:?}: {code}"),
@@ -223,11 +255,9 @@ impl KafkaTransport {
             TopicReplication::Fixed(self.config.topic_replication),
         );
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-        let results = self
-            .admin
-            .create_topics([&new], &opts)
-            .await
-            .map_err(|e| PublishError::new(classify(&e), format!("creating topic {topic:?}: {e}")))?;
+        let results = self.admin.create_topics([&new], &opts).await.map_err(|e| {
+            PublishError::new(classify(&e), format!("creating topic {topic:?}: {e}"))
+        })?;
         for r in results {
             match r {
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
@@ -245,7 +275,11 @@ impl KafkaTransport {
                 }
             }
         }
-        tracing::info!(topic, partitions = self.config.topic_partitions, "created topic");
+        tracing::info!(
+            topic,
+            partitions = self.config.topic_partitions,
+            "created topic"
+        );
         Ok(())
     }
 
@@ -269,6 +303,11 @@ impl Transport for KafkaTransport {
     type Acks = Acks;
 
     async fn send(&self, batch: &[OutboundEvent]) -> Acks {
+        self.reset_if_needed();
+        let producer = self.producer();
+        // Keys whose earlier event in this batch failed before it was sent: their later events
+        // are held back instead of overtaking it.
+        let mut blocked: HashSet<&str> = HashSet::new();
         // Resolve every distinct topic once per batch.
         let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         for e in batch {
@@ -278,10 +317,18 @@ impl Transport for KafkaTransport {
             }
         }
 
-        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> = Vec::with_capacity(batch.len());
+        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> =
+            Vec::with_capacity(batch.len());
         for e in batch {
+            if blocked.contains(e.key.as_str()) {
+                let err =
+                    PublishError::new(FailureKind::HeldBack, "an earlier event of this key failed");
+                pending.push(async move { Err(err) }.boxed());
+                continue;
+            }
             if let Err(err) = &topic_ok[e.topic.as_str()] {
                 let err = err.clone();
+                blocked.insert(e.key.as_str());
                 pending.push(async move { Err(err) }.boxed());
                 continue;
             }
@@ -294,38 +341,77 @@ impl Transport for KafkaTransport {
                         self.max_message_bytes
                     ),
                 );
+                blocked.insert(e.key.as_str());
                 pending.push(async move { Err(err) }.boxed());
                 continue;
             }
             let id = e.id.to_string();
-            let time = e.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let time = e
+                .occurred_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
             let version = e.schema_version.to_string();
             let seq = e.seq.to_string();
             let mut headers = OwnedHeaders::new_with_capacity(9 + e.headers.len())
-                .insert(Header { key: h::CE_ID, value: Some(id.as_str()) })
-                .insert(Header { key: h::CE_TYPE, value: Some(e.event_type.as_str()) })
-                .insert(Header { key: h::CE_SOURCE, value: Some(self.config.source.as_str()) })
-                .insert(Header { key: h::CE_TIME, value: Some(time.as_str()) })
-                .insert(Header { key: h::CE_SPECVERSION, value: Some(h::SPEC_VERSION) })
-                .insert(Header { key: h::CE_SUBJECT, value: Some(e.key.as_str()) })
-                .insert(Header { key: h::CE_SCHEMA_VERSION, value: Some(version.as_str()) })
-                .insert(Header { key: h::CE_POSTAL_SEQ, value: Some(seq.as_str()) })
-                .insert(Header { key: h::CONTENT_TYPE, value: Some(e.content_type.as_str()) });
+                .insert(Header {
+                    key: h::CE_ID,
+                    value: Some(id.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_TYPE,
+                    value: Some(e.event_type.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SOURCE,
+                    value: Some(self.config.source.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_TIME,
+                    value: Some(time.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SPECVERSION,
+                    value: Some(h::SPEC_VERSION),
+                })
+                .insert(Header {
+                    key: h::CE_SUBJECT,
+                    value: Some(e.key.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SCHEMA_VERSION,
+                    value: Some(version.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_POSTAL_SEQ,
+                    value: Some(seq.as_str()),
+                })
+                .insert(Header {
+                    key: h::CONTENT_TYPE,
+                    value: Some(e.content_type.as_str()),
+                });
             for (k, v) in &e.headers {
-                headers = headers.insert(Header { key: k.as_str(), value: Some(v.as_str()) });
+                headers = headers.insert(Header {
+                    key: k.as_str(),
+                    value: Some(v.as_str()),
+                });
             }
             let mut record = FutureRecord::to(&e.topic)
                 .key(e.key.as_bytes())
                 .payload(e.payload.as_slice())
                 .headers(headers);
             loop {
-                match self.producer.send_result(record) {
+                match producer.send_result(record) {
                     Ok(delivery) => {
+                        let reset = self.reset.clone();
                         pending.push(
                             async move {
                                 match delivery.await {
                                     Ok(Ok(_)) => Ok(()),
-                                    Ok(Err((err, _msg))) => Err(PublishError::new(classify(&err), err.to_string())),
+                                    Ok(Err((err, _msg))) => {
+                                        if needs_reset(&err) {
+                                            reset.store(true, std::sync::atomic::Ordering::Release);
+                                        }
+                                        Err(PublishError::new(classify(&err), err.to_string()))
+                                    }
                                     Err(_canceled) => Err(PublishError::new(
                                         FailureKind::Unavailable,
                                         "producer shut down before the broker acknowledged",
@@ -342,7 +428,11 @@ impl Transport for KafkaTransport {
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
                     Err((err, _)) => {
+                        if needs_reset(&err) {
+                            self.reset.store(true, std::sync::atomic::Ordering::Release);
+                        }
                         let err = PublishError::new(classify(&err), err.to_string());
+                        blocked.insert(e.key.as_str());
                         pending.push(async move { Err(err) }.boxed());
                         break;
                     }
@@ -353,9 +443,26 @@ impl Transport for KafkaTransport {
     }
 
     async fn flush(&self, timeout: Duration) {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let _ = tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
     }
+}
+
+/// Errors after which the producer is replaced by a fresh one before the next batch:
+/// librdkafka's fatal (idempotence) errors, a broker's unknown server error, and delivery
+/// timeouts. After a timeout librdkafka would bump the epoch of its existing producer id; a
+/// broker that restarted meanwhile may no longer know that id (tansu fails such requests), while
+/// a fresh producer simply asks for a new id.
+fn needs_reset(err: &KafkaError) -> bool {
+    matches!(
+        err.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::Fatal
+                | RDKafkaErrorCode::Unknown
+                | RDKafkaErrorCode::UnknownProducerId
+                | RDKafkaErrorCode::MessageTimedOut
+        )
+    )
 }
 
 /// Maps a Kafka error to how the relay treats it.
@@ -369,17 +476,35 @@ pub fn classify(err: &KafkaError) -> FailureKind {
 fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
     use RDKafkaErrorCode::*;
     match code {
-        MessageSizeTooLarge | InvalidMessageSize | InvalidMessage | InvalidTopic | TopicAuthorizationFailed
-        | InvalidRecord | UnsupportedForMessageFormat => {
-            FailureKind::Permanent
-        }
-        MessageTimedOut | BrokerTransportFailure | AllBrokersDown | Resolve | NetworkException
-        | RequestTimedOut | LeaderNotAvailable | NotLeaderForPartition | NotEnoughReplicas
-        | NotEnoughReplicasAfterAppend | BrokerNotAvailable | ReplicaNotAvailable | NotCoordinator
-        | CoordinatorNotAvailable | UnknownTopicOrPartition | UnknownLeaderEpoch | FencedLeaderEpoch
-        | OperationTimedOut | TimedOutQueue | QueueFull | KafkaStorageError | ThrottlingQuotaExceeded => {
-            FailureKind::Unavailable
-        }
+        MessageSizeTooLarge
+        | InvalidMessageSize
+        | InvalidMessage
+        | InvalidTopic
+        | TopicAuthorizationFailed
+        | InvalidRecord
+        | UnsupportedForMessageFormat => FailureKind::Permanent,
+        MessageTimedOut
+        | BrokerTransportFailure
+        | AllBrokersDown
+        | Resolve
+        | NetworkException
+        | RequestTimedOut
+        | LeaderNotAvailable
+        | NotLeaderForPartition
+        | NotEnoughReplicas
+        | NotEnoughReplicasAfterAppend
+        | BrokerNotAvailable
+        | ReplicaNotAvailable
+        | NotCoordinator
+        | CoordinatorNotAvailable
+        | UnknownTopicOrPartition
+        | UnknownLeaderEpoch
+        | FencedLeaderEpoch
+        | OperationTimedOut
+        | TimedOutQueue
+        | QueueFull
+        | KafkaStorageError
+        | ThrottlingQuotaExceeded => FailureKind::Unavailable,
         _ => FailureKind::Transient,
     }
 }

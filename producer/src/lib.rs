@@ -44,6 +44,6 @@ pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};
+pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
 pub use relay::{Relay, RelayStats};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};
-pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};

@@ -75,7 +75,11 @@ impl<T: Transport> Relay<T> {
         let partitions = all_partitions();
 
         let listener = self.config.listen.then(|| {
-            tokio::spawn(listen(self.pool.clone(), wake.clone(), self.config.poll_interval))
+            tokio::spawn(listen(
+                self.pool.clone(),
+                wake.clone(),
+                self.config.poll_interval,
+            ))
         });
 
         tracing::info!(relay = %self.id, batch = self.config.batch_size, "relay started");
@@ -143,7 +147,8 @@ impl<T: Transport> Relay<T> {
             };
             tokio::spawn(async move {
                 let outcomes = acks.await;
-                metrics::histogram!("postal_relay_batch_seconds").record(started.elapsed().as_secs_f64());
+                metrics::histogram!("postal_relay_batch_seconds")
+                    .record(started.elapsed().as_secs_f64());
                 ctx.record(batch, outcomes).await;
                 drop(permit);
             });
@@ -160,7 +165,8 @@ impl<T: Transport> Relay<T> {
             l.abort();
         }
         let all = self.config.max_in_flight_batches as u32;
-        let drained = tokio::time::timeout(self.config.shutdown_timeout, slots.acquire_many(all)).await;
+        let drained =
+            tokio::time::timeout(self.config.shutdown_timeout, slots.acquire_many(all)).await;
         if drained.is_err() {
             tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
         }
@@ -168,7 +174,9 @@ impl<T: Transport> Relay<T> {
         match claim::release_all(&self.pool, self.id).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(rows = n, "released rows still held by this relay"),
-            Err(e) => tracing::warn!(error = %e, "could not release held rows; they return after the lease"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not release held rows; they return after the lease")
+            }
         }
         let stats = RelayStats {
             published: counters.published.load(Ordering::Relaxed),
@@ -198,10 +206,19 @@ impl CompleteCtx {
         for (event, outcome) in batch.iter().zip(outcomes) {
             match outcome {
                 Ok(()) => published.push(event.seq),
+                Err(err) if err.kind == FailureKind::HeldBack => failures.push(Failure {
+                    seq: event.seq,
+                    counts: false,
+                    park: false,
+                    hold: false,
+                    retry_in: Duration::ZERO,
+                    reason: None,
+                }),
                 Err(err) => {
                     let counts = err.kind != FailureKind::Unavailable;
                     let attempts = event.attempts + i32::from(counts);
-                    let park = err.kind == FailureKind::Permanent || attempts >= self.config.max_attempts;
+                    let park =
+                        err.kind == FailureKind::Permanent || attempts >= self.config.max_attempts;
                     let retry_in = match err.kind {
                         FailureKind::Unavailable => {
                             any_unavailable = true;
@@ -218,8 +235,9 @@ impl CompleteCtx {
                         seq: event.seq,
                         counts,
                         park,
+                        hold: true,
                         retry_in,
-                        reason: err.reason,
+                        reason: Some(err.reason),
                     });
                 }
             }
@@ -227,7 +245,7 @@ impl CompleteCtx {
         if any_unavailable {
             let n = self.unavailable_streak.fetch_add(1, Ordering::Relaxed);
             let wait = self.config.backoff.delay(n).max(Duration::from_millis(200));
-            tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().find(|f| !f.counts).map(|f| f.reason.as_str()).unwrap_or(""), "destination unavailable; pausing the relay");
+            tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().find(|f| !f.counts).and_then(|f| f.reason.as_deref()).unwrap_or(""), "destination unavailable; pausing the relay");
             *self.paused_until.lock().expect("pause lock") = Some(Instant::now() + wait);
         } else if !published.is_empty() {
             self.unavailable_streak.store(0, Ordering::Relaxed);
@@ -237,10 +255,21 @@ impl CompleteCtx {
         // the rows stay leased and are republished after the lease: duplicates, never loss.
         let mut attempt = 0u32;
         loop {
-            match complete::complete(&self.pool, &published, &failures, self.config.delete_on_publish).await {
+            match complete::complete(
+                &self.pool,
+                &published,
+                &failures,
+                self.config.delete_on_publish,
+            )
+            .await
+            {
                 Ok(()) => break,
                 Err(e) => {
-                    let wait = self.config.backoff.delay(attempt).max(Duration::from_millis(100));
+                    let wait = self
+                        .config
+                        .backoff
+                        .delay(attempt)
+                        .max(Duration::from_millis(100));
                     attempt += 1;
                     tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "recording published batch failed; retrying");
                     if attempt > 3 {
@@ -260,7 +289,9 @@ impl CompleteCtx {
         }
         let parked = failures.iter().filter(|f| f.park).count() as u64;
         let retried = failures.len() as u64 - parked;
-        self.counters.published.fetch_add(published.len() as u64, Ordering::Relaxed);
+        self.counters
+            .published
+            .fetch_add(published.len() as u64, Ordering::Relaxed);
         self.counters.parked.fetch_add(parked, Ordering::Relaxed);
         self.counters.retried.fetch_add(retried, Ordering::Relaxed);
         metrics::counter!("postal_relay_published_total").increment(published.len() as u64);

@@ -9,7 +9,9 @@ use crate::Error;
 /// The identity of one event, assigned once when it is enqueued and carried unchanged through
 /// the outbox, every publish attempt and the consumer's dedup table. A UUIDv7, so ids sort by
 /// creation time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, sqlx::Type)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, sqlx::Type,
+)]
 #[serde(transparent)]
 #[sqlx(transparent)]
 pub struct EventId(Uuid);
@@ -24,7 +26,10 @@ impl EventId {
     /// The nil UUID is rejected: it cannot identify an event.
     pub fn from_uuid(id: Uuid) -> Result<Self, Error> {
         if id.is_nil() {
-            return Err(Error::invalid("event id", "the nil UUID is not an event id"));
+            return Err(Error::invalid(
+                "event id",
+                "the nil UUID is not an event id",
+            ));
         }
         Ok(EventId(id))
     }

@@ -16,8 +16,12 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter("warn").init();
     let db = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let bootstrap = std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
-    let n: usize = std::env::var("ROUNDTRIP_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let bootstrap =
+        std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
+    let n: usize = std::env::var("ROUNDTRIP_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
 
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(5))
@@ -25,9 +29,11 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("cannot reach PostgreSQL")?;
     postal_shared::migrate(&pool).await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS roundtrip_orders (id uuid PRIMARY KEY, customer text NOT NULL)")
-        .execute(&pool)
-        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS roundtrip_orders (id uuid PRIMARY KEY, customer text NOT NULL)",
+    )
+    .execute(&pool)
+    .await?;
     let topic = format!("roundtrip-{}", uuid::Uuid::now_v7().simple());
 
     println!("writing {n} orders, each with its order.created event in the same transaction…");
@@ -53,7 +59,11 @@ async fn main() -> anyhow::Result<()> {
 
     println!("relaying to Kafka at {bootstrap} (topic {topic})…");
     let started = Instant::now();
-    let relay = Relay::new(pool.clone(), KafkaTransport::new(KafkaConfig::new(&bootstrap))?, RelayConfig::default())?;
+    let relay = Relay::new(
+        pool.clone(),
+        KafkaTransport::new(KafkaConfig::new(&bootstrap))?,
+        RelayConfig::default(),
+    )?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let relay_task = tokio::spawn(relay.run(async move {
         let _ = stop_rx.await;
@@ -88,14 +98,21 @@ async fn main() -> anyhow::Result<()> {
 fn read_ids(bootstrap: &str, topic: &str, want: usize) -> anyhow::Result<BTreeSet<String>> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", format!("roundtrip-reader-{}", uuid::Uuid::now_v7().simple()))
+        .set(
+            "group.id",
+            format!("roundtrip-reader-{}", uuid::Uuid::now_v7().simple()),
+        )
         .set("enable.auto.commit", "false")
         .create()?;
     let deadline = Instant::now() + Duration::from_secs(120);
     // Wait for the relay to create the topic, then read every partition from the start.
     let parts = loop {
         let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(5))?;
-        if let Some(t) = md.topics().iter().find(|t| t.name() == topic && t.error().is_none()) {
+        if let Some(t) = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic && t.error().is_none())
+        {
             if !t.partitions().is_empty() {
                 break t.partitions().iter().map(|p| p.id()).collect::<Vec<_>>();
             }
@@ -119,14 +136,19 @@ fn read_ids(bootstrap: &str, topic: &str, want: usize) -> anyhow::Result<BTreeSe
             if let Some(h) = m.headers() {
                 for hd in h.iter() {
                     if hd.key == "ce_id" {
-                        ids.insert(String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned());
+                        ids.insert(
+                            String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                        );
                     }
                 }
             }
         }
     }
     if records != ids.len() {
-        bail!("{records} records carried only {} distinct ids: duplicates", ids.len());
+        bail!(
+            "{records} records carried only {} distinct ids: duplicates",
+            ids.len()
+        );
     }
     Ok(ids)
 }

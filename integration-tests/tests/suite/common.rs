@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postal_producer::{
-    FailureKind, KafkaConfig, KafkaTransport, OutboundEvent, PublishError, Relay, RelayConfig, RelayStats,
-    Transport,
+    FailureKind, KafkaConfig, KafkaTransport, OutboundEvent, PublishError, Relay, RelayConfig,
+    RelayStats, Transport,
 };
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -69,7 +69,10 @@ pub fn fast_config() -> RelayConfig {
 
 /// Rows in the outbox.
 pub async fn outbox_count(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM postal.outbox").fetch_one(pool).await.expect("count")
+    sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(pool)
+        .await
+        .expect("count")
 }
 
 /// Counts failures by kind as they pass through a wrapped transport.

@@ -7,15 +7,30 @@ use postal_producer::{enqueue, enqueue_batch, ContentType, EventId, NewEvent};
 #[tokio::test]
 async fn rollback_leaves_neither_row_nor_event() {
     let db = services().await.fresh_db().await;
-    sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY)").execute(&db.pool).await.unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES (1)").execute(&mut *tx).await.unwrap();
-    enqueue(&mut tx, NewEvent::json("orders", "1", "order.created", &1).unwrap())
+    sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY)")
+        .execute(&db.pool)
         .await
         .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    enqueue(
+        &mut tx,
+        NewEvent::json("orders", "1", "order.created", &1).unwrap(),
+    )
+    .await
+    .unwrap();
     tx.rollback().await.unwrap();
-    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders").fetch_one(&db.pool).await.unwrap();
-    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox").fetch_one(&db.pool).await.unwrap();
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!((orders, events), (0, 0));
 }
 
@@ -25,10 +40,15 @@ async fn batch_enqueue_keeps_order_and_fields() {
     let db = services().await.fresh_db().await;
     let events: Vec<NewEvent> = (0..100)
         .map(|i| {
-            NewEvent::json("t", format!("k{}", i % 7), "thing.happened", &serde_json::json!({"i": i}))
-                .unwrap()
-                .with_header("x-tenant", "acme")
-                .unwrap()
+            NewEvent::json(
+                "t",
+                format!("k{}", i % 7),
+                "thing.happened",
+                &serde_json::json!({"i": i}),
+            )
+            .unwrap()
+            .with_header("x-tenant", "acme")
+            .unwrap()
         })
         .collect();
     let mut conn = db.pool.acquire().await.unwrap();
@@ -53,23 +73,53 @@ async fn duplicate_event_id_is_rejected() {
     let db = services().await.fresh_db().await;
     let id = EventId::new();
     let mut conn = db.pool.acquire().await.unwrap();
-    enqueue(&mut conn, NewEvent::json("t", "k", "e", &1).unwrap().with_id(id)).await.unwrap();
-    let err = enqueue(&mut conn, NewEvent::json("t", "k", "e", &2).unwrap().with_id(id))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, postal_producer::Error::DuplicateEventId), "{err}");
+    enqueue(
+        &mut conn,
+        NewEvent::json("t", "k", "e", &1).unwrap().with_id(id),
+    )
+    .await
+    .unwrap();
+    let err = enqueue(
+        &mut conn,
+        NewEvent::json("t", "k", "e", &2).unwrap().with_id(id),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, postal_producer::Error::DuplicateEventId),
+        "{err}"
+    );
 }
 
 /// Guarantee: bad input is refused at the call with a reason, before touching the database.
 #[tokio::test]
 async fn invalid_envelopes_fail_at_the_call() {
-    assert!(NewEvent::json("bad topic", "k", "e", &1).unwrap_err().to_string().contains("topic"));
-    assert!(NewEvent::json("t", "", "e", &1).unwrap_err().to_string().contains("key"));
-    assert!(NewEvent::json("t", "k", "", &1).unwrap_err().to_string().contains("event type"));
+    assert!(NewEvent::json("bad topic", "k", "e", &1)
+        .unwrap_err()
+        .to_string()
+        .contains("topic"));
+    assert!(NewEvent::json("t", "", "e", &1)
+        .unwrap_err()
+        .to_string()
+        .contains("key"));
+    assert!(NewEvent::json("t", "k", "", &1)
+        .unwrap_err()
+        .to_string()
+        .contains("event type"));
     let big = vec![0u8; postal_producer::MAX_PAYLOAD_BYTES + 1];
-    let err = NewEvent::bytes("t", "k", "e", ContentType::new("application/octet-stream").unwrap(), big).unwrap_err();
+    let err = NewEvent::bytes(
+        "t",
+        "k",
+        "e",
+        ContentType::new("application/octet-stream").unwrap(),
+        big,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("exceeds"), "{err}");
-    let err = NewEvent::json("t", "k", "e", &1).unwrap().with_header("ce_id", "x").unwrap_err();
+    let err = NewEvent::json("t", "k", "e", &1)
+        .unwrap()
+        .with_header("ce_id", "x")
+        .unwrap_err();
     assert!(err.to_string().contains("reserved"), "{err}");
 }
 
@@ -100,17 +150,25 @@ async fn sql_enqueue_function() {
             .unwrap();
     assert_eq!(rows[0].0, id);
     assert_eq!(rows[0].1, "application/json");
-    assert_eq!(serde_json::from_slice::<serde_json::Value>(&rows[0].2).unwrap()["order"], 1);
-    assert_eq!(rows[1], (bytes_id, "application/x-protobuf".to_owned(), vec![1u8, 2]));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&rows[0].2).unwrap()["order"],
+        1
+    );
+    assert_eq!(
+        rows[1],
+        (bytes_id, "application/x-protobuf".to_owned(), vec![1u8, 2])
+    );
 
     let err = sqlx::query("SELECT postal.enqueue('bad topic', 'k', 'e', '{}'::jsonb)")
         .execute(&db.pool)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("invalid topic"), "{err}");
-    let err = sqlx::query("SELECT postal.enqueue('t', 'k', 'e', '{}'::jsonb, '{\"ce_id\": \"x\"}'::jsonb)")
-        .execute(&db.pool)
-        .await
-        .unwrap_err();
+    let err = sqlx::query(
+        "SELECT postal.enqueue('t', 'k', 'e', '{}'::jsonb, '{\"ce_id\": \"x\"}'::jsonb)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap_err();
     assert!(err.to_string().contains("reserved"), "{err}");
 }

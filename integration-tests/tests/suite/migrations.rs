@@ -10,10 +10,17 @@ static APP_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("tests/app_migrati
 async fn app_and_postal_migrations_coexist_and_rerun_as_no_ops() {
     let db = services().await.empty_db().await;
     APP_MIGRATOR.run(&db.pool).await.expect("app migrations");
-    postal_shared::migrate(&db.pool).await.expect("postal migrations");
+    postal_shared::migrate(&db.pool)
+        .await
+        .expect("postal migrations");
     // Twice, in the other order: no-ops.
-    postal_shared::migrate(&db.pool).await.expect("postal migrations again");
-    APP_MIGRATOR.run(&db.pool).await.expect("app migrations again");
+    postal_shared::migrate(&db.pool)
+        .await
+        .expect("postal migrations again");
+    APP_MIGRATOR
+        .run(&db.pool)
+        .await
+        .expect("app migrations again");
 
     let app_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM public._sqlx_migrations")
         .fetch_one(&db.pool)
@@ -23,7 +30,10 @@ async fn app_and_postal_migrations_coexist_and_rerun_as_no_ops() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(app_rows, 1, "public bookkeeping holds only the app's migration");
+    assert_eq!(
+        app_rows, 1,
+        "public bookkeeping holds only the app's migration"
+    );
     assert_eq!(
         postal_rows as usize,
         postal_shared::migrator().iter().count(),

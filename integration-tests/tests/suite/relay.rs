@@ -6,10 +6,15 @@ use std::time::Duration;
 
 use postal_integration_tests::private::PrivateBroker;
 use postal_integration_tests::{kafka, services, unique, wait};
-use postal_producer::{claim, enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, RelayConfig, Transport};
+use postal_producer::{
+    claim, enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, RelayConfig,
+    Transport,
+};
 use sqlx::PgPool;
 
-use crate::common::{fast_config, kafka_transport, outbox_count, Counting, FailureCounts, RunningRelay};
+use crate::common::{
+    fast_config, kafka_transport, outbox_count, Counting, FailureCounts, RunningRelay,
+};
 
 async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> BTreeSet<String> {
     let mut ids = BTreeSet::new();
@@ -17,7 +22,15 @@ async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> BTreeSet<Str
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let events = chunk
             .iter()
-            .map(|i| NewEvent::json(topic, format!("k{}", i % keys), "e", &serde_json::json!({"i": i})).unwrap())
+            .map(|i| {
+                NewEvent::json(
+                    topic,
+                    format!("k{}", i % keys),
+                    "e",
+                    &serde_json::json!({"i": i}),
+                )
+                .unwrap()
+            })
             .collect();
         for id in enqueue_batch(&mut conn, events).await.unwrap() {
             ids.insert(id.to_string());
@@ -29,7 +42,8 @@ async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> BTreeSet<Str
 fn id_counts(records: &[kafka::Record]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for r in records {
-        *m.entry(r.header("ce_id").unwrap_or_default().to_owned()).or_insert(0) += 1;
+        *m.entry(r.header("ce_id").unwrap_or_default().to_owned())
+            .or_insert(0) += 1;
     }
     m
 }
@@ -41,7 +55,10 @@ fn id_counts(records: &[kafka::Record]) -> BTreeMap<String, usize> {
 async fn dual_write_gap_demonstrated_then_closed() {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY)").execute(&db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let topic = unique("gap");
 
     // The naive way: publish, then the transaction fails.
@@ -49,7 +66,10 @@ async fn dual_write_gap_demonstrated_then_closed() {
     let ghost = NewEvent::json(topic.as_str(), "1", "order.created", &1).unwrap();
     let ghost_id = ghost.id().to_string();
     let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES (1)").execute(&mut *tx).await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
     let out = postal_producer::OutboundEvent {
         seq: 0,
         id: ghost.id(),
@@ -67,17 +87,38 @@ async fn dual_write_gap_demonstrated_then_closed() {
     assert!(acks[0].is_ok());
     tx.rollback().await.unwrap(); // the order never existed…
     let records = kafka::read_all(&svc.bootstrap, &topic, 1, Duration::from_secs(30)).await;
-    assert!(records.iter().any(|r| r.header("ce_id") == Some(ghost_id.as_str())), "…but its event is out: the gap");
+    assert!(
+        records
+            .iter()
+            .any(|r| r.header("ce_id") == Some(ghost_id.as_str())),
+        "…but its event is out: the gap"
+    );
 
     // Through the outbox: the rolled-back event never leaves; the committed one does.
     let topic2 = unique("gap-closed");
     let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES (2)").execute(&mut *tx).await.unwrap();
-    let lost = enqueue(&mut tx, NewEvent::json(topic2.as_str(), "2", "order.created", &2).unwrap()).await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES (2)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let lost = enqueue(
+        &mut tx,
+        NewEvent::json(topic2.as_str(), "2", "order.created", &2).unwrap(),
+    )
+    .await
+    .unwrap();
     tx.rollback().await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO orders VALUES (3)").execute(&mut *tx).await.unwrap();
-    let kept = enqueue(&mut tx, NewEvent::json(topic2.as_str(), "3", "order.created", &3).unwrap()).await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES (3)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let kept = enqueue(
+        &mut tx,
+        NewEvent::json(topic2.as_str(), "3", "order.created", &3).unwrap(),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic2, 1, Duration::from_secs(30)).await;
@@ -104,7 +145,10 @@ async fn concurrent_relays_never_double_publish() {
             RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg)
         })
         .collect();
-    wait::until(Duration::from_secs(60), "outbox drained", || async { outbox_count(&db.pool).await == 0 }).await;
+    wait::until(Duration::from_secs(60), "outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
     let mut total = 0;
     for r in relays {
         total += r.stop().await.published;
@@ -126,9 +170,15 @@ async fn crash_between_publish_and_mark_republishes_same_ids() {
     let ids = seed(&db.pool, &topic, 200, 20).await;
     // The "crashed" relay: claims with a short lease, publishes, never marks.
     let crashed = uuid::Uuid::now_v7();
-    let batch = claim::claim(&db.pool, crashed, &claim::all_partitions(), 1000, Duration::from_secs(2))
-        .await
-        .unwrap();
+    let batch = claim::claim(
+        &db.pool,
+        crashed,
+        &claim::all_partitions(),
+        1000,
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
     assert_eq!(batch.len(), 200);
     let transport = kafka_transport(&svc.bootstrap);
     let acks = transport.send(&batch).await.await;
@@ -136,12 +186,22 @@ async fn crash_between_publish_and_mark_republishes_same_ids() {
     drop(transport);
     // A healthy relay takes over once the lease runs out.
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
-    wait::until(Duration::from_secs(30), "outbox drained", || async { outbox_count(&db.pool).await == 0 }).await;
+    wait::until(Duration::from_secs(30), "outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
     relay.stop().await;
     let records = kafka::read_all(&svc.bootstrap, &topic, 400, Duration::from_secs(30)).await;
     let counts = id_counts(&records);
-    assert_eq!(counts.keys().cloned().collect::<BTreeSet<_>>(), ids, "nothing lost");
-    assert!(counts.values().all(|&c| c == 2), "each republished once, under the same id");
+    assert_eq!(
+        counts.keys().cloned().collect::<BTreeSet<_>>(),
+        ids,
+        "nothing lost"
+    );
+    assert!(
+        counts.values().all(|&c| c == 2),
+        "each republished once, under the same id"
+    );
 }
 
 /// Guarantee: an event too large for the broker is parked as failed with its reason; other
@@ -154,33 +214,55 @@ async fn oversized_event_is_parked_and_holds_only_its_key() {
     let mut conn = db.pool.acquire().await.unwrap();
     let big = enqueue(
         &mut conn,
-        NewEvent::bytes(topic.as_str(), "big-key", "e", ContentType::new("application/octet-stream").unwrap(), vec![7u8; 2_000_000])
-            .unwrap(),
+        NewEvent::bytes(
+            topic.as_str(),
+            "big-key",
+            "e",
+            ContentType::new("application/octet-stream").unwrap(),
+            vec![7u8; 2_000_000],
+        )
+        .unwrap(),
     )
     .await
     .unwrap();
-    let behind = enqueue(&mut conn, NewEvent::json(topic.as_str(), "big-key", "e", &"after").unwrap()).await.unwrap();
+    let behind = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "big-key", "e", &"after").unwrap(),
+    )
+    .await
+    .unwrap();
     let others = seed(&db.pool, &topic, 50, 5).await;
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic, 50, Duration::from_secs(30)).await;
-    let seen: BTreeSet<String> = records.iter().filter_map(|r| r.header("ce_id").map(str::to_owned)).collect();
-    assert_eq!(seen, others, "other keys flowed; the parked key's later event did not");
+    let seen: BTreeSet<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
+    assert_eq!(
+        seen, others,
+        "other keys flowed; the parked key's later event did not"
+    );
     wait::until(Duration::from_secs(10), "big event parked", || async {
-        let s: Option<String> = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
-            .bind(big.as_uuid())
-            .fetch_optional(&db.pool)
-            .await
-            .unwrap();
+        let s: Option<String> =
+            sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+                .bind(big.as_uuid())
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
         s.as_deref() == Some("failed")
     })
     .await;
     relay.stop().await;
-    let (err,): (Option<String>,) = sqlx::query_as("SELECT last_error FROM postal.outbox WHERE event_id = $1")
-        .bind(big.as_uuid())
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert!(err.unwrap_or_default().contains("exceeds"), "the reason is recorded");
+    let (err,): (Option<String>,) =
+        sqlx::query_as("SELECT last_error FROM postal.outbox WHERE event_id = $1")
+            .bind(big.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(
+        err.unwrap_or_default().contains("exceeds"),
+        "the reason is recorded"
+    );
     let status: String = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
         .bind(behind.as_uuid())
         .fetch_one(&db.pool)
@@ -197,7 +279,12 @@ async fn missing_topic_without_creation_is_parked() {
     let db = svc.fresh_db().await;
     let topic = unique("missing");
     let mut conn = db.pool.acquire().await.unwrap();
-    let id = enqueue(&mut conn, NewEvent::json(topic.as_str(), "k", "e", &1).unwrap()).await.unwrap();
+    let id = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "e", &1).unwrap(),
+    )
+    .await
+    .unwrap();
     let mut cfg = KafkaConfig::new(&svc.bootstrap);
     cfg.create_topics = false;
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), fast_config());
@@ -211,12 +298,16 @@ async fn missing_topic_without_creation_is_parked() {
     })
     .await;
     relay.stop().await;
-    let err: String = sqlx::query_scalar("SELECT last_error FROM postal.outbox WHERE event_id = $1")
-        .bind(id.as_uuid())
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert!(err.contains("does not exist") && err.contains("creation is disabled"), "{err}");
+    let err: String =
+        sqlx::query_scalar("SELECT last_error FROM postal.outbox WHERE event_id = $1")
+            .bind(id.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(
+        err.contains("does not exist") && err.contains("creation is disabled"),
+        "{err}"
+    );
 }
 
 /// Guarantee: a broker outage longer than every retry budget parks nothing; when the broker
@@ -232,8 +323,10 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
     let counts = FailureCounts::default();
     let mut kcfg = KafkaConfig::new(broker.bootstrap());
     kcfg.topic_partitions = 2;
-    kcfg.properties.insert("message.timeout.ms".into(), "1500".into());
-    kcfg.properties.insert("reconnect.backoff.max.ms".into(), "200".into());
+    kcfg.properties
+        .insert("message.timeout.ms".into(), "1500".into());
+    kcfg.properties
+        .insert("reconnect.backoff.max.ms".into(), "200".into());
     let transport = Counting {
         inner: KafkaTransport::new(kcfg).unwrap(),
         counts: counts.clone(),
@@ -247,32 +340,47 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
         ..fast_config()
     };
     let relay = RunningRelay::start(&db.pool, transport, cfg);
-    wait::until(Duration::from_secs(30), "first event published", || async { outbox_count(&db.pool).await == 0 }).await;
+    wait::until(Duration::from_secs(30), "first event published", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
 
     broker.kill();
     let mut ids = seed(&db.pool, &topic, 300, 10).await;
     ids.extend(first);
     // Far more failed rounds than max_attempts (2) would allow if outages counted.
-    wait::until(Duration::from_secs(60), "many failed rounds during the outage", || async {
-        counts.unavailable.load(Ordering::Relaxed) >= 300 * 5
-    })
+    wait::until(
+        Duration::from_secs(60),
+        "many failed rounds during the outage",
+        || async { counts.unavailable.load(Ordering::Relaxed) >= 300 * 5 },
+    )
     .await;
-    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'failed'")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let parked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'failed'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(parked, 0, "an outage parks nothing");
 
     broker.restart().await;
-    wait::until(Duration::from_secs(90), "backlog drained after the broker returned", || async {
-        outbox_count(&db.pool).await == 0
-    })
+    wait::until(
+        Duration::from_secs(90),
+        "backlog drained after the broker returned",
+        || async { outbox_count(&db.pool).await == 0 },
+    )
     .await;
     relay.stop().await;
     let records = kafka::read_all(&broker.bootstrap(), &topic, 301, Duration::from_secs(30)).await;
-    let seen: BTreeSet<String> = records.iter().filter_map(|r| r.header("ce_id").map(str::to_owned)).collect();
+    let seen: BTreeSet<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
     assert_eq!(seen, ids, "everything arrived");
-    assert_eq!(counts.other.load(Ordering::Relaxed), 0, "no failure was counted against an event");
+    assert_eq!(
+        counts.other.load(Ordering::Relaxed),
+        0,
+        "no failure was counted against an event"
+    );
 }
 
 /// Guarantee: graceful shutdown mid-drain leaves no row claimed, and every event is either
@@ -284,26 +392,37 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
     let topic = unique("shutdown");
     let ids = seed(&db.pool, &topic, 20_000, 100).await;
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
-    wait::until(Duration::from_secs(60), "relay under way", || async { outbox_count(&db.pool).await < 20_000 }).await;
+    wait::until(Duration::from_secs(60), "relay under way", || async {
+        outbox_count(&db.pool).await < 20_000
+    })
+    .await;
     relay.stop().await;
     let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE claimed_by IS NOT NULL OR locked_until IS NOT NULL")
         .fetch_one(&db.pool)
         .await
         .unwrap();
     assert_eq!(claimed, 0, "no claimed-but-unpublished rows");
-    let pending: BTreeSet<String> = sqlx::query_scalar::<_, uuid::Uuid>("SELECT event_id FROM postal.outbox")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|u| u.to_string())
-        .collect();
+    let pending: BTreeSet<String> =
+        sqlx::query_scalar::<_, uuid::Uuid>("SELECT event_id FROM postal.outbox")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|u| u.to_string())
+            .collect();
     let published_n = 20_000 - pending.len();
-    let records = kafka::read_all(&svc.bootstrap, &topic, published_n, Duration::from_secs(60)).await;
-    let published: BTreeSet<String> = records.iter().filter_map(|r| r.header("ce_id").map(str::to_owned)).collect();
+    let records =
+        kafka::read_all(&svc.bootstrap, &topic, published_n, Duration::from_secs(60)).await;
+    let published: BTreeSet<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
     let union: BTreeSet<String> = published.union(&pending).cloned().collect();
     assert_eq!(union, ids, "every event is published or still pending");
-    assert!(published.intersection(&pending).count() == 0, "deleted rows are exactly the published ones");
+    assert!(
+        published.intersection(&pending).count() == 0,
+        "deleted rows are exactly the published ones"
+    );
 }
 
 /// Guarantee: a bytes payload keeps its exact bytes and content type through Kafka.
@@ -316,9 +435,15 @@ async fn bytes_payload_round_trips_with_content_type() {
     let mut conn = db.pool.acquire().await.unwrap();
     enqueue(
         &mut conn,
-        NewEvent::bytes(topic.as_str(), "k", "blob.stored", ContentType::new("application/x-protobuf").unwrap(), payload.clone())
-            .unwrap()
-            .with_schema_version(postal_producer::SchemaVersion::new(3).unwrap()),
+        NewEvent::bytes(
+            topic.as_str(),
+            "k",
+            "blob.stored",
+            ContentType::new("application/x-protobuf").unwrap(),
+            payload.clone(),
+        )
+        .unwrap()
+        .with_schema_version(postal_producer::SchemaVersion::new(3).unwrap()),
     )
     .await
     .unwrap();
@@ -327,7 +452,10 @@ async fn bytes_payload_round_trips_with_content_type() {
     relay.stop().await;
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].payload, payload);
-    assert_eq!(records[0].header("content-type"), Some("application/x-protobuf"));
+    assert_eq!(
+        records[0].header("content-type"),
+        Some("application/x-protobuf")
+    );
     assert_eq!(records[0].header("ce_schemaversion"), Some("3"));
 }
 
@@ -340,15 +468,32 @@ async fn scheduled_event_waits_and_holds_its_key() {
     let topic = unique("scheduled");
     let mut conn = db.pool.acquire().await.unwrap();
     let at = chrono::Utc::now() + chrono::Duration::seconds(2);
-    let later = enqueue(&mut conn, NewEvent::json(topic.as_str(), "k", "e", &1).unwrap().deliver_at(at)).await.unwrap();
-    let behind = enqueue(&mut conn, NewEvent::json(topic.as_str(), "k", "e", &2).unwrap()).await.unwrap();
+    let later = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "e", &1)
+            .unwrap()
+            .deliver_at(at),
+    )
+    .await
+    .unwrap();
+    let behind = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "e", &2).unwrap(),
+    )
+    .await
+    .unwrap();
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic, 2, Duration::from_secs(30)).await;
     relay.stop().await;
     let order: Vec<&str> = records.iter().filter_map(|r| r.header("ce_id")).collect();
-    assert_eq!(order, vec![later.to_string().as_str(), behind.to_string().as_str()], "key order kept");
-    let time: chrono::DateTime<chrono::Utc> = chrono::DateTime::parse_from_rfc3339(records[0].header("ce_time").unwrap())
-        .unwrap()
-        .into();
+    assert_eq!(
+        order,
+        vec![later.to_string().as_str(), behind.to_string().as_str()],
+        "key order kept"
+    );
+    let time: chrono::DateTime<chrono::Utc> =
+        chrono::DateTime::parse_from_rfc3339(records[0].header("ce_time").unwrap())
+            .unwrap()
+            .into();
     assert!(time <= at);
 }

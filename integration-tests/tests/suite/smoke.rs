@@ -15,7 +15,11 @@ async fn smoke_round_trip() {
     let svc = services().await;
     eprintln!("smoke test services mode: {:?}", svc.mode);
     if std::env::var("POSTAL_EXPECT_MODE").as_deref() == Ok("testcontainers") {
-        assert_eq!(svc.mode, Mode::Testcontainers, "this run must use testcontainers");
+        assert_eq!(
+            svc.mode,
+            Mode::Testcontainers,
+            "this run must use testcontainers"
+        );
     }
     let db = svc.fresh_db().await;
     sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY, customer text NOT NULL)")
@@ -33,15 +37,23 @@ async fn smoke_round_trip() {
             .execute(&mut *tx)
             .await
             .unwrap();
-        let ev = NewEvent::json(topic.as_str(), customer.as_str(), "order.created", &serde_json::json!({"order": i}))
-            .unwrap();
+        let ev = NewEvent::json(
+            topic.as_str(),
+            customer.as_str(),
+            "order.created",
+            &serde_json::json!({"order": i}),
+        )
+        .unwrap();
         ids.insert(enqueue(&mut tx, ev).await.unwrap().to_string());
     }
     tx.commit().await.unwrap();
 
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic, 10, Duration::from_secs(60)).await;
-    let seen: BTreeSet<String> = records.iter().filter_map(|r| r.header("ce_id").map(str::to_owned)).collect();
+    let seen: BTreeSet<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
     assert_eq!(seen, ids, "every committed event arrives, with its id");
     for r in &records {
         assert_eq!(r.header("ce_type"), Some("order.created"));
@@ -51,7 +63,10 @@ async fn smoke_round_trip() {
         let body: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
         assert!(body["order"].is_i64());
     }
-    wait::until(Duration::from_secs(30), "outbox drained", || async { outbox_count(&db.pool).await == 0 }).await;
+    wait::until(Duration::from_secs(30), "outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
     let stats = relay.stop().await;
     assert_eq!(stats.published, 10);
 }
