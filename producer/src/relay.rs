@@ -101,10 +101,16 @@ impl<T: Transport> Relay<T> {
                 _ = &mut shutdown => break,
                 p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
             };
-            let batch = tokio::select! {
-                _ = &mut shutdown => break,
-                r = claim::claim(&self.pool, self.id, &partitions, self.config.batch_size, self.config.lease) => r,
-            };
+            // The claim is not raced against shutdown: a claim cancelled mid-statement could
+            // still commit on the server after we released our rows. It is short and bounded.
+            let batch = claim::claim(
+                &self.pool,
+                self.id,
+                &partitions,
+                self.config.batch_size,
+                self.config.lease,
+            )
+            .await;
             let batch = match batch {
                 Ok(b) => {
                     if db_failures > 0 {

@@ -172,3 +172,42 @@ async fn sql_enqueue_function() {
     .unwrap_err();
     assert!(err.to_string().contains("reserved"), "{err}");
 }
+
+/// Guarantee: the W3C trace context of the span that enqueues an event is stored with it, so
+/// the relay carries it to Kafka as `traceparent`.
+#[tokio::test]
+async fn enqueue_captures_the_current_trace_context() {
+    use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+    use tracing::Instrument;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let db = services().await.fresh_db().await;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("postal-test")));
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let span = tracing::info_span!("create_order");
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    assert!(sc.is_valid());
+    let id = async {
+        let mut conn = db.pool.acquire().await.unwrap();
+        enqueue(&mut conn, NewEvent::json("t", "k", "e", &1).unwrap())
+            .await
+            .unwrap()
+    }
+    .instrument(span)
+    .await;
+    let headers: serde_json::Value =
+        sqlx::query_scalar("SELECT headers FROM postal.outbox WHERE event_id = $1")
+            .bind(id.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let tp = headers["traceparent"]
+        .as_str()
+        .expect("traceparent captured");
+    assert_eq!(tp, format!("00-{}-{}-01", sc.trace_id(), sc.span_id()));
+}

@@ -1,0 +1,529 @@
+//! Postal's benchmarks. Run against the local stack (`scripts/stack.sh up`, broker on memory
+//! storage) with `cargo run --release -p postal-bench -- <command>`; see BENCHMARKS.md.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use futures::future::join_all;
+use postal_producer::{
+    enqueue, enqueue_batch, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig,
+};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+
+#[derive(Parser)]
+#[command(about = "Postal benchmarks")]
+struct Cli {
+    /// Server URL; each run creates its own database on it.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+    bootstrap: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Drain a backlog: Postal's relay (1, 2, 4 instances) vs a seed-style loop, raw rdkafka
+    /// and a SQL-only drain.
+    Relay {
+        /// Backlog size.
+        #[arg(long, default_value_t = 100_000)]
+        events: usize,
+        /// Sample size for the seed-style baseline.
+        #[arg(long, default_value_t = 5_000)]
+        baseline_events: usize,
+        /// Payload size in bytes.
+        #[arg(long, default_value_t = 200)]
+        payload_bytes: usize,
+        /// Distinct keys.
+        #[arg(long, default_value_t = 1000)]
+        keys: usize,
+    },
+    /// Commit-to-broker latency with and without LISTEN/NOTIFY, and what enqueue (with its
+    /// wake-up) costs the writing transaction.
+    Wakeup {
+        /// Events per latency run.
+        #[arg(long, default_value_t = 300)]
+        events: usize,
+        /// Transactions per cost variant.
+        #[arg(long, default_value_t = 3000)]
+        transactions: usize,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter("warn,librdkafka=off,rdkafka=off")
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Relay {
+            events,
+            baseline_events,
+            payload_bytes,
+            keys,
+        } => {
+            relay_bench(
+                &cli.database_url,
+                &cli.bootstrap,
+                events,
+                baseline_events,
+                payload_bytes,
+                keys,
+            )
+            .await
+        }
+        Command::Wakeup {
+            events,
+            transactions,
+        } => wakeup_bench(&cli.database_url, &cli.bootstrap, events, transactions).await,
+    }
+}
+
+async fn fresh_db(admin_url: &str, max: u32) -> anyhow::Result<PgPool> {
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(admin_url)
+        .await
+        .context("connect")?;
+    let name = format!("postal_bench_{}", uuid::Uuid::now_v7().simple());
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await?;
+    admin.close().await;
+    let opts: sqlx::postgres::PgConnectOptions = admin_url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .connect_with(opts.database(&name))
+        .await?;
+    postal_shared::migrate(&pool).await?;
+    Ok(pool)
+}
+
+fn payload(n: usize, i: usize) -> serde_json::Value {
+    // A JSON object whose encoding is `n` bytes.
+    let pad = n.saturating_sub(20);
+    serde_json::json!({"i": i, "p": "x".repeat(pad)})
+}
+
+async fn seed(
+    pool: &PgPool,
+    topic: &str,
+    n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<()> {
+    let mut conn = pool.acquire().await?;
+    for start in (0..n).step_by(1000) {
+        let batch = (start..(start + 1000).min(n))
+            .map(|i| {
+                NewEvent::json(
+                    topic,
+                    format!("key-{}", i % keys),
+                    "bench.event",
+                    &payload(payload_bytes, i),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        enqueue_batch(&mut conn, batch).await?;
+    }
+    sqlx::query("ANALYZE postal.outbox").execute(pool).await?;
+    Ok(())
+}
+
+async fn outbox_len(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(pool)
+        .await?)
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+async fn relay_bench(
+    url: &str,
+    bootstrap: &str,
+    n: usize,
+    baseline_n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<()> {
+    println!("backlog {n} events, payload {payload_bytes} B, {keys} keys; broker {bootstrap}");
+    let pool = fresh_db(url, 16).await?;
+
+    // (d) SQL-only ceiling: claim and delete in batches of 1000, no broker.
+    seed(&pool, "bench-sql", n, payload_bytes, keys).await?;
+    let t = Instant::now();
+    loop {
+        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+            "DELETE FROM postal.outbox WHERE seq IN (
+                 SELECT seq FROM postal.outbox WHERE status = 'pending' ORDER BY seq LIMIT 1000
+                 FOR UPDATE SKIP LOCKED)
+             RETURNING seq, payload",
+        )
+        .fetch_all(&pool)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+    }
+    let d_rate = rate(n, t.elapsed());
+    println!(
+        "(d) SQL-only drain (claim+delete, 1000/statement, 1 connection): {d_rate:>9.0} events/s"
+    );
+
+    // (c) raw rdkafka: the same records, sends not awaited one by one.
+    let producer: FutureProducer = KafkaConfig::new(bootstrap).client_config().create()?;
+    let topic_c = format!("bench-raw-{}", uuid::Uuid::now_v7().simple());
+    create_topic(bootstrap, &topic_c).await?;
+    let body: Vec<Vec<u8>> = (0..n)
+        .map(|i| serde_json::to_vec(&payload(payload_bytes, i)).unwrap())
+        .collect();
+    let t = Instant::now();
+    let mut acks = Vec::with_capacity(n);
+    for (i, b) in body.iter().enumerate() {
+        let key = format!("key-{}", i % keys);
+        let id = uuid::Uuid::now_v7().to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("bench.event"),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json"),
+            });
+        let mut rec = FutureRecord::to(&topic_c)
+            .key(key.as_bytes())
+            .payload(b.as_slice())
+            .headers(headers);
+        loop {
+            match producer.send_result(rec) {
+                Ok(f) => {
+                    acks.push(f);
+                    break;
+                }
+                Err((_, r)) => {
+                    rec = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    let ok = join_all(acks)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r, Ok(Ok(_))))
+        .count();
+    anyhow::ensure!(ok == n, "raw producer: only {ok}/{n} acknowledged");
+    let c_rate = rate(n, t.elapsed());
+    println!(
+        "(c) raw rdkafka idempotent producer, not awaited one by one:      {c_rate:>9.0} events/s"
+    );
+
+    // (b) seed-style baseline: claim 10, publish each awaiting its ack, mark each.
+    seed(&pool, "bench-baseline", baseline_n, payload_bytes, keys).await?;
+    create_topic(bootstrap, "bench-baseline").await?;
+    let t = Instant::now();
+    let mut done = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(i64, uuid::Uuid, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT seq, event_id, event_key, payload FROM postal.outbox WHERE status = 'pending'
+             ORDER BY seq LIMIT 10 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+        for (seq, id, key, body) in rows {
+            let id = id.to_string();
+            let headers = OwnedHeaders::new().insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            });
+            let rec = FutureRecord::to("bench-baseline")
+                .key(key.as_bytes())
+                .payload(body.as_slice())
+                .headers(headers);
+            producer
+                .send(rec, Duration::from_secs(30))
+                .await
+                .map_err(|(e, _)| anyhow::anyhow!("baseline publish: {e}"))?;
+            sqlx::query("UPDATE postal.outbox SET status = 'published', published_at = now() WHERE seq = $1")
+                .bind(seq)
+                .execute(&mut *tx)
+                .await?;
+            done += 1;
+        }
+        tx.commit().await?;
+    }
+    let b_rate = rate(done, t.elapsed());
+    println!("(b) seed-style loop (claim 10, await each ack, mark each), {done} events: {b_rate:>9.0} events/s");
+    sqlx::query("DELETE FROM postal.outbox")
+        .execute(&pool)
+        .await?;
+
+    // (a) Postal's relay, with 1, 2 and 4 instances on the same backlog size.
+    let mut a_rates = Vec::new();
+    for instances in [1usize, 2, 4] {
+        let topic = format!("bench-relay-{instances}-{}", uuid::Uuid::now_v7().simple());
+        create_topic(bootstrap, &topic).await?;
+        seed(&pool, &topic, n, payload_bytes, keys).await?;
+        let t = Instant::now();
+        let mut stops = Vec::new();
+        let mut handles = Vec::new();
+        for _ in 0..instances {
+            let relay = Relay::new(
+                pool.clone(),
+                KafkaTransport::new(KafkaConfig::new(bootstrap))?,
+                RelayConfig::default(),
+            )?;
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            stops.push(tx);
+            handles.push(tokio::spawn(relay.run(async move {
+                let _ = rx.await;
+            })));
+        }
+        while outbox_len(&pool).await? > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let elapsed = t.elapsed();
+        for s in stops {
+            let _ = s.send(());
+        }
+        let mut published = 0;
+        for h in handles {
+            published += h.await??.published;
+        }
+        anyhow::ensure!(
+            published as usize >= n,
+            "relay published {published} of {n}"
+        );
+        let r = rate(n, elapsed);
+        a_rates.push((instances, r));
+        println!("(a) Postal relay, {instances} instance(s), batch 1000, 4 in flight:        {r:>9.0} events/s");
+    }
+    let a1 = a_rates[0].1;
+    let ceiling = c_rate.min(d_rate);
+    println!();
+    println!("(a)/min(c,d) = {:.2}  (target >= 0.60)", a1 / ceiling);
+    println!("(a)/(b)      = {:.1}x", a1 / b_rate);
+    Ok(())
+}
+
+async fn create_topic(bootstrap: &str, topic: &str) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()?;
+    let _ = admin
+        .create_topics(
+            [&NewTopic::new(topic, 12, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await?;
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx]
+}
+
+async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyhow::Result<()> {
+    let pool = fresh_db(url, 8).await?;
+    sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, customer text NOT NULL, total bigint NOT NULL)")
+        .execute(&pool)
+        .await?;
+
+    // Cost on the writing transaction (synchronous_commit on), A/B/C interleaved in one run.
+    let mut plain = Vec::with_capacity(txs);
+    let mut with_enqueue = Vec::with_capacity(txs);
+    let mut without_notify = Vec::with_capacity(txs);
+    let mut conn = pool.acquire().await?;
+    for i in 0..txs {
+        for variant in 0..3 {
+            let t = Instant::now();
+            let mut tx = sqlx::Acquire::begin(&mut *conn).await?;
+            sqlx::query("INSERT INTO orders (customer, total) VALUES ($1, $2)")
+                .bind(format!("c-{}", i % 100))
+                .bind(i as i64)
+                .execute(&mut *tx)
+                .await?;
+            match variant {
+                0 => {}
+                1 => {
+                    let ev = NewEvent::json(
+                        "bench-cost",
+                        format!("c-{}", i % 100),
+                        "order.created",
+                        &payload(200, i),
+                    )?;
+                    enqueue(&mut tx, ev).await?;
+                }
+                _ => {
+                    // The same row without the advisory lock and NOTIFY: isolates the wake-up.
+                    sqlx::query(
+                        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload)
+                         VALUES ($1, 'bench-cost', $2, 'order.created', $3)",
+                    )
+                    .bind(uuid::Uuid::now_v7())
+                    .bind(format!("c-{}", i % 100))
+                    .bind(serde_json::to_vec(&payload(200, i))?)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+            }
+            tx.commit().await?;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            [&mut plain, &mut with_enqueue, &mut without_notify][variant].push(ms);
+        }
+    }
+    drop(conn);
+    sqlx::query("DELETE FROM postal.outbox")
+        .execute(&pool)
+        .await?;
+    for v in [&mut plain, &mut with_enqueue, &mut without_notify] {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    }
+    println!("writing transaction, {txs} each, synchronous_commit on (ms):");
+    println!(
+        "  order insert only:                        p50 {:.3}  p99 {:.3}",
+        percentile(&plain, 0.5),
+        percentile(&plain, 0.99)
+    );
+    println!(
+        "  + enqueue (key lock + NOTIFY):            p50 {:.3}  p99 {:.3}",
+        percentile(&with_enqueue, 0.5),
+        percentile(&with_enqueue, 0.99)
+    );
+    println!(
+        "  + outbox insert without lock and NOTIFY:  p50 {:.3}  p99 {:.3}",
+        percentile(&without_notify, 0.5),
+        percentile(&without_notify, 0.99)
+    );
+    println!(
+        "  added by enqueue at p50: {:+.3} ms ({:+.1}%); of which lock + NOTIFY: {:+.3} ms",
+        percentile(&with_enqueue, 0.5) - percentile(&plain, 0.5),
+        100.0 * (percentile(&with_enqueue, 0.5) / percentile(&plain, 0.5) - 1.0),
+        percentile(&with_enqueue, 0.5) - percentile(&without_notify, 0.5)
+    );
+
+    // Commit-to-broker latency, one event every 20 ms, with LISTEN/NOTIFY and polling only.
+    for listen in [true, false] {
+        let topic = format!("bench-wakeup-{}", uuid::Uuid::now_v7().simple());
+        create_topic(bootstrap, &topic).await?;
+        let mut kcfg = KafkaConfig::new(bootstrap);
+        kcfg.properties.insert("linger.ms".into(), "0".into());
+        let cfg = RelayConfig {
+            listen,
+            poll_interval: Duration::from_millis(500),
+            ..RelayConfig::default()
+        };
+        let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let handle = tokio::spawn(relay.run(async move {
+            let _ = rx.await;
+        }));
+        let reader = {
+            let bootstrap = bootstrap.to_owned();
+            let topic = topic.clone();
+            tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, n))
+        };
+        tokio::time::sleep(Duration::from_millis(1500)).await; // let the reader join its partitions
+        let mut commits = std::collections::HashMap::new();
+        let mut conn = pool.acquire().await?;
+        for i in 0..n {
+            let mut tx = sqlx::Acquire::begin(&mut *conn).await?;
+            let id = enqueue(
+                &mut tx,
+                NewEvent::json(topic.as_str(), format!("k{}", i % 10), "e", &i)?,
+            )
+            .await?;
+            tx.commit().await?;
+            commits.insert(id.to_string(), std::time::SystemTime::now());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let received = reader.await??;
+        let _ = stop.send(());
+        handle.await??;
+        let mut lat: Vec<f64> = received
+            .iter()
+            .filter_map(|(id, at)| {
+                commits
+                    .get(id)
+                    .map(|c| at.duration_since(*c).unwrap_or_default().as_secs_f64() * 1000.0)
+            })
+            .collect();
+        lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!(
+            "commit -> consumer receipt, {} events, {}: p50 {:.1} ms  p99 {:.1} ms",
+            lat.len(),
+            if listen {
+                "LISTEN/NOTIFY + 500 ms poll"
+            } else {
+                "500 ms polling only"
+            },
+            percentile(&lat, 0.5),
+            percentile(&lat, 0.99)
+        );
+    }
+    Ok(())
+}
+
+fn receive_times(
+    bootstrap: &str,
+    topic: &str,
+    n: usize,
+) -> anyhow::Result<Vec<(String, std::time::SystemTime)>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set(
+            "group.id",
+            format!("bench-{}", uuid::Uuid::now_v7().simple()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", "5")
+        .set("fetch.min.bytes", "1")
+        .create()?;
+    let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let mut tpl = TopicPartitionList::new();
+    for t in md.topics() {
+        for p in t.partitions() {
+            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)?;
+        }
+    }
+    consumer.assign(&tpl)?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n && Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            let at = std::time::SystemTime::now();
+            if let Some(h) = m.headers() {
+                if let Some(id) = h.iter().find(|h| h.key == "ce_id").and_then(|h| h.value) {
+                    out.push((String::from_utf8_lossy(id).into_owned(), at));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
