@@ -26,8 +26,6 @@ CREATE TABLE postal.outbox (
     held            boolean     NOT NULL DEFAULT false,
     attempts        integer     NOT NULL DEFAULT 0,
     last_error      text,
-    claimed_by      uuid,
-    locked_until    timestamptz,
     created_at      timestamptz NOT NULL DEFAULT now(),
     published_at    timestamptz,
     CONSTRAINT outbox_event_id_unique UNIQUE (event_id)

@@ -68,6 +68,9 @@ struct RelayArgs {
     /// Batches awaiting acknowledgement at once.
     #[arg(long, env = "POSTAL_MAX_IN_FLIGHT", default_value_t = 4)]
     max_in_flight: usize,
+    /// Parallel claim loops, each over its own share of the key partitions.
+    #[arg(long, env = "POSTAL_LANES", default_value_t = 1)]
+    lanes: usize,
     /// Claim lease: a crashed relay's rows are retried after this.
     #[arg(long, env = "POSTAL_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]
     lease: Duration,
@@ -201,6 +204,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
     let config = postal_producer::RelayConfig {
         batch_size: args.batch_size,
         max_in_flight_batches: args.max_in_flight,
+        lanes: args.lanes,
         lease: args.lease,
         poll_interval: args.poll_interval,
         listen: !args.no_listen,
@@ -225,7 +229,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
     let url = db.database_url.as_deref().map(redact).unwrap_or_default();
     // Long-running: a lazy pool, so an unreachable database means retries, not an exit.
     let pool = PgPoolOptions::new()
-        .max_connections((config.max_in_flight_batches + 3) as u32)
+        .max_connections((config.max_in_flight_batches + config.lanes + 3) as u32)
         .acquire_timeout(Duration::from_secs(10))
         .connect_lazy_with(opts);
     if args.migrate {

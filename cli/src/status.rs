@@ -14,7 +14,6 @@ struct TopicRow {
 #[derive(Serialize)]
 struct Status {
     topics: Vec<TopicRow>,
-    claimed: i64,
 }
 
 pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
@@ -30,12 +29,7 @@ pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     )
     .fetch_all(pool)
     .await?;
-    let claimed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM postal.outbox WHERE status = 'pending' AND locked_until > now()",
-    )
-    .fetch_one(pool)
-    .await?;
-    let status = Status { topics, claimed };
+    let status = Status { topics };
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());
@@ -58,6 +52,5 @@ pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     if status.topics.is_empty() {
         println!("(outbox empty)");
     }
-    println!("rows claimed by relays right now: {}", status.claimed);
     Ok(())
 }

@@ -1,12 +1,22 @@
 //! Claiming committed outbox rows for publishing.
+//!
+//! A claim is an open transaction that took its rows with `FOR UPDATE SKIP LOCKED`, so
+//! concurrent relays skip them. In the default mode the claim deletes the rows right away
+//! (uncommitted): when the broker acknowledges, committing is all that is left, so each
+//! published row costs one write; rows that failed are written back, rescheduled or parked, in
+//! the same transaction ([`Claim::complete`]). When published rows are kept, the claim only
+//! locks them and completion marks them. If the relay dies, its connection closes and the
+//! transaction rolls back: the rows are back at once, unchanged. A relay that hangs with its
+//! connection open loses its claim after the lease (`idle_in_transaction_session_timeout`).
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use postal_shared::EventId;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use crate::complete::{self, Failure};
 use crate::transport::OutboundEvent;
 
 /// Number of key partitions (`key_partition` = `hashtext(key) & 255`).
@@ -30,58 +40,113 @@ struct Row {
     payload: Vec<u8>,
     headers: sqlx::types::Json<std::collections::BTreeMap<String, String>>,
     attempts: i32,
+    created_at: DateTime<Utc>,
+    last_error: Option<String>,
 }
 
-/// Claims up to `limit` publishable rows of the given key partitions, in sequence order, and
-/// leases them to `relay` for `lease`.
+/// What is needed to write a row back after a failed publish (delete-on-claim mode).
+struct Kept {
+    created_at: DateTime<Utc>,
+    last_error: Option<String>,
+}
+
+/// Rows claimed in one open transaction.
+pub struct Claim {
+    tx: Transaction<'static, Postgres>,
+    events: Vec<OutboundEvent>,
+    /// `Some` when the rows were deleted at claim time (per row, in claim order).
+    deleted: Option<Vec<Kept>>,
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("events", &self.events.len())
+            .finish()
+    }
+}
+
+impl Claim {
+    /// The claimed events, in sequence order.
+    pub fn events(&self) -> &[OutboundEvent] {
+        &self.events
+    }
+
+    /// Takes the events out (the locks stay held until `complete` or drop).
+    pub fn take_events(&mut self) -> Vec<OutboundEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Records the outcome in one statement and commits: acknowledged rows are gone (deleted at
+    /// claim time, or marked published), failed ones are rescheduled or parked. `batch` is
+    /// what [`Claim::take_events`] returned.
+    pub async fn complete(
+        mut self,
+        batch: &[OutboundEvent],
+        published: &[i64],
+        failures: &[Failure],
+        delete_on_publish: bool,
+    ) -> Result<(), sqlx::Error> {
+        match &self.deleted {
+            Some(kept) => {
+                if !failures.is_empty() {
+                    complete::restore(&mut self.tx, batch, kept_view(kept), failures).await?;
+                }
+            }
+            None => {
+                complete::complete(&mut self.tx, published, failures, delete_on_publish).await?
+            }
+        }
+        self.tx.commit().await
+    }
+
+    /// Gives the rows back without recording anything (they are claimable again at once).
+    pub async fn release(self) -> Result<(), sqlx::Error> {
+        self.tx.rollback().await
+    }
+}
+
+/// Claims up to `limit` publishable rows of the given key partitions, in sequence order.
+/// Returns `None` when there is nothing to publish.
 ///
-/// A row is publishable when it is pending, due (`available_at` passed), not leased to a live
-/// claim, and no earlier row of its key holds it back (parked, waiting for a retry, or
-/// scheduled for later). `FOR UPDATE SKIP LOCKED` keeps concurrent claimers from taking the
-/// same rows; the lease recovers rows of a relay that died.
+/// A row is publishable when it is pending, due (`available_at` passed), not claimed by anyone
+/// else, and no earlier row of its key holds it back (parked, waiting for a retry, or
+/// scheduled for later).
 pub async fn claim(
     pool: &PgPool,
-    relay: Uuid,
     partitions: &[i16],
     limit: usize,
     lease: Duration,
-) -> Result<Vec<OutboundEvent>, sqlx::Error> {
-    let rows: Vec<Row> = sqlx::query_as(
-        r#"
-        WITH cand AS (
-            SELECT o.seq
-            FROM postal.outbox o
-            WHERE o.status = 'pending'
-              AND o.available_at <= now()
-              AND (o.locked_until IS NULL OR o.locked_until < now())
-              AND o.key_partition = ANY($1)
-              AND NOT EXISTS (
-                  SELECT 1 FROM postal.outbox b
-                  WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
-                    AND (b.status = 'failed' OR b.available_at > now())
-              )
-            ORDER BY o.seq
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED
-        )
-        UPDATE postal.outbox o
-        SET claimed_by = $3,
-            locked_until = now() + $4 * interval '1 millisecond',
-            held = false
-        FROM cand
-        WHERE o.seq = cand.seq
-        RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type, o.schema_version,
-                  o.occurred_at, o.content_type, o.payload, o.headers, o.attempts
-        "#,
-    )
-    .bind(partitions)
-    .bind(limit as i64)
-    .bind(relay)
-    .bind(lease.as_millis() as i64)
-    .fetch_all(pool)
-    .await?;
-
-    let mut events: Vec<OutboundEvent> = rows
+    delete_on_claim: bool,
+) -> Result<Option<Claim>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let sql = if delete_on_claim {
+        CLAIM_DELETE
+    } else {
+        CLAIM_LOCK
+    };
+    let rows: Vec<Row> = sqlx::query_as(sql)
+        // Every partition: no filter at all (the common single-relay case stays cheap).
+        .bind((partitions.len() < KEY_PARTITIONS as usize).then_some(partitions))
+        .bind(limit as i64)
+        .bind(format!("{}ms", lease.as_millis()))
+        .fetch_all(&mut *tx)
+        .await?;
+    if rows.is_empty() {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let mut rows = rows;
+    rows.sort_unstable_by_key(|r| r.seq);
+    let deleted = delete_on_claim.then(|| {
+        rows.iter()
+            .map(|r| Kept {
+                created_at: r.created_at,
+                last_error: r.last_error.clone(),
+            })
+            .collect()
+    });
+    let events = rows
         .into_iter()
         .map(|r| OutboundEvent {
             seq: r.seq,
@@ -98,19 +163,58 @@ pub async fn claim(
             attempts: r.attempts,
         })
         .collect();
-    events.sort_unstable_by_key(|e| e.seq);
-    Ok(events)
+    Ok(Some(Claim {
+        tx,
+        events,
+        deleted,
+    }))
 }
 
-/// Releases every row still leased to `relay` (graceful shutdown): they become claimable at
-/// once instead of after the lease.
-pub async fn release_all(pool: &PgPool, relay: Uuid) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "UPDATE postal.outbox SET claimed_by = NULL, locked_until = NULL
-         WHERE claimed_by = $1 AND status = 'pending'",
-    )
-    .bind(relay)
-    .execute(pool)
-    .await?;
-    Ok(r.rows_affected())
+fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>)> {
+    kept.iter()
+        .map(|k| (k.created_at, k.last_error.as_deref()))
+        .collect()
 }
+
+/// Which rows are publishable (shared by both claim forms).
+macro_rules! publishable {
+    () => {
+        r#"
+            SELECT o.seq
+            FROM postal.outbox o, lease
+            WHERE o.status = 'pending'
+              AND o.available_at <= now()
+              AND ($1::int2[] IS NULL OR o.key_partition = ANY($1))
+              AND NOT EXISTS (
+                  SELECT 1 FROM postal.outbox b
+                  WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
+                    AND (b.status = 'failed' OR b.available_at > now())
+              )
+            ORDER BY o.seq
+            LIMIT $2
+            FOR UPDATE OF o SKIP LOCKED
+        "#
+    };
+}
+
+const CLAIM_DELETE: &str = concat!(
+    "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
+     picked AS (",
+    publishable!(),
+    ")
+     DELETE FROM postal.outbox d USING picked WHERE d.seq = picked.seq
+     RETURNING d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
+               d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
+               d.last_error"
+);
+
+const CLAIM_LOCK: &str = concat!(
+    "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
+     picked AS (",
+    publishable!(),
+    ")
+     SELECT d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
+            d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
+            d.last_error
+     FROM postal.outbox d JOIN picked USING (seq)"
+);

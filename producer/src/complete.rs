@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use crate::transport::OutboundEvent;
 
 /// What happens to a row whose publish failed.
 #[derive(Clone, Debug)]
@@ -21,10 +24,10 @@ pub struct Failure {
     pub reason: Option<String>,
 }
 
-/// In one statement: deletes (or marks published) the acknowledged rows and reschedules or
+/// In one statement, on the claim's transaction: deletes (or marks published) the acknowledged rows and reschedules or
 /// parks the failed ones. Failed rows hold back later events of their key.
 pub async fn complete(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     published: &[i64],
     failures: &[Failure],
     delete_on_publish: bool,
@@ -48,9 +51,7 @@ pub async fn complete(
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
                 held = u.hold,
-                last_error = coalesce(u.reason, o.last_error),
-                claimed_by = NULL,
-                locked_until = NULL
+                last_error = coalesce(u.reason, o.last_error)
             FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[], $7::bool[])
                  AS u(seq, inc, delay_ms, park, reason, hold)
             WHERE o.seq = u.seq AND o.status = 'pending'
@@ -62,8 +63,7 @@ pub async fn complete(
         r#"
         WITH done AS (
             UPDATE postal.outbox
-            SET status = 'published', published_at = now(), claimed_by = NULL,
-                locked_until = NULL, held = false
+            SET status = 'published', published_at = now(), held = false
             WHERE seq = ANY($1) AND status = 'pending'
             RETURNING 1
         ), failed AS (
@@ -72,9 +72,7 @@ pub async fn complete(
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
                 held = u.hold,
-                last_error = coalesce(u.reason, o.last_error),
-                claimed_by = NULL,
-                locked_until = NULL
+                last_error = coalesce(u.reason, o.last_error)
             FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[], $7::bool[])
                  AS u(seq, inc, delay_ms, park, reason, hold)
             WHERE o.seq = u.seq AND o.status = 'pending'
@@ -91,7 +89,100 @@ pub async fn complete(
         .bind(&parks)
         .bind(&reasons)
         .bind(&holds)
-        .fetch_one(pool)
+        .fetch_one(conn)
         .await?;
+    Ok(())
+}
+
+/// Delete-on-claim mode: writes failed rows back (same sequence number and id), rescheduled or
+/// parked, in the claim's transaction. `kept` is per row of `batch`, in batch order.
+pub(crate) async fn restore(
+    conn: &mut PgConnection,
+    batch: &[OutboundEvent],
+    kept: Vec<(DateTime<Utc>, Option<&str>)>,
+    failures: &[Failure],
+) -> Result<(), sqlx::Error> {
+    let by_seq: std::collections::HashMap<i64, (usize, &OutboundEvent)> = batch
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.seq, (i, e)))
+        .collect();
+    let n = failures.len();
+    let mut seq = Vec::with_capacity(n);
+    let mut id = Vec::with_capacity(n);
+    let mut topic = Vec::with_capacity(n);
+    let mut key = Vec::with_capacity(n);
+    let mut typ = Vec::with_capacity(n);
+    let mut ver = Vec::with_capacity(n);
+    let mut occ = Vec::with_capacity(n);
+    let mut ct = Vec::with_capacity(n);
+    let mut payload = Vec::with_capacity(n);
+    let mut headers = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut park = Vec::with_capacity(n);
+    let mut delay = Vec::with_capacity(n);
+    let mut hold = Vec::with_capacity(n);
+    let mut err: Vec<Option<&str>> = Vec::with_capacity(n);
+    let mut created = Vec::with_capacity(n);
+    for f in failures {
+        let Some((i, e)) = by_seq.get(&f.seq) else {
+            continue;
+        };
+        seq.push(e.seq);
+        id.push(e.id.as_uuid());
+        topic.push(e.topic.as_str());
+        key.push(e.key.as_str());
+        typ.push(e.event_type.as_str());
+        ver.push(e.schema_version);
+        occ.push(e.occurred_at);
+        ct.push(e.content_type.as_str());
+        payload.push(e.payload.as_slice());
+        headers.push(serde_json::Value::Object(
+            e.headers
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .collect(),
+        ));
+        attempts.push(e.attempts + i32::from(f.counts));
+        park.push(f.park);
+        delay.push(f.retry_in.as_millis() as i64);
+        hold.push(f.hold);
+        err.push(f.reason.as_deref().or(kept[*i].1));
+        created.push(kept[*i].0);
+    }
+    sqlx::query(
+        r#"
+        INSERT INTO postal.outbox (seq, event_id, topic, event_key, event_type, schema_version,
+                                   occurred_at, content_type, payload, headers, attempts, status,
+                                   available_at, held, last_error, created_at)
+        OVERRIDING SYSTEM VALUE
+        SELECT u.seq, u.id, u.topic, u.k, u.typ, u.ver, u.occ, u.ct, u.payload, u.hdr, u.attempts,
+               CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
+               now() + u.delay_ms * interval '1 millisecond', u.hold, u.err, u.created
+        FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::int4[],
+                    $7::timestamptz[], $8::text[], $9::bytea[], $10::jsonb[], $11::int4[],
+                    $12::bool[], $13::int8[], $14::bool[], $15::text[], $16::timestamptz[])
+             AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, park, delay_ms,
+                  hold, err, created)
+        "#,
+    )
+    .bind(&seq)
+    .bind(&id)
+    .bind(&topic)
+    .bind(&key)
+    .bind(&typ)
+    .bind(&ver)
+    .bind(&occ)
+    .bind(&ct)
+    .bind(&payload)
+    .bind(&headers)
+    .bind(&attempts)
+    .bind(&park)
+    .bind(&delay)
+    .bind(&hold)
+    .bind(&err)
+    .bind(&created)
+    .execute(conn)
+    .await?;
     Ok(())
 }

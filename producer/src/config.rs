@@ -13,6 +13,9 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Batches handed to the transport whose acknowledgements are still awaited (default 4).
     pub max_in_flight_batches: usize,
+    /// Parallel claim loops, each over its own share of the key partitions (default 1; more
+    /// helps only where database and broker have cores to spare).
+    pub lanes: usize,
     /// How long a claim holds a row before another relay may take it (default 60 s). Must
     /// exceed the transport's delivery timeout (Kafka: `message.timeout.ms`, 30 s by default).
     pub lease: Duration,
@@ -37,6 +40,7 @@ impl Default for RelayConfig {
         RelayConfig {
             batch_size: 1000,
             max_in_flight_batches: 4,
+            lanes: 1,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             listen: true,
@@ -60,6 +64,9 @@ impl RelayConfig {
         }
         if self.max_in_flight_batches == 0 || self.max_in_flight_batches > 64 {
             return bad("max in-flight batches must be between 1 and 64");
+        }
+        if self.lanes == 0 || self.lanes > 256 {
+            return bad("lanes must be between 1 and 256");
         }
         if self.lease < Duration::from_secs(1) {
             return bad("lease must be at least 1s");

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::claim::{self, all_partitions};
-use crate::complete::{self, Failure};
+use crate::complete::Failure;
 use crate::config::RelayConfig;
 use crate::enqueue::NOTIFY_CHANNEL;
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
@@ -55,69 +56,153 @@ impl<T: Transport> Relay<T> {
         })
     }
 
-    /// This instance's id (recorded as `claimed_by` on the rows it holds).
+    /// This instance's id (in its log lines).
     pub fn id(&self) -> Uuid {
         self.id
     }
 
     /// Runs until `shutdown` resolves, then stops claiming, waits (bounded) for in-flight
-    /// acknowledgements, records them and releases whatever it still holds.
+    /// acknowledgements and records them; whatever is still unacknowledged after
+    /// `shutdown_timeout` is given back (its claim rolls back).
     ///
-    /// Database or broker outages never end the loop: it logs one line per failed attempt
-    /// and retries with backoff.
+    /// The owned key partitions are split across `lanes` claim loops: each lane claims its
+    /// partitions in sequence order, so per-key order holds while lanes claim in parallel.
+    /// Database or broker outages never end the loop: it logs one line per failed attempt and
+    /// retries with backoff.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<RelayStats, Error> {
-        let shutdown_notify = Arc::new(Notify::new());
-        let wake = Arc::new(Notify::new());
-        let counters = Arc::new(Counters::default());
-        let unavailable_streak = Arc::new(AtomicU32::new(0));
-        let paused_until = Arc::new(std::sync::Mutex::new(None::<Instant>));
-        let slots = Arc::new(Semaphore::new(self.config.max_in_flight_batches));
-        let partitions = all_partitions();
-
+        let (wake_tx, wake_rx) = tokio::sync::watch::channel(0u64);
+        let shared = Arc::new(Shared {
+            pool: self.pool.clone(),
+            transport: self.transport.clone(),
+            config: self.config.clone(),
+            counters: Arc::new(Counters::default()),
+            unavailable_streak: Arc::new(AtomicU32::new(0)),
+            paused_until: Arc::new(std::sync::Mutex::new(None::<Instant>)),
+            slots: Arc::new(Semaphore::new(self.config.max_in_flight_batches)),
+            stop: CancellationToken::new(),
+        });
         let listener = self.config.listen.then(|| {
             tokio::spawn(listen(
                 self.pool.clone(),
-                wake.clone(),
+                wake_tx,
                 self.config.poll_interval,
             ))
         });
 
-        tracing::info!(relay = %self.id, batch = self.config.batch_size, "relay started");
-        tokio::pin!(shutdown);
+        tracing::info!(relay = %self.id, batch = self.config.batch_size, lanes = self.config.lanes, "relay started");
+        let lanes = self.config.lanes.max(1);
+        let partitions = all_partitions();
+        let mut lane_tasks = tokio::task::JoinSet::new();
+        for lane in 0..lanes {
+            let mine: Vec<i16> = partitions
+                .iter()
+                .copied()
+                .filter(|p| *p as usize % lanes == lane)
+                .collect();
+            lane_tasks.spawn(shared.clone().lane(mine, wake_rx.clone()));
+        }
+        shutdown.await;
+        tracing::info!(relay = %self.id, "relay stopping: waiting for in-flight acknowledgements");
+        shared.stop.cancel();
+        if let Some(l) = listener {
+            l.abort();
+        }
+        let mut completions = Vec::new();
+        while let Some(r) = lane_tasks.join_next().await {
+            if let Ok(set) = r {
+                completions.push(set);
+            }
+        }
+        let all = self.config.max_in_flight_batches as u32;
+        let drained =
+            tokio::time::timeout(self.config.shutdown_timeout, shared.slots.acquire_many(all))
+                .await;
+        if drained.is_err() {
+            tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
+        }
+        self.transport.flush(Duration::from_secs(1)).await;
+        // Whatever is still unacknowledged is abandoned: dropping a claim rolls its
+        // transaction back, so the rows are claimable again at once.
+        for mut set in completions {
+            set.abort_all();
+            while set.join_next().await.is_some() {}
+        }
+        let c = &shared.counters;
+        let stats = RelayStats {
+            published: c.published.load(Ordering::Relaxed),
+            parked: c.parked.load(Ordering::Relaxed),
+            retried: c.retried.load(Ordering::Relaxed),
+        };
+        tracing::info!(relay = %self.id, published = stats.published, parked = stats.parked, "relay stopped");
+        Ok(stats)
+    }
+}
+
+struct Shared<T: Transport> {
+    pool: PgPool,
+    transport: Arc<T>,
+    config: RelayConfig,
+    counters: Arc<Counters>,
+    unavailable_streak: Arc<AtomicU32>,
+    paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
+    slots: Arc<Semaphore>,
+    stop: CancellationToken,
+}
+
+impl<T: Transport> Shared<T> {
+    /// One claim loop over `partitions`. Returns its outstanding completions on shutdown.
+    async fn lane(
+        self: Arc<Self>,
+        partitions: Vec<i16>,
+        mut wake: tokio::sync::watch::Receiver<u64>,
+    ) -> tokio::task::JoinSet<()> {
+        let mut completions = tokio::task::JoinSet::new();
         let mut db_failures: u32 = 0;
+        let stop = self.stop.clone();
         loop {
             // Back off while the destination is unavailable.
-            let pause = *paused_until.lock().expect("pause lock");
+            let pause = *self.paused_until.lock().expect("pause lock");
             if let Some(until) = pause {
                 let now = Instant::now();
                 if until > now {
                     tokio::select! {
-                        _ = &mut shutdown => break,
+                        _ = stop.cancelled() => break,
                         _ = tokio::time::sleep(until - now) => {}
                     }
                 }
             }
             let permit = tokio::select! {
-                _ = &mut shutdown => break,
-                p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+                _ = stop.cancelled() => break,
+                p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
             };
-            // The claim is not raced against shutdown: a claim cancelled mid-statement could
-            // still commit on the server after we released our rows. It is short and bounded.
-            let batch = claim::claim(
+            // The claim is not raced against shutdown: it is short and bounded, and its
+            // transaction is then either completed or rolled back.
+            let claim_started = Instant::now();
+            let claimed = claim::claim(
                 &self.pool,
-                self.id,
                 &partitions,
                 self.config.batch_size,
                 self.config.lease,
+                self.config.delete_on_publish,
             )
             .await;
-            let batch = match batch {
-                Ok(b) => {
+            let mut claim = match claimed {
+                Ok(Some(c)) => {
                     if db_failures > 0 {
                         tracing::info!("database reachable again; relay resumes");
                     }
                     db_failures = 0;
-                    b
+                    c
+                }
+                Ok(None) => {
+                    db_failures = 0;
+                    drop(permit);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = wake.changed() => {}
+                        _ = tokio::time::sleep(self.config.poll_interval) => {}
+                    }
+                    continue;
                 }
                 Err(e) => {
                     drop(permit);
@@ -125,86 +210,64 @@ impl<T: Transport> Relay<T> {
                     db_failures = db_failures.saturating_add(1);
                     tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed (database unreachable?); retrying");
                     tokio::select! {
-                        _ = &mut shutdown => break,
+                        _ = stop.cancelled() => break,
                         _ = tokio::time::sleep(wait.max(Duration::from_millis(100))) => {}
                     }
                     continue;
                 }
             };
-            if batch.is_empty() {
-                drop(permit);
-                tokio::select! {
-                    _ = &mut shutdown => break,
-                    _ = wake.notified() => {}
-                    _ = tokio::time::sleep(self.config.poll_interval) => {}
-                }
-                continue;
-            }
+            let batch = claim.take_events();
             let full = batch.len() == self.config.batch_size;
             let started = Instant::now();
+            let claim_time = started - claim_started;
             let acks = self.transport.send(&batch).await;
+            let send_time = started.elapsed();
             let ctx = CompleteCtx {
-                pool: self.pool.clone(),
                 config: self.config.clone(),
-                counters: counters.clone(),
-                unavailable_streak: unavailable_streak.clone(),
-                paused_until: paused_until.clone(),
-                shutdown: shutdown_notify.clone(),
+                counters: self.counters.clone(),
+                unavailable_streak: self.unavailable_streak.clone(),
+                paused_until: self.paused_until.clone(),
             };
-            tokio::spawn(async move {
+            while completions.try_join_next().is_some() {}
+            completions.spawn(async move {
                 let outcomes = acks.await;
-                metrics::histogram!("postal_relay_batch_seconds")
-                    .record(started.elapsed().as_secs_f64());
-                ctx.record(batch, outcomes).await;
+                let acked = started.elapsed();
+                metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
+                let n = batch.len();
+                ctx.record(claim, batch, outcomes).await;
+                tracing::trace!(
+                    events = n,
+                    claim_ms = claim_time.as_secs_f64() * 1e3,
+                    send_ms = send_time.as_secs_f64() * 1e3,
+                    ack_ms = acked.as_secs_f64() * 1e3,
+                    total_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "batch recorded"
+                );
                 drop(permit);
             });
             if !full {
-                // A partial batch means the backlog is drained for now; a notification or the
-                // next poll brings the loop back. Yield so acknowledgements get recorded.
+                // The backlog is drained for now: let acknowledgements get recorded.
                 tokio::task::yield_now().await;
             }
         }
-
-        tracing::info!(relay = %self.id, "relay stopping: waiting for in-flight acknowledgements");
-        shutdown_notify.notify_waiters();
-        if let Some(l) = listener {
-            l.abort();
-        }
-        let all = self.config.max_in_flight_batches as u32;
-        let drained =
-            tokio::time::timeout(self.config.shutdown_timeout, slots.acquire_many(all)).await;
-        if drained.is_err() {
-            tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
-        }
-        self.transport.flush(Duration::from_secs(1)).await;
-        match claim::release_all(&self.pool, self.id).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(rows = n, "released rows still held by this relay"),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not release held rows; they return after the lease")
-            }
-        }
-        let stats = RelayStats {
-            published: counters.published.load(Ordering::Relaxed),
-            parked: counters.parked.load(Ordering::Relaxed),
-            retried: counters.retried.load(Ordering::Relaxed),
-        };
-        tracing::info!(relay = %self.id, published = stats.published, parked = stats.parked, "relay stopped");
-        Ok(stats)
+        completions
     }
 }
 
 struct CompleteCtx {
-    pool: PgPool,
     config: RelayConfig,
     counters: Arc<Counters>,
     unavailable_streak: Arc<AtomicU32>,
     paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
-    shutdown: Arc<Notify>,
 }
 
 impl CompleteCtx {
-    async fn record(&self, batch: Vec<OutboundEvent>, outcomes: Vec<Result<(), PublishError>>) {
+    async fn record(
+        &self,
+        claim: claim::Claim,
+        batch: Vec<OutboundEvent>,
+        outcomes: Vec<Result<(), PublishError>>,
+    ) {
         let mut published = Vec::with_capacity(batch.len());
         let mut failures = Vec::new();
         let mut any_unavailable = false;
@@ -257,41 +320,14 @@ impl CompleteCtx {
             self.unavailable_streak.store(0, Ordering::Relaxed);
         }
 
-        // Record the outcome; retry while the database is unreachable. If we give up (shutdown)
-        // the rows stay leased and are republished after the lease: duplicates, never loss.
-        let mut attempt = 0u32;
-        loop {
-            match complete::complete(
-                &self.pool,
-                &published,
-                &failures,
-                self.config.delete_on_publish,
-            )
+        // Record the outcome on the claim's transaction. If that fails (database gone), the
+        // transaction rolls back and the rows are republished later: duplicates, never loss.
+        if let Err(e) = claim
+            .complete(&batch, &published, &failures, self.config.delete_on_publish)
             .await
-            {
-                Ok(()) => break,
-                Err(e) => {
-                    let wait = self
-                        .config
-                        .backoff
-                        .delay(attempt)
-                        .max(Duration::from_millis(100));
-                    attempt += 1;
-                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "recording published batch failed; retrying");
-                    if attempt > 3 {
-                        // During shutdown, stop retrying after a few attempts.
-                        let stop = tokio::select! {
-                            _ = self.shutdown.notified() => true,
-                            _ = tokio::time::sleep(wait) => false,
-                        };
-                        if stop {
-                            return;
-                        }
-                    } else {
-                        tokio::time::sleep(wait).await;
-                    }
-                }
-            }
+        {
+            tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
+            return;
         }
         let parked = failures.iter().filter(|f| f.park).count() as u64;
         let retried = failures.len() as u64 - parked;
@@ -308,7 +344,7 @@ impl CompleteCtx {
 
 /// Forwards `postal_outbox` notifications to `wake`, reconnecting with backoff when the
 /// listening connection drops. Notifications are only a hint: the relay also polls.
-async fn listen(pool: PgPool, wake: Arc<Notify>, poll: Duration) {
+async fn listen(pool: PgPool, wake: tokio::sync::watch::Sender<u64>, poll: Duration) {
     let mut failures = 0u32;
     loop {
         let mut listener = match PgListener::connect_with(&pool).await {
@@ -328,13 +364,13 @@ async fn listen(pool: PgPool, wake: Arc<Notify>, poll: Duration) {
         }
         failures = 0;
         // After (re)connecting, notifications may have been missed: wake once to re-check.
-        wake.notify_one();
+        wake.send_modify(|n| *n = n.wrapping_add(1));
         loop {
             match listener.try_recv().await {
-                Ok(Some(_)) => wake.notify_one(),
+                Ok(Some(_)) => wake.send_modify(|n| *n = n.wrapping_add(1)),
                 Ok(None) => {
                     tracing::warn!("notification connection lost; reconnecting");
-                    wake.notify_one();
+                    wake.send_modify(|n| *n = n.wrapping_add(1));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "notification connection failed; reconnecting");

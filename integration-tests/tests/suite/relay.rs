@@ -161,29 +161,32 @@ async fn concurrent_relays_never_double_publish() {
 }
 
 /// Guarantee: a relay that dies after the broker acknowledged but before marking loses nothing:
-/// after the lease, the events are republished with the same event ids.
+/// its claim ends with it, and the events are republished with the same event ids.
 #[tokio::test]
 async fn crash_between_publish_and_mark_republishes_same_ids() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("crash");
     let ids = seed(&db.pool, &topic, 200, 20).await;
-    // The "crashed" relay: claims with a short lease, publishes, never marks.
-    let crashed = uuid::Uuid::now_v7();
-    let batch = claim::claim(
+    // The "crashed" relay: claims, publishes, and dies before recording the outcome (its
+    // transaction ends without a commit, as when the process is killed).
+    let mut claimed = claim::claim(
         &db.pool,
-        crashed,
         &claim::all_partitions(),
         1000,
-        Duration::from_secs(2),
+        Duration::from_secs(60),
+        true,
     )
     .await
-    .unwrap();
+    .unwrap()
+    .expect("rows to claim");
+    let batch = claimed.take_events();
     assert_eq!(batch.len(), 200);
     let transport = kafka_transport(&svc.bootstrap);
     let acks = transport.send(&batch).await.await;
     assert!(acks.iter().all(Result::is_ok));
     drop(transport);
+    drop(claimed);
     // A healthy relay takes over once the lease runs out.
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     wait::until(Duration::from_secs(30), "outbox drained", || async {
@@ -397,10 +400,14 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
     })
     .await;
     relay.stop().await;
-    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE claimed_by IS NOT NULL OR locked_until IS NOT NULL")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    // Rows still locked by a claim are exactly those a `SKIP LOCKED` read cannot see.
+    let claimed: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM postal.outbox)
+              - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox FOR UPDATE SKIP LOCKED) s)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
     assert_eq!(claimed, 0, "no claimed-but-unpublished rows");
     let pending: BTreeSet<String> =
         sqlx::query_scalar::<_, uuid::Uuid>("SELECT event_id FROM postal.outbox")
@@ -541,4 +548,34 @@ async fn relay_reconnects_after_database_restart() {
         .filter_map(|r| r.header("ce_id").map(str::to_owned))
         .collect();
     assert_eq!(seen, ids);
+}
+
+/// Guarantee: with published rows kept, every event is published once and its row stays,
+/// marked `published` with its time, until retention removes it.
+#[tokio::test]
+async fn keep_published_mode_marks_rows() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("keep");
+    let ids = seed(&db.pool, &topic, 300, 7).await;
+    let cfg = RelayConfig {
+        delete_on_publish: false,
+        ..fast_config()
+    };
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
+    wait::until(Duration::from_secs(30), "all rows marked published", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.outbox WHERE status = 'published' AND published_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == 300
+    })
+    .await;
+    relay.stop().await;
+    let records = kafka::read_all(&svc.bootstrap, &topic, 300, Duration::from_secs(30)).await;
+    let counts = id_counts(&records);
+    assert_eq!(counts.keys().cloned().collect::<BTreeSet<_>>(), ids);
+    assert!(counts.values().all(|&c| c == 1));
 }
