@@ -275,7 +275,11 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         "(c) raw rdkafka idempotent producer, not awaited one by one:      {c_rate:>9.0} events/s"
     );
 
-        // (b) seed-style baseline: claim 10, publish each awaiting its ack, mark each.
+        // (b) seed-style baseline: claim 10, publish each awaiting its ack, mark each. Its producer
+        // gets linger.ms=0, the best setting for one-at-a-time sends.
+        let mut bcfg = KafkaConfig::new(bootstrap);
+        bcfg.properties.insert("linger.ms".into(), "0".into());
+        let producer: FutureProducer = bcfg.client_config().create()?;
         seed(&pool, "bench-baseline", baseline_n, payload_bytes, keys).await?;
         create_topic(bootstrap, "bench-baseline").await?;
         let t = Instant::now();

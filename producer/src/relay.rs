@@ -84,7 +84,7 @@ impl<T: Transport> Relay<T> {
         let listener = self.config.listen.then(|| {
             tokio::spawn(listen(
                 self.pool.clone(),
-                wake_tx,
+                wake_tx.clone(),
                 self.config.poll_interval,
             ))
         });
@@ -104,6 +104,7 @@ impl<T: Transport> Relay<T> {
         shutdown.await;
         tracing::info!(relay = %self.id, "relay stopping: waiting for in-flight acknowledgements");
         shared.stop.cancel();
+        drop(wake_tx);
         if let Some(l) = listener {
             l.abort();
         }
@@ -199,7 +200,8 @@ impl<T: Transport> Shared<T> {
                     drop(permit);
                     tokio::select! {
                         _ = stop.cancelled() => break,
-                        _ = wake.changed() => {}
+                        // Err only once the relay is stopping; `stop` ends the loop then.
+                        Ok(()) = wake.changed() => {}
                         _ = tokio::time::sleep(self.config.poll_interval) => {}
                     }
                     continue;
