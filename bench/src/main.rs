@@ -47,13 +47,13 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         keys: usize,
         /// Relay batch size.
-        #[arg(long, default_value_t = 1000)]
+        #[arg(long, default_value_t = 2000)]
         batch_size: usize,
         /// Relay batches in flight.
         #[arg(long, default_value_t = 4)]
         in_flight: usize,
         /// Relay claim lanes.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 2)]
         lanes: usize,
         /// Relay instance counts to run, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
@@ -334,11 +334,19 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         let mut stops = Vec::new();
         let mut handles = Vec::new();
         for _ in 0..instances {
-            let relay = Relay::new(
-                pool.clone(),
-                KafkaTransport::new(KafkaConfig::new(bootstrap))?,
-                RelayConfig::default(),
-            )?;
+            let cfg = RelayConfig {
+                batch_size: o.batch_size,
+                max_in_flight_batches: o.in_flight,
+                lanes: o.lanes,
+                lease: Duration::from_secs(6),
+                ..RelayConfig::default()
+            };
+            // A short lease so that joining instances get their share within seconds; the
+            // delivery timeout must stay below half of it.
+            let mut kcfg = KafkaConfig::new(bootstrap);
+            kcfg.properties
+                .insert("message.timeout.ms".into(), "2500".into());
+            let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             stops.push(tx);
             handles.push(tokio::spawn(relay.run(async move {

@@ -63,13 +63,13 @@ struct RelayArgs {
     #[arg(long, env = "POSTAL_SOURCE", default_value = "postal")]
     source: String,
     /// Rows claimed per statement.
-    #[arg(long, env = "POSTAL_BATCH_SIZE", default_value_t = 1000)]
+    #[arg(long, env = "POSTAL_BATCH_SIZE", default_value_t = 2000)]
     batch_size: usize,
     /// Batches awaiting acknowledgement at once.
     #[arg(long, env = "POSTAL_MAX_IN_FLIGHT", default_value_t = 4)]
     max_in_flight: usize,
     /// Parallel claim loops, each over its own share of the key partitions.
-    #[arg(long, env = "POSTAL_LANES", default_value_t = 1)]
+    #[arg(long, env = "POSTAL_LANES", default_value_t = 2)]
     lanes: usize,
     /// Claim lease: a crashed relay's rows are retried after this.
     #[arg(long, env = "POSTAL_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]

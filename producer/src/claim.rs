@@ -7,7 +7,7 @@
 //! the same transaction ([`Claim::complete`]). When published rows are kept, the claim only
 //! locks them and completion marks them. If the relay dies, its connection closes and the
 //! transaction rolls back: the rows are back at once, unchanged. A relay that hangs with its
-//! connection open loses its claim after the lease (`idle_in_transaction_session_timeout`).
+//! connection open loses its claim after half the lease (`idle_in_transaction_session_timeout`).
 
 use std::time::Duration;
 
@@ -106,30 +106,47 @@ impl Claim {
     }
 }
 
-/// Claims up to `limit` publishable rows of the given key partitions, in sequence order.
-/// Returns `None` when there is nothing to publish.
+/// Claims up to `limit` publishable rows of the given key partitions that `relay` holds a live
+/// lease on (see [`crate::lease`]), in sequence order. Returns `None` when there is nothing to
+/// publish. The claim's transaction may stay idle for at most half the lease.
 ///
 /// A row is publishable when it is pending, due (`available_at` passed), not claimed by anyone
 /// else, and no earlier row of its key holds it back (parked, waiting for a retry, or
 /// scheduled for later).
 pub async fn claim(
     pool: &PgPool,
+    relay: Uuid,
     partitions: &[i16],
     limit: usize,
     lease: Duration,
     delete_on_claim: bool,
 ) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = pool.begin().await?;
+    // The fence: only partitions whose lease this relay holds now (with a second of margin
+    // for the claim itself). A separate statement keeps the claim on its ordered index scan.
+    let owned: Vec<i16> = sqlx::query_scalar(
+        "SELECT key_partition FROM postal.relay_partitions
+         WHERE owner = $1 AND lease_until > now() + interval '1 second' AND key_partition = ANY($2)",
+    )
+    .bind(relay)
+    .bind(partitions)
+    .fetch_all(&mut *tx)
+    .await?;
+    if owned.is_empty() {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    // Every partition: no filter at all.
+    let filter = (owned.len() < KEY_PARTITIONS as usize).then_some(owned);
     let sql = if delete_on_claim {
         CLAIM_DELETE
     } else {
         CLAIM_LOCK
     };
     let rows: Vec<Row> = sqlx::query_as(sql)
-        // Every partition: no filter at all (the common single-relay case stays cheap).
-        .bind((partitions.len() < KEY_PARTITIONS as usize).then_some(partitions))
+        .bind(filter)
         .bind(limit as i64)
-        .bind(format!("{}ms", lease.as_millis()))
+        .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
         .fetch_all(&mut *tx)
         .await?;
     if rows.is_empty() {

@@ -9,15 +9,15 @@ use crate::Error;
 /// [`RelayConfig::default`]); [`RelayConfig::validate`] rejects nonsensical values.
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
-    /// Rows claimed per statement (default 1000).
+    /// Rows claimed per statement (default 2000).
     pub batch_size: usize,
     /// Batches handed to the transport whose acknowledgements are still awaited (default 4).
     pub max_in_flight_batches: usize,
-    /// Parallel claim loops, each over its own share of the key partitions (default 1; more
-    /// helps only where database and broker have cores to spare).
+    /// Parallel claim loops, each over its own share of the key partitions (default 2).
     pub lanes: usize,
-    /// How long a claim holds a row before another relay may take it (default 60 s). Must
-    /// exceed the transport's delivery timeout (Kafka: `message.timeout.ms`, 30 s by default).
+    /// Lease on key partitions (default 60 s): a dead relay's partitions move to the others
+    /// within this time. A claim transaction may stay idle for at most half of it, which must
+    /// exceed the transport's delivery timeout (Kafka: `message.timeout.ms`, 20 s by default).
     pub lease: Duration,
     /// Safety-net polling interval when no notification arrives (default 1 s).
     pub poll_interval: Duration,
@@ -38,9 +38,9 @@ pub struct RelayConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            batch_size: 1000,
+            batch_size: 2000,
             max_in_flight_batches: 4,
-            lanes: 1,
+            lanes: 2,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             listen: true,
@@ -68,8 +68,8 @@ impl RelayConfig {
         if self.lanes == 0 || self.lanes > 256 {
             return bad("lanes must be between 1 and 256");
         }
-        if self.lease < Duration::from_secs(1) {
-            return bad("lease must be at least 1s");
+        if self.lease < Duration::from_secs(2) {
+            return bad("lease must be at least 2s");
         }
         if self.poll_interval.is_zero() {
             return bad("poll interval must be positive");

@@ -74,7 +74,7 @@ impl KafkaConfig {
     /// The librdkafka producer configuration: Postal's defaults, then the user's properties.
     ///
     /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
-    /// where Java clients and Debezium put them), `linger.ms=5`, `message.timeout.ms=30000`,
+    /// where Java clients and Debezium put them), `linger.ms=5`, `message.timeout.ms=20000`,
     /// `queue.buffering.max.messages=1000000`, `allow.auto.create.topics=false`.
     pub fn client_config(&self) -> ClientConfig {
         let mut cfg = ClientConfig::new();
@@ -83,7 +83,7 @@ impl KafkaConfig {
             .set("acks", "all")
             .set("partitioner", "murmur2_random")
             .set("linger.ms", "5")
-            .set("message.timeout.ms", "30000")
+            .set("message.timeout.ms", "20000")
             .set("queue.buffering.max.messages", "1000000")
             .set("queue.buffering.max.kbytes", "1048576")
             .set("allow.auto.create.topics", "false")
@@ -440,6 +440,15 @@ impl Transport for KafkaTransport {
             }
         }
         join_all(pending).boxed()
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        let ms = self
+            .config
+            .client_config()
+            .get("message.timeout.ms")
+            .and_then(|v| v.parse::<u64>().ok())?;
+        Some(Duration::from_millis(ms))
     }
 
     async fn flush(&self, timeout: Duration) {

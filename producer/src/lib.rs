@@ -34,7 +34,9 @@ mod enqueue;
 mod error;
 mod event;
 mod kafka;
+pub mod lease;
 mod relay;
+pub mod retention;
 mod trace;
 mod transport;
 

@@ -11,10 +11,11 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::claim::{self, all_partitions};
+use crate::claim;
 use crate::complete::Failure;
 use crate::config::RelayConfig;
 use crate::enqueue::NOTIFY_CHANNEL;
+use crate::lease;
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
 
@@ -48,6 +49,14 @@ impl<T: Transport> Relay<T> {
     /// A relay publishing through `transport`. Fails if the configuration is invalid.
     pub fn new(pool: PgPool, transport: T, config: RelayConfig) -> Result<Self, Error> {
         config.validate()?;
+        if let Some(delivery) = transport.delivery_timeout() {
+            if config.lease / 2 <= delivery {
+                return Err(Error::Config(format!(
+                    "lease {:?} is too short: half of it must exceed the transport's delivery timeout of {:?}",
+                    config.lease, delivery
+                )));
+            }
+        }
         Ok(Relay {
             pool,
             transport: Arc::new(transport),
@@ -80,34 +89,36 @@ impl<T: Transport> Relay<T> {
             paused_until: Arc::new(std::sync::Mutex::new(None::<Instant>)),
             slots: Arc::new(Semaphore::new(self.config.max_in_flight_batches)),
             stop: CancellationToken::new(),
+            owned: std::sync::RwLock::new(Vec::new()),
+            id: self.id,
         });
-        let listener = self.config.listen.then(|| {
-            tokio::spawn(listen(
+        // Background tasks live in JoinSets, which abort them when dropped: if this future is
+        // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
+        let mut background = tokio::task::JoinSet::new();
+        if self.config.listen {
+            background.spawn(listen(
                 self.pool.clone(),
                 wake_tx.clone(),
                 self.config.poll_interval,
-            ))
-        });
+            ));
+        }
 
         tracing::info!(relay = %self.id, batch = self.config.batch_size, lanes = self.config.lanes, "relay started");
         let lanes = self.config.lanes.max(1);
-        let partitions = all_partitions();
+        let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
+        let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
         let mut lane_tasks = tokio::task::JoinSet::new();
         for lane in 0..lanes {
-            let mine: Vec<i16> = partitions
-                .iter()
-                .copied()
-                .filter(|p| *p as usize % lanes == lane)
-                .collect();
-            lane_tasks.spawn(shared.clone().lane(mine, wake_rx.clone()));
+            lane_tasks.spawn(
+                shared
+                    .clone()
+                    .lane(lane, lanes, wake_rx.clone(), owned_rx.clone()),
+            );
         }
         shutdown.await;
         tracing::info!(relay = %self.id, "relay stopping: waiting for in-flight acknowledgements");
         shared.stop.cancel();
         drop(wake_tx);
-        if let Some(l) = listener {
-            l.abort();
-        }
         let mut completions = Vec::new();
         while let Some(r) = lane_tasks.join_next().await {
             if let Ok(set) = r {
@@ -122,11 +133,20 @@ impl<T: Transport> Relay<T> {
             tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
         }
         self.transport.flush(Duration::from_secs(1)).await;
+        drop(coordinator);
+        background.abort_all();
+        while background.join_next().await.is_some() {}
         // Whatever is still unacknowledged is abandoned: dropping a claim rolls its
         // transaction back, so the rows are claimable again at once.
         for mut set in completions {
             set.abort_all();
             while set.join_next().await.is_some() {}
+        }
+        match lease::leave(&self.pool, self.id).await {
+            Ok(()) => tracing::debug!("gave up all key partitions"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not give up key partitions; they move after the lease")
+            }
         }
         let c = &shared.counters;
         let stats = RelayStats {
@@ -148,14 +168,80 @@ struct Shared<T: Transport> {
     paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
     slots: Arc<Semaphore>,
     stop: CancellationToken,
+    /// Key partitions this relay holds a lease on.
+    owned: std::sync::RwLock<Vec<i16>>,
+    id: Uuid,
 }
 
 impl<T: Transport> Shared<T> {
-    /// One claim loop over `partitions`. Returns its outstanding completions on shutdown.
+    /// Heartbeats every third of the lease, keeps `owned` up to date and gives partitions
+    /// away (after draining in-flight batches) when relays join.
+    async fn coordinate(self: Arc<Self>, changed: tokio::sync::watch::Sender<u64>) {
+        let every = self.config.lease / 3;
+        let host = std::env::var("HOSTNAME").unwrap_or_default();
+        let mut failures = 0u32;
+        loop {
+            let held = self.owned.read().expect("owned lock").clone();
+            let mut result =
+                lease::heartbeat(&self.pool, self.id, &host, self.config.lease, &held, false).await;
+            if let Ok(l) = &result {
+                if l.wants_release {
+                    // Record everything in flight before giving partitions away, so the next
+                    // owner cannot overtake an event of ours.
+                    let all = self.config.max_in_flight_batches as u32;
+                    if let Ok(Ok(permits)) =
+                        tokio::time::timeout(self.config.lease / 3, self.slots.acquire_many(all))
+                            .await
+                    {
+                        result = lease::heartbeat(
+                            &self.pool,
+                            self.id,
+                            &host,
+                            self.config.lease,
+                            &l.held,
+                            true,
+                        )
+                        .await;
+                        drop(permits);
+                    }
+                }
+            }
+            match result {
+                Ok(l) => {
+                    if failures > 0 {
+                        tracing::info!("partition leases renewed again");
+                    }
+                    failures = 0;
+                    let mut owned = self.owned.write().expect("owned lock");
+                    if *owned != l.held {
+                        tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, "key partitions rebalanced");
+                        *owned = l.held;
+                        changed.send_modify(|n| *n = n.wrapping_add(1));
+                    }
+                    metrics::gauge!("postal_relay_partitions_owned").set(owned.len() as f64);
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, "cannot renew partition leases (database unreachable?); retrying");
+                }
+            }
+            let wait = if failures > 0 {
+                self.config.backoff.delay(failures).min(every)
+            } else {
+                every
+            };
+            tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
+        }
+    }
+
+    /// One claim loop over its share (`p mod lanes == lane`) of the owned key partitions.
+    /// Returns its outstanding completions on shutdown.
     async fn lane(
         self: Arc<Self>,
-        partitions: Vec<i16>,
+        lane: usize,
+        lanes: usize,
         mut wake: tokio::sync::watch::Receiver<u64>,
+        mut owned_changed: tokio::sync::watch::Receiver<u64>,
     ) -> tokio::task::JoinSet<()> {
         let mut completions = tokio::task::JoinSet::new();
         let mut db_failures: u32 = 0;
@@ -172,6 +258,22 @@ impl<T: Transport> Shared<T> {
                     }
                 }
             }
+            let partitions: Vec<i16> = self
+                .owned
+                .read()
+                .expect("owned lock")
+                .iter()
+                .copied()
+                .filter(|p| *p as usize % lanes == lane)
+                .collect();
+            if partitions.is_empty() {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    Ok(()) = owned_changed.changed() => {}
+                    _ = tokio::time::sleep(self.config.poll_interval) => {}
+                }
+                continue;
+            }
             let permit = tokio::select! {
                 _ = stop.cancelled() => break,
                 p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
@@ -181,6 +283,7 @@ impl<T: Transport> Shared<T> {
             let claim_started = Instant::now();
             let claimed = claim::claim(
                 &self.pool,
+                self.id,
                 &partitions,
                 self.config.batch_size,
                 self.config.lease,
@@ -202,6 +305,7 @@ impl<T: Transport> Shared<T> {
                         _ = stop.cancelled() => break,
                         // Err only once the relay is stopping; `stop` ends the loop then.
                         Ok(()) = wake.changed() => {}
+                        Ok(()) = owned_changed.changed() => {}
                         _ = tokio::time::sleep(self.config.poll_interval) => {}
                     }
                     continue;

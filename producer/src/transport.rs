@@ -88,6 +88,13 @@ pub trait Transport: Send + Sync + 'static {
     /// acknowledgements; returns the future of the acknowledgements.
     fn send(&self, batch: &[OutboundEvent]) -> impl Future<Output = Self::Acks> + Send;
 
+    /// The longest the transport may take to acknowledge or fail an event, if bounded. The
+    /// relay refuses a lease whose half does not exceed it (a claim would otherwise be cut
+    /// off while its acknowledgements are still on their way).
+    fn delivery_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Waits (bounded) for everything handed over to be acknowledged; called on shutdown.
     fn flush(&self, timeout: std::time::Duration) -> impl Future<Output = ()> + Send {
         let _ = timeout;

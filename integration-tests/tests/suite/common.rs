@@ -37,6 +37,12 @@ impl RunningRelay {
         Self::start(pool, kafka_transport(bootstrap), fast_config())
     }
 
+    /// Kills the relay: its task is dropped with whatever it was doing (claims roll back when
+    /// their connections go), no shutdown work, no lease given up.
+    pub fn kill(self) {
+        self.handle.abort();
+    }
+
     /// Graceful shutdown; returns the relay's totals.
     pub async fn stop(mut self) -> RelayStats {
         if let Some(tx) = self.stop.take() {
@@ -50,6 +56,9 @@ impl RunningRelay {
 pub fn kafka_transport(bootstrap: &str) -> KafkaTransport {
     let mut cfg = KafkaConfig::new(bootstrap);
     cfg.topic_partitions = 4;
+    // Within half the tests' 3 s lease.
+    cfg.properties
+        .insert("message.timeout.ms".into(), "1000".into());
     KafkaTransport::new(cfg).expect("kafka transport")
 }
 
@@ -58,6 +67,7 @@ pub fn fast_config() -> RelayConfig {
     RelayConfig {
         batch_size: 500,
         poll_interval: Duration::from_millis(200),
+        lease: Duration::from_secs(3),
         backoff: postal_producer::Backoff {
             base: Duration::from_millis(50),
             max: Duration::from_millis(500),

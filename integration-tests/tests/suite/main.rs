@@ -7,5 +7,6 @@
 mod common;
 mod enqueue;
 mod migrations;
+mod order;
 mod relay;
 mod smoke;

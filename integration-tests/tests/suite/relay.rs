@@ -170,8 +170,15 @@ async fn crash_between_publish_and_mark_republishes_same_ids() {
     let ids = seed(&db.pool, &topic, 200, 20).await;
     // The "crashed" relay: claims, publishes, and dies before recording the outcome (its
     // transaction ends without a commit, as when the process is killed).
+    let crashed = uuid::Uuid::now_v7();
+    let lease =
+        postal_producer::lease::heartbeat(&db.pool, crashed, "", Duration::from_secs(3), &[], true)
+            .await
+            .unwrap();
+    assert_eq!(lease.held.len(), 256, "a lone relay holds every partition");
     let mut claimed = claim::claim(
         &db.pool,
+        crashed,
         &claim::all_partitions(),
         1000,
         Duration::from_secs(60),
@@ -290,6 +297,8 @@ async fn missing_topic_without_creation_is_parked() {
     .unwrap();
     let mut cfg = KafkaConfig::new(&svc.bootstrap);
     cfg.create_topics = false;
+    cfg.properties
+        .insert("message.timeout.ms".into(), "1000".into());
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), fast_config());
     wait::until(Duration::from_secs(30), "event parked", || async {
         sqlx::query_scalar::<_, String>("SELECT status FROM postal.outbox WHERE event_id = $1")
@@ -335,6 +344,7 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
         counts: counts.clone(),
     };
     let cfg = RelayConfig {
+        lease: Duration::from_secs(4),
         max_attempts: 2,
         backoff: postal_producer::Backoff {
             base: Duration::from_millis(20),

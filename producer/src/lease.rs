@@ -1,0 +1,134 @@
+//! Ownership of key partitions across relay instances.
+//!
+//! Every relay heartbeats its row in `postal.relay_instances`. The live relays (heartbeat within
+//! the lease) split the 256 key partitions deterministically: partition `p` belongs to the
+//! `p mod n`-th live relay in id order. A relay takes a partition only when it is free or its
+//! lease expired, holds it with a lease it renews on every heartbeat, and gives it up when the
+//! split says so — after its in-flight batches are recorded. The claim statement re-checks the
+//! lease, so a relay that lost its lease claims nothing from that partition.
+//!
+//! A claim transaction can outlive its relay by at most half a lease (the claim sets
+//! `idle_in_transaction_session_timeout` to half the lease), so by the time a partition's lease
+//! runs out, rows claimed by a dead owner are back: the new owner never overtakes them.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::claim::KEY_PARTITIONS;
+
+/// Heartbeats, then computes this relay's share and returns the partitions it now holds.
+///
+/// `release_ok` says whether partitions may be given up now (the caller has drained its
+/// in-flight batches); if not, partitions to give away are kept and renewed until next time.
+pub async fn heartbeat(
+    pool: &PgPool,
+    relay: Uuid,
+    host: &str,
+    lease: Duration,
+    held: &[i16],
+    release_ok: bool,
+) -> Result<Lease, sqlx::Error> {
+    let lease_ms = lease.as_millis() as i64;
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO postal.relay_instances (relay_id, host) VALUES ($1, $2)
+         ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()",
+    )
+    .bind(relay)
+    .bind(host)
+    .execute(&mut *tx)
+    .await?;
+    let live: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT relay_id FROM postal.relay_instances
+         WHERE heartbeat_at > now() - $1 * interval '1 millisecond' ORDER BY relay_id",
+    )
+    .bind(lease_ms)
+    .fetch_all(&mut *tx)
+    .await?;
+    let me = live.iter().position(|r| *r == relay).unwrap_or(0);
+    let n = live.len().max(1);
+    let target: Vec<i16> = (0..KEY_PARTITIONS)
+        .filter(|p| *p as usize % n == me)
+        .collect();
+    let give_up: Vec<i16> = if release_ok {
+        held.iter()
+            .copied()
+            .filter(|p| !target.contains(p))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if !give_up.is_empty() {
+        sqlx::query(
+            "UPDATE postal.relay_partitions SET owner = NULL, lease_until = NULL
+             WHERE owner = $1 AND key_partition = ANY($2)",
+        )
+        .bind(relay)
+        .bind(&give_up)
+        .execute(&mut *tx)
+        .await?;
+    }
+    // Renew what we keep, take what is ours by the split and free (or expired).
+    let wanted: Vec<i16> = target
+        .iter()
+        .copied()
+        .chain(held.iter().copied().filter(|p| !give_up.contains(p)))
+        .collect();
+    let mut now_held: Vec<i16> = sqlx::query_scalar(
+        "UPDATE postal.relay_partitions
+         SET owner = $1, lease_until = now() + $2 * interval '1 millisecond',
+             acquired_at = CASE WHEN owner IS DISTINCT FROM $1 THEN now() ELSE acquired_at END
+         WHERE key_partition = ANY($3)
+           AND (owner = $1 OR owner IS NULL OR lease_until < now())
+         RETURNING key_partition",
+    )
+    .bind(relay)
+    .bind(lease_ms)
+    .bind(&wanted)
+    .fetch_all(&mut *tx)
+    .await?;
+    // Forget relays that have been silent for a long time.
+    sqlx::query(
+        "DELETE FROM postal.relay_instances WHERE heartbeat_at < now() - $1 * interval '1 millisecond'",
+    )
+    .bind(lease_ms * 20)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    now_held.sort_unstable();
+    let pending_release = held.iter().any(|p| !target.contains(p)) && !release_ok;
+    Ok(Lease {
+        held: now_held,
+        live: live.len(),
+        wants_release: pending_release,
+    })
+}
+
+/// Gives up every partition this relay holds (graceful shutdown) and removes its heartbeat.
+pub async fn leave(pool: &PgPool, relay: Uuid) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "UPDATE postal.relay_partitions SET owner = NULL, lease_until = NULL WHERE owner = $1",
+    )
+    .bind(relay)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("DELETE FROM postal.relay_instances WHERE relay_id = $1")
+        .bind(relay)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+/// Result of a heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lease {
+    /// Partitions held now, sorted.
+    pub held: Vec<i16>,
+    /// Live relays seen.
+    pub live: usize,
+    /// Some held partitions belong to another relay by the split and wait to be given up.
+    pub wants_release: bool,
+}
