@@ -62,6 +62,16 @@ enum Command {
         #[arg(long)]
         relay_only: bool,
     },
+    /// `EXPLAIN ANALYZE` of the claim on an outbox with no history and with `published` rows
+    /// of retained history (plus the same pending backlog).
+    Explain {
+        /// Retained published rows.
+        #[arg(long, default_value_t = 1_000_000)]
+        published: i64,
+        /// Pending rows.
+        #[arg(long, default_value_t = 10_000)]
+        pending: i64,
+    },
     /// Commit-to-broker latency with and without LISTEN/NOTIFY, and what enqueue (with its
     /// wake-up) costs the writing transaction.
     Wakeup {
@@ -108,6 +118,9 @@ async fn main() -> anyhow::Result<()> {
                 relay_only,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
+        }
+        Command::Explain { published, pending } => {
+            explain_bench(&cli.database_url, published, pending).await
         }
         Command::Wakeup {
             events,
@@ -592,4 +605,54 @@ fn receive_times(
         }
     }
     Ok(out)
+}
+
+async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Result<()> {
+    let pool = fresh_db(url, 2).await?;
+    let insert = |status: &'static str, n: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status, published_at)
+                 SELECT postal.uuid_v7(), 'bench', 'key-' || (g % 1000), 'bench.event',
+                        convert_to(repeat('x', 200), 'UTF8'), $1,
+                        CASE WHEN $1 = 'published' THEN now() - interval '1 day' END
+                 FROM generate_series(1, $2) g",
+            )
+            .bind(status)
+            .bind(n)
+            .execute(&pool)
+            .await
+        }
+    };
+    let explain = |label: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("ANALYZE postal.outbox").execute(&pool).await?;
+            let mut tx = pool.begin().await?;
+            let plan: Vec<String> = sqlx::query_scalar(&format!(
+                "EXPLAIN (ANALYZE, BUFFERS) {}",
+                postal_producer::claim::CLAIM_DELETE
+            ))
+            .bind(None::<Vec<i16>>)
+            .bind(2000i64)
+            .bind("30000ms")
+            .fetch_all(&mut *tx)
+            .await?;
+            tx.rollback().await?;
+            println!("--- {label}");
+            for line in plan {
+                println!("{line}");
+            }
+            anyhow::Ok(())
+        }
+    };
+    insert("pending", pending).await?;
+    explain(format!("claim of 2000 rows: {pending} pending, no history")).await?;
+    insert("published", published).await?;
+    explain(format!(
+        "claim of 2000 rows: {pending} pending, {published} retained published rows"
+    ))
+    .await?;
+    Ok(())
 }

@@ -92,6 +92,9 @@ struct RelayArgs {
     /// Keep published rows (status `published`) instead of deleting them.
     #[arg(long, env = "POSTAL_KEEP_PUBLISHED")]
     keep_published: bool,
+    /// With --keep-published: delete published rows older than this (e.g. `14d`), in batches.
+    #[arg(long, env = "POSTAL_RETENTION", value_parser = humantime::parse_duration, requires = "keep_published")]
+    retention: Option<Duration>,
     /// Do not create missing topics: events for them are parked with an error.
     #[arg(long, env = "POSTAL_NO_CREATE_TOPICS")]
     no_create_topics: bool,
@@ -214,6 +217,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
             max: args.backoff_max,
         },
         delete_on_publish: !args.keep_published,
+        retention: args.retention,
         shutdown_timeout: args.shutdown_timeout,
     };
     config.validate()?;

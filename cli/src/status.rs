@@ -14,6 +14,17 @@ struct TopicRow {
 #[derive(Serialize)]
 struct Status {
     topics: Vec<TopicRow>,
+    /// Age of the oldest open transaction (it holds back the keys it wrote, and vacuum).
+    oldest_transaction_s: Option<f64>,
+    relays: Vec<RelayRow>,
+}
+
+#[derive(Serialize, sqlx::FromRow)]
+struct RelayRow {
+    relay_id: uuid::Uuid,
+    host: String,
+    heartbeat_age_s: f64,
+    partitions: i64,
 }
 
 pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
@@ -29,7 +40,26 @@ pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     )
     .fetch_all(pool)
     .await?;
-    let status = Status { topics };
+    let oldest_transaction_s: Option<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
+         WHERE (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL) AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(pool)
+    .await?;
+    let relays: Vec<RelayRow> = sqlx::query_as(
+        "SELECT i.relay_id, i.host, extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
+                count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions
+         FROM postal.relay_instances i
+         LEFT JOIN postal.relay_partitions p ON p.owner = i.relay_id
+         GROUP BY i.relay_id ORDER BY i.relay_id",
+    )
+    .fetch_all(pool)
+    .await?;
+    let status = Status {
+        topics,
+        oldest_transaction_s,
+        relays,
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
         return Ok(());
@@ -51,6 +81,20 @@ pub async fn print(pool: &PgPool, json: bool) -> anyhow::Result<()> {
     }
     if status.topics.is_empty() {
         println!("(outbox empty)");
+    }
+    println!(
+        "oldest open transaction: {}",
+        status
+            .oldest_transaction_s
+            .map(|a| format!("{a:.1}s"))
+            .unwrap_or_else(|| "none".into())
+    );
+    println!("relays:");
+    for r in &status.relays {
+        println!(
+            "  {}  host {:<20} heartbeat {:>6.1}s ago  partitions {}",
+            r.relay_id, r.host, r.heartbeat_age_s, r.partitions
+        );
     }
     Ok(())
 }

@@ -214,7 +214,9 @@ macro_rules! publishable {
     };
 }
 
-const CLAIM_DELETE: &str = concat!(
+/// The claim statement (delete-on-claim form). Parameters: `$1` key partitions (`int2[]` or
+/// NULL for all), `$2` limit, `$3` idle-in-transaction timeout. Public for `EXPLAIN`.
+pub const CLAIM_DELETE: &str = concat!(
     "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
      picked AS (",
     publishable!(),

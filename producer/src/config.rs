@@ -31,6 +31,9 @@ pub struct RelayConfig {
     /// Delete rows once published (default `true`); when `false` they are marked `published`
     /// and removed later by retention cleanup.
     pub delete_on_publish: bool,
+    /// With `delete_on_publish = false`: delete published rows older than this, in batches,
+    /// every minute, one instance at a time (default: keep them; no cleanup).
+    pub retention: Option<Duration>,
     /// How long shutdown waits for in-flight acknowledgements (default 20 s).
     pub shutdown_timeout: Duration,
 }
@@ -50,6 +53,7 @@ impl Default for RelayConfig {
                 max: Duration::from_secs(300),
             },
             delete_on_publish: true,
+            retention: None,
             shutdown_timeout: Duration::from_secs(20),
         }
     }

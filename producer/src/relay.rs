@@ -107,6 +107,7 @@ impl<T: Transport> Relay<T> {
         let lanes = self.config.lanes.max(1);
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
+        background.spawn(shared.clone().housekeeping());
         let mut lane_tasks = tokio::task::JoinSet::new();
         for lane in 0..lanes {
             lane_tasks.spawn(
@@ -231,6 +232,36 @@ impl<T: Transport> Shared<T> {
                 every
             };
             tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
+        }
+    }
+
+    /// Every minute: retention cleanup (when configured) and the oldest-transaction gauge.
+    async fn housekeeping(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_secs(60).min(self.config.lease));
+        loop {
+            tick.tick().await;
+            match sqlx::query_scalar::<_, Option<f64>>(
+                "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
+                 WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL",
+            )
+            .fetch_one(&self.pool)
+            .await
+            {
+                Ok(age) => metrics::gauge!("postal_relay_oldest_transaction_seconds")
+                    .set(age.unwrap_or(0.0)),
+                Err(e) => tracing::debug!(error = %e, "oldest-transaction check failed"),
+            }
+            if let (false, Some(retention)) = (self.config.delete_on_publish, self.config.retention)
+            {
+                match crate::retention::cleanup_published(&self.pool, retention, 1000, |_| {}).await
+                {
+                    Ok(Some(n)) if n > 0 => {
+                        tracing::info!(rows = n, "retention cleanup deleted published rows")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "retention cleanup failed; will retry"),
+                }
+            }
         }
     }
 
