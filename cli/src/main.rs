@@ -234,7 +234,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
     // Long-running: a lazy pool, so an unreachable database means retries, not an exit.
     let pool = PgPoolOptions::new()
         .max_connections((config.max_in_flight_batches + config.lanes + 3) as u32)
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(opts);
     if args.migrate {
         let mut attempt = 0u32;
