@@ -19,6 +19,9 @@ echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVER
 step "workspace tests against the local stack (external-services mode)"
 cargo test --workspace --all-targets --no-fail-fast
 
+step "smoke test, external-services mode (shown on its own)"
+POSTAL_EXPECT_MODE=external cargo test -p postal-integration-tests --test suite -- --nocapture smoke
+
 step "doc tests"
 cargo test --workspace --doc
 
