@@ -30,6 +30,14 @@ impl Record {
     }
 }
 
+/// The distinct event ids (`ce_id`) among `records`.
+pub fn event_ids(records: &[Record]) -> std::collections::BTreeSet<String> {
+    records
+        .iter()
+        .filter_map(|r| r.header(postal_shared::headers::CE_ID).map(str::to_owned))
+        .collect()
+}
+
 /// Waits until the broker answers a metadata request.
 pub async fn wait_ready(bootstrap: &str, timeout: Duration) -> Result<(), String> {
     let bootstrap = bootstrap.to_owned();

@@ -85,7 +85,6 @@ impl Claim {
         batch: &[OutboundEvent],
         published: &[i64],
         failures: &[Failure],
-        delete_on_publish: bool,
     ) -> Result<(), sqlx::Error> {
         match &self.deleted {
             Some(kept) => {
@@ -93,9 +92,7 @@ impl Claim {
                     complete::restore(&mut self.tx, batch, kept_view(kept), failures).await?;
                 }
             }
-            None => {
-                complete::complete(&mut self.tx, published, failures, delete_on_publish).await?
-            }
+            None => complete::mark(&mut self.tx, published, failures).await?,
         }
         self.tx.commit().await
     }

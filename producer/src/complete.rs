@@ -1,4 +1,4 @@
-//! Recording the outcome of a published batch: one statement per batch.
+//! Recording the outcome of a published batch on its claim's transaction.
 
 use std::time::Duration;
 
@@ -24,13 +24,13 @@ pub struct Failure {
     pub reason: Option<String>,
 }
 
-/// In one statement, on the claim's transaction: deletes (or marks published) the acknowledged rows and reschedules or
-/// parks the failed ones. Failed rows hold back later events of their key.
-pub async fn complete(
+/// Keep-published mode, in one statement on the claim's transaction: marks the acknowledged
+/// rows published and reschedules or parks the failed ones. Failed rows hold back later events
+/// of their key. (In delete-on-claim mode the rows are already gone; see [`restore`].)
+pub(crate) async fn mark(
     conn: &mut PgConnection,
     published: &[i64],
     failures: &[Failure],
-    delete_on_publish: bool,
 ) -> Result<(), sqlx::Error> {
     let seqs: Vec<i64> = failures.iter().map(|f| f.seq).collect();
     let incs: Vec<i32> = failures.iter().map(|f| i32::from(f.counts)).collect();
@@ -41,26 +41,7 @@ pub async fn complete(
     let parks: Vec<bool> = failures.iter().map(|f| f.park).collect();
     let reasons: Vec<Option<&str>> = failures.iter().map(|f| f.reason.as_deref()).collect();
     let holds: Vec<bool> = failures.iter().map(|f| f.hold).collect();
-    let sql = if delete_on_publish {
-        r#"
-        WITH done AS (
-            DELETE FROM postal.outbox WHERE seq = ANY($1) RETURNING 1
-        ), failed AS (
-            UPDATE postal.outbox o
-            SET attempts = o.attempts + u.inc,
-                status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
-                available_at = now() + u.delay_ms * interval '1 millisecond',
-                held = u.hold,
-                last_error = coalesce(u.reason, o.last_error)
-            FROM unnest($2::int8[], $3::int4[], $4::int8[], $5::bool[], $6::text[], $7::bool[])
-                 AS u(seq, inc, delay_ms, park, reason, hold)
-            WHERE o.seq = u.seq AND o.status = 'pending'
-            RETURNING 1
-        )
-        SELECT (SELECT count(*) FROM done) + (SELECT count(*) FROM failed)
-        "#
-    } else {
-        r#"
+    let sql = r#"
         WITH done AS (
             UPDATE postal.outbox
             SET status = 'published', published_at = now(), held = false
@@ -79,8 +60,7 @@ pub async fn complete(
             RETURNING 1
         )
         SELECT (SELECT count(*) FROM done) + (SELECT count(*) FROM failed)
-        "#
-    };
+        "#;
     let _: Option<i64> = sqlx::query_scalar(sql)
         .bind(published)
         .bind(&seqs)

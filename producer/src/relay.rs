@@ -459,10 +459,7 @@ impl CompleteCtx {
 
         // Record the outcome on the claim's transaction. If that fails (database gone), the
         // transaction rolls back and the rows are republished later: duplicates, never loss.
-        if let Err(e) = claim
-            .complete(&batch, &published, &failures, self.config.delete_on_publish)
-            .await
-        {
+        if let Err(e) = claim.complete(&batch, &published, &failures).await {
             tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
             return;
         }

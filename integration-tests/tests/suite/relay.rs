@@ -244,10 +244,7 @@ async fn oversized_event_is_parked_and_holds_only_its_key() {
     let others = seed(&db.pool, &topic, 50, 5).await;
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic, 50, Duration::from_secs(30)).await;
-    let seen: BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-        .collect();
+    let seen: BTreeSet<String> = kafka::event_ids(&records);
     assert_eq!(
         seen, others,
         "other keys flowed; the parked key's later event did not"
@@ -384,10 +381,7 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
     .await;
     relay.stop().await;
     let records = kafka::read_all(&broker.bootstrap(), &topic, 301, Duration::from_secs(30)).await;
-    let seen: BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-        .collect();
+    let seen: BTreeSet<String> = kafka::event_ids(&records);
     assert_eq!(seen, ids, "everything arrived");
     assert_eq!(
         counts.other.load(Ordering::Relaxed),
@@ -430,10 +424,7 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
     let published_n = 20_000 - pending.len();
     let records =
         kafka::read_all(&svc.bootstrap, &topic, published_n, Duration::from_secs(60)).await;
-    let published: BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-        .collect();
+    let published: BTreeSet<String> = kafka::event_ids(&records);
     let union: BTreeSet<String> = published.union(&pending).cloned().collect();
     assert_eq!(union, ids, "every event is published or still pending");
     assert!(
@@ -553,10 +544,7 @@ async fn relay_reconnects_after_database_restart() {
     .await;
     relay.stop().await;
     let records = kafka::read_all(&svc.bootstrap, &topic, 20, Duration::from_secs(30)).await;
-    let seen: BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-        .collect();
+    let seen: BTreeSet<String> = kafka::event_ids(&records);
     assert_eq!(seen, ids);
 }
 

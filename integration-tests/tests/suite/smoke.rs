@@ -50,10 +50,7 @@ async fn smoke_round_trip() {
 
     let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
     let records = kafka::read_all(&svc.bootstrap, &topic, 10, Duration::from_secs(60)).await;
-    let seen: BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-        .collect();
+    let seen: BTreeSet<String> = kafka::event_ids(&records);
     assert_eq!(seen, ids, "every committed event arrives, with its id");
     for r in &records {
         assert_eq!(r.header("ce_type"), Some("order.created"));
