@@ -1,17 +1,120 @@
-//! Postal's consumer half: dedup of delivered events by `(consumer_name, event_id)` in the
-//! consumer's own PostgreSQL transaction.
+//! Postal's consumer half: Kafka handlers whose database effects happen exactly once per event.
+//!
+//! Each handler runs in a PostgreSQL transaction that also writes the
+//! `postal.processed_events (consumer_name, event_id)` dedup row and the partition's next
+//! offset: all commit together or none does. A redelivered event finds its dedup row and is
+//! skipped; a restarted consumer seeks to the offset stored beside the effects, so a crash
+//! between the database commit and the Kafka commit replays nothing.
 //!
 //! ```no_run
-//! # async fn run(pool: sqlx::PgPool, event_id: postal_shared::EventId) -> Result<(), postal_consumer::Error> {
+//! use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+//! use serde::Deserialize;
+//! use sqlx::{Postgres, Transaction};
+//!
+//! #[derive(Deserialize)]
+//! struct OrderCreated { order_id: i64, total_cents: i64 }
+//!
+//! /// Books an invoice for each new order, exactly once.
+//! #[idempotent(consumer = "billing")]
+//! async fn on_order(
+//!     tx: &mut Transaction<'_, Postgres>,
+//!     event: Event<OrderCreated>,
+//! ) -> Result<(), HandlerError> {
+//!     sqlx::query("INSERT INTO invoices (event_id, order_id, cents) VALUES ($1, $2, $3)")
+//!         .bind(event.id.as_uuid())
+//!         .bind(event.payload.order_id)
+//!         .bind(event.payload.total_cents)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(())
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:5432/billing").await?;
+//! postal_shared::migrate(&pool).await?;
+//! let consumer = Consumer::builder(pool, ConsumerConfig::new("127.0.0.1:9092", "billing", "billing"))
+//!     .on("orders", "order.created", on_order)
+//!     .build()?;
+//! consumer.run_until_signal().await?; // SIGINT / SIGTERM: graceful shutdown
+//! # Ok(()) }
+//! ```
+//!
+//! The same handler works inside a transaction you own (no broker involved):
+//!
+//! ```no_run
+//! # use postal_consumer::{idempotent, Event, HandlerError, Outcome};
+//! # use sqlx::{Postgres, Transaction};
+//! # #[idempotent(consumer = "billing")]
+//! # async fn on_order(tx: &mut Transaction<'_, Postgres>, event: Event<serde_json::Value>) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn run(pool: sqlx::PgPool, event: Event<serde_json::Value>) -> Result<(), Box<dyn std::error::Error>> {
 //! let mut tx = pool.begin().await?;
-//! if postal_consumer::dedup::record(&mut tx, "billing", event_id).await? {
-//!     // First delivery: apply the effects in `tx`.
+//! match on_order::call(&mut tx, event).await? {
+//!     Outcome::Applied => {}   // first delivery: effects written in `tx`
+//!     Outcome::Duplicate => {} // seen before: the body did not run
+//!     _ => {}
 //! }
 //! tx.commit().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Failures
+//! A handler returns [`HandlerError::Retryable`] (retried with backoff, then dead-lettered),
+//! [`HandlerError::Permanent`] (dead-lettered at once) or [`HandlerError::Unavailable`]
+//! (retried for as long as it takes). Undecodable payloads, records without a `ce_id`,
+//! event types without a handler ([`UnknownTypes`]) and handler panics are dead-lettered too.
+//! A dead letter is written to `postal.dead_letters` in the same transaction that moves the
+//! partition past the record — none can be lost — and then published to `<topic>.dlq` with the
+//! original key, value and headers plus `postal_dlq_*` headers naming the error. The partition
+//! moves on: later events of the same key are processed, so that key is reordered downstream
+//! of the dead letter; re-driving it later applies it after them.
 
+mod config;
+mod context;
+pub mod dead_letter;
 pub mod dedup;
 mod error;
+mod event;
+mod handler;
+pub mod offsets;
+mod partition;
+mod record;
+mod route;
+mod runtime;
+mod stats;
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
+pub use config::{ConsumerConfig, UnknownTypes};
+pub use dead_letter::Reason as DeadLetterReason;
 pub use error::Error;
+pub use event::{Event, Headers, Payload, Position, Raw};
+pub use handler::{BoxError, Handler, HandlerError, Outcome};
+pub use postal_shared::{Backoff, EventId};
+pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
+pub use stats::{Stats, StatsSnapshot};
+
+/// Turns a plain `async fn(tx, event) -> Result<(), HandlerError>` into an idempotent handler.
+///
+/// ```ignore
+/// #[idempotent(consumer = "billing")]
+/// async fn on_order(tx: &mut Transaction<'_, Postgres>, event: Event<OrderCreated>)
+///     -> Result<(), HandlerError> { … }
+/// ```
+///
+/// The function becomes a unit struct of the same name that
+/// - implements [`Handler`], so the runtime can route to it (`.on(topic, type, on_order)`):
+///   the runtime opens the transaction, records the dedup row, runs the body, stores the next
+///   offset and commits — all or nothing;
+/// - has `on_order::call(&mut tx, event)`, for use inside a transaction you own: records the
+///   dedup row with `ON CONFLICT DO NOTHING` under a savepoint, returns
+///   [`Outcome::Duplicate`] without running the body if it existed, otherwise runs the body
+///   and returns [`Outcome::Applied`]; any error rolls back the dedup row and the effects
+///   together; you commit;
+/// - has `on_order::CONSUMER`, the dedup scope.
+///
+/// The first parameter is `&mut Transaction<'_, Postgres>` (or `&mut PgConnection`); the
+/// second `Event<T>` where `T` is any `serde` type (decoded from JSON) or [`Raw`]. Other
+/// signatures fail to compile with an error at the offending part.
+pub use postal_macros::idempotent;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::backoff::Backoff;
+use postal_shared::Backoff;
 use crate::Error;
 
 /// How the relay claims, retries and cleans up. Every field has a default (see

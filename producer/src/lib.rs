@@ -26,7 +26,6 @@
 //! # let _ = event_id; Ok(()) }
 //! ```
 
-mod backoff;
 pub mod claim;
 pub mod complete;
 mod config;
@@ -40,7 +39,7 @@ pub mod retention;
 mod trace;
 mod transport;
 
-pub use backoff::Backoff;
+pub use postal_shared::Backoff;
 pub use config::RelayConfig;
 pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;

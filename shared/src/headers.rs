@@ -28,6 +28,24 @@ pub const TRACEPARENT: &str = "traceparent";
 /// W3C trace context vendor state.
 pub const TRACESTATE: &str = "tracestate";
 
+/// Dead-letter records: why the record was dead-lettered (`permanent`, `undecodable`,
+/// `missing_event_id`, `unknown_type`, `panic`, `retries_exhausted`).
+pub const DLQ_REASON: &str = "postal_dlq_reason";
+/// Dead-letter records: the error message.
+pub const DLQ_ERROR: &str = "postal_dlq_error";
+/// Dead-letter records: the topic the record was consumed from.
+pub const DLQ_TOPIC: &str = "postal_dlq_topic";
+/// Dead-letter records: the partition the record was consumed from.
+pub const DLQ_PARTITION: &str = "postal_dlq_partition";
+/// Dead-letter records: the offset of the original record.
+pub const DLQ_OFFSET: &str = "postal_dlq_offset";
+/// Dead-letter records: the consumer (dedup scope) that gave up on the record.
+pub const DLQ_CONSUMER: &str = "postal_dlq_consumer";
+/// Dead-letter records: how many times the handler ran.
+pub const DLQ_ATTEMPTS: &str = "postal_dlq_attempts";
+/// Dead-letter records: the id of the row in `postal.dead_letters`.
+pub const DLQ_ID: &str = "postal_dlq_id";
+
 /// The CloudEvents spec version Postal writes.
 pub const SPEC_VERSION: &str = "1.0";
 

@@ -14,12 +14,14 @@
 //! # Ok(()) }
 //! ```
 
+mod backoff;
 mod envelope;
 mod error;
 pub mod headers;
 mod ids;
 mod migrate;
 
+pub use backoff::Backoff;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
 pub use error::Error;
 pub use ids::EventId;

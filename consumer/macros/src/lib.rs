@@ -1,1 +1,249 @@
-//! Procedural macros of Postal. Use them through `postal-consumer`.
+//! Procedural macros of Postal. Use them through `postal-consumer`, which re-exports them and
+//! documents them.
+//!
+//! This crate only parses and checks the handler's signature; the generated code calls into
+//! `postal_consumer::__private`, where the behaviour lives.
+
+use proc_macro::TokenStream;
+use proc_macro2::Span;
+use quote::{format_ident, quote, quote_spanned};
+use syn::parse::{Parse, ParseStream};
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{
+    Error, FnArg, GenericArgument, ItemFn, LitStr, MetaNameValue, PathArguments, ReturnType, Token,
+    Type,
+};
+
+/// Turns an `async fn(tx, event) -> Result<(), HandlerError>` into an idempotent handler.
+/// See `postal_consumer::idempotent` for the documentation.
+#[proc_macro_attribute]
+pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
+    let args = syn::parse_macro_input!(attr as Args);
+    let func = syn::parse_macro_input!(item as ItemFn);
+    match expand(args, func) {
+        Ok(ts) => ts.into(),
+        Err(e) => e.to_compile_error().into(),
+    }
+}
+
+struct Args {
+    consumer: LitStr,
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let pairs = Punctuated::<MetaNameValue, Token![,]>::parse_terminated(input)?;
+        let mut consumer = None;
+        for pair in pairs {
+            if !pair.path.is_ident("consumer") {
+                return Err(Error::new(
+                    pair.path.span(),
+                    "unknown argument: `#[idempotent]` takes `consumer = \"name\"`",
+                ));
+            }
+            let lit = match &pair.value {
+                syn::Expr::Lit(syn::ExprLit {
+                    lit: syn::Lit::Str(s),
+                    ..
+                }) => s.clone(),
+                other => {
+                    return Err(Error::new(
+                        other.span(),
+                        "the consumer name must be a string literal",
+                    ))
+                }
+            };
+            if lit.value().trim().is_empty() {
+                return Err(Error::new(lit.span(), "the consumer name must not be empty"));
+            }
+            if consumer.replace(lit).is_some() {
+                return Err(Error::new(pair.path.span(), "`consumer` is given twice"));
+            }
+        }
+        let consumer = consumer.ok_or_else(|| {
+            Error::new(
+                Span::call_site(),
+                "missing consumer name: write `#[idempotent(consumer = \"name\")]`",
+            )
+        })?;
+        Ok(Args { consumer })
+    }
+}
+
+/// The payload type `T` of a parameter typed `Event<T>` (any path ending in `Event`).
+fn event_payload(ty: &Type) -> Option<&Type> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "Event" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    if args.args.len() != 1 {
+        return None;
+    }
+    match args.args.first()? {
+        GenericArgument::Type(t) => Some(t),
+        _ => None,
+    }
+}
+
+/// Checks that the return type is written `Result<(), HandlerError>` (paths allowed).
+fn check_return(ty: &Type) -> syn::Result<()> {
+    let wrong = |span: Span| {
+        Err(Error::new(
+            span,
+            "`#[idempotent]` handlers must return `Result<(), HandlerError>`",
+        ))
+    };
+    let Type::Path(p) = ty else {
+        return wrong(ty.span());
+    };
+    let Some(last) = p.path.segments.last() else {
+        return wrong(ty.span());
+    };
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return wrong(ty.span());
+    };
+    if last.ident != "Result" || args.args.len() != 2 {
+        return wrong(ty.span());
+    }
+    match &args.args[0] {
+        GenericArgument::Type(Type::Tuple(t)) if t.elems.is_empty() => {}
+        other => return wrong(other.span()),
+    }
+    match &args.args[1] {
+        GenericArgument::Type(Type::Path(e))
+            if e.path.segments.last().is_some_and(|s| s.ident == "HandlerError") => {}
+        other => return wrong(other.span()),
+    }
+    Ok(())
+}
+
+fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
+    let sig = &func.sig;
+    if sig.asyncness.is_none() {
+        return Err(Error::new(
+            sig.fn_token.span(),
+            "`#[idempotent]` handlers must be `async fn`",
+        ));
+    }
+    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+        return Err(Error::new(
+            sig.generics.span(),
+            "`#[idempotent]` handlers cannot be generic",
+        ));
+    }
+    if let Some(v) = &sig.variadic {
+        return Err(Error::new(v.span(), "`#[idempotent]` handlers cannot be variadic"));
+    }
+    let inputs: Vec<&FnArg> = sig.inputs.iter().collect();
+    if let Some(FnArg::Receiver(r)) = inputs.first() {
+        return Err(Error::new(
+            r.span(),
+            "`#[idempotent]` handlers are free functions, not methods",
+        ));
+    }
+    if inputs.len() != 2 {
+        return Err(Error::new(
+            sig.paren_token.span.join(),
+            "expected two parameters: `tx: &mut Transaction<'_, Postgres>, event: Event<YourPayload>`",
+        ));
+    }
+    let typed = |a: &FnArg| match a {
+        FnArg::Typed(t) => Ok(t.clone()),
+        FnArg::Receiver(r) => Err(Error::new(r.span(), "unexpected `self`")),
+    };
+    let tx_arg = typed(inputs[0])?;
+    let ev_arg = typed(inputs[1])?;
+    match &*tx_arg.ty {
+        Type::Reference(r) if r.mutability.is_some() => {}
+        other => {
+            return Err(Error::new(
+                other.span(),
+                "the first parameter must be the transaction: `&mut Transaction<'_, Postgres>` (or `&mut PgConnection`)",
+            ))
+        }
+    }
+    let payload = event_payload(&ev_arg.ty).ok_or_else(|| {
+        Error::new(
+            ev_arg.ty.span(),
+            "the second parameter must be the event: `Event<YourPayload>`",
+        )
+    })?;
+    match &sig.output {
+        ReturnType::Default => {
+            return Err(Error::new(
+                sig.ident.span(),
+                "`#[idempotent]` handlers must return `Result<(), HandlerError>`",
+            ))
+        }
+        ReturnType::Type(_, t) => check_return(t)?,
+    };
+
+    let name = &sig.ident;
+    let vis = &func.vis;
+    let consumer = &args.consumer;
+    let (docs, other_attrs): (Vec<_>, Vec<_>) =
+        func.attrs.iter().partition(|a| a.path().is_ident("doc"));
+    let body_ident = format_ident!("__postal_body");
+    let mut body_sig = sig.clone();
+    body_sig.ident = body_ident.clone();
+    let block = &func.block;
+    let tx_ty_span = tx_arg.ty.span();
+    let ev_ty_span = ev_arg.ty.span();
+    let tx_pass = quote_spanned!(tx_ty_span=> tx);
+    let ev_pass = quote_spanned!(ev_ty_span=> event);
+    let p = quote!(::postal_consumer::__private);
+    // Spanned at the declared return type, so a wrong one is reported there.
+    Ok(quote! {
+        #(#docs)*
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy, Debug, Default)]
+        #vis struct #name;
+
+        impl #name {
+            /// The dedup scope of this handler (`processed_events.consumer_name`).
+            #vis const CONSUMER: &'static str = #consumer;
+
+            /// Runs the handler inside the caller's transaction, under a savepoint: records the
+            /// dedup row with `ON CONFLICT DO NOTHING`; if it already existed, skips the body
+            /// and returns `Outcome::Duplicate`, otherwise runs the body and returns
+            /// `Outcome::Applied`. On error the savepoint is rolled back (dedup row and effects
+            /// together) and the caller's transaction stays usable. The caller commits.
+            #[allow(dead_code)]
+            #vis async fn call<'c>(
+                tx: &mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                event: ::postal_consumer::Event<#payload>,
+            ) -> ::core::result::Result<::postal_consumer::Outcome, ::postal_consumer::HandlerError> {
+                #p::standalone(&#name, tx, event).await
+            }
+
+            #(#other_attrs)*
+            #[doc(hidden)]
+            #body_sig #block
+        }
+
+        impl ::postal_consumer::Handler for #name {
+            type Payload = #payload;
+
+            fn consumer(&self) -> &'static str {
+                Self::CONSUMER
+            }
+
+            fn name(&self) -> &'static str {
+                ::core::stringify!(#name)
+            }
+
+            fn handle<'a, 'c>(
+                &'a self,
+                tx: &'a mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                event: ::postal_consumer::Event<#payload>,
+            ) -> #p::BoxFuture<'a, ::core::result::Result<(), ::postal_consumer::HandlerError>> {
+                ::std::boxed::Box::pin(Self::#body_ident(#tx_pass, #ev_pass))
+            }
+        }
+    })
+}

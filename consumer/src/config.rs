@@ -1,0 +1,163 @@
+//! Consumer settings with their documented defaults.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use postal_shared::Backoff;
+
+use crate::Error;
+
+/// What to do with records whose event type has no handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum UnknownTypes {
+    /// Record them as dead letters (default): nothing is dropped silently.
+    #[default]
+    DeadLetter,
+    /// Skip them (the offset advances; `postal_consumer_skipped_total` counts them). For
+    /// topics that carry event types this consumer does not care about.
+    Skip,
+}
+
+/// How the consumer runtime connects, retries and shuts down. Every field has a default (see
+/// [`ConsumerConfig::new`]); [`ConsumerConfig::validate`] rejects nonsensical values.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Kafka consumer group; also the key of the stored offsets.
+    pub group: String,
+    /// The dedup scope: `processed_events.consumer_name` of every handler of this runtime.
+    pub consumer: String,
+    /// Partitions processed at the same time (default 8). Messages of one partition are
+    /// always processed one after another, in offset order.
+    pub max_concurrent_partitions: usize,
+    /// Handler runs per event before a retryable failure becomes a dead letter (default 10).
+    /// Outages ([`crate::HandlerError::Unavailable`], an unreachable database) never count.
+    pub max_attempts: u32,
+    /// Retry backoff: exponential with full jitter (default 100 ms doubling up to 30 s).
+    pub backoff: Backoff,
+    /// Records of types without a handler (default: dead letters).
+    pub unknown_types: UnknownTypes,
+    /// Suffix of dead-letter topics (default `.dlq`: records of `orders` go to `orders.dlq`).
+    pub dlq_suffix: String,
+    /// Partitions of dead-letter topics the consumer creates (default 1).
+    pub dlq_partitions: i32,
+    /// Replication factor of dead-letter topics the consumer creates (default 1).
+    pub dlq_replication: i32,
+    /// How often processed offsets are also committed to Kafka, asynchronously, for lag
+    /// tools (default 1 s). The database copy is the one the consumer resumes from.
+    pub kafka_commit_interval: Duration,
+    /// Records buffered per partition before fetching from it pauses (default 1000).
+    pub partition_buffer: usize,
+    /// How long shutdown waits for in-flight transactions before abandoning (rolling back)
+    /// them (default 10 s).
+    pub shutdown_timeout: Duration,
+    /// Extra librdkafka consumer properties; they override Postal's defaults.
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl ConsumerConfig {
+    /// Defaults for the given brokers, group and consumer name.
+    pub fn new(
+        brokers: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> Self {
+        ConsumerConfig {
+            brokers: brokers.into(),
+            group: group.into(),
+            consumer: consumer.into(),
+            max_concurrent_partitions: 8,
+            max_attempts: 10,
+            backoff: Backoff {
+                base: Duration::from_millis(100),
+                max: Duration::from_secs(30),
+            },
+            unknown_types: UnknownTypes::DeadLetter,
+            dlq_suffix: ".dlq".into(),
+            dlq_partitions: 1,
+            dlq_replication: 1,
+            kafka_commit_interval: Duration::from_secs(1),
+            partition_buffer: 1000,
+            shutdown_timeout: Duration::from_secs(10),
+            kafka: BTreeMap::new(),
+        }
+    }
+
+    /// Checks the settings; the error names the offending one.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |m: &str| Err(Error::Config(m.to_owned()));
+        if self.brokers.trim().is_empty() {
+            return bad("brokers must not be empty");
+        }
+        if self.group.trim().is_empty() {
+            return bad("group must not be empty");
+        }
+        if self.consumer.trim().is_empty() {
+            return bad("consumer name must not be empty");
+        }
+        if self.max_concurrent_partitions == 0 || self.max_concurrent_partitions > 1024 {
+            return bad("max concurrent partitions must be between 1 and 1024");
+        }
+        if self.max_attempts == 0 {
+            return bad("max attempts must be at least 1");
+        }
+        if self.dlq_suffix.is_empty() {
+            return bad("dead-letter suffix must not be empty");
+        }
+        if self.dlq_partitions < 1 || self.dlq_replication < 1 {
+            return bad("dead-letter topic partitions and replication must be at least 1");
+        }
+        if self.kafka_commit_interval.is_zero() {
+            return bad("kafka commit interval must be positive");
+        }
+        if self.partition_buffer == 0 {
+            return bad("partition buffer must be at least 1");
+        }
+        if self.kafka.contains_key("enable.auto.offset.store")
+            || self.kafka.contains_key("enable.auto.commit")
+        {
+            return bad("enable.auto.commit and enable.auto.offset.store are managed by Postal");
+        }
+        Ok(())
+    }
+
+    /// The librdkafka consumer configuration: Postal's defaults, then the user's properties.
+    ///
+    /// Defaults: `enable.auto.commit=false` (Postal commits processed offsets itself),
+    /// `auto.offset.reset=earliest`, `isolation.level=read_committed`,
+    /// `enable.partition.eof=false`.
+    pub fn client_config(&self) -> rdkafka::ClientConfig {
+        let mut cfg = rdkafka::ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("isolation.level", "read_committed")
+            .set("enable.partition.eof", "false")
+            .set("log_level", "4");
+        for (k, v) in &self.kafka {
+            cfg.set(k, v);
+        }
+        cfg
+    }
+
+    /// The librdkafka producer configuration for dead letters (idempotent, `acks=all`).
+    pub fn dlq_producer_config(&self) -> rdkafka::ClientConfig {
+        let mut cfg = rdkafka::ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("message.timeout.ms", "20000")
+            .set("log_level", "4");
+        for (k, v) in &self.kafka {
+            // Security and connection settings apply to both clients.
+            if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
+                cfg.set(k, v);
+            }
+        }
+        cfg
+    }
+}

@@ -1,0 +1,109 @@
+//! The rdkafka consumer context: rebalance callbacks that never touch the database.
+//!
+//! librdkafka runs these callbacks synchronously inside the poll. On revocation they cancel the
+//! partition's worker (it finishes or abandons its transaction; the database epoch fences it if
+//! another consumer already took over) and hand the last processed offsets to an asynchronous
+//! Kafka commit; on assignment they tell the runtime, whose worker then reads the stored offset
+//! from the database and seeks there.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio_util::sync::CancellationToken;
+
+/// A (topic, partition) pair.
+pub(crate) type Tp = (String, i32);
+
+/// State shared between the callbacks and the runtime.
+#[derive(Default)]
+pub(crate) struct Ownership {
+    /// Cancellation of the worker of every partition this consumer owns.
+    pub owned: HashMap<Tp, CancellationToken>,
+    /// Offsets committed to the database but not yet to Kafka.
+    pub pending_commits: HashMap<Tp, i64>,
+}
+
+/// What the callbacks tell the runtime.
+#[derive(Debug)]
+pub(crate) enum RebalanceEvent {
+    Assigned(Vec<Tp>),
+    Revoked(Vec<Tp>),
+}
+
+pub(crate) struct Context {
+    pub state: Arc<Mutex<Ownership>>,
+    pub events: UnboundedSender<RebalanceEvent>,
+}
+
+impl ClientContext for Context {}
+
+fn pairs(tpl: &TopicPartitionList) -> Vec<Tp> {
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
+}
+
+/// The pending Kafka commits of `tps`, as a partition list.
+pub(crate) fn take_commits(state: &mut Ownership, tps: Option<&[Tp]>) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    let keys: Vec<Tp> = match tps {
+        Some(t) => t.to_vec(),
+        None => state.pending_commits.keys().cloned().collect(),
+    };
+    for tp in keys {
+        if let Some(off) = state.pending_commits.remove(&tp) {
+            let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(off));
+        }
+    }
+    tpl
+}
+
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(tpl) = rebalance {
+            let tps = pairs(tpl);
+            let commits = {
+                let mut state = self.state.lock().expect("ownership state");
+                for tp in &tps {
+                    if let Some(cancel) = state.owned.remove(tp) {
+                        cancel.cancel();
+                    }
+                }
+                take_commits(&mut state, Some(&tps))
+            };
+            if commits.count() > 0 {
+                if let Err(e) = consumer.commit(&commits, CommitMode::Async) {
+                    tracing::debug!(error = %e, "kafka commit on revocation failed");
+                }
+            }
+            tracing::info!(partitions = ?tps, "partitions revoked");
+            let _ = self.events.send(RebalanceEvent::Revoked(tps));
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                let tps = pairs(tpl);
+                tracing::info!(partitions = ?tps, "partitions assigned");
+                let _ = self.events.send(RebalanceEvent::Assigned(tps));
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "consumer group rebalance failed"),
+        }
+    }
+
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        _offsets: &TopicPartitionList,
+    ) {
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "asynchronous kafka offset commit failed (the database holds the offsets)");
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! Dead letters: recorded in the transaction that moves the partition past them, then
+//! published to `<topic>.dlq` with the original key, value and headers plus the error.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::join_all;
+use postal_shared::headers;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::record::Record;
+use crate::Backoff;
+
+/// Why a record became a dead letter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Reason {
+    /// The handler returned [`crate::HandlerError::Permanent`].
+    Permanent,
+    /// The payload (or a header) could not be decoded.
+    Undecodable,
+    /// The record has no valid `ce_id` header, so it cannot be deduplicated.
+    MissingEventId,
+    /// No handler is registered for the record's topic, type and version.
+    UnknownType,
+    /// The handler panicked.
+    Panic,
+    /// Retryable failures used up `max_attempts`.
+    RetriesExhausted,
+}
+
+impl Reason {
+    /// The name stored in `postal.dead_letters.reason` and the `postal_dlq_reason` header.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Reason::Permanent => "permanent",
+            Reason::Undecodable => "undecodable",
+            Reason::MissingEventId => "missing_event_id",
+            Reason::UnknownType => "unknown_type",
+            Reason::Panic => "panic",
+            Reason::RetriesExhausted => "retries_exhausted",
+        }
+    }
+}
+
+/// What is written for one dead letter.
+#[derive(Clone, Copy)]
+pub(crate) struct DeadLetter<'a> {
+    pub consumer: &'a str,
+    pub group: &'a str,
+    pub record: &'a Record,
+    pub event_id: Option<uuid::Uuid>,
+    pub event_type: Option<&'a str>,
+    pub reason: Reason,
+    pub error: &'a str,
+    pub attempts: i32,
+    pub dlq_topic: &'a str,
+}
+
+/// Inserts the dead letter in the caller's transaction; returns its id.
+pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result<i64, sqlx::Error> {
+    let (names, values): (Vec<String>, Vec<Vec<u8>>) = d
+        .record
+        .headers
+        .iter()
+        .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
+        .unzip();
+    sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition, kafka_offset,
+             event_id, event_type, record_key, payload, header_names, header_values, reason,
+             error, attempts, dlq_topic)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+         RETURNING id",
+    )
+    .bind(d.consumer)
+    .bind(d.group)
+    .bind(&d.record.topic)
+    .bind(d.record.partition)
+    .bind(d.record.offset)
+    .bind(d.event_id)
+    .bind(d.event_type)
+    .bind(d.record.key.as_deref())
+    .bind(d.record.payload.as_deref())
+    .bind(names)
+    .bind(values)
+    .bind(d.reason.as_str())
+    .bind(d.error)
+    .bind(d.attempts)
+    .bind(d.dlq_topic)
+    .fetch_one(conn)
+    .await
+}
+
+#[derive(sqlx::FromRow)]
+struct Row {
+    id: i64,
+    topic: String,
+    partition: i32,
+    kafka_offset: i64,
+    record_key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    header_names: Vec<String>,
+    header_values: Vec<Vec<u8>>,
+    reason: String,
+    error: String,
+    attempts: i32,
+    dlq_topic: String,
+}
+
+/// Publishes this consumer's unpublished dead letters; woken after every dead letter and
+/// polling as a safety net.
+pub(crate) struct Publisher {
+    pub pool: PgPool,
+    pub producer: FutureProducer,
+    pub admin: AdminClient<DefaultClientContext>,
+    pub consumer: String,
+    pub topic_partitions: i32,
+    pub topic_replication: i32,
+    pub wake: Arc<Notify>,
+    pub created: Mutex<HashSet<String>>,
+    pub backoff: Backoff,
+}
+
+const BATCH: i64 = 100;
+
+impl Publisher {
+    pub async fn run(self, stop: CancellationToken) {
+        let mut failures = 0u32;
+        loop {
+            match self.publish_pending().await {
+                Ok(true) => {
+                    failures = 0;
+                    continue;
+                }
+                Ok(false) => failures = 0,
+                Err(e) => {
+                    tracing::warn!(error = %e, "publishing dead letters failed; retrying");
+                    let wait = self.backoff.delay(failures);
+                    failures = failures.saturating_add(1);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => continue,
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                _ = stop.cancelled() => {
+                    // One last pass for dead letters recorded during shutdown.
+                    if let Err(e) = self.publish_pending().await {
+                        tracing::warn!(error = %e, "dead letters left unpublished at shutdown; the next start publishes them");
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Publishes one batch; `Ok(true)` when a full batch went out (there may be more).
+    async fn publish_pending(&self) -> Result<bool, String> {
+        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
+                    header_values, reason, error, attempts, dlq_topic
+             FROM postal.dead_letters
+             WHERE consumer_name = $1 AND published_at IS NULL
+             ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(&self.consumer)
+        .bind(BATCH)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
+        if rows.is_empty() {
+            return Ok(false);
+        }
+        for topic in rows.iter().map(|r| r.dlq_topic.clone()).collect::<HashSet<_>>() {
+            self.ensure_topic(&topic).await?;
+        }
+        let sends = rows.iter().map(|r| {
+            let mut h = OwnedHeaders::new_with_capacity(r.header_names.len() + 8);
+            for (n, v) in r.header_names.iter().zip(&r.header_values) {
+                h = h.insert(Header {
+                    key: n,
+                    value: Some(v),
+                });
+            }
+            let partition = r.partition.to_string();
+            let offset = r.kafka_offset.to_string();
+            let attempts = r.attempts.to_string();
+            let id = r.id.to_string();
+            for (k, v) in [
+                (headers::DLQ_REASON, r.reason.as_str()),
+                (headers::DLQ_ERROR, r.error.as_str()),
+                (headers::DLQ_TOPIC, r.topic.as_str()),
+                (headers::DLQ_PARTITION, partition.as_str()),
+                (headers::DLQ_OFFSET, offset.as_str()),
+                (headers::DLQ_CONSUMER, self.consumer.as_str()),
+                (headers::DLQ_ATTEMPTS, attempts.as_str()),
+                (headers::DLQ_ID, id.as_str()),
+            ] {
+                h = h.insert(Header {
+                    key: k,
+                    value: Some(v),
+                });
+            }
+            let mut rec: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&r.dlq_topic).headers(h);
+            if let Some(k) = &r.record_key {
+                rec = rec.key(k.as_slice());
+            }
+            if let Some(p) = &r.payload {
+                rec = rec.payload(p.as_slice());
+            }
+            self.producer.send(rec, Duration::from_secs(30))
+        });
+        let results = join_all(sends).await;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut first_error = None;
+        for (row, res) in rows.iter().zip(results) {
+            match res {
+                Ok(_) => done.push(row.id),
+                Err((e, _)) => {
+                    first_error.get_or_insert_with(|| format!("dead letter {}: {e}", row.id));
+                }
+            }
+        }
+        sqlx::query("UPDATE postal.dead_letters SET published_at = now() WHERE id = ANY($1)")
+            .bind(&done)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        tracing::debug!(count = done.len(), "published dead letters");
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(rows.len() as i64 == BATCH),
+        }
+    }
+
+    async fn ensure_topic(&self, topic: &str) -> Result<(), String> {
+        if self.created.lock().expect("topic set").contains(topic) {
+            return Ok(());
+        }
+        let new = NewTopic::new(
+            topic,
+            self.topic_partitions,
+            TopicReplication::Fixed(self.topic_replication),
+        );
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self
+            .admin
+            .create_topics([&new], &opts)
+            .await
+            .map_err(|e| format!("creating dead-letter topic {topic:?}: {e}"))?;
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((_, code)) => {
+                    return Err(format!("creating dead-letter topic {topic:?}: {code}"))
+                }
+            }
+        }
+        self.created
+            .lock()
+            .expect("topic set")
+            .insert(topic.to_owned());
+        Ok(())
+    }
+}

@@ -1,0 +1,129 @@
+//! The handler contract: what a handler returns and how the runtime calls it.
+
+use futures::future::BoxFuture;
+use sqlx::{Postgres, Transaction};
+
+use crate::event::{Event, Payload};
+
+/// A boxed error source.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a handler failed. Every failure rolls back the handler's effects together with the
+/// dedup row; what happens next depends on the variant.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandlerError {
+    /// Worth retrying (a lock timeout, a serialization failure, a flaky dependency): retried
+    /// with exponential backoff and full jitter; dead-lettered after `max_attempts`.
+    #[error("retryable: {0}")]
+    Retryable(BoxError),
+    /// Will fail again however often it is retried (a business rule violation, a payload the
+    /// handler cannot use): dead-lettered at once.
+    #[error("permanent: {0}")]
+    Permanent(BoxError),
+    /// The database (or another dependency) is unreachable: retried with backoff for as long
+    /// as it takes, never using up an attempt.
+    #[error("unavailable: {0}")]
+    Unavailable(BoxError),
+}
+
+impl HandlerError {
+    /// A retryable failure.
+    pub fn retryable(e: impl Into<BoxError>) -> Self {
+        HandlerError::Retryable(e.into())
+    }
+
+    /// A permanent failure.
+    pub fn permanent(e: impl Into<BoxError>) -> Self {
+        HandlerError::Permanent(e.into())
+    }
+
+    /// A dependency outage.
+    pub fn unavailable(e: impl Into<BoxError>) -> Self {
+        HandlerError::Unavailable(e.into())
+    }
+}
+
+/// Database errors are classified so handlers can use `?` on sqlx calls:
+/// connection-level failures (I/O, TLS, pool timeouts, SQLSTATE class 08, server shutdown) are
+/// [`HandlerError::Unavailable`]; data exceptions and integrity violations (classes 22 and 23)
+/// are [`HandlerError::Permanent`]; everything else (serialization failures, deadlocks, lock
+/// timeouts, …) is [`HandlerError::Retryable`].
+impl From<sqlx::Error> for HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        match classify_sqlx(&e) {
+            Class::Unavailable => HandlerError::Unavailable(Box::new(e)),
+            Class::Permanent => HandlerError::Permanent(Box::new(e)),
+            Class::Retryable => HandlerError::Retryable(Box::new(e)),
+        }
+    }
+}
+
+impl From<crate::Error> for HandlerError {
+    fn from(e: crate::Error) -> Self {
+        match e {
+            crate::Error::Database(db) => db.into(),
+            other => HandlerError::Retryable(Box::new(other)),
+        }
+    }
+}
+
+pub(crate) enum Class {
+    Unavailable,
+    Permanent,
+    Retryable,
+}
+
+pub(crate) fn classify_sqlx(e: &sqlx::Error) -> Class {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => Class::Unavailable,
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
+                Class::Unavailable
+            } else if code.starts_with("22") || code.starts_with("23") {
+                Class::Permanent
+            } else {
+                Class::Retryable
+            }
+        }
+        _ => Class::Retryable,
+    }
+}
+
+/// What a standalone handler call did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// First delivery: the dedup row was written and the body ran.
+    Applied,
+    /// The dedup row already existed: the body did not run.
+    Duplicate,
+}
+
+/// A handler the runtime can route events to. Implemented by `#[idempotent]`; implement it by
+/// hand only for handlers the macro cannot express.
+///
+/// `handle` runs the body only: the runtime (or the generated standalone `call`) records the
+/// dedup row and the offset around it in the same transaction.
+pub trait Handler: Send + Sync + 'static {
+    /// The payload type the handler decodes.
+    type Payload: Payload;
+
+    /// The dedup scope (`consumer = "..."`).
+    fn consumer(&self) -> &'static str;
+
+    /// The handler's name, for logs and metrics.
+    fn name(&self) -> &'static str;
+
+    /// Runs the body in `tx`.
+    fn handle<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        event: Event<Self::Payload>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+}

@@ -1,0 +1,449 @@
+//! One worker per owned partition: records in offset order, one transaction each holding the
+//! dedup row, the handler's effects and the next offset.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{ConsumerConfig, UnknownTypes};
+use crate::context::{Context, Ownership as OwnershipState};
+use crate::dead_letter::{self, DeadLetter, Reason};
+use crate::handler::{classify_sqlx, Class, HandlerError};
+use crate::offsets::{self, Ownership};
+use crate::record::{meta, Meta, Record};
+use crate::route::{Failure, Route, Router};
+use crate::stats::Stats;
+
+/// What every worker of a runtime shares.
+pub(crate) struct Shared {
+    pub pool: PgPool,
+    pub config: ConsumerConfig,
+    pub router: Router,
+    pub consumer: Arc<StreamConsumer<Context>>,
+    pub state: Arc<Mutex<OwnershipState>>,
+    pub stats: Arc<Stats>,
+    pub dlq_wake: Arc<Notify>,
+    pub permits: Semaphore,
+    pub owner: String,
+}
+
+/// The runtime's side of a worker.
+pub(crate) struct Inbox {
+    pub tx: mpsc::UnboundedSender<Record>,
+    pub queued: Arc<AtomicUsize>,
+    pub paused: Arc<Mutex<bool>>,
+}
+
+impl Inbox {
+    /// Queues a record; pauses fetching from the partition when its buffer is full.
+    pub fn push(&self, shared: &Shared, record: Record) {
+        let (topic, partition) = (record.topic.clone(), record.partition);
+        if self.tx.send(record).is_err() {
+            return; // the worker stopped (fenced or revoked): the next owner reads the record
+        }
+        let queued = self.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        if queued >= shared.config.partition_buffer {
+            let mut paused = self.paused.lock().expect("pause flag");
+            if !*paused {
+                if let Err(e) = shared.consumer.pause(&tpl(&topic, partition)) {
+                    tracing::debug!(error = %e, topic, partition, "pause failed");
+                } else {
+                    *paused = true;
+                }
+            }
+        }
+    }
+}
+
+fn tpl(topic: &str, partition: i32) -> TopicPartitionList {
+    let mut t = TopicPartitionList::new();
+    t.add_partition(topic, partition);
+    t
+}
+
+/// How processing one record ended.
+enum Step {
+    /// The partition moved past the record.
+    Done,
+    /// Stop the worker (revoked, shutting down or fenced); the record is left for the next owner.
+    Stop,
+}
+
+pub(crate) struct Worker {
+    pub shared: Arc<Shared>,
+    pub topic: String,
+    pub partition: i32,
+    pub rx: mpsc::UnboundedReceiver<Record>,
+    pub queued: Arc<AtomicUsize>,
+    pub paused: Arc<Mutex<bool>>,
+    pub cancel: CancellationToken,
+}
+
+impl Worker {
+    pub async fn run(mut self) {
+        let Some(own) = self.claim().await else {
+            return;
+        };
+        let mut next = own.next_offset;
+        if let Some(n) = next {
+            // Asynchronous seek (timeout 0): records below `n` that were fetched before it
+            // takes effect are skipped below.
+            if let Err(e) =
+                self.shared
+                    .consumer
+                    .seek(&self.topic, self.partition, Offset::Offset(n), Duration::ZERO)
+            {
+                tracing::debug!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed; skipping older records instead");
+            }
+        }
+        tracing::debug!(topic = %self.topic, partition = self.partition, epoch = own.epoch, next_offset = ?next, "partition taken over");
+        loop {
+            let record = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return,
+                r = self.rx.recv() => match r { Some(r) => r, None => return },
+            };
+            self.dequeued();
+            if next.is_some_and(|n| record.offset < n) {
+                self.shared
+                    .stats
+                    .replays_skipped(&self.shared.config.consumer, &self.topic);
+                continue;
+            }
+            let permit = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return,
+                p = self.shared.permits.acquire() => match p { Ok(p) => p, Err(_) => return },
+            };
+            let step = self.process(&own, &record).await;
+            drop(permit);
+            match step {
+                Step::Done => {
+                    next = Some(record.offset + 1);
+                    if !self.cancel.is_cancelled() {
+                        self.shared
+                            .state
+                            .lock()
+                            .expect("ownership state")
+                            .pending_commits
+                            .insert((self.topic.clone(), self.partition), record.offset + 1);
+                    }
+                }
+                Step::Stop => return,
+            }
+        }
+    }
+
+    fn dequeued(&self) {
+        let queued = self.queued.fetch_sub(1, Ordering::AcqRel) - 1;
+        if queued <= self.shared.config.partition_buffer / 2 {
+            let mut paused = self.paused.lock().expect("pause flag");
+            if *paused {
+                match self.shared.consumer.resume(&tpl(&self.topic, self.partition)) {
+                    Ok(()) => *paused = false,
+                    Err(e) => tracing::debug!(error = %e, "resume failed"),
+                }
+            }
+        }
+    }
+
+    /// Takes the partition over in the database; waits (with backoff) while it is unreachable.
+    async fn claim(&self) -> Option<Ownership> {
+        let mut failures = 0u32;
+        loop {
+            let r = offsets::claim(
+                &self.shared.pool,
+                &self.shared.config.group,
+                &self.topic,
+                self.partition,
+                &self.shared.owner,
+            )
+            .await;
+            match r {
+                Ok(o) => return Some(o),
+                Err(e) => {
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read the stored offset; retrying");
+                    if !self.wait(failures).await {
+                        return None;
+                    }
+                    failures = failures.saturating_add(1);
+                }
+            }
+        }
+    }
+
+    /// Sleeps for the backoff of `attempt`; `false` if cancelled meanwhile.
+    async fn wait(&self, attempt: u32) -> bool {
+        let d = self.shared.config.backoff.delay(attempt);
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = self.cancel.cancelled() => false,
+        }
+    }
+
+    async fn process(&self, own: &Ownership, record: &Record) -> Step {
+        let consumer = self.shared.config.consumer.as_str();
+        let meta = match meta(record) {
+            Ok(m) => m,
+            Err((reason, error)) => {
+                return self
+                    .dead_letter(own, record, None, reason, &error, 0)
+                    .await
+            }
+        };
+        let Some(route) = self
+            .shared
+            .router
+            .find(&record.topic, &meta.event_type, meta.schema_version)
+            .cloned()
+        else {
+            return match self.shared.config.unknown_types {
+                UnknownTypes::Skip => self.skip(own, record).await,
+                _ => {
+                    let error = format!(
+                        "no handler for event type {:?} (schema version {}) on topic {:?}",
+                        meta.event_type, meta.schema_version, record.topic
+                    );
+                    self.dead_letter(own, record, Some(&meta), Reason::UnknownType, &error, 0)
+                        .await
+                }
+            };
+        };
+        let mut attempts = 0u32;
+        let mut outages = 0u32;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Step::Stop;
+            }
+            let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %meta.id, topic = %record.topic, partition = record.partition, offset = record.offset);
+            let result = tracing::Instrument::instrument(
+                self.attempt(own, record, &meta, route.as_ref()),
+                span,
+            )
+            .await;
+            match result {
+                Ok(applied) => {
+                    if applied {
+                        self.shared.stats.applied(consumer, &record.topic);
+                    } else {
+                        self.shared.stats.duplicates(consumer, &record.topic);
+                    }
+                    return Step::Done;
+                }
+                Err(Attempt::Fenced) => {
+                    self.shared.stats.fenced(consumer, &record.topic);
+                    tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back and stopping");
+                    return Step::Stop;
+                }
+                Err(Attempt::Unavailable(e)) => {
+                    tracing::warn!(error = %e, event_id = %meta.id, "database or dependency unavailable; retrying (does not count as an attempt)");
+                    if !self.wait(outages).await {
+                        return Step::Stop;
+                    }
+                    outages = outages.saturating_add(1);
+                }
+                Err(Attempt::Retryable(e)) => {
+                    attempts += 1;
+                    if attempts >= self.shared.config.max_attempts {
+                        let error = format!("gave up after {attempts} attempts: {e}");
+                        return self
+                            .dead_letter(own, record, Some(&meta), Reason::RetriesExhausted, &error, attempts as i32)
+                            .await;
+                    }
+                    self.shared.stats.retries(consumer, &record.topic);
+                    tracing::warn!(error = %e, event_id = %meta.id, attempt = attempts, "handler failed; retrying");
+                    if !self.wait(attempts - 1).await {
+                        return Step::Stop;
+                    }
+                }
+                Err(Attempt::Permanent(reason, e)) => {
+                    let ran = if reason == Reason::Undecodable { attempts } else { attempts + 1 };
+                    return self
+                        .dead_letter(own, record, Some(&meta), reason, &e, ran as i32)
+                        .await;
+                }
+            }
+        }
+    }
+
+    /// One transaction: dedup row, body, next offset. `Ok(true)` applied, `Ok(false)` duplicate.
+    async fn attempt(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        meta: &Meta,
+        route: &dyn Route,
+    ) -> Result<bool, Attempt> {
+        let consumer = self.shared.config.consumer.as_str();
+        let mut tx = self.shared.pool.begin().await.map_err(Attempt::db)?;
+        let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
+            .await
+            .map_err(|e| match e {
+                crate::Error::Database(d) => Attempt::db(d),
+                other => Attempt::Retryable(other.to_string()),
+            })?;
+        if fresh {
+            let call = AssertUnwindSafe(route.call(&mut tx, record, meta)).catch_unwind();
+            match call.await {
+                Ok(Ok(())) => {}
+                Ok(Err(Failure::Undecodable(e))) => {
+                    return Err(Attempt::Permanent(Reason::Undecodable, e))
+                }
+                Ok(Err(Failure::Handler(e))) => return Err(Attempt::from_handler(e)),
+                Err(panic) => {
+                    let msg = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "handler panicked".into());
+                    tracing::error!(handler = route.name(), consumer, panic = %msg, "handler panicked");
+                    return Err(Attempt::Permanent(Reason::Panic, format!("panic: {msg}")));
+                }
+            }
+        }
+        let owned = offsets::advance(
+            &mut tx,
+            &self.shared.config.group,
+            &record.topic,
+            record.partition,
+            own.epoch,
+            record.offset + 1,
+        )
+        .await
+        .map_err(Attempt::db)?;
+        if !owned {
+            return Err(Attempt::Fenced);
+        }
+        tx.commit().await.map_err(Attempt::db)?;
+        Ok(fresh)
+    }
+
+    /// Advances past a record of an unknown type.
+    async fn skip(&self, own: &Ownership, record: &Record) -> Step {
+        let step = self.write_with_retry(own, record, None).await;
+        if matches!(step, Step::Done) {
+            self.shared
+                .stats
+                .skipped(&self.shared.config.consumer, &record.topic);
+        }
+        step
+    }
+
+    /// Records a dead letter in the transaction that advances the offset past it.
+    async fn dead_letter(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        meta: Option<&Meta>,
+        reason: Reason,
+        error: &str,
+        attempts: i32,
+    ) -> Step {
+        let config = &self.shared.config;
+        let dlq_topic = format!("{}{}", record.topic, config.dlq_suffix);
+        let d = DeadLetter {
+            consumer: &config.consumer,
+            group: &config.group,
+            record,
+            event_id: meta.map(|m| m.id.as_uuid()),
+            event_type: meta.map(|m| m.event_type.as_str()),
+            reason,
+            error,
+            attempts,
+            dlq_topic: &dlq_topic,
+        };
+        let step = self.write_with_retry(own, record, Some(d)).await;
+        if matches!(step, Step::Done) {
+            self.shared.stats.dead_letters(&config.consumer, &record.topic);
+            self.shared.dlq_wake.notify_one();
+            tracing::error!(
+                topic = %record.topic, partition = record.partition, offset = record.offset,
+                event_id = ?meta.map(|m| m.id), reason = reason.as_str(), error,
+                "dead-lettered; the partition moves on"
+            );
+        }
+        step
+    }
+
+    /// Records the dead letter (if any) and the offset advance in one transaction, retrying
+    /// database failures until it commits, the worker is cancelled, or the partition is fenced.
+    async fn write_with_retry(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        dead: Option<DeadLetter<'_>>,
+    ) -> Step {
+        let mut failures = 0u32;
+        loop {
+            let result: Result<bool, sqlx::Error> = async {
+                let mut tx = self.shared.pool.begin().await?;
+                if let Some(d) = dead {
+                    dead_letter::record(&mut tx, d).await?;
+                }
+                let owned = offsets::advance(
+                    &mut tx,
+                    &self.shared.config.group,
+                    &record.topic,
+                    record.partition,
+                    own.epoch,
+                    record.offset + 1,
+                )
+                .await?;
+                if owned {
+                    tx.commit().await?;
+                }
+                Ok(owned)
+            }
+            .await;
+            match result {
+                Ok(true) => return Step::Done,
+                Ok(false) => {
+                    self.shared
+                        .stats
+                        .fenced(&self.shared.config.consumer, &record.topic);
+                    return Step::Stop;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset, "cannot record the outcome; retrying");
+                    if !self.wait(failures).await {
+                        return Step::Stop;
+                    }
+                    failures = failures.saturating_add(1);
+                }
+            }
+        }
+    }
+}
+
+/// How one attempt failed.
+enum Attempt {
+    Fenced,
+    Unavailable(String),
+    Retryable(String),
+    Permanent(Reason, String),
+}
+
+impl Attempt {
+    fn db(e: sqlx::Error) -> Self {
+        match classify_sqlx(&e) {
+            Class::Unavailable => Attempt::Unavailable(e.to_string()),
+            _ => Attempt::Retryable(e.to_string()),
+        }
+    }
+
+    fn from_handler(e: HandlerError) -> Self {
+        match e {
+            HandlerError::Retryable(e) => Attempt::Retryable(e.to_string()),
+            HandlerError::Permanent(e) => Attempt::Permanent(Reason::Permanent, e.to_string()),
+            HandlerError::Unavailable(e) => Attempt::Unavailable(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! The consumed Kafka record as Postal reads it: owned bytes plus the envelope headers.
+
+use chrono::{DateTime, Utc};
+use postal_shared::{headers, EventId};
+use rdkafka::message::{Headers as _, Message};
+
+use crate::dead_letter::Reason;
+use crate::event::{Event, Headers, Payload, Position};
+
+/// One consumed record.
+#[derive(Clone, Debug)]
+pub(crate) struct Record {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Option<Vec<u8>>,
+    pub headers: Headers,
+}
+
+impl Record {
+    pub fn from_message<M: Message>(m: &M) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Record {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec),
+            headers: Headers::new(headers),
+        }
+    }
+
+    pub fn position(&self) -> Position {
+        Position {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+        }
+    }
+}
+
+/// The envelope fields every record must carry.
+#[derive(Clone, Debug)]
+pub(crate) struct Meta {
+    pub id: EventId,
+    pub event_type: String,
+    pub schema_version: i32,
+}
+
+/// Why a record cannot even be routed.
+pub(crate) type Rejection = (Reason, String);
+
+/// Reads the event id, type and version from the headers.
+pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
+    let id = match record.headers.get(headers::CE_ID) {
+        None => {
+            return Err((
+                Reason::MissingEventId,
+                format!("record has no {} header", headers::CE_ID),
+            ))
+        }
+        Some(raw) => raw
+            .parse::<uuid::Uuid>()
+            .ok()
+            .and_then(|u| EventId::from_uuid(u).ok())
+            .ok_or_else(|| {
+                (
+                    Reason::MissingEventId,
+                    format!("{} header {raw:?} is not a non-nil UUID", headers::CE_ID),
+                )
+            })?,
+    };
+    let event_type = record
+        .headers
+        .get(headers::CE_TYPE)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            (
+                Reason::UnknownType,
+                format!("record has no {} header", headers::CE_TYPE),
+            )
+        })?
+        .to_owned();
+    let schema_version = match record.headers.get(headers::CE_SCHEMA_VERSION) {
+        None => 1,
+        Some(v) => v.parse().map_err(|_| {
+            (
+                Reason::Undecodable,
+                format!("{} header {v:?} is not an integer", headers::CE_SCHEMA_VERSION),
+            )
+        })?,
+    };
+    Ok(Meta {
+        id,
+        event_type,
+        schema_version,
+    })
+}
+
+/// Decodes the full event for a handler.
+pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
+    let content_type = record.headers.get(headers::CONTENT_TYPE);
+    let payload = T::decode(content_type, record.payload.as_deref().unwrap_or_default())?;
+    let occurred_at = record
+        .headers
+        .get(headers::CE_TIME)
+        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| t.with_timezone(&Utc));
+    Ok(Event {
+        id: meta.id,
+        key: record
+            .key
+            .as_deref()
+            .map(|k| String::from_utf8_lossy(k).into_owned()),
+        event_type: meta.event_type.clone(),
+        schema_version: meta.schema_version,
+        occurred_at,
+        headers: record.headers.clone(),
+        position: Some(record.position()),
+        payload,
+    })
+}

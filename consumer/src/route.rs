@@ -1,0 +1,104 @@
+//! Routing records to handlers by topic, event type and (optionally) schema version.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use sqlx::{Postgres, Transaction};
+
+use crate::handler::{Handler, HandlerError};
+use crate::record::{decode, Meta, Record};
+
+/// Why a routed call failed.
+pub(crate) enum Failure {
+    Undecodable(String),
+    Handler(HandlerError),
+}
+
+/// A handler with its payload type erased.
+pub(crate) trait Route: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn consumer(&self) -> &'static str;
+    fn call<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        record: &'a Record,
+        meta: &'a Meta,
+    ) -> BoxFuture<'a, Result<(), Failure>>;
+}
+
+struct Routed<H>(H);
+
+impl<H: Handler> Route for Routed<H> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn consumer(&self) -> &'static str {
+        self.0.consumer()
+    }
+
+    fn call<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        record: &'a Record,
+        meta: &'a Meta,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            let event = decode::<H::Payload>(record, meta).map_err(Failure::Undecodable)?;
+            self.0.handle(tx, event).await.map_err(Failure::Handler)
+        })
+    }
+}
+
+/// Handlers of one (topic, event type), by schema version (`None`: any version).
+type Versions = Vec<(Option<i32>, Arc<dyn Route>)>;
+
+/// The routing table.
+#[derive(Default)]
+pub(crate) struct Router {
+    routes: HashMap<(String, String), Versions>,
+}
+
+impl Router {
+    /// Adds a route; `false` if the same (topic, type, version) is already routed.
+    pub fn add<H: Handler>(
+        &mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        handler: H,
+    ) -> bool {
+        let list = self
+            .routes
+            .entry((topic.to_owned(), event_type.to_owned()))
+            .or_default();
+        if list.iter().any(|(v, _)| *v == version) {
+            return false;
+        }
+        list.push((version, Arc::new(Routed(handler))));
+        true
+    }
+
+    /// The handler for a record: an exact version match first, then a version-agnostic one.
+    pub fn find(&self, topic: &str, event_type: &str, version: i32) -> Option<&Arc<dyn Route>> {
+        let list = self
+            .routes
+            .get(&(topic.to_owned(), event_type.to_owned()))?;
+        list.iter()
+            .find(|(v, _)| *v == Some(version))
+            .or_else(|| list.iter().find(|(v, _)| v.is_none()))
+            .map(|(_, r)| r)
+    }
+
+    pub fn topics(&self) -> Vec<String> {
+        let mut t: Vec<String> = self.routes.keys().map(|(t, _)| t.clone()).collect();
+        t.sort();
+        t.dedup();
+        t
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.routes.is_empty()
+    }
+}

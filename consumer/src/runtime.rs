@@ -1,0 +1,411 @@
+//! The consumer runtime: subscribes, routes records to per-partition workers, commits offsets to
+//! Kafka for lag tools, publishes dead letters, and shuts down cleanly.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use rdkafka::producer::FutureProducer;
+use sqlx::PgPool;
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ConsumerConfig;
+use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
+use crate::dead_letter::Publisher;
+use crate::handler::Handler;
+use crate::partition::{Inbox, Shared, Worker};
+use crate::route::Router;
+use crate::stats::Stats;
+use crate::Error;
+
+/// Builds a [`Consumer`]: configuration plus handlers routed by topic and event type.
+pub struct ConsumerBuilder {
+    pool: PgPool,
+    config: ConsumerConfig,
+    router: Router,
+    errors: Vec<String>,
+}
+
+impl ConsumerBuilder {
+    /// Routes events of `event_type` on `topic` (any schema version without a more specific
+    /// route) to `handler`. The topic is subscribed.
+    pub fn on<H: Handler>(self, topic: &str, event_type: &str, handler: H) -> Self {
+        self.route(topic, event_type, None, handler)
+    }
+
+    /// Routes events of `event_type` with exactly `schema_version` on `topic` to `handler`.
+    pub fn on_version<H: Handler>(
+        self,
+        topic: &str,
+        event_type: &str,
+        schema_version: i32,
+        handler: H,
+    ) -> Self {
+        self.route(topic, event_type, Some(schema_version), handler)
+    }
+
+    fn route<H: Handler>(
+        mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        handler: H,
+    ) -> Self {
+        if let Err(e) = postal_shared::Topic::new(topic) {
+            self.errors.push(e.to_string());
+        }
+        if let Err(e) = postal_shared::EventType::new(event_type) {
+            self.errors.push(e.to_string());
+        }
+        if handler.consumer() != self.config.consumer {
+            self.errors.push(format!(
+                "handler {} deduplicates as consumer {:?} but this runtime is consumer {:?}",
+                handler.name(),
+                handler.consumer(),
+                self.config.consumer
+            ));
+        }
+        let name = handler.name();
+        if !self.router.add(topic, event_type, version, handler) {
+            self.errors.push(format!(
+                "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
+            ));
+        }
+        self
+    }
+
+    /// Checks the configuration and routes and creates the Kafka clients (which connect
+    /// lazily: an unreachable broker is not an error here).
+    pub fn build(self) -> Result<Consumer, Error> {
+        self.config.validate()?;
+        if let Some(e) = self.errors.into_iter().next() {
+            return Err(Error::Config(e));
+        }
+        if self.router.is_empty() {
+            return Err(Error::Config("no handlers: add at least one with `on`".into()));
+        }
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let state = Arc::new(Mutex::new(Ownership::default()));
+        let context = Context {
+            state: state.clone(),
+            events: events_tx,
+        };
+        let consumer: StreamConsumer<Context> = self
+            .config
+            .client_config()
+            .create_with_context(context)?;
+        let producer: FutureProducer = self.config.dlq_producer_config().create()?;
+        let admin: AdminClient<DefaultClientContext> =
+            self.config.dlq_producer_config().create()?;
+        let owner = format!("{}:{}", std::process::id(), uuid::Uuid::now_v7());
+        let permits = Semaphore::new(self.config.max_concurrent_partitions);
+        let dlq = Publisher {
+            pool: self.pool.clone(),
+            producer,
+            admin,
+            consumer: self.config.consumer.clone(),
+            topic_partitions: self.config.dlq_partitions,
+            topic_replication: self.config.dlq_replication,
+            wake: Arc::new(Notify::new()),
+            created: Mutex::new(HashSet::new()),
+            backoff: self.config.backoff,
+        };
+        Ok(Consumer {
+            shared: Arc::new(Shared {
+                pool: self.pool,
+                config: self.config,
+                router: self.router,
+                consumer: Arc::new(consumer),
+                state,
+                stats: Arc::new(Stats::default()),
+                dlq_wake: dlq.wake.clone(),
+                permits,
+                owner,
+            }),
+            events: events_rx,
+            dlq,
+        })
+    }
+}
+
+/// A consumer runtime. Create it with [`Consumer::builder`], run it with [`Consumer::run`].
+pub struct Consumer {
+    shared: Arc<Shared>,
+    events: mpsc::UnboundedReceiver<RebalanceEvent>,
+    dlq: Publisher,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("group", &self.shared.config.group)
+            .field("consumer", &self.shared.config.consumer)
+            .field("topics", &self.shared.router.topics())
+            .finish()
+    }
+}
+
+struct Partition {
+    inbox: Inbox,
+    cancel: CancellationToken,
+}
+
+impl Consumer {
+    /// Starts building a consumer over `pool` with `config`.
+    pub fn builder(pool: PgPool, config: ConsumerConfig) -> ConsumerBuilder {
+        ConsumerBuilder {
+            pool,
+            config,
+            router: Router::default(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Live counters (applied, duplicates, dead letters, …).
+    pub fn stats(&self) -> Arc<Stats> {
+        self.shared.stats.clone()
+    }
+
+    /// The subscribed topics.
+    pub fn topics(&self) -> Vec<String> {
+        self.shared.router.topics()
+    }
+
+    /// Runs until SIGINT or SIGTERM, then shuts down gracefully.
+    pub async fn run_until_signal(self) -> Result<(), Error> {
+        self.run(shutdown_signal()).await
+    }
+
+    /// Runs until `shutdown` resolves, then: stops fetching, lets each in-flight transaction
+    /// finish (abandoning — rolling back — those still running after `shutdown_timeout`),
+    /// commits the processed offsets to Kafka, publishes pending dead letters and leaves the
+    /// group.
+    ///
+    /// An unreachable database or broker is waited for (with log lines), not an error; a
+    /// database without Postal's schema is.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+        let Consumer {
+            shared,
+            mut events,
+            dlq,
+        } = self;
+        let config = &shared.config;
+        tokio::pin!(shutdown);
+        if !wait_for_schema(&shared.pool, &mut shutdown).await? {
+            return Ok(());
+        }
+        let topics = shared.router.topics();
+        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+        shared.consumer.subscribe(&refs)?;
+        tracing::info!(group = %config.group, consumer = %config.consumer, topics = ?topics, "consumer started");
+
+        let stop = CancellationToken::new();
+        let dlq = tokio::spawn(dlq.run(stop.clone()));
+        let mut partitions: HashMap<Tp, Partition> = HashMap::new();
+        let mut workers = JoinSet::new();
+        let mut commit_tick = tokio::time::interval(config.kafka_commit_interval);
+        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut errors_logged = 0u64;
+        {
+            let mut stream = shared.consumer.stream();
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut shutdown => break,
+                    Some(ev) = events.recv() => {
+                        apply(&shared, ev, &mut partitions, &mut workers, &stop);
+                    }
+                    _ = commit_tick.tick() => commit(&shared, CommitMode::Async),
+                    Some(_) = workers.join_next(), if !workers.is_empty() => {}
+                    msg = stream.next() => match msg {
+                        Some(Ok(m)) => {
+                            let record = crate::record::Record::from_message(&m);
+                            drop(m);
+                            let tp = (record.topic.clone(), record.partition);
+                            if !partitions.contains_key(&tp) {
+                                // The assignment callback may have run inside this poll.
+                                while let Ok(ev) = events.try_recv() {
+                                    apply(&shared, ev, &mut partitions, &mut workers, &stop);
+                                }
+                            }
+                            match partitions.get(&tp) {
+                                Some(p) => p.inbox.push(&shared, record),
+                                None => tracing::debug!(topic = %tp.0, partition = tp.1, "record of a partition not owned here; left for its owner"),
+                            }
+                        }
+                        Some(Err(e)) => {
+                            errors_logged += 1;
+                            if errors_logged.is_power_of_two() {
+                                tracing::warn!(error = %e, occurrences = errors_logged, "kafka consumer error; the client keeps retrying");
+                            }
+                        }
+                        None => break,
+                    },
+                }
+            }
+        }
+        tracing::info!("consumer shutting down: finishing in-flight transactions");
+        stop.cancel();
+        for (_, p) in partitions.drain() {
+            p.cancel.cancel();
+        }
+        let drained = tokio::time::timeout(config.shutdown_timeout, async {
+            while workers.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                "shutdown timeout reached: abandoning (rolling back) in-flight transactions"
+            );
+            workers.abort_all();
+            while workers.join_next().await.is_some() {}
+        }
+        commit(&shared, CommitMode::Sync);
+        if tokio::time::timeout(config.shutdown_timeout, dlq).await.is_err() {
+            tracing::warn!("dead-letter publishing did not finish; the next start publishes the rest");
+        }
+        let consumer = shared.consumer.clone();
+        drop(shared);
+        // Closing leaves the group; it can block briefly, so not on an async worker.
+        let _ = tokio::task::spawn_blocking(move || {
+            consumer.unsubscribe();
+            drop(consumer);
+        })
+        .await;
+        tracing::info!("consumer stopped");
+        Ok(())
+    }
+}
+
+fn apply(
+    shared: &Arc<Shared>,
+    ev: RebalanceEvent,
+    partitions: &mut HashMap<Tp, Partition>,
+    workers: &mut JoinSet<()>,
+    stop: &CancellationToken,
+) {
+    match ev {
+        RebalanceEvent::Revoked(tps) => {
+            for tp in tps {
+                if let Some(p) = partitions.remove(&tp) {
+                    p.cancel.cancel();
+                }
+            }
+        }
+        RebalanceEvent::Assigned(tps) => {
+            for tp in tps {
+                if let Some(old) = partitions.remove(&tp) {
+                    old.cancel.cancel();
+                }
+                let cancel = stop.child_token();
+                shared
+                    .state
+                    .lock()
+                    .expect("ownership state")
+                    .owned
+                    .insert(tp.clone(), cancel.clone());
+                let (tx, rx) = mpsc::unbounded_channel();
+                let queued = Arc::new(AtomicUsize::new(0));
+                let paused = Arc::new(Mutex::new(false));
+                let mut list = rdkafka::TopicPartitionList::new();
+                list.add_partition(&tp.0, tp.1);
+                let _ = shared.consumer.resume(&list);
+                workers.spawn(
+                    Worker {
+                        shared: shared.clone(),
+                        topic: tp.0.clone(),
+                        partition: tp.1,
+                        rx,
+                        queued: queued.clone(),
+                        paused: paused.clone(),
+                        cancel: cancel.clone(),
+                    }
+                    .run(),
+                );
+                partitions.insert(
+                    tp,
+                    Partition {
+                        inbox: Inbox { tx, queued, paused },
+                        cancel,
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// Commits the offsets processed since the last commit to Kafka (for lag tools).
+fn commit(shared: &Shared, mode: CommitMode) {
+    let tpl = take_commits(&mut shared.state.lock().expect("ownership state"), None);
+    if tpl.count() == 0 {
+        return;
+    }
+    if let Err(e) = shared.consumer.commit(&tpl, mode) {
+        tracing::debug!(error = %e, "kafka offset commit failed (the database holds the offsets)");
+    }
+}
+
+/// Waits until the database answers and checks Postal's schema. `Ok(false)` if shutdown came
+/// first.
+async fn wait_for_schema(
+    pool: &PgPool,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> Result<bool, Error> {
+    let mut failures = 0u32;
+    let backoff = postal_shared::Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    loop {
+        let r = sqlx::query("SELECT 1 FROM postal.consumer_offsets LIMIT 0")
+            .execute(pool)
+            .await;
+        match r {
+            Ok(_) => return Ok(true),
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => {
+                return Err(Error::Config(
+                    "Postal's schema is missing or out of date in this database: run `postal migrate` (or postal_shared::migrate)".into(),
+                ))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "database unreachable; waiting");
+                let wait = backoff.ceiling(failures);
+                failures = failures.saturating_add(1);
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = &mut *shutdown => return Ok(false),
+                }
+            }
+        }
+    }
+}
+
+/// Resolves on SIGINT or (on Unix) SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

@@ -1,0 +1,68 @@
+//! Counters of what the runtime did, readable in-process and exported through `metrics`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters of one consumer runtime.
+#[derive(Debug, Default)]
+pub struct Stats {
+    applied: AtomicU64,
+    duplicates: AtomicU64,
+    dead_letters: AtomicU64,
+    skipped: AtomicU64,
+    replays_skipped: AtomicU64,
+    retries: AtomicU64,
+    fenced: AtomicU64,
+}
+
+/// A snapshot of [`Stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Events whose handler ran and committed.
+    pub applied: u64,
+    /// Deliveries whose dedup row already existed (the body did not run).
+    pub duplicates: u64,
+    /// Records recorded as dead letters.
+    pub dead_letters: u64,
+    /// Records of unknown types skipped by configuration.
+    pub skipped: u64,
+    /// Records below the stored offset (already processed), skipped without a transaction.
+    pub replays_skipped: u64,
+    /// Handler retries after retryable failures.
+    pub retries: u64,
+    /// Transactions rolled back because another consumer took the partition over.
+    pub fenced: u64,
+}
+
+macro_rules! bump {
+    ($name:ident, $metric:literal, $($label:tt)*) => {
+        pub(crate) fn $name(&self, consumer: &str, topic: &str) {
+            self.$name.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!($metric, "consumer" => consumer.to_owned(), "topic" => topic.to_owned(), $($label)*).increment(1);
+        }
+    };
+}
+
+impl Stats {
+    bump!(applied, "postal_consumer_events_total", "outcome" => "applied");
+    bump!(duplicates, "postal_consumer_events_total", "outcome" => "duplicate");
+    bump!(dead_letters, "postal_consumer_events_total", "outcome" => "dead_letter");
+    bump!(skipped, "postal_consumer_skipped_total", "reason" => "unknown_type");
+    bump!(replays_skipped, "postal_consumer_skipped_total", "reason" => "below_stored_offset");
+    bump!(retries, "postal_consumer_retries_total",);
+    bump!(fenced, "postal_consumer_fenced_total",);
+
+    /// The current values.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            applied: l(&self.applied),
+            duplicates: l(&self.duplicates),
+            dead_letters: l(&self.dead_letters),
+            skipped: l(&self.skipped),
+            replays_skipped: l(&self.replays_skipped),
+            retries: l(&self.retries),
+            fenced: l(&self.fenced),
+        }
+    }
+}
