@@ -121,3 +121,163 @@ impl<T: Transport> Transport for Counting<T> {
         })
     }
 }
+
+/// A consumer runtime running in a task.
+pub struct RunningConsumer {
+    stop: Option<oneshot::Sender<()>>,
+    handle: JoinHandle<Result<(), postal_consumer::Error>>,
+    /// The runtime's counters.
+    pub stats: Arc<postal_consumer::Stats>,
+}
+
+impl RunningConsumer {
+    /// Starts a built consumer.
+    pub fn start(consumer: postal_consumer::Consumer) -> Self {
+        let stats = consumer.stats();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(consumer.run(async move {
+            let _ = rx.await;
+        }));
+        RunningConsumer {
+            stop: Some(tx),
+            handle,
+            stats,
+        }
+    }
+
+    /// Drops the runtime mid-flight: in-flight transactions roll back, nothing is finished.
+    pub fn kill(self) {
+        self.handle.abort();
+    }
+
+    /// Graceful shutdown.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.handle
+            .await
+            .expect("consumer task")
+            .expect("consumer run");
+    }
+}
+
+/// Consumer settings for tests: quick group joins (tansu waits about the rebalance timeout),
+/// quick retries.
+pub fn consumer_config(
+    bootstrap: &str,
+    group: &str,
+    consumer: &str,
+) -> postal_consumer::ConsumerConfig {
+    let mut c = postal_consumer::ConsumerConfig::new(bootstrap, group, consumer);
+    c.backoff = postal_producer::Backoff {
+        base: Duration::from_millis(20),
+        max: Duration::from_millis(200),
+    };
+    c.kafka_commit_interval = Duration::from_millis(200);
+    for (k, v) in [
+        ("session.timeout.ms", "6000"),
+        ("max.poll.interval.ms", "10000"),
+        ("heartbeat.interval.ms", "500"),
+    ] {
+        c.kafka.insert(k.into(), v.into());
+    }
+    c
+}
+
+/// Creates `topic` with `partitions` partitions.
+pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client");
+    let res = admin
+        .create_topics(
+            [&NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .expect("create topic");
+    for r in res {
+        r.expect("topic created");
+    }
+}
+
+/// One record to write straight to Kafka (bypassing the outbox), for malformed-input tests.
+pub struct RawRecord {
+    /// Record key.
+    pub key: Option<String>,
+    /// Record value.
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl RawRecord {
+    /// A well-formed Postal record: `ce_id`, `ce_type`, JSON content type.
+    pub fn event(id: uuid::Uuid, key: &str, event_type: &str, payload: serde_json::Value) -> Self {
+        RawRecord {
+            key: Some(key.to_owned()),
+            payload: serde_json::to_vec(&payload).unwrap(),
+            headers: vec![
+                ("ce_id", id.to_string()),
+                ("ce_type", event_type.to_owned()),
+                ("content-type", "application/json".to_owned()),
+            ],
+        }
+    }
+}
+
+/// Writes records to `topic` (all to `partition` when given, else by key) and waits for acks.
+pub async fn produce(bootstrap: &str, topic: &str, partition: Option<i32>, records: &[RawRecord]) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let sends = records.iter().map(|r| {
+        let mut h = OwnedHeaders::new();
+        for (k, v) in &r.headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v.as_str()),
+            });
+        }
+        let mut rec: FutureRecord<'_, str, [u8]> =
+            FutureRecord::to(topic).payload(r.payload.as_slice()).headers(h);
+        if let Some(k) = &r.key {
+            rec = rec.key(k.as_str());
+        }
+        if let Some(p) = partition {
+            rec = rec.partition(p);
+        }
+        producer.send(rec, Duration::from_secs(30))
+    });
+    for r in futures::future::join_all(sends).await {
+        r.expect("record acknowledged");
+    }
+}
+
+/// Creates the `effects` table the consumer scenarios' handlers write to. It has no unique
+/// constraint on `event_id`, so an event applied twice shows up as two rows.
+pub async fn effects_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE effects (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
+                               n bigint NOT NULL, consumer text NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// (rows, distinct event ids) in `effects`.
+pub async fn effects(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}

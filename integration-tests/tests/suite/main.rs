@@ -5,7 +5,9 @@
 //! unique topic names.
 
 mod common;
+mod consume;
 mod enqueue;
+mod handlers;
 mod migrations;
 mod order;
 mod relay;

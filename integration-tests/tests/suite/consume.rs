@@ -1,0 +1,246 @@
+//! Consumer runtime: dedup, handler failures, fencing, and the standalone handler.
+
+use std::time::Duration;
+
+use postal_consumer::{offsets, Consumer, Event, EventId, Outcome};
+use postal_integration_tests::{services, unique, wait};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::common::{
+    consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
+};
+use crate::handlers::{self, apply, Job};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn processed_rows(pool: &sqlx::PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM postal.processed_events WHERE event_id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn effect_rows(pool: &sqlx::PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Guarantee: the same event delivered twice (two records, one event id) is applied once; the
+/// second delivery finds its dedup row and the body does not run.
+#[tokio::test]
+async fn same_event_twice_is_applied_once() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("dup");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[
+            RawRecord::event(a, "k", "job", json!({"n": 1})),
+            RawRecord::event(a, "k", "job", json!({"n": 1})),
+            RawRecord::event(b, "k", "job", json!({"n": 2})),
+        ],
+    )
+    .await;
+    let consumer = Consumer::builder(
+        db.pool.clone(),
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    )
+    .on(&topic, "job", apply)
+    .build()
+    .unwrap();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "three records processed", || {
+        let s = stats.snapshot();
+        async move { s.applied + s.duplicates == 3 }
+    })
+    .await;
+    running.stop().await;
+    let s = stats.snapshot();
+    assert_eq!((s.applied, s.duplicates), (2, 1));
+    assert_eq!(effects(&db.pool).await, (2, 2), "each event applied exactly once");
+    assert_eq!(handlers::attempts(a), 1, "the duplicate did not run the body");
+    assert_eq!(processed_rows(&db.pool, a).await, 1);
+}
+
+/// Guarantee: a failing handler leaves neither its effects nor a dedup row; retryable failures
+/// are retried until they succeed (applied once), permanent failures and panics become dead
+/// letters, and the records after them are still processed.
+#[tokio::test]
+async fn handler_errors_leave_no_effect_and_no_dedup_row() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("fail");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let [perm, flaky, boom, after] = [(); 4].map(|_| Uuid::now_v7());
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[
+            RawRecord::event(perm, "k", "job", json!({"n": 1, "fail": "permanent"})),
+            RawRecord::event(flaky, "k", "job", json!({"n": 2, "fail": "retry", "retries": 2})),
+            RawRecord::event(boom, "k", "job", json!({"n": 3, "fail": "panic"})),
+            RawRecord::event(after, "k", "job", json!({"n": 4})),
+        ],
+    )
+    .await;
+    let consumer = Consumer::builder(
+        db.pool.clone(),
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    )
+    .on(&topic, "job", apply)
+    .build()
+    .unwrap();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "all four records handled", || {
+        let s = stats.snapshot();
+        async move { s.applied + s.dead_letters == 4 }
+    })
+    .await;
+    running.stop().await;
+    let s = stats.snapshot();
+    assert_eq!((s.applied, s.dead_letters, s.retries), (2, 2, 2));
+
+    for id in [perm, boom] {
+        assert_eq!(effect_rows(&db.pool, id).await, 0, "no effect of a failed event");
+        assert_eq!(processed_rows(&db.pool, id).await, 0, "no dedup row of a failed event");
+    }
+    assert_eq!(effect_rows(&db.pool, flaky).await, 1, "retried, applied once");
+    assert_eq!(handlers::attempts(flaky), 3);
+    assert_eq!(effect_rows(&db.pool, after).await, 1, "later records still processed");
+    let reasons: Vec<(Option<Uuid>, String, String)> = sqlx::query_as(
+        "SELECT event_id, reason, error FROM postal.dead_letters ORDER BY kafka_offset",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(reasons.len(), 2);
+    assert_eq!((reasons[0].0, reasons[0].1.as_str()), (Some(perm), "permanent"));
+    assert!(reasons[0].2.contains("business rule"), "{}", reasons[0].2);
+    assert_eq!((reasons[1].0, reasons[1].1.as_str()), (Some(boom), "panic"));
+    assert!(reasons[1].2.contains("handler bug"), "{}", reasons[1].2);
+    let next: Option<i64> = sqlx::query_scalar(
+        "SELECT next_offset FROM postal.consumer_offsets WHERE topic = $1",
+    )
+    .bind(&topic)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(next, Some(4), "the stored offset moved past every record");
+}
+
+/// Guarantee: a transaction of a consumer whose partition was taken over (the epoch moved on)
+/// does not commit — its effects and dedup row roll back, and it stops processing.
+#[tokio::test]
+async fn a_fenced_transaction_does_not_commit() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("fence");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let (blocked, next) = (Uuid::now_v7(), Uuid::now_v7());
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[
+            RawRecord::event(blocked, "k", "job", json!({"n": 1, "fail": "block"})),
+            RawRecord::event(next, "k", "job", json!({"n": 2})),
+        ],
+    )
+    .await;
+    let group = unique("g");
+    let consumer = Consumer::builder(
+        db.pool.clone(),
+        consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
+    )
+    .on(&topic, "job", apply)
+    .build()
+    .unwrap();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the blocking handler to start", || async move {
+        handlers::entered(blocked)
+    })
+    .await;
+    // Another consumer takes the partition over while the transaction is open.
+    offsets::claim(&db.pool, &group, &topic, 0, "intruder")
+        .await
+        .unwrap();
+    handlers::release(blocked);
+    wait::until(WAIT, "the fenced transaction", || {
+        let s = stats.snapshot();
+        async move { s.fenced == 1 }
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(effect_rows(&db.pool, blocked).await, 0, "rolled back");
+    assert_eq!(processed_rows(&db.pool, blocked).await, 0, "rolled back");
+    assert_eq!(effect_rows(&db.pool, next).await, 0, "the fenced worker stopped");
+    assert_eq!(stats.snapshot().applied, 0);
+}
+
+/// Guarantee: the generated standalone handler works inside the caller's transaction — first
+/// call applies, second reports a duplicate without running the body; a failing body rolls back
+/// its dedup row and effects while the caller's own writes in the same transaction survive.
+#[tokio::test]
+async fn standalone_handler_in_callers_transaction() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    sqlx::query("CREATE TABLE audit (note text NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let id = EventId::new();
+    let job = || Job {
+        n: 7,
+        fail: None,
+        retries: 0,
+    };
+    for expected in [Outcome::Applied, Outcome::Duplicate] {
+        let mut tx = db.pool.begin().await.unwrap();
+        let outcome = apply::call(&mut tx, Event::new(id, "job", job())).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(outcome, expected);
+    }
+    assert_eq!(effect_rows(&db.pool, id.as_uuid()).await, 1);
+    assert_eq!(handlers::attempts(id.as_uuid()), 1);
+
+    let failing = EventId::new();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO audit VALUES ('caller write')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let bad = Job {
+        n: 8,
+        fail: Some("permanent".into()),
+        retries: 0,
+    };
+    let err = apply::call(&mut tx, Event::new(failing, "job", bad))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("business rule"), "{err}");
+    tx.commit().await.expect("the caller's transaction stays usable");
+    let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(audit, 1, "the caller's own write committed");
+    assert_eq!(effect_rows(&db.pool, failing.as_uuid()).await, 0);
+    assert_eq!(processed_rows(&db.pool, failing.as_uuid()).await, 0);
+}

@@ -1,0 +1,83 @@
+//! The handlers the consumer scenarios route to. What they do is driven by the payload, so
+//! each scenario controls failures per event.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+use postal_consumer::{idempotent, Event, HandlerError};
+use serde::Deserialize;
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+/// The consumer name (dedup scope) of [`apply`].
+pub const CONSUMER: &str = "effects";
+
+/// A test payload: `n` is recorded in `effects`; `fail` picks a failure.
+#[derive(Debug, Deserialize)]
+pub struct Job {
+    /// Any number, recorded with the effect.
+    pub n: i64,
+    /// `permanent`, `retry` (fails `retries` times, then succeeds), `panic` or `block` (waits
+    /// until [`release`]d).
+    #[serde(default)]
+    pub fail: Option<String>,
+    /// Failures before a `retry` job succeeds.
+    #[serde(default)]
+    pub retries: u32,
+}
+
+static ATTEMPTS: LazyLock<Mutex<HashMap<Uuid, u32>>> = LazyLock::new(Default::default);
+static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
+static RELEASED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
+
+/// Whether a `block` job's handler is running.
+pub fn entered(id: Uuid) -> bool {
+    ENTERED.lock().unwrap().contains(&id)
+}
+
+/// Lets a `block` job's handler finish.
+pub fn release(id: Uuid) {
+    RELEASED.lock().unwrap().insert(id);
+}
+
+/// How many times the handler ran for `id`.
+pub fn attempts(id: Uuid) -> u32 {
+    ATTEMPTS.lock().unwrap().get(&id).copied().unwrap_or(0)
+}
+
+/// Writes one `effects` row, then fails as the payload asks.
+#[idempotent(consumer = "effects")]
+pub async fn apply(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<Job>,
+) -> Result<(), HandlerError> {
+    let id = event.id.as_uuid();
+    let attempt = {
+        let mut a = ATTEMPTS.lock().unwrap();
+        let c = a.entry(id).or_default();
+        *c += 1;
+        *c
+    };
+    sqlx::query("INSERT INTO effects (event_id, n, consumer) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(event.payload.n)
+        .bind(CONSUMER)
+        .execute(&mut **tx)
+        .await?;
+    match event.payload.fail.as_deref() {
+        Some("permanent") => Err(HandlerError::permanent("order rejected by a business rule")),
+        Some("retry") if attempt <= event.payload.retries => Err(HandlerError::retryable(
+            format!("flaky dependency (attempt {attempt})"),
+        )),
+        Some("panic") => panic!("handler bug for event {id}"),
+        Some("block") => {
+            ENTERED.lock().unwrap().insert(id);
+            while !RELEASED.lock().unwrap().contains(&id) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
