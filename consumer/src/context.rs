@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
@@ -47,37 +47,29 @@ fn pairs(tpl: &TopicPartitionList) -> Vec<Tp> {
         .collect()
 }
 
-/// The pending Kafka commits of `tps`, as a partition list.
-pub(crate) fn take_commits(state: &mut Ownership, tps: Option<&[Tp]>) -> TopicPartitionList {
+/// Takes the pending Kafka commits, as a partition list.
+pub(crate) fn take_commits(state: &mut Ownership) -> TopicPartitionList {
     let mut tpl = TopicPartitionList::new();
-    let keys: Vec<Tp> = match tps {
-        Some(t) => t.to_vec(),
-        None => state.pending_commits.keys().cloned().collect(),
-    };
-    for tp in keys {
-        if let Some(off) = state.pending_commits.remove(&tp) {
-            let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(off));
-        }
+    for ((topic, partition), off) in state.pending_commits.drain() {
+        let _ = tpl.add_partition_offset(&topic, partition, Offset::Offset(off));
     }
     tpl
 }
 
 impl ConsumerContext for Context {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
             let tps = pairs(tpl);
-            let commits = {
+            {
                 let mut state = self.state.lock().expect("ownership state");
                 for tp in &tps {
                     if let Some(cancel) = state.owned.remove(tp) {
                         cancel.cancel();
                     }
-                }
-                take_commits(&mut state, Some(&tps))
-            };
-            if commits.count() > 0 {
-                if let Err(e) = consumer.commit(&commits, CommitMode::Async) {
-                    tracing::debug!(error = %e, "kafka commit on revocation failed");
+                    // Not committed to Kafka from here: a commit issued inside the rebalance
+                    // can hold up the next assignment (seen with tansu). The database has the
+                    // offsets; the next owner commits to Kafka as it goes.
+                    state.pending_commits.remove(tp);
                 }
             }
             tracing::info!(partitions = ?tps, "partitions revoked");

@@ -93,6 +93,7 @@ impl Worker {
             return;
         };
         let mut next = own.next_offset;
+        let mut first = true;
         if let Some(n) = next {
             // Asynchronous seek (timeout 0): records below `n` that were fetched before it
             // takes effect are skipped below.
@@ -112,7 +113,15 @@ impl Worker {
                 r = self.rx.recv() => match r { Some(r) => r, None => return },
             };
             self.dequeued();
+            if let (true, Some(n)) = (first, next) {
+                if record.offset > n {
+                    tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, first = record.offset,
+                        "the broker delivered the partition from a later offset than the stored one: records in between were not seen (compaction, retention, or a broker fault)");
+                }
+            }
+            first = false;
             if next.is_some_and(|n| record.offset < n) {
+                tracing::trace!(topic = %self.topic, partition = self.partition, offset = record.offset, "below the stored offset; skipped");
                 self.shared
                     .stats
                     .replays_skipped(&self.shared.config.consumer, &self.topic);

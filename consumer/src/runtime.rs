@@ -230,6 +230,7 @@ impl Consumer {
                             let record = crate::record::Record::from_message(&m);
                             drop(m);
                             let tp = (record.topic.clone(), record.partition);
+                            tracing::trace!(topic = %tp.0, partition = tp.1, offset = record.offset, "record received");
                             if !partitions.contains_key(&tp) {
                                 // The assignment callback may have run inside this poll.
                                 while let Ok(ev) = events.try_recv() {
@@ -344,7 +345,7 @@ fn apply(
 
 /// Commits the offsets processed since the last commit to Kafka (for lag tools).
 fn commit(shared: &Shared, mode: CommitMode) {
-    let tpl = take_commits(&mut shared.state.lock().expect("ownership state"), None);
+    let tpl = take_commits(&mut shared.state.lock().expect("ownership state"));
     if tpl.count() == 0 {
         return;
     }

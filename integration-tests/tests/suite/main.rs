@@ -6,9 +6,12 @@
 
 mod common;
 mod consume;
+mod consumer_crash;
+mod dead_letters;
 mod enqueue;
 mod handlers;
 mod migrations;
 mod order;
+mod rebalance;
 mod relay;
 mod smoke;
