@@ -183,7 +183,11 @@ impl Publisher {
         if rows.is_empty() {
             return Ok(false);
         }
-        for topic in rows.iter().map(|r| r.dlq_topic.clone()).collect::<HashSet<_>>() {
+        for topic in rows
+            .iter()
+            .map(|r| r.dlq_topic.clone())
+            .collect::<HashSet<_>>()
+        {
             self.ensure_topic(&topic).await?;
         }
         let sends = rows.iter().map(|r| {
@@ -213,8 +217,7 @@ impl Publisher {
                     value: Some(v),
                 });
             }
-            let mut rec: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&r.dlq_topic).headers(h);
+            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.dlq_topic).headers(h);
             if let Some(k) = &r.record_key {
                 rec = rec.key(k.as_slice());
             }

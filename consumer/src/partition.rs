@@ -97,11 +97,12 @@ impl Worker {
         if let Some(n) = next {
             // Asynchronous seek (timeout 0): records below `n` that were fetched before it
             // takes effect are skipped below.
-            if let Err(e) =
-                self.shared
-                    .consumer
-                    .seek(&self.topic, self.partition, Offset::Offset(n), Duration::ZERO)
-            {
+            if let Err(e) = self.shared.consumer.seek(
+                &self.topic,
+                self.partition,
+                Offset::Offset(n),
+                Duration::ZERO,
+            ) {
                 tracing::debug!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed; skipping older records instead");
             }
         }
@@ -156,7 +157,11 @@ impl Worker {
         if queued <= self.shared.config.partition_buffer / 2 {
             let mut paused = self.paused.lock().expect("pause flag");
             if *paused {
-                match self.shared.consumer.resume(&tpl(&self.topic, self.partition)) {
+                match self
+                    .shared
+                    .consumer
+                    .resume(&tpl(&self.topic, self.partition))
+                {
                     Ok(()) => *paused = false,
                     Err(e) => tracing::debug!(error = %e, "resume failed"),
                 }
@@ -203,9 +208,7 @@ impl Worker {
         let meta = match meta(record) {
             Ok(m) => m,
             Err((reason, error)) => {
-                return self
-                    .dead_letter(own, record, None, reason, &error, 0)
-                    .await
+                return self.dead_letter(own, record, None, reason, &error, 0).await
             }
         };
         let Some(route) = self
@@ -264,7 +267,14 @@ impl Worker {
                     if attempts >= self.shared.config.max_attempts {
                         let error = format!("gave up after {attempts} attempts: {e}");
                         return self
-                            .dead_letter(own, record, Some(&meta), Reason::RetriesExhausted, &error, attempts as i32)
+                            .dead_letter(
+                                own,
+                                record,
+                                Some(&meta),
+                                Reason::RetriesExhausted,
+                                &error,
+                                attempts as i32,
+                            )
                             .await;
                     }
                     self.shared.stats.retries(consumer, &record.topic);
@@ -274,7 +284,11 @@ impl Worker {
                     }
                 }
                 Err(Attempt::Permanent(reason, e)) => {
-                    let ran = if reason == Reason::Undecodable { attempts } else { attempts + 1 };
+                    let ran = if reason == Reason::Undecodable {
+                        attempts
+                    } else {
+                        attempts + 1
+                    };
                     return self
                         .dead_letter(own, record, Some(&meta), reason, &e, ran as i32)
                         .await;
@@ -371,7 +385,9 @@ impl Worker {
         };
         let step = self.write_with_retry(own, record, Some(d)).await;
         if matches!(step, Step::Done) {
-            self.shared.stats.dead_letters(&config.consumer, &record.topic);
+            self.shared
+                .stats
+                .dead_letters(&config.consumer, &record.topic);
             self.shared.dlq_wake.notify_one();
             tracing::error!(
                 topic = %record.topic, partition = record.partition, offset = record.offset,

@@ -94,7 +94,10 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
         Some(v) => v.parse().map_err(|_| {
             (
                 Reason::Undecodable,
-                format!("{} header {v:?} is not an integer", headers::CE_SCHEMA_VERSION),
+                format!(
+                    "{} header {v:?} is not an integer",
+                    headers::CE_SCHEMA_VERSION
+                ),
             )
         })?,
     };

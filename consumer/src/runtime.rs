@@ -90,7 +90,9 @@ impl ConsumerBuilder {
             return Err(Error::Config(e));
         }
         if self.router.is_empty() {
-            return Err(Error::Config("no handlers: add at least one with `on`".into()));
+            return Err(Error::Config(
+                "no handlers: add at least one with `on`".into(),
+            ));
         }
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let state = Arc::new(Mutex::new(Ownership::default()));
@@ -98,10 +100,8 @@ impl ConsumerBuilder {
             state: state.clone(),
             events: events_tx,
         };
-        let consumer: StreamConsumer<Context> = self
-            .config
-            .client_config()
-            .create_with_context(context)?;
+        let consumer: StreamConsumer<Context> =
+            self.config.client_config().create_with_context(context)?;
         let producer: FutureProducer = self.config.dlq_producer_config().create()?;
         let admin: AdminClient<DefaultClientContext> =
             self.config.dlq_producer_config().create()?;
@@ -270,8 +270,13 @@ impl Consumer {
             while workers.join_next().await.is_some() {}
         }
         commit(&shared, CommitMode::Sync);
-        if tokio::time::timeout(config.shutdown_timeout, dlq).await.is_err() {
-            tracing::warn!("dead-letter publishing did not finish; the next start publishes the rest");
+        if tokio::time::timeout(config.shutdown_timeout, dlq)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "dead-letter publishing did not finish; the next start publishes the rest"
+            );
         }
         let consumer = shared.consumer.clone();
         drop(shared);

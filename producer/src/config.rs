@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use postal_shared::Backoff;
 use crate::Error;
+use postal_shared::Backoff;
 
 /// How the relay claims, retries and cleans up. Every field has a default (see
 /// [`RelayConfig::default`]); [`RelayConfig::validate`] rejects nonsensical values.

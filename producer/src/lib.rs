@@ -39,12 +39,12 @@ pub mod retention;
 mod trace;
 mod transport;
 
-pub use postal_shared::Backoff;
 pub use config::RelayConfig;
 pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};
+pub use postal_shared::Backoff;
 pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
 pub use relay::{Relay, RelayStats};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};

@@ -55,7 +55,10 @@ impl Parse for Args {
                 }
             };
             if lit.value().trim().is_empty() {
-                return Err(Error::new(lit.span(), "the consumer name must not be empty"));
+                return Err(Error::new(
+                    lit.span(),
+                    "the consumer name must not be empty",
+                ));
             }
             if consumer.replace(lit).is_some() {
                 return Err(Error::new(pair.path.span(), "`consumer` is given twice"));
@@ -116,7 +119,10 @@ fn check_return(ty: &Type) -> syn::Result<()> {
     }
     match &args.args[1] {
         GenericArgument::Type(Type::Path(e))
-            if e.path.segments.last().is_some_and(|s| s.ident == "HandlerError") => {}
+            if e.path
+                .segments
+                .last()
+                .is_some_and(|s| s.ident == "HandlerError") => {}
         other => return wrong(other.span()),
     }
     Ok(())
@@ -137,7 +143,10 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
         ));
     }
     if let Some(v) = &sig.variadic {
-        return Err(Error::new(v.span(), "`#[idempotent]` handlers cannot be variadic"));
+        return Err(Error::new(
+            v.span(),
+            "`#[idempotent]` handlers cannot be variadic",
+        ));
     }
     let inputs: Vec<&FnArg> = sig.inputs.iter().collect();
     if let Some(FnArg::Receiver(r)) = inputs.first() {

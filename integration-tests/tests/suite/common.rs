@@ -198,7 +198,11 @@ pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) {
         .expect("admin client");
     let res = admin
         .create_topics(
-            [&NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new(),
         )
         .await
@@ -256,8 +260,9 @@ pub async fn produce(bootstrap: &str, topic: &str, partition: Option<i32>, recor
                 value: Some(v.as_str()),
             });
         }
-        let mut rec: FutureRecord<'_, str, [u8]> =
-            FutureRecord::to(topic).payload(r.payload.as_slice()).headers(h);
+        let mut rec: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
+            .payload(r.payload.as_slice())
+            .headers(h);
         if let Some(k) = &r.key {
             rec = rec.key(k.as_str());
         }

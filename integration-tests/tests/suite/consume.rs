@@ -68,8 +68,16 @@ async fn same_event_twice_is_applied_once() {
     running.stop().await;
     let s = stats.snapshot();
     assert_eq!((s.applied, s.duplicates), (2, 1));
-    assert_eq!(effects(&db.pool).await, (2, 2), "each event applied exactly once");
-    assert_eq!(handlers::attempts(a), 1, "the duplicate did not run the body");
+    assert_eq!(
+        effects(&db.pool).await,
+        (2, 2),
+        "each event applied exactly once"
+    );
+    assert_eq!(
+        handlers::attempts(a),
+        1,
+        "the duplicate did not run the body"
+    );
     assert_eq!(processed_rows(&db.pool, a).await, 1);
 }
 
@@ -90,7 +98,12 @@ async fn handler_errors_leave_no_effect_and_no_dedup_row() {
         None,
         &[
             RawRecord::event(perm, "k", "job", json!({"n": 1, "fail": "permanent"})),
-            RawRecord::event(flaky, "k", "job", json!({"n": 2, "fail": "retry", "retries": 2})),
+            RawRecord::event(
+                flaky,
+                "k",
+                "job",
+                json!({"n": 2, "fail": "retry", "retries": 2}),
+            ),
             RawRecord::event(boom, "k", "job", json!({"n": 3, "fail": "panic"})),
             RawRecord::event(after, "k", "job", json!({"n": 4})),
         ],
@@ -115,12 +128,28 @@ async fn handler_errors_leave_no_effect_and_no_dedup_row() {
     assert_eq!((s.applied, s.dead_letters, s.retries), (2, 2, 2));
 
     for id in [perm, boom] {
-        assert_eq!(effect_rows(&db.pool, id).await, 0, "no effect of a failed event");
-        assert_eq!(processed_rows(&db.pool, id).await, 0, "no dedup row of a failed event");
+        assert_eq!(
+            effect_rows(&db.pool, id).await,
+            0,
+            "no effect of a failed event"
+        );
+        assert_eq!(
+            processed_rows(&db.pool, id).await,
+            0,
+            "no dedup row of a failed event"
+        );
     }
-    assert_eq!(effect_rows(&db.pool, flaky).await, 1, "retried, applied once");
+    assert_eq!(
+        effect_rows(&db.pool, flaky).await,
+        1,
+        "retried, applied once"
+    );
     assert_eq!(handlers::attempts(flaky), 3);
-    assert_eq!(effect_rows(&db.pool, after).await, 1, "later records still processed");
+    assert_eq!(
+        effect_rows(&db.pool, after).await,
+        1,
+        "later records still processed"
+    );
     let reasons: Vec<(Option<Uuid>, String, String)> = sqlx::query_as(
         "SELECT event_id, reason, error FROM postal.dead_letters ORDER BY kafka_offset",
     )
@@ -128,17 +157,19 @@ async fn handler_errors_leave_no_effect_and_no_dedup_row() {
     .await
     .unwrap();
     assert_eq!(reasons.len(), 2);
-    assert_eq!((reasons[0].0, reasons[0].1.as_str()), (Some(perm), "permanent"));
+    assert_eq!(
+        (reasons[0].0, reasons[0].1.as_str()),
+        (Some(perm), "permanent")
+    );
     assert!(reasons[0].2.contains("business rule"), "{}", reasons[0].2);
     assert_eq!((reasons[1].0, reasons[1].1.as_str()), (Some(boom), "panic"));
     assert!(reasons[1].2.contains("handler bug"), "{}", reasons[1].2);
-    let next: Option<i64> = sqlx::query_scalar(
-        "SELECT next_offset FROM postal.consumer_offsets WHERE topic = $1",
-    )
-    .bind(&topic)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let next: Option<i64> =
+        sqlx::query_scalar("SELECT next_offset FROM postal.consumer_offsets WHERE topic = $1")
+            .bind(&topic)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(next, Some(4), "the stored offset moved past every record");
 }
 
@@ -189,7 +220,11 @@ async fn a_fenced_transaction_does_not_commit() {
     running.stop().await;
     assert_eq!(effect_rows(&db.pool, blocked).await, 0, "rolled back");
     assert_eq!(processed_rows(&db.pool, blocked).await, 0, "rolled back");
-    assert_eq!(effect_rows(&db.pool, next).await, 0, "the fenced worker stopped");
+    assert_eq!(
+        effect_rows(&db.pool, next).await,
+        0,
+        "the fenced worker stopped"
+    );
     assert_eq!(stats.snapshot().applied, 0);
 }
 
@@ -213,7 +248,9 @@ async fn standalone_handler_in_callers_transaction() {
     };
     for expected in [Outcome::Applied, Outcome::Duplicate] {
         let mut tx = db.pool.begin().await.unwrap();
-        let outcome = apply::call(&mut tx, Event::new(id, "job", job())).await.unwrap();
+        let outcome = apply::call(&mut tx, Event::new(id, "job", job()))
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         assert_eq!(outcome, expected);
     }
@@ -235,7 +272,9 @@ async fn standalone_handler_in_callers_transaction() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("business rule"), "{err}");
-    tx.commit().await.expect("the caller's transaction stays usable");
+    tx.commit()
+        .await
+        .expect("the caller's transaction stays usable");
     let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit")
         .fetch_one(&db.pool)
         .await
@@ -243,4 +282,65 @@ async fn standalone_handler_in_callers_transaction() {
     assert_eq!(audit, 1, "the caller's own write committed");
     assert_eq!(effect_rows(&db.pool, failing.as_uuid()).await, 0);
     assert_eq!(processed_rows(&db.pool, failing.as_uuid()).await, 0);
+}
+
+/// Guarantee: a shutdown that cannot finish the in-flight transaction within the shutdown
+/// timeout abandons it — its effects and dedup row roll back — and the next consumer of the
+/// group applies that event exactly once.
+#[tokio::test]
+async fn shutdown_abandons_an_unfinished_transaction_cleanly() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("shutdown");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let blocked = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[RawRecord::event(
+            blocked,
+            "k",
+            "job",
+            json!({"n": 1, "fail": "block"}),
+        )],
+    )
+    .await;
+    let group = unique("g");
+    let build = || {
+        let mut config = consumer_config(&svc.bootstrap, &group, handlers::CONSUMER);
+        config.shutdown_timeout = Duration::from_millis(300);
+        Consumer::builder(db.pool.clone(), config)
+            .on(&topic, "job", apply)
+            .build()
+            .unwrap()
+    };
+    let first = RunningConsumer::start(build());
+    wait::until(WAIT, "the blocking handler to start", || async move {
+        handlers::entered(blocked)
+    })
+    .await;
+    first.stop().await; // returns after the 300 ms shutdown timeout
+    assert_eq!(
+        effect_rows(&db.pool, blocked).await,
+        0,
+        "abandoned: rolled back"
+    );
+    assert_eq!(processed_rows(&db.pool, blocked).await, 0);
+
+    handlers::release(blocked);
+    let second = RunningConsumer::start(build());
+    let stats = second.stats.clone();
+    wait::until(WAIT, "the event applied by the next consumer", || {
+        let s = stats.snapshot();
+        async move { s.applied == 1 }
+    })
+    .await;
+    second.stop().await;
+    assert_eq!(
+        effect_rows(&db.pool, blocked).await,
+        1,
+        "applied exactly once"
+    );
 }

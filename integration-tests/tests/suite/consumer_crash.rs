@@ -20,7 +20,14 @@ const WAIT: Duration = Duration::from_secs(90);
 
 fn events(from: i64, to: i64) -> Vec<RawRecord> {
     (from..to)
-        .map(|n| RawRecord::event(Uuid::now_v7(), &format!("k{}", n % 7), "job", json!({"n": n})))
+        .map(|n| {
+            RawRecord::event(
+                Uuid::now_v7(),
+                &format!("k{}", n % 7),
+                "job",
+                json!({"n": n}),
+            )
+        })
         .collect()
 }
 

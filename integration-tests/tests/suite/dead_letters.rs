@@ -61,7 +61,11 @@ async fn malformed_records_become_dead_letters() {
     let dlq = kafka::read_all(&svc.bootstrap, &format!("{topic}.dlq"), 3, WAIT).await;
     running.stop().await;
 
-    assert_eq!(effects(&db.pool).await, (1, 1), "only the valid record applied");
+    assert_eq!(
+        effects(&db.pool).await,
+        (1, 1),
+        "only the valid record applied"
+    );
     let rows: Vec<(i64, String, String, Option<Uuid>, bool)> = sqlx::query_as(
         "SELECT kafka_offset, reason, error, event_id, published_at IS NOT NULL
          FROM postal.dead_letters ORDER BY kafka_offset",
@@ -72,13 +76,20 @@ async fn malformed_records_become_dead_letters() {
     let reasons: Vec<(i64, &str)> = rows.iter().map(|r| (r.0, r.1.as_str())).collect();
     assert_eq!(
         reasons,
-        [(0, "undecodable"), (1, "missing_event_id"), (2, "unknown_type")]
+        [
+            (0, "undecodable"),
+            (1, "missing_event_id"),
+            (2, "unknown_type")
+        ]
     );
     assert!(rows[0].2.contains("not the expected JSON"), "{}", rows[0].2);
     assert!(rows[1].2.contains("ce_id"), "{}", rows[1].2);
     assert!(rows[2].2.contains("job.unheard_of"), "{}", rows[2].2);
     assert_eq!(rows[0].3, Some(garbage));
-    assert!(rows.iter().all(|r| r.4), "every dead letter marked published");
+    assert!(
+        rows.iter().all(|r| r.4),
+        "every dead letter marked published"
+    );
 
     assert_eq!(dlq.len(), 3, "one DLQ record per dead letter");
     let by_reason = |reason: &str| {
@@ -89,7 +100,11 @@ async fn malformed_records_become_dead_letters() {
     let g = by_reason("undecodable");
     assert_eq!(g.payload, b"\x00\x01 definitely not json", "original value");
     assert_eq!(g.key.as_deref(), Some("k1"), "original key");
-    assert_eq!(g.header("ce_id"), Some(garbage.to_string().as_str()), "original headers");
+    assert_eq!(
+        g.header("ce_id"),
+        Some(garbage.to_string().as_str()),
+        "original headers"
+    );
     assert_eq!(g.header("postal_dlq_topic"), Some(topic.as_str()));
     assert_eq!(g.header("postal_dlq_offset"), Some("0"));
     assert_eq!(g.header("postal_dlq_consumer"), Some(handlers::CONSUMER));

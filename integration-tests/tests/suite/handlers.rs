@@ -67,9 +67,9 @@ pub async fn apply(
         .await?;
     match event.payload.fail.as_deref() {
         Some("permanent") => Err(HandlerError::permanent("order rejected by a business rule")),
-        Some("retry") if attempt <= event.payload.retries => Err(HandlerError::retryable(
-            format!("flaky dependency (attempt {attempt})"),
-        )),
+        Some("retry") if attempt <= event.payload.retries => Err(HandlerError::retryable(format!(
+            "flaky dependency (attempt {attempt})"
+        ))),
         Some("panic") => panic!("handler bug for event {id}"),
         Some("block") => {
             ENTERED.lock().unwrap().insert(id);

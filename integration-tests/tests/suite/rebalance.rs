@@ -28,7 +28,12 @@ async fn members_join_and_leave_mid_stream() {
     let batch = |from: i64, to: i64| -> Vec<RawRecord> {
         (from..to)
             .map(|n| {
-                RawRecord::event(Uuid::now_v7(), &format!("k{}", n % 50), "job", json!({"n": n}))
+                RawRecord::event(
+                    Uuid::now_v7(),
+                    &format!("k{}", n % 50),
+                    "job",
+                    json!({"n": n}),
+                )
             })
             .collect()
     };
@@ -65,7 +70,11 @@ async fn members_join_and_leave_mid_stream() {
     wait::until(WAIT, "every event applied", applied_at_least(total)).await;
     let stats = c.stats.clone();
     c.stop().await;
-    assert_eq!(effects(&db.pool).await, (total, total), "each event exactly once");
+    assert_eq!(
+        effects(&db.pool).await,
+        (total, total),
+        "each event exactly once"
+    );
     let dedup: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events")
         .fetch_one(&db.pool)
         .await
