@@ -32,6 +32,16 @@ pub struct ConsumerConfig {
     /// Partitions processed at the same time (default 8). Messages of one partition are
     /// always processed one after another, in offset order.
     pub max_concurrent_partitions: usize,
+    /// Records of one partition processed in one transaction (default 1). Above 1 this is
+    /// throughput mode: one multi-row dedup insert, bodies only for new ids, one offset
+    /// advance; a failing record is isolated under a savepoint (see the crate docs).
+    pub max_batch: usize,
+    /// Delete `processed_events` rows of this consumer older than this (default 7 days), in
+    /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
+    /// window in which a relay can republish an event (README: "Dedup retention").
+    pub dedup_retention: Option<Duration>,
+    /// How often retention runs (default 60 s).
+    pub cleanup_interval: Duration,
     /// Handler runs per event before a retryable failure becomes a dead letter (default 10).
     /// Outages ([`crate::HandlerError::Unavailable`], an unreachable database) never count.
     pub max_attempts: u32,
@@ -69,6 +79,9 @@ impl ConsumerConfig {
             group: group.into(),
             consumer: consumer.into(),
             max_concurrent_partitions: 8,
+            max_batch: 1,
+            dedup_retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            cleanup_interval: Duration::from_secs(60),
             max_attempts: 10,
             backoff: Backoff {
                 base: Duration::from_millis(100),
@@ -99,6 +112,18 @@ impl ConsumerConfig {
         }
         if self.max_concurrent_partitions == 0 || self.max_concurrent_partitions > 1024 {
             return bad("max concurrent partitions must be between 1 and 1024");
+        }
+        if self.max_batch == 0 || self.max_batch > 10_000 {
+            return bad("max batch must be between 1 and 10000");
+        }
+        if self
+            .dedup_retention
+            .is_some_and(|r| r < Duration::from_secs(60))
+        {
+            return bad("dedup retention must be at least 60s (or disabled)");
+        }
+        if self.cleanup_interval.is_zero() {
+            return bad("cleanup interval must be positive");
         }
         if self.max_attempts == 0 {
             return bad("max attempts must be at least 1");

@@ -24,3 +24,51 @@ pub async fn record(
     .rows_affected();
     Ok(inserted == 1)
 }
+
+/// Records many event ids at once (one multi-row `INSERT … ON CONFLICT DO NOTHING
+/// RETURNING`); returns the ids that were new. Ids repeated in `event_ids` are returned once.
+pub async fn record_many(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_ids: &[EventId],
+) -> Result<Vec<EventId>, sqlx::Error> {
+    if event_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
+    let fresh: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "INSERT INTO postal.processed_events (consumer_name, event_id)
+         SELECT $1, unnest($2::uuid[])
+         ON CONFLICT DO NOTHING
+         RETURNING event_id",
+    )
+    .bind(consumer)
+    .bind(&ids)
+    .fetch_all(conn)
+    .await?;
+    Ok(fresh
+        .into_iter()
+        .filter_map(|u| EventId::from_uuid(u).ok())
+        .collect())
+}
+
+/// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written
+/// in this transaction but which were not applied after all.
+pub(crate) async fn forget_many(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_ids: &[EventId],
+) -> Result<(), sqlx::Error> {
+    if event_ids.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
+    sqlx::query(
+        "DELETE FROM postal.processed_events WHERE consumer_name = $1 AND event_id = ANY($2)",
+    )
+    .bind(consumer)
+    .bind(&ids)
+    .execute(conn)
+    .await?;
+    Ok(())
+}

@@ -68,6 +68,7 @@
 //! moves on: later events of the same key are processed, so that key is reordered downstream
 //! of the dead letter; re-driving it later applies it after them.
 
+mod batch;
 mod config;
 mod context;
 pub mod dead_letter;
@@ -78,9 +79,11 @@ mod handler;
 pub mod offsets;
 mod partition;
 mod record;
+pub mod retention;
 mod route;
 mod runtime;
 mod stats;
+pub mod testing;
 
 #[doc(hidden)]
 #[path = "private.rs"]

@@ -70,7 +70,7 @@ fn tpl(topic: &str, partition: i32) -> TopicPartitionList {
 }
 
 /// How processing one record ended.
-enum Step {
+pub(crate) enum Step {
     /// The partition moved past the record.
     Done,
     /// Stop the worker (revoked, shutting down or fenced); the record is left for the next owner.
@@ -107,44 +107,62 @@ impl Worker {
             }
         }
         tracing::debug!(topic = %self.topic, partition = self.partition, epoch = own.epoch, next_offset = ?next, "partition taken over");
+        let max_batch = self.shared.config.max_batch;
         loop {
-            let record = tokio::select! {
+            let head = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return,
                 r = self.rx.recv() => match r { Some(r) => r, None => return },
             };
-            self.dequeued();
+            let mut records = vec![head];
+            while records.len() < max_batch {
+                match self.rx.try_recv() {
+                    Ok(r) => records.push(r),
+                    Err(_) => break,
+                }
+            }
+            self.dequeued(records.len());
             if let (true, Some(n)) = (first, next) {
-                if record.offset > n {
-                    tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, first = record.offset,
+                if records[0].offset > n {
+                    tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, first = records[0].offset,
                         "the broker delivered the partition from a later offset than the stored one: records in between were not seen (compaction, retention, or a broker fault)");
                 }
             }
             first = false;
-            if next.is_some_and(|n| record.offset < n) {
-                tracing::trace!(topic = %self.topic, partition = self.partition, offset = record.offset, "below the stored offset; skipped");
-                self.shared
-                    .stats
-                    .replays_skipped(&self.shared.config.consumer, &self.topic);
+            records.retain(|r| {
+                let below = next.is_some_and(|n| r.offset < n);
+                if below {
+                    tracing::trace!(topic = %self.topic, partition = self.partition, offset = r.offset, "below the stored offset; skipped");
+                    self.shared
+                        .stats
+                        .replays_skipped(&self.shared.config.consumer, &self.topic);
+                }
+                !below
+            });
+            let Some(last) = records.last().map(|r| r.offset) else {
                 continue;
-            }
+            };
             let permit = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return,
                 p = self.shared.permits.acquire() => match p { Ok(p) => p, Err(_) => return },
             };
-            let step = self.process(&own, &record).await;
+            let step = if records.len() == 1 {
+                self.process(&own, &records[0]).await
+            } else {
+                self.process_batch(&own, records).await
+            };
             drop(permit);
             match step {
                 Step::Done => {
-                    next = Some(record.offset + 1);
+                    next = Some(last + 1);
                     if !self.cancel.is_cancelled() {
                         self.shared
                             .state
                             .lock()
                             .expect("ownership state")
                             .pending_commits
-                            .insert((self.topic.clone(), self.partition), record.offset + 1);
+                            .insert((self.topic.clone(), self.partition), last + 1);
                     }
                 }
                 Step::Stop => return,
@@ -152,8 +170,8 @@ impl Worker {
         }
     }
 
-    fn dequeued(&self) {
-        let queued = self.queued.fetch_sub(1, Ordering::AcqRel) - 1;
+    fn dequeued(&self, n: usize) {
+        let queued = self.queued.fetch_sub(n, Ordering::AcqRel) - n;
         if queued <= self.shared.config.partition_buffer / 2 {
             let mut paused = self.paused.lock().expect("pause flag");
             if *paused {
@@ -195,7 +213,7 @@ impl Worker {
     }
 
     /// Sleeps for the backoff of `attempt`; `false` if cancelled meanwhile.
-    async fn wait(&self, attempt: u32) -> bool {
+    pub(crate) async fn wait(&self, attempt: u32) -> bool {
         let d = self.shared.config.backoff.delay(attempt);
         tokio::select! {
             _ = tokio::time::sleep(d) => true,
@@ -322,11 +340,7 @@ impl Worker {
                 }
                 Ok(Err(Failure::Handler(e))) => return Err(Attempt::from_handler(e)),
                 Err(panic) => {
-                    let msg = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "handler panicked".into());
+                    let msg = panic_message(panic.as_ref());
                     tracing::error!(handler = route.name(), consumer, panic = %msg, "handler panicked");
                     return Err(Attempt::Permanent(Reason::Panic, format!("panic: {msg}")));
                 }
@@ -449,7 +463,7 @@ impl Worker {
 }
 
 /// How one attempt failed.
-enum Attempt {
+pub(crate) enum Attempt {
     Fenced,
     Unavailable(String),
     Retryable(String),
@@ -457,18 +471,27 @@ enum Attempt {
 }
 
 impl Attempt {
-    fn db(e: sqlx::Error) -> Self {
+    pub(crate) fn db(e: sqlx::Error) -> Self {
         match classify_sqlx(&e) {
             Class::Unavailable => Attempt::Unavailable(e.to_string()),
             _ => Attempt::Retryable(e.to_string()),
         }
     }
 
-    fn from_handler(e: HandlerError) -> Self {
+    pub(crate) fn from_handler(e: HandlerError) -> Self {
         match e {
             HandlerError::Retryable(e) => Attempt::Retryable(e.to_string()),
             HandlerError::Permanent(e) => Attempt::Permanent(Reason::Permanent, e.to_string()),
             HandlerError::Unavailable(e) => Attempt::Unavailable(e.to_string()),
         }
     }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "handler panicked".into())
 }

@@ -209,6 +209,13 @@ impl Consumer {
 
         let stop = CancellationToken::new();
         let dlq = tokio::spawn(dlq.run(stop.clone()));
+        let housekeeping = tokio::spawn(housekeeping(
+            shared.pool.clone(),
+            config.consumer.clone(),
+            config.dedup_retention,
+            config.cleanup_interval,
+            stop.clone(),
+        ));
         let mut partitions: HashMap<Tp, Partition> = HashMap::new();
         let mut workers = JoinSet::new();
         let mut commit_tick = tokio::time::interval(config.kafka_commit_interval);
@@ -270,6 +277,7 @@ impl Consumer {
             while workers.join_next().await.is_some() {}
         }
         commit(&shared, CommitMode::Sync);
+        housekeeping.abort();
         if tokio::time::timeout(config.shutdown_timeout, dlq)
             .await
             .is_err()
@@ -344,6 +352,30 @@ fn apply(
                     },
                 );
             }
+        }
+    }
+}
+
+/// Deletes expired dedup rows every `interval` (one instance at a time).
+async fn housekeeping(
+    pool: PgPool,
+    consumer: String,
+    retention: Option<Duration>,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let Some(retention) = retention else { return };
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stop.cancelled() => return,
+        }
+        match crate::retention::cleanup_processed(&pool, &consumer, retention, 5000).await {
+            Ok(Some(n)) if n > 0 => {
+                tracing::info!(deleted = n, consumer, "deleted expired dedup rows")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "dedup retention failed; retrying next round"),
         }
     }
 }

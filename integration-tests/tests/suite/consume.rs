@@ -245,6 +245,7 @@ async fn standalone_handler_in_callers_transaction() {
         n: 7,
         fail: None,
         retries: 0,
+        next: None,
     };
     for expected in [Outcome::Applied, Outcome::Duplicate] {
         let mut tx = db.pool.begin().await.unwrap();
@@ -267,6 +268,7 @@ async fn standalone_handler_in_callers_transaction() {
         n: 8,
         fail: Some("permanent".into()),
         retries: 0,
+        next: None,
     };
     let err = apply::call(&mut tx, Event::new(failing, "job", bad))
         .await

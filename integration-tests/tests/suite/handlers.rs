@@ -25,6 +25,9 @@ pub struct Job {
     /// Failures before a `retry` job succeeds.
     #[serde(default)]
     pub retries: u32,
+    /// For [`forward`]: the topic to forward the job to.
+    #[serde(default)]
+    pub next: Option<String>,
 }
 
 static ATTEMPTS: LazyLock<Mutex<HashMap<Uuid, u32>>> = LazyLock::new(Default::default);
@@ -80,4 +83,50 @@ pub async fn apply(
         }
         _ => Ok(()),
     }
+}
+
+/// The middle service of a chain: records the job in `effects` and, in the same transaction,
+/// enqueues it (as a new event) to the topic named in `next` through the outbox.
+#[idempotent(consumer = "middle")]
+pub async fn forward(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<Job>,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (event_id, n, consumer) VALUES ($1, $2, 'middle')")
+        .bind(event.id.as_uuid())
+        .bind(event.payload.n)
+        .execute(&mut **tx)
+        .await?;
+    let next = event
+        .payload
+        .next
+        .as_deref()
+        .ok_or_else(|| HandlerError::permanent("no `next` topic"))?;
+    let key = event.key.clone().unwrap_or_else(|| "none".into());
+    let out = postal_producer::NewEvent::json(
+        next,
+        key.as_str(),
+        "job",
+        &serde_json::json!({ "n": event.payload.n }),
+    )
+    .map_err(HandlerError::permanent)?;
+    postal_producer::enqueue(&mut **tx, out)
+        .await
+        .map_err(HandlerError::retryable)?;
+    Ok(())
+}
+
+/// [`apply`] for an untyped (clonable) payload: records `n` in `effects`.
+#[idempotent(consumer = "effects")]
+pub async fn apply_value(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<serde_json::Value>,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (event_id, n, consumer) VALUES ($1, $2, $3)")
+        .bind(event.id.as_uuid())
+        .bind(event.payload["n"].as_i64().unwrap_or(-1))
+        .bind(CONSUMER)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }

@@ -4,6 +4,7 @@
 //! testcontainers (see `postal_integration_tests`). Every test takes a fresh database and
 //! unique topic names.
 
+mod chain;
 mod common;
 mod consume;
 mod consumer_crash;
@@ -15,3 +16,4 @@ mod order;
 mod rebalance;
 mod relay;
 mod smoke;
+mod throughput;

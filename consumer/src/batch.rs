@@ -1,0 +1,353 @@
+//! Throughput mode: several records of a partition in one transaction.
+//!
+//! One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING` records the dedup rows; bodies run
+//! only for the ids it returned; the offset advances once. The first pass runs the bodies
+//! without savepoints; if any of them fails, the transaction is rolled back and the batch runs
+//! again with a savepoint around each body, so the failure is isolated: a permanent failure
+//! becomes a dead letter in the same transaction and the rest commit; a retryable failure commits
+//! the records before it and retries it (with backoff) at the head of the next transaction, so
+//! the partition's order holds.
+
+use std::collections::{HashSet, VecDeque};
+use std::panic::AssertUnwindSafe;
+
+use futures::FutureExt;
+use postal_shared::EventId;
+use sqlx::{Connection, Postgres, Transaction};
+
+use crate::config::UnknownTypes;
+use crate::dead_letter::{self, DeadLetter, Reason};
+use crate::handler::HandlerError;
+use crate::offsets::{self, Ownership};
+use crate::partition::{panic_message, Attempt, Step, Worker};
+use crate::record::{meta, Meta, Record};
+use crate::route::Failure;
+
+/// What one batch transaction committed.
+#[derive(Default)]
+struct Committed {
+    /// Records finished (applied, duplicate, skipped or dead-lettered), from the head.
+    done: usize,
+    applied: u64,
+    duplicates: u64,
+    skipped: u64,
+    dead: u64,
+    /// The record after the finished ones failed retryably: (error, is it an outage?).
+    stopped: Option<(String, bool)>,
+}
+
+/// How a body failed inside the batch.
+enum BodyFailure {
+    /// Dead-letter it (reason, error).
+    Dead(Reason, String),
+    /// Retry it later (error, outage?).
+    Retry(String, bool),
+}
+
+impl Worker {
+    pub(crate) async fn process_batch(&self, own: &Ownership, records: Vec<Record>) -> Step {
+        let consumer = self.shared.config.consumer.clone();
+        let mut queue: VecDeque<Record> = records.into();
+        let mut head_attempts = 0u32;
+        let mut outages = 0u32;
+        let mut isolate = false;
+        while !queue.is_empty() {
+            if self.cancel.is_cancelled() {
+                return Step::Stop;
+            }
+            let exhausted = head_attempts >= self.shared.config.max_attempts;
+            match self
+                .batch_attempt(own, &queue, isolate, exhausted, head_attempts)
+                .await
+            {
+                Ok(c) => {
+                    let topic = &self.topic;
+                    let stats = &self.shared.stats;
+                    (0..c.applied).for_each(|_| stats.applied(&consumer, topic));
+                    (0..c.duplicates).for_each(|_| stats.duplicates(&consumer, topic));
+                    (0..c.skipped).for_each(|_| stats.skipped(&consumer, topic));
+                    (0..c.dead).for_each(|_| stats.dead_letters(&consumer, topic));
+                    if c.dead > 0 {
+                        self.shared.dlq_wake.notify_one();
+                    }
+                    if c.done > 0 {
+                        head_attempts = 0;
+                        outages = 0;
+                    }
+                    queue.drain(..c.done);
+                    match c.stopped {
+                        None => isolate = false,
+                        Some((e, true)) => {
+                            tracing::warn!(error = %e, "dependency unavailable; retrying (does not count as an attempt)");
+                            if !self.wait(outages).await {
+                                return Step::Stop;
+                            }
+                            outages = outages.saturating_add(1);
+                        }
+                        Some((e, false)) => {
+                            head_attempts += 1;
+                            if head_attempts < self.shared.config.max_attempts {
+                                self.shared.stats.retries(&consumer, &self.topic);
+                                tracing::warn!(error = %e, attempt = head_attempts, "handler failed; retrying");
+                                if !self.wait(head_attempts - 1).await {
+                                    return Step::Stop;
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(Attempt::Fenced) => {
+                    self.shared.stats.fenced(&consumer, &self.topic);
+                    tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back and stopping");
+                    return Step::Stop;
+                }
+                Err(Attempt::Permanent(..)) | Err(Attempt::Retryable(_)) if !isolate => {
+                    // A body failed in the optimistic pass: run again with savepoints.
+                    isolate = true;
+                }
+                Err(Attempt::Unavailable(e)) | Err(Attempt::Retryable(e)) => {
+                    tracing::warn!(error = %e, "batch transaction failed; retrying");
+                    if !self.wait(outages).await {
+                        return Step::Stop;
+                    }
+                    outages = outages.saturating_add(1);
+                }
+                Err(Attempt::Permanent(_, e)) => {
+                    tracing::warn!(error = %e, "batch transaction failed; retrying");
+                    if !self.wait(outages).await {
+                        return Step::Stop;
+                    }
+                    outages = outages.saturating_add(1);
+                }
+            }
+        }
+        Step::Done
+    }
+
+    /// One transaction over `queue`. Without `isolate`, any body failure aborts the whole
+    /// transaction (`Err`), and the caller retries with `isolate`.
+    async fn batch_attempt(
+        &self,
+        own: &Ownership,
+        queue: &VecDeque<Record>,
+        isolate: bool,
+        head_exhausted: bool,
+        head_attempts: u32,
+    ) -> Result<Committed, Attempt> {
+        let config = &self.shared.config;
+        let mut tx = self.shared.pool.begin().await.map_err(Attempt::db)?;
+        let metas: Vec<_> = queue.iter().map(meta).collect();
+        let ids: Vec<EventId> = metas
+            .iter()
+            .filter_map(|m| m.as_ref().ok().map(|m| m.id))
+            .collect();
+        let fresh: HashSet<EventId> = crate::dedup::record_many(&mut tx, &config.consumer, &ids)
+            .await
+            .map_err(Attempt::db)?
+            .into_iter()
+            .collect();
+        let mut claimed: HashSet<EventId> = HashSet::new();
+        let mut c = Committed::default();
+        for (i, (record, m)) in queue.iter().zip(&metas).enumerate() {
+            let m = match m {
+                Ok(m) => m,
+                Err((reason, error)) => {
+                    self.dead_in(&mut tx, record, None, *reason, error, 0)
+                        .await?;
+                    c.dead += 1;
+                    c.done += 1;
+                    continue;
+                }
+            };
+            let route = self
+                .shared
+                .router
+                .find(&record.topic, &m.event_type, m.schema_version)
+                .cloned();
+            let Some(route) = route else {
+                self.forget(&mut tx, m.id, &fresh).await?;
+                if config.unknown_types == UnknownTypes::Skip {
+                    c.skipped += 1;
+                } else {
+                    let error = format!(
+                        "no handler for event type {:?} (schema version {}) on topic {:?}",
+                        m.event_type, m.schema_version, record.topic
+                    );
+                    self.dead_in(&mut tx, record, Some(m), Reason::UnknownType, &error, 0)
+                        .await?;
+                    c.dead += 1;
+                }
+                c.done += 1;
+                continue;
+            };
+            if !fresh.contains(&m.id) || !claimed.insert(m.id) {
+                c.duplicates += 1;
+                c.done += 1;
+                continue;
+            }
+            if i == 0 && head_exhausted {
+                self.forget(&mut tx, m.id, &fresh).await?;
+                let error = format!("gave up after {head_attempts} attempts");
+                self.dead_in(
+                    &mut tx,
+                    record,
+                    Some(m),
+                    Reason::RetriesExhausted,
+                    &error,
+                    head_attempts as i32,
+                )
+                .await?;
+                c.dead += 1;
+                c.done += 1;
+                continue;
+            }
+            let outcome = if isolate {
+                let mut sp = (*tx).begin().await.map_err(Attempt::db)?;
+                let r = run_body(route.as_ref(), &mut sp, record, m).await;
+                match r {
+                    Ok(()) => sp.commit().await.map_err(Attempt::db)?,
+                    Err(_) => sp.rollback().await.map_err(Attempt::db)?,
+                }
+                r
+            } else {
+                run_body(route.as_ref(), &mut tx, record, m).await
+            };
+            match outcome {
+                Ok(()) => {
+                    c.applied += 1;
+                    c.done += 1;
+                }
+                Err(f) if !isolate => {
+                    return Err(match f {
+                        BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
+                        BodyFailure::Retry(e, _) => Attempt::Retryable(e),
+                    })
+                }
+                Err(BodyFailure::Dead(reason, error)) => {
+                    self.forget(&mut tx, m.id, &fresh).await?;
+                    let ran = if reason == Reason::Undecodable {
+                        0
+                    } else {
+                        head_attempts + 1
+                    };
+                    self.dead_in(&mut tx, record, Some(m), reason, &error, ran as i32)
+                        .await?;
+                    c.dead += 1;
+                    c.done += 1;
+                }
+                Err(BodyFailure::Retry(error, outage)) => {
+                    c.stopped = Some((error, outage));
+                    break;
+                }
+            }
+        }
+        if c.stopped.is_some() {
+            // The dedup rows of records not finished in this transaction go with it.
+            let rest: Vec<EventId> = metas[c.done..]
+                .iter()
+                .filter_map(|m| m.as_ref().ok().map(|m| m.id))
+                .filter(|id| fresh.contains(id))
+                .collect();
+            crate::dedup::forget_many(&mut tx, &config.consumer, &rest)
+                .await
+                .map_err(Attempt::db)?;
+        }
+        if c.done > 0 {
+            let next = queue[c.done - 1].offset + 1;
+            let owned = offsets::advance(
+                &mut tx,
+                &config.group,
+                &self.topic,
+                self.partition,
+                own.epoch,
+                next,
+            )
+            .await
+            .map_err(Attempt::db)?;
+            if !owned {
+                return Err(Attempt::Fenced);
+            }
+        }
+        tx.commit().await.map_err(Attempt::db)?;
+        Ok(c)
+    }
+
+    /// Removes a dedup row this transaction inserted (the record was not applied after all).
+    async fn forget(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        id: EventId,
+        fresh: &HashSet<EventId>,
+    ) -> Result<(), Attempt> {
+        if fresh.contains(&id) {
+            crate::dedup::forget_many(tx, &self.shared.config.consumer, &[id])
+                .await
+                .map_err(Attempt::db)?;
+        }
+        Ok(())
+    }
+
+    async fn dead_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        record: &Record,
+        meta: Option<&Meta>,
+        reason: Reason,
+        error: &str,
+        attempts: i32,
+    ) -> Result<(), Attempt> {
+        let config = &self.shared.config;
+        let dlq_topic = format!("{}{}", record.topic, config.dlq_suffix);
+        dead_letter::record(
+            tx,
+            DeadLetter {
+                consumer: &config.consumer,
+                group: &config.group,
+                record,
+                event_id: meta.map(|m| m.id.as_uuid()),
+                event_type: meta.map(|m| m.event_type.as_str()),
+                reason,
+                error,
+                attempts,
+                dlq_topic: &dlq_topic,
+            },
+        )
+        .await
+        .map_err(Attempt::db)?;
+        tracing::error!(
+            topic = %record.topic, partition = record.partition, offset = record.offset,
+            event_id = ?meta.map(|m| m.id), reason = reason.as_str(), error,
+            "dead-lettered; the partition moves on"
+        );
+        Ok(())
+    }
+}
+
+async fn run_body(
+    route: &dyn crate::route::Route,
+    tx: &mut Transaction<'_, Postgres>,
+    record: &Record,
+    meta: &Meta,
+) -> Result<(), BodyFailure> {
+    match AssertUnwindSafe(route.call(tx, record, meta))
+        .catch_unwind()
+        .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Failure::Undecodable(e))) => Err(BodyFailure::Dead(Reason::Undecodable, e)),
+        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
+            Err(BodyFailure::Dead(Reason::Permanent, e.to_string()))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
+            Err(BodyFailure::Retry(e.to_string(), false))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
+            Err(BodyFailure::Retry(e.to_string(), true))
+        }
+        Err(panic) => {
+            let msg = panic_message(panic.as_ref());
+            tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
+            Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
+        }
+    }
+}
