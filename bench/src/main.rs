@@ -1,6 +1,8 @@
 //! Postal's benchmarks. Run against the local stack (`scripts/stack.sh up`, broker on memory
 //! storage) with `cargo run --release -p postal-bench -- <command>`; see BENCHMARKS.md.
 
+mod consume;
+
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -72,6 +74,28 @@ enum Command {
         #[arg(long, default_value_t = 10_000)]
         pending: i64,
     },
+    /// Consume pre-produced events whose handler inserts one row: Postal in throughput mode,
+    /// Postal with one transaction per message, a raw consume loop and a SQL-only ceiling.
+    Consume {
+        /// Events to pre-produce and consume.
+        #[arg(long, default_value_t = 100_000)]
+        events: usize,
+        /// Sample size for one transaction per message.
+        #[arg(long, default_value_t = 5_000)]
+        sample: usize,
+        /// Topic partitions.
+        #[arg(long, default_value_t = 12)]
+        partitions: i32,
+        /// Records per transaction in throughput mode.
+        #[arg(long, default_value_t = 500)]
+        max_batch: usize,
+        /// Partitions processed in parallel (and SQL-only connections).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Payload size in bytes.
+        #[arg(long, default_value_t = 200)]
+        payload_bytes: usize,
+    },
     /// Commit-to-broker latency with and without LISTEN/NOTIFY, and what enqueue (with its
     /// wake-up) costs the writing transaction.
     Wakeup {
@@ -118,6 +142,24 @@ async fn main() -> anyhow::Result<()> {
                 relay_only,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
+        }
+        Command::Consume {
+            events,
+            sample,
+            partitions,
+            max_batch,
+            concurrency,
+            payload_bytes,
+        } => {
+            let opts = consume::ConsumeOpts {
+                n: events,
+                sample,
+                partitions,
+                max_batch,
+                concurrency,
+                payload_bytes,
+            };
+            consume::consume_bench(&cli.database_url, &cli.bootstrap, opts).await
         }
         Command::Explain { published, pending } => {
             explain_bench(&cli.database_url, published, pending).await
