@@ -64,7 +64,11 @@ async fn produce(
         .create()?;
     admin
         .create_topics(
-            [&NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new(),
         )
         .await?;
@@ -133,7 +137,10 @@ async fn postal_run(
     // Never pause: tansu 0.6.0 resumes a paused partition from inside a record batch by
     // skipping to the next batch or stalling (see README); real Kafka does not.
     config.partition_buffer = n + 1;
-    for (k, v) in [("session.timeout.ms", "6000"), ("max.poll.interval.ms", "10000")] {
+    for (k, v) in [
+        ("session.timeout.ms", "6000"),
+        ("max.poll.interval.ms", "10000"),
+    ] {
         config.kafka.insert(k.into(), v.into());
     }
     let consumer = Consumer::builder(pool.clone(), config)
@@ -187,7 +194,10 @@ fn raw_consume(bootstrap: &str, topic: &str, partitions: i32, n: usize) -> anyho
     let mut seen = 0usize;
     let mut bytes = 0usize;
     while seen < n {
-        anyhow::ensure!(t.elapsed() < Duration::from_secs(300), "raw consume stalled");
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(300),
+            "raw consume stalled"
+        );
         if let Some(m) = consumer.poll(Duration::from_millis(100)) {
             let m = m?;
             bytes += rdkafka::message::Message::payload(&m).map_or(0, |p| p.len());
@@ -278,7 +288,14 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
     let took = produce(bootstrap, &topic, o.partitions, o.n, o.payload_bytes).await?;
     println!("pre-produced {} events in {:.1} s", o.n, took.as_secs_f64());
     let sample_topic = format!("bench-consume-sample-{}", uuid::Uuid::now_v7().simple());
-    produce(bootstrap, &sample_topic, o.partitions, o.sample, o.payload_bytes).await?;
+    produce(
+        bootstrap,
+        &sample_topic,
+        o.partitions,
+        o.sample,
+        o.payload_bytes,
+    )
+    .await?;
 
     let c = {
         let (b, t, p, n) = (bootstrap.to_owned(), topic.clone(), o.partitions, o.n);

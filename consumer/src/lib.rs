@@ -57,6 +57,15 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Throughput mode
+//! [`ConsumerConfig::max_batch`] above 1 processes up to that many records of a partition in
+//! one transaction (one multi-row dedup insert, one offset update); a failing record is isolated
+//! under a savepoint and the partition's order holds.
+//!
+//! # Testing handlers
+//! [`testing::deliver`] and [`testing::assert_applied_once`] run a handler against a real
+//! database without a broker.
+//!
 //! # Failures
 //! A handler returns [`HandlerError::Retryable`] (retried with backoff, then dead-lettered),
 //! [`HandlerError::Permanent`] (dead-lettered at once) or [`HandlerError::Unavailable`]
@@ -103,7 +112,7 @@ pub use stats::{Stats, StatsSnapshot};
 /// ```ignore
 /// #[idempotent(consumer = "billing")]
 /// async fn on_order(tx: &mut Transaction<'_, Postgres>, event: Event<OrderCreated>)
-///     -> Result<(), HandlerError> { … }
+///     -> Result<(), HandlerError> { Ok(()) }
 /// ```
 ///
 /// The function becomes a unit struct of the same name that

@@ -102,3 +102,44 @@ impl Router {
         self.routes.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Event;
+
+    struct Named(&'static str);
+
+    impl Handler for Named {
+        type Payload = serde_json::Value;
+        fn consumer(&self) -> &'static str {
+            "c"
+        }
+        fn name(&self) -> &'static str {
+            self.0
+        }
+        fn handle<'a, 'c>(
+            &'a self,
+            _tx: &'a mut Transaction<'c, Postgres>,
+            _event: Event<serde_json::Value>,
+        ) -> BoxFuture<'a, Result<(), HandlerError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    /// Routing prefers the exact schema version, falls back to the version-agnostic route,
+    /// and refuses the same route twice.
+    #[test]
+    fn routes_by_topic_type_and_version() {
+        let mut r = Router::default();
+        assert!(r.add("orders", "created", None, Named("any")));
+        assert!(r.add("orders", "created", Some(2), Named("v2")));
+        assert!(!r.add("orders", "created", Some(2), Named("again")));
+        let name = |t: &str, ty: &str, v: i32| r.find(t, ty, v).map(|h| h.name());
+        assert_eq!(name("orders", "created", 2), Some("v2"));
+        assert_eq!(name("orders", "created", 1), Some("any"));
+        assert_eq!(name("orders", "paid", 1), None);
+        assert_eq!(name("payments", "created", 2), None);
+        assert_eq!(r.topics(), ["orders"]);
+    }
+}

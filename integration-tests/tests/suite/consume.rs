@@ -51,9 +51,10 @@ async fn same_event_twice_is_applied_once() {
         ],
     )
     .await;
+    let group = unique("g");
     let consumer = Consumer::builder(
         db.pool.clone(),
-        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+        consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
     )
     .on(&topic, "job", apply)
     .build()
@@ -79,6 +80,28 @@ async fn same_event_twice_is_applied_once() {
         "the duplicate did not run the body"
     );
     assert_eq!(processed_rows(&db.pool, a).await, 1);
+    // Processed offsets also reach Kafka (for lag tools); the database copy is what counts.
+    let committed = tokio::task::spawn_blocking({
+        let (bootstrap, topic, group) = (svc.bootstrap.clone(), topic.clone(), group.clone());
+        move || {
+            use rdkafka::consumer::{BaseConsumer, Consumer as _};
+            let c: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .set("group.id", &group)
+                .create()
+                .unwrap();
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            tpl.add_partition(&topic, 0);
+            c.committed_offsets(tpl, Duration::from_secs(10)).unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        committed.elements()[0].offset(),
+        rdkafka::Offset::Offset(3),
+        "the Kafka group offset is committed too"
+    );
 }
 
 /// Guarantee: a failing handler leaves neither its effects nor a dedup row; retryable failures
