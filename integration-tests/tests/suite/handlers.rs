@@ -110,7 +110,7 @@ pub async fn forward(
         &serde_json::json!({ "n": event.payload.n }),
     )
     .map_err(HandlerError::permanent)?;
-    postal_producer::enqueue(&mut **tx, out)
+    postal_producer::enqueue(tx, out)
         .await
         .map_err(HandlerError::retryable)?;
     Ok(())
