@@ -9,6 +9,11 @@ use clap::{Args, Parser, Subcommand};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+mod cleanup;
+mod consumer;
+mod dead_letters;
+mod failed;
+mod progress;
 mod status;
 
 /// Postal: effectively-once event delivery between services over PostgreSQL and Kafka.
@@ -37,12 +42,28 @@ enum Command {
     Migrate,
     /// Run the relay: publish committed outbox events to Kafka until SIGINT/SIGTERM.
     Relay(Box<RelayArgs>),
-    /// Show the outbox backlog per topic, the oldest pending event and parked events.
+    /// Show the outbox backlog per topic, the oldest pending event, parked events, how far a
+    /// long transaction holds the relay back, live relays, and consumers with their stored
+    /// positions, lag (when the broker answers) and dead letters.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Kafka bootstrap servers, for consumer lag (skipped when unreachable).
+        #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+        bootstrap_servers: Option<String>,
     },
+    /// Parked outbox events: list, show, requeue.
+    #[command(subcommand)]
+    Failed(failed::FailedCommand),
+    /// Consumer dead letters: list, show, replay.
+    #[command(subcommand)]
+    DeadLetters(dead_letters::DeadLetterCommand),
+    /// Consumer positions stored in the database: reset.
+    #[command(subcommand)]
+    Consumer(consumer::ConsumerCommand),
+    /// Run retention once: kept published outbox rows and/or expired dedup rows, in batches.
+    Cleanup(cleanup::CleanupArgs),
 }
 
 /// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment.
@@ -161,10 +182,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("postal schema is up to date");
             Ok(())
         }
-        Command::Status { json } => {
+        Command::Status {
+            json,
+            bootstrap_servers,
+        } => {
             let pool = connect_now(&cli.db).await?;
-            status::print(&pool, json).await
+            status::print(&pool, json, bootstrap_servers.as_deref()).await
         }
+        Command::Failed(cmd) => failed::run(&connect_now(&cli.db).await?, cmd).await,
+        Command::DeadLetters(cmd) => dead_letters::run(&connect_now(&cli.db).await?, cmd).await,
+        Command::Consumer(cmd) => consumer::run(&connect_now(&cli.db).await?, cmd).await,
+        Command::Cleanup(args) => cleanup::run(&connect_now(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, *args).await,
     }
 }

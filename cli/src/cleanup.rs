@@ -1,0 +1,73 @@
+//! `postal cleanup`: run retention once.
+
+use std::time::Duration;
+
+use clap::Args;
+use sqlx::PgPool;
+
+use crate::progress::Progress;
+
+/// What `postal cleanup` deletes.
+#[derive(Args, Debug)]
+pub struct CleanupArgs {
+    /// Delete kept published outbox rows older than this (relays with `--keep-published`).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    published_retention: Option<Duration>,
+    /// Delete dedup rows (`processed_events`) older than this. Keep them longer than a relay
+    /// can republish an event (README: "Dedup retention").
+    #[arg(long, value_parser = humantime::parse_duration)]
+    dedup_retention: Option<Duration>,
+    /// Only these consumers' dedup rows (repeatable; default every consumer).
+    #[arg(long = "consumer")]
+    consumers: Vec<String>,
+    /// Rows per delete statement.
+    #[arg(long, default_value_t = 5000)]
+    batch: usize,
+}
+
+pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.published_retention.is_some() || args.dedup_retention.is_some(),
+        "say what to clean: --published-retention and/or --dedup-retention"
+    );
+    anyhow::ensure!(args.batch > 0, "--batch must be positive");
+    if let Some(r) = args.published_retention {
+        let progress = Progress::new(0, "published rows deleted");
+        let done =
+            postal_producer::retention::cleanup_published(pool, r, args.batch, |n| progress.set(n))
+                .await?;
+        progress.finish();
+        match done {
+            Some(n) => println!(
+                "outbox: deleted {n} published row(s) older than {}",
+                humantime::format_duration(r)
+            ),
+            None => println!("outbox: another instance is cleaning right now; nothing done"),
+        }
+    }
+    if let Some(r) = args.dedup_retention {
+        anyhow::ensure!(
+            r >= Duration::from_secs(60),
+            "--dedup-retention must be at least 60s"
+        );
+        let consumers: Vec<String> = if args.consumers.is_empty() {
+            sqlx::query_scalar(
+                "SELECT DISTINCT consumer_name FROM postal.processed_events ORDER BY 1",
+            )
+            .fetch_all(pool)
+            .await?
+        } else {
+            args.consumers
+        };
+        for c in consumers {
+            match postal_consumer::retention::cleanup_processed(pool, &c, r, args.batch).await? {
+                Some(n) => println!(
+                    "dedup {c}: deleted {n} row(s) older than {}",
+                    humantime::format_duration(r)
+                ),
+                None => println!("dedup {c}: another instance is cleaning right now; nothing done"),
+            }
+        }
+    }
+    Ok(())
+}

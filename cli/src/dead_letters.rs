@@ -1,0 +1,271 @@
+//! `postal dead-letters`: records consumers gave up on — list, show, replay.
+
+use std::time::Duration;
+
+use clap::Subcommand;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::progress::Progress;
+
+/// Consumer dead letters recorded in `postal.dead_letters`.
+#[derive(Subcommand, Debug)]
+pub enum DeadLetterCommand {
+    /// List dead letters, oldest first (replayed ones only with `--include-replayed`).
+    List {
+        /// Only this consumer.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Include dead letters already replayed.
+        #[arg(long)]
+        include_replayed: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter with its error, headers and payload.
+    Show {
+        /// The dead letter's id (first column of `list`).
+        id: i64,
+    },
+    /// Send dead letters back to the topic they came from, with their original key, value and
+    /// headers (so their original event id), for the consumer's handler to process again: by
+    /// id, by consumer, or all not yet replayed. No dedup row was written for a dead letter, so
+    /// a replayed event is applied once.
+    Replay {
+        /// Dead letter ids (repeatable).
+        #[arg(long = "id", conflicts_with_all = ["consumer", "all"])]
+        ids: Vec<i64>,
+        /// Every unreplayed dead letter of this consumer.
+        #[arg(long, conflicts_with = "all")]
+        consumer: Option<String>,
+        /// Every unreplayed dead letter.
+        #[arg(long)]
+        all: bool,
+        /// Kafka bootstrap servers.
+        #[arg(
+            long,
+            env = "KAFKA_BOOTSTRAP_SERVERS",
+            default_value = "127.0.0.1:9092"
+        )]
+        bootstrap_servers: String,
+    },
+}
+
+#[derive(Serialize, sqlx::FromRow)]
+struct Row {
+    id: i64,
+    consumer_name: String,
+    topic: String,
+    partition: i32,
+    kafka_offset: i64,
+    event_id: Option<uuid::Uuid>,
+    reason: String,
+    error: String,
+    published: bool,
+    replayed: bool,
+}
+
+#[derive(sqlx::FromRow)]
+struct Full {
+    id: i64,
+    topic: String,
+    record_key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    header_names: Vec<String>,
+    header_values: Vec<Vec<u8>>,
+}
+
+#[derive(sqlx::FromRow)]
+struct Shown {
+    consumer_name: String,
+    topic: String,
+    partition: i32,
+    kafka_offset: i64,
+    event_id: Option<uuid::Uuid>,
+    reason: String,
+    error: String,
+    attempts: i32,
+    record_key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    header_names: Vec<String>,
+    header_values: Vec<Vec<u8>>,
+}
+
+pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
+    match cmd {
+        DeadLetterCommand::List {
+            consumer,
+            limit,
+            include_replayed,
+            json,
+        } => {
+            let rows: Vec<Row> = sqlx::query_as(
+                "SELECT id, consumer_name, topic, partition, kafka_offset, event_id, reason, error,
+                        published_at IS NOT NULL AS published, replayed_at IS NOT NULL AS replayed
+                 FROM postal.dead_letters
+                 WHERE ($1::text IS NULL OR consumer_name = $1) AND ($2 OR replayed_at IS NULL)
+                 ORDER BY id LIMIT $3",
+            )
+            .bind(consumer)
+            .bind(include_replayed)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!(
+                "{:>6}  {:<12} {:<24} {:>9}  {:<18} ERROR",
+                "ID", "CONSUMER", "TOPIC", "PART/OFF", "REASON"
+            );
+            for r in &rows {
+                println!(
+                    "{:>6}  {:<12} {:<24} {:>9}  {:<18} {}",
+                    r.id,
+                    r.consumer_name,
+                    r.topic,
+                    format!("{}/{}", r.partition, r.kafka_offset),
+                    r.reason,
+                    r.error
+                );
+            }
+            if rows.is_empty() {
+                println!("(no dead letters)");
+            }
+            Ok(())
+        }
+        DeadLetterCommand::Show { id } => {
+            let row: Option<Shown> = sqlx::query_as(
+                "SELECT consumer_name, topic, partition, kafka_offset, event_id, reason, error,
+                        attempts, record_key, payload, header_names, header_values
+                 FROM postal.dead_letters WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+            let Some(Shown {
+                consumer_name: consumer,
+                topic,
+                partition,
+                kafka_offset: offset,
+                event_id,
+                reason,
+                error,
+                attempts,
+                record_key: key,
+                payload,
+                header_names: names,
+                header_values: values,
+            }) = row
+            else {
+                anyhow::bail!("no dead letter {id}");
+            };
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            println!("dead letter:  {id} (consumer {consumer})");
+            println!("from:         {topic} partition {partition} offset {offset}");
+            println!(
+                "event id:     {}",
+                event_id
+                    .map(|e| e.to_string())
+                    .unwrap_or_else(|| "-".into())
+            );
+            println!("reason:       {reason} after {attempts} attempt(s)");
+            println!("error:        {error}");
+            println!(
+                "key:          {}",
+                key.as_deref().map(text).unwrap_or_else(|| "-".into())
+            );
+            for (n, v) in names.iter().zip(&values) {
+                println!("header:       {n} = {}", text(v));
+            }
+            println!(
+                "payload:      {}",
+                payload.as_deref().map(text).unwrap_or_else(|| "-".into())
+            );
+            Ok(())
+        }
+        DeadLetterCommand::Replay {
+            ids,
+            consumer,
+            all,
+            bootstrap_servers,
+        } => {
+            if ids.is_empty() && consumer.is_none() && !all {
+                anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
+            }
+            let rows: Vec<Full> = sqlx::query_as(
+                "SELECT id, topic, record_key, payload, header_names, header_values
+                 FROM postal.dead_letters
+                 WHERE replayed_at IS NULL
+                   AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
+                   AND ($2::text IS NULL OR consumer_name = $2)
+                 ORDER BY id",
+            )
+            .bind(&ids)
+            .bind(&consumer)
+            .fetch_all(pool)
+            .await?;
+            let producer: FutureProducer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap_servers)
+                .set("enable.idempotence", "true")
+                .set("message.timeout.ms", "15000")
+                .set("log_level", "3")
+                .create()?;
+            let progress = Progress::new(rows.len() as u64, "replayed");
+            let mut done = 0u64;
+            for chunk in rows.chunks(500) {
+                let sends = chunk.iter().map(|r| {
+                    let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
+                    for (n, v) in r.header_names.iter().zip(&r.header_values) {
+                        h = h.insert(Header {
+                            key: n,
+                            value: Some(v),
+                        });
+                    }
+                    let mut rec: FutureRecord<'_, [u8], [u8]> =
+                        FutureRecord::to(&r.topic).headers(h);
+                    if let Some(k) = &r.record_key {
+                        rec = rec.key(k.as_slice());
+                    }
+                    if let Some(p) = &r.payload {
+                        rec = rec.payload(p.as_slice());
+                    }
+                    producer.send(rec, Duration::from_secs(15))
+                });
+                let results = futures::future::join_all(sends).await;
+                let mut sent = Vec::new();
+                for (r, res) in chunk.iter().zip(results) {
+                    match res {
+                        Ok(_) => sent.push(r.id),
+                        Err((e, _)) => {
+                            progress.finish();
+                            anyhow::bail!(
+                                "replaying dead letter {} to {:?} failed: {e} ({done} replayed before it)",
+                                r.id,
+                                r.topic
+                            );
+                        }
+                    }
+                }
+                sqlx::query(
+                    "UPDATE postal.dead_letters SET replayed_at = now() WHERE id = ANY($1)",
+                )
+                .bind(&sent)
+                .execute(pool)
+                .await?;
+                done += sent.len() as u64;
+                progress.set(done);
+            }
+            progress.finish();
+            println!("replayed {done} dead letter(s) to their original topics");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! `postal failed`: parked outbox events — list, show, requeue.
+
+use clap::Subcommand;
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::progress::Progress;
+
+/// Parked (failed) outbox events.
+#[derive(Subcommand, Debug)]
+pub enum FailedCommand {
+    /// List parked events, oldest first.
+    List {
+        /// Only this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one parked event with its error, headers and payload.
+    Show {
+        /// The event id.
+        event_id: Uuid,
+    },
+    /// Make parked events pending again (attempts reset, event ids unchanged): by id, by topic,
+    /// or all. The relay publishes them in their original order.
+    Requeue {
+        /// Event ids (repeatable).
+        #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
+        ids: Vec<Uuid>,
+        /// Every parked event of this topic.
+        #[arg(long, conflicts_with = "all")]
+        topic: Option<String>,
+        /// Every parked event.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+#[derive(Serialize, sqlx::FromRow)]
+struct Row {
+    event_id: Uuid,
+    topic: String,
+    event_key: String,
+    event_type: String,
+    attempts: i32,
+    last_error: Option<String>,
+    age_s: f64,
+}
+
+#[derive(sqlx::FromRow)]
+struct Shown {
+    event_id: Uuid,
+    topic: String,
+    event_key: String,
+    event_type: String,
+    schema_version: i32,
+    content_type: String,
+    payload: Vec<u8>,
+    headers: serde_json::Value,
+    attempts: i32,
+    last_error: Option<String>,
+    status: String,
+}
+
+pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
+    match cmd {
+        FailedCommand::List { topic, limit, json } => {
+            let rows: Vec<Row> = sqlx::query_as(
+                "SELECT event_id, topic, event_key, event_type, attempts, last_error,
+                        extract(epoch FROM now() - created_at)::float8 AS age_s
+                 FROM postal.outbox WHERE status = 'failed' AND ($1::text IS NULL OR topic = $1)
+                 ORDER BY seq LIMIT $2",
+            )
+            .bind(topic)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!(
+                "{:<36}  {:<24} {:<16} {:>8}  ERROR",
+                "EVENT ID", "TOPIC", "KEY", "ATTEMPTS"
+            );
+            for r in &rows {
+                println!(
+                    "{:<36}  {:<24} {:<16} {:>8}  {}",
+                    r.event_id,
+                    r.topic,
+                    r.event_key,
+                    r.attempts,
+                    r.last_error.as_deref().unwrap_or("-")
+                );
+            }
+            if rows.is_empty() {
+                println!("(no parked events)");
+            }
+            Ok(())
+        }
+        FailedCommand::Show { event_id } => {
+            let row: Option<Shown> = sqlx::query_as(
+                "SELECT event_id, topic, event_key, event_type, schema_version, content_type, payload,
+                        headers, attempts, last_error, status
+                 FROM postal.outbox WHERE event_id = $1",
+            )
+            .bind(event_id)
+            .fetch_optional(pool)
+            .await?;
+            let Some(Shown {
+                event_id: id,
+                topic,
+                event_key: key,
+                event_type: ty,
+                schema_version: version,
+                content_type: ct,
+                payload,
+                headers,
+                attempts,
+                last_error: err,
+                status,
+            }) = row
+            else {
+                anyhow::bail!("no outbox event {event_id}");
+            };
+            println!("event id:     {id}");
+            println!("status:       {status}");
+            println!("topic / key:  {topic} / {key}");
+            println!("type:         {ty} (schema version {version})");
+            println!("attempts:     {attempts}");
+            println!("last error:   {}", err.as_deref().unwrap_or("-"));
+            println!("headers:      {headers}");
+            println!("content type: {ct}");
+            match std::str::from_utf8(&payload) {
+                Ok(text) => println!("payload:      {text}"),
+                Err(_) => println!("payload:      {} bytes (binary)", payload.len()),
+            }
+            Ok(())
+        }
+        FailedCommand::Requeue { ids, topic, all } => {
+            if ids.is_empty() && topic.is_none() && !all {
+                anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
+            }
+            let total: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM postal.outbox WHERE status = 'failed'
+                 AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
+                 AND ($2::text IS NULL OR topic = $2)",
+            )
+            .bind(&ids)
+            .bind(&topic)
+            .fetch_one(pool)
+            .await?;
+            let progress = Progress::new(total as u64, "requeued");
+            let mut done = 0u64;
+            loop {
+                let n = sqlx::query(
+                    "WITH batch AS (
+                         SELECT seq FROM postal.outbox WHERE status = 'failed'
+                         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
+                         AND ($2::text IS NULL OR topic = $2)
+                         ORDER BY seq LIMIT 1000 FOR UPDATE)
+                     UPDATE postal.outbox o
+                        SET status = 'pending', attempts = 0, held = false,
+                            available_at = now(),
+                            last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
+                       FROM batch WHERE o.seq = batch.seq",
+                )
+                .bind(&ids)
+                .bind(&topic)
+                .execute(pool)
+                .await?
+                .rows_affected();
+                done += n;
+                progress.set(done);
+                if n < 1000 {
+                    break;
+                }
+            }
+            progress.finish();
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(postal_producer::NOTIFY_CHANNEL)
+                .execute(pool)
+                .await?;
+            println!("requeued {done} event(s); the relay publishes them with their original ids");
+            if !ids.is_empty() && (done as usize) < ids.len() {
+                println!(
+                    "({} of the given ids were not parked)",
+                    ids.len() - done as usize
+                );
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! Operator commands against real PostgreSQL and a real broker (`DATABASE_URL` and
+//! `KAFKA_BOOTSTRAP_SERVERS`, as `scripts/test.sh` sets them; skipped otherwise).
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError, Stats};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sqlx::{ConnectOptions, Executor, PgPool, Postgres, Transaction};
+
+fn postal(url: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_postal"));
+    c.env("DATABASE_URL", url).env("POSTAL_LOG", "warn");
+    c
+}
+
+fn ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+struct Env {
+    url: String,
+    pool: PgPool,
+    bootstrap: String,
+}
+
+async fn env() -> Option<Env> {
+    let (Ok(server), Ok(bootstrap)) = (
+        std::env::var("DATABASE_URL"),
+        std::env::var("KAFKA_BOOTSTRAP_SERVERS"),
+    ) else {
+        eprintln!(
+            "DATABASE_URL / KAFKA_BOOTSTRAP_SERVERS not set: skipping (scripts/test.sh sets them)"
+        );
+        return None;
+    };
+    let name = format!("postal_cli_{}", uuid::Uuid::now_v7().simple());
+    let opts: sqlx::postgres::PgConnectOptions = server.parse().unwrap();
+    let mut admin = opts.connect().await.unwrap();
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await
+        .unwrap();
+    let url = opts.database(&name).to_url_lossy().to_string();
+    let pool = PgPool::connect(&url).await.unwrap();
+    postal_shared::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id uuid NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    Some(Env {
+        url,
+        pool,
+        bootstrap,
+    })
+}
+
+fn unique(p: &str) -> String {
+    format!("{p}-{}", uuid::Uuid::now_v7().simple())
+}
+
+async fn until<F: Fn() -> Fut, Fut: std::future::Future<Output = bool>>(what: &str, f: F) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn create_topic(bootstrap: &str, topic: &str) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .unwrap();
+    admin
+        .create_topics(
+            [&NewTopic::new(topic, 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+}
+
+/// Writes events (one record per batch: see README on tansu) with `ce_id` / `ce_type`.
+async fn produce(bootstrap: &str, topic: &str, bodies: &[&str]) -> Vec<uuid::Uuid> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("batch.num.messages", "1")
+        .create()
+        .unwrap();
+    let mut ids = Vec::new();
+    for body in bodies {
+        let id = uuid::Uuid::now_v7();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(&id.to_string()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("job"),
+            });
+        producer
+            .send(
+                FutureRecord::to(topic)
+                    .key("k")
+                    .payload(*body)
+                    .headers(headers),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+fn read_ids(bootstrap: &str, topic: &str) -> Vec<String> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("reader"))
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    c.assign(&tpl).unwrap();
+    let mut ids = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            if let Some(h) = m.headers() {
+                for h in h.iter().filter(|h| h.key == "ce_id") {
+                    ids.push(String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned());
+                }
+            }
+        }
+    }
+    ids
+}
+
+fn relay(e: &Env, extra: &[&str]) -> Child {
+    postal(&e.url)
+        .args([
+            "relay",
+            "--bootstrap-servers",
+            &e.bootstrap,
+            "--lease",
+            "3s",
+            "--poll-interval",
+            "100ms",
+            "--kafka",
+            "message.timeout.ms=1000",
+        ])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Guarantee: a parked event is visible in `postal failed list/show`, `postal failed requeue`
+/// makes it pending again with its event id unchanged, and the relay then publishes it exactly
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeued_parked_event_is_published_once() {
+    let Some(e) = env().await else { return };
+    let topic = unique("parked");
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT postal.enqueue($1, 'k', 'job', '{}'::jsonb)")
+        .bind(&topic)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let mut r = relay(&e, &["--no-create-topics"]);
+    until("the event to be parked", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox WHERE status = 'failed'")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+            == 1
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+
+    let mut list = postal(&e.url);
+    list.args(["failed", "list", "--json"]);
+    let listed: serde_json::Value = serde_json::from_str(&ok(list)).unwrap();
+    assert_eq!(listed[0]["event_id"], id.to_string());
+    assert!(listed[0]["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("does not exist"));
+    let mut show = postal(&e.url);
+    show.args(["failed", "show", &id.to_string()]);
+    assert!(ok(show).contains("status:       failed"));
+
+    create_topic(&e.bootstrap, &topic).await;
+    let mut requeue = postal(&e.url);
+    requeue.args(["failed", "requeue", "--id", &id.to_string()]);
+    assert!(ok(requeue).contains("requeued 1 event(s)"));
+    let mut r = relay(&e, &[]);
+    until("the outbox to drain", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+    let (b, t) = (e.bootstrap.clone(), topic.clone());
+    let ids = tokio::task::spawn_blocking(move || read_ids(&b, &t))
+        .await
+        .unwrap();
+    assert_eq!(
+        ids,
+        [id.to_string()],
+        "published once, with its original id"
+    );
+}
+
+#[idempotent(consumer = "cli-test")]
+async fn record(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<serde_json::Value>,
+) -> Result<(), HandlerError> {
+    let enabled: bool =
+        sqlx::query_scalar("SELECT count(*) = 0 FROM pg_tables WHERE tablename = 'broken'")
+            .fetch_one(&mut **tx)
+            .await?;
+    if !enabled {
+        return Err(HandlerError::permanent("the ledger is broken"));
+    }
+    sqlx::query("INSERT INTO effects VALUES ($1)")
+        .bind(event.id.as_uuid())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+fn start_consumer(
+    e: &Env,
+    group: &str,
+    topic: &str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<Stats>,
+) {
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group, "cli-test");
+    config.kafka_commit_interval = Duration::from_millis(200);
+    config
+        .kafka
+        .insert("session.timeout.ms".into(), "6000".into());
+    config
+        .kafka
+        .insert("max.poll.interval.ms".into(), "10000".into());
+    let consumer = Consumer::builder(e.pool.clone(), config)
+        .on(topic, "job", record)
+        .build()
+        .unwrap();
+    let stats = consumer.stats();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        consumer
+            .run(async move {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+    });
+    (tx, task, stats)
+}
+
+async fn effects(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members,
+/// moves the stored offsets once it is stopped, and the replay that follows applies nothing
+/// twice (every replayed event is recognised as a duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reset_then_replay_applies_nothing_twice() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("reset"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    produce(&e.bootstrap, &topic, &["{}"; 20]).await;
+    let (stop, task, stats) = start_consumer(&e, &group, &topic);
+    until("20 events applied", || async {
+        stats.snapshot().applied == 20
+    })
+    .await;
+
+    let reset = || {
+        let mut c = postal(&e.url);
+        c.args([
+            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+        ])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        c
+    };
+    let refused = reset().output().unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("live member"));
+    stop.send(()).unwrap();
+    task.await.unwrap();
+
+    assert!(ok(reset()).contains("-> next offset 0"));
+    let (stop, task, stats) = start_consumer(&e, &group, &topic);
+    until("the replay of 20 events", || async {
+        stats.snapshot().duplicates == 20
+    })
+    .await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    assert_eq!(stats.snapshot().applied, 0);
+    assert_eq!(effects(&e.pool).await, (20, 20), "nothing applied twice");
+}
+
+/// Guarantee: a dead letter shows up in `postal dead-letters list/show`, and `postal
+/// dead-letters replay` sends it back to its topic, where the (fixed) handler applies it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_replay_applies_once() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("dl"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    sqlx::query("CREATE TABLE broken ()")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let ids = produce(&e.bootstrap, &topic, &["{}"]).await;
+    let (stop, task, stats) = start_consumer(&e, &group, &topic);
+    until("the dead letter", || async {
+        stats.snapshot().dead_letters == 1
+    })
+    .await;
+
+    let mut list = postal(&e.url);
+    list.args(["dead-letters", "list", "--json"]);
+    let listed: serde_json::Value = serde_json::from_str(&ok(list)).unwrap();
+    assert_eq!(listed[0]["event_id"], ids[0].to_string());
+    assert_eq!(listed[0]["reason"], "permanent");
+    let dl_id = listed[0]["id"].as_i64().unwrap().to_string();
+    let mut show = postal(&e.url);
+    show.args(["dead-letters", "show", &dl_id]);
+    assert!(ok(show).contains("the ledger is broken"));
+
+    sqlx::query("DROP TABLE broken")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let mut replay = postal(&e.url);
+    replay
+        .args(["dead-letters", "replay", "--all"])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    assert!(ok(replay).contains("replayed 1 dead letter(s)"));
+    until("the replayed event applied", || async {
+        stats.snapshot().applied == 1
+    })
+    .await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    assert_eq!(effects(&e.pool).await, (1, 1));
+    let mut again = postal(&e.url);
+    again.args(["dead-letters", "list", "--json"]);
+    let remaining: serde_json::Value = serde_json::from_str(&ok(again)).unwrap();
+    assert_eq!(remaining.as_array().unwrap().len(), 0, "marked replayed");
+}
