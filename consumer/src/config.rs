@@ -20,8 +20,9 @@ pub enum UnknownTypes {
 }
 
 /// How the consumer runtime connects, retries and shuts down. Every field has a default (see
-/// [`ConsumerConfig::new`]); [`ConsumerConfig::validate`] rejects nonsensical values.
-#[derive(Clone, Debug)]
+/// [`ConsumerConfig::new`]); [`ConsumerConfig::validate`] rejects nonsensical values. `Debug`
+/// redacts Kafka properties that look like secrets.
+#[derive(Clone)]
 pub struct ConsumerConfig {
     /// `bootstrap.servers`.
     pub brokers: String,
@@ -65,6 +66,35 @@ pub struct ConsumerConfig {
     pub shutdown_timeout: Duration,
     /// Extra librdkafka consumer properties; they override Postal's defaults.
     pub kafka: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kafka: BTreeMap<&str, &str> = self
+            .kafka
+            .iter()
+            .map(|(k, v)| {
+                let secret = k.contains("password") || k.contains("secret") || k.contains("key");
+                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
+            })
+            .collect();
+        f.debug_struct("ConsumerConfig")
+            .field("brokers", &self.brokers)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("max_batch", &self.max_batch)
+            .field("dedup_retention", &self.dedup_retention)
+            .field("max_concurrent_partitions", &self.max_concurrent_partitions)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff", &self.backoff)
+            .field("unknown_types", &self.unknown_types)
+            .field("dlq_suffix", &self.dlq_suffix)
+            .field("kafka_commit_interval", &self.kafka_commit_interval)
+            .field("partition_buffer", &self.partition_buffer)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("kafka", &kafka)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConsumerConfig {
@@ -184,5 +214,35 @@ impl ConsumerConfig {
             }
         }
         cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Secrets in Kafka properties never show in `Debug` output; bad values are rejected with
+    /// the setting named.
+    #[test]
+    fn debug_redacts_secrets_and_validate_names_the_setting() {
+        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        c.kafka.insert("sasl.password".into(), "hunter2".into());
+        c.kafka.insert("ssl.key.password".into(), "s3cret".into());
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(shown.contains("<redacted>"));
+        c.validate().unwrap();
+        c.max_batch = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("max batch"));
+        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        c.kafka.insert("enable.auto.commit".into(), "true".into());
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("managed by Postal"));
     }
 }
