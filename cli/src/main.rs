@@ -131,6 +131,10 @@ struct RelayArgs {
     /// Apply migrations before starting.
     #[arg(long, env = "POSTAL_MIGRATE")]
     migrate: bool,
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (database reachable) on this
+    /// address, e.g. `0.0.0.0:9464`. Off when not given.
+    #[arg(long, env = "POSTAL_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
@@ -278,6 +282,17 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let _ops = match args.metrics_addr {
+        Some(addr) => {
+            let ready_pool = pool.clone();
+            let ready = move || {
+                let pool = ready_pool.clone();
+                async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+            };
+            Some(postal_ops::serve(addr, ready).await?)
+        }
+        None => None,
+    };
     tracing::info!(database = %url, "starting relay");
     let relay = postal_producer::Relay::new(pool, transport, config)?;
     let stats = relay.run(shutdown_signal()).await?;

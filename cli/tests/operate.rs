@@ -381,3 +381,36 @@ async fn dead_letter_replay_applies_once() {
     let remaining: serde_json::Value = serde_json::from_str(&ok(again)).unwrap();
     assert_eq!(remaining.as_array().unwrap().len(), 0, "marked replayed");
 }
+
+fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some((out.get(9..12)?.parse().ok()?, out))
+}
+
+/// Guarantee: `postal relay --metrics-addr` serves Prometheus metrics (backlog gauge included),
+/// liveness and readiness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_serves_metrics_and_health() {
+    let Some(e) = env().await else { return };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut r = relay(&e, &["--metrics-addr", &addr]);
+    until("the backlog gauge on /metrics", || async {
+        http_get(&addr, "/metrics")
+            .is_some_and(|(s, body)| s == 200 && body.contains("postal_relay_backlog"))
+    })
+    .await;
+    assert_eq!(http_get(&addr, "/healthz").map(|r| r.0), Some(200));
+    assert_eq!(http_get(&addr, "/readyz").map(|r| r.0), Some(200));
+    r.kill().unwrap();
+    r.wait().unwrap();
+}

@@ -56,10 +56,13 @@ impl Worker {
                 return Step::Stop;
             }
             let exhausted = head_attempts >= self.shared.config.max_attempts;
-            match self
+            let started = std::time::Instant::now();
+            let result = self
                 .batch_attempt(own, &queue, isolate, exhausted, head_attempts)
-                .await
-            {
+                .await;
+            metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.clone(), "topic" => self.topic.clone())
+                .record(started.elapsed().as_secs_f64());
+            match result {
                 Ok(c) => {
                     let topic = &self.topic;
                     let stats = &self.shared.stats;

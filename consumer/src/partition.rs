@@ -254,11 +254,14 @@ impl Worker {
                 return Step::Stop;
             }
             let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %meta.id, topic = %record.topic, partition = record.partition, offset = record.offset);
+            let started = std::time::Instant::now();
             let result = tracing::Instrument::instrument(
                 self.attempt(own, record, &meta, route.as_ref()),
                 span,
             )
             .await;
+            metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.to_owned(), "topic" => record.topic.clone())
+                .record(started.elapsed().as_secs_f64());
             match result {
                 Ok(applied) => {
                     if applied {

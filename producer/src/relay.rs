@@ -235,11 +235,29 @@ impl<T: Transport> Shared<T> {
         }
     }
 
-    /// Every minute: retention cleanup (when configured) and the oldest-transaction gauge.
+    /// Every 15 s: the backlog, oldest-pending and oldest-transaction gauges, and retention
+    /// cleanup (when configured).
     async fn housekeeping(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(Duration::from_secs(60).min(self.config.lease));
+        let mut tick = tokio::time::interval(Duration::from_secs(15).min(self.config.lease));
         loop {
             tick.tick().await;
+            match sqlx::query_as::<_, (i64, Option<f64>, i64)>(
+                "SELECT count(*) FILTER (WHERE status = 'pending'),
+                        extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8,
+                        count(*) FILTER (WHERE status = 'failed')
+                 FROM postal.outbox WHERE status IN ('pending', 'failed')",
+            )
+            .fetch_one(&self.pool)
+            .await
+            {
+                Ok((pending, oldest, failed)) => {
+                    metrics::gauge!("postal_relay_backlog").set(pending as f64);
+                    metrics::gauge!("postal_relay_oldest_pending_seconds")
+                        .set(oldest.unwrap_or(0.0));
+                    metrics::gauge!("postal_relay_parked").set(failed as f64);
+                }
+                Err(e) => tracing::debug!(error = %e, "backlog check failed"),
+            }
             match sqlx::query_scalar::<_, Option<f64>>(
                 "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
                  WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL",

@@ -1,7 +1,8 @@
 //! A consumer service: books one invoice per `order.created` event on `orders`, exactly once,
 //! with the `#[idempotent]` handler and Postal's consumer runtime. Stops on SIGINT/SIGTERM.
 //!
-//! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `BILLING_TOPIC` (default `orders`).
+//! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `BILLING_TOPIC` (default `orders`),
+//! `POSTAL_METRICS_ADDR` (serve `/metrics`, `/healthz`, `/readyz` there).
 
 use anyhow::Context;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
@@ -52,6 +53,20 @@ async fn main() -> anyhow::Result<()> {
     )
     .execute(&pool)
     .await?;
+    // Prometheus metrics and health endpoints, when asked for.
+    let _ops = match std::env::var("POSTAL_METRICS_ADDR") {
+        Ok(addr) => {
+            let ready_pool = pool.clone();
+            Some(
+                postal_ops::serve(addr.parse().context("POSTAL_METRICS_ADDR")?, move || {
+                    let pool = ready_pool.clone();
+                    async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+                })
+                .await?,
+            )
+        }
+        Err(_) => None,
+    };
     let consumer = Consumer::builder(pool, ConsumerConfig::new(brokers, "billing", "billing"))
         .on(&topic, "order.created", on_order_created)
         .build()?;

@@ -1,0 +1,159 @@
+//! Operations endpoints for Postal processes: `GET /metrics` (Prometheus text format, every
+//! metric recorded through the `metrics` facade — `postal_relay_*`, `postal_consumer_*`),
+//! `GET /healthz` (liveness: the process serves requests) and `GET /readyz` (readiness: your
+//! check, e.g. the database answers).
+//!
+//! ```no_run
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), postal_ops::Error> {
+//! let ready = move || {
+//!     let pool = pool.clone();
+//!     async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+//! };
+//! let server = postal_ops::serve("0.0.0.0:9464".parse().unwrap(), ready).await?;
+//! // ... run the relay or consumer; `server` keeps serving until aborted.
+//! # drop(server); Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use futures::future::BoxFuture;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Errors starting the endpoints.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A metrics recorder is already installed in this process.
+    #[error("cannot install the Prometheus recorder: {0}")]
+    Recorder(String),
+}
+
+type Ready = Arc<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync>;
+
+#[derive(Clone)]
+struct AppState {
+    metrics: PrometheusHandle,
+    ready: Ready,
+}
+
+/// Installs the Prometheus recorder for this process and serves the endpoints on `addr` in a
+/// background task (returned; abort it to stop). `ready` answers `/readyz`.
+pub async fn serve<F, Fut>(addr: SocketAddr, ready: F) -> Result<tokio::task::JoinHandle<()>, Error>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send + 'static,
+{
+    let metrics = PrometheusBuilder::new()
+        .set_buckets(&[
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ])
+        .map_err(|e| Error::Recorder(e.to_string()))?
+        .install_recorder()
+        .map_err(|e| Error::Recorder(e.to_string()))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })?;
+    let state = AppState {
+        metrics: metrics.clone(),
+        ready: Arc::new(move || Box::pin(ready())),
+    };
+    let app = Router::new()
+        .route("/metrics", get(render))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(state);
+    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    // Keeps histograms and idle gauges in shape between scrapes.
+    let upkeep = metrics.clone();
+    Ok(tokio::spawn(async move {
+        let upkeep = async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                upkeep.run_upkeep();
+            }
+        };
+        tokio::select! {
+            r = axum::serve(listener, app) => {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "ops endpoint stopped");
+                }
+            }
+            _ = upkeep => {}
+        }
+    }))
+}
+
+async fn render(State(s): State<AppState>) -> String {
+    s.metrics.render()
+}
+
+async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
+    if (s.ready)().await {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let status = out[9..12].parse().unwrap();
+        (status, out)
+    }
+
+    /// `/metrics` exposes what the process recorded, `/healthz` answers, and `/readyz`
+    /// follows the readiness check.
+    #[tokio::test]
+    async fn endpoints_serve_metrics_liveness_and_readiness() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let ready = Arc::new(AtomicBool::new(false));
+        let r = ready.clone();
+        let server = serve(addr, move || {
+            let r = r.clone();
+            async move { r.load(Ordering::SeqCst) }
+        })
+        .await
+        .unwrap();
+        metrics::counter!("postal_relay_published_total").increment(3);
+        let (status, body) = get(addr, "/metrics").await;
+        assert_eq!(status, 200);
+        assert!(body.contains("postal_relay_published_total 3"), "{body}");
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        assert_eq!(get(addr, "/readyz").await.0, 503);
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(get(addr, "/readyz").await.0, 200);
+        server.abort();
+    }
+}
