@@ -14,6 +14,7 @@ use std::panic::AssertUnwindSafe;
 use futures::FutureExt;
 use postal_shared::EventId;
 use sqlx::{Connection, Postgres, Transaction};
+use tracing::Instrument;
 
 use crate::config::UnknownTypes;
 use crate::dead_letter::{self, DeadLetter, Reason};
@@ -204,16 +205,22 @@ impl Worker {
                 c.done += 1;
                 continue;
             }
+            let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %m.id, topic = %record.topic, partition = record.partition, offset = record.offset);
+            crate::trace::continue_trace(&span, &record.headers);
             let outcome = if isolate {
                 let mut sp = (*tx).begin().await.map_err(Attempt::db)?;
-                let r = run_body(route.as_ref(), &mut sp, record, m).await;
+                let r = run_body(route.as_ref(), &mut sp, record, m)
+                    .instrument(span)
+                    .await;
                 match r {
                     Ok(()) => sp.commit().await.map_err(Attempt::db)?,
                     Err(_) => sp.rollback().await.map_err(Attempt::db)?,
                 }
                 r
             } else {
-                run_body(route.as_ref(), &mut tx, record, m).await
+                run_body(route.as_ref(), &mut tx, record, m)
+                    .instrument(span)
+                    .await
             };
             match outcome {
                 Ok(()) => {

@@ -93,6 +93,7 @@ mod route;
 mod runtime;
 mod stats;
 pub mod testing;
+mod trace;
 
 #[doc(hidden)]
 #[path = "private.rs"]

@@ -254,6 +254,7 @@ impl Worker {
                 return Step::Stop;
             }
             let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %meta.id, topic = %record.topic, partition = record.partition, offset = record.offset);
+            crate::trace::continue_trace(&span, &record.headers);
             let started = std::time::Instant::now();
             let result = tracing::Instrument::instrument(
                 self.attempt(own, record, &meta, route.as_ref()),

@@ -17,3 +17,4 @@ mod rebalance;
 mod relay;
 mod smoke;
 mod throughput;
+mod trace;
