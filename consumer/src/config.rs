@@ -182,7 +182,7 @@ impl ConsumerConfig {
     ///
     /// Defaults: `enable.auto.commit=false` (Postal commits processed offsets itself),
     /// `auto.offset.reset=earliest`, `isolation.level=read_committed`,
-    /// `enable.partition.eof=false`.
+    /// `enable.partition.eof=false`, `statistics.interval.ms=15000` (feeds the lag gauge).
     pub fn client_config(&self) -> rdkafka::ClientConfig {
         let mut cfg = rdkafka::ClientConfig::new();
         cfg.set("bootstrap.servers", &self.brokers)
@@ -192,6 +192,7 @@ impl ConsumerConfig {
             .set("auto.offset.reset", "earliest")
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "false")
+            .set("statistics.interval.ms", "15000")
             .set("log_level", "4");
         for (k, v) in &self.kafka {
             cfg.set(k, v);

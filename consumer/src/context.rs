@@ -36,9 +36,25 @@ pub(crate) enum RebalanceEvent {
 pub(crate) struct Context {
     pub state: Arc<Mutex<Ownership>>,
     pub events: UnboundedSender<RebalanceEvent>,
+    pub group: String,
 }
 
-impl ClientContext for Context {}
+impl ClientContext for Context {
+    /// librdkafka statistics (every `statistics.interval.ms`): the per-partition lag gauge
+    /// `postal_consumer_lag` (high watermark minus the last offset committed to Kafka, which
+    /// trails the database by at most `kafka_commit_interval`).
+    fn stats(&self, stats: rdkafka::Statistics) {
+        for (topic, t) in &stats.topics {
+            for (_, p) in &t.partitions {
+                if p.partition < 0 || p.consumer_lag < 0 {
+                    continue;
+                }
+                metrics::gauge!("postal_consumer_lag", "group" => self.group.clone(), "topic" => topic.clone(), "partition" => p.partition.to_string())
+                    .set(p.consumer_lag as f64);
+            }
+        }
+    }
+}
 
 fn pairs(tpl: &TopicPartitionList) -> Vec<Tp> {
     tpl.elements()

@@ -99,6 +99,7 @@ impl ConsumerBuilder {
         let context = Context {
             state: state.clone(),
             events: events_tx,
+            group: self.config.group.clone(),
         };
         let consumer: StreamConsumer<Context> =
             self.config.client_config().create_with_context(context)?;

@@ -517,3 +517,29 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         _ => FailureKind::Transient,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
+    /// is what gets logged), while the rest of the configuration does.
+    #[test]
+    fn debug_output_redacts_secrets() {
+        let mut c = KafkaConfig::new("broker:9092");
+        c.properties
+            .insert("sasl.password".into(), "hunter2".into());
+        c.properties
+            .insert("ssl.key.password".into(), "s3cret".into());
+        c.properties.insert("sasl.username".into(), "relay".into());
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("relay") && shown.contains("broker:9092"),
+            "{shown}"
+        );
+    }
+}
