@@ -45,7 +45,7 @@ impl ClientContext for Context {
     /// trails the database by at most `kafka_commit_interval`).
     fn stats(&self, stats: rdkafka::Statistics) {
         for (topic, t) in &stats.topics {
-            for (_, p) in &t.partitions {
+            for p in t.partitions.values() {
                 if p.partition < 0 || p.consumer_lag < 0 {
                     continue;
                 }
