@@ -414,3 +414,61 @@ async fn relay_serves_metrics_and_health() {
     r.kill().unwrap();
     r.wait().unwrap();
 }
+
+/// Guarantee: `postal cleanup` deletes kept published outbox rows and dedup rows older than the
+/// given retention, and nothing newer (and never pending rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_deletes_only_expired_rows() {
+    let Some(e) = env().await else { return };
+    for (age, status) in [(3, "published"), (0, "published"), (3, "pending")] {
+        sqlx::query(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                        created_at, published_at)
+             SELECT gen_random_uuid(), 't', 'k', 'e', '\\x7b7d', $2,
+                    now() - $1 * interval '1 day',
+                    CASE WHEN $2 = 'published' THEN now() - $1 * interval '1 day' END
+             FROM generate_series(1, 30)",
+        )
+        .bind(age)
+        .bind(status)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+             SELECT 'billing', gen_random_uuid(), now() - $1 * interval '1 day'
+             FROM generate_series(1, 10)",
+        )
+        .bind(age)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    }
+    let mut c = postal(&e.url);
+    c.args([
+        "cleanup",
+        "--published-retention",
+        "1day",
+        "--dedup-retention",
+        "1day",
+        "--batch",
+        "7",
+    ]);
+    let out = ok(c);
+    assert!(out.contains("deleted 30 published row(s)"), "{out}");
+    assert!(out.contains("dedup billing: deleted 20 row(s)"), "{out}");
+    let left: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM postal.outbox GROUP BY 1 ORDER BY 1")
+            .fetch_all(&e.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        left,
+        [("pending".to_owned(), 30), ("published".to_owned(), 30)]
+    );
+    let dedup: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(dedup, 10);
+}

@@ -64,6 +64,9 @@ pub struct ConsumerConfig {
     /// How long shutdown waits for in-flight transactions before abandoning (rolling back)
     /// them (default 10 s).
     pub shutdown_timeout: Duration,
+    /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (the database answers) on this
+    /// address while the consumer runs (default: off). One per process.
+    pub ops_addr: Option<std::net::SocketAddr>,
     /// Extra librdkafka consumer properties; they override Postal's defaults.
     pub kafka: BTreeMap<String, String>,
 }
@@ -92,6 +95,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("kafka_commit_interval", &self.kafka_commit_interval)
             .field("partition_buffer", &self.partition_buffer)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("ops_addr", &self.ops_addr)
             .field("kafka", &kafka)
             .finish_non_exhaustive()
     }
@@ -124,6 +128,7 @@ impl ConsumerConfig {
             kafka_commit_interval: Duration::from_secs(1),
             partition_buffer: 1000,
             shutdown_timeout: Duration::from_secs(10),
+            ops_addr: None,
             kafka: BTreeMap::new(),
         }
     }

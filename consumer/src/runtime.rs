@@ -203,6 +203,21 @@ impl Consumer {
         if !wait_for_schema(&shared.pool, &mut shutdown).await? {
             return Ok(());
         }
+        let ops = match config.ops_addr {
+            Some(addr) => {
+                let pool = shared.pool.clone();
+                let ready = move || {
+                    let pool = pool.clone();
+                    async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+                };
+                Some(
+                    postal_ops::serve(addr, ready)
+                        .await
+                        .map_err(|e| Error::Config(e.to_string()))?,
+                )
+            }
+            None => None,
+        };
         let topics = shared.router.topics();
         let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
         shared.consumer.subscribe(&refs)?;
@@ -295,6 +310,9 @@ impl Consumer {
             drop(consumer);
         })
         .await;
+        if let Some(ops) = ops {
+            ops.abort();
+        }
         tracing::info!("consumer stopped");
         Ok(())
     }

@@ -53,21 +53,12 @@ async fn main() -> anyhow::Result<()> {
     )
     .execute(&pool)
     .await?;
+    let mut config = ConsumerConfig::new(brokers, "billing", "billing");
     // Prometheus metrics and health endpoints, when asked for.
-    let _ops = match std::env::var("POSTAL_METRICS_ADDR") {
-        Ok(addr) => {
-            let ready_pool = pool.clone();
-            Some(
-                postal_ops::serve(addr.parse().context("POSTAL_METRICS_ADDR")?, move || {
-                    let pool = ready_pool.clone();
-                    async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
-                })
-                .await?,
-            )
-        }
-        Err(_) => None,
-    };
-    let consumer = Consumer::builder(pool, ConsumerConfig::new(brokers, "billing", "billing"))
+    if let Ok(addr) = std::env::var("POSTAL_METRICS_ADDR") {
+        config.ops_addr = Some(addr.parse().context("POSTAL_METRICS_ADDR")?);
+    }
+    let consumer = Consumer::builder(pool, config)
         .on(&topic, "order.created", on_order_created)
         .build()?;
     consumer.run_until_signal().await?;
