@@ -97,9 +97,40 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         .await?;
     }
     tx.commit().await?;
+    // Align the group's Kafka offsets too (lag tools; and a restarted consumer then fetches
+    // from the new position rather than from a later Kafka offset before its seek lands).
+    let (b, g, t, p) = (
+        bootstrap_servers,
+        group.clone(),
+        topic.clone(),
+        positions.clone(),
+    );
+    if let Err(e) = tokio::task::spawn_blocking(move || commit_to_kafka(&b, &g, &t, &p)).await? {
+        eprintln!("warning: stored offsets moved, but the Kafka group offsets were not: {e}");
+    }
     for (partition, offset) in &positions {
         println!("{group} {topic}[{partition}] -> next offset {offset}");
     }
+    Ok(())
+}
+
+fn commit_to_kafka(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    positions: &[(i32, i64)],
+) -> anyhow::Result<()> {
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("log_level", "0")
+        .create()?;
+    let mut tpl = TopicPartitionList::new();
+    for (p, o) in positions {
+        tpl.add_partition_offset(topic, *p, Offset::Offset(*o))?;
+    }
+    client.commit(&tpl, rdkafka::consumer::CommitMode::Sync)?;
     Ok(())
 }
 
@@ -123,15 +154,17 @@ fn positions(
     let groups = client
         .fetch_group_list(Some(group), timeout)
         .map_err(|e| anyhow::anyhow!("cannot reach the broker at {bootstrap}: {e}"))?;
-    let members = groups
+    let (members, state) = groups
         .groups()
         .iter()
         .find(|g| g.name() == group)
-        .map(|g| g.members().len())
-        .unwrap_or(0);
-    if members > 0 && !force {
+        .map(|g| (g.members().len(), g.state().to_owned()))
+        .unwrap_or((0, String::new()));
+    // A group is stopped when it has no members and is not rebalancing.
+    let stopped = members == 0 && matches!(state.as_str(), "" | "Empty" | "Dead");
+    if !stopped && !force {
         anyhow::bail!(
-            "consumer group {group:?} has {members} live member(s): stop them first (or pass --force)"
+            "consumer group {group:?} has {members} live member(s) (state {state}): stop them first (or pass --force)"
         );
     }
     let md = client.fetch_metadata(Some(topic), timeout)?;

@@ -314,6 +314,28 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
         c
     };
+    // The broker reports the running consumer as a member (group state can lag under load).
+    until("the group to show its member", || {
+        let (b, g) = (e.bootstrap.clone(), group.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let c: BaseConsumer = ClientConfig::new()
+                    .set("bootstrap.servers", &b)
+                    .create()
+                    .unwrap();
+                c.fetch_group_list(Some(&g), Duration::from_secs(5))
+                    .map(|l| {
+                        l.groups()
+                            .iter()
+                            .any(|x| x.name() == g && !x.members().is_empty())
+                    })
+                    .unwrap_or(false)
+            })
+            .await
+            .unwrap()
+        }
+    })
+    .await;
     let refused = reset().output().unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("live member"));

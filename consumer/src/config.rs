@@ -187,7 +187,8 @@ impl ConsumerConfig {
     ///
     /// Defaults: `enable.auto.commit=false` (Postal commits processed offsets itself),
     /// `auto.offset.reset=earliest`, `isolation.level=read_committed`,
-    /// `enable.partition.eof=false`, `statistics.interval.ms=15000` (feeds the lag gauge).
+    /// `enable.partition.eof=false`, `statistics.interval.ms=15000` (feeds the lag gauge),
+    /// `topic.metadata.refresh.interval.ms=10000` (topics created later are picked up).
     pub fn client_config(&self) -> rdkafka::ClientConfig {
         let mut cfg = rdkafka::ClientConfig::new();
         cfg.set("bootstrap.servers", &self.brokers)
@@ -198,6 +199,9 @@ impl ConsumerConfig {
             .set("isolation.level", "read_committed")
             .set("enable.partition.eof", "false")
             .set("statistics.interval.ms", "15000")
+            // Notice subscribed topics created after start within seconds, not librdkafka's
+            // default 5 minutes.
+            .set("topic.metadata.refresh.interval.ms", "10000")
             .set("log_level", "4");
         for (k, v) in &self.kafka {
             cfg.set(k, v);

@@ -46,13 +46,18 @@ impl Inbox {
     /// Queues a record; pauses fetching from the partition when its buffer is full.
     pub fn push(&self, shared: &Shared, record: Record) {
         let (topic, partition) = (record.topic.clone(), record.partition);
+        // Counted before it is sent, so the worker never counts below zero.
+        self.queued.fetch_add(1, Ordering::AcqRel);
         if self.tx.send(record).is_err() {
-            return; // the worker stopped (fenced or revoked): the next owner reads the record
+            // The worker stopped (fenced or revoked): the next owner reads the record.
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return;
         }
-        let queued = self.queued.fetch_add(1, Ordering::AcqRel) + 1;
-        if queued >= shared.config.partition_buffer {
+        if self.queued.load(Ordering::Acquire) >= shared.config.partition_buffer {
+            // Decided under the lock on a fresh count: the worker resumes under the same lock
+            // after draining, so a partition is never left paused with an empty buffer.
             let mut paused = self.paused.lock().expect("pause flag");
-            if !*paused {
+            if !*paused && self.queued.load(Ordering::Acquire) >= shared.config.partition_buffer {
                 if let Err(e) = shared.consumer.pause(&tpl(&topic, partition)) {
                     tracing::debug!(error = %e, topic, partition, "pause failed");
                 } else {
@@ -171,10 +176,12 @@ impl Worker {
     }
 
     fn dequeued(&self, n: usize) {
-        let queued = self.queued.fetch_sub(n, Ordering::AcqRel) - n;
-        if queued <= self.shared.config.partition_buffer / 2 {
+        self.queued.fetch_sub(n, Ordering::AcqRel);
+        if self.queued.load(Ordering::Acquire) <= self.shared.config.partition_buffer / 2 {
             let mut paused = self.paused.lock().expect("pause flag");
-            if *paused {
+            if *paused
+                && self.queued.load(Ordering::Acquire) <= self.shared.config.partition_buffer / 2
+            {
                 match self
                     .shared
                     .consumer

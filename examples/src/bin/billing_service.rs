@@ -1,0 +1,95 @@
+//! The billing service: consumes `order.created` with the `#[idempotent]` handler, writes one
+//! ledger row per order and, in the same transaction, emits `invoice.created` through its own
+//! outbox (consume-transform-produce). Stops on SIGINT/SIGTERM.
+//!
+//! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `ORDERS_TOPIC` (default `orders`),
+//! `INVOICES_TOPIC` (default `invoices`), `POSTAL_METRICS_ADDR` (serve `/metrics`, `/healthz`,
+//! `/readyz` there).
+
+use std::sync::OnceLock;
+
+use anyhow::Context;
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal_producer::{enqueue, NewEvent};
+use serde::Deserialize;
+use sqlx::{Postgres, Transaction};
+
+/// The payload written by the order service.
+#[derive(Debug, Deserialize)]
+pub struct OrderCreated {
+    /// Order id.
+    pub order_id: i64,
+    /// Customer id (also the event key).
+    pub customer: String,
+    /// The order's number among its customer's orders.
+    pub seq: i32,
+}
+
+static INVOICES_TOPIC: OnceLock<String> = OnceLock::new();
+
+/// Books the order in the ledger and emits the invoice event, exactly once per event id.
+#[idempotent(consumer = "billing")]
+async fn on_order_created(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<OrderCreated>,
+) -> Result<(), HandlerError> {
+    let order = &event.payload;
+    sqlx::query("INSERT INTO ledger (order_id, customer, seq, event_id) VALUES ($1, $2, $3, $4)")
+        .bind(order.order_id)
+        .bind(&order.customer)
+        .bind(order.seq)
+        .bind(event.id.as_uuid())
+        .execute(&mut **tx)
+        .await?;
+    let topic = INVOICES_TOPIC
+        .get()
+        .map(String::as_str)
+        .unwrap_or("invoices");
+    let invoice = NewEvent::json(
+        topic,
+        order.customer.as_str(),
+        "invoice.created",
+        &serde_json::json!({"order_id": order.order_id, "customer": order.customer, "seq": order.seq}),
+    )
+    .map_err(HandlerError::permanent)?;
+    enqueue(tx, invoice)
+        .await
+        .map_err(HandlerError::retryable)?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let db = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let brokers =
+        std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
+    let orders = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
+    let _ =
+        INVOICES_TOPIC.set(std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()));
+    let pool = sqlx::PgPool::connect(&db)
+        .await
+        .context("cannot reach PostgreSQL")?;
+    postal_shared::migrate(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS ledger (
+             id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
+             seq integer NOT NULL, event_id uuid NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&pool)
+    .await?;
+    let mut config = ConsumerConfig::new(brokers, "billing", "billing");
+    if let Ok(addr) = std::env::var("POSTAL_METRICS_ADDR") {
+        config.ops_addr = Some(addr.parse().context("POSTAL_METRICS_ADDR")?);
+    }
+    let consumer = Consumer::builder(pool, config)
+        .on(&orders, "order.created", on_order_created)
+        .build()?;
+    consumer.run_until_signal().await?;
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! The second hop: records every `invoice.created` exactly once. Stops on SIGINT/SIGTERM.
+//!
+//! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `INVOICES_TOPIC` (default
+//! `invoices`).
+
+use anyhow::Context;
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use serde::Deserialize;
+use sqlx::{Postgres, Transaction};
+
+/// The payload written by the billing service.
+#[derive(Debug, Deserialize)]
+pub struct InvoiceCreated {
+    /// Order id.
+    pub order_id: i64,
+    /// Customer id.
+    pub customer: String,
+    /// The order's number among its customer's orders.
+    pub seq: i32,
+}
+
+/// Records the invoice.
+#[idempotent(consumer = "invoices")]
+async fn on_invoice_created(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<InvoiceCreated>,
+) -> Result<(), HandlerError> {
+    let i = &event.payload;
+    sqlx::query("INSERT INTO invoices (order_id, customer, seq, event_id) VALUES ($1, $2, $3, $4)")
+        .bind(i.order_id)
+        .bind(&i.customer)
+        .bind(i.seq)
+        .bind(event.id.as_uuid())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let db = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
+    let brokers =
+        std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
+    let topic = std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into());
+    let pool = sqlx::PgPool::connect(&db)
+        .await
+        .context("cannot reach PostgreSQL")?;
+    postal_shared::migrate(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS invoices (
+             id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
+             seq integer NOT NULL, event_id uuid NOT NULL,
+             recorded_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&pool)
+    .await?;
+    let consumer = Consumer::builder(pool, ConsumerConfig::new(brokers, "invoices", "invoices"))
+        .on(&topic, "invoice.created", on_invoice_created)
+        .build()?;
+    consumer.run_until_signal().await?;
+    Ok(())
+}
