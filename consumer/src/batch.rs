@@ -9,20 +9,16 @@
 //! the partition's order holds.
 
 use std::collections::{HashSet, VecDeque};
-use std::panic::AssertUnwindSafe;
 
-use futures::FutureExt;
 use postal_shared::EventId;
 use sqlx::{Connection, Postgres, Transaction};
 use tracing::Instrument;
 
 use crate::config::UnknownTypes;
-use crate::dead_letter::{self, DeadLetter, Reason};
-use crate::handler::HandlerError;
+use crate::dead_letter::Reason;
 use crate::offsets::{self, Ownership};
-use crate::partition::{panic_message, Attempt, Step, Worker};
+use crate::partition::{run_body, Attempt, BodyFailure, Dead, Step, Worker};
 use crate::record::{meta, Meta, Record};
-use crate::route::Failure;
 
 /// What one batch transaction committed.
 #[derive(Default)]
@@ -35,14 +31,6 @@ struct Committed {
     dead: u64,
     /// The record after the finished ones failed retryably: (error, is it an outage?).
     stopped: Option<(String, bool)>,
-}
-
-/// How a body failed inside the batch.
-enum BodyFailure {
-    /// Dead-letter it (reason, error).
-    Dead(Reason, String),
-    /// Retry it later (error, outage?).
-    Retry(String, bool),
 }
 
 impl Worker {
@@ -67,10 +55,10 @@ impl Worker {
                 Ok(c) => {
                     let topic = &self.topic;
                     let stats = &self.shared.stats;
-                    (0..c.applied).for_each(|_| stats.applied(&consumer, topic));
-                    (0..c.duplicates).for_each(|_| stats.duplicates(&consumer, topic));
-                    (0..c.skipped).for_each(|_| stats.skipped(&consumer, topic));
-                    (0..c.dead).for_each(|_| stats.dead_letters(&consumer, topic));
+                    stats.applied(&consumer, topic, c.applied);
+                    stats.duplicates(&consumer, topic, c.duplicates);
+                    stats.skipped(&consumer, topic, c.skipped);
+                    stats.dead_letters(&consumer, topic, c.dead);
                     if c.dead > 0 {
                         self.shared.dlq_wake.notify_one();
                     }
@@ -91,7 +79,7 @@ impl Worker {
                         Some((e, false)) => {
                             head_attempts += 1;
                             if head_attempts < self.shared.config.max_attempts {
-                                self.shared.stats.retries(&consumer, &self.topic);
+                                self.shared.stats.retries(&consumer, &self.topic, 1);
                                 tracing::warn!(error = %e, attempt = head_attempts, "handler failed; retrying");
                                 if !self.wait(head_attempts - 1).await {
                                     return Step::Stop;
@@ -101,7 +89,7 @@ impl Worker {
                     }
                 }
                 Err(Attempt::Fenced) => {
-                    self.shared.stats.fenced(&consumer, &self.topic);
+                    self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back and stopping");
                     return Step::Stop;
                 }
@@ -306,58 +294,14 @@ impl Worker {
         error: &str,
         attempts: i32,
     ) -> Result<(), Attempt> {
-        let config = &self.shared.config;
-        let dlq_topic = format!("{}{}", record.topic, config.dlq_suffix);
-        dead_letter::record(
-            tx,
-            DeadLetter {
-                consumer: &config.consumer,
-                group: &config.group,
-                record,
-                event_id: meta.map(|m| m.id.as_uuid()),
-                event_type: meta.map(|m| m.event_type.as_str()),
-                reason,
-                error,
-                attempts,
-                dlq_topic: &dlq_topic,
-            },
-        )
-        .await
-        .map_err(Attempt::db)?;
-        tracing::error!(
-            topic = %record.topic, partition = record.partition, offset = record.offset,
-            event_id = ?meta.map(|m| m.id), reason = reason.as_str(), error,
-            "dead-lettered; the partition moves on"
-        );
-        Ok(())
-    }
-}
-
-async fn run_body(
-    route: &dyn crate::route::Route,
-    tx: &mut Transaction<'_, Postgres>,
-    record: &Record,
-    meta: &Meta,
-) -> Result<(), BodyFailure> {
-    match AssertUnwindSafe(route.call(tx, record, meta))
-        .catch_unwind()
-        .await
-    {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(Failure::Undecodable(e))) => Err(BodyFailure::Dead(Reason::Undecodable, e)),
-        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
-            Err(BodyFailure::Dead(Reason::Permanent, e.to_string()))
-        }
-        Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
-            Err(BodyFailure::Retry(e.to_string(), false))
-        }
-        Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
-            Err(BodyFailure::Retry(e.to_string(), true))
-        }
-        Err(panic) => {
-            let msg = panic_message(panic.as_ref());
-            tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
-            Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
-        }
+        let dead = Dead {
+            meta,
+            reason,
+            error,
+            attempts,
+        };
+        self.record_dead(tx, record, dead)
+            .await
+            .map_err(Attempt::db)
     }
 }

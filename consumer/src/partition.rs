@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::{Offset, TopicPartitionList};
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -140,7 +140,7 @@ impl Worker {
                     tracing::trace!(topic = %self.topic, partition = self.partition, offset = r.offset, "below the stored offset; skipped");
                     self.shared
                         .stats
-                        .replays_skipped(&self.shared.config.consumer, &self.topic);
+                        .replays_skipped(&self.shared.config.consumer, &self.topic, 1);
                 }
                 !below
             });
@@ -273,14 +273,14 @@ impl Worker {
             match result {
                 Ok(applied) => {
                     if applied {
-                        self.shared.stats.applied(consumer, &record.topic);
+                        self.shared.stats.applied(consumer, &record.topic, 1);
                     } else {
-                        self.shared.stats.duplicates(consumer, &record.topic);
+                        self.shared.stats.duplicates(consumer, &record.topic, 1);
                     }
                     return Step::Done;
                 }
                 Err(Attempt::Fenced) => {
-                    self.shared.stats.fenced(consumer, &record.topic);
+                    self.shared.stats.fenced(consumer, &record.topic, 1);
                     tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back and stopping");
                     return Step::Stop;
                 }
@@ -306,7 +306,7 @@ impl Worker {
                             )
                             .await;
                     }
-                    self.shared.stats.retries(consumer, &record.topic);
+                    self.shared.stats.retries(consumer, &record.topic, 1);
                     tracing::warn!(error = %e, event_id = %meta.id, attempt = attempts, "handler failed; retrying");
                     if !self.wait(attempts - 1).await {
                         return Step::Stop;
@@ -334,7 +334,6 @@ impl Worker {
         meta: &Meta,
         route: &dyn Route,
     ) -> Result<bool, Attempt> {
-        let consumer = self.shared.config.consumer.as_str();
         let mut tx = self.shared.pool.begin().await.map_err(Attempt::db)?;
         let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
             .await
@@ -343,19 +342,13 @@ impl Worker {
                 other => Attempt::Retryable(other.to_string()),
             })?;
         if fresh {
-            let call = AssertUnwindSafe(route.call(&mut tx, record, meta)).catch_unwind();
-            match call.await {
-                Ok(Ok(())) => {}
-                Ok(Err(Failure::Undecodable(e))) => {
-                    return Err(Attempt::Permanent(Reason::Undecodable, e))
-                }
-                Ok(Err(Failure::Handler(e))) => return Err(Attempt::from_handler(e)),
-                Err(panic) => {
-                    let msg = panic_message(panic.as_ref());
-                    tracing::error!(handler = route.name(), consumer, panic = %msg, "handler panicked");
-                    return Err(Attempt::Permanent(Reason::Panic, format!("panic: {msg}")));
-                }
-            }
+            run_body(route, &mut tx, record, meta)
+                .await
+                .map_err(|f| match f {
+                    BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
+                    BodyFailure::Retry(error, false) => Attempt::Retryable(error),
+                    BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
+                })?;
         }
         let owned = offsets::advance(
             &mut tx,
@@ -380,7 +373,7 @@ impl Worker {
         if matches!(step, Step::Done) {
             self.shared
                 .stats
-                .skipped(&self.shared.config.consumer, &record.topic);
+                .skipped(&self.shared.config.consumer, &record.topic, 1);
         }
         step
     }
@@ -395,30 +388,18 @@ impl Worker {
         error: &str,
         attempts: i32,
     ) -> Step {
-        let config = &self.shared.config;
-        let dlq_topic = format!("{}{}", record.topic, config.dlq_suffix);
-        let d = DeadLetter {
-            consumer: &config.consumer,
-            group: &config.group,
-            record,
-            event_id: meta.map(|m| m.id.as_uuid()),
-            event_type: meta.map(|m| m.event_type.as_str()),
+        let dead = Dead {
+            meta,
             reason,
             error,
             attempts,
-            dlq_topic: &dlq_topic,
         };
-        let step = self.write_with_retry(own, record, Some(d)).await;
+        let step = self.write_with_retry(own, record, Some(dead)).await;
         if matches!(step, Step::Done) {
             self.shared
                 .stats
-                .dead_letters(&config.consumer, &record.topic);
+                .dead_letters(&self.shared.config.consumer, &record.topic, 1);
             self.shared.dlq_wake.notify_one();
-            tracing::error!(
-                topic = %record.topic, partition = record.partition, offset = record.offset,
-                event_id = ?meta.map(|m| m.id), reason = reason.as_str(), error,
-                "dead-lettered; the partition moves on"
-            );
         }
         step
     }
@@ -429,14 +410,14 @@ impl Worker {
         &self,
         own: &Ownership,
         record: &Record,
-        dead: Option<DeadLetter<'_>>,
+        dead: Option<Dead<'_>>,
     ) -> Step {
         let mut failures = 0u32;
         loop {
             let result: Result<bool, sqlx::Error> = async {
                 let mut tx = self.shared.pool.begin().await?;
                 if let Some(d) = dead {
-                    dead_letter::record(&mut tx, d).await?;
+                    self.record_dead(&mut tx, record, d).await?;
                 }
                 let owned = offsets::advance(
                     &mut tx,
@@ -458,7 +439,7 @@ impl Worker {
                 Ok(false) => {
                     self.shared
                         .stats
-                        .fenced(&self.shared.config.consumer, &record.topic);
+                        .fenced(&self.shared.config.consumer, &record.topic, 1);
                     return Step::Stop;
                 }
                 Err(e) => {
@@ -470,6 +451,50 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// What a dead letter says about its record.
+#[derive(Clone, Copy)]
+pub(crate) struct Dead<'a> {
+    pub meta: Option<&'a Meta>,
+    pub reason: Reason,
+    pub error: &'a str,
+    pub attempts: i32,
+}
+
+impl Worker {
+    /// Inserts the dead letter of `record` in the caller's transaction (which also moves the
+    /// partition past it) and logs it.
+    pub(crate) async fn record_dead(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        record: &Record,
+        d: Dead<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let config = &self.shared.config;
+        let dlq_topic = format!("{}{}", record.topic, config.dlq_suffix);
+        dead_letter::record(
+            conn,
+            DeadLetter {
+                consumer: &config.consumer,
+                group: &config.group,
+                record,
+                event_id: d.meta.map(|m| m.id.as_uuid()),
+                event_type: d.meta.map(|m| m.event_type.as_str()),
+                reason: d.reason,
+                error: d.error,
+                attempts: d.attempts,
+                dlq_topic: &dlq_topic,
+            },
+        )
+        .await?;
+        tracing::error!(
+            topic = %record.topic, partition = record.partition, offset = record.offset,
+            event_id = ?d.meta.map(|m| m.id), reason = d.reason.as_str(), error = d.error,
+            "dead-lettered; the partition moves on"
+        );
+        Ok(())
     }
 }
 
@@ -488,14 +513,6 @@ impl Attempt {
             _ => Attempt::Retryable(e.to_string()),
         }
     }
-
-    pub(crate) fn from_handler(e: HandlerError) -> Self {
-        match e {
-            HandlerError::Retryable(e) => Attempt::Retryable(e.to_string()),
-            HandlerError::Permanent(e) => Attempt::Permanent(Reason::Permanent, e.to_string()),
-            HandlerError::Unavailable(e) => Attempt::Unavailable(e.to_string()),
-        }
-    }
 }
 
 /// The message of a caught panic.
@@ -505,4 +522,42 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "handler panicked".into())
+}
+
+/// How a handler body failed.
+pub(crate) enum BodyFailure {
+    /// Dead-letter it (reason, error).
+    Dead(Reason, String),
+    /// Retry it later (error, outage?).
+    Retry(String, bool),
+}
+
+/// Runs a handler body, turning its errors and panics into a [`BodyFailure`].
+pub(crate) async fn run_body(
+    route: &dyn crate::route::Route,
+    tx: &mut Transaction<'_, Postgres>,
+    record: &Record,
+    meta: &Meta,
+) -> Result<(), BodyFailure> {
+    match AssertUnwindSafe(route.call(tx, record, meta))
+        .catch_unwind()
+        .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Failure::Undecodable(e))) => Err(BodyFailure::Dead(Reason::Undecodable, e)),
+        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
+            Err(BodyFailure::Dead(Reason::Permanent, e.to_string()))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
+            Err(BodyFailure::Retry(e.to_string(), false))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
+            Err(BodyFailure::Retry(e.to_string(), true))
+        }
+        Err(panic) => {
+            let msg = panic_message(panic.as_ref());
+            tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
+            Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
+        }
+    }
 }

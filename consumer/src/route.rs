@@ -54,10 +54,10 @@ impl<H: Handler> Route for Routed<H> {
 /// Handlers of one (topic, event type), by schema version (`None`: any version).
 type Versions = Vec<(Option<i32>, Arc<dyn Route>)>;
 
-/// The routing table.
+/// The routing table: topic → event type → versions (looked up per record without allocating).
 #[derive(Default)]
 pub(crate) struct Router {
-    routes: HashMap<(String, String), Versions>,
+    routes: HashMap<String, HashMap<String, Versions>>,
 }
 
 impl Router {
@@ -71,7 +71,9 @@ impl Router {
     ) -> bool {
         let list = self
             .routes
-            .entry((topic.to_owned(), event_type.to_owned()))
+            .entry(topic.to_owned())
+            .or_default()
+            .entry(event_type.to_owned())
             .or_default();
         if list.iter().any(|(v, _)| *v == version) {
             return false;
@@ -82,9 +84,7 @@ impl Router {
 
     /// The handler for a record: an exact version match first, then a version-agnostic one.
     pub fn find(&self, topic: &str, event_type: &str, version: i32) -> Option<&Arc<dyn Route>> {
-        let list = self
-            .routes
-            .get(&(topic.to_owned(), event_type.to_owned()))?;
+        let list = self.routes.get(topic)?.get(event_type)?;
         list.iter()
             .find(|(v, _)| *v == Some(version))
             .or_else(|| list.iter().find(|(v, _)| v.is_none()))
@@ -92,9 +92,8 @@ impl Router {
     }
 
     pub fn topics(&self) -> Vec<String> {
-        let mut t: Vec<String> = self.routes.keys().map(|(t, _)| t.clone()).collect();
+        let mut t: Vec<String> = self.routes.keys().cloned().collect();
         t.sort();
-        t.dedup();
         t
     }
 

@@ -36,9 +36,12 @@ pub struct StatsSnapshot {
 
 macro_rules! bump {
     ($name:ident, $metric:literal, $($label:tt)*) => {
-        pub(crate) fn $name(&self, consumer: &str, topic: &str) {
-            self.$name.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!($metric, "consumer" => consumer.to_owned(), "topic" => topic.to_owned(), $($label)*).increment(1);
+        pub(crate) fn $name(&self, consumer: &str, topic: &str, n: u64) {
+            if n == 0 {
+                return;
+            }
+            self.$name.fetch_add(n, Ordering::Relaxed);
+            metrics::counter!($metric, "consumer" => consumer.to_owned(), "topic" => topic.to_owned(), $($label)*).increment(n);
         }
     };
 }
