@@ -295,3 +295,16 @@ pub async fn effects(pool: &PgPool) -> (i64, i64) {
         .await
         .unwrap()
 }
+
+/// Starts a consumer that routes `job` events on `topic` to [`crate::handlers::apply`].
+pub fn start_apply(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+) -> RunningConsumer {
+    let consumer = postal_consumer::Consumer::builder(pool.clone(), config)
+        .on(topic, "job", crate::handlers::apply)
+        .build()
+        .expect("valid consumer");
+    RunningConsumer::start(consumer)
+}

@@ -8,7 +8,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
+    RunningConsumer,
 };
 use crate::handlers::{self, apply, Job};
 
@@ -52,14 +53,11 @@ async fn same_event_twice_is_applied_once() {
     )
     .await;
     let group = unique("g");
-    let consumer = Consumer::builder(
-        db.pool.clone(),
+    let running = start_apply(
+        &db.pool,
+        &topic,
         consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
-    )
-    .on(&topic, "job", apply)
-    .build()
-    .unwrap();
-    let running = RunningConsumer::start(consumer);
+    );
     let stats = running.stats.clone();
     wait::until(WAIT, "three records processed", || {
         let s = stats.snapshot();
@@ -132,14 +130,11 @@ async fn handler_errors_leave_no_effect_and_no_dedup_row() {
         ],
     )
     .await;
-    let consumer = Consumer::builder(
-        db.pool.clone(),
+    let running = start_apply(
+        &db.pool,
+        &topic,
         consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
-    )
-    .on(&topic, "job", apply)
-    .build()
-    .unwrap();
-    let running = RunningConsumer::start(consumer);
+    );
     let stats = running.stats.clone();
     wait::until(WAIT, "all four records handled", || {
         let s = stats.snapshot();
@@ -217,14 +212,11 @@ async fn a_fenced_transaction_does_not_commit() {
     )
     .await;
     let group = unique("g");
-    let consumer = Consumer::builder(
-        db.pool.clone(),
+    let running = start_apply(
+        &db.pool,
+        &topic,
         consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
-    )
-    .on(&topic, "job", apply)
-    .build()
-    .unwrap();
-    let running = RunningConsumer::start(consumer);
+    );
     let stats = running.stats.clone();
     wait::until(WAIT, "the blocking handler to start", || async move {
         handlers::entered(blocked)
@@ -392,11 +384,7 @@ async fn backpressure_pauses_and_resumes_without_loss() {
     produce(&svc.bootstrap, &topic, None, &records).await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     config.partition_buffer = 4;
-    let consumer = Consumer::builder(db.pool.clone(), config)
-        .on(&topic, "job", apply)
-        .build()
-        .unwrap();
-    let running = RunningConsumer::start(consumer);
+    let running = start_apply(&db.pool, &topic, config);
     let stats = running.stats.clone();
     wait::until(WAIT, "400 events applied", || {
         let s = stats.snapshot();

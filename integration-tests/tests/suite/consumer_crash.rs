@@ -12,7 +12,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
 };
 use crate::handlers::{self, apply};
 
@@ -108,14 +108,11 @@ async fn killed_after_db_commit_replays_nothing() {
     }
 
     produce(&svc.bootstrap, &topic, None, &events(200, 250)).await;
-    let consumer = Consumer::builder(
-        db.pool.clone(),
+    let running = start_apply(
+        &db.pool,
+        &topic,
         consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
-    )
-    .on(&topic, "job", apply)
-    .build()
-    .unwrap();
-    let running = RunningConsumer::start(consumer);
+    );
     let stats = running.stats.clone();
     wait::until(WAIT, "the rest and the 50 new events", || {
         let s = stats.snapshot();

@@ -3,15 +3,15 @@
 
 use std::time::Duration;
 
-use postal_consumer::{Consumer, UnknownTypes};
+use postal_consumer::UnknownTypes;
 use postal_integration_tests::{kafka, services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
 };
-use crate::handlers::{self, apply};
+use crate::handlers::{self};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -44,14 +44,11 @@ async fn malformed_records_become_dead_letters() {
         ],
     )
     .await;
-    let consumer = Consumer::builder(
-        db.pool.clone(),
+    let running = start_apply(
+        &db.pool,
+        &topic,
         consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
-    )
-    .on(&topic, "job", apply)
-    .build()
-    .unwrap();
-    let running = RunningConsumer::start(consumer);
+    );
     let stats = running.stats.clone();
     wait::until(WAIT, "four records handled", || {
         let s = stats.snapshot();
@@ -135,11 +132,7 @@ async fn unknown_types_can_be_skipped() {
     .await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     config.unknown_types = UnknownTypes::Skip;
-    let consumer = Consumer::builder(db.pool.clone(), config)
-        .on(&topic, "job", apply)
-        .build()
-        .unwrap();
-    let running = RunningConsumer::start(consumer);
+    let running = start_apply(&db.pool, &topic, config);
     let stats = running.stats.clone();
     wait::until(WAIT, "both records handled", || {
         let s = stats.snapshot();

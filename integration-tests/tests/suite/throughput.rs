@@ -3,13 +3,13 @@
 use std::time::Duration;
 
 use postal_consumer::testing::{assert_applied_once, deliver};
-use postal_consumer::{retention, Consumer, Event, EventId, Outcome};
+use postal_consumer::{retention, Event, EventId, Outcome};
 use postal_integration_tests::{services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
 };
 use crate::handlers::{self, apply, Job};
 
@@ -47,11 +47,7 @@ async fn throughput_mode_isolates_failures() {
 
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     config.max_batch = 100;
-    let consumer = Consumer::builder(db.pool.clone(), config)
-        .on(&topic, "job", apply)
-        .build()
-        .unwrap();
-    let running = RunningConsumer::start(consumer);
+    let running = start_apply(&db.pool, &topic, config);
     let stats = running.stats.clone();
     wait::until(WAIT, "302 records handled", || {
         let s = stats.snapshot();
