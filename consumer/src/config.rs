@@ -133,6 +133,57 @@ impl ConsumerConfig {
         }
     }
 
+    /// Overrides settings from the process environment (see [`ConsumerConfig::with_vars`] for
+    /// the variables), so a deployed consumer is tuned without a rebuild.
+    pub fn with_env(self) -> Result<Self, Error> {
+        self.with_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Overrides settings from variables looked up by `var`; unset variables keep the current
+    /// value, unparsable ones are an error naming the variable:
+    ///
+    /// | variable | setting |
+    /// |---|---|
+    /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated |
+    /// | `POSTAL_MAX_BATCH` | [`max_batch`](Self::max_batch) |
+    /// | `POSTAL_MAX_CONCURRENT_PARTITIONS` | [`max_concurrent_partitions`](Self::max_concurrent_partitions) |
+    /// | `POSTAL_MAX_ATTEMPTS` | [`max_attempts`](Self::max_attempts) |
+    /// | `POSTAL_SHUTDOWN_TIMEOUT_MS` | [`shutdown_timeout`](Self::shutdown_timeout) |
+    /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
+    pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, Error> {
+            v.trim()
+                .parse()
+                .map_err(|_| Error::Config(format!("{name}={v:?} is not valid")))
+        }
+        if let Some(v) = var("POSTAL_KAFKA") {
+            for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let (k, val) = pair.split_once('=').ok_or_else(|| {
+                    Error::Config(format!("POSTAL_KAFKA: {pair:?} is not key=value"))
+                })?;
+                self.kafka.insert(k.trim().into(), val.trim().into());
+            }
+        }
+        if let Some(v) = var("POSTAL_MAX_BATCH") {
+            self.max_batch = parse("POSTAL_MAX_BATCH", &v)?;
+        }
+        if let Some(v) = var("POSTAL_MAX_CONCURRENT_PARTITIONS") {
+            self.max_concurrent_partitions = parse("POSTAL_MAX_CONCURRENT_PARTITIONS", &v)?;
+        }
+        if let Some(v) = var("POSTAL_MAX_ATTEMPTS") {
+            self.max_attempts = parse("POSTAL_MAX_ATTEMPTS", &v)?;
+        }
+        if let Some(v) = var("POSTAL_SHUTDOWN_TIMEOUT_MS") {
+            self.shutdown_timeout =
+                Duration::from_millis(parse("POSTAL_SHUTDOWN_TIMEOUT_MS", &v)?);
+        }
+        if let Some(v) = var("POSTAL_METRICS_ADDR") {
+            self.ops_addr = Some(parse("POSTAL_METRICS_ADDR", &v)?);
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
     /// Checks the settings; the error names the offending one.
     pub fn validate(&self) -> Result<(), Error> {
         let bad = |m: &str| Err(Error::Config(m.to_owned()));
@@ -230,6 +281,37 @@ impl ConsumerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Environment overrides apply, unset ones keep defaults, and a bad value is an error that
+    /// names the variable.
+    #[test]
+    fn environment_overrides_and_names_bad_values() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |n: &str| pairs.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+        };
+        let c = ConsumerConfig::new("b:9092", "g", "billing")
+            .with_vars(vars(&[
+                ("POSTAL_KAFKA", "session.timeout.ms=6000, fetch.wait.max.ms=10"),
+                ("POSTAL_MAX_BATCH", "200"),
+                ("POSTAL_METRICS_ADDR", "127.0.0.1:9464"),
+            ]))
+            .unwrap();
+        assert_eq!(c.max_batch, 200);
+        assert_eq!(c.kafka["session.timeout.ms"], "6000");
+        assert_eq!(c.kafka["fetch.wait.max.ms"], "10");
+        assert_eq!(c.ops_addr, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(c.max_attempts, 10);
+        let err = ConsumerConfig::new("b:9092", "g", "billing")
+            .with_vars(vars(&[("POSTAL_MAX_BATCH", "lots")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("POSTAL_MAX_BATCH"), "{err}");
+        let err = ConsumerConfig::new("b:9092", "g", "billing")
+            .with_vars(vars(&[("POSTAL_KAFKA", "enable.auto.commit=true")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("managed by Postal"), "{err}");
+    }
 
     /// Secrets in Kafka properties never show in `Debug` output; bad values are rejected with
     /// the setting named.

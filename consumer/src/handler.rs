@@ -75,17 +75,13 @@ pub(crate) enum Class {
 }
 
 pub(crate) fn classify_sqlx(e: &sqlx::Error) -> Class {
+    if postal_shared::database_unavailable(e) {
+        return Class::Unavailable;
+    }
     match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => Class::Unavailable,
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
-            if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
-                Class::Unavailable
-            } else if code.starts_with("22") || code.starts_with("23") {
+            if code.starts_with("22") || code.starts_with("23") {
                 Class::Permanent
             } else {
                 Class::Retryable

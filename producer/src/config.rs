@@ -27,6 +27,7 @@ pub struct RelayConfig {
     /// destination never counts as an attempt.
     pub max_attempts: i32,
     /// Retry backoff: exponential with full jitter (default 500 ms doubling up to 5 min).
+    /// While the destination is unreachable the pause grows the same way but stops at 10 s.
     pub backoff: Backoff,
     /// Delete rows once published (default `true`); when `false` they are marked `published`
     /// and removed later by retention cleanup.

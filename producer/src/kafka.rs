@@ -108,10 +108,7 @@ enum TopicState {
 /// (key), `ce_schemaversion`, `ce_postalseq`, `content-type`, then user headers (including
 /// `traceparent` / `tracestate`).
 pub struct KafkaTransport {
-    producer: std::sync::RwLock<FutureProducer>,
-    /// Set when the broker answered with a fatal or unknown error: the producer (and its
-    /// idempotence state) is replaced before the next batch.
-    reset: Arc<std::sync::atomic::AtomicBool>,
+    producer: Arc<ProducerSlot>,
     admin: AdminClient<DefaultClientContext>,
     config: KafkaConfig,
     max_message_bytes: usize,
@@ -136,6 +133,9 @@ impl KafkaTransport {
             ));
         }
         let client_config = config.client_config();
+        if client_config.get("message.timeout.ms") == Some("0") {
+            tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
+        }
         let producer: FutureProducer = client_config.create()?;
         let admin: AdminClient<DefaultClientContext> = client_config.create()?;
         let max_message_bytes = client_config
@@ -143,8 +143,10 @@ impl KafkaTransport {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1_000_000);
         Ok(KafkaTransport {
-            producer: std::sync::RwLock::new(producer),
-            reset: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            producer: Arc::new(ProducerSlot {
+                current: std::sync::RwLock::new((0, producer)),
+                client_config: client_config.clone(),
+            }),
             admin,
             config,
             max_message_bytes,
@@ -154,29 +156,7 @@ impl KafkaTransport {
 
     /// The current producer (for metrics or tests).
     pub fn producer(&self) -> FutureProducer {
-        self.producer.read().expect("producer lock").clone()
-    }
-
-    /// Replaces the producer if the last batch left it in a fatal or unknown state: a fresh
-    /// producer gets a new idempotent producer id from the broker.
-    fn reset_if_needed(&self) {
-        if !self.reset.swap(false, std::sync::atomic::Ordering::AcqRel) {
-            return;
-        }
-        match self.config.client_config().create::<FutureProducer>() {
-            Ok(p) => {
-                let old = std::mem::replace(&mut *self.producer.write().expect("producer lock"), p);
-                // Destroying a client can block briefly: not on the async worker.
-                tokio::task::spawn_blocking(move || drop(old));
-                tracing::info!(
-                    "recreated the Kafka producer after delivery timeouts or a fatal broker error"
-                );
-            }
-            Err(e) => {
-                self.reset.store(true, std::sync::atomic::Ordering::Release);
-                tracing::warn!(error = %e, "could not recreate the Kafka producer; keeping the old one");
-            }
-        }
+        self.producer.current().1
     }
 
     async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
@@ -297,14 +277,55 @@ impl KafkaTransport {
     }
 }
 
+/// The producer in use, numbered so that a failure seen by many in-flight records replaces
+/// it once.
+struct ProducerSlot {
+    current: std::sync::RwLock<(u64, FutureProducer)>,
+    client_config: rdkafka::ClientConfig,
+}
+
+impl ProducerSlot {
+    fn current(&self) -> (u64, FutureProducer) {
+        self.current.read().expect("producer lock").clone()
+    }
+
+    /// Replaces producer number `generation` (if it is still the current one) with a fresh
+    /// producer, which asks the broker for a new idempotent producer id. Done at once, not
+    /// before the next batch: the old client would otherwise reconnect to a restarted broker
+    /// and bump the epoch of an id that broker may no longer know.
+    fn replace(&self, generation: u64) {
+        let mut current = self.current.write().expect("producer lock");
+        if current.0 != generation {
+            return;
+        }
+        match self.client_config.create::<FutureProducer>() {
+            Ok(p) => {
+                let old = std::mem::replace(&mut current.1, p);
+                current.0 += 1;
+                drop(current);
+                // Destroying a client can block briefly: not on the async worker.
+                match tokio::runtime::Handle::try_current() {
+                    Ok(rt) => drop(rt.spawn_blocking(move || drop(old))),
+                    Err(_) => drop(old),
+                }
+                tracing::info!(
+                    "recreated the Kafka producer after delivery timeouts or a fatal broker error"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not recreate the Kafka producer; keeping the old one");
+            }
+        }
+    }
+}
+
 type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
 impl Transport for KafkaTransport {
     type Acks = Acks;
 
     async fn send(&self, batch: &[OutboundEvent]) -> Acks {
-        self.reset_if_needed();
-        let producer = self.producer();
+        let (generation, producer) = self.producer.current();
         // Keys whose earlier event in this batch failed before it was sent: their later events
         // are held back instead of overtaking it.
         let mut blocked: HashSet<&str> = HashSet::new();
@@ -401,14 +422,14 @@ impl Transport for KafkaTransport {
             loop {
                 match producer.send_result(record) {
                     Ok(delivery) => {
-                        let reset = self.reset.clone();
+                        let slot = self.producer.clone();
                         pending.push(
                             async move {
                                 match delivery.await {
                                     Ok(Ok(_)) => Ok(()),
                                     Ok(Err((err, _msg))) => {
                                         if needs_reset(&err) {
-                                            reset.store(true, std::sync::atomic::Ordering::Release);
+                                            slot.replace(generation);
                                         }
                                         Err(PublishError::new(classify(&err), err.to_string()))
                                     }
@@ -429,7 +450,7 @@ impl Transport for KafkaTransport {
                     }
                     Err((err, _)) => {
                         if needs_reset(&err) {
-                            self.reset.store(true, std::sync::atomic::Ordering::Release);
+                            self.producer.replace(generation);
                         }
                         let err = PublishError::new(classify(&err), err.to_string());
                         blocked.insert(e.key.as_str());
@@ -448,7 +469,8 @@ impl Transport for KafkaTransport {
             .client_config()
             .get("message.timeout.ms")
             .and_then(|v| v.parse::<u64>().ok())?;
-        Some(Duration::from_millis(ms))
+        // 0 = librdkafka retries without limit: there is no bound to check the lease against.
+        (ms > 0).then(|| Duration::from_millis(ms))
     }
 
     async fn flush(&self, timeout: Duration) {
@@ -457,7 +479,7 @@ impl Transport for KafkaTransport {
     }
 }
 
-/// Errors after which the producer is replaced by a fresh one before the next batch:
+/// Errors after which the producer is replaced by a fresh one at once:
 /// librdkafka's fatal (idempotence) errors, a broker's unknown server error, and delivery
 /// timeouts. After a timeout librdkafka would bump the epoch of its existing producer id; a
 /// broker that restarted meanwhile may no longer know that id (tansu fails such requests), while

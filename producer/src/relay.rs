@@ -19,6 +19,10 @@ use crate::lease;
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
 
+/// Longest pause while the destination is unreachable: the backoff grows up to here, not to
+/// `backoff.max`, so a relay resumes within seconds of the broker coming back.
+const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
+
 /// Totals of one relay run, returned when it stops.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RelayStats {
@@ -446,7 +450,7 @@ impl CompleteCtx {
                     let retry_in = match err.kind {
                         FailureKind::Unavailable => {
                             any_unavailable = true;
-                            self.config.backoff.delay(streak)
+                            self.config.backoff.delay(streak).min(MAX_UNAVAILABLE_PAUSE)
                         }
                         _ => self.config.backoff.delay(attempts.max(0) as u32),
                     };
@@ -468,7 +472,11 @@ impl CompleteCtx {
         }
         if any_unavailable {
             let n = self.unavailable_streak.fetch_add(1, Ordering::Relaxed);
-            let wait = self.config.backoff.delay(n).max(Duration::from_millis(200));
+            let wait = self
+                .config
+                .backoff
+                .delay(n)
+                .clamp(Duration::from_millis(200), MAX_UNAVAILABLE_PAUSE);
             tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().find(|f| !f.counts).and_then(|f| f.reason.as_deref()).unwrap_or(""), "destination unavailable; pausing the relay");
             *self.paused_until.lock().expect("pause lock") = Some(Instant::now() + wait);
         } else if !published.is_empty() {

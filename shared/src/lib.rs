@@ -14,6 +14,7 @@
 //! # Ok(()) }
 //! ```
 
+mod availability;
 mod backoff;
 mod envelope;
 mod error;
@@ -21,6 +22,7 @@ pub mod headers;
 mod ids;
 mod migrate;
 
+pub use availability::database_unavailable;
 pub use backoff::Backoff;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
 pub use error::Error;

@@ -3,13 +3,13 @@
 //! outbox (consume-transform-produce). Stops on SIGINT/SIGTERM.
 //!
 //! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `ORDERS_TOPIC` (default `orders`),
-//! `INVOICES_TOPIC` (default `invoices`), `POSTAL_METRICS_ADDR` (serve `/metrics`, `/healthz`,
-//! `/readyz` there).
+//! `INVOICES_TOPIC` (default `invoices`), and the consumer settings of
+//! `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, `POSTAL_MAX_BATCH`, `POSTAL_METRICS_ADDR`, …).
 
 use std::sync::OnceLock;
 
-use anyhow::Context;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal_examples::{connect, env_required, init_tracing};
 use postal_producer::{enqueue, NewEvent};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
@@ -60,21 +60,14 @@ async fn on_order_created(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    let db = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let brokers =
-        std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
+    init_tracing("info");
+    let db = env_required("DATABASE_URL")?;
+    let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let orders = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
     let _ =
         INVOICES_TOPIC.set(std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()));
-    let pool = sqlx::PgPool::connect(&db)
-        .await
-        .context("cannot reach PostgreSQL")?;
-    postal_shared::migrate(&pool).await?;
+    let config = ConsumerConfig::new(brokers, "billing", "billing").with_env()?;
+    let pool = connect(&db).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS ledger (
              id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
@@ -83,10 +76,6 @@ async fn main() -> anyhow::Result<()> {
     )
     .execute(&pool)
     .await?;
-    let mut config = ConsumerConfig::new(brokers, "billing", "billing");
-    if let Ok(addr) = std::env::var("POSTAL_METRICS_ADDR") {
-        config.ops_addr = Some(addr.parse().context("POSTAL_METRICS_ADDR")?);
-    }
     let consumer = Consumer::builder(pool, config)
         .on(&orders, "order.created", on_order_created)
         .build()?;

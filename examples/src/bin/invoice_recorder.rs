@@ -1,10 +1,10 @@
 //! The second hop: records every `invoice.created` exactly once. Stops on SIGINT/SIGTERM.
 //!
 //! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `INVOICES_TOPIC` (default
-//! `invoices`).
+//! `invoices`), and the consumer settings of `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, …).
 
-use anyhow::Context;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal_examples::{connect, env_required, init_tracing};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -38,19 +38,12 @@ async fn on_invoice_created(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    let db = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
-    let brokers =
-        std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
+    init_tracing("info");
+    let db = env_required("DATABASE_URL")?;
+    let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let topic = std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into());
-    let pool = sqlx::PgPool::connect(&db)
-        .await
-        .context("cannot reach PostgreSQL")?;
-    postal_shared::migrate(&pool).await?;
+    let config = ConsumerConfig::new(brokers, "invoices", "invoices").with_env()?;
+    let pool = connect(&db).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS invoices (
              id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
@@ -59,7 +52,7 @@ async fn main() -> anyhow::Result<()> {
     )
     .execute(&pool)
     .await?;
-    let consumer = Consumer::builder(pool, ConsumerConfig::new(brokers, "invoices", "invoices"))
+    let consumer = Consumer::builder(pool, config)
         .on(&topic, "invoice.created", on_invoice_created)
         .build()?;
     consumer.run_until_signal().await?;

@@ -5,6 +5,7 @@
 //! unique topic names.
 
 mod chain;
+mod chaos;
 mod common;
 mod consume;
 mod consumer_crash;
