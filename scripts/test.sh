@@ -16,8 +16,15 @@ eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS"
 
+step "service binaries the chaos suite runs (postal, order_service, billing_service, invoice_recorder)"
+cargo build -p postal-cli -p postal-examples
+
 step "workspace tests against the local stack (external-services mode)"
-cargo test --workspace --all-targets --no-fail-fast
+cargo test --workspace --all-targets --no-fail-fast -- --skip chaos::
+
+step "chaos suite: real binaries, kill -9, broker and PostgreSQL restarts (shown on its own)"
+# POSTAL_CHAOS_SOAK=1 for the long soak (200,000 orders, 60 kills each).
+cargo test -p postal-integration-tests --test suite -- --nocapture chaos::
 
 step "smoke test, external-services mode (shown on its own)"
 POSTAL_EXPECT_MODE=external cargo test -p postal-integration-tests --test suite -- --nocapture smoke

@@ -2,6 +2,7 @@
 //! storage) with `cargo run --release -p postal-bench -- <command>`; see BENCHMARKS.md.
 
 mod consume;
+mod e2e;
 
 use std::time::{Duration, Instant};
 
@@ -96,6 +97,28 @@ enum Command {
         #[arg(long, default_value_t = 200)]
         payload_bytes: usize,
     },
+    /// Order commit to ledger commit through relay, broker and consumer at a steady rate, with
+    /// the wake-up and with polling only, next to the broker path alone.
+    E2e {
+        /// Orders (events) per second.
+        #[arg(long, default_value_t = 1000)]
+        rate: u64,
+        /// Seconds of steady load per variant.
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+        /// Topic partitions.
+        #[arg(long, default_value_t = 6)]
+        partitions: i32,
+        /// Consumer `max_batch` (1 = one transaction per event).
+        #[arg(long, default_value_t = 1)]
+        max_batch: usize,
+        /// Relay producer `linger.ms`.
+        #[arg(long, default_value_t = 1)]
+        linger_ms: u32,
+        /// Consumer `fetch.wait.max.ms`.
+        #[arg(long, default_value_t = 10)]
+        fetch_wait_ms: u32,
+    },
     /// Commit-to-broker latency with and without LISTEN/NOTIFY, and what enqueue (with its
     /// wake-up) costs the writing transaction.
     Wakeup {
@@ -163,6 +186,24 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Explain { published, pending } => {
             explain_bench(&cli.database_url, published, pending).await
+        }
+        Command::E2e {
+            rate,
+            seconds,
+            partitions,
+            max_batch,
+            linger_ms,
+            fetch_wait_ms,
+        } => {
+            let opts = e2e::E2eOpts {
+                rate,
+                seconds,
+                partitions,
+                max_batch,
+                linger_ms,
+                fetch_wait_ms,
+            };
+            e2e::e2e_bench(&cli.database_url, &cli.bootstrap, opts).await
         }
         Command::Wakeup {
             events,
@@ -280,7 +321,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         // (c) raw rdkafka: the same records, sends not awaited one by one.
         let producer: FutureProducer = KafkaConfig::new(bootstrap).client_config().create()?;
         let topic_c = format!("bench-raw-{}", uuid::Uuid::now_v7().simple());
-        create_topic(bootstrap, &topic_c).await?;
+        create_topic(bootstrap, &topic_c, 12).await?;
         let body: Vec<Vec<u8>> = (0..n)
             .map(|i| serde_json::to_vec(&payload(payload_bytes, i)).unwrap())
             .collect();
@@ -336,7 +377,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         bcfg.properties.insert("linger.ms".into(), "0".into());
         let producer: FutureProducer = bcfg.client_config().create()?;
         seed(&pool, "bench-baseline", baseline_n, payload_bytes, keys).await?;
-        create_topic(bootstrap, "bench-baseline").await?;
+        create_topic(bootstrap, "bench-baseline", 12).await?;
         let t = Instant::now();
         let mut done = 0;
         loop {
@@ -383,7 +424,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     let mut a_rates = Vec::new();
     for &instances in &o.instances {
         let topic = format!("bench-relay-{instances}-{}", uuid::Uuid::now_v7().simple());
-        create_topic(bootstrap, &topic).await?;
+        create_topic(bootstrap, &topic, 12).await?;
         let mut stops = Vec::new();
         let mut handles = Vec::new();
         for _ in 0..instances {
@@ -475,14 +516,18 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     Ok(())
 }
 
-async fn create_topic(bootstrap: &str, topic: &str) -> anyhow::Result<()> {
+async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()?;
     let _ = admin
         .create_topics(
-            [&NewTopic::new(topic, 12, TopicReplication::Fixed(1))],
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new(),
         )
         .await?;
@@ -579,7 +624,7 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
     // Commit-to-broker latency, one event every 20 ms, with LISTEN/NOTIFY and polling only.
     for listen in [true, false] {
         let topic = format!("bench-wakeup-{}", uuid::Uuid::now_v7().simple());
-        create_topic(bootstrap, &topic).await?;
+        create_topic(bootstrap, &topic, 12).await?;
         let mut kcfg = KafkaConfig::new(bootstrap);
         kcfg.properties.insert("linger.ms".into(), "0".into());
         let cfg = RelayConfig {

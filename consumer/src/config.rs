@@ -174,8 +174,7 @@ impl ConsumerConfig {
             self.max_attempts = parse("POSTAL_MAX_ATTEMPTS", &v)?;
         }
         if let Some(v) = var("POSTAL_SHUTDOWN_TIMEOUT_MS") {
-            self.shutdown_timeout =
-                Duration::from_millis(parse("POSTAL_SHUTDOWN_TIMEOUT_MS", &v)?);
+            self.shutdown_timeout = Duration::from_millis(parse("POSTAL_SHUTDOWN_TIMEOUT_MS", &v)?);
         }
         if let Some(v) = var("POSTAL_METRICS_ADDR") {
             self.ops_addr = Some(parse("POSTAL_METRICS_ADDR", &v)?);
@@ -287,11 +286,19 @@ mod tests {
     #[test]
     fn environment_overrides_and_names_bad_values() {
         let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |n: &str| pairs.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+            move |n: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| v.to_string())
+            }
         };
         let c = ConsumerConfig::new("b:9092", "g", "billing")
             .with_vars(vars(&[
-                ("POSTAL_KAFKA", "session.timeout.ms=6000, fetch.wait.max.ms=10"),
+                (
+                    "POSTAL_KAFKA",
+                    "session.timeout.ms=6000, fetch.wait.max.ms=10",
+                ),
                 ("POSTAL_MAX_BATCH", "200"),
                 ("POSTAL_METRICS_ADDR", "127.0.0.1:9464"),
             ]))

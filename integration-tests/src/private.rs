@@ -212,6 +212,21 @@ impl PrivateBroker {
         crate::kafka::wait_ready(&self.bootstrap(), Duration::from_secs(60))
             .await
             .expect("private broker ready");
+        self.index_headers();
+    }
+
+    /// tansu 0.6.0's sqlite schema has no index on record headers, so every fetched record
+    /// scans all headers ever stored and the broker slows down quadratically with the topic
+    /// (a few tens of thousands of records with CloudEvents headers starve its group
+    /// coordinator). The index it lacks, added next to it (sqlite allows a second process).
+    fn index_headers(&self) {
+        let db = rusqlite::Connection::open(self.dir.join("tansu.db")).expect("open tansu.db");
+        db.busy_timeout(Duration::from_secs(10))
+            .expect("busy timeout");
+        db.execute_batch(
+            "CREATE INDEX IF NOT EXISTS postal_header_record ON header (topition, offset_id)",
+        )
+        .expect("index tansu's header table");
     }
 
     /// Kills the broker with SIGKILL and reaps it.

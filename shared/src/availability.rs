@@ -30,6 +30,8 @@ mod tests {
         assert!(database_unavailable(&sqlx::Error::Io(io)));
         assert!(database_unavailable(&sqlx::Error::PoolTimedOut));
         assert!(!database_unavailable(&sqlx::Error::RowNotFound));
-        assert!(!database_unavailable(&sqlx::Error::ColumnNotFound("x".into())));
+        assert!(!database_unavailable(&sqlx::Error::ColumnNotFound(
+            "x".into()
+        )));
     }
 }

@@ -1,0 +1,284 @@
+//! End-to-end latency at a steady rate: the commit of an order (with its `order.created` event
+//! in the same transaction) to the commit of the ledger row written by an idempotent consumer,
+//! through Postal's relay, the broker and Postal's consumer runtime — with the LISTEN/NOTIFY
+//! wake-up and with polling only. A third line measures the broker path alone (a raw producer
+//! to a raw consumer with the same client settings), i.e. what the broker contributes.
+//!
+//! Both ends are read from PostgreSQL's clock: `orders.created_at` is `clock_timestamp()` at
+//! the order's insert (its commit follows at once) and `ledger.applied_at` is
+//! `clock_timestamp()` in the handler's transaction (its commit follows at once).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError, Stats};
+use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use sqlx::{PgPool, Postgres, Transaction};
+
+use crate::{create_topic, fresh_db, percentile};
+
+/// Options of the end-to-end benchmark.
+pub struct E2eOpts {
+    pub rate: u64,
+    pub seconds: u64,
+    pub partitions: i32,
+    pub max_batch: usize,
+    pub linger_ms: u32,
+    pub fetch_wait_ms: u32,
+}
+
+/// The ledger handler of the benchmark.
+#[idempotent(consumer = "ledger")]
+async fn book(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<serde_json::Value>,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO ledger (order_id, event_id) VALUES ($1, $2)")
+        .bind(event.payload["order_id"].as_i64().unwrap_or(-1))
+        .bind(event.id.as_uuid())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Result<()> {
+    println!(
+        "end to end at {} orders/s for {} s per variant ({} partitions, consumer max_batch {}, linger.ms {}, fetch.wait.max.ms {}):",
+        opts.rate, opts.seconds, opts.partitions, opts.max_batch, opts.linger_ms, opts.fetch_wait_ms
+    );
+    for listen in [true, false] {
+        let (p50, p99, n) = postal_run(url, bootstrap, &opts, listen).await?;
+        println!(
+            "  order commit -> ledger commit, {}: {n} orders, p50 {p50:.1} ms  p99 {p99:.1} ms",
+            if listen {
+                "LISTEN/NOTIFY wake-up (+1 s safety poll)"
+            } else {
+                "polling only (relay default, every 1 s)"
+            }
+        );
+    }
+    let (p50, p99, n) = broker_run(bootstrap, &opts).await?;
+    println!("  broker alone (raw produce -> raw consume, same settings): {n} records, p50 {p50:.1} ms  p99 {p99:.1} ms");
+    Ok(())
+}
+
+async fn postal_run(
+    url: &str,
+    bootstrap: &str,
+    opts: &E2eOpts,
+    listen: bool,
+) -> anyhow::Result<(f64, f64, usize)> {
+    let pool = fresh_db(url, 24).await?;
+    sqlx::query(
+        "CREATE TABLE orders (id bigserial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
+         CREATE TABLE ledger (order_id bigint NOT NULL, event_id uuid NOT NULL,
+                              applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&pool)
+    .await?;
+    let topic = format!("bench-e2e-{}", uuid::Uuid::now_v7().simple());
+    create_topic(bootstrap, &topic, opts.partitions).await?;
+
+    let mut kcfg = KafkaConfig::new(bootstrap);
+    kcfg.properties
+        .insert("linger.ms".into(), opts.linger_ms.to_string());
+    let relay = Relay::new(
+        pool.clone(),
+        KafkaTransport::new(kcfg)?,
+        RelayConfig {
+            listen,
+            ..RelayConfig::default()
+        },
+    )?;
+    let (stop_relay, rx) = tokio::sync::oneshot::channel::<()>();
+    let relay_task = tokio::spawn(relay.run(async move {
+        let _ = rx.await;
+    }));
+
+    let mut config = ConsumerConfig::new(bootstrap, format!("ledger-{topic}"), "ledger");
+    config.max_batch = opts.max_batch;
+    for (k, v) in [
+        ("fetch.wait.max.ms", opts.fetch_wait_ms.to_string()),
+        ("session.timeout.ms", "6000".into()),
+        ("max.poll.interval.ms", "10000".into()),
+    ] {
+        config.kafka.insert(k.into(), v);
+    }
+    let consumer = Consumer::builder(pool.clone(), config)
+        .on(&topic, "order.created", book)
+        .build()?;
+    let stats: Arc<Stats> = consumer.stats();
+    let (stop_consumer, rx) = tokio::sync::oneshot::channel::<()>();
+    let consumer_task = tokio::spawn(consumer.run(async move {
+        let _ = rx.await;
+    }));
+
+    // Warm up until the consumer has its partitions and one order went through.
+    let warm = Instant::now();
+    while stats.snapshot().applied == 0 {
+        create_order(&pool, &topic).await?;
+        anyhow::ensure!(
+            warm.elapsed() < Duration::from_secs(60),
+            "no order came through in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let warmup_orders: i64 = sqlx::query_scalar("SELECT max(id) FROM orders")
+        .fetch_one(&pool)
+        .await?;
+
+    // Steady load: four writers, each at a quarter of the rate.
+    let total = opts.rate * opts.seconds;
+    let writers = 4u64;
+    let mut tasks = Vec::new();
+    for _ in 0..writers {
+        let pool = pool.clone();
+        let topic = topic.clone();
+        let per_writer = total / writers;
+        let period = Duration::from_secs_f64(writers as f64 / opts.rate as f64);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            for _ in 0..per_writer {
+                tick.tick().await;
+                create_order(&pool, &topic).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let want = warmup_orders as u64 + (total / writers) * writers;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while stats.snapshot().applied < want {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "consumer applied {} of {want}",
+            stats.snapshot().applied
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_consumer.send(());
+    consumer_task.await??;
+    let _ = stop_relay.send(());
+    relay_task.await??;
+
+    let mut lat: Vec<f64> = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM l.applied_at - o.created_at) * 1000)::float8
+         FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1",
+    )
+    .bind(warmup_orders)
+    .fetch_all(&pool)
+    .await?;
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99), lat.len()))
+}
+
+async fn create_order(pool: &PgPool, topic: &str) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    let id: i64 = sqlx::query_scalar("INSERT INTO orders DEFAULT VALUES RETURNING id")
+        .fetch_one(&mut *tx)
+        .await?;
+    enqueue(
+        &mut tx,
+        NewEvent::json(
+            topic,
+            format!("customer-{}", id % 500),
+            "order.created",
+            &serde_json::json!({"order_id": id}),
+        )?,
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Raw producer → raw consumer at the same rate and client settings: the broker's share.
+async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<(f64, f64, usize)> {
+    let topic = format!("bench-broker-{}", uuid::Uuid::now_v7().simple());
+    create_topic(bootstrap, &topic, opts.partitions).await?;
+    let n = (opts.rate * opts.seconds.min(10)) as usize;
+    let reader = {
+        let bootstrap = bootstrap.to_owned();
+        let topic = topic.clone();
+        let wait = opts.fetch_wait_ms;
+        tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<f64>> {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .set(
+                    "group.id",
+                    format!("bench-{}", uuid::Uuid::now_v7().simple()),
+                )
+                .set("enable.auto.commit", "false")
+                .set("auto.offset.reset", "earliest")
+                .set("fetch.wait.max.ms", wait.to_string())
+                .create()?;
+            consumer.subscribe(&[&topic])?;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n && Instant::now() < deadline {
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)?
+                        .as_secs_f64()
+                        * 1000.0;
+                    if let Some(sent) = m
+                        .payload()
+                        .and_then(|p| std::str::from_utf8(p).ok())
+                        .and_then(|s| s.parse::<f64>().ok())
+                    {
+                        if sent > 0.0 {
+                            out.push(now - sent);
+                        }
+                    }
+                }
+            }
+            Ok(out)
+        })
+    };
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", opts.linger_ms.to_string())
+        .create()?;
+    // Let the reader join the group, with marker records that are not measured.
+    let warm = Instant::now();
+    while warm.elapsed() < Duration::from_secs(5) {
+        producer
+            .send(
+                FutureRecord::to(&topic).key("warm").payload("0"),
+                Duration::from_secs(5),
+            )
+            .await
+            .map_err(|(e, _)| e)?;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / opts.rate as f64));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut acks = Vec::with_capacity(n);
+    for i in 0..n {
+        tick.tick().await;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64()
+            * 1000.0;
+        let payload = format!("{now:.3}");
+        let key = format!("k{}", i % 500);
+        acks.push(
+            producer
+                .send_result(FutureRecord::to(&topic).key(&key).payload(&payload))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for a in acks {
+        let _ = a.await;
+    }
+    let mut lat = reader.await??;
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99), lat.len()))
+}
