@@ -73,7 +73,7 @@ async fn postal_run(
     listen: bool,
 ) -> anyhow::Result<(f64, f64, usize)> {
     let pool = fresh_db(url, 24).await?;
-    sqlx::query(
+    sqlx::raw_sql(
         "CREATE TABLE orders (id bigserial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
          CREATE TABLE ledger (order_id bigint NOT NULL, event_id uuid NOT NULL,
                               applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",

@@ -150,6 +150,8 @@ impl ConsumerConfig {
     /// | `POSTAL_MAX_ATTEMPTS` | [`max_attempts`](Self::max_attempts) |
     /// | `POSTAL_SHUTDOWN_TIMEOUT_MS` | [`shutdown_timeout`](Self::shutdown_timeout) |
     /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
+    /// | `POSTAL_DEDUP_RETENTION_SECS` | [`dedup_retention`](Self::dedup_retention) (`0` = keep forever) |
+    /// | `POSTAL_CLEANUP_INTERVAL_SECS` | [`cleanup_interval`](Self::cleanup_interval) |
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
         fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, Error> {
             v.trim()
@@ -178,6 +180,13 @@ impl ConsumerConfig {
         }
         if let Some(v) = var("POSTAL_METRICS_ADDR") {
             self.ops_addr = Some(parse("POSTAL_METRICS_ADDR", &v)?);
+        }
+        if let Some(v) = var("POSTAL_DEDUP_RETENTION_SECS") {
+            let secs: u64 = parse("POSTAL_DEDUP_RETENTION_SECS", &v)?;
+            self.dedup_retention = (secs > 0).then(|| Duration::from_secs(secs));
+        }
+        if let Some(v) = var("POSTAL_CLEANUP_INTERVAL_SECS") {
+            self.cleanup_interval = Duration::from_secs(parse("POSTAL_CLEANUP_INTERVAL_SECS", &v)?);
         }
         self.validate()?;
         Ok(self)
@@ -301,6 +310,7 @@ mod tests {
                 ),
                 ("POSTAL_MAX_BATCH", "200"),
                 ("POSTAL_METRICS_ADDR", "127.0.0.1:9464"),
+                ("POSTAL_DEDUP_RETENTION_SECS", "0"),
             ]))
             .unwrap();
         assert_eq!(c.max_batch, 200);
@@ -308,6 +318,7 @@ mod tests {
         assert_eq!(c.kafka["fetch.wait.max.ms"], "10");
         assert_eq!(c.ops_addr, Some("127.0.0.1:9464".parse().unwrap()));
         assert_eq!(c.max_attempts, 10);
+        assert_eq!(c.dedup_retention, None);
         let err = ConsumerConfig::new("b:9092", "g", "billing")
             .with_vars(vars(&[("POSTAL_MAX_BATCH", "lots")]))
             .unwrap_err()

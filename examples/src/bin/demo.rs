@@ -6,7 +6,8 @@
 //!
 //! Environment: `DATABASE_URL` (a server; the demo creates its own database on it),
 //! `KAFKA_BOOTSTRAP_SERVERS`, `DEMO_ORDERS` (default 2000), `DEMO_RATE` (orders/s, default 200),
-//! `DEMO_CUSTOMERS` (default 50).
+//! `DEMO_CUSTOMERS` (default 50); `POSTAL_DEDUP_RETENTION_SECS` / `POSTAL_CLEANUP_INTERVAL_SECS`
+//! are passed to the consumers (a sustained run shows the cleanup keeping up).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -67,6 +68,21 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Resident and peak resident memory of a process (Linux `/proc`), e.g. `RSS 31 MB (peak 40 MB)`.
+fn rss(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| format!("{} MB", kb / 1024))
+            .unwrap_or_else(|| "?".into())
+    };
+    format!("RSS {} (peak {})", field("VmRSS:"), field("VmHWM:"))
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -130,12 +146,25 @@ async fn main() -> anyhow::Result<()> {
         ],
         &env,
     )?;
-    let billing = Proc::spawn(&dir, &logs, "billing_service", &[], &env)?;
-    let invoices = Proc::spawn(&dir, &logs, "invoice_recorder", &[], &env)?;
+    // Consumers fetch with a short wait: librdkafka's default `fetch.wait.max.ms` (500 ms)
+    // is what a broker that holds empty fetches adds to every event's latency.
+    let mut consumer_env = env.clone();
+    consumer_env.push(("POSTAL_KAFKA", "fetch.wait.max.ms=10".into()));
+    for name in [
+        "POSTAL_DEDUP_RETENTION_SECS",
+        "POSTAL_CLEANUP_INTERVAL_SECS",
+    ] {
+        if let Ok(v) = std::env::var(name) {
+            consumer_env.push((name, v));
+        }
+    }
+    let billing = Proc::spawn(&dir, &logs, "billing_service", &[], &consumer_env)?;
+    let invoices = Proc::spawn(&dir, &logs, "invoice_recorder", &[], &consumer_env)?;
     let mut producer = Proc::spawn(&dir, &logs, "order_service", &[], &env)?;
 
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(600);
+    let limit = Duration::from_secs(600.max(2 * orders / rate.max(1) + 120));
+    let deadline = started + limit;
     let tty = std::io::stderr().is_terminal();
     let mut last_line = started;
     loop {
@@ -167,7 +196,8 @@ async fn main() -> anyhow::Result<()> {
         if Instant::now() > deadline {
             eprintln!();
             bail!(
-                "not done after 10 minutes; see the logs in {}",
+                "not done after {} s; see the logs in {}",
+                limit.as_secs(),
                 logs.display()
             );
         }
@@ -178,6 +208,17 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = started.elapsed();
     producer.child.wait()?;
+    let memory: Vec<(&str, String)> = [&relay, &billing, &invoices]
+        .iter()
+        .map(|p| (p.name, rss(p.child.id())))
+        .collect();
+    let sizes: (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM postal.outbox), pg_total_relation_size('postal.outbox'),
+                (SELECT count(*) FROM postal.processed_events),
+                pg_total_relation_size('postal.processed_events')",
+    )
+    .fetch_one(&pool)
+    .await?;
     for p in [invoices, billing, relay] {
         p.stop();
     }
@@ -252,6 +293,16 @@ async fn main() -> anyhow::Result<()> {
             created as f64 / s.max(1e-9)
         );
     }
+    for (name, m) in &memory {
+        println!("  memory {name:<24}{m}");
+    }
+    println!(
+        "  tables at the end              outbox {} rows / {} kB, processed_events {} rows / {} kB",
+        sizes.0,
+        sizes.1 / 1024,
+        sizes.2,
+        sizes.3 / 1024
+    );
     if not_once > 0 || out_of_order > 0 || created as u64 != orders {
         println!(
             "FAILED: {not_once} order(s) not applied exactly once, {out_of_order} out of order"

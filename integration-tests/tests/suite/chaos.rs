@@ -12,9 +12,9 @@
 //! `POSTAL_BIN_DIR`; `scripts/test.sh` builds them first (`cargo build -p postal-cli -p
 //! postal-examples`). Knobs: `POSTAL_CHAOS_ORDERS` (default 20,000), `POSTAL_CHAOS_KILLS`
 //! (kills of each of relay, billing and invoices; default 12), `POSTAL_CHAOS_RATE` (orders/s,
-//! default 120, so orders keep flowing while the kills go on), `POSTAL_CHAOS_SEED` (replays a kill schedule), `POSTAL_CHAOS_SOAK=1` (soak
-//! mode: 200,000 orders and 60 kills each unless set explicitly). Logs of every process stay
-//! in `target/<profile>/chaos-<run>/`.
+//! default 120, so orders keep flowing while the kills go on), `POSTAL_CHAOS_SEED` (replays a
+//! kill schedule), `POSTAL_CHAOS_SOAK=1` (soak mode: 200,000 orders and 60 kills each unless
+//! set explicitly). Logs of every process stay in `target/<profile>/chaos-<run>/`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
