@@ -17,7 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::{fresh_db, payload, rate};
+use crate::{create_topic, fresh_db, payload, rate};
 
 /// Options of the consumer benchmark.
 pub struct ConsumeOpts {
@@ -58,20 +58,7 @@ async fn produce(
     n: usize,
     payload_bytes: usize,
 ) -> anyhow::Result<Duration> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .create()?;
-    admin
-        .create_topics(
-            [&NewTopic::new(
-                topic,
-                partitions,
-                TopicReplication::Fixed(1),
-            )],
-            &AdminOptions::new(),
-        )
-        .await?;
+    create_topic(bootstrap, topic, partitions).await?;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("enable.idempotence", "true")

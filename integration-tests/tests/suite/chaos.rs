@@ -165,6 +165,24 @@ impl Proc {
         }
     }
 
+    /// For the generator, which ends by itself: fine when it exited successfully.
+    fn assert_alive_or_finished(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            if let Ok(Some(status)) = child.try_wait() {
+                assert!(
+                    status.success() && self.name == "order_service",
+                    "{} exited ({status}); log tail:\n{}",
+                    self.name,
+                    log_tail(&self.log)
+                );
+            }
+        }
+    }
+
+    fn finished(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(Some(s))) if s.success())
+    }
+
     fn restart_after(mut self, delay: Duration, min_uptime: Duration) -> Proc {
         self.restart_delay = delay;
         self.min_uptime = min_uptime;
@@ -577,24 +595,4 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         relay_kills >= kills_each && billing.kills >= kills_each && invoices.kills >= kills_each
     );
     assert!(broker_restarted && pg_restarted);
-}
-
-impl Proc {
-    /// For the generator, which ends by itself: fine when it exited successfully.
-    fn assert_alive_or_finished(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            if let Ok(Some(status)) = child.try_wait() {
-                assert!(
-                    status.success() && self.name == "order_service",
-                    "{} exited ({status}); log tail:\n{}",
-                    self.name,
-                    log_tail(&self.log)
-                );
-            }
-        }
-    }
-
-    fn finished(&mut self) -> bool {
-        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(Some(s))) if s.success())
-    }
 }
