@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use postal_shared::cleanup::{delete_in_batches, CleanupLock};
 use sqlx::PgPool;
 
 /// First key of the advisory lock held while cleaning (`'pded'`); the second key is
@@ -25,43 +26,18 @@ pub async fn cleanup_processed(
     retention: Duration,
     batch: usize,
 ) -> Result<Option<u64>, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
-        .bind(DEDUP_CLEANUP_LOCK)
-        .bind(consumer)
-        .fetch_one(&mut *conn)
-        .await?;
-    if !locked {
-        return Ok(None);
-    }
-    let result = async {
-        let mut total = 0u64;
-        loop {
-            let n = sqlx::query(
-                "DELETE FROM postal.processed_events
-                 WHERE consumer_name = $1 AND event_id IN (
-                     SELECT event_id FROM postal.processed_events
-                     WHERE consumer_name = $1
-                       AND processed_at < now() - $2 * interval '1 millisecond'
-                     LIMIT $3)",
-            )
-            .bind(consumer)
-            .bind(retention.as_millis() as i64)
-            .bind(batch as i64)
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
-            total += n;
-            if (n as usize) < batch {
-                return Ok::<u64, sqlx::Error>(total);
-            }
-        }
-    }
-    .await;
-    let _ = sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2))")
-        .bind(DEDUP_CLEANUP_LOCK)
-        .bind(consumer)
-        .execute(&mut *conn)
-        .await;
-    result.map(Some)
+    delete_in_batches(
+        pool,
+        CleanupLock::Named(DEDUP_CLEANUP_LOCK, consumer),
+        "DELETE FROM postal.processed_events
+         WHERE consumer_name = $3 AND event_id IN (
+             SELECT event_id FROM postal.processed_events
+             WHERE consumer_name = $3
+               AND processed_at < now() - $1 * interval '1 millisecond'
+             LIMIT $2)",
+        retention,
+        batch,
+        |_| {},
+    )
+    .await
 }

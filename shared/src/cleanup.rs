@@ -1,0 +1,68 @@
+//! Batched deletion of old rows by one instance at a time: the shape both of Postal's
+//! retention jobs (published outbox rows, dedup rows) share.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// The session advisory lock that makes a cleanup job run in one instance at a time.
+#[derive(Clone, Copy, Debug)]
+pub enum CleanupLock<'a> {
+    /// `pg_try_advisory_lock(key)`.
+    Key(i64),
+    /// `pg_try_advisory_lock(key, hashtext(name))`: one lock per name (e.g. per consumer).
+    Named(i32, &'a str),
+}
+
+/// Runs `delete` until a run deletes fewer than `batch` rows, holding `lock` for the whole job.
+/// `delete` is a `DELETE` of at most `$2` rows older than `$1` milliseconds; with
+/// [`CleanupLock::Named`], `$3` is the name. Returns `None` (doing nothing) when another
+/// instance holds the lock, else the number of rows deleted; `progress` gets the running total
+/// after every batch.
+pub async fn delete_in_batches(
+    pool: &PgPool,
+    lock: CleanupLock<'_>,
+    delete: &'static str,
+    retention: Duration,
+    batch: usize,
+    mut progress: impl FnMut(u64),
+) -> Result<Option<u64>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let (try_lock, unlock) = match lock {
+        CleanupLock::Key(_) => (
+            "SELECT pg_try_advisory_lock($1)",
+            "SELECT pg_advisory_unlock($1)",
+        ),
+        CleanupLock::Named(..) => (
+            "SELECT pg_try_advisory_lock($1, hashtext($2))",
+            "SELECT pg_advisory_unlock($1, hashtext($2))",
+        ),
+    };
+    let bind_lock = |sql| match lock {
+        CleanupLock::Key(key) => sqlx::query_scalar::<_, bool>(sql).bind(key),
+        CleanupLock::Named(key, name) => sqlx::query_scalar::<_, bool>(sql).bind(key).bind(name),
+    };
+    if !bind_lock(try_lock).fetch_one(&mut *conn).await? {
+        return Ok(None);
+    }
+    let result = async {
+        let mut total = 0u64;
+        loop {
+            let mut q = sqlx::query(delete)
+                .bind(retention.as_millis() as i64)
+                .bind(batch as i64);
+            if let CleanupLock::Named(_, name) = lock {
+                q = q.bind(name);
+            }
+            let n = q.execute(&mut *conn).await?.rows_affected();
+            total += n;
+            progress(total);
+            if (n as usize) < batch {
+                return Ok::<u64, sqlx::Error>(total);
+            }
+        }
+    }
+    .await;
+    let _ = bind_lock(unlock).fetch_one(&mut *conn).await;
+    result.map(Some)
+}
