@@ -482,7 +482,19 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         let i = scalar(&db.pool, "SELECT count(*) FROM invoices").await;
         let outbox = scalar(&db.pool, "SELECT count(*) FROM postal.outbox").await;
         let want = Some(orders as i64);
-        if generator.finished() && o == want && l == want && i == want && outbox == Some(0) {
+        // Also wait until every process has been up for its minimum uptime: one restarted a
+        // moment ago may not have installed its SIGTERM handler yet.
+        let settled = relays
+            .iter()
+            .chain([&billing, &invoices])
+            .all(Proc::killable);
+        if settled
+            && generator.finished()
+            && o == want
+            && l == want
+            && i == want
+            && outbox == Some(0)
+        {
             break;
         }
         if last.elapsed() > Duration::from_secs(10) {
