@@ -9,6 +9,7 @@
 
 pub mod kafka;
 pub mod private;
+pub mod rabbit;
 pub mod wait;
 
 use std::sync::OnceLock;

@@ -97,6 +97,16 @@ impl Claim {
         self.tx.commit().await
     }
 
+    /// Keeps the claim's transaction from counting as idle (PostgreSQL ends a claim idle for
+    /// half the lease). The relay calls it while a transport is still working on the batch,
+    /// e.g. a long-running task handler.
+    pub async fn keep_alive(&mut self) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT 1")
+            .execute(&mut *self.tx)
+            .await
+            .map(|_| ())
+    }
+
     /// Gives the rows back without recording anything (they are claimable again at once).
     pub async fn release(self) -> Result<(), sqlx::Error> {
         self.tx.rollback().await

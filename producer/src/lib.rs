@@ -34,8 +34,12 @@ mod error;
 mod event;
 mod kafka;
 pub mod lease;
+#[cfg(feature = "rabbitmq")]
+mod rabbitmq;
 mod relay;
 pub mod retention;
+mod route;
+mod tasks;
 mod trace;
 mod transport;
 
@@ -46,5 +50,9 @@ pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};
 pub use postal_shared::Backoff;
 pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
+#[cfg(feature = "rabbitmq")]
+pub use rabbitmq::{RabbitConfig, RabbitTransport};
 pub use relay::{Relay, RelayStats};
+pub use route::{DynTransport, Router};
+pub use tasks::{Task, TaskConfig, TaskError, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};

@@ -388,8 +388,25 @@ impl<T: Transport> Shared<T> {
                 paused_until: self.paused_until.clone(),
             };
             while completions.try_join_next().is_some() {}
+            let keep_alive_every = self.config.lease / 4;
             completions.spawn(async move {
-                let outcomes = acks.await;
+                // While the transport works on the batch (a slow broker, a long task handler),
+                // the claim is kept alive; it ends only when the relay dies.
+                let mut acks = std::pin::pin!(acks);
+                let mut tick = tokio::time::interval_at(
+                    tokio::time::Instant::now() + keep_alive_every,
+                    keep_alive_every,
+                );
+                let outcomes = loop {
+                    tokio::select! {
+                        outcomes = &mut acks => break outcomes,
+                        _ = tick.tick() => {
+                            if let Err(e) = claim.keep_alive().await {
+                                tracing::warn!(error = %e, "could not keep a claim alive; its events will be handed out again");
+                            }
+                        }
+                    }
+                };
                 let acked = started.elapsed();
                 metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
                 let n = batch.len();

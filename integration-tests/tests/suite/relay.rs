@@ -16,7 +16,7 @@ use crate::common::{
     fast_config, kafka_transport, outbox_count, Counting, FailureCounts, RunningRelay,
 };
 
-async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> BTreeSet<String> {
+pub(crate) async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> BTreeSet<String> {
     let mut ids = BTreeSet::new();
     let mut conn = pool.acquire().await.unwrap();
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {

@@ -1,0 +1,306 @@
+//! In-process task handlers run by the relay instead of publishing: retries, crashes, and
+//! mutual exclusion across relays.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use postal_integration_tests::{services, unique, wait};
+use postal_producer::{
+    enqueue, enqueue_batch, NewEvent, RelayConfig, Task, TaskConfig, TaskError, TaskTransport,
+};
+use sqlx::PgPool;
+
+use crate::common::{fast_config, outbox_count, RunningRelay};
+
+async fn status_of(
+    pool: &PgPool,
+    id: postal_producer::EventId,
+) -> Option<(String, Option<String>)> {
+    sqlx::query_as("SELECT status, last_error FROM postal.outbox WHERE event_id = $1")
+        .bind(id.as_uuid())
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// Guarantee: a handler that fails twice (retryable) and then succeeds runs three times and
+/// completes once, with its attempt number; a permanent failure, an undecodable payload and an
+/// event type without a handler are parked with their reasons, not retried.
+#[tokio::test]
+async fn failing_twice_then_succeeding_completes_once() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks");
+    let runs = Arc::new(Mutex::new(Vec::<(String, i32)>::new()));
+    let done = Arc::new(AtomicU64::new(0));
+    let (r, d) = (runs.clone(), done.clone());
+    let tasks = TaskTransport::new(TaskConfig::default())
+        .on("report.requested", move |task: Task| {
+            let (runs, done) = (r.clone(), d.clone());
+            async move {
+                let n: u32 = task.json()?;
+                runs.lock()
+                    .unwrap()
+                    .push((task.id.to_string(), task.attempt));
+                if task.attempt <= 2 {
+                    return Err(TaskError::retryable(format!("report store busy ({n})")));
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .on("email.requested", |_task: Task| async move {
+            Err(TaskError::permanent("mailbox does not exist"))
+        });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let report = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "r1", "report.requested", &7).unwrap(),
+    )
+    .await
+    .unwrap();
+    let email = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "e1", "email.requested", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    let garbled = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "r2", "report.requested", &"not a number").unwrap(),
+    )
+    .await
+    .unwrap();
+    let unknown = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "u1", "fax.requested", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            max_attempts: 5,
+            ..fast_config()
+        },
+    );
+    wait::until(Duration::from_secs(30), "report task done", || async {
+        status_of(&db.pool, report).await.is_none()
+    })
+    .await;
+    wait::until(Duration::from_secs(30), "others parked", || async {
+        let mut parked = 0;
+        for id in [email, garbled, unknown] {
+            if status_of(&db.pool, id)
+                .await
+                .is_some_and(|(s, _)| s == "failed")
+            {
+                parked += 1;
+            }
+        }
+        parked == 3
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(done.load(Ordering::SeqCst), 1, "completed once");
+    let runs = runs.lock().unwrap().clone();
+    let report_runs: Vec<i32> = runs
+        .iter()
+        .filter(|(id, _)| *id == report.to_string())
+        .map(|(_, a)| *a)
+        .collect();
+    assert_eq!(
+        report_runs,
+        vec![1, 2, 3],
+        "three runs with their attempt numbers"
+    );
+    let reason = |id| {
+        let pool = db.pool.clone();
+        async move { status_of(&pool, id).await.unwrap().1.unwrap_or_default() }
+    };
+    assert!(reason(email).await.contains("mailbox does not exist"));
+    assert!(reason(garbled).await.contains("payload is not a valid"));
+    assert!(reason(unknown).await.contains("no task handler"));
+    let (attempts,): (i32,) =
+        sqlx::query_as("SELECT attempts FROM postal.outbox WHERE event_id = $1")
+            .bind(email.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 1, "a permanent failure is not retried");
+}
+
+/// Guarantee: a task whose worker dies mid-run is not lost: it runs again on another relay once
+/// the dead relay's lease has run out (not before), and the dead worker's handler is stopped with
+/// it. A handler running longer than the lease keeps its claim alive meanwhile.
+#[tokio::test]
+async fn task_of_a_killed_worker_is_retried_after_the_lease() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-kill");
+    let lease = Duration::from_secs(3);
+    let cfg = RelayConfig {
+        lease,
+        ..fast_config()
+    };
+    // Worker A: its handler outlives the lease (the claim must stay alive), then hangs.
+    let started = Arc::new(tokio::sync::Notify::new());
+    let a_alive = Arc::new(AtomicU64::new(0));
+    let (s, alive) = (started.clone(), a_alive.clone());
+    let slow = TaskTransport::new(TaskConfig::default()).on("report.requested", move |_t: Task| {
+        let (s, alive) = (s.clone(), alive.clone());
+        async move {
+            struct Running(Arc<AtomicU64>);
+            impl Drop for Running {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            alive.fetch_add(1, Ordering::SeqCst);
+            let _running = Running(alive.clone());
+            s.notify_one();
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "r1", "report.requested", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    let a = RunningRelay::start(&db.pool, slow, cfg.clone());
+    started.notified().await;
+    // Past the claim's idle limit (half the lease): the claim is still held.
+    tokio::time::sleep(lease).await;
+    let free: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM postal.outbox WHERE event_id = $1
+           FOR UPDATE SKIP LOCKED) free",
+    )
+    .bind(id.as_uuid())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        free, 0,
+        "the long-running task's claim is alive (its row stays locked)"
+    );
+
+    let killed_at = Instant::now();
+    a.kill();
+    let ran_at = Arc::new(Mutex::new(None::<Instant>));
+    let r = ran_at.clone();
+    let quick =
+        TaskTransport::new(TaskConfig::default()).on("report.requested", move |_t: Task| {
+            let r = r.clone();
+            async move {
+                r.lock().unwrap().get_or_insert_with(Instant::now);
+                Ok(())
+            }
+        });
+    let b = RunningRelay::start(&db.pool, quick, cfg);
+    wait::until(Duration::from_secs(30), "task done by B", || async {
+        status_of(&db.pool, id).await.is_none()
+    })
+    .await;
+    b.stop().await;
+    assert_eq!(
+        a_alive.load(Ordering::SeqCst),
+        0,
+        "the killed worker's handler was stopped"
+    );
+    let waited = ran_at.lock().unwrap().expect("B ran the task") - killed_at;
+    assert!(
+        waited >= lease - Duration::from_millis(1500),
+        "B waited for A's lease to run out first (ran after {waited:?})"
+    );
+}
+
+/// Guarantee: with two relays (and a third joining midway, so partitions move), no task ever
+/// runs on two relays at once, no two tasks of one key overlap, and every task completes.
+#[tokio::test]
+async fn two_relays_never_run_the_same_task_at_once() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-excl");
+    let running_ids = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let running_keys = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let violations = Arc::new(Mutex::new(Vec::<String>::new()));
+    let completed = Arc::new(Mutex::new(BTreeMap::<String, u32>::new()));
+    let make = |relay: &'static str| {
+        let (ids, keys, v, c) = (
+            running_ids.clone(),
+            running_keys.clone(),
+            violations.clone(),
+            completed.clone(),
+        );
+        TaskTransport::new(TaskConfig {
+            concurrency: 8,
+            ..TaskConfig::default()
+        })
+        .on("job", move |t: Task| {
+            let (ids, keys, v, c) = (ids.clone(), keys.clone(), v.clone(), c.clone());
+            async move {
+                let id = t.id.to_string();
+                if !ids.lock().unwrap().insert(id.clone()) {
+                    v.lock()
+                        .unwrap()
+                        .push(format!("{relay}: task {id} already running"));
+                }
+                if !keys.lock().unwrap().insert(t.key.clone()) {
+                    v.lock()
+                        .unwrap()
+                        .push(format!("{relay}: key {} already busy", t.key));
+                }
+                tokio::time::sleep(Duration::from_millis(
+                    5 + (t.id.as_uuid().as_u128() % 15) as u64,
+                ))
+                .await;
+                keys.lock().unwrap().remove(&t.key);
+                ids.lock().unwrap().remove(&id);
+                *c.lock().unwrap().entry(id).or_insert(0) += 1;
+                Ok(())
+            }
+        })
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut all = Vec::new();
+    for chunk in (0..1500).collect::<Vec<_>>().chunks(500) {
+        let events = chunk
+            .iter()
+            .map(|i| NewEvent::json(topic.as_str(), format!("k{}", i % 30), "job", i).unwrap())
+            .collect();
+        all.extend(enqueue_batch(&mut conn, events).await.unwrap());
+    }
+    let cfg = RelayConfig {
+        batch_size: 50,
+        ..fast_config()
+    };
+    let a = RunningRelay::start(&db.pool, make("a"), cfg.clone());
+    let b = RunningRelay::start(&db.pool, make("b"), cfg.clone());
+    wait::until(
+        Duration::from_secs(60),
+        "a third of the tasks done",
+        || async { outbox_count(&db.pool).await <= 1000 },
+    )
+    .await;
+    let c = RunningRelay::start(&db.pool, make("c"), cfg);
+    wait::until(Duration::from_secs(120), "all tasks done", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    for r in [a, b, c] {
+        r.stop().await;
+    }
+    assert_eq!(violations.lock().unwrap().clone(), Vec::<String>::new());
+    let completed = completed.lock().unwrap().clone();
+    assert_eq!(completed.len(), all.len(), "every task completed");
+    assert!(
+        completed.values().all(|&n| n == 1),
+        "none ran to completion twice"
+    );
+}

@@ -1,0 +1,481 @@
+//! The RabbitMQ transport: persistent messages on durable topic exchanges, with publisher
+//! confirms awaited per batch before any row is marked.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::Confirmation;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use postal_shared::headers as h;
+
+use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
+use crate::Error;
+
+/// Settings of the RabbitMQ transport.
+#[derive(Clone)]
+pub struct RabbitConfig {
+    /// AMQP URI, e.g. `amqp://user:pass@127.0.0.1:5672/%2f` (`amqps://` for TLS).
+    pub uri: String,
+    /// CloudEvents `source` and AMQP `app-id` written on every message (default `postal`).
+    pub source: String,
+    /// Routing key per event type; an event type not listed is its own routing key.
+    pub routing_keys: BTreeMap<String, String>,
+    /// Declare each topic's exchange (durable, type `topic`) before its first publish
+    /// (default `true`). When `false`, the exchange must exist: events for a missing exchange
+    /// are parked with a clear error.
+    pub declare_exchanges: bool,
+    /// Largest message body accepted; bigger events are parked as permanent failures instead of
+    /// being sent (RabbitMQ closes the channel on them). Default 16 MiB; RabbitMQ's own
+    /// `max_message_size` defaults to 128 MiB.
+    pub max_message_bytes: usize,
+    /// How long a publish may wait for its confirm before it counts as unavailable
+    /// (default 20 s).
+    pub confirm_timeout: Duration,
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("uri", &redact_uri(&self.uri))
+            .field("source", &self.source)
+            .field("routing_keys", &self.routing_keys)
+            .field("declare_exchanges", &self.declare_exchanges)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish()
+    }
+}
+
+/// The URI with its password replaced, for logs.
+fn redact_uri(uri: &str) -> String {
+    match (uri.find("://"), uri.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &uri[scheme + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:<redacted>{}",
+                    &uri[..scheme + 3],
+                    &creds[..colon],
+                    &uri[at..]
+                ),
+                None => uri.to_owned(),
+            }
+        }
+        _ => uri.to_owned(),
+    }
+}
+
+impl RabbitConfig {
+    /// Defaults for the given AMQP URI.
+    pub fn new(uri: impl Into<String>) -> Self {
+        RabbitConfig {
+            uri: uri.into(),
+            source: "postal".into(),
+            routing_keys: BTreeMap::new(),
+            declare_exchanges: true,
+            max_message_bytes: 16 * 1024 * 1024,
+            confirm_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// The routing key of an event type.
+    pub fn routing_key<'a>(&'a self, event_type: &'a str) -> &'a str {
+        self.routing_keys
+            .get(event_type)
+            .map(String::as_str)
+            .unwrap_or(event_type)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum ExchangeState {
+    Ready,
+    Refused(String),
+}
+
+/// The open connection and its confirm-mode publishing channel.
+struct Link {
+    connection: Connection,
+    channel: Channel,
+}
+
+/// Publishes outbox events to RabbitMQ.
+///
+/// Message layout: exchange = the event's topic (a durable `topic` exchange), routing key =
+/// the event type (or its configured mapping), body = payload, persistent (`delivery-mode` 2),
+/// `message-id` = event id, `type` = event type, `content-type`, `timestamp` = occurred-at
+/// (seconds), `app-id` = source, and the same headers as Kafka records: `ce_id`, `ce_type`,
+/// `ce_source`, `ce_time`, `ce_specversion`, `ce_subject` (key), `ce_schemaversion`,
+/// `ce_postalseq`, `content-type`, then user headers (including `traceparent`).
+///
+/// Every message is published `mandatory`: a message no queue is bound for comes back and
+/// counts as a failed attempt ("unroutable"), as does a nack; a lost connection or a confirm
+/// that does not arrive within `confirm_timeout` is "unavailable" (retried without using up
+/// attempts). The connection is re-opened on the next batch.
+pub struct RabbitTransport {
+    config: RabbitConfig,
+    link: tokio::sync::Mutex<Option<Arc<Link>>>,
+    exchanges: Arc<Mutex<HashMap<String, ExchangeState>>>,
+}
+
+impl std::fmt::Debug for RabbitTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitTransport")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl RabbitTransport {
+    /// Checks the configuration; the connection opens lazily on the first batch (an
+    /// unreachable broker is not an error here: the relay waits and retries).
+    pub fn new(config: RabbitConfig) -> Result<Self, Error> {
+        config
+            .uri
+            .parse::<lapin::uri::AMQPUri>()
+            .map_err(|e| Error::Config(format!("invalid AMQP URI: {e}")))?;
+        if config.max_message_bytes == 0 || config.confirm_timeout.is_zero() {
+            return Err(Error::Config(
+                "max message bytes and confirm timeout must be positive".into(),
+            ));
+        }
+        Ok(RabbitTransport {
+            config,
+            link: tokio::sync::Mutex::new(None),
+            exchanges: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// The open link, or a newly opened one.
+    async fn link(&self) -> Result<Arc<Link>, PublishError> {
+        let mut slot = self.link.lock().await;
+        if let Some(link) = slot.as_ref() {
+            if link.connection.status().connected() && link.channel.status().connected() {
+                return Ok(link.clone());
+            }
+            tracing::info!("RabbitMQ connection or channel closed; reconnecting");
+        }
+        *slot = None;
+        let props =
+            ConnectionProperties::default().with_connection_name(LongString::from("postal-relay"));
+        let connection = Connection::connect(&self.config.uri, props)
+            .await
+            .map_err(|e| unavailable("connecting to RabbitMQ", &e))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| unavailable("opening a channel", &e))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| unavailable("enabling publisher confirms", &e))?;
+        // Exchanges may have been deleted while we were away: check them again.
+        self.exchanges.lock().expect("exchange cache").clear();
+        tracing::info!(uri = %redact_uri(&self.config.uri), "connected to RabbitMQ");
+        let link = Arc::new(Link {
+            connection,
+            channel,
+        });
+        *slot = Some(link.clone());
+        Ok(link)
+    }
+
+    /// Declares (or, with declaration disabled, checks) the exchange of `topic`, on a channel
+    /// of its own: a refused declaration closes the channel it was made on.
+    async fn ensure_exchange(&self, link: &Link, topic: &str) -> Result<(), PublishError> {
+        if let Some(state) = self
+            .exchanges
+            .lock()
+            .expect("exchange cache")
+            .get(topic)
+            .cloned()
+        {
+            return match state {
+                ExchangeState::Ready => Ok(()),
+                ExchangeState::Refused(reason) => {
+                    Err(PublishError::new(FailureKind::Permanent, reason))
+                }
+            };
+        }
+        let channel = link
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| unavailable("opening a channel", &e))?;
+        let options = ExchangeDeclareOptions {
+            durable: true,
+            passive: !self.config.declare_exchanges,
+            ..ExchangeDeclareOptions::default()
+        };
+        let declared = channel
+            .exchange_declare(
+                topic.into(),
+                ExchangeKind::Topic,
+                options,
+                FieldTable::default(),
+            )
+            .await;
+        let state = match declared {
+            Ok(()) => {
+                let _ = channel.close(200, "declared".into()).await;
+                ExchangeState::Ready
+            }
+            Err(e) => match soft_error(&e) {
+                Some(AMQPSoftError::NOTFOUND) => ExchangeState::Refused(format!(
+                    "exchange {topic:?} does not exist and exchange declaration is disabled"
+                )),
+                Some(AMQPSoftError::PRECONDITIONFAILED) => ExchangeState::Refused(format!(
+                    "exchange {topic:?} exists with other settings (Postal needs a durable topic exchange): {e}"
+                )),
+                Some(AMQPSoftError::ACCESSREFUSED) => {
+                    ExchangeState::Refused(format!("not allowed to use exchange {topic:?}: {e}"))
+                }
+                _ => return Err(unavailable(&format!("declaring exchange {topic:?}"), &e)),
+            },
+        };
+        if let ExchangeState::Ready = state {
+            tracing::debug!(exchange = topic, "exchange ready");
+        }
+        self.exchanges
+            .lock()
+            .expect("exchange cache")
+            .insert(topic.to_owned(), state.clone());
+        match state {
+            ExchangeState::Ready => Ok(()),
+            ExchangeState::Refused(reason) => {
+                Err(PublishError::new(FailureKind::Permanent, reason))
+            }
+        }
+    }
+
+    fn properties(&self, e: &OutboundEvent) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        let mut put = |k: &str, v: &str| {
+            headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+        };
+        let id = e.id.to_string();
+        put(h::CE_ID, &id);
+        put(h::CE_TYPE, &e.event_type);
+        put(h::CE_SOURCE, &self.config.source);
+        put(
+            h::CE_TIME,
+            &e.occurred_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        );
+        put(h::CE_SPECVERSION, h::SPEC_VERSION);
+        put(h::CE_SUBJECT, &e.key);
+        put(h::CE_SCHEMA_VERSION, &e.schema_version.to_string());
+        put(h::CE_POSTAL_SEQ, &e.seq.to_string());
+        put(h::CONTENT_TYPE, &e.content_type);
+        for (k, v) in &e.headers {
+            put(k, v);
+        }
+        BasicProperties::default()
+            .with_message_id(id.into())
+            .with_type(e.event_type.as_str().into())
+            .with_content_type(e.content_type.as_str().into())
+            .with_delivery_mode(2)
+            .with_timestamp(e.occurred_at.timestamp().max(0) as u64)
+            .with_app_id(self.config.source.as_str().into())
+            .with_headers(headers)
+    }
+}
+
+fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) => match p.kind() {
+            AMQPErrorKind::Soft(s) => Some(s.clone()),
+            AMQPErrorKind::Hard(_) => None,
+        },
+        _ => None,
+    }
+}
+
+fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
+    PublishError::new(FailureKind::Unavailable, format!("{what}: {e}"))
+}
+
+type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+impl Transport for RabbitTransport {
+    type Acks = Acks;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Acks {
+        let link = match self.link().await {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::warn!(reason = %err.reason, "RabbitMQ unreachable");
+                let all = vec![Err(err); batch.len()];
+                return async move { all }.boxed();
+            }
+        };
+        let mut exchange_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        for e in batch {
+            if !exchange_ok.contains_key(e.topic.as_str()) {
+                let r = self.ensure_exchange(&link, &e.topic).await;
+                exchange_ok.insert(e.topic.as_str(), r);
+            }
+        }
+        // Keys whose earlier event in this batch failed before it was sent: their later events
+        // are held back instead of overtaking it.
+        let mut blocked: HashSet<&str> = HashSet::new();
+        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> =
+            Vec::with_capacity(batch.len());
+        let mut broken = false;
+        for e in batch {
+            let refused = if blocked.contains(e.key.as_str()) {
+                Some(PublishError::new(
+                    FailureKind::HeldBack,
+                    "an earlier event of this key failed",
+                ))
+            } else if let Err(err) = &exchange_ok[e.topic.as_str()] {
+                Some(err.clone())
+            } else if e.payload.len() > self.config.max_message_bytes {
+                Some(PublishError::new(
+                    FailureKind::Permanent,
+                    format!(
+                        "message body of {} bytes exceeds the RabbitMQ transport's limit of {} bytes",
+                        e.payload.len(),
+                        self.config.max_message_bytes
+                    ),
+                ))
+            } else if broken {
+                Some(PublishError::new(
+                    FailureKind::Unavailable,
+                    "RabbitMQ channel closed during the batch",
+                ))
+            } else {
+                None
+            };
+            if let Some(err) = refused {
+                blocked.insert(e.key.as_str());
+                pending.push(async move { Err(err) }.boxed());
+                continue;
+            }
+            let routing_key = self.config.routing_key(&e.event_type);
+            let published = link
+                .channel
+                .basic_publish(
+                    e.topic.as_str().into(),
+                    routing_key.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &e.payload,
+                    self.properties(e),
+                )
+                .await;
+            match published {
+                Ok(confirm) => {
+                    let timeout = self.config.confirm_timeout;
+                    let exchange = e.topic.clone();
+                    let routing_key = routing_key.to_owned();
+                    pending.push(
+                        async move {
+                            match tokio::time::timeout(timeout, confirm).await {
+                                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                                Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(PublishError::new(
+                                    FailureKind::Transient,
+                                    format!(
+                                        "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({} {})",
+                                        returned.reply_code, returned.reply_text
+                                    ),
+                                )),
+                                Ok(Ok(Confirmation::Nack(_))) => Err(PublishError::new(
+                                    FailureKind::Transient,
+                                    "RabbitMQ nacked the message (it could not store it)",
+                                )),
+                                Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::new(
+                                    FailureKind::Transient,
+                                    "publisher confirms are not enabled on the channel",
+                                )),
+                                Ok(Err(e)) => Err(unavailable("awaiting the publisher confirm", &e)),
+                                Err(_) => Err(PublishError::new(
+                                    FailureKind::Unavailable,
+                                    format!("no publisher confirm within {timeout:?}"),
+                                )),
+                            }
+                        }
+                        .boxed(),
+                    );
+                }
+                Err(err) => {
+                    broken = true;
+                    blocked.insert(e.key.as_str());
+                    let err = unavailable("publishing", &err);
+                    pending.push(async move { Err(err) }.boxed());
+                }
+            }
+        }
+        let acks = join_all(pending);
+        async move {
+            let outcomes = acks.await;
+            let failed = outcomes
+                .iter()
+                .any(|o| matches!(o, Err(e) if e.kind == FailureKind::Unavailable));
+            if broken || failed {
+                // A link that failed is closed: the next batch opens a fresh one.
+                let _ = link
+                    .connection
+                    .close(320, "postal relay reconnects".into())
+                    .await;
+            }
+            outcomes
+        }
+        .boxed()
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        Some(self.config.confirm_timeout)
+    }
+
+    async fn flush(&self, timeout: Duration) {
+        let link = self.link.lock().await.clone();
+        if let Some(link) = link {
+            let _ = tokio::time::timeout(timeout, link.channel.wait_for_confirms()).await;
+            let _ = link
+                .connection
+                .close(200, "postal relay stopped".into())
+                .await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The password in the AMQP URI never shows in `Debug` output (which is what gets logged).
+    #[test]
+    fn debug_output_redacts_the_password() {
+        let c = RabbitConfig::new("amqps://relay:hunter2@mq.example:5671/prod");
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("relay:<redacted>@mq.example"), "{shown}");
+    }
+
+    /// A malformed URI is refused when the transport is built, not at the first publish.
+    #[test]
+    fn bad_uri_is_a_config_error() {
+        let err = RabbitTransport::new(RabbitConfig::new("http://nope")).unwrap_err();
+        assert!(err.to_string().contains("invalid AMQP URI"), "{err}");
+    }
+
+    /// Event types map to routing keys through the configured table, else stand for themselves.
+    #[test]
+    fn routing_key_mapping() {
+        let mut c = RabbitConfig::new("amqp://127.0.0.1");
+        c.routing_keys
+            .insert("order.created".into(), "orders.v1.created".into());
+        assert_eq!(c.routing_key("order.created"), "orders.v1.created");
+        assert_eq!(c.routing_key("order.paid"), "order.paid");
+    }
+}

@@ -1,0 +1,339 @@
+//! In-process task handlers: the relay runs a registered async handler per event type instead
+//! of publishing the event to a broker (a task outbox: report generation, e-mail sending).
+//!
+//! The outbox row is the task. It is claimed like any event, so everything the relay does for
+//! broker events holds for tasks: one owner per key at a time (two relays never run the same
+//! task, and tasks of one key run one after another in outbox order), retries with backoff,
+//! parking after `max_attempts` or on a permanent error, retention and metrics. While a handler
+//! runs, the relay keeps its claim alive; if the process dies, the claim rolls back and the
+//! task runs again once the key partition's lease has passed to a live relay. A handler can
+//! therefore run more than once for one task (after a crash between its side effect and the
+//! commit): it gets the event id as its idempotency key.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use tokio::sync::Semaphore;
+use tokio_util::task::AbortOnDropHandle;
+
+use postal_shared::EventId;
+
+use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
+
+/// One task, as its handler sees it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Task {
+    /// The event id: use it as the idempotency key of the handler's side effects.
+    pub id: EventId,
+    /// The outbox topic the task was enqueued on.
+    pub topic: String,
+    /// The event key (tasks of one key run one at a time, in outbox order).
+    pub key: String,
+    /// The event type the handler was registered for.
+    pub event_type: String,
+    /// Payload schema version.
+    pub schema_version: i32,
+    /// When the event occurred.
+    pub occurred_at: DateTime<Utc>,
+    /// Payload content type.
+    pub content_type: String,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// User headers (including `traceparent` when captured).
+    pub headers: Vec<(String, String)>,
+    /// This run's number: 1 on the first run, higher after failed attempts.
+    pub attempt: i32,
+}
+
+impl Task {
+    /// The payload decoded from JSON; a payload that does not decode is a permanent error
+    /// (the task is parked with the reason, not retried).
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, TaskError> {
+        serde_json::from_slice(&self.payload).map_err(|e| {
+            TaskError::permanent(format!(
+                "payload is not a valid {}: {e}",
+                std::any::type_name::<T>()
+            ))
+        })
+    }
+}
+
+/// Why a task handler failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TaskError {
+    /// Worth another attempt (a downstream service was unavailable): retried with backoff,
+    /// parked after `max_attempts`.
+    #[error("{0}")]
+    Retryable(String),
+    /// Will never succeed as it is (malformed input): parked at once with the reason.
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl TaskError {
+    /// A retryable failure.
+    pub fn retryable(reason: impl std::fmt::Display) -> Self {
+        TaskError::Retryable(reason.to_string())
+    }
+
+    /// A permanent failure.
+    pub fn permanent(reason: impl std::fmt::Display) -> Self {
+        TaskError::Permanent(reason.to_string())
+    }
+}
+
+type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<(), TaskError>> + Send + Sync>;
+
+/// Settings of the task runner.
+#[derive(Clone, Debug)]
+pub struct TaskConfig {
+    /// Handlers running at once across all keys (default 16).
+    pub concurrency: usize,
+    /// Longest a handler may run; it is then cancelled and the attempt counts as failed
+    /// (default 15 min). The relay keeps the claim alive meanwhile, so this may exceed the lease.
+    pub timeout: Duration,
+}
+
+impl Default for TaskConfig {
+    fn default() -> Self {
+        TaskConfig {
+            concurrency: 16,
+            timeout: Duration::from_secs(15 * 60),
+        }
+    }
+}
+
+/// Runs outbox events as in-process tasks, one handler per event type.
+///
+/// ```
+/// use postal_producer::{Task, TaskError, TaskTransport};
+///
+/// #[derive(serde::Deserialize)]
+/// struct SendEmail { to: String }
+///
+/// let tasks = TaskTransport::new(Default::default())
+///     .on("email.requested", |task: Task| async move {
+///         let mail: SendEmail = task.json()?;
+///         // Send with `task.id` as the idempotency key, so a re-run after a crash is harmless.
+///         let _ = (mail.to, task.id);
+///         Ok::<_, TaskError>(())
+///     });
+/// ```
+#[derive(Clone)]
+pub struct TaskTransport {
+    handlers: HashMap<String, Handler>,
+    config: TaskConfig,
+    running: Arc<Semaphore>,
+    /// Per key, the completion of its latest chain of tasks (`true` = all succeeded): batches
+    /// in flight at once run a key's tasks one after another, in claim order.
+    tails: Arc<std::sync::Mutex<HashMap<String, (u64, Tail)>>>,
+    chains: Arc<std::sync::atomic::AtomicU64>,
+}
+
+type Tail = futures::future::Shared<BoxFuture<'static, bool>>;
+
+impl std::fmt::Debug for TaskTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut types: Vec<&String> = self.handlers.keys().collect();
+        types.sort();
+        f.debug_struct("TaskTransport")
+            .field("event_types", &types)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl TaskTransport {
+    /// A runner without handlers yet.
+    pub fn new(config: TaskConfig) -> Self {
+        let running = Arc::new(Semaphore::new(config.concurrency.max(1)));
+        TaskTransport {
+            handlers: HashMap::new(),
+            config,
+            running,
+            tails: Arc::default(),
+            chains: Arc::default(),
+        }
+    }
+
+    /// Registers the handler of `event_type` (replacing an earlier one).
+    pub fn on<F, Fut>(mut self, event_type: impl Into<String>, handler: F) -> Self
+    where
+        F: Fn(Task) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+    {
+        self.handlers.insert(
+            event_type.into(),
+            Arc::new(move |task| handler(task).boxed()),
+        );
+        self
+    }
+
+    async fn run_one(
+        handler: Handler,
+        task: Task,
+        running: Arc<Semaphore>,
+        timeout: Duration,
+    ) -> Result<(), PublishError> {
+        let _permit = running.acquire_owned().await.expect("never closed");
+        let id = task.id;
+        let event_type = task.event_type.clone();
+        // Spawned, so that a panicking handler fails its task instead of the relay.
+        // Aborted with its claim: a handler never outlives the claim that protects its task.
+        let run =
+            AbortOnDropHandle::new(tokio::spawn(tokio::time::timeout(timeout, handler(task))));
+        let started = std::time::Instant::now();
+        let outcome = match run.await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(TaskError::Retryable(r)))) => {
+                Err(PublishError::new(FailureKind::Transient, r))
+            }
+            Ok(Ok(Err(TaskError::Permanent(r)))) => {
+                Err(PublishError::new(FailureKind::Permanent, r))
+            }
+            Ok(Err(_elapsed)) => Err(PublishError::new(
+                FailureKind::Transient,
+                format!("task handler did not finish within {timeout:?}"),
+            )),
+            Err(join) => Err(PublishError::new(
+                FailureKind::Transient,
+                format!("task handler panicked: {}", panic_message(join)),
+            )),
+        };
+        metrics::histogram!("postal_task_seconds", "event_type" => event_type.clone())
+            .record(started.elapsed().as_secs_f64());
+        if let Err(e) = &outcome {
+            tracing::debug!(event_id = %id, event_type, reason = %e.reason, "task failed");
+        }
+        outcome
+    }
+}
+
+fn panic_message(join: tokio::task::JoinError) -> String {
+    match join.try_into_panic() {
+        Ok(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into()),
+        Err(e) => e.to_string(),
+    }
+}
+
+impl Transport for TaskTransport {
+    type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+    /// Starts the batch's tasks: keys run concurrently (up to `concurrency` handlers), the
+    /// tasks of one key one after another in outbox order, also across batches in flight at
+    /// once. After a failure, the key's later tasks are held back, not run.
+    async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+        let mut by_key: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        for (i, e) in batch.iter().enumerate() {
+            let slot = *index.entry(e.key.as_str()).or_insert_with(|| {
+                by_key.push((e.key.clone(), Vec::new()));
+                by_key.len() - 1
+            });
+            by_key[slot].1.push(i);
+        }
+        let mut chains = Vec::with_capacity(by_key.len());
+        for (key, positions) in by_key {
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<bool>();
+            let tail: Tail = done_rx.map(|r| r.unwrap_or(false)).boxed().shared();
+            let chain_no = self
+                .chains
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let previous = self
+                .tails
+                .lock()
+                .expect("tails lock")
+                .insert(key.clone(), (chain_no, tail))
+                .map(|(_, t)| t);
+            let tails = self.tails.clone();
+            let jobs: Vec<(usize, Option<Handler>, OutboundEvent)> = positions
+                .into_iter()
+                .map(|i| {
+                    let e = batch[i].clone();
+                    (i, self.handlers.get(&e.event_type).cloned(), e)
+                })
+                .collect();
+            let running = self.running.clone();
+            let timeout = self.config.timeout;
+            chains.push(AbortOnDropHandle::new(tokio::spawn(async move {
+                let mut out = Vec::with_capacity(jobs.len());
+                // Wait for the key's tasks of earlier batches; if one failed, hold back.
+                let mut failed = match previous {
+                    Some(p) => !p.await,
+                    None => false,
+                };
+                for (i, handler, e) in jobs {
+                    let outcome = if failed {
+                        Err(PublishError::new(
+                            FailureKind::HeldBack,
+                            "an earlier task of this key failed",
+                        ))
+                    } else if let Some(handler) = handler {
+                        let task = Task {
+                            id: e.id,
+                            topic: e.topic,
+                            key: e.key,
+                            event_type: e.event_type,
+                            schema_version: e.schema_version,
+                            occurred_at: e.occurred_at,
+                            content_type: e.content_type,
+                            payload: e.payload,
+                            headers: e.headers,
+                            attempt: e.attempts + 1,
+                        };
+                        Self::run_one(handler, task, running.clone(), timeout).await
+                    } else {
+                        Err(PublishError::new(
+                            FailureKind::Permanent,
+                            format!(
+                                "no task handler is registered for event type {:?}",
+                                e.event_type
+                            ),
+                        ))
+                    };
+                    failed |= outcome.is_err();
+                    out.push((i, outcome));
+                }
+                {
+                    let mut tails = tails.lock().expect("tails lock");
+                    if tails.get(&key).is_some_and(|(n, _)| *n == chain_no) {
+                        tails.remove(&key);
+                    }
+                }
+                let _ = done_tx.send(!failed);
+                out
+            })));
+        }
+        let n = batch.len();
+        async move {
+            let mut outcomes: Vec<Result<(), PublishError>> = (0..n)
+                .map(|_| {
+                    Err(PublishError::new(
+                        FailureKind::Transient,
+                        "task runner stopped before the task finished",
+                    ))
+                })
+                .collect();
+            for chain in futures::future::join_all(chains).await {
+                if let Ok(results) = chain {
+                    for (i, r) in results {
+                        outcomes[i] = r;
+                    }
+                }
+            }
+            outcomes
+        }
+        .boxed()
+    }
+}
