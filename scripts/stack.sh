@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Local stack without Docker: a PostgreSQL 15 cluster and a tansu Kafka-protocol broker, both on
-# loopback, both kept in the project-local, git-ignored directory .stack/.
+# Local stack without Docker: a PostgreSQL 15 cluster, a tansu Kafka-protocol broker and a
+# RabbitMQ node, all on loopback, all kept in the project-local, git-ignored directory .stack/.
 #
 #   scripts/stack.sh up [--storage memory|sqlite]   start (harmless when already up)
 #   scripts/stack.sh down                           stop exactly what `up` started (by pid)
-#   scripts/stack.sh env                            print DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS
+#   scripts/stack.sh env                            print DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS, AMQP_URL
 #   scripts/stack.sh status                         say what runs
-#   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu if missing
+#   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu / rabbitmq-server if missing
 #
-# Ports: POSTAL_PG_PORT (default 55432), POSTAL_KAFKA_PORT (default 59092).
+# Ports: POSTAL_PG_PORT (default 55432), POSTAL_KAFKA_PORT (default 59092), POSTAL_AMQP_PORT
+# (default 55672; Erlang distribution on the next port). POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
 # Storage: --storage or POSTAL_BROKER_STORAGE: memory (default; fast, for benchmarks) or
 # sqlite (durable, .stack/tansu/tansu.db; survives kill -9 and restart).
 set -euo pipefail
@@ -20,6 +21,10 @@ KAFKA_PORT="${POSTAL_KAFKA_PORT:-59092}"
 STORAGE="${POSTAL_BROKER_STORAGE:-memory}"
 TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
+AMQP_PORT="${POSTAL_AMQP_PORT:-55672}"
+RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
+WITH_RABBITMQ=1
+[ "${POSTAL_NO_RABBITMQ:-0}" = "1" ] && WITH_RABBITMQ=0
 
 log() { echo "stack: $*" >&2; }
 die() { echo "stack: error: $*" >&2; exit 1; }
@@ -48,6 +53,18 @@ ensure_tansu() {
   log "tansu missing: cargo install tansu@$TANSU_VERSION (about 12 minutes on 2 cores, once per machine)"
   cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql >&2 \
     || die "cargo install tansu failed"
+}
+
+ensure_rabbitmq() {
+  if [ -x "$RABBITMQ_BIN" ]; then return; fi
+  log "rabbitmq-server missing: installing the Debian package"
+  command -v apt-get >/dev/null || die "no $RABBITMQ_BIN and no apt-get to install rabbitmq-server"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  # policy-rc.d keeps the package from starting its own node.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+  [ -x "$RABBITMQ_BIN" ] || die "rabbitmq-server installed but $RABBITMQ_BIN is missing"
 }
 
 # initdb refuses to run as root, so the cluster belongs to the postgres user, who must be able to
@@ -160,9 +177,51 @@ tansu_down() {
   rm -f "$STACK/tansu/tansu.pid"
 }
 
+rabbit_pid() {
+  local f="$STACK/rabbitmq/wrapper.pid"
+  [ -f "$f" ] || return 1
+  local pid; pid="$(cat "$f")"
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q rabbitmq-server && echo "$pid"
+}
+
+# A private node: its own name, ports, cookie ($HOME) and data directory under .stack/rabbitmq.
+rabbit_up() {
+  ensure_rabbitmq
+  local d="$STACK/rabbitmq"
+  mkdir -p "$d"
+  if pid="$(rabbit_pid)"; then log "rabbitmq already running (pid $pid) on 127.0.0.1:$AMQP_PORT"; return; fi
+  echo "[]." > "$d/enabled_plugins"
+  echo "loopback_users = none" > "$d/rabbitmq.conf"
+  log "starting rabbitmq on 127.0.0.1:$AMQP_PORT"
+  (
+    export HOME="$d" RABBITMQ_NODENAME="postal-stack@localhost" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+      RABBITMQ_NODE_PORT="$AMQP_PORT" RABBITMQ_DIST_PORT="$((AMQP_PORT + 1))" \
+      RABBITMQ_MNESIA_BASE="$d/mnesia" RABBITMQ_LOG_BASE="$d/log" RABBITMQ_CONFIG_FILE="$d/rabbitmq" \
+      RABBITMQ_ENABLED_PLUGINS_FILE="$d/enabled_plugins" RABBITMQ_PID_FILE="$d/beam.pid" RABBITMQ_LOGS=-
+    exec "$RABBITMQ_BIN" >>"$d/rabbitmq.log" 2>&1 </dev/null
+  ) &
+  echo $! > "$d/wrapper.pid"
+  wait_port "$AMQP_PORT" 90 || { tail -20 "$d/rabbitmq.log" >&2; die "rabbitmq did not open port $AMQP_PORT"; }
+}
+
+rabbit_down() {
+  if pid="$(rabbit_pid)"; then
+    log "stopping rabbitmq (pid $pid)"
+    # The start script stops the node cleanly on SIGTERM.
+    kill -TERM "$pid"
+    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      [ -f "$STACK/rabbitmq/beam.pid" ] && kill -KILL "$(cat "$STACK/rabbitmq/beam.pid")" 2>/dev/null || true
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  fi
+  rm -f "$STACK/rabbitmq/wrapper.pid"
+}
+
 print_env() {
   echo "export DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
   echo "export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$KAFKA_PORT"
+  if [ "$WITH_RABBITMQ" = "1" ]; then echo "export AMQP_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"; fi
 }
 
 cmd="${1:-}"; shift || true
@@ -175,13 +234,14 @@ while [ $# -gt 0 ]; do
 done
 
 case "$cmd" in
-  up) pg_up; tansu_up; print_env ;;
+  up) pg_up; tansu_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
   pg-up) pg_up; print_env ;;
-  down) tansu_down; pg_down ;;
+  down) rabbit_down; tansu_down; pg_down ;;
   env) print_env ;;
-  ensure-tools) ensure_postgres; ensure_tansu ;;
+  ensure-tools) ensure_postgres; ensure_tansu; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
     if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
-    if pid="$(tansu_pid)"; then echo "tansu: running (pid $pid, storage $(cat "$STACK/tansu/storage" 2>/dev/null)) on 127.0.0.1:$KAFKA_PORT"; else echo "tansu: stopped"; fi ;;
-  *) sed -n '2,13p' "$0"; exit 2 ;;
+    if pid="$(tansu_pid)"; then echo "tansu: running (pid $pid, storage $(cat "$STACK/tansu/storage" 2>/dev/null)) on 127.0.0.1:$KAFKA_PORT"; else echo "tansu: stopped"; fi
+    if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
 esac

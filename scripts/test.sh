@@ -11,10 +11,10 @@ cd "$ROOT"
 
 step() { echo; echo "=== $* ==="; }
 
-step "local stack (PostgreSQL 15 + tansu, no Docker)"
+step "local stack (PostgreSQL 15 + tansu + RabbitMQ, no Docker)"
 eval "$(bash scripts/stack.sh up)"
-export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS
-echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS"
+export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
+echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"
 
 step "service binaries the chaos suite runs (postal, order_service, billing_service, invoice_recorder)"
 cargo build -p postal-cli -p postal-examples

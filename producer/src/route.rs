@@ -24,7 +24,7 @@ pub trait DynTransport: Send + Sync + 'static {
 
 impl<T: Transport> DynTransport for T {
     fn send_dyn<'a>(&'a self, batch: &'a [OutboundEvent]) -> BoxFuture<'a, Acks> {
-        async move { self.send(batch).await.boxed() }.boxed()
+        self.send(batch).map(|acks| acks.boxed()).boxed()
     }
 
     fn delivery_timeout_dyn(&self) -> Option<Duration> {

@@ -325,11 +325,14 @@ impl Transport for TaskTransport {
                     ))
                 })
                 .collect();
-            for chain in futures::future::join_all(chains).await {
-                if let Ok(results) = chain {
-                    for (i, r) in results {
-                        outcomes[i] = r;
-                    }
+            // A chain that panicked or was aborted leaves its tasks failed (retried later).
+            for results in futures::future::join_all(chains)
+                .await
+                .into_iter()
+                .flatten()
+            {
+                for (i, r) in results {
+                    outcomes[i] = r;
                 }
             }
             outcomes
