@@ -135,6 +135,59 @@ struct RelayArgs {
     /// address, e.g. `0.0.0.0:9464`. Off when not given.
     #[arg(long, env = "POSTAL_METRICS_ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Where topics no --route matches are published.
+    #[arg(long, env = "POSTAL_DESTINATION", value_enum, default_value_t = Destination::Kafka)]
+    destination: Destination,
+    /// `TOPIC=DESTINATION` (repeatable; comma-separated in the env): publish this topic, or
+    /// every topic starting with a prefix written as `prefix*`, to `kafka` or `rabbitmq`. First
+    /// match wins.
+    #[arg(long = "route", env = "POSTAL_ROUTE", value_delimiter = ',', value_parser = parse_route)]
+    routes: Vec<(String, Destination)>,
+    /// AMQP URI of RabbitMQ (needed when a topic goes there), e.g.
+    /// `amqp://user:pass@host:5672/%2f`; `amqps://` for TLS.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    rabbitmq_url: Option<String>,
+    /// `EVENT_TYPE=ROUTING_KEY` (repeatable; comma-separated in the env). Without a mapping,
+    /// the event type is the routing key.
+    #[arg(long = "rabbitmq-routing-key", env = "POSTAL_RABBITMQ_ROUTING_KEY", value_delimiter = ',', value_parser = parse_property)]
+    rabbitmq_routing_keys: Vec<(String, String)>,
+    /// Do not declare exchanges (each topic's durable topic exchange must exist; events for a
+    /// missing one are parked with an error).
+    #[arg(long, env = "POSTAL_RABBITMQ_NO_DECLARE")]
+    rabbitmq_no_declare: bool,
+    /// How long a RabbitMQ publish may wait for its confirm (must stay under half the lease).
+    #[arg(long, env = "POSTAL_RABBITMQ_CONFIRM_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    rabbitmq_confirm_timeout: Duration,
+    /// Largest message body sent to RabbitMQ; bigger events are parked.
+    #[arg(long, env = "POSTAL_RABBITMQ_MAX_MESSAGE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    rabbitmq_max_message_bytes: usize,
+}
+
+/// A destination the relay publishes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Destination {
+    /// Kafka (idempotent producer).
+    Kafka,
+    /// RabbitMQ (publisher confirms).
+    Rabbitmq,
+}
+
+impl Destination {
+    fn name(self) -> &'static str {
+        match self {
+            Destination::Kafka => "kafka",
+            Destination::Rabbitmq => "rabbitmq",
+        }
+    }
+}
+
+fn parse_route(s: &str) -> Result<(String, Destination), String> {
+    let (topic, dest) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected TOPIC=DESTINATION, got {s:?}"))?;
+    let dest = <Destination as clap::ValueEnum>::from_str(dest.trim(), true)
+        .map_err(|_| format!("unknown destination {dest:?} in {s:?} (kafka or rabbitmq)"))?;
+    Ok((topic.trim().to_owned(), dest))
 }
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
@@ -253,14 +306,61 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         shutdown_timeout: args.shutdown_timeout,
     };
     config.validate()?;
-    let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers);
-    kafka.source = args.source;
-    kafka.create_topics = !args.no_create_topics;
-    kafka.topic_partitions = args.topic_partitions;
-    kafka.topic_replication = args.topic_replication;
-    kafka.properties = args.kafka.into_iter().collect::<BTreeMap<_, _>>();
-    let transport = postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?;
+    let used = |d: Destination| args.destination == d || args.routes.iter().any(|(_, r)| *r == d);
+    let kafka = if used(Destination::Kafka) {
+        let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
+        kafka.source = args.source.clone();
+        kafka.create_topics = !args.no_create_topics;
+        kafka.topic_partitions = args.topic_partitions;
+        kafka.topic_replication = args.topic_replication;
+        kafka.properties = args.kafka.iter().cloned().collect::<BTreeMap<_, _>>();
+        Some(postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?)
+    } else {
+        None
+    };
+    let rabbit = if used(Destination::Rabbitmq) {
+        let url = args.rabbitmq_url.clone().ok_or_else(|| {
+            anyhow!("--rabbitmq-url (or AMQP_URL) is required when topics go to rabbitmq")
+        })?;
+        let mut cfg = postal_producer::RabbitConfig::new(url);
+        cfg.source = args.source.clone();
+        cfg.routing_keys = args.rabbitmq_routing_keys.iter().cloned().collect();
+        cfg.declare_exchanges = !args.rabbitmq_no_declare;
+        cfg.confirm_timeout = args.rabbitmq_confirm_timeout;
+        cfg.max_message_bytes = args.rabbitmq_max_message_bytes;
+        Some(postal_producer::RabbitTransport::new(cfg).context("rabbitmq configuration")?)
+    } else {
+        None
+    };
+    if args.routes.is_empty() {
+        match (kafka, rabbit) {
+            (Some(k), _) => run_relay(db, args, config, k).await,
+            (_, Some(r)) => run_relay(db, args, config, r).await,
+            (None, None) => unreachable!("the fallback destination is always used"),
+        }
+    } else {
+        let mut router = postal_producer::Router::new();
+        if let Some(k) = kafka {
+            router = router.destination(Destination::Kafka.name(), k);
+        }
+        if let Some(r) = rabbit {
+            router = router.destination(Destination::Rabbitmq.name(), r);
+        }
+        for (pattern, dest) in &args.routes {
+            router = router.route(pattern.clone(), dest.name())?;
+        }
+        router = router.fallback(args.destination.name())?;
+        tracing::info!(?router, "publishing per topic");
+        run_relay(db, args, config, router).await
+    }
+}
 
+async fn run_relay<T: postal_producer::Transport>(
+    db: &DbArgs,
+    args: RelayArgs,
+    config: postal_producer::RelayConfig,
+    transport: T,
+) -> anyhow::Result<()> {
     let opts = connect_options(db)?;
     let url = db.database_url.as_deref().map(redact).unwrap_or_default();
     // Long-running: a lazy pool, so an unreachable database means retries, not an exit.

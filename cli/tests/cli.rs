@@ -64,6 +64,41 @@ fn invalid_relay_settings_are_rejected() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not of the form key=value"));
+
+    let out = postal()
+        .args(["relay", "--route", "orders=sqs"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown destination"));
+
+    let out = postal()
+        .args(["relay", "--destination", "rabbitmq"])
+        .env_remove("AMQP_URL")
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--rabbitmq-url (or AMQP_URL) is required"),
+        "{stderr}"
+    );
+
+    let out = postal()
+        .args([
+            "relay",
+            "--destination",
+            "rabbitmq",
+            "--rabbitmq-url",
+            "http://mq",
+        ])
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid AMQP URI"), "{stderr}");
 }
 
 /// Guarantee: `postal migrate` applies the schema (twice is a no-op) and `postal status --json`

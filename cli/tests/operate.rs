@@ -169,6 +169,85 @@ fn relay(e: &Env, extra: &[&str]) -> Child {
         .unwrap()
 }
 
+/// Guarantee: `postal relay --route` sends each topic to its configured destination: the
+/// RabbitMQ topic's events arrive there (message id = event id, routing key mapped by
+/// `--rabbitmq-routing-key`), the other topic's go to Kafka through the fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_routes_topics_to_rabbitmq_and_kafka() {
+    use postal_integration_tests::rabbit;
+    let Some(e) = env().await else { return };
+    let Ok(amqp) = std::env::var("AMQP_URL") else {
+        eprintln!("AMQP_URL not set: skipping (scripts/test.sh sets it)");
+        return;
+    };
+    let to_rabbit = unique("cli-rmq");
+    let to_kafka = unique("cli-kafka");
+    let queue = rabbit::bind_queue(&amqp, &to_rabbit, "orders.created.v1").await;
+    let mut rabbit_ids = Vec::new();
+    for i in 0..20 {
+        let id: uuid::Uuid = sqlx::query_scalar(
+            "SELECT postal.enqueue($1, $2, 'order.created', jsonb_build_object('i', $3::int))",
+        )
+        .bind(&to_rabbit)
+        .bind(format!("k{}", i % 3))
+        .bind(i)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        rabbit_ids.push(id.to_string());
+    }
+    let kafka_id: uuid::Uuid =
+        sqlx::query_scalar("SELECT postal.enqueue($1, 'k', 'job', '{}'::jsonb)")
+            .bind(&to_kafka)
+            .fetch_one(&e.pool)
+            .await
+            .unwrap();
+    let route = format!("{to_rabbit}=rabbitmq");
+    let mut r = relay(
+        &e,
+        &[
+            "--route",
+            &route,
+            "--rabbitmq-url",
+            &amqp,
+            "--rabbitmq-routing-key",
+            "order.created=orders.created.v1",
+            "--rabbitmq-confirm-timeout",
+            "1s",
+            "--topic-partitions",
+            "1",
+        ],
+    );
+    until("the outbox to drain", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+    let messages = rabbit::read_all(&amqp, &queue, 20, Duration::from_secs(30)).await;
+    let got: Vec<String> = messages
+        .iter()
+        .filter_map(|m| m.message_id.clone())
+        .collect();
+    let mut want = rabbit_ids.clone();
+    want.sort();
+    let mut got_sorted = got.clone();
+    got_sorted.sort();
+    assert_eq!(got_sorted, want, "each RabbitMQ event once");
+    assert!(messages
+        .iter()
+        .all(|m| m.routing_key == "orders.created.v1"));
+    let (b, t) = (e.bootstrap.clone(), to_kafka.clone());
+    let ids = tokio::task::spawn_blocking(move || read_ids(&b, &t))
+        .await
+        .unwrap();
+    assert_eq!(ids, [kafka_id.to_string()], "the other topic went to Kafka");
+}
+
 /// Guarantee: a parked event is visible in `postal failed list/show`, `postal failed requeue`
 /// makes it pending again with its event id unchanged, and the relay then publishes it exactly
 /// once.
