@@ -3,6 +3,7 @@
 
 mod consume;
 mod e2e;
+mod rabbitmq;
 
 use std::time::{Duration, Instant};
 
@@ -119,6 +120,25 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         fetch_wait_ms: u32,
     },
+    /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
+    /// Postal's relay next to a raw lapin publisher with confirms.
+    Rabbitmq {
+        /// AMQP URI of RabbitMQ.
+        #[arg(long, env = "AMQP_URL")]
+        amqp_url: String,
+        /// Backlog size.
+        #[arg(long, default_value_t = 100_000)]
+        events: usize,
+        /// Payload size in bytes.
+        #[arg(long, default_value_t = 200)]
+        payload_bytes: usize,
+        /// Distinct keys.
+        #[arg(long, default_value_t = 1000)]
+        keys: usize,
+        /// Relay batch size.
+        #[arg(long, default_value_t = 2000)]
+        batch_size: usize,
+    },
     /// Commit-to-broker latency with and without LISTEN/NOTIFY, and what enqueue (with its
     /// wake-up) costs the writing transaction.
     Wakeup {
@@ -204,6 +224,21 @@ async fn main() -> anyhow::Result<()> {
                 fetch_wait_ms,
             };
             e2e::e2e_bench(&cli.database_url, &cli.bootstrap, opts).await
+        }
+        Command::Rabbitmq {
+            amqp_url,
+            events,
+            payload_bytes,
+            keys,
+            batch_size,
+        } => {
+            let opts = rabbitmq::RabbitOpts {
+                n: events,
+                payload_bytes,
+                keys,
+                batch_size,
+            };
+            rabbitmq::rabbitmq_bench(&cli.database_url, &amqp_url, opts).await
         }
         Command::Wakeup {
             events,
@@ -751,6 +786,8 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
             .bind(None::<Vec<i16>>)
             .bind(2000i64)
             .bind("30000ms")
+            .bind(None::<Vec<String>>)
+            .bind(None::<Vec<String>>)
             .fetch_all(&mut *tx)
             .await?;
             tx.rollback().await?;

@@ -135,6 +135,23 @@ struct RelayArgs {
     /// address, e.g. `0.0.0.0:9464`. Off when not given.
     #[arg(long, env = "POSTAL_METRICS_ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// Relay group: relays split the key partitions among the live members of their group.
+    /// Relays serving different topics of one outbox (--topics / --exclude-topics) need
+    /// different groups.
+    #[arg(long, env = "POSTAL_GROUP", default_value = "default")]
+    group: String,
+    /// Claim only these topics (comma-separated).
+    #[arg(
+        long,
+        env = "POSTAL_TOPICS",
+        value_delimiter = ',',
+        conflicts_with = "exclude_topics"
+    )]
+    topics: Vec<String>,
+    /// Claim every topic except these (comma-separated), e.g. the topics a service runs as
+    /// in-process tasks with its own relay group.
+    #[arg(long, env = "POSTAL_EXCLUDE_TOPICS", value_delimiter = ',')]
+    exclude_topics: Vec<String>,
     /// Where topics no --route matches are published.
     #[arg(long, env = "POSTAL_DESTINATION", value_enum, default_value_t = Destination::Kafka)]
     destination: Destination,
@@ -304,6 +321,14 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         delete_on_publish: !args.keep_published,
         retention: args.retention,
         shutdown_timeout: args.shutdown_timeout,
+        group: args.group.clone(),
+        topics: if !args.topics.is_empty() {
+            postal_producer::TopicFilter::Only(args.topics.clone())
+        } else if !args.exclude_topics.is_empty() {
+            postal_producer::TopicFilter::Except(args.exclude_topics.clone())
+        } else {
+            postal_producer::TopicFilter::All
+        },
     };
     config.validate()?;
     let used = |d: Destination| args.destination == d || args.routes.iter().any(|(_, r)| *r == d);

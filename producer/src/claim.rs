@@ -14,6 +14,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use postal_shared::EventId;
 use sqlx::{PgPool, Postgres, Transaction};
+
+use crate::config::TopicFilter;
 use uuid::Uuid;
 
 use crate::complete::{self, Failure};
@@ -128,6 +130,28 @@ pub async fn claim(
     lease: Duration,
     delete_on_claim: bool,
 ) -> Result<Option<Claim>, sqlx::Error> {
+    claim_topics(
+        pool,
+        relay,
+        partitions,
+        limit,
+        lease,
+        delete_on_claim,
+        &TopicFilter::All,
+    )
+    .await
+}
+
+/// [`claim`], limited to the topics `topics` lets through.
+pub async fn claim_topics(
+    pool: &PgPool,
+    relay: Uuid,
+    partitions: &[i16],
+    limit: usize,
+    lease: Duration,
+    delete_on_claim: bool,
+    topics: &TopicFilter,
+) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan.
@@ -150,10 +174,13 @@ pub async fn claim(
     } else {
         CLAIM_LOCK
     };
+    let (only, except) = topics.binds();
     let rows: Vec<Row> = sqlx::query_as(sql)
         .bind(filter)
         .bind(limit as i64)
         .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
+        .bind(only)
+        .bind(except)
         .fetch_all(&mut *tx)
         .await?;
     if rows.is_empty() {
@@ -209,6 +236,8 @@ macro_rules! publishable {
             WHERE o.status = 'pending'
               AND o.available_at <= now()
               AND ($1::int2[] IS NULL OR o.key_partition = ANY($1))
+              AND ($4::text[] IS NULL OR o.topic = ANY($4))
+              AND ($5::text[] IS NULL OR o.topic <> ALL($5))
               AND NOT EXISTS (
                   SELECT 1 FROM postal.outbox b
                   WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
@@ -222,7 +251,8 @@ macro_rules! publishable {
 }
 
 /// The claim statement (delete-on-claim form). Parameters: `$1` key partitions (`int2[]` or
-/// NULL for all), `$2` limit, `$3` idle-in-transaction timeout. Public for `EXPLAIN`.
+/// NULL for all), `$2` limit, `$3` idle-in-transaction timeout, `$4` only these topics
+/// (`text[]` or NULL), `$5` not these topics (`text[]` or NULL). Public for `EXPLAIN`.
 pub const CLAIM_DELETE: &str = concat!(
     "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
      picked AS (",

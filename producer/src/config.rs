@@ -37,6 +37,40 @@ pub struct RelayConfig {
     pub retention: Option<Duration>,
     /// How long shutdown waits for in-flight acknowledgements (default 20 s).
     pub shutdown_timeout: Duration,
+    /// Relay group (default `default`). Relays split the key partitions among the live members
+    /// of their own group; give relays that serve different topics of one outbox (see
+    /// `topics`) different groups.
+    pub group: String,
+    /// Which topics this relay claims (default: all).
+    pub topics: TopicFilter,
+}
+
+/// The topics a relay claims from the outbox.
+///
+/// Several relay groups can share one outbox by topic: e.g. `postal relay` for every topic
+/// except `reports` (its group `default`), and the reporting service's embedded relay running
+/// task handlers for `reports` only (group `reports`). Per-key order holds within each group;
+/// a parked event still holds back the later events of its key in every group.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TopicFilter {
+    /// Every topic.
+    #[default]
+    All,
+    /// Only these topics.
+    Only(Vec<String>),
+    /// Every topic except these.
+    Except(Vec<String>),
+}
+
+impl TopicFilter {
+    /// (`only`, `except`) as bound to the claim statement.
+    pub(crate) fn binds(&self) -> (Option<&[String]>, Option<&[String]>) {
+        match self {
+            TopicFilter::All => (None, None),
+            TopicFilter::Only(t) => (Some(t), None),
+            TopicFilter::Except(t) => (None, Some(t)),
+        }
+    }
 }
 
 impl Default for RelayConfig {
@@ -56,6 +90,8 @@ impl Default for RelayConfig {
             delete_on_publish: true,
             retention: None,
             shutdown_timeout: Duration::from_secs(20),
+            group: "default".into(),
+            topics: TopicFilter::All,
         }
     }
 }
@@ -84,6 +120,14 @@ impl RelayConfig {
         }
         if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
             return bad("backoff base must be positive and not above the backoff max");
+        }
+        if self.group.is_empty() || self.group.len() > 100 {
+            return bad("relay group must be 1 to 100 characters");
+        }
+        if let TopicFilter::Only(t) = &self.topics {
+            if t.is_empty() {
+                return bad("a relay limited to topics needs at least one topic");
+            }
         }
         Ok(())
     }

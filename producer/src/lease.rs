@@ -30,21 +30,51 @@ pub async fn heartbeat(
     held: &[i16],
     release_ok: bool,
 ) -> Result<Lease, sqlx::Error> {
+    heartbeat_in(pool, DEFAULT_GROUP, relay, host, lease, held, release_ok).await
+}
+
+/// The group of relays that do not name one.
+pub const DEFAULT_GROUP: &str = "default";
+
+/// [`heartbeat`] in relay group `group`: the partitions are split among its live members only.
+pub async fn heartbeat_in(
+    pool: &PgPool,
+    group: &str,
+    relay: Uuid,
+    host: &str,
+    lease: Duration,
+    held: &[i16],
+    release_ok: bool,
+) -> Result<Lease, sqlx::Error> {
     let lease_ms = lease.as_millis() as i64;
     let mut tx = pool.begin().await?;
+    if held.is_empty() && group != DEFAULT_GROUP {
+        // A group's partition rows are created by its first relay.
+        sqlx::query(
+            "INSERT INTO postal.relay_partitions (relay_group, key_partition)
+             SELECT $1, generate_series(0, $2 - 1) ON CONFLICT DO NOTHING",
+        )
+        .bind(group)
+        .bind(i32::from(KEY_PARTITIONS))
+        .execute(&mut *tx)
+        .await?;
+    }
     sqlx::query(
-        "INSERT INTO postal.relay_instances (relay_id, host) VALUES ($1, $2)
+        "INSERT INTO postal.relay_instances (relay_id, host, relay_group) VALUES ($1, $2, $3)
          ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()",
     )
     .bind(relay)
     .bind(host)
+    .bind(group)
     .execute(&mut *tx)
     .await?;
     let live: Vec<Uuid> = sqlx::query_scalar(
         "SELECT relay_id FROM postal.relay_instances
-         WHERE heartbeat_at > now() - $1 * interval '1 millisecond' ORDER BY relay_id",
+         WHERE relay_group = $2 AND heartbeat_at > now() - $1 * interval '1 millisecond'
+         ORDER BY relay_id",
     )
     .bind(lease_ms)
+    .bind(group)
     .fetch_all(&mut *tx)
     .await?;
     let me = live.iter().position(|r| *r == relay).unwrap_or(0);
@@ -80,13 +110,14 @@ pub async fn heartbeat(
         "UPDATE postal.relay_partitions
          SET owner = $1, lease_until = now() + $2 * interval '1 millisecond',
              acquired_at = CASE WHEN owner IS DISTINCT FROM $1 THEN now() ELSE acquired_at END
-         WHERE key_partition = ANY($3)
+         WHERE relay_group = $4 AND key_partition = ANY($3)
            AND (owner = $1 OR owner IS NULL OR lease_until < now())
          RETURNING key_partition",
     )
     .bind(relay)
     .bind(lease_ms)
     .bind(&wanted)
+    .bind(group)
     .fetch_all(&mut *tx)
     .await?;
     // Forget relays that have been silent for a long time.

@@ -107,7 +107,7 @@ impl<T: Transport> Relay<T> {
             ));
         }
 
-        tracing::info!(relay = %self.id, batch = self.config.batch_size, lanes = self.config.lanes, "relay started");
+        tracing::info!(relay = %self.id, group = %self.config.group, topics = ?self.config.topics, batch = self.config.batch_size, lanes = self.config.lanes, "relay started");
         let lanes = self.config.lanes.max(1);
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
@@ -187,8 +187,16 @@ impl<T: Transport> Shared<T> {
         let mut failures = 0u32;
         loop {
             let held = self.owned.read().expect("owned lock").clone();
-            let mut result =
-                lease::heartbeat(&self.pool, self.id, &host, self.config.lease, &held, false).await;
+            let mut result = lease::heartbeat_in(
+                &self.pool,
+                &self.config.group,
+                self.id,
+                &host,
+                self.config.lease,
+                &held,
+                false,
+            )
+            .await;
             if let Ok(l) = &result {
                 if l.wants_release {
                     // Record everything in flight before giving partitions away, so the next
@@ -198,8 +206,9 @@ impl<T: Transport> Shared<T> {
                         tokio::time::timeout(self.config.lease / 3, self.slots.acquire_many(all))
                             .await
                     {
-                        result = lease::heartbeat(
+                        result = lease::heartbeat_in(
                             &self.pool,
+                            &self.config.group,
                             self.id,
                             &host,
                             self.config.lease,
@@ -334,13 +343,14 @@ impl<T: Transport> Shared<T> {
             // The claim is not raced against shutdown: it is short and bounded, and its
             // transaction is then either completed or rolled back.
             let claim_started = Instant::now();
-            let claimed = claim::claim(
+            let claimed = claim::claim_topics(
                 &self.pool,
                 self.id,
                 &partitions,
                 self.config.batch_size,
                 self.config.lease,
                 self.config.delete_on_publish,
+                &self.config.topics,
             )
             .await;
             let mut claim = match claimed {

@@ -304,3 +304,71 @@ async fn two_relays_never_run_the_same_task_at_once() {
         "none ran to completion twice"
     );
 }
+
+/// Guarantee: one outbox shared by topic between two relay groups — a Kafka relay for every
+/// topic except the task topic, and two task relays (their own group) for the task topic only:
+/// every broker event reaches Kafka, every task runs to completion once, nothing is parked or
+/// left behind (with one shared group, each relay would own only part of the key partitions
+/// and the rows of the other's topics there would never be claimed).
+#[tokio::test]
+async fn relay_groups_share_one_outbox_by_topic() {
+    use postal_integration_tests::kafka;
+    use postal_producer::TopicFilter;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let events = unique("groups-events");
+    let reports = unique("groups-reports");
+    let broker_ids = crate::relay::seed(&db.pool, &events, 500, 50).await;
+    let task_ids = crate::relay::seed(&db.pool, &reports, 500, 50).await;
+    let completed = Arc::new(Mutex::new(BTreeMap::<String, u32>::new()));
+    let tasks = || {
+        let c = completed.clone();
+        TaskTransport::new(TaskConfig::default()).on("e", move |t: Task| {
+            let c = c.clone();
+            async move {
+                *c.lock().unwrap().entry(t.id.to_string()).or_insert(0) += 1;
+                Ok(())
+            }
+        })
+    };
+    let broker_relay = RunningRelay::start(
+        &db.pool,
+        crate::common::kafka_transport(&svc.bootstrap),
+        RelayConfig {
+            topics: TopicFilter::Except(vec![reports.clone()]),
+            ..fast_config()
+        },
+    );
+    let task_cfg = RelayConfig {
+        group: "reports".into(),
+        topics: TopicFilter::Only(vec![reports.clone()]),
+        ..fast_config()
+    };
+    let t1 = RunningRelay::start(&db.pool, tasks(), task_cfg.clone());
+    let t2 = RunningRelay::start(&db.pool, tasks(), task_cfg);
+    wait::until(Duration::from_secs(60), "outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    let parked = broker_relay.stop().await.parked + t1.stop().await.parked + t2.stop().await.parked;
+    assert_eq!(parked, 0, "nothing parked");
+    let completed = completed.lock().unwrap().clone();
+    assert_eq!(
+        completed
+            .keys()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>(),
+        task_ids,
+        "every task ran (and no broker event was run as a task)"
+    );
+    assert!(
+        completed.values().all(|&n| n == 1),
+        "each task completed once"
+    );
+    let records = kafka::read_all(&svc.bootstrap, &events, 500, Duration::from_secs(30)).await;
+    assert_eq!(
+        kafka::event_ids(&records),
+        broker_ids,
+        "every broker event reached Kafka"
+    );
+}
