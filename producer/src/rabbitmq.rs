@@ -441,6 +441,7 @@ impl Transport for RabbitTransport {
         let link = self.link.lock().await.clone();
         if let Some(link) = link {
             let _ = tokio::time::timeout(timeout, link.channel.wait_for_confirms()).await;
+            let _ = link.channel.close(200, "postal relay stopped".into()).await;
             let _ = link
                 .connection
                 .close(200, "postal relay stopped".into())
