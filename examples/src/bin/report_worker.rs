@@ -34,12 +34,11 @@ async fn request_reports(pool: &PgPool, n: i64) -> anyhow::Result<()> {
     for i in 0..n {
         let customer = format!("customer-{}", i % 5);
         let mut tx = pool.begin().await?;
-        let request_id: i64 = sqlx::query_scalar(
-            "INSERT INTO report_requests (customer) VALUES ($1) RETURNING id",
-        )
-        .bind(&customer)
-        .fetch_one(&mut *tx)
-        .await?;
+        let request_id: i64 =
+            sqlx::query_scalar("INSERT INTO report_requests (customer) VALUES ($1) RETURNING id")
+                .bind(&customer)
+                .fetch_one(&mut *tx)
+                .await?;
         let task = ReportRequested {
             request_id,
             customer: customer.clone(),
