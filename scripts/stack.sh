@@ -194,14 +194,20 @@ rabbit_up() {
   echo "loopback_users = none" > "$d/rabbitmq.conf"
   log "starting rabbitmq on 127.0.0.1:$AMQP_PORT"
   (
-    export HOME="$d" RABBITMQ_NODENAME="postal-stack@localhost" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+    export HOME="$d" RABBITMQ_NODENAME="postal-stack-$AMQP_PORT@localhost" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
       RABBITMQ_NODE_PORT="$AMQP_PORT" RABBITMQ_DIST_PORT="$((AMQP_PORT + 1))" \
       RABBITMQ_MNESIA_BASE="$d/mnesia" RABBITMQ_LOG_BASE="$d/log" RABBITMQ_CONFIG_FILE="$d/rabbitmq" \
       RABBITMQ_ENABLED_PLUGINS_FILE="$d/enabled_plugins" RABBITMQ_PID_FILE="$d/beam.pid" RABBITMQ_LOGS=-
     exec "$RABBITMQ_BIN" >>"$d/rabbitmq.log" 2>&1 </dev/null
   ) &
-  echo $! > "$d/wrapper.pid"
-  wait_port "$AMQP_PORT" 90 || { tail -20 "$d/rabbitmq.log" >&2; die "rabbitmq did not open port $AMQP_PORT"; }
+  local pid=$!
+  echo "$pid" > "$d/wrapper.pid"
+  for _ in $(seq 1 900); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$AMQP_PORT") 2>/dev/null; then return 0; fi
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$d/rabbitmq.log" >&2; die "rabbitmq exited during start-up (log: $d/rabbitmq.log)"; }
+    sleep 0.1
+  done
+  tail -20 "$d/rabbitmq.log" >&2; die "rabbitmq did not open port $AMQP_PORT"
 }
 
 rabbit_down() {

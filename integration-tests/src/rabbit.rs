@@ -186,6 +186,16 @@ pub async fn wait_ready(url: &str, timeout: Duration) -> Result<(), String> {
 /// Declares the durable topic `exchange` (as the relay does) and a durable queue bound to it
 /// with `binding`; returns the queue name.
 pub async fn bind_queue(url: &str, exchange: &str, binding: &str) -> String {
+    bind_queue_with(url, exchange, binding, FieldTable::default()).await
+}
+
+/// [`bind_queue`] with queue arguments (`x-max-length`, `x-overflow`, …).
+pub async fn bind_queue_with(
+    url: &str,
+    exchange: &str,
+    binding: &str,
+    arguments: FieldTable,
+) -> String {
     let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect");
@@ -208,7 +218,7 @@ pub async fn bind_queue(url: &str, exchange: &str, binding: &str) -> String {
             durable: true,
             ..Default::default()
         },
-        FieldTable::default(),
+        arguments,
     )
     .await
     .expect("declare queue");

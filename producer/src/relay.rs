@@ -458,7 +458,17 @@ impl CompleteCtx {
         let mut failures = Vec::new();
         let mut any_unavailable = false;
         let streak = self.unavailable_streak.load(Ordering::Relaxed);
+        // Keys with a failed event earlier in this batch: their later failures were caused by
+        // (or queued behind) it and do not count as attempts of their own.
+        let mut failed_keys: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for (event, outcome) in batch.iter().zip(outcomes) {
+            let outcome = match outcome {
+                Err(_) if !failed_keys.insert(event.key.as_str()) => Err(PublishError::new(
+                    FailureKind::HeldBack,
+                    "an earlier event of this key failed",
+                )),
+                other => other,
+            };
             match outcome {
                 Ok(()) => published.push(event.seq),
                 Err(err) if err.kind == FailureKind::HeldBack => failures.push(Failure {

@@ -173,6 +173,89 @@ async fn unroutable_and_oversized_events_are_parked_with_reason() {
     assert_eq!(seen, ok, "other keys flowed");
 }
 
+/// Guarantee: a message RabbitMQ nacks (here: its queue is full and rejects publishes) is a
+/// failed attempt with the reason recorded; after `max_attempts` it is parked, holding back the
+/// later events of its key only, while another key's event on an open exchange flows.
+#[tokio::test]
+async fn nacked_event_is_retried_then_parked_with_reason() {
+    use lapin::types::{AMQPValue, FieldTable};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let mq = Rabbit::get().await;
+    let full = unique("rmq-full");
+    let open = unique("rmq-open");
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    rabbit::bind_queue_with(&mq.url(), &full, "#", args).await;
+    let open_queue = rabbit::bind_queue(&mq.url(), &open, "#").await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(
+            enqueue(
+                &mut conn,
+                NewEvent::json(full.as_str(), "k", "e", &i).unwrap(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let other = enqueue(
+        &mut conn,
+        NewEvent::json(open.as_str(), "other", "e", &0).unwrap(),
+    )
+    .await
+    .unwrap();
+    let relay = RunningRelay::start(
+        &db.pool,
+        transport(&mq.url()),
+        RelayConfig {
+            max_attempts: 2,
+            ..fast_config()
+        },
+    );
+    wait::until(
+        Duration::from_secs(60),
+        "the nacked event parked",
+        || async { parked(&db.pool).await.len() == 1 },
+    )
+    .await;
+    relay.stop().await;
+    let p = parked(&db.pool).await;
+    assert!(p[0].1.contains("nacked"), "{}", p[0].1);
+    let (first_status, third_status): (Option<String>, Option<String>) = (
+        sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+            .bind(ids[0].as_uuid())
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap(),
+        sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+            .bind(ids[2].as_uuid())
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        first_status, None,
+        "the first event was confirmed into the queue"
+    );
+    assert_eq!(
+        third_status.as_deref(),
+        Some("pending"),
+        "the key's later event waits"
+    );
+    let messages = rabbit::read_all(&mq.url(), &open_queue, 1, Duration::from_secs(30)).await;
+    assert_eq!(
+        messages[0].message_id,
+        Some(other.to_string()),
+        "the other key flowed"
+    );
+}
+
 /// Guarantee: a relay that dies after RabbitMQ confirmed but before marking loses nothing: its
 /// claim ends with it, and the events are published again under the same message ids.
 #[tokio::test]
