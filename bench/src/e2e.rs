@@ -19,7 +19,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::{create_topic, fresh_db, percentile};
+use crate::{create_topic, fresh_db, percentile, receive_times};
 
 /// Options of the end-to-end benchmark.
 pub struct E2eOpts {
@@ -29,6 +29,8 @@ pub struct E2eOpts {
     pub max_batch: usize,
     pub linger_ms: u32,
     pub fetch_wait_ms: u32,
+    pub in_flight: usize,
+    pub lanes: usize,
 }
 
 /// The ledger handler of the benchmark.
@@ -51,14 +53,21 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
         opts.rate, opts.seconds, opts.partitions, opts.max_batch, opts.linger_ms, opts.fetch_wait_ms
     );
     for listen in [true, false] {
-        let (p50, p99, n) = postal_run(url, bootstrap, &opts, listen).await?;
+        let r = postal_run(url, bootstrap, &opts, listen).await?;
         println!(
-            "  order commit -> ledger commit, {}: {n} orders, p50 {p50:.1} ms  p99 {p99:.1} ms",
+            "  order commit -> ledger commit, {}: {} orders, p50 {:.1} ms  p99 {:.1} ms",
             if listen {
                 "LISTEN/NOTIFY wake-up (+1 s safety poll)"
             } else {
                 "polling only (relay default, every 1 s)"
-            }
+            },
+            r.n,
+            r.p50,
+            r.p99
+        );
+        println!(
+            "    of which order commit -> plain consumer of the topic (relay + broker): {} records, p50 {:.1} ms  p99 {:.1} ms",
+            r.broker_n, r.broker_p50, r.broker_p99
         );
     }
     let (p50, p99, n) = broker_run(bootstrap, &opts).await?;
@@ -71,7 +80,7 @@ async fn postal_run(
     bootstrap: &str,
     opts: &E2eOpts,
     listen: bool,
-) -> anyhow::Result<(f64, f64, usize)> {
+) -> anyhow::Result<Run> {
     let pool = fresh_db(url, 24).await?;
     sqlx::raw_sql(
         "CREATE TABLE orders (id bigserial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
@@ -82,6 +91,13 @@ async fn postal_run(
     .await?;
     let topic = format!("bench-e2e-{}", uuid::Uuid::now_v7().simple());
     create_topic(bootstrap, &topic, opts.partitions).await?;
+    // A plain consumer on the same topic splits the path: order → broker → plain consumer
+    // (relay and broker) versus order → ledger commit (plus Postal's consumer).
+    let stop_reader = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (bootstrap, topic, stop) = (bootstrap.to_owned(), topic.clone(), stop_reader.clone());
+        tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, usize::MAX, &stop))
+    };
 
     let mut kcfg = KafkaConfig::new(bootstrap);
     kcfg.properties
@@ -91,6 +107,8 @@ async fn postal_run(
         KafkaTransport::new(kcfg)?,
         RelayConfig {
             listen,
+            max_in_flight_batches: opts.in_flight,
+            lanes: opts.lanes,
             ..RelayConfig::default()
         },
     )?;
@@ -176,7 +194,47 @@ async fn postal_run(
     .fetch_all(&pool)
     .await?;
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99), lat.len()))
+    stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
+    let received: std::collections::HashMap<String, std::time::SystemTime> =
+        reader.await??.into_iter().collect();
+    let created: Vec<(uuid::Uuid, f64)> = sqlx::query_as(
+        "SELECT l.event_id, extract(epoch FROM o.created_at)::float8
+         FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1",
+    )
+    .bind(warmup_orders)
+    .fetch_all(&pool)
+    .await?;
+    let mut to_broker: Vec<f64> = created
+        .iter()
+        .filter_map(|(id, at)| {
+            let got = received.get(&id.to_string())?;
+            let got = got
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_secs_f64();
+            Some((got - at) * 1000.0)
+        })
+        .collect();
+    to_broker.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(Run {
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+        n: lat.len(),
+        broker_p50: percentile(&to_broker, 0.5),
+        broker_p99: percentile(&to_broker, 0.99),
+        broker_n: to_broker.len(),
+    })
+}
+
+/// Latencies of one Postal run.
+struct Run {
+    p50: f64,
+    p99: f64,
+    n: usize,
+    /// Order → plain consumer on the same topic.
+    broker_p50: f64,
+    broker_p99: f64,
+    broker_n: usize,
 }
 
 async fn create_order(pool: &PgPool, topic: &str) -> anyhow::Result<()> {

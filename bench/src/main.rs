@@ -119,6 +119,12 @@ enum Command {
         /// Consumer `fetch.wait.max.ms`.
         #[arg(long, default_value_t = 10)]
         fetch_wait_ms: u32,
+        /// Relay batches awaiting acknowledgement at once.
+        #[arg(long, default_value_t = 4)]
+        in_flight: usize,
+        /// Relay claim lanes.
+        #[arg(long, default_value_t = 2)]
+        lanes: usize,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
     /// Postal's relay next to a raw lapin publisher with confirms.
@@ -214,6 +220,8 @@ async fn main() -> anyhow::Result<()> {
             max_batch,
             linger_ms,
             fetch_wait_ms,
+            in_flight,
+            lanes,
         } => {
             let opts = e2e::E2eOpts {
                 rate,
@@ -222,6 +230,8 @@ async fn main() -> anyhow::Result<()> {
                 max_batch,
                 linger_ms,
                 fetch_wait_ms,
+                in_flight,
+                lanes,
             };
             e2e::e2e_bench(&cli.database_url, &cli.bootstrap, opts).await
         }
@@ -675,7 +685,8 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
         let reader = {
             let bootstrap = bootstrap.to_owned();
             let topic = topic.clone();
-            tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, n))
+            let never = std::sync::atomic::AtomicBool::new(false);
+            tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, n, &never))
         };
         tokio::time::sleep(Duration::from_millis(1500)).await; // let the reader join its partitions
         let mut commits = std::collections::HashMap::new();
@@ -718,10 +729,13 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
     Ok(())
 }
 
+/// Reads `topic` from the beginning with a plain consumer, noting when each event id arrived,
+/// until `n` records, `stop` is set, or two minutes.
 fn receive_times(
     bootstrap: &str,
     topic: &str,
     n: usize,
+    stop: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<Vec<(String, std::time::SystemTime)>> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -742,8 +756,11 @@ fn receive_times(
     }
     consumer.assign(&tpl)?;
     let deadline = Instant::now() + Duration::from_secs(120);
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n && Instant::now() < deadline {
+    let mut out = Vec::with_capacity(n.min(1 << 20));
+    while out.len() < n
+        && Instant::now() < deadline
+        && !stop.load(std::sync::atomic::Ordering::Relaxed)
+    {
         if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
             let at = std::time::SystemTime::now();
             if let Some(h) = m.headers() {
