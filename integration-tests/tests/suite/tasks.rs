@@ -372,3 +372,108 @@ async fn relay_groups_share_one_outbox_by_topic() {
         "every broker event reached Kafka"
     );
 }
+
+/// The example task worker's binary (built next to this test binary by `cargo test
+/// --all-targets` / `scripts/test.sh`, or in `POSTAL_BIN_DIR`).
+fn report_worker() -> std::path::PathBuf {
+    let dir = match std::env::var("POSTAL_BIN_DIR") {
+        Ok(d) => std::path::PathBuf::from(d),
+        Err(_) => std::env::current_exe()
+            .expect("test binary path")
+            .parent()
+            .and_then(std::path::Path::parent)
+            .expect("target directory")
+            .to_owned(),
+    };
+    let bin = dir.join("report_worker");
+    assert!(
+        bin.is_file(),
+        "{} missing: cargo build -p postal-examples",
+        bin.display()
+    );
+    bin
+}
+
+/// Guarantee (real process, kill -9): a task-worker process killed while its handlers run
+/// loses no task and stores no report twice: another worker process runs the killed tasks
+/// once the dead one's lease has passed (not before), and every request gets exactly one report.
+#[tokio::test]
+async fn task_worker_process_killed_mid_run_loses_nothing() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let worker = |reports: &str, work_ms: &str, exit_when_done: &str| {
+        std::process::Command::new(report_worker())
+            .env("DATABASE_URL", &db.url)
+            .env("REPORTS", reports)
+            .env("REPORT_MS", work_ms)
+            .env("POSTAL_LEASE_SECS", "3")
+            .env("EXIT_WHEN_DONE", exit_when_done)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn report_worker")
+    };
+    // 20 requests over 5 customers (keys), 1.5 s of work each: 4 s+ per key, run per key in order.
+    let mut a = worker("20", "1500", "0");
+    let reports = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM reports")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    wait::until(Duration::from_secs(60), "the first reports stored", || {
+        let pool = db.pool.clone();
+        async move { reports(pool).await > 0 }
+    })
+    .await;
+    let done_before = reports(db.pool.clone()).await;
+    assert!(
+        done_before < 20,
+        "killed mid-run ({done_before} of 20 done)"
+    );
+    a.kill().expect("kill -9");
+    a.wait().unwrap();
+    let killed_at: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let mut b = worker("0", "50", "1");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(s) = b.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "worker B did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "worker B exited with {status}");
+    let (requests, reports_n, distinct): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM report_requests), (SELECT count(*) FROM reports),
+                (SELECT count(DISTINCT request_id) FROM reports)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (requests, reports_n, distinct),
+        (20, 20, 20),
+        "one report per request"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "no task pending or parked");
+    let first_by_b: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT min(created_at) FROM reports WHERE created_at > $1")
+            .bind(killed_at)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let waited = (first_by_b - killed_at).to_std().unwrap_or_default();
+    assert!(
+        waited >= Duration::from_millis(1500),
+        "B ran the killed tasks only after A's lease (3 s, renewed every 1 s) ran out: {waited:?}"
+    );
+}
