@@ -102,6 +102,40 @@ pub struct TestDb {
     pub url: String,
     /// Database name.
     pub name: String,
+    admin_url: String,
+}
+
+impl Drop for TestDb {
+    /// Drops the test's database when the test passed (tests create one each, and a dev
+    /// server would otherwise fill its disk); keeps it, and says so, when the test failed or
+    /// `POSTAL_TEST_KEEP` is set.
+    fn drop(&mut self) {
+        if std::thread::panicking() || std::env::var_os("POSTAL_TEST_KEEP").is_some() {
+            eprintln!("keeping test database {}", self.name);
+            return;
+        }
+        let (admin_url, name) = (self.admin_url.clone(), self.name.clone());
+        // Drop runs inside the test's runtime: do the async work on a thread of its own.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let opts: PgConnectOptions = admin_url.parse()?;
+                let mut admin = opts.connect().await?;
+                admin
+                    .execute(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)").as_str())
+                    .await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            })
+            .map_err(|e| e.to_string())
+        })
+        .join();
+        if let Ok(Err(e)) = dropped {
+            eprintln!("could not drop test database {}: {e}", self.name);
+        }
+    }
 }
 
 impl Services {
@@ -137,7 +171,12 @@ pub async fn create_db(admin_url: &str) -> TestDb {
         .connect_with(opts)
         .await
         .expect("connect to test database");
-    TestDb { pool, url, name }
+    TestDb {
+        pool,
+        url,
+        name,
+        admin_url: admin_url.to_owned(),
+    }
 }
 
 /// A unique name with a readable prefix, for topics, groups and consumer names.
