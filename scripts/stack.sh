@@ -9,7 +9,8 @@
 #   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu / rabbitmq-server if missing
 #
 # Ports: POSTAL_PG_PORT (default 55432), POSTAL_KAFKA_PORT (default 59092), POSTAL_AMQP_PORT
-# (default 55672; Erlang distribution on the next port). POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
+# (default 25672, below Linux's ephemeral range so that no client socket can hold it while the
+# node boots; Erlang distribution on the next port). POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
 # Storage: --storage or POSTAL_BROKER_STORAGE: memory (default; fast, for benchmarks) or
 # sqlite (durable, .stack/tansu/tansu.db; survives kill -9 and restart).
 set -euo pipefail
@@ -21,7 +22,7 @@ KAFKA_PORT="${POSTAL_KAFKA_PORT:-59092}"
 STORAGE="${POSTAL_BROKER_STORAGE:-memory}"
 TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
-AMQP_PORT="${POSTAL_AMQP_PORT:-55672}"
+AMQP_PORT="${POSTAL_AMQP_PORT:-25672}"
 RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
 WITH_RABBITMQ=1
 [ "${POSTAL_NO_RABBITMQ:-0}" = "1" ] && WITH_RABBITMQ=0

@@ -15,7 +15,16 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
-use crate::free_port;
+/// A free TCP port on loopback below Linux's ephemeral range (32768+): a node that takes
+/// seconds to bind its port must not find it held by a client socket meanwhile (including a
+/// readiness probe that connected to itself).
+fn free_low_port() -> u16 {
+    let start = (uuid::Uuid::now_v7().as_u128() % 10_000) as u16;
+    (0..10_000u16)
+        .map(|i| 20_000 + (start + i) % 10_000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port between 20000 and 29999")
+}
 
 /// The `rabbitmq-server` start script (`POSTAL_RABBITMQ_BIN` overrides it).
 pub fn rabbitmq_bin() -> PathBuf {
@@ -45,8 +54,8 @@ impl PrivateRabbit {
         let mut r = PrivateRabbit {
             name: format!("postal-{}@localhost", &id[id.len() - 12..]),
             dir,
-            port: free_port(),
-            dist_port: free_port(),
+            port: free_low_port(),
+            dist_port: free_low_port(),
             child: None,
         };
         r.restart().await;
