@@ -37,16 +37,22 @@ tansu_bin() {
   echo ""
 }
 
+# apt_install PACKAGE EXECUTABLE: installs the Debian package that provides EXECUTABLE.
+apt_install() {
+  local pkg="$1" exe="$2"
+  log "$exe missing: installing the Debian package $pkg"
+  command -v apt-get >/dev/null || die "no $exe and no apt-get to install $pkg"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  # policy-rc.d keeps the package from starting its own server.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+  [ -x "$exe" ] || die "$pkg installed but $exe is missing"
+}
+
 ensure_postgres() {
   if [ -x "$PG_BIN/initdb" ]; then return; fi
-  log "PostgreSQL 15 binaries missing: installing the Debian package"
-  command -v apt-get >/dev/null || die "no $PG_BIN/initdb and no apt-get to install postgresql-15"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-  # policy-rc.d keeps the package from starting its own cluster.
-  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null
-  rm -f /usr/sbin/policy-rc.d
-  [ -x "$PG_BIN/initdb" ] || die "postgresql-15 installed but $PG_BIN/initdb is missing"
+  apt_install postgresql-15 "$PG_BIN/initdb"
 }
 
 ensure_tansu() {
@@ -58,14 +64,7 @@ ensure_tansu() {
 
 ensure_rabbitmq() {
   if [ -x "$RABBITMQ_BIN" ]; then return; fi
-  log "rabbitmq-server missing: installing the Debian package"
-  command -v apt-get >/dev/null || die "no $RABBITMQ_BIN and no apt-get to install rabbitmq-server"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-  # policy-rc.d keeps the package from starting its own node.
-  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
-  rm -f /usr/sbin/policy-rc.d
-  [ -x "$RABBITMQ_BIN" ] || die "rabbitmq-server installed but $RABBITMQ_BIN is missing"
+  apt_install rabbitmq-server "$RABBITMQ_BIN"
 }
 
 # initdb refuses to run as root, so the cluster belongs to the postgres user, who must be able to

@@ -121,29 +121,8 @@ impl Claim {
 ///
 /// A row is publishable when it is pending, due (`available_at` passed), not claimed by anyone
 /// else, and no earlier row of its key holds it back (parked, waiting for a retry, or
-/// scheduled for later).
+/// scheduled for later). Only topics that `topics` lets through are claimed.
 pub async fn claim(
-    pool: &PgPool,
-    relay: Uuid,
-    partitions: &[i16],
-    limit: usize,
-    lease: Duration,
-    delete_on_claim: bool,
-) -> Result<Option<Claim>, sqlx::Error> {
-    claim_topics(
-        pool,
-        relay,
-        partitions,
-        limit,
-        lease,
-        delete_on_claim,
-        &TopicFilter::All,
-    )
-    .await
-}
-
-/// [`claim`], limited to the topics `topics` lets through.
-pub async fn claim_topics(
     pool: &PgPool,
     relay: Uuid,
     partitions: &[i16],

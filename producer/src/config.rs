@@ -90,7 +90,7 @@ impl Default for RelayConfig {
             delete_on_publish: true,
             retention: None,
             shutdown_timeout: Duration::from_secs(20),
-            group: "default".into(),
+            group: crate::lease::DEFAULT_GROUP.into(),
             topics: TopicFilter::All,
         }
     }

@@ -18,26 +18,15 @@ use uuid::Uuid;
 
 use crate::claim::KEY_PARTITIONS;
 
-/// Heartbeats, then computes this relay's share and returns the partitions it now holds.
+/// The group of relays that do not name one.
+pub const DEFAULT_GROUP: &str = "default";
+
+/// Heartbeats in relay group `group`, then computes this relay's share of the partitions among
+/// the group's live members and returns the partitions it now holds.
 ///
 /// `release_ok` says whether partitions may be given up now (the caller has drained its
 /// in-flight batches); if not, partitions to give away are kept and renewed until next time.
 pub async fn heartbeat(
-    pool: &PgPool,
-    relay: Uuid,
-    host: &str,
-    lease: Duration,
-    held: &[i16],
-    release_ok: bool,
-) -> Result<Lease, sqlx::Error> {
-    heartbeat_in(pool, DEFAULT_GROUP, relay, host, lease, held, release_ok).await
-}
-
-/// The group of relays that do not name one.
-pub const DEFAULT_GROUP: &str = "default";
-
-/// [`heartbeat`] in relay group `group`: the partitions are split among its live members only.
-pub async fn heartbeat_in(
     pool: &PgPool,
     group: &str,
     relay: Uuid,

@@ -187,7 +187,7 @@ impl<T: Transport> Shared<T> {
         let mut failures = 0u32;
         loop {
             let held = self.owned.read().expect("owned lock").clone();
-            let mut result = lease::heartbeat_in(
+            let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
                 self.id,
@@ -206,7 +206,7 @@ impl<T: Transport> Shared<T> {
                         tokio::time::timeout(self.config.lease / 3, self.slots.acquire_many(all))
                             .await
                     {
-                        result = lease::heartbeat_in(
+                        result = lease::heartbeat(
                             &self.pool,
                             &self.config.group,
                             self.id,
@@ -343,7 +343,7 @@ impl<T: Transport> Shared<T> {
             // The claim is not raced against shutdown: it is short and bounded, and its
             // transaction is then either completed or rolled back.
             let claim_started = Instant::now();
-            let claimed = claim::claim_topics(
+            let claimed = claim::claim(
                 &self.pool,
                 self.id,
                 &partitions,

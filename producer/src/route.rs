@@ -161,6 +161,12 @@ impl Transport for Router {
                 None => unrouted.push(i),
             }
         }
+        // The common case, one destination for the whole batch: no copies.
+        if unrouted.is_empty() {
+            if let Some(d) = groups.iter().position(|g| g.len() == batch.len()) {
+                return self.destinations[d].1.send_dyn(batch).await;
+            }
+        }
         let mut parts = Vec::new();
         for (d, positions) in groups.into_iter().enumerate() {
             if positions.is_empty() {

@@ -77,6 +77,37 @@ pub fn fast_config() -> RelayConfig {
     }
 }
 
+/// Claims up to 1,000 rows of every partition as a fresh relay that will "die" holding them
+/// (the caller drops the claim without recording it, as when the process is killed).
+pub async fn claim_as_doomed_relay(pool: &PgPool) -> postal_producer::claim::Claim {
+    use postal_producer::{claim, lease};
+    let doomed = uuid::Uuid::now_v7();
+    let held = lease::heartbeat(
+        pool,
+        lease::DEFAULT_GROUP,
+        doomed,
+        "",
+        Duration::from_secs(3),
+        &[],
+        true,
+    )
+    .await
+    .unwrap();
+    assert_eq!(held.held.len(), 256, "a lone relay holds every partition");
+    claim::claim(
+        pool,
+        doomed,
+        &claim::all_partitions(),
+        1000,
+        Duration::from_secs(60),
+        true,
+        &postal_producer::TopicFilter::All,
+    )
+    .await
+    .unwrap()
+    .expect("rows to claim")
+}
+
 /// Rows in the outbox.
 pub async fn outbox_count(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM postal.outbox")

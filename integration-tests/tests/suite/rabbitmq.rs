@@ -9,8 +9,7 @@ use std::time::Duration;
 use postal_integration_tests::rabbit::{self, PrivateRabbit, Rabbit};
 use postal_integration_tests::{kafka, services, unique, wait};
 use postal_producer::{
-    claim, enqueue, ContentType, NewEvent, RabbitConfig, RabbitTransport, RelayConfig, Router,
-    Transport,
+    enqueue, ContentType, NewEvent, RabbitConfig, RabbitTransport, RelayConfig, Router, Transport,
 };
 use sqlx::PgPool;
 
@@ -266,21 +265,7 @@ async fn relay_killed_between_confirm_and_mark_republishes_same_message_id() {
     let topic = unique("rmq-crash");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
     let ids = seed(&db.pool, &topic, 300, 30).await;
-    let crashed = uuid::Uuid::now_v7();
-    postal_producer::lease::heartbeat(&db.pool, crashed, "", Duration::from_secs(3), &[], true)
-        .await
-        .unwrap();
-    let mut claimed = claim::claim(
-        &db.pool,
-        crashed,
-        &claim::all_partitions(),
-        1000,
-        Duration::from_secs(60),
-        true,
-    )
-    .await
-    .unwrap()
-    .expect("rows to claim");
+    let mut claimed = crate::common::claim_as_doomed_relay(&db.pool).await;
     let batch = claimed.take_events();
     assert_eq!(batch.len(), 300);
     let t = transport(&mq.url());

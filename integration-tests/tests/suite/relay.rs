@@ -7,7 +7,7 @@ use std::time::Duration;
 use postal_integration_tests::private::PrivateBroker;
 use postal_integration_tests::{kafka, services, unique, wait};
 use postal_producer::{
-    claim, enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, RelayConfig,
+    enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, RelayConfig,
     Transport,
 };
 use sqlx::PgPool;
@@ -168,25 +168,7 @@ async fn crash_between_publish_and_mark_republishes_same_ids() {
     let db = svc.fresh_db().await;
     let topic = unique("crash");
     let ids = seed(&db.pool, &topic, 200, 20).await;
-    // The "crashed" relay: claims, publishes, and dies before recording the outcome (its
-    // transaction ends without a commit, as when the process is killed).
-    let crashed = uuid::Uuid::now_v7();
-    let lease =
-        postal_producer::lease::heartbeat(&db.pool, crashed, "", Duration::from_secs(3), &[], true)
-            .await
-            .unwrap();
-    assert_eq!(lease.held.len(), 256, "a lone relay holds every partition");
-    let mut claimed = claim::claim(
-        &db.pool,
-        crashed,
-        &claim::all_partitions(),
-        1000,
-        Duration::from_secs(60),
-        true,
-    )
-    .await
-    .unwrap()
-    .expect("rows to claim");
+    let mut claimed = crate::common::claim_as_doomed_relay(&db.pool).await;
     let batch = claimed.take_events();
     assert_eq!(batch.len(), 200);
     let transport = kafka_transport(&svc.bootstrap);
