@@ -796,6 +796,9 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
         async move {
             sqlx::query("ANALYZE postal.outbox").execute(&pool).await?;
             let mut tx = pool.begin().await?;
+            sqlx::query(postal_producer::claim::PLAN_SETTINGS)
+                .execute(&mut *tx)
+                .await?;
             let plan: Vec<String> = sqlx::query_scalar(&format!(
                 "EXPLAIN (ANALYZE, BUFFERS) {}",
                 postal_producer::claim::CLAIM_DELETE
