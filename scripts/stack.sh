@@ -8,17 +8,17 @@
 #   scripts/stack.sh status                         say what runs
 #   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu / rabbitmq-server if missing
 #
-# Ports: POSTAL_PG_PORT (default 55432), POSTAL_KAFKA_PORT (default 59092), POSTAL_AMQP_PORT
-# (default 25672, below Linux's ephemeral range so that no client socket can hold it while the
-# node boots; Erlang distribution on the next port). POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
+# Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092), POSTAL_AMQP_PORT
+# (default 25672; Erlang distribution on the next port). All below Linux's ephemeral range
+# (32768+), so that no client socket can hold them while a server boots. POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
 # Storage: --storage or POSTAL_BROKER_STORAGE: memory (default; fast, for benchmarks) or
 # sqlite (durable, .stack/tansu/tansu.db; survives kill -9 and restart).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${POSTAL_STACK_DIR:-$ROOT/.stack}"
-PG_PORT="${POSTAL_PG_PORT:-55432}"
-KAFKA_PORT="${POSTAL_KAFKA_PORT:-59092}"
+PG_PORT="${POSTAL_PG_PORT:-15432}"
+KAFKA_PORT="${POSTAL_KAFKA_PORT:-19092}"
 STORAGE="${POSTAL_BROKER_STORAGE:-memory}"
 TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
@@ -114,7 +114,9 @@ max_wal_size = 2GB
 CONF
   fi
   log "starting postgres on 127.0.0.1:$PG_PORT"
-  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
+  # The port on the command line wins over the one initdb wrote, so POSTAL_PG_PORT also
+  # applies to an existing cluster.
+  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$STACK/pg/postgres.log" >&2; die "postgres did not start"; }
 }
 
