@@ -62,6 +62,9 @@ enum Command {
         /// Relay instance counts to run, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
         instances: Vec<usize>,
+        /// Rounds over the instance counts (interleaved: 1,2,4,1,2,4,…); medians are reported.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
@@ -177,6 +180,7 @@ async fn main() -> anyhow::Result<()> {
             in_flight,
             lanes,
             instances,
+            repeat,
             relay_only,
         } => {
             let opts = RelayOpts {
@@ -188,6 +192,7 @@ async fn main() -> anyhow::Result<()> {
                 in_flight,
                 lanes,
                 instances,
+                repeat,
                 relay_only,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
@@ -327,6 +332,7 @@ struct RelayOpts {
     in_flight: usize,
     lanes: usize,
     instances: Vec<usize>,
+    repeat: usize,
     relay_only: bool,
 }
 
@@ -466,8 +472,9 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     }
 
     // (a) Postal's relay, with 1, 2 and 4 instances on the same backlog size.
-    let mut a_rates = Vec::new();
-    for &instances in &o.instances {
+    let mut a_rates: Vec<(usize, f64)> = Vec::new();
+    let rounds = o.repeat.max(1);
+    for instances in (0..rounds).flat_map(|_| o.instances.iter().copied()) {
         let topic = format!("bench-relay-{instances}-{}", uuid::Uuid::now_v7().simple());
         create_topic(bootstrap, &topic, 12).await?;
         let mut stops = Vec::new();
@@ -553,7 +560,26 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             o.lanes, o.batch_size, o.in_flight
         );
     }
-    let a1 = a_rates.first().map(|r| r.1).unwrap_or(f64::NAN);
+    let mut medians = Vec::new();
+    for &instances in &o.instances {
+        let mut r: Vec<f64> = a_rates
+            .iter()
+            .filter(|(i, _)| *i == instances)
+            .map(|(_, r)| *r)
+            .collect();
+        r.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        if rounds > 1 {
+            println!(
+                "(a) {instances} instance(s): median {:.0} events/s over {} rounds (min {:.0}, max {:.0})",
+                r[r.len() / 2],
+                r.len(),
+                r[0],
+                r[r.len() - 1]
+            );
+        }
+        medians.push(r[r.len() / 2]);
+    }
+    let a1 = medians.first().copied().unwrap_or(f64::NAN);
     let ceiling = c_rate.min(d_rate);
     println!();
     println!("(a)/min(c,d) = {:.2}  (target >= 0.60)", a1 / ceiling);
@@ -803,7 +829,7 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
                 "EXPLAIN (ANALYZE, BUFFERS) {}",
                 postal_producer::claim::CLAIM_DELETE
             ))
-            .bind(None::<Vec<i16>>)
+            .bind(None::<Vec<bool>>)
             .bind(2000i64)
             .bind("30000ms")
             .bind(None::<Vec<String>>)
