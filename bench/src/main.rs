@@ -801,55 +801,113 @@ fn receive_times(
 
 async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Result<()> {
     let pool = fresh_db(url, 2).await?;
-    let insert = |status: &'static str, n: i64| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query(
-                "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status, published_at)
-                 SELECT postal.uuid_v7(), 'bench', 'key-' || (g % 1000), 'bench.event',
-                        convert_to(repeat('x', 200), 'UTF8'), $1,
-                        CASE WHEN $1 = 'published' THEN now() - interval '1 day' END
-                 FROM generate_series(1, $2) g",
-            )
-            .bind(status)
-            .bind(n)
-            .execute(&pool)
-            .await
-        }
-    };
-    let explain = |label: String| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query("ANALYZE postal.outbox").execute(&pool).await?;
-            let mut tx = pool.begin().await?;
-            sqlx::query(postal_producer::claim::PLAN_SETTINGS)
-                .execute(&mut *tx)
-                .await?;
-            let plan: Vec<String> = sqlx::query_scalar(&format!(
-                "EXPLAIN (ANALYZE, BUFFERS) {}",
-                postal_producer::claim::CLAIM_DELETE
-            ))
-            .bind(None::<Vec<bool>>)
-            .bind(2000i64)
-            .bind("30000ms")
-            .bind(None::<Vec<String>>)
-            .bind(None::<Vec<String>>)
-            .fetch_all(&mut *tx)
-            .await?;
-            tx.rollback().await?;
-            println!("--- {label}");
-            for line in plan {
-                println!("{line}");
-            }
-            anyhow::Ok(())
-        }
-    };
-    insert("pending", pending).await?;
-    explain(format!("claim of 2000 rows: {pending} pending, no history")).await?;
-    insert("published", published).await?;
-    explain(format!(
-        "claim of 2000 rows: {pending} pending, {published} retained published rows"
-    ))
+    explain_insert(&pool, "pending", pending).await?;
+    explain_claim(&pool, &format!("claim of 2000 rows: {pending} pending, no history"), true, true, true).await?;
+    explain_insert(&pool, "published", published).await?;
+    explain_claim(
+        &pool,
+        &format!("claim of 2000 rows: {pending} pending, {published} retained published rows"),
+        true,
+        true,
+        true,
+    )
     .await?;
+
+    // A backlog committed since the last ANALYZE: the statistics still describe an empty
+    // table. With and without the relay's planner settings (claim::PLAN_SETTINGS).
+    let pool = fresh_db(url, 2).await?;
+    let backlog = 300_000;
+    explain_insert(&pool, "pending", backlog).await?;
+    for settings in [false, true] {
+        explain_claim(
+            &pool,
+            &format!(
+                "fresh backlog of {backlog} rows, statistics not yet updated, planner settings {}",
+                if settings { "of the relay" } else { "default" }
+            ),
+            false,
+            settings,
+            false,
+        )
+        .await?;
+    }
+    // Most of the backlog published (deleted) and autovacuum not yet through: the claim walks
+    // the index entries of deleted rows at the head of the pending index.
+    sqlx::query(
+        "DELETE FROM postal.outbox WHERE seq IN (SELECT seq FROM postal.outbox ORDER BY seq LIMIT $1)",
+    )
+    .bind(backlog - 10_000)
+    .execute(&pool)
+    .await?;
+    for label in ["first claim after", "second claim after"] {
+        explain_claim(
+            &pool,
+            &format!("{label} {} rows were published and deleted, before VACUUM", backlog - 10_000),
+            false,
+            true,
+            false,
+        )
+        .await?;
+    }
+    sqlx::query("VACUUM postal.outbox").execute(&pool).await?;
+    explain_claim(&pool, "the same after VACUUM", false, true, false).await?;
+    Ok(())
+}
+
+async fn explain_insert(pool: &PgPool, status: &str, n: i64) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status, published_at)
+         SELECT postal.uuid_v7(), 'bench', 'key-' || (g % 1000), 'bench.event',
+                convert_to(repeat('x', 200), 'UTF8'), $1,
+                CASE WHEN $1 = 'published' THEN now() - interval '1 day' END
+         FROM generate_series(1, $2) g",
+    )
+    .bind(status)
+    .bind(n)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// `EXPLAIN (ANALYZE, BUFFERS)` of the relay's claim statement (rolled back). `full` prints the
+/// whole plan, otherwise the scan of the pending rows and the totals.
+async fn explain_claim(
+    pool: &PgPool,
+    label: &str,
+    analyze: bool,
+    settings: bool,
+    full: bool,
+) -> anyhow::Result<()> {
+    if analyze {
+        sqlx::query("ANALYZE postal.outbox").execute(pool).await?;
+    }
+    let mut tx = pool.begin().await?;
+    if settings {
+        sqlx::query(postal_producer::claim::PLAN_SETTINGS)
+            .execute(&mut *tx)
+            .await?;
+    }
+    let plan: Vec<String> = sqlx::query_scalar(&format!(
+        "EXPLAIN (ANALYZE, BUFFERS) {}",
+        postal_producer::claim::CLAIM_DELETE
+    ))
+    .bind(None::<Vec<bool>>)
+    .bind(2000i64)
+    .bind("30000ms")
+    .bind(None::<Vec<String>>)
+    .bind(None::<Vec<String>>)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    println!("--- {label}");
+    for line in plan {
+        if full
+            || line.contains("on outbox o ")
+            || line.contains("Sort Method")
+            || line.contains("Execution Time")
+        {
+            println!("{line}");
+        }
+    }
     Ok(())
 }
