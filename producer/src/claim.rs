@@ -242,7 +242,7 @@ fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>)> {
 macro_rules! publishable {
     () => {
         r#"
-            SELECT o.seq
+            SELECT o.seq, o.ctid AS row_id
             FROM postal.outbox o, lease
             WHERE o.status = 'pending'
               AND o.available_at <= now()
@@ -270,7 +270,7 @@ pub const CLAIM_DELETE: &str = concat!(
      picked AS (",
     publishable!(),
     ")
-     DELETE FROM postal.outbox d WHERE d.seq = ANY(ARRAY(SELECT seq FROM picked))
+     DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT row_id FROM picked))
      RETURNING d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
                d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
                d.last_error"
@@ -284,5 +284,5 @@ const CLAIM_LOCK: &str = concat!(
      SELECT d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
             d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
             d.last_error
-     FROM postal.outbox d WHERE d.seq = ANY(ARRAY(SELECT seq FROM picked))"
+     FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT row_id FROM picked))"
 );
