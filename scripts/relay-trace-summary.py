@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Summarises the relay's per-batch trace lines ("batch recorded": events, claim_ms, send_ms,
+"""Summarises the relay's per-batch trace lines ("batch recorded": events, waited_ms (age of
+the batch's oldest event when its claim started), claim_ms, send_ms,
 ack_ms, total_ms) from a log captured with RUST_LOG=postal_producer::relay=trace.
 
     RUST_LOG="warn,postal_producer::relay=trace" ./target/release/postal-bench e2e ... > e2e.log 2>&1
@@ -8,7 +9,7 @@ ack_ms, total_ms) from a log captured with RUST_LOG=postal_producer::relay=trace
 import re
 import sys
 
-FIELDS = ("events", "claim_ms", "send_ms", "ack_ms", "total_ms")
+FIELDS = ("events", "waited_ms", "claim_ms", "send_ms", "ack_ms", "total_ms")
 rows = []
 with open(sys.argv[1], errors="replace") as f:
     for line in f:

@@ -43,7 +43,8 @@ pub fn all_partitions() -> Vec<i16> {
 macro_rules! plan_settings {
     () => {
         "set_config('enable_sort', 'off', true), set_config('enable_bitmapscan', 'off', true), \
-         set_config('enable_seqscan', 'off', true)"
+         set_config('enable_seqscan', 'off', true), \
+         set_config('plan_cache_mode', 'force_generic_plan', true)"
     };
 }
 
@@ -157,7 +158,7 @@ pub async fn claim(
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan;
     // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`).
-    let (owned, ..): (Vec<i16>, String, String, String) = sqlx::query_as(concat!(
+    let (owned, ..): (Vec<i16>, String, String, String, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
                 WHERE owner = $1 AND lease_until > now() + interval '1 second'
                   AND key_partition = ANY($2)), ",

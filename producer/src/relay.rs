@@ -389,6 +389,17 @@ impl<T: Transport> Shared<T> {
             let full = batch.len() == self.config.batch_size;
             let started = Instant::now();
             let claim_time = started - claim_started;
+            // How long the oldest event of the batch had existed when the claim started
+            // (from its `occurred_at`, normally the enqueueing transaction's start).
+            let waited_ms = if tracing::enabled!(tracing::Level::TRACE) {
+                let oldest = batch.iter().map(|e| e.occurred_at).min();
+                oldest.map_or(0.0, |t| {
+                    (chrono::Utc::now() - t).num_microseconds().unwrap_or(0) as f64 / 1e3
+                        - claim_started.elapsed().as_secs_f64() * 1e3
+                })
+            } else {
+                0.0
+            };
             let acks = self.transport.send(&batch).await;
             let send_time = started.elapsed();
             let ctx = CompleteCtx {
@@ -423,6 +434,7 @@ impl<T: Transport> Shared<T> {
                 ctx.record(claim, batch, outcomes).await;
                 tracing::trace!(
                     events = n,
+                    waited_ms,
                     claim_ms = claim_time.as_secs_f64() * 1e3,
                     send_ms = send_time.as_secs_f64() * 1e3,
                     ack_ms = acked.as_secs_f64() * 1e3,
