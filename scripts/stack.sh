@@ -6,6 +6,7 @@
 #   scripts/stack.sh down                           stop exactly what `up` started (by pid)
 #   scripts/stack.sh env                            print DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS, AMQP_URL
 #   scripts/stack.sh status                         say what runs
+#   scripts/stack.sh restart-broker [--storage …]   restart tansu only (memory storage starts empty)
 #   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu / rabbitmq-server if missing
 #
 # Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092), POSTAL_AMQP_PORT
@@ -244,6 +245,7 @@ done
 case "$cmd" in
   up) pg_up; tansu_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
   pg-up) pg_up; print_env ;;
+  restart-broker) tansu_down; tansu_up; print_env ;;
   down) rabbit_down; tansu_down; pg_down ;;
   env) print_env ;;
   ensure-tools) ensure_postgres; ensure_tansu; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
@@ -251,5 +253,5 @@ case "$cmd" in
     if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
     if pid="$(tansu_pid)"; then echo "tansu: running (pid $pid, storage $(cat "$STACK/tansu/storage" 2>/dev/null)) on 127.0.0.1:$KAFKA_PORT"; else echo "tansu: stopped"; fi
     if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

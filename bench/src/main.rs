@@ -802,7 +802,14 @@ fn receive_times(
 async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Result<()> {
     let pool = fresh_db(url, 2).await?;
     explain_insert(&pool, "pending", pending).await?;
-    explain_claim(&pool, &format!("claim of 2000 rows: {pending} pending, no history"), true, true, true).await?;
+    explain_claim(
+        &pool,
+        &format!("claim of 2000 rows: {pending} pending, no history"),
+        true,
+        true,
+        true,
+    )
+    .await?;
     explain_insert(&pool, "published", published).await?;
     explain_claim(
         &pool,
@@ -842,7 +849,10 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
     for label in ["first claim after", "second claim after"] {
         explain_claim(
             &pool,
-            &format!("{label} {} rows were published and deleted, before VACUUM", backlog - 10_000),
+            &format!(
+                "{label} {} rows were published and deleted, before VACUUM",
+                backlog - 10_000
+            ),
             false,
             true,
             false,

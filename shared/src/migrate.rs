@@ -14,7 +14,14 @@ pub const POSTAL_SCHEMA: &str = "postal";
 /// Advisory lock key held while migrating (`'postalmg'` as a 64-bit integer).
 const MIGRATE_LOCK: i64 = 0x706f_7374_616c_6d67;
 
-static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+/// Postal's migrations are additive, so a service built with an older Postal keeps working on a
+/// schema that a newer one already migrated: the migrator ignores applied migrations it does not
+/// know instead of refusing to start (services sharing one database upgrade one at a time).
+static MIGRATOR: std::sync::LazyLock<Migrator> = std::sync::LazyLock::new(|| {
+    let mut migrator = sqlx::migrate!("../migrations");
+    migrator.set_ignore_missing(true);
+    migrator
+});
 
 /// The embedded migrator, for callers that want to inspect the migrations.
 /// Use [`migrate`] to apply them: it scopes the bookkeeping table to the `postal` schema.

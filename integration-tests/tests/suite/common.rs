@@ -120,6 +120,7 @@ pub async fn outbox_count(pool: &PgPool) -> i64 {
 #[derive(Clone, Default)]
 pub struct FailureCounts {
     pub unavailable: Arc<AtomicU64>,
+    pub held_back: Arc<AtomicU64>,
     pub other: Arc<AtomicU64>,
 }
 
@@ -141,6 +142,11 @@ impl<T: Transport> Transport for Counting<T> {
                 match r {
                     Err(e) if e.kind == FailureKind::Unavailable => {
                         counts.unavailable.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Events queued behind a failed one of their key: the relay never
+                    // counts these as attempts.
+                    Err(e) if e.kind == FailureKind::HeldBack => {
+                        counts.held_back.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(_) => {
                         counts.other.fetch_add(1, Ordering::Relaxed);
