@@ -44,6 +44,8 @@ struct DeadLetterRow {
 #[derive(Serialize, sqlx::FromRow)]
 struct RelayRow {
     relay_id: uuid::Uuid,
+    /// Relay group: relays split the key partitions with the members of their own group.
+    relay_group: String,
     host: String,
     heartbeat_age_s: f64,
     partitions: i64,
@@ -69,11 +71,11 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     .fetch_one(pool)
     .await?;
     let relays: Vec<RelayRow> = sqlx::query_as(
-        "SELECT i.relay_id, i.host, extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
+        "SELECT i.relay_id, i.relay_group, i.host, extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
                 count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions
          FROM postal.relay_instances i
          LEFT JOIN postal.relay_partitions p ON p.owner = i.relay_id
-         GROUP BY i.relay_id ORDER BY i.relay_id",
+         GROUP BY i.relay_id ORDER BY i.relay_group, i.relay_id",
     )
     .fetch_all(pool)
     .await?;
@@ -144,8 +146,8 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     println!("relays:");
     for r in &status.relays {
         println!(
-            "  {}  host {:<20} heartbeat {:>6.1}s ago  partitions {}",
-            r.relay_id, r.host, r.heartbeat_age_s, r.partitions
+            "  {}  group {:<12} host {:<20} heartbeat {:>6.1}s ago  partitions {}",
+            r.relay_id, r.relay_group, r.host, r.heartbeat_age_s, r.partitions
         );
     }
     println!("consumers (positions stored beside their effects):");

@@ -146,6 +146,14 @@ fn migrate_then_status() {
             .execute(&pool)
             .await
             .unwrap();
+        // A live relay of the group `reports` (as its heartbeat leaves it).
+        sqlx::query(
+            "INSERT INTO postal.relay_instances (relay_id, relay_group, host)
+             VALUES (gen_random_uuid(), 'reports', 'worker-1')",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
     });
     let out = postal()
         .args(["status", "--json"])
@@ -161,4 +169,6 @@ fn migrate_then_status() {
     assert_eq!(status["topics"][0]["topic"], "orders");
     assert_eq!(status["topics"][0]["pending"], 1);
     assert_eq!(status["topics"][0]["failed"], 0);
+    assert_eq!(status["relays"][0]["relay_group"], "reports");
+    assert_eq!(status["relays"][0]["host"], "worker-1");
 }
