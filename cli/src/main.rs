@@ -116,6 +116,10 @@ struct RelayArgs {
     /// With --keep-published: delete published rows older than this (e.g. `14d`), in batches.
     #[arg(long, env = "POSTAL_RETENTION", value_parser = humantime::parse_duration, requires = "keep_published")]
     retention: Option<Duration>,
+    /// History mode: keep published events this long (e.g. `3d`) in `postal.outbox_history`,
+    /// partitioned by day; whole days are dropped once expired. Rows still leave the outbox.
+    #[arg(long, env = "POSTAL_HISTORY", value_parser = humantime::parse_duration, conflicts_with = "keep_published")]
+    history: Option<Duration>,
     /// Do not create missing topics: events for them are parked with an error.
     #[arg(long, env = "POSTAL_NO_CREATE_TOPICS")]
     no_create_topics: bool,
@@ -320,6 +324,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         },
         delete_on_publish: !args.keep_published,
         retention: args.retention,
+        history: args.history,
         shutdown_timeout: args.shutdown_timeout,
         group: args.group.clone(),
         topics: if !args.topics.is_empty() {

@@ -59,6 +59,29 @@ fn invalid_relay_settings_are_rejected() {
     assert!(stderr.contains("lease 10s is too short"), "{stderr}");
 
     let out = postal()
+        .args(["relay", "--history", "10s"])
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("history retention must be at least 60s"),
+        "{stderr}"
+    );
+
+    let out = postal()
+        .args(["relay", "--history", "3d", "--keep-published"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = postal()
         .args(["relay", "--kafka", "no-equals-sign"])
         .output()
         .unwrap();

@@ -82,6 +82,8 @@ pub struct Claim {
     events: Vec<OutboundEvent>,
     /// `Some` when the rows were deleted at claim time (per row, in claim order).
     deleted: Option<Vec<Kept>>,
+    /// Write acknowledged rows into `postal.outbox_history` (delete-on-claim mode only).
+    history: bool,
 }
 
 impl std::fmt::Debug for Claim {
@@ -117,10 +119,20 @@ impl Claim {
                 if !failures.is_empty() {
                     complete::restore(&mut self.tx, batch, kept_view(kept), failures).await?;
                 }
+                if self.history {
+                    complete::archive(&mut self.tx, batch, kept_view(kept), published).await?;
+                }
             }
             None => complete::mark(&mut self.tx, published, failures).await?,
         }
         self.tx.commit().await
+    }
+
+    /// History mode: when completed, acknowledged rows are also written into the
+    /// day-partitioned `postal.outbox_history` in the same transaction (delete-on-claim
+    /// claims only; see [`crate::RelayConfig::history`]).
+    pub fn keep_history(&mut self) {
+        self.history = self.deleted.is_some();
     }
 
     /// Keeps the claim's transaction from counting as idle (PostgreSQL ends a claim idle for
@@ -231,6 +243,7 @@ pub async fn claim(
         tx,
         events,
         deleted,
+        history: false,
     }))
 }
 

@@ -117,12 +117,7 @@ pub(crate) async fn restore(
         occ.push(e.occurred_at);
         ct.push(e.content_type.as_str());
         payload.push(e.payload.as_slice());
-        headers.push(serde_json::Value::Object(
-            e.headers
-                .iter()
-                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-                .collect(),
-        ));
+        headers.push(headers_json(e));
         attempts.push(e.attempts + i32::from(f.counts));
         park.push(f.park);
         delay.push(f.retry_in.as_millis() as i64);
@@ -165,4 +160,75 @@ pub(crate) async fn restore(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// History mode: writes the acknowledged rows of `batch` (deleted at claim time) into
+/// `postal.outbox_history`, in the claim's transaction, with `published_at = now()`.
+/// `kept` is per row of `batch`, in batch order.
+pub(crate) async fn archive(
+    conn: &mut PgConnection,
+    batch: &[OutboundEvent],
+    kept: Vec<(DateTime<Utc>, Option<&str>)>,
+    published: &[i64],
+) -> Result<(), sqlx::Error> {
+    let published: std::collections::HashSet<i64> = published.iter().copied().collect();
+    let rows: Vec<(&OutboundEvent, DateTime<Utc>)> = batch
+        .iter()
+        .zip(kept)
+        .filter(|(e, _)| published.contains(&e.seq))
+        .map(|(e, k)| (e, k.0))
+        .collect();
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let seq: Vec<i64> = rows.iter().map(|(e, _)| e.seq).collect();
+    let id: Vec<uuid::Uuid> = rows.iter().map(|(e, _)| e.id.as_uuid()).collect();
+    let topic: Vec<&str> = rows.iter().map(|(e, _)| e.topic.as_str()).collect();
+    let key: Vec<&str> = rows.iter().map(|(e, _)| e.key.as_str()).collect();
+    let typ: Vec<&str> = rows.iter().map(|(e, _)| e.event_type.as_str()).collect();
+    let ver: Vec<i32> = rows.iter().map(|(e, _)| e.schema_version).collect();
+    let occ: Vec<DateTime<Utc>> = rows.iter().map(|(e, _)| e.occurred_at).collect();
+    let ct: Vec<&str> = rows.iter().map(|(e, _)| e.content_type.as_str()).collect();
+    let payload: Vec<&[u8]> = rows.iter().map(|(e, _)| e.payload.as_slice()).collect();
+    let headers: Vec<serde_json::Value> = rows.iter().map(|(e, _)| headers_json(e)).collect();
+    let attempts: Vec<i32> = rows.iter().map(|(e, _)| e.attempts).collect();
+    let created: Vec<DateTime<Utc>> = rows.iter().map(|(_, c)| *c).collect();
+    sqlx::query(
+        r#"
+        INSERT INTO postal.outbox_history (seq, event_id, topic, event_key, event_type,
+                                           schema_version, occurred_at, content_type, payload,
+                                           headers, attempts, created_at, published_at)
+        SELECT u.seq, u.id, u.topic, u.k, u.typ, u.ver, u.occ, u.ct, u.payload, u.hdr,
+               u.attempts, u.created, now()
+        FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::int4[],
+                    $7::timestamptz[], $8::text[], $9::bytea[], $10::jsonb[], $11::int4[],
+                    $12::timestamptz[])
+             AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, created)
+        "#,
+    )
+    .bind(&seq)
+    .bind(&id)
+    .bind(&topic)
+    .bind(&key)
+    .bind(&typ)
+    .bind(&ver)
+    .bind(&occ)
+    .bind(&ct)
+    .bind(&payload)
+    .bind(&headers)
+    .bind(&attempts)
+    .bind(&created)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// An event's user headers as the JSON object the outbox stores.
+fn headers_json(e: &OutboundEvent) -> serde_json::Value {
+    serde_json::Value::Object(
+        e.headers
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect(),
+    )
 }

@@ -35,6 +35,13 @@ pub struct RelayConfig {
     /// With `delete_on_publish = false`: delete published rows older than this, in batches,
     /// every minute, one instance at a time (default: keep them; no cleanup).
     pub retention: Option<Duration>,
+    /// History mode (default off): keep published events this long in
+    /// `postal.outbox_history`, a table partitioned by UTC day of publication. Each published
+    /// row is still deleted from the outbox at once and written to the history in the same
+    /// transaction; partitions are created a day ahead and dropped whole once their day ended
+    /// more than this long ago (no row-by-row DELETE, no vacuum), by one instance at a time.
+    /// Requires `delete_on_publish` (it replaces keeping rows in the outbox).
+    pub history: Option<Duration>,
     /// How long shutdown waits for in-flight acknowledgements (default 20 s).
     pub shutdown_timeout: Duration,
     /// Relay group (default `default`). Relays split the key partitions among the live members
@@ -89,6 +96,7 @@ impl Default for RelayConfig {
             },
             delete_on_publish: true,
             retention: None,
+            history: None,
             shutdown_timeout: Duration::from_secs(20),
             group: crate::lease::DEFAULT_GROUP.into(),
             topics: TopicFilter::All,
@@ -120,6 +128,14 @@ impl RelayConfig {
         }
         if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
             return bad("backoff base must be positive and not above the backoff max");
+        }
+        if let Some(h) = self.history {
+            if !self.delete_on_publish {
+                return bad("history mode replaces keeping published rows in the outbox: use one or the other");
+            }
+            if h < Duration::from_secs(60) {
+                return bad("history retention must be at least 60s");
+            }
         }
         if self.group.is_empty() || self.group.len() > 100 {
             return bad("relay group must be 1 to 100 characters");

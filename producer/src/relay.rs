@@ -282,6 +282,17 @@ impl<T: Transport> Shared<T> {
                     .set(age.unwrap_or(0.0)),
                 Err(e) => tracing::debug!(error = %e, "oldest-transaction check failed"),
             }
+            if let Some(retention) = self.config.history {
+                match crate::retention::maintain_history(&self.pool, retention).await {
+                    Ok(Some(m)) if !m.dropped.is_empty() || m.default_rows_deleted > 0 => {
+                        tracing::info!(dropped = ?m.dropped, default_rows_deleted = m.default_rows_deleted, "history retention dropped old partitions")
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "history partition maintenance failed; will retry")
+                    }
+                }
+            }
             if let (false, Some(retention)) = (self.config.delete_on_publish, self.config.retention)
             {
                 match crate::retention::cleanup_published(&self.pool, retention, 1000, |_| {}).await
@@ -385,6 +396,9 @@ impl<T: Transport> Shared<T> {
                     continue;
                 }
             };
+            if self.config.history.is_some() {
+                claim.keep_history();
+            }
             let batch = claim.take_events();
             let full = batch.len() == self.config.batch_size;
             let started = Instant::now();

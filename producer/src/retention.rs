@@ -1,4 +1,5 @@
-//! Retention of published rows (when the relay keeps them instead of deleting them).
+//! Retention of published rows: kept in the outbox and deleted in batches, or kept in the
+//! day-partitioned history table whose old partitions are dropped whole.
 
 use std::time::Duration;
 
@@ -30,4 +31,60 @@ pub async fn cleanup_published(
         progress,
     )
     .await
+}
+
+/// Advisory lock held while maintaining the history partitions (`'posthist'`).
+pub const HISTORY_LOCK: i64 = 0x706f_7374_6869_7374;
+
+/// What one run of [`maintain_history`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HistoryMaintenance {
+    /// Daily partitions dropped (their whole day lies before now − retention).
+    pub dropped: Vec<String>,
+    /// Rows deleted from the default partition (days that had no partition of their own).
+    pub default_rows_deleted: u64,
+}
+
+/// History mode (see [`crate::RelayConfig::history`]): creates the daily partitions of
+/// `postal.outbox_history` for today and tomorrow (UTC), drops those whose day ended more than
+/// `retention` ago, and deletes expired rows from the default partition. One instance at a
+/// time: returns `None` (doing nothing) when another instance holds the lock.
+pub async fn maintain_history(
+    pool: &PgPool,
+    retention: Duration,
+) -> Result<Option<HistoryMaintenance>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(HISTORY_LOCK)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked {
+        return Ok(None);
+    }
+    sqlx::query(
+        "SELECT postal.history_partition_ensure((now() AT TIME ZONE 'UTC')::date),
+                postal.history_partition_ensure((now() AT TIME ZONE 'UTC')::date + 1)",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let retention_ms = retention.as_millis() as i64;
+    let dropped: Vec<String> = sqlx::query_scalar(
+        "SELECT postal.history_drop_before(now() - $1 * interval '1 millisecond')",
+    )
+    .bind(retention_ms)
+    .fetch_all(&mut *tx)
+    .await?;
+    let default_rows_deleted = sqlx::query(
+        "DELETE FROM postal.outbox_history_default
+         WHERE published_at < now() - $1 * interval '1 millisecond'",
+    )
+    .bind(retention_ms)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    tx.commit().await?;
+    Ok(Some(HistoryMaintenance {
+        dropped,
+        default_rows_deleted,
+    }))
 }

@@ -559,3 +559,111 @@ async fn keep_published_mode_marks_rows() {
     assert_eq!(counts.keys().cloned().collect::<BTreeSet<_>>(), ids);
     assert!(counts.values().all(|&c| c == 1));
 }
+
+/// Guarantee (history mode, seed 001's daily partitions): every published event leaves the
+/// outbox and lands once in `postal.outbox_history` in the same transaction; retention drops
+/// whole days older than the retention (and expired rows of the default partition), keeps the
+/// younger days, and runs in one instance at a time.
+#[tokio::test]
+async fn history_mode_keeps_events_in_daily_partitions_and_drops_old_days() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("history");
+    let ids = seed(&db.pool, &topic, 300, 7).await;
+    let cfg = RelayConfig {
+        history: Some(Duration::from_secs(3 * 86_400)),
+        ..fast_config()
+    };
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
+    wait::until(Duration::from_secs(30), "outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    let archived: Vec<(uuid::Uuid, String, bool)> = sqlx::query_as(
+        "SELECT event_id, tableoid::regclass::text,
+                published_at >= created_at AND published_at <= now()
+         FROM postal.outbox_history",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let archived_ids: BTreeSet<String> = archived.iter().map(|(id, ..)| id.to_string()).collect();
+    assert_eq!(archived.len(), 300, "each published event archived once");
+    assert_eq!(archived_ids, ids);
+    let today: String = sqlx::query_scalar(
+        "SELECT 'postal.outbox_history_' || to_char(now() AT TIME ZONE 'UTC', 'YYYYMMDD')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        archived.iter().all(|(_, part, ok)| *part == today && *ok),
+        "rows are in today's partition with their publication time"
+    );
+    let records = kafka::read_all(&svc.bootstrap, &topic, 300, Duration::from_secs(30)).await;
+    assert_eq!(kafka::event_ids(&records), ids);
+
+    // Older days: 5 days ago and yesterday get partitions; 10 days ago has none (default).
+    for days in [5, 1] {
+        sqlx::query(
+            "SELECT postal.history_partition_ensure((now() AT TIME ZONE 'UTC')::date - $1::int)",
+        )
+        .bind(days)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    for days in [10, 5, 1] {
+        sqlx::query(
+            "INSERT INTO postal.outbox_history (seq, event_id, topic, event_key, event_type,
+                 schema_version, occurred_at, content_type, payload, headers, attempts,
+                 created_at, published_at)
+             VALUES (0, gen_random_uuid(), 't', 'k', 'e', 1, now(), 'application/json', '',
+                     '{}', 0, now(), now() - $1 * interval '1 day')",
+        )
+        .bind(days as f64)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // Another instance maintaining right now: this one does nothing.
+    let mut other = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(postal_producer::retention::HISTORY_LOCK)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let busy =
+        postal_producer::retention::maintain_history(&db.pool, Duration::from_secs(3 * 86_400))
+            .await
+            .unwrap();
+    assert_eq!(busy, None, "one instance at a time");
+    other.rollback().await.unwrap();
+
+    let done =
+        postal_producer::retention::maintain_history(&db.pool, Duration::from_secs(3 * 86_400))
+            .await
+            .unwrap()
+            .expect("lock free");
+    let five_days_ago: String = sqlx::query_scalar(
+        "SELECT 'outbox_history_' || to_char((now() AT TIME ZONE 'UTC')::date - 5, 'YYYYMMDD')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        done.dropped,
+        vec![five_days_ago],
+        "only the expired day is dropped"
+    );
+    assert_eq!(
+        done.default_rows_deleted, 1,
+        "the expired default-partition row"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox_history")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 301, "today's 300 and yesterday's row stay");
+}
