@@ -37,91 +37,47 @@ fn migrate_against_unreachable_database_fails_fast_with_one_line() {
 /// Guarantee: invalid relay settings stop the process at start-up with a clear error.
 #[test]
 fn invalid_relay_settings_are_rejected() {
-    let out = postal()
-        .args(["relay", "--batch-size", "0"])
-        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("batch size must be between 1 and 100000"),
-        "{stderr}"
+    relay_rejects(
+        &["--batch-size", "0"],
+        "batch size must be between 1 and 100000",
     );
-
-    let out = postal()
-        .args(["relay", "--lease", "10s"])
-        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("lease 10s is too short"), "{stderr}");
-
-    let out = postal()
-        .args(["relay", "--history", "10s"])
-        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("history retention must be at least 60s"),
-        "{stderr}"
+    relay_rejects(&["--lease", "10s"], "lease 10s is too short");
+    relay_rejects(
+        &["--history", "10s"],
+        "history retention must be at least 60s",
     );
-
-    let out = postal()
-        .args(["relay", "--history", "3d", "--keep-published"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    relay_rejects(
+        &["--history", "3d", "--keep-published"],
+        "cannot be used with",
     );
+    relay_rejects(
+        &["--kafka", "no-equals-sign"],
+        "is not of the form key=value",
+    );
+    relay_rejects(&["--route", "orders=sqs"], "unknown destination");
+    relay_rejects(
+        &["--destination", "rabbitmq"],
+        "--rabbitmq-url (or AMQP_URL) is required",
+    );
+    relay_rejects(
+        &["--destination", "rabbitmq", "--rabbitmq-url", "http://mq"],
+        "invalid AMQP URI",
+    );
+}
 
+/// Runs `postal relay ARGS` (no reachable database, no `AMQP_URL`) and checks that it fails
+/// with `expected` in its error output.
+fn relay_rejects(args: &[&str], expected: &str) {
     let out = postal()
-        .args(["relay", "--kafka", "no-equals-sign"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("is not of the form key=value"));
-
-    let out = postal()
-        .args(["relay", "--route", "orders=sqs"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown destination"));
-
-    let out = postal()
-        .args(["relay", "--destination", "rabbitmq"])
+        .arg("relay")
+        .args(args)
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
         .env_remove("AMQP_URL")
-        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert!(!out.status.success(), "relay {args:?} must fail");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("--rabbitmq-url (or AMQP_URL) is required"),
-        "{stderr}"
-    );
-
-    let out = postal()
-        .args([
-            "relay",
-            "--destination",
-            "rabbitmq",
-            "--rabbitmq-url",
-            "http://mq",
-        ])
-        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/nowhere")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("invalid AMQP URI"), "{stderr}");
+    assert!(stderr.contains(expected), "relay {args:?}: {stderr}");
 }
 
 /// Guarantee: `postal migrate` applies the schema (twice is a no-op) and `postal status --json`

@@ -88,16 +88,7 @@ pub(crate) async fn restore(
         .map(|(i, e)| (e.seq, (i, e)))
         .collect();
     let n = failures.len();
-    let mut seq = Vec::with_capacity(n);
-    let mut id = Vec::with_capacity(n);
-    let mut topic = Vec::with_capacity(n);
-    let mut key = Vec::with_capacity(n);
-    let mut typ = Vec::with_capacity(n);
-    let mut ver = Vec::with_capacity(n);
-    let mut occ = Vec::with_capacity(n);
-    let mut ct = Vec::with_capacity(n);
-    let mut payload = Vec::with_capacity(n);
-    let mut headers = Vec::with_capacity(n);
+    let mut cols = EventColumns::with_capacity(n);
     let mut attempts = Vec::with_capacity(n);
     let mut park = Vec::with_capacity(n);
     let mut delay = Vec::with_capacity(n);
@@ -108,16 +99,7 @@ pub(crate) async fn restore(
         let Some((i, e)) = by_seq.get(&f.seq) else {
             continue;
         };
-        seq.push(e.seq);
-        id.push(e.id.as_uuid());
-        topic.push(e.topic.as_str());
-        key.push(e.key.as_str());
-        typ.push(e.event_type.as_str());
-        ver.push(e.schema_version);
-        occ.push(e.occurred_at);
-        ct.push(e.content_type.as_str());
-        payload.push(e.payload.as_slice());
-        headers.push(headers_json(e));
+        cols.push(e);
         attempts.push(e.attempts + i32::from(f.counts));
         park.push(f.park);
         delay.push(f.retry_in.as_millis() as i64);
@@ -125,7 +107,7 @@ pub(crate) async fn restore(
         err.push(f.reason.as_deref().or(kept[*i].1));
         created.push(kept[*i].0);
     }
-    sqlx::query(
+    cols.bind(sqlx::query(
         r#"
         INSERT INTO postal.outbox (seq, event_id, topic, event_key, event_type, schema_version,
                                    occurred_at, content_type, payload, headers, attempts, status,
@@ -140,17 +122,7 @@ pub(crate) async fn restore(
              AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, park, delay_ms,
                   hold, err, created)
         "#,
-    )
-    .bind(&seq)
-    .bind(&id)
-    .bind(&topic)
-    .bind(&key)
-    .bind(&typ)
-    .bind(&ver)
-    .bind(&occ)
-    .bind(&ct)
-    .bind(&payload)
-    .bind(&headers)
+    ))
     .bind(&attempts)
     .bind(&park)
     .bind(&delay)
@@ -181,19 +153,13 @@ pub(crate) async fn archive(
     if rows.is_empty() {
         return Ok(());
     }
-    let seq: Vec<i64> = rows.iter().map(|(e, _)| e.seq).collect();
-    let id: Vec<uuid::Uuid> = rows.iter().map(|(e, _)| e.id.as_uuid()).collect();
-    let topic: Vec<&str> = rows.iter().map(|(e, _)| e.topic.as_str()).collect();
-    let key: Vec<&str> = rows.iter().map(|(e, _)| e.key.as_str()).collect();
-    let typ: Vec<&str> = rows.iter().map(|(e, _)| e.event_type.as_str()).collect();
-    let ver: Vec<i32> = rows.iter().map(|(e, _)| e.schema_version).collect();
-    let occ: Vec<DateTime<Utc>> = rows.iter().map(|(e, _)| e.occurred_at).collect();
-    let ct: Vec<&str> = rows.iter().map(|(e, _)| e.content_type.as_str()).collect();
-    let payload: Vec<&[u8]> = rows.iter().map(|(e, _)| e.payload.as_slice()).collect();
-    let headers: Vec<serde_json::Value> = rows.iter().map(|(e, _)| headers_json(e)).collect();
+    let mut cols = EventColumns::with_capacity(rows.len());
+    for (e, _) in &rows {
+        cols.push(e);
+    }
     let attempts: Vec<i32> = rows.iter().map(|(e, _)| e.attempts).collect();
     let created: Vec<DateTime<Utc>> = rows.iter().map(|(_, c)| *c).collect();
-    sqlx::query(
+    cols.bind(sqlx::query(
         r#"
         INSERT INTO postal.outbox_history (seq, event_id, topic, event_key, event_type,
                                            schema_version, occurred_at, content_type, payload,
@@ -205,22 +171,75 @@ pub(crate) async fn archive(
                     $12::timestamptz[])
              AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, created)
         "#,
-    )
-    .bind(&seq)
-    .bind(&id)
-    .bind(&topic)
-    .bind(&key)
-    .bind(&typ)
-    .bind(&ver)
-    .bind(&occ)
-    .bind(&ct)
-    .bind(&payload)
-    .bind(&headers)
+    ))
     .bind(&attempts)
     .bind(&created)
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// An event's stored columns, one array per column, for the `unnest($1 … $10)` inserts that
+/// write rows back to the outbox or into its history.
+struct EventColumns<'a> {
+    seq: Vec<i64>,
+    id: Vec<uuid::Uuid>,
+    topic: Vec<&'a str>,
+    key: Vec<&'a str>,
+    event_type: Vec<&'a str>,
+    schema_version: Vec<i32>,
+    occurred_at: Vec<DateTime<Utc>>,
+    content_type: Vec<&'a str>,
+    payload: Vec<&'a [u8]>,
+    headers: Vec<serde_json::Value>,
+}
+
+impl<'a> EventColumns<'a> {
+    fn with_capacity(n: usize) -> Self {
+        EventColumns {
+            seq: Vec::with_capacity(n),
+            id: Vec::with_capacity(n),
+            topic: Vec::with_capacity(n),
+            key: Vec::with_capacity(n),
+            event_type: Vec::with_capacity(n),
+            schema_version: Vec::with_capacity(n),
+            occurred_at: Vec::with_capacity(n),
+            content_type: Vec::with_capacity(n),
+            payload: Vec::with_capacity(n),
+            headers: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, e: &'a OutboundEvent) {
+        self.seq.push(e.seq);
+        self.id.push(e.id.as_uuid());
+        self.topic.push(&e.topic);
+        self.key.push(&e.key);
+        self.event_type.push(&e.event_type);
+        self.schema_version.push(e.schema_version);
+        self.occurred_at.push(e.occurred_at);
+        self.content_type.push(&e.content_type);
+        self.payload.push(&e.payload);
+        self.headers.push(headers_json(e));
+    }
+
+    /// Binds the columns as `$1` … `$10`, in the order above.
+    fn bind(
+        self,
+        query: sqlx::query::Query<'a, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'a, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        query
+            .bind(self.seq)
+            .bind(self.id)
+            .bind(self.topic)
+            .bind(self.key)
+            .bind(self.event_type)
+            .bind(self.schema_version)
+            .bind(self.occurred_at)
+            .bind(self.content_type)
+            .bind(self.payload)
+            .bind(self.headers)
+    }
 }
 
 /// An event's user headers as the JSON object the outbox stores.
