@@ -1,7 +1,13 @@
 //! Postal's benchmarks. Run against the local stack (`scripts/stack.sh up`, broker on memory
 //! storage) with `cargo run --release -p postal-bench -- <command>`; see BENCHMARKS.md.
 
+/// The same allocator as the `postal` binary, so that the relay and consumers measured here
+/// run as they do there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod consume;
+mod cpu;
 mod e2e;
 mod rabbitmq;
 
@@ -346,245 +352,317 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     } = o;
     println!("backlog {n} events, payload {payload_bytes} B, {keys} keys; broker {bootstrap}");
     let pool = fresh_db(url, 40).await?;
-    let (mut b_rate, mut c_rate, mut d_rate) = (f64::NAN, f64::NAN, f64::NAN);
-    if !o.relay_only {
-        // (d) SQL-only ceiling: claim and delete in batches of 1000, no broker.
-        seed(&pool, "bench-sql", n, payload_bytes, keys).await?;
-        let t = Instant::now();
-        loop {
-            let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-                "DELETE FROM postal.outbox WHERE seq IN (
-                 SELECT seq FROM postal.outbox WHERE status = 'pending' ORDER BY seq LIMIT 1000
-                 FOR UPDATE SKIP LOCKED)
-             RETURNING seq, payload",
-            )
-            .fetch_all(&pool)
-            .await?;
-            if rows.is_empty() {
-                break;
-            }
-        }
-        d_rate = rate(n, t.elapsed());
-        println!(
-        "(d) SQL-only drain (claim+delete, 1000/statement, 1 connection): {d_rate:>9.0} events/s"
-    );
-
-        // (c) raw rdkafka: the same records, sends not awaited one by one.
-        let producer: FutureProducer = KafkaConfig::new(bootstrap).client_config().create()?;
-        let topic_c = format!("bench-raw-{}", uuid::Uuid::now_v7().simple());
-        create_topic(bootstrap, &topic_c, 12).await?;
-        let body: Vec<Vec<u8>> = (0..n)
-            .map(|i| serde_json::to_vec(&payload(payload_bytes, i)).unwrap())
-            .collect();
-        let t = Instant::now();
-        let mut acks = Vec::with_capacity(n);
-        for (i, b) in body.iter().enumerate() {
-            let key = format!("key-{}", i % keys);
-            let id = uuid::Uuid::now_v7().to_string();
-            let headers = OwnedHeaders::new()
-                .insert(Header {
-                    key: "ce_id",
-                    value: Some(id.as_str()),
-                })
-                .insert(Header {
-                    key: "ce_type",
-                    value: Some("bench.event"),
-                })
-                .insert(Header {
-                    key: "content-type",
-                    value: Some("application/json"),
-                });
-            let mut rec = FutureRecord::to(&topic_c)
-                .key(key.as_bytes())
-                .payload(b.as_slice())
-                .headers(headers);
-            loop {
-                match producer.send_result(rec) {
-                    Ok(f) => {
-                        acks.push(f);
-                        break;
-                    }
-                    Err((_, r)) => {
-                        rec = r;
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                }
-            }
-        }
-        let ok = join_all(acks)
-            .await
-            .into_iter()
-            .filter(|r| matches!(r, Ok(Ok(_))))
-            .count();
-        anyhow::ensure!(ok == n, "raw producer: only {ok}/{n} acknowledged");
-        c_rate = rate(n, t.elapsed());
-        println!(
-        "(c) raw rdkafka idempotent producer, not awaited one by one:      {c_rate:>9.0} events/s"
-    );
-
-        // (b) seed-style baseline: claim 10, publish each awaiting its ack, mark each. Its producer
-        // gets linger.ms=0, the best setting for one-at-a-time sends.
-        let mut bcfg = KafkaConfig::new(bootstrap);
-        bcfg.properties.insert("linger.ms".into(), "0".into());
-        let producer: FutureProducer = bcfg.client_config().create()?;
-        seed(&pool, "bench-baseline", baseline_n, payload_bytes, keys).await?;
-        create_topic(bootstrap, "bench-baseline", 12).await?;
-        let t = Instant::now();
-        let mut done = 0;
-        loop {
-            let mut tx = pool.begin().await?;
-            let rows: Vec<(i64, uuid::Uuid, String, Vec<u8>)> = sqlx::query_as(
-            "SELECT seq, event_id, event_key, payload FROM postal.outbox WHERE status = 'pending'
-             ORDER BY seq LIMIT 10 FOR UPDATE SKIP LOCKED",
-        )
-        .fetch_all(&mut *tx)
-        .await?;
-            if rows.is_empty() {
-                break;
-            }
-            for (seq, id, key, body) in rows {
-                let id = id.to_string();
-                let headers = OwnedHeaders::new().insert(Header {
-                    key: "ce_id",
-                    value: Some(id.as_str()),
-                });
-                let rec = FutureRecord::to("bench-baseline")
-                    .key(key.as_bytes())
-                    .payload(body.as_slice())
-                    .headers(headers);
-                producer
-                    .send(rec, Duration::from_secs(30))
-                    .await
-                    .map_err(|(e, _)| anyhow::anyhow!("baseline publish: {e}"))?;
-                sqlx::query("UPDATE postal.outbox SET status = 'published', published_at = now() WHERE seq = $1")
-                .bind(seq)
-                .execute(&mut *tx)
-                .await?;
-                done += 1;
-            }
-            tx.commit().await?;
-        }
-        b_rate = rate(done, t.elapsed());
-        println!("(b) seed-style loop (claim 10, await each ack, mark each), {done} events: {b_rate:>9.0} events/s");
-        sqlx::query("DELETE FROM postal.outbox")
-            .execute(&pool)
-            .await?;
-    }
-
-    // (a) Postal's relay, with 1, 2 and 4 instances on the same backlog size.
-    let mut a_rates: Vec<(usize, f64)> = Vec::new();
     let rounds = o.repeat.max(1);
-    for instances in (0..rounds).flat_map(|_| o.instances.iter().copied()) {
-        let topic = format!("bench-relay-{instances}-{}", uuid::Uuid::now_v7().simple());
-        create_topic(bootstrap, &topic, 12).await?;
-        let mut stops = Vec::new();
-        let mut handles = Vec::new();
-        for _ in 0..instances {
-            let cfg = RelayConfig {
-                batch_size: o.batch_size,
-                max_in_flight_batches: o.in_flight,
-                lanes: o.lanes,
-                lease: Duration::from_secs(6),
-                ..RelayConfig::default()
-            };
-            // A short lease so that joining instances get their share within seconds; the
-            // delivery timeout must stay below half of it.
-            let mut kcfg = KafkaConfig::new(bootstrap);
-            kcfg.properties
-                .insert("message.timeout.ms".into(), "2500".into());
-            let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            stops.push(tx);
-            handles.push(tokio::spawn(relay.run(async move {
-                let _ = rx.await;
-            })));
-        }
-        // Wait until the instances have split the key partitions, then commit the whole
-        // backlog in one transaction: the figure is the steady drain, not the start-up.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while sqlx::query_scalar::<_, i64>(
-            "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE lease_until > now()",
-        )
-        .fetch_one(&pool)
-        .await?
-            < instances as i64
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let mut tx = pool.begin().await?;
-        for start in (0..n).step_by(1000) {
-            let batch = (start..(start + 1000).min(n))
-                .map(|i| {
-                    NewEvent::json(
-                        topic.as_str(),
-                        format!("key-{}", i % keys),
-                        "bench.event",
-                        &payload(payload_bytes, i),
-                    )
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            enqueue_batch(&mut tx, batch).await?;
-        }
-        tx.commit().await?;
-        let t = Instant::now();
-        // A cheap check (partial index) so that watching does not load the database.
-        while sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE status = 'pending')",
-        )
-        .fetch_one(&pool)
-        .await?
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        anyhow::ensure!(
-            outbox_len(&pool).await? == 0,
-            "outbox not empty after the drain"
-        );
-        let elapsed = t.elapsed();
-        for s in stops {
-            let _ = s.send(());
-        }
-        let mut published = 0;
-        for h in handles {
-            published += h.await??.published;
-        }
-        anyhow::ensure!(
-            published as usize >= n,
-            "relay published {published} of {n}"
-        );
-        let r = rate(n, elapsed);
-        a_rates.push((instances, r));
-        println!(
-            "(a) Postal relay, {instances} instance(s), {} lanes, batch {}, {} in flight: {r:>9.0} events/s",
-            o.lanes, o.batch_size, o.in_flight
-        );
+    let mut b_rate = f64::NAN;
+    if !o.relay_only {
+        b_rate = seed_style_drain(&pool, bootstrap, baseline_n, payload_bytes, keys).await?;
+        println!("(b) seed-style loop (claim 10, await each ack, mark each), {baseline_n} events: {b_rate:>9.0} events/s");
     }
-    let mut medians = Vec::new();
-    for &instances in &o.instances {
-        let mut r: Vec<f64> = a_rates
-            .iter()
-            .filter(|(i, _)| *i == instances)
-            .map(|(_, r)| *r)
-            .collect();
+    // Each round measures the ceilings (d) and (c) and then the relay with every instance
+    // count, so that all of them see the same machine (steal time on a shared VM varies from
+    // minute to minute); medians over the rounds are reported.
+    let (mut c_rates, mut d_rates) = (Vec::new(), Vec::new());
+    let mut a_rates: Vec<(usize, f64)> = Vec::new();
+    for round in 1..=rounds {
+        if rounds > 1 {
+            println!("round {round} of {rounds}");
+        }
+        if !o.relay_only {
+            let (r, cpu) = sql_drain(&pool, n, payload_bytes, keys).await?;
+            println!("(d) SQL-only drain (claim+delete, 1000/statement, 1 connection): {r:>9.0} events/s");
+            println!("    {cpu}");
+            d_rates.push(r);
+            let (r, cpu) = raw_produce(bootstrap, n, payload_bytes, keys).await?;
+            println!("(c) raw rdkafka idempotent producer, not awaited one by one:      {r:>9.0} events/s");
+            println!("    {cpu}");
+            c_rates.push(r);
+        }
+        for &instances in &o.instances {
+            let (r, cpu) = relay_drain(&pool, bootstrap, &o, instances).await?;
+            println!(
+                "(a) Postal relay, {instances} instance(s), {} lanes, batch {}, {} in flight: {r:>9.0} events/s",
+                o.lanes, o.batch_size, o.in_flight
+            );
+            println!("    {cpu}");
+            a_rates.push((instances, r));
+        }
+    }
+    let median = |mut r: Vec<f64>, what: &str| -> f64 {
+        if r.is_empty() {
+            return f64::NAN;
+        }
         r.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let m = r[r.len() / 2];
         if rounds > 1 {
             println!(
-                "(a) {instances} instance(s): median {:.0} events/s over {} rounds (min {:.0}, max {:.0})",
-                r[r.len() / 2],
+                "{what}: median {m:.0} events/s over {} rounds (min {:.0}, max {:.0})",
                 r.len(),
                 r[0],
                 r[r.len() - 1]
             );
         }
-        medians.push(r[r.len() / 2]);
+        m
+    };
+    println!();
+    let d = median(d_rates, "(d) SQL-only drain");
+    let c = median(c_rates, "(c) raw rdkafka");
+    let mut medians = Vec::new();
+    for &instances in &o.instances {
+        let r = a_rates
+            .iter()
+            .filter(|(i, _)| *i == instances)
+            .map(|(_, r)| *r)
+            .collect();
+        medians.push(median(r, &format!("(a) {instances} instance(s)")));
     }
     let a1 = medians.first().copied().unwrap_or(f64::NAN);
-    let ceiling = c_rate.min(d_rate);
     println!();
-    println!("(a)/min(c,d) = {:.2}  (target >= 0.60)", a1 / ceiling);
+    println!("(a)/min(c,d) = {:.2}  (target >= 0.60)", a1 / c.min(d));
     println!("(a)/(b)      = {:.1}x", a1 / b_rate);
     Ok(())
+}
+
+/// Vacuums the outbox before a measured phase, so that no phase pays for cleaning up after the
+/// one before it (each still pays for the dead rows it leaves behind itself, through
+/// autovacuum, as in production).
+async fn clean(pool: &PgPool) -> anyhow::Result<()> {
+    sqlx::query("VACUUM postal.outbox").execute(pool).await?;
+    Ok(())
+}
+
+/// (d) The SQL-only ceiling: claim and delete in batches of 1000, no broker.
+async fn sql_drain(
+    pool: &PgPool,
+    n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<(f64, String)> {
+    clean(pool).await?;
+    seed(pool, "bench-sql", n, payload_bytes, keys).await?;
+    let cpu = cpu::Cpu::now();
+    let t = Instant::now();
+    loop {
+        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+            "DELETE FROM postal.outbox WHERE seq IN (
+                 SELECT seq FROM postal.outbox WHERE status = 'pending' ORDER BY seq LIMIT 1000
+                 FOR UPDATE SKIP LOCKED)
+             RETURNING seq, payload",
+        )
+        .fetch_all(pool)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+    }
+    let r = rate(n, t.elapsed());
+    Ok((r, cpu::Cpu::now().report_since(&cpu, n)))
+}
+
+/// (c) Raw rdkafka: the same records, sends not awaited one by one.
+async fn raw_produce(
+    bootstrap: &str,
+    n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<(f64, String)> {
+    let producer: FutureProducer = KafkaConfig::new(bootstrap).client_config().create()?;
+    let topic_c = format!("bench-raw-{}", uuid::Uuid::now_v7().simple());
+    create_topic(bootstrap, &topic_c, 12).await?;
+    let body: Vec<Vec<u8>> = (0..n)
+        .map(|i| serde_json::to_vec(&payload(payload_bytes, i)).unwrap())
+        .collect();
+    let cpu = cpu::Cpu::now();
+    let t = Instant::now();
+    let mut acks = Vec::with_capacity(n);
+    for (i, b) in body.iter().enumerate() {
+        let key = format!("key-{}", i % keys);
+        let id = uuid::Uuid::now_v7().to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("bench.event"),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json"),
+            });
+        let mut rec = FutureRecord::to(&topic_c)
+            .key(key.as_bytes())
+            .payload(b.as_slice())
+            .headers(headers);
+        loop {
+            match producer.send_result(rec) {
+                Ok(f) => {
+                    acks.push(f);
+                    break;
+                }
+                Err((_, r)) => {
+                    rec = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    let ok = join_all(acks)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r, Ok(Ok(_))))
+        .count();
+    anyhow::ensure!(ok == n, "raw producer: only {ok}/{n} acknowledged");
+    let r = rate(n, t.elapsed());
+    Ok((r, cpu::Cpu::now().report_since(&cpu, n)))
+}
+
+/// (b) The seed-style baseline: claim 10, publish each awaiting its ack, mark each. Its
+/// producer gets linger.ms=0, the best setting for one-at-a-time sends.
+async fn seed_style_drain(
+    pool: &PgPool,
+    bootstrap: &str,
+    baseline_n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<f64> {
+    let mut bcfg = KafkaConfig::new(bootstrap);
+    bcfg.properties.insert("linger.ms".into(), "0".into());
+    let producer: FutureProducer = bcfg.client_config().create()?;
+    seed(pool, "bench-baseline", baseline_n, payload_bytes, keys).await?;
+    create_topic(bootstrap, "bench-baseline", 12).await?;
+    let t = Instant::now();
+    let mut done = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(i64, uuid::Uuid, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT seq, event_id, event_key, payload FROM postal.outbox WHERE status = 'pending'
+             ORDER BY seq LIMIT 10 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            break;
+        }
+        for (seq, id, key, body) in rows {
+            let id = id.to_string();
+            let headers = OwnedHeaders::new().insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            });
+            let rec = FutureRecord::to("bench-baseline")
+                .key(key.as_bytes())
+                .payload(body.as_slice())
+                .headers(headers);
+            producer
+                .send(rec, Duration::from_secs(30))
+                .await
+                .map_err(|(e, _)| anyhow::anyhow!("baseline publish: {e}"))?;
+            sqlx::query(
+                "UPDATE postal.outbox SET status = 'published', published_at = now() WHERE seq = $1",
+            )
+            .bind(seq)
+            .execute(&mut *tx)
+            .await?;
+            done += 1;
+        }
+        tx.commit().await?;
+    }
+    let r = rate(done, t.elapsed());
+    sqlx::query("DELETE FROM postal.outbox").execute(pool).await?;
+    Ok(r)
+}
+
+/// (a) Postal's relay with `instances` instances on a backlog of `o.n` events.
+async fn relay_drain(
+    pool: &PgPool,
+    bootstrap: &str,
+    o: &RelayOpts,
+    instances: usize,
+) -> anyhow::Result<(f64, String)> {
+    let (n, payload_bytes, keys) = (o.n, o.payload_bytes, o.keys);
+    let topic = format!("bench-relay-{instances}-{}", uuid::Uuid::now_v7().simple());
+    create_topic(bootstrap, &topic, 12).await?;
+    let mut stops = Vec::new();
+    let mut handles = Vec::new();
+    for _ in 0..instances {
+        let cfg = RelayConfig {
+            batch_size: o.batch_size,
+            max_in_flight_batches: o.in_flight,
+            lanes: o.lanes,
+            lease: Duration::from_secs(6),
+            ..RelayConfig::default()
+        };
+        // A short lease so that joining instances get their share within seconds; the
+        // delivery timeout must stay below half of it.
+        let mut kcfg = KafkaConfig::new(bootstrap);
+        kcfg.properties
+            .insert("message.timeout.ms".into(), "2500".into());
+        let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push(tx);
+        handles.push(tokio::spawn(relay.run(async move {
+            let _ = rx.await;
+        })));
+    }
+    // Wait until the instances have split the key partitions, then commit the whole
+    // backlog in one transaction: the figure is the steady drain, not the start-up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE lease_until > now()",
+    )
+    .fetch_one(pool)
+    .await?
+        < instances as i64
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    clean(pool).await?;
+    let mut tx = pool.begin().await?;
+    for start in (0..n).step_by(1000) {
+        let batch = (start..(start + 1000).min(n))
+            .map(|i| {
+                NewEvent::json(
+                    topic.as_str(),
+                    format!("key-{}", i % keys),
+                    "bench.event",
+                    &payload(payload_bytes, i),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        enqueue_batch(&mut tx, batch).await?;
+    }
+    tx.commit().await?;
+    let cpu = cpu::Cpu::now();
+    let t = Instant::now();
+    // A cheap check (partial index) so that watching does not load the database.
+    while sqlx::query_scalar::<_, bool>(
+        "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE status = 'pending')",
+    )
+    .fetch_one(pool)
+    .await?
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    anyhow::ensure!(
+        outbox_len(pool).await? == 0,
+        "outbox not empty after the drain"
+    );
+    let elapsed = t.elapsed();
+    let cpu_line = cpu::Cpu::now().report_since(&cpu, n);
+    for s in stops {
+        let _ = s.send(());
+    }
+    let mut published = 0;
+    for h in handles {
+        published += h.await??.published;
+    }
+    anyhow::ensure!(
+        published as usize >= n,
+        "relay published {published} of {n}"
+    );
+    Ok((rate(n, elapsed), cpu_line))
 }
 
 async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {

@@ -1,0 +1,113 @@
+//! Where the CPU goes during a benchmark phase (Linux `/proc`): CPU time of the PostgreSQL
+//! processes, of the broker (tansu) and of this process (including librdkafka's threads), plus
+//! the machine's idle and steal time. On a machine where all of them share the same cores, this
+//! is what bounds a pipeline that needs all three at once.
+
+use std::time::Instant;
+
+/// Clock ticks per second of `/proc` times (`sysconf(_SC_CLK_TCK)`, 100 on Linux).
+const TICKS: f64 = 100.0;
+
+/// CPU seconds consumed so far, per component.
+#[derive(Clone, Copy, Default)]
+pub struct Cpu {
+    postgres: f64,
+    broker: f64,
+    bench: f64,
+    idle: f64,
+    steal: f64,
+    total: f64,
+    at: Option<Instant>,
+}
+
+/// `utime + stime (+ cutime + cstime)` of one `/proc/<pid>/stat`, with its command name.
+fn process(stat: &str) -> Option<(String, f64, f64)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat[open + 1..close].to_string();
+    let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+    // Fields after the command: state is index 0, utime 11, stime 12, cutime 13, cstime 14.
+    let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    Some((
+        comm,
+        (num(11) + num(12)) / TICKS,
+        (num(13) + num(14)) / TICKS,
+    ))
+}
+
+impl Cpu {
+    /// Reads the counters now (zeros where `/proc` is not available).
+    pub fn now() -> Self {
+        let mut cpu = Cpu {
+            at: Some(Instant::now()),
+            ..Cpu::default()
+        };
+        let me = std::process::id().to_string();
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let name = entry.file_name();
+                let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                else {
+                    continue;
+                };
+                let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                    continue;
+                };
+                let Some((comm, own, children)) = process(&stat) else {
+                    continue;
+                };
+                if pid == me {
+                    cpu.bench += own;
+                } else if comm == "postgres" {
+                    // The postmaster's children times cover backends that have exited.
+                    cpu.postgres += own + children;
+                } else if comm.starts_with("tansu") {
+                    cpu.broker += own;
+                }
+            }
+        }
+        if let Some(line) = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| s.lines().next().map(str::to_string))
+        {
+            let v: Vec<f64> = line
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            // user nice system idle iowait irq softirq steal guest guest_nice
+            cpu.total = v.iter().take(8).sum::<f64>() / TICKS;
+            cpu.idle = (v.get(3).unwrap_or(&0.0) + v.get(4).unwrap_or(&0.0)) / TICKS;
+            cpu.steal = v.get(7).unwrap_or(&0.0) / TICKS;
+        }
+        cpu
+    }
+
+    /// One line: CPU seconds per component since `start`, per 1,000 events, and the
+    /// machine's idle and steal share over the same wall time.
+    pub fn report_since(&self, start: &Cpu, events: usize) -> String {
+        let per_k = |s: f64| s * 1e6 / events.max(1) as f64;
+        let (pg, br, me) = (
+            self.postgres - start.postgres,
+            self.broker - start.broker,
+            self.bench - start.bench,
+        );
+        let total = (self.total - start.total).max(1e-9);
+        let wall = match (self.at, start.at) {
+            (Some(a), Some(b)) => (a - b).as_secs_f64(),
+            _ => 0.0,
+        };
+        format!(
+            "cpu ms per 1000 events: postgres {:.1}, broker {:.1}, bench process {:.1} \
+             (sum {:.1}); over {:.2} s: {:.2} cores busy, idle {:.0} %, steal {:.0} %",
+            per_k(pg),
+            per_k(br),
+            per_k(me),
+            per_k(pg + br + me),
+            wall,
+            (pg + br + me) / wall.max(1e-9),
+            100.0 * (self.idle - start.idle) / total,
+            100.0 * (self.steal - start.steal) / total,
+        )
+    }
+}
