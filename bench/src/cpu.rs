@@ -27,7 +27,12 @@ fn process(stat: &str) -> Option<(String, f64, f64)> {
     let comm = stat[open + 1..close].to_string();
     let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
     // Fields after the command: state is index 0, utime 11, stime 12, cutime 13, cstime 14.
-    let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let num = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     Some((
         comm,
         (num(11) + num(12)) / TICKS,
@@ -46,7 +51,9 @@ impl Cpu {
         if let Ok(dir) = std::fs::read_dir("/proc") {
             for entry in dir.flatten() {
                 let name = entry.file_name();
-                let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                let Some(pid) = name
+                    .to_str()
+                    .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
                 else {
                     continue;
                 };

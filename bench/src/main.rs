@@ -39,7 +39,7 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Subcommand)]
+#[derive(Subcommand, Clone)]
 enum Command {
     /// Drain a backlog: Postal's relay (1, 2, 4 instances) vs a seed-style loop, raw rdkafka
     /// and a SQL-only drain.
@@ -176,7 +176,13 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
-    match cli.command {
+    let result = run(&cli).await;
+    drop_databases(&cli.database_url).await;
+    result
+}
+
+async fn run(cli: &Cli) -> anyhow::Result<()> {
+    match cli.command.clone() {
         Command::Relay {
             events,
             baseline_events,
@@ -268,6 +274,34 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Databases this run created (dropped when it ends).
+static CREATED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Drops this run's databases: left behind, each would cost the server an autovacuum worker
+/// start per database every `autovacuum_naptime` — background load for the next benchmark.
+async fn drop_databases(admin_url: &str) {
+    let names = std::mem::take(&mut *CREATED.lock().expect("created lock"));
+    if names.is_empty() {
+        return;
+    }
+    let Ok(admin) = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(admin_url)
+        .await
+    else {
+        return;
+    };
+    for name in names {
+        if let Err(e) = admin
+            .execute(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)").as_str())
+            .await
+        {
+            eprintln!("could not drop database {name}: {e}");
+        }
+    }
+    admin.close().await;
+}
+
 async fn fresh_db(admin_url: &str, max: u32) -> anyhow::Result<PgPool> {
     let admin = PgPoolOptions::new()
         .max_connections(1)
@@ -278,10 +312,13 @@ async fn fresh_db(admin_url: &str, max: u32) -> anyhow::Result<PgPool> {
     admin
         .execute(format!("CREATE DATABASE {name}").as_str())
         .await?;
+    CREATED.lock().expect("created lock").push(name.clone());
     admin.close().await;
     let opts: sqlx::postgres::PgConnectOptions = admin_url.parse()?;
+    // As `postal relay` configures its pool: no test query before each checkout.
     let pool = PgPoolOptions::new()
         .max_connections(max)
+        .test_before_acquire(false)
         .connect_with(opts.database(&name))
         .await?;
     postal_shared::migrate(&pool).await?;
@@ -569,7 +606,9 @@ async fn seed_style_drain(
         tx.commit().await?;
     }
     let r = rate(done, t.elapsed());
-    sqlx::query("DELETE FROM postal.outbox").execute(pool).await?;
+    sqlx::query("DELETE FROM postal.outbox")
+        .execute(pool)
+        .await?;
     Ok(r)
 }
 
@@ -886,6 +925,7 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
         true,
         true,
         true,
+        None,
     )
     .await?;
     explain_insert(&pool, "published", published).await?;
@@ -895,8 +935,29 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
         true,
         true,
         true,
+        None,
     )
     .await?;
+    // One relay of four (a contiguous quarter of the key partitions): the partition range
+    // checked inside the index, and for comparison only the mask (checked on each table row).
+    for in_index in [true, false] {
+        explain_claim(
+            &pool,
+            &format!(
+                "claim of 2000 rows from partitions 64..=127 (one relay of four), range {}",
+                if in_index {
+                    "checked in the index"
+                } else {
+                    "not given: mask only"
+                }
+            ),
+            false,
+            true,
+            false,
+            Some((64, 127, in_index)),
+        )
+        .await?;
+    }
 
     // A backlog committed since the last ANALYZE: the statistics still describe an empty
     // table. With and without the relay's planner settings (claim::PLAN_SETTINGS).
@@ -913,6 +974,7 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
             false,
             settings,
             false,
+            None,
         )
         .await?;
     }
@@ -934,11 +996,12 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
             false,
             true,
             false,
+            None,
         )
         .await?;
     }
     sqlx::query("VACUUM postal.outbox").execute(&pool).await?;
-    explain_claim(&pool, "the same after VACUUM", false, true, false).await?;
+    explain_claim(&pool, "the same after VACUUM", false, true, false, None).await?;
     Ok(())
 }
 
@@ -965,7 +1028,20 @@ async fn explain_claim(
     analyze: bool,
     settings: bool,
     full: bool,
+    part: Option<(i16, i16, bool)>,
 ) -> anyhow::Result<()> {
+    // `part`: claim only partitions lo..=hi (the mask), and say so to the index or not.
+    let (mask, lo, hi) = match part {
+        None => (None, 0i16, 255i16),
+        Some((lo, hi, in_index)) => {
+            let mask: Vec<bool> = (0..256).map(|p| p >= lo && p <= hi).collect();
+            if in_index {
+                (Some(mask), lo, hi)
+            } else {
+                (Some(mask), 0, 255)
+            }
+        }
+    };
     if analyze {
         sqlx::query("ANALYZE postal.outbox").execute(pool).await?;
     }
@@ -979,11 +1055,13 @@ async fn explain_claim(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
         postal_producer::claim::CLAIM_DELETE
     ))
-    .bind(None::<Vec<bool>>)
+    .bind(mask)
     .bind(2000i64)
     .bind("30000ms")
     .bind(None::<Vec<String>>)
     .bind(None::<Vec<String>>)
+    .bind(lo)
+    .bind(hi)
     .fetch_all(&mut *tx)
     .await?;
     tx.rollback().await?;

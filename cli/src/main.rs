@@ -402,6 +402,9 @@ async fn run_relay<T: postal_producer::Transport>(
     let pool = PgPoolOptions::new()
         .max_connections((config.max_in_flight_batches + config.lanes + 3) as u32)
         .acquire_timeout(Duration::from_secs(5))
+        // No test query before every checkout (a round trip per claim): a broken connection
+        // fails the claim instead, which the relay retries with backoff.
+        .test_before_acquire(false)
         .connect_lazy_with(opts);
     if args.migrate {
         let mut attempt = 0u32;

@@ -1,8 +1,9 @@
 //! Ownership of key partitions across relay instances.
 //!
 //! Every relay heartbeats its row in `postal.relay_instances`. The live relays (heartbeat within
-//! the lease) split the 256 key partitions deterministically: partition `p` belongs to the
-//! `p mod n`-th live relay in id order. A relay takes a partition only when it is free or its
+//! the lease) split the 256 key partitions deterministically into contiguous blocks: partition
+//! `p` belongs to the `p * n / 256`-th live relay in id order ([`share`]). Contiguous blocks
+//! let each claim skip the other relays' rows inside the index (see [`crate::claim`]). A relay takes a partition only when it is free or its
 //! lease expired, holds it with a lease it renews on every heartbeat, and gives it up when the
 //! split says so — after its in-flight batches are recorded. The claim statement re-checks the
 //! lease, so a relay that lost its lease claims nothing from that partition.
@@ -17,6 +18,15 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::claim::KEY_PARTITIONS;
+
+/// The key partitions of the `me`-th of `n` live relays: a contiguous block, the blocks of all
+/// `n` covering every partition once.
+pub fn share(n: usize, me: usize) -> Vec<i16> {
+    let n = n.max(1);
+    (0..KEY_PARTITIONS)
+        .filter(|p| *p as usize * n / KEY_PARTITIONS as usize == me)
+        .collect()
+}
 
 /// The group of relays that do not name one.
 pub const DEFAULT_GROUP: &str = "default";
@@ -68,9 +78,7 @@ pub async fn heartbeat(
     .await?;
     let me = live.iter().position(|r| *r == relay).unwrap_or(0);
     let n = live.len().max(1);
-    let target: Vec<i16> = (0..KEY_PARTITIONS)
-        .filter(|p| *p as usize % n == me)
-        .collect();
+    let target = share(n, me);
     let give_up: Vec<i16> = if release_ok {
         held.iter()
             .copied()
@@ -151,4 +159,30 @@ pub struct Lease {
     pub live: usize,
     /// Some held partitions belong to another relay by the split and wait to be given up.
     pub wants_release: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_are_contiguous_balanced_and_cover_every_partition_once() {
+        for n in 1..=9 {
+            let mut all = Vec::new();
+            for me in 0..n {
+                let s = share(n, me);
+                assert!(
+                    s.windows(2).all(|w| w[1] == w[0] + 1),
+                    "n={n} me={me}: {s:?}"
+                );
+                let size = s.len();
+                assert!(
+                    size == 256 / n || size == 256 / n + 1,
+                    "n={n} me={me}: {size} partitions"
+                );
+                all.extend(s);
+            }
+            assert_eq!(all, (0..KEY_PARTITIONS).collect::<Vec<_>>(), "n={n}");
+        }
+    }
 }

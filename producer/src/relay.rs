@@ -78,8 +78,10 @@ impl<T: Transport> Relay<T> {
     /// acknowledgements and records them; whatever is still unacknowledged after
     /// `shutdown_timeout` is given back (its claim rolls back).
     ///
-    /// The owned key partitions are split across `lanes` claim loops: each lane claims its
-    /// partitions in sequence order, so per-key order holds while lanes claim in parallel.
+    /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks
+    /// ([`lane_share`]): each lane claims its partitions in sequence order, so per-key order
+    /// holds while lanes claim in parallel. When the owned set changes, the split changes only
+    /// while no batch is in flight.
     /// Database or broker outages never end the loop: it logs one line per failed attempt and
     /// retries with backoff.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<RelayStats, Error> {
@@ -187,6 +189,8 @@ impl<T: Transport> Shared<T> {
         let mut failures = 0u32;
         loop {
             let held = self.owned.read().expect("owned lock").clone();
+            // In-flight slots held across a change of `owned` (see below).
+            let mut drained = None;
             let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
@@ -202,9 +206,11 @@ impl<T: Transport> Shared<T> {
                     // Record everything in flight before giving partitions away, so the next
                     // owner cannot overtake an event of ours.
                     let all = self.config.max_in_flight_batches as u32;
-                    if let Ok(Ok(permits)) =
-                        tokio::time::timeout(self.config.lease / 3, self.slots.acquire_many(all))
-                            .await
+                    if let Ok(Ok(permits)) = tokio::time::timeout(
+                        self.config.lease / 3,
+                        self.slots.clone().acquire_many_owned(all),
+                    )
+                    .await
                     {
                         result = lease::heartbeat(
                             &self.pool,
@@ -216,7 +222,7 @@ impl<T: Transport> Shared<T> {
                             true,
                         )
                         .await;
-                        drop(permits);
+                        drained = Some(permits);
                     }
                 }
             }
@@ -226,13 +232,36 @@ impl<T: Transport> Shared<T> {
                         tracing::info!("partition leases renewed again");
                     }
                     failures = 0;
-                    let mut owned = self.owned.write().expect("owned lock");
-                    if *owned != l.held {
-                        tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, "key partitions rebalanced");
-                        *owned = l.held;
-                        changed.send_modify(|n| *n = n.wrapping_add(1));
+                    let current = self.owned.read().expect("owned lock").clone();
+                    if current != l.held {
+                        // The lanes' split of the partitions changes with the owned set: change
+                        // it only while nothing is claimed or in flight, so that a partition
+                        // moving to another lane cannot have its events in two lanes at once.
+                        // Lanes read their share only once they hold a slot.
+                        if drained.is_none() {
+                            let all = self.config.max_in_flight_batches as u32;
+                            drained = tokio::time::timeout(
+                                self.config.lease / 3,
+                                self.slots.clone().acquire_many_owned(all),
+                            )
+                            .await
+                            .ok()
+                            .and_then(Result::ok);
+                        }
+                        if drained.is_some() {
+                            tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, "key partitions rebalanced");
+                            *self.owned.write().expect("owned lock") = l.held.clone();
+                            changed.send_modify(|n| *n = n.wrapping_add(1));
+                        } else {
+                            // Batches still in flight after a third of the lease: keep the
+                            // old split (claims re-check the lease, so partitions that were
+                            // lost are not claimed) and try again at the next heartbeat.
+                            tracing::warn!(relay = %self.id, "key partitions changed but batches are still in flight; rebalancing lanes at the next heartbeat");
+                        }
                     }
-                    metrics::gauge!("postal_relay_partitions_owned").set(owned.len() as f64);
+                    drop(drained.take());
+                    metrics::gauge!("postal_relay_partitions_owned")
+                        .set(self.owned.read().expect("owned lock").len() as f64);
                 }
                 Err(e) => {
                     failures += 1;
@@ -307,7 +336,7 @@ impl<T: Transport> Shared<T> {
         }
     }
 
-    /// One claim loop over its share (`p mod lanes == lane`) of the owned key partitions.
+    /// One claim loop over its share ([`lane_share`]) of the owned key partitions.
     /// Returns its outstanding completions on shutdown.
     async fn lane(
         self: Arc<Self>,
@@ -331,15 +360,15 @@ impl<T: Transport> Shared<T> {
                     }
                 }
             }
-            let partitions: Vec<i16> = self
-                .owned
-                .read()
-                .expect("owned lock")
-                .iter()
-                .copied()
-                .filter(|p| *p as usize % lanes == lane)
-                .collect();
+            let permit = tokio::select! {
+                _ = stop.cancelled() => break,
+                p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+            };
+            // Read only while holding a slot: the split changes only while the coordinator
+            // holds all of them.
+            let partitions = lane_share(&self.owned.read().expect("owned lock"), lanes, lane);
             if partitions.is_empty() {
+                drop(permit);
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     Ok(()) = owned_changed.changed() => {}
@@ -347,10 +376,6 @@ impl<T: Transport> Shared<T> {
                 }
                 continue;
             }
-            let permit = tokio::select! {
-                _ = stop.cancelled() => break,
-                p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-            };
             // The claim is not raced against shutdown: it is short and bounded, and its
             // transaction is then either completed or rolled back.
             let claim_started = Instant::now();
@@ -464,6 +489,15 @@ impl<T: Transport> Shared<T> {
         }
         completions
     }
+}
+
+/// The owned key partitions (sorted) of claim loop `lane` out of `lanes`: a contiguous run of
+/// the owned list, so that with contiguous ownership ([`lease::share`]) each claim's
+/// partitions form one narrow range that the index can check.
+fn lane_share(owned: &[i16], lanes: usize, lane: usize) -> Vec<i16> {
+    let lanes = lanes.max(1);
+    let n = owned.len();
+    owned[lane * n / lanes..(lane + 1) * n / lanes].to_vec()
 }
 
 struct CompleteCtx {
@@ -601,5 +635,28 @@ async fn listen(pool: PgPool, wake: tokio::sync::watch::Sender<u64>, poll: Durat
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_split_the_owned_partitions_into_contiguous_runs() {
+        let owned: Vec<i16> = (64..128).collect();
+        let a = lane_share(&owned, 2, 0);
+        let b = lane_share(&owned, 2, 1);
+        assert_eq!(a, (64..96).collect::<Vec<_>>());
+        assert_eq!(b, (96..128).collect::<Vec<_>>());
+        // Uneven splits still cover everything once; more lanes than partitions leave some
+        // lanes without any.
+        let owned: Vec<i16> = vec![3, 4, 5, 9, 10];
+        let parts: Vec<Vec<i16>> = (0..3).map(|l| lane_share(&owned, 3, l)).collect();
+        assert_eq!(parts.concat(), owned);
+        let parts: Vec<Vec<i16>> = (0..8).map(|l| lane_share(&owned, 8, l)).collect();
+        assert_eq!(parts.concat(), owned);
+        assert!(parts.iter().any(Vec::is_empty));
+        assert!(lane_share(&[], 2, 1).is_empty());
     }
 }
