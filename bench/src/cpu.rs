@@ -104,9 +104,11 @@ impl Cpu {
             (Some(a), Some(b)) => (a - b).as_secs_f64(),
             _ => 0.0,
         };
+        let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
         format!(
             "cpu ms per 1000 events: postgres {:.1}, broker {:.1}, bench process {:.1} \
-             (sum {:.1}); over {:.2} s: {:.2} cores busy, idle {:.0} %, steal {:.0} %",
+             (sum {:.1}); over {:.2} s: {:.2} cores busy, idle {:.0} %, steal {:.0} %; \
+             {threads} threads in this process",
             per_k(pg),
             per_k(br),
             per_k(me),

@@ -551,7 +551,10 @@ async fn raw_produce(
         .count();
     anyhow::ensure!(ok == n, "raw producer: only {ok}/{n} acknowledged");
     let r = rate(n, t.elapsed());
-    Ok((r, cpu::Cpu::now().report_since(&cpu, n)))
+    let cpu = cpu::Cpu::now().report_since(&cpu, n);
+    drop(producer);
+    delete_topic(bootstrap, &topic_c).await;
+    Ok((r, cpu))
 }
 
 /// (b) The seed-style baseline: claim 10, publish each awaiting its ack, mark each. Its
@@ -701,6 +704,7 @@ async fn relay_drain(
         published as usize >= n,
         "relay published {published} of {n}"
     );
+    delete_topic(bootstrap, &topic).await;
     Ok((rate(n, elapsed), cpu_line))
 }
 
@@ -720,6 +724,26 @@ async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::
         )
         .await?;
     Ok(())
+}
+
+/// Deletes a benchmark topic once its phase is measured: tansu's memory storage keeps every
+/// record for the life of the broker and gets slower as it grows, so later phases would
+/// otherwise pay for the records of earlier ones. Returns whether the broker deleted it.
+async fn delete_topic(bootstrap: &str, topic: &str) -> bool {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    let Ok(admin) = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create::<AdminClient<rdkafka::client::DefaultClientContext>>()
+    else {
+        return false;
+    };
+    matches!(
+        admin
+            .delete_topics(&[topic], &AdminOptions::new())
+            .await
+            .as_deref(),
+        Ok([Ok(_)])
+    )
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
