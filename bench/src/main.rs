@@ -63,7 +63,7 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         in_flight: usize,
         /// Relay claim lanes.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 4)]
         lanes: usize,
         /// Relay instance counts to run, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
@@ -132,7 +132,7 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         in_flight: usize,
         /// Relay claim lanes.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 4)]
         lanes: usize,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):

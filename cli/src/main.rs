@@ -94,8 +94,9 @@ struct RelayArgs {
     /// Batches awaiting acknowledgement at once.
     #[arg(long, env = "POSTAL_MAX_IN_FLIGHT", default_value_t = 4)]
     max_in_flight: usize,
-    /// Parallel claim loops, each over its own share of the key partitions.
-    #[arg(long, env = "POSTAL_LANES", default_value_t = 2)]
+    /// Parallel claim loops, each over its own share of the key partitions, each with an equal
+    /// share of the in-flight batches.
+    #[arg(long, env = "POSTAL_LANES", default_value_t = 4)]
     lanes: usize,
     /// Claim lease: a crashed relay's rows are retried after this.
     #[arg(long, env = "POSTAL_LEASE", default_value = "60s", value_parser = humantime::parse_duration)]

@@ -13,7 +13,8 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Batches handed to the transport whose acknowledgements are still awaited (default 4).
     pub max_in_flight_batches: usize,
-    /// Parallel claim loops, each over its own share of the key partitions (default 2).
+    /// Parallel claim loops, each over its own share of the key partitions and with an equal
+    /// share (rounded up) of `max_in_flight_batches` (default 4: one batch in flight each).
     pub lanes: usize,
     /// Lease on key partitions (default 60 s): a dead relay's partitions move to the others
     /// within this time. A claim transaction may stay idle for at most half of it, which must
@@ -85,7 +86,7 @@ impl Default for RelayConfig {
         RelayConfig {
             batch_size: 2000,
             max_in_flight_batches: 4,
-            lanes: 2,
+            lanes: 4,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
             listen: true,

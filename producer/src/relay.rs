@@ -351,6 +351,12 @@ impl<T: Transport> Shared<T> {
         mut owned_changed: tokio::sync::watch::Receiver<u64>,
     ) -> tokio::task::JoinSet<()> {
         let mut completions = tokio::task::JoinSet::new();
+        // This lane's own share of the in-flight batches. A lane's next claim walks past the
+        // rows of its own batches still in flight (they stay in the index, locked, until their
+        // commit); with several lanes each holding few batches, the relay keeps as many
+        // batches in flight while each claim steps over fewer of them.
+        let per_lane = self.config.max_in_flight_batches.div_ceil(lanes).max(1);
+        let own_slots = Arc::new(Semaphore::new(per_lane));
         let mut db_failures: u32 = 0;
         let stop = self.stop.clone();
         loop {
@@ -376,6 +382,10 @@ impl<T: Transport> Shared<T> {
             // claim their own shares with up to `max_in_flight_batches` batches in flight.
             let light = !self.backlogged.load(Ordering::Relaxed);
             let all = self.config.max_in_flight_batches as u32;
+            let own = tokio::select! {
+                _ = stop.cancelled() => break,
+                p = own_slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+            };
             let mut permit = tokio::select! {
                 _ = stop.cancelled() => break,
                 p = self.slots.clone().acquire_many_owned(if light { all } else { 1 }) =>
@@ -511,6 +521,7 @@ impl<T: Transport> Shared<T> {
                     "batch recorded"
                 );
                 drop(permit);
+                drop(own);
             });
             if !full {
                 // The backlog is drained for now: let acknowledgements get recorded.
