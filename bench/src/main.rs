@@ -977,7 +977,7 @@ async fn explain_bench(url: &str, published: i64, pending: i64) -> anyhow::Resul
             ),
             false,
             true,
-            false,
+            true,
             Some((64, 127, in_index)),
         )
         .await?;
