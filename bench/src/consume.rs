@@ -12,12 +12,11 @@ use anyhow::Context;
 use futures::future::join_all;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError, Stats};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::{create_topic, fresh_db, payload, rate};
+use crate::{create_topic, fresh_db, payload, rate, raw_headers};
 
 /// Options of the consumer benchmark.
 pub struct ConsumeOpts {
@@ -74,19 +73,7 @@ async fn produce(
             let producer = producer.clone();
             let topic = topic.to_owned();
             async move {
-                let headers = OwnedHeaders::new()
-                    .insert(Header {
-                        key: "ce_id",
-                        value: Some(&id),
-                    })
-                    .insert(Header {
-                        key: "ce_type",
-                        value: Some("bench.event"),
-                    })
-                    .insert(Header {
-                        key: "content-type",
-                        value: Some("application/json"),
-                    });
+                let headers = raw_headers(&id);
                 producer
                     .send(
                         FutureRecord::to(&topic)

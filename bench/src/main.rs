@@ -514,19 +514,7 @@ async fn raw_produce(
     for (i, b) in body.iter().enumerate() {
         let key = format!("key-{}", i % keys);
         let id = uuid::Uuid::now_v7().to_string();
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: "ce_id",
-                value: Some(id.as_str()),
-            })
-            .insert(Header {
-                key: "ce_type",
-                value: Some("bench.event"),
-            })
-            .insert(Header {
-                key: "content-type",
-                value: Some("application/json"),
-            });
+        let headers = raw_headers(&id);
         let mut rec = FutureRecord::to(&topic_c)
             .key(key.as_bytes())
             .payload(b.as_slice())
@@ -708,12 +696,17 @@ async fn relay_drain(
     Ok((rate(n, elapsed), cpu_line))
 }
 
-async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+type Admin = rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>;
+
+fn admin(bootstrap: &str) -> rdkafka::error::KafkaResult<Admin> {
+    ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .create()?;
-    let _ = admin
+        .create()
+}
+
+async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+    let _ = admin(bootstrap)?
         .create_topics(
             [&NewTopic::new(
                 topic,
@@ -730,20 +723,33 @@ async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::
 /// record for the life of the broker and gets slower as it grows, so later phases would
 /// otherwise pay for the records of earlier ones. Returns whether the broker deleted it.
 async fn delete_topic(bootstrap: &str, topic: &str) -> bool {
-    use rdkafka::admin::{AdminClient, AdminOptions};
-    let Ok(admin) = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .create::<AdminClient<rdkafka::client::DefaultClientContext>>()
-    else {
+    let Ok(admin) = admin(bootstrap) else {
         return false;
     };
     matches!(
         admin
-            .delete_topics(&[topic], &AdminOptions::new())
+            .delete_topics(&[topic], &rdkafka::admin::AdminOptions::new())
             .await
             .as_deref(),
         Ok([Ok(_)])
     )
+}
+
+/// The headers of the benchmarks' raw records (the relay adds the rest of CloudEvents').
+fn raw_headers(id: &str) -> OwnedHeaders {
+    OwnedHeaders::new()
+        .insert(Header {
+            key: "ce_id",
+            value: Some(id),
+        })
+        .insert(Header {
+            key: "ce_type",
+            value: Some("bench.event"),
+        })
+        .insert(Header {
+            key: "content-type",
+            value: Some("application/json"),
+        })
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
