@@ -3,9 +3,10 @@
 //! Every relay heartbeats its row in `postal.relay_instances`. The live relays (heartbeat within
 //! the lease) split the 256 key partitions deterministically into contiguous blocks: partition
 //! `p` belongs to the `p * n / 256`-th live relay in id order ([`share`]). Contiguous blocks
-//! let each claim skip the other relays' rows inside the index (see [`crate::claim`]). A relay takes a partition only when it is free or its
-//! lease expired, holds it with a lease it renews on every heartbeat, and gives it up when the
-//! split says so — after its in-flight batches are recorded. The claim statement re-checks the
+//! let each claim skip the other relays' rows inside the index (see [`crate::claim`]). A relay
+//! takes a partition only when it is free or its lease expired, holds it with a lease it renews
+//! on every heartbeat, and gives it up when the split says so — after its in-flight batches are
+//! recorded. The claim statement re-checks the
 //! lease, so a relay that lost its lease claims nothing from that partition.
 //!
 //! A claim transaction can outlive its relay by at most half a lease (the claim sets
