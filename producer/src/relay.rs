@@ -78,8 +78,8 @@ impl<T: Transport> Relay<T> {
     /// acknowledgements and records them; whatever is still unacknowledged after
     /// `shutdown_timeout` is given back (its claim rolls back).
     ///
-    /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks
-    /// ([`lane_share`]): each lane claims its partitions in sequence order, so per-key order
+    /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks:
+    /// each lane claims its partitions in sequence order, so per-key order
     /// holds while lanes claim in parallel. When the owned set changes, the split changes only
     /// while no batch is in flight.
     /// Database or broker outages never end the loop: it logs one line per failed attempt and
