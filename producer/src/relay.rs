@@ -1,7 +1,7 @@
 //! The relay loop: claim → hand to the transport → await acknowledgements → record outcomes.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,7 @@ impl<T: Transport> Relay<T> {
             paused_until: Arc::new(std::sync::Mutex::new(None::<Instant>)),
             slots: Arc::new(Semaphore::new(self.config.max_in_flight_batches)),
             backlogged: AtomicBool::new(true),
+            active_lanes: AtomicUsize::new(self.config.lanes.max(1)),
             stop: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
             id: self.id,
@@ -179,6 +180,10 @@ struct Shared<T: Transport> {
     /// `max_in_flight_batches` batches in flight. Otherwise a lane claims only once no batch is
     /// in flight (see the lane loop).
     backlogged: AtomicBool,
+    /// How many of the lanes claim: `lanes` is the budget of the whole relay group, and each of
+    /// `n` live relays runs `lanes / n` of them, rounded up ([`lanes_per_relay`]). Changes only
+    /// together with `owned`, while the coordinator holds every in-flight slot.
+    active_lanes: AtomicUsize,
     stop: CancellationToken,
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
@@ -238,7 +243,8 @@ impl<T: Transport> Shared<T> {
                     }
                     failures = 0;
                     let current = self.owned.read().expect("owned lock").clone();
-                    if current != l.held {
+                    let active = lanes_per_relay(self.config.lanes, l.live);
+                    if current != l.held || active != self.active_lanes.load(Ordering::Relaxed) {
                         // The lanes' split of the partitions changes with the owned set: change
                         // it only while nothing is claimed or in flight, so that a partition
                         // moving to another lane cannot have its events in two lanes at once.
@@ -254,8 +260,9 @@ impl<T: Transport> Shared<T> {
                             .and_then(Result::ok);
                         }
                         if drained.is_some() {
-                            tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, "key partitions rebalanced");
+                            tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, lanes = active, "key partitions rebalanced");
                             *self.owned.write().expect("owned lock") = l.held.clone();
+                            self.active_lanes.store(active, Ordering::Relaxed);
                             changed.send_modify(|n| *n = n.wrapping_add(1));
                         } else {
                             // Batches still in flight after a third of the lease: keep the
@@ -392,13 +399,16 @@ impl<T: Transport> Shared<T> {
                     p.expect("semaphore never closed"),
             };
             // Read only while holding a slot: the split changes only while the coordinator
-            // holds all of them.
+            // holds all of them. Lanes beyond this relay's part of the group's budget idle.
             let partitions = {
                 let owned = self.owned.read().expect("owned lock");
-                if light {
+                let active = self.active_lanes.load(Ordering::Relaxed);
+                if lane >= active {
+                    Vec::new()
+                } else if light {
                     owned.clone()
                 } else {
-                    lane_share(&owned, lanes, lane)
+                    lane_share(&owned, active, lane)
                 }
             };
             if partitions.is_empty() {
@@ -530,6 +540,14 @@ impl<T: Transport> Shared<T> {
         }
         completions
     }
+}
+
+/// How many claim loops each of `live` relays runs: the group's budget of `lanes`, split evenly
+/// and rounded up, at least one. The database then sees about the same number of concurrent
+/// claims whether one relay runs or four; adding relays adds standbys and spreads the relays'
+/// own work, without multiplying the claims that compete in PostgreSQL.
+fn lanes_per_relay(lanes: usize, live: usize) -> usize {
+    lanes.max(1).div_ceil(live.max(1))
 }
 
 /// The owned key partitions (sorted) of claim loop `lane` out of `lanes`: a contiguous run of
@@ -682,6 +700,21 @@ async fn listen(pool: PgPool, wake: tokio::sync::watch::Sender<u64>, poll: Durat
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lane_budget_is_split_among_live_relays() {
+        // One relay runs them all; more relays share them, rounded up, never fewer than one
+        // each, so the group never runs fewer lanes than configured.
+        assert_eq!(lanes_per_relay(4, 1), 4);
+        assert_eq!(lanes_per_relay(4, 2), 2);
+        assert_eq!(lanes_per_relay(4, 3), 2);
+        assert_eq!(lanes_per_relay(4, 4), 1);
+        assert_eq!(lanes_per_relay(4, 9), 1);
+        assert_eq!(lanes_per_relay(1, 0), 1);
+        for live in 1..=10 {
+            assert!(lanes_per_relay(4, live) * live >= 4);
+        }
+    }
 
     #[test]
     fn lanes_split_the_owned_partitions_into_contiguous_runs() {
