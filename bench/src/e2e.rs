@@ -31,6 +31,8 @@ pub struct E2eOpts {
     pub fetch_wait_ms: u32,
     pub in_flight: usize,
     pub lanes: usize,
+    /// Run a plain consumer on the topic too (order → broker → plain consumer).
+    pub split: bool,
 }
 
 /// The ledger handler of the benchmark.
@@ -65,13 +67,22 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
             r.p50,
             r.p99
         );
-        println!(
-            "    of which order commit -> plain consumer of the topic (relay + broker): {} records, p50 {:.1} ms  p99 {:.1} ms",
-            r.broker_n, r.broker_p50, r.broker_p99
-        );
+        if opts.split {
+            println!(
+                "    of which order commit -> plain consumer of the topic (relay + broker): {} records, p50 {:.1} ms  p99 {:.1} ms",
+                r.broker_n, r.broker_p50, r.broker_p99
+            );
+        }
     }
-    let (p50, p99, n) = broker_run(bootstrap, &opts).await?;
-    println!("  broker alone (raw produce -> raw consume, same settings): {n} records, p50 {p50:.1} ms  p99 {p99:.1} ms");
+    let b = broker_run(bootstrap, &opts).await?;
+    println!(
+        "  broker alone (raw produce -> raw consume, same settings): {} records, p50 {:.1} ms  p99 {:.1} ms",
+        b.n, b.p50, b.p99
+    );
+    println!(
+        "    of which send -> acknowledgement (acks=all): p50 {:.1} ms  p99 {:.1} ms",
+        b.ack_p50, b.ack_p99
+    );
     Ok(())
 }
 
@@ -94,10 +105,13 @@ async fn postal_run(
     // A plain consumer on the same topic splits the path: order → broker → plain consumer
     // (relay and broker) versus order → ledger commit (plus Postal's consumer).
     let stop_reader = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = {
+    let reader = opts.split.then(|| {
         let (bootstrap, topic, stop) = (bootstrap.to_owned(), topic.clone(), stop_reader.clone());
-        tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, usize::MAX, &stop))
-    };
+        let wait = opts.fetch_wait_ms;
+        tokio::task::spawn_blocking(move || {
+            receive_times(&bootstrap, &topic, usize::MAX, wait, &stop)
+        })
+    });
 
     let mut kcfg = KafkaConfig::new(bootstrap);
     kcfg.properties
@@ -195,8 +209,10 @@ async fn postal_run(
     .await?;
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
-    let received: std::collections::HashMap<String, std::time::SystemTime> =
-        reader.await??.into_iter().collect();
+    let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
+        Some(reader) => reader.await??.into_iter().collect(),
+        None => Default::default(),
+    };
     let created: Vec<(uuid::Uuid, f64)> = sqlx::query_as(
         "SELECT l.event_id, extract(epoch FROM o.created_at)::float8
          FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1",
@@ -256,8 +272,18 @@ async fn create_order(pool: &PgPool, topic: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Latencies of the broker path alone.
+struct BrokerRun {
+    p50: f64,
+    p99: f64,
+    n: usize,
+    /// Send → the producer's delivery report.
+    ack_p50: f64,
+    ack_p99: f64,
+}
+
 /// Raw producer → raw consumer at the same rate and client settings: the broker's share.
-async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<(f64, f64, usize)> {
+async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun> {
     let topic = format!("bench-broker-{}", uuid::Uuid::now_v7().simple());
     create_topic(bootstrap, &topic, opts.partitions).await?;
     let n = (opts.rate * opts.seconds.min(10)) as usize;
@@ -327,16 +353,28 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<(f64, f64
             * 1000.0;
         let payload = format!("{now:.3}");
         let key = format!("k{}", i % 500);
-        acks.push(
-            producer
-                .send_result(FutureRecord::to(&topic).key(&key).payload(&payload))
-                .map_err(|(e, _)| e)?,
-        );
+        let sent = Instant::now();
+        let ack = producer
+            .send_result(FutureRecord::to(&topic).key(&key).payload(&payload))
+            .map_err(|(e, _)| e)?;
+        // Awaited in its own task, so the time is taken when the report arrives.
+        acks.push(tokio::spawn(async move {
+            let _ = ack.await;
+            sent.elapsed().as_secs_f64() * 1e3
+        }));
     }
+    let mut ack_lat = Vec::with_capacity(acks.len());
     for a in acks {
-        let _ = a.await;
+        ack_lat.push(a.await?);
     }
+    ack_lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let mut lat = reader.await??;
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99), lat.len()))
+    Ok(BrokerRun {
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+        n: lat.len(),
+        ack_p50: percentile(&ack_lat, 0.5),
+        ack_p99: percentile(&ack_lat, 0.99),
+    })
 }

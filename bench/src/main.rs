@@ -134,6 +134,11 @@ enum Command {
         /// Relay claim lanes.
         #[arg(long, default_value_t = 4)]
         lanes: usize,
+        /// Leave out the plain consumer that splits the path into relay + broker and Postal's
+        /// consumer: it is a second reader of the topic, and every fetch costs tansu's memory
+        /// storage work that grows with the records the partition holds.
+        #[arg(long)]
+        no_split: bool,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
     /// Postal's relay next to a raw lapin publisher with confirms.
@@ -239,8 +244,10 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             fetch_wait_ms,
             in_flight,
             lanes,
+            no_split,
         } => {
             let opts = e2e::E2eOpts {
+                split: !no_split,
                 rate,
                 seconds,
                 partitions,
@@ -859,7 +866,7 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
             let bootstrap = bootstrap.to_owned();
             let topic = topic.clone();
             let never = std::sync::atomic::AtomicBool::new(false);
-            tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, n, &never))
+            tokio::task::spawn_blocking(move || receive_times(&bootstrap, &topic, n, 5, &never))
         };
         tokio::time::sleep(Duration::from_millis(1500)).await; // let the reader join its partitions
         let mut commits = std::collections::HashMap::new();
@@ -902,12 +909,13 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
     Ok(())
 }
 
-/// Reads `topic` from the beginning with a plain consumer, noting when each event id arrived,
-/// until `n` records, `stop` is set, or two minutes.
+/// Reads `topic` from the beginning with a plain consumer (`fetch.wait.max.ms` = `fetch_wait_ms`),
+/// noting when each event id arrived, until `n` records, `stop` is set, or two minutes.
 fn receive_times(
     bootstrap: &str,
     topic: &str,
     n: usize,
+    fetch_wait_ms: u32,
     stop: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<Vec<(String, std::time::SystemTime)>> {
     let consumer: BaseConsumer = ClientConfig::new()
@@ -917,7 +925,7 @@ fn receive_times(
             format!("bench-{}", uuid::Uuid::now_v7().simple()),
         )
         .set("enable.auto.commit", "false")
-        .set("fetch.wait.max.ms", "5")
+        .set("fetch.wait.max.ms", fetch_wait_ms.to_string())
         .set("fetch.min.bytes", "1")
         .create()?;
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
