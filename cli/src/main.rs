@@ -94,8 +94,9 @@ struct RelayArgs {
     /// Batches awaiting acknowledgement at once.
     #[arg(long, env = "POSTAL_MAX_IN_FLIGHT", default_value_t = 4)]
     max_in_flight: usize,
-    /// Parallel claim loops, each over its own share of the key partitions, each with an equal
-    /// share of the in-flight batches.
+    /// Parallel claim loops of the relay group, each over its own share of the key partitions
+    /// with an equal share of the in-flight batches; each of n live relays runs lanes/n of them
+    /// (rounded up).
     #[arg(long, env = "POSTAL_LANES", default_value_t = 4)]
     lanes: usize,
     /// Claim lease: a crashed relay's rows are retried after this.

@@ -13,8 +13,11 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Batches handed to the transport whose acknowledgements are still awaited (default 4).
     pub max_in_flight_batches: usize,
-    /// Parallel claim loops, each over its own share of the key partitions and with an equal
-    /// share (rounded up) of `max_in_flight_batches` (default 4: one batch in flight each).
+    /// Parallel claim loops of the whole relay group (default 4), each over its own share of
+    /// the key partitions and with an equal share (rounded up) of `max_in_flight_batches` (one
+    /// batch in flight each by default). With `n` live relays in the group each runs
+    /// `lanes / n` of them, rounded up: adding relays adds standbys and spreads the relays'
+    /// own work without multiplying the claims that compete in PostgreSQL.
     pub lanes: usize,
     /// Lease on key partitions (default 60 s): a dead relay's partitions move to the others
     /// within this time. A claim transaction may stay idle for at most half of it, which must
