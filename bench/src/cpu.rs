@@ -92,7 +92,7 @@ impl Cpu {
 
     /// One line: CPU seconds per component since `start`, per 1,000 events, and the
     /// machine's idle and steal share over the same wall time.
-    pub fn report_since(&self, start: &Cpu, events: usize) -> String {
+    pub fn report_since(&self, start: &Cpu, events: usize) -> Report {
         let per_k = |s: f64| s * 1e6 / events.max(1) as f64;
         let (pg, br, me) = (
             self.postgres - start.postgres,
@@ -105,7 +105,8 @@ impl Cpu {
             _ => 0.0,
         };
         let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
-        format!(
+        let steal = (self.steal - start.steal) / total;
+        let line = format!(
             "cpu ms per 1000 events: postgres {:.1}, broker {:.1}, bench process {:.1} \
              (sum {:.1}); over {:.2} s: {:.2} cores busy, idle {:.0} %, steal {:.0} %; \
              {threads} threads in this process",
@@ -116,7 +117,21 @@ impl Cpu {
             wall,
             (pg + br + me) / wall.max(1e-9),
             100.0 * (self.idle - start.idle) / total,
-            100.0 * (self.steal - start.steal) / total,
-        )
+            100.0 * steal,
+        );
+        Report { line, steal }
+    }
+}
+
+/// What [`Cpu::report_since`] found: the printed line and the machine's steal share.
+pub struct Report {
+    line: String,
+    /// Share of the machine's CPU time taken by the hypervisor for other guests (0–1).
+    pub steal: f64,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.line)
     }
 }
