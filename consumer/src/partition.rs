@@ -59,7 +59,7 @@ impl Inbox {
             let mut paused = self.paused.lock().expect("pause flag");
             if !*paused && self.queued.load(Ordering::Acquire) >= shared.config.partition_buffer {
                 if let Err(e) = shared.consumer.pause(&tpl(&topic, partition)) {
-                    tracing::debug!(error = %e, topic, partition, "pause failed");
+                    tracing::warn!(error = %e, topic, partition, "pausing the partition failed; its buffer keeps growing");
                 } else {
                     *paused = true;
                 }
@@ -108,7 +108,7 @@ impl Worker {
                 Offset::Offset(n),
                 Duration::ZERO,
             ) {
-                tracing::debug!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed; skipping older records instead");
+                tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset failed; skipping older records instead");
             }
         }
         tracing::debug!(topic = %self.topic, partition = self.partition, epoch = own.epoch, next_offset = ?next, "partition taken over");
@@ -188,7 +188,9 @@ impl Worker {
                     .resume(&tpl(&self.topic, self.partition))
                 {
                     Ok(()) => *paused = false,
-                    Err(e) => tracing::debug!(error = %e, "resume failed"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "resuming the partition failed")
+                    }
                 }
             }
         }

@@ -107,11 +107,44 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
     })
     .await;
     let (consumer, relay) = start_middle();
-    wait::until(WAIT, "every event through the sink", || {
-        let pool = sink.pool.clone();
-        async move { effects(&pool).await.1 >= total }
+    // On a timeout, say where the events stopped: the broker's high watermarks of both hops
+    // next to the offsets the middle and sink consumers stored (a stall seen once in CI left
+    // one partition of the restarted middle consumer behind without a log line).
+    let through = tokio::time::timeout(WAIT, async {
+        while effects(&sink.pool).await.1 < total {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     })
     .await;
+    if through.is_err() {
+        let mut report = String::new();
+        for (topic, pool, who) in [
+            (&first, &middle.pool, "middle"),
+            (&second, &sink.pool, "sink"),
+        ] {
+            let (bootstrap, t) = (svc.bootstrap.clone(), topic.clone());
+            let high = tokio::task::spawn_blocking(move || high_watermarks(&bootstrap, &t, 3))
+                .await
+                .unwrap();
+            let stored: Vec<(i32, Option<i64>)> = sqlx::query_as(
+                "SELECT partition, next_offset FROM postal.consumer_offsets
+                 WHERE topic = $1 ORDER BY partition",
+            )
+            .bind(topic.as_str())
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            report.push_str(&format!(
+                "\n  {topic}: broker high watermarks {high:?}, {who} stored next offsets {stored:?}, {who} effects {:?}",
+                effects(pool).await
+            ));
+        }
+        let (bootstrap, group) = (svc.bootstrap.clone(), middle_group.clone());
+        let members = tokio::task::spawn_blocking(move || group_members(&bootstrap, &group))
+            .await
+            .unwrap();
+        panic!("timed out after {WAIT:?} waiting for every event through the sink:{report}\n  middle group members: {members:?}");
+    }
     consumer.stop().await;
     relay.stop().await;
     sink_consumer.stop().await;
@@ -134,6 +167,26 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
         kafka::event_ids(&wire).len()
     );
     assert_eq!(kafka::event_ids(&wire).len(), total as usize);
+}
+
+/// High watermark of each of the `partitions` partitions of `topic` (`None` where the broker
+/// did not answer).
+fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let Ok(client) = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create::<BaseConsumer>()
+    else {
+        return vec![None; partitions as usize];
+    };
+    (0..partitions)
+        .map(|p| {
+            client
+                .fetch_watermarks(topic, p, Duration::from_secs(5))
+                .ok()
+                .map(|(_, high)| high)
+        })
+        .collect()
 }
 
 /// Members of consumer group `group` as the broker reports them (`None` if it cannot say).
