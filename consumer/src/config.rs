@@ -61,6 +61,11 @@ pub struct ConsumerConfig {
     pub kafka_commit_interval: Duration,
     /// Records buffered per partition before fetching from it pauses (default 1000).
     pub partition_buffer: usize,
+    /// When an owned partition has delivered nothing for this long while the broker's high
+    /// watermark lies beyond the stored offset, the consumer logs a warning, resumes the
+    /// partition and seeks to the stored offset again (default 10 s). It guards against a
+    /// fetch position lost to a broker fault; records are never skipped by it.
+    pub stall_check: Duration,
     /// How long shutdown waits for in-flight transactions before abandoning (rolling back)
     /// them (default 10 s).
     pub shutdown_timeout: Duration,
@@ -94,6 +99,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("dlq_suffix", &self.dlq_suffix)
             .field("kafka_commit_interval", &self.kafka_commit_interval)
             .field("partition_buffer", &self.partition_buffer)
+            .field("stall_check", &self.stall_check)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("ops_addr", &self.ops_addr)
             .field("kafka", &kafka)
@@ -127,6 +133,7 @@ impl ConsumerConfig {
             dlq_replication: 1,
             kafka_commit_interval: Duration::from_secs(1),
             partition_buffer: 1000,
+            stall_check: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(10),
             ops_addr: None,
             kafka: BTreeMap::new(),
@@ -218,6 +225,9 @@ impl ConsumerConfig {
         }
         if self.cleanup_interval.is_zero() {
             return bad("cleanup interval must be positive");
+        }
+        if self.stall_check < Duration::from_secs(1) {
+            return bad("stall check must be at least 1s");
         }
         if self.max_attempts == 0 {
             return bad("max attempts must be at least 1");
@@ -347,6 +357,9 @@ mod tests {
         c.validate().unwrap();
         c.max_batch = 0;
         assert!(c.validate().unwrap_err().to_string().contains("max batch"));
+        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        c.stall_check = Duration::from_millis(10);
+        assert!(c.validate().unwrap_err().to_string().contains("stall check"));
         let mut c = ConsumerConfig::new("b:9092", "g", "billing");
         c.kafka.insert("enable.auto.commit".into(), "true".into());
         assert!(c

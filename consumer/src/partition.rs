@@ -118,6 +118,10 @@ impl Worker {
                 biased;
                 _ = self.cancel.cancelled() => return,
                 r = self.rx.recv() => match r { Some(r) => r, None => return },
+                _ = tokio::time::sleep(self.shared.config.stall_check) => {
+                    self.check_stall(next).await;
+                    continue;
+                }
             };
             let mut records = vec![head];
             while records.len() < max_batch {
@@ -172,6 +176,53 @@ impl Worker {
                 }
                 Step::Stop => return,
             }
+        }
+    }
+
+    /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
+    /// offset `next`, the fetch position was lost (seen with tansu after a consumer restart);
+    /// resume the partition and seek to `next` again. Seeking to the stored offset never skips
+    /// a record: anything below it is dropped on arrival, as after any seek.
+    async fn check_stall(&self, next: Option<i64>) {
+        let Some(n) = next else {
+            return;
+        };
+        let consumer = self.shared.consumer.clone();
+        let (topic, partition) = (self.topic.clone(), self.partition);
+        let high = tokio::task::spawn_blocking(move || {
+            consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+        })
+        .await;
+        let Ok(Ok((_, high))) = high else {
+            return;
+        };
+        if high <= n || self.cancel.is_cancelled() {
+            return;
+        }
+        tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, high_watermark = high,
+            idle_ms = self.shared.config.stall_check.as_millis() as u64,
+            "no records from an owned partition although the broker has more; seeking to the stored offset again");
+        self.shared
+            .stats
+            .stalls_recovered(&self.shared.config.consumer, &self.topic, 1);
+        {
+            let mut paused = self.paused.lock().expect("pause flag");
+            if self
+                .shared
+                .consumer
+                .resume(&tpl(&self.topic, self.partition))
+                .is_ok()
+            {
+                *paused = false;
+            }
+        }
+        if let Err(e) = self.shared.consumer.seek(
+            &self.topic,
+            self.partition,
+            Offset::Offset(n),
+            Duration::ZERO,
+        ) {
+            tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed");
         }
     }
 

@@ -12,6 +12,7 @@ pub struct Stats {
     replays_skipped: AtomicU64,
     retries: AtomicU64,
     fenced: AtomicU64,
+    stalls_recovered: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -32,6 +33,9 @@ pub struct StatsSnapshot {
     pub retries: u64,
     /// Transactions rolled back because another consumer took the partition over.
     pub fenced: u64,
+    /// Times an owned partition delivered nothing for `stall_check` although the broker had
+    /// more, and the consumer sought to the stored offset again.
+    pub stalls_recovered: u64,
 }
 
 macro_rules! bump {
@@ -54,6 +58,7 @@ impl Stats {
     bump!(replays_skipped, "postal_consumer_skipped_total", "reason" => "below_stored_offset");
     bump!(retries, "postal_consumer_retries_total",);
     bump!(fenced, "postal_consumer_fenced_total",);
+    bump!(stalls_recovered, "postal_consumer_stalls_recovered_total",);
 
     /// The current values.
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -66,6 +71,7 @@ impl Stats {
             replays_skipped: l(&self.replays_skipped),
             retries: l(&self.retries),
             fenced: l(&self.fenced),
+            stalls_recovered: l(&self.stalls_recovered),
         }
     }
 }
