@@ -359,7 +359,11 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("max batch"));
         let mut c = ConsumerConfig::new("b:9092", "g", "billing");
         c.stall_check = Duration::from_millis(10);
-        assert!(c.validate().unwrap_err().to_string().contains("stall check"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("stall check"));
         let mut c = ConsumerConfig::new("b:9092", "g", "billing");
         c.kafka.insert("enable.auto.commit".into(), "true".into());
         assert!(c

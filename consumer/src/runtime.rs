@@ -175,6 +175,12 @@ impl Consumer {
         self.shared.stats.clone()
     }
 
+    /// Fault injection for tests (see [`crate::testing::FetchFault`]).
+    #[doc(hidden)]
+    pub fn fetch_fault(&self) -> crate::testing::FetchFault {
+        crate::testing::FetchFault(self.shared.consumer.clone())
+    }
+
     /// The subscribed topics.
     pub fn topics(&self) -> Vec<String> {
         self.shared.router.topics()

@@ -85,3 +85,21 @@ where
     }
     Ok(())
 }
+
+/// Fault injection for the runtime's own tests: stops fetching from a partition behind the
+/// runtime's back, as a broker fault that loses a consumer's fetch position would.
+#[doc(hidden)]
+pub struct FetchFault(
+    pub(crate) std::sync::Arc<rdkafka::consumer::StreamConsumer<crate::context::Context>>,
+);
+
+impl FetchFault {
+    /// Pauses fetching from `topic`/`partition` without telling the runtime.
+    pub fn stop_fetching(&self, topic: &str, partition: i32) -> Result<(), crate::Error> {
+        use rdkafka::consumer::Consumer as _;
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        self.0.pause(&tpl)?;
+        Ok(())
+    }
+}

@@ -362,6 +362,49 @@ async fn shutdown_abandons_an_unfinished_transaction_cleanly() {
     );
 }
 
+/// Guarantee: an owned partition whose fetching stops behind the runtime's back (a lost fetch
+/// position, as after a broker fault) does not stall: after `stall_check` without records
+/// while the broker has more, the runtime resumes and seeks to the stored offset, and every
+/// later record is applied exactly once.
+#[tokio::test]
+async fn a_partition_that_stops_fetching_is_recovered() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("stall");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let batch = |from: i64| -> Vec<RawRecord> {
+        (from..from + 20)
+            .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
+            .collect()
+    };
+    produce(&svc.bootstrap, &topic, None, &batch(0)).await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    config.stall_check = Duration::from_secs(1);
+    let consumer = Consumer::builder(db.pool.clone(), config)
+        .on(&topic, "job", apply)
+        .build()
+        .expect("valid consumer");
+    let fault = consumer.fetch_fault();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the first 20 events applied", || {
+        let s = stats.snapshot();
+        async move { s.applied == 20 }
+    })
+    .await;
+    fault.stop_fetching(&topic, 0).expect("pause");
+    produce(&svc.bootstrap, &topic, None, &batch(20)).await;
+    wait::until(WAIT, "the next 20 events applied after the stall", || {
+        let s = stats.snapshot();
+        async move { s.applied == 40 }
+    })
+    .await;
+    assert!(stats.snapshot().stalls_recovered >= 1);
+    running.stop().await;
+    assert_eq!(effects(&db.pool).await, (40, 40));
+}
+
 /// Guarantee: with a tiny per-partition buffer the runtime pauses and resumes fetching over and
 /// over without losing, repeating or stalling a record.
 #[tokio::test]
