@@ -119,7 +119,40 @@ impl Cpu {
             100.0 * (self.idle - start.idle) / total,
             100.0 * steal,
         );
-        Report { line, steal }
+        Report {
+            line,
+            steal,
+            wal: None,
+        }
+    }
+}
+
+/// PostgreSQL's cluster-wide WAL counters and the outbox's autovacuum count (this database).
+pub struct Wal {
+    records: i64,
+    fpi: i64,
+    bytes: f64,
+    autovacuums: i64,
+}
+
+impl Wal {
+    /// Reads the counters; `None` if the server cannot say.
+    pub async fn now(pool: &sqlx::PgPool) -> Option<Wal> {
+        let (records, fpi, bytes, autovacuums): (i64, i64, f64, i64) = sqlx::query_as(
+            "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::float8,
+                    coalesce((SELECT autovacuum_count FROM pg_stat_user_tables
+                              WHERE schemaname = 'postal' AND relname = 'outbox'), 0)
+             FROM pg_stat_wal w",
+        )
+        .fetch_one(pool)
+        .await
+        .ok()?;
+        Some(Wal {
+            records,
+            fpi,
+            bytes,
+            autovacuums,
+        })
     }
 }
 
@@ -128,10 +161,33 @@ pub struct Report {
     line: String,
     /// Share of the machine's CPU time taken by the hypervisor for other guests (0–1).
     pub steal: f64,
+    wal: Option<String>,
+}
+
+impl Report {
+    /// Adds the WAL written between `start` and `end` (per 1,000 events) and the outbox's
+    /// autovacuums in between.
+    pub fn with_wal(mut self, start: Option<Wal>, end: Option<Wal>, events: usize) -> Report {
+        if let (Some(a), Some(b)) = (start, end) {
+            let per_k = |x: f64| x * 1000.0 / events.max(1) as f64;
+            self.wal = Some(format!(
+                "wal per 1000 events: {:.0} records, {:.0} full-page images, {:.0} kB; outbox autovacuums during the phase: {}",
+                per_k((b.records - a.records) as f64),
+                per_k((b.fpi - a.fpi) as f64),
+                per_k(b.bytes - a.bytes) / 1024.0,
+                b.autovacuums - a.autovacuums
+            ));
+        }
+        self
+    }
 }
 
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.line)
+        f.write_str(&self.line)?;
+        if let Some(w) = &self.wal {
+            write!(f, "\n    {w}")?;
+        }
+        Ok(())
     }
 }

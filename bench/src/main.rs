@@ -512,6 +512,7 @@ async fn sql_drain(
 ) -> anyhow::Result<(f64, cpu::Report)> {
     clean(pool).await?;
     seed(pool, "bench-sql", n, payload_bytes, keys).await?;
+    let wal = cpu::Wal::now(pool).await;
     let cpu = cpu::Cpu::now();
     let t = Instant::now();
     loop {
@@ -528,7 +529,8 @@ async fn sql_drain(
         }
     }
     let r = rate(n, t.elapsed());
-    Ok((r, cpu::Cpu::now().report_since(&cpu, n)))
+    let report = cpu::Cpu::now().report_since(&cpu, n);
+    Ok((r, report.with_wal(wal, cpu::Wal::now(pool).await, n)))
 }
 
 /// (c) Raw rdkafka: the same records, sends not awaited one by one.
@@ -700,6 +702,7 @@ async fn relay_drain(
         enqueue_batch(&mut tx, batch).await?;
     }
     tx.commit().await?;
+    let wal = cpu::Wal::now(pool).await;
     let cpu = cpu::Cpu::now();
     let t = Instant::now();
     // A cheap check (partial index) so that watching does not load the database.
@@ -716,7 +719,9 @@ async fn relay_drain(
         "outbox not empty after the drain"
     );
     let elapsed = t.elapsed();
-    let cpu_line = cpu::Cpu::now().report_since(&cpu, n);
+    let cpu_line = cpu::Cpu::now()
+        .report_since(&cpu, n)
+        .with_wal(wal, cpu::Wal::now(pool).await, n);
     for s in stops {
         let _ = s.send(());
     }
