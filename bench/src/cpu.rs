@@ -127,10 +127,10 @@ impl Cpu {
     }
 }
 
-/// PostgreSQL's cluster-wide WAL counters and the outbox's autovacuum count (this database).
+/// PostgreSQL's WAL position and the outbox's autovacuum count (this database). The position
+/// is exact at once; `pg_stat_wal`'s record counts are not used because backends report them
+/// lazily (up to a second or more later), which is the length of a whole phase here.
 pub struct Wal {
-    records: i64,
-    fpi: i64,
     bytes: f64,
     autovacuums: i64,
 }
@@ -138,21 +138,15 @@ pub struct Wal {
 impl Wal {
     /// Reads the counters; `None` if the server cannot say.
     pub async fn now(pool: &sqlx::PgPool) -> Option<Wal> {
-        let (records, fpi, bytes, autovacuums): (i64, i64, f64, i64) = sqlx::query_as(
-            "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::float8,
+        let (bytes, autovacuums): (f64, i64) = sqlx::query_as(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8,
                     coalesce((SELECT autovacuum_count FROM pg_stat_user_tables
-                              WHERE schemaname = 'postal' AND relname = 'outbox'), 0)
-             FROM pg_stat_wal w",
+                              WHERE schemaname = 'postal' AND relname = 'outbox'), 0)",
         )
         .fetch_one(pool)
         .await
         .ok()?;
-        Some(Wal {
-            records,
-            fpi,
-            bytes,
-            autovacuums,
-        })
+        Some(Wal { bytes, autovacuums })
     }
 }
 
@@ -171,9 +165,7 @@ impl Report {
         if let (Some(a), Some(b)) = (start, end) {
             let per_k = |x: f64| x * 1000.0 / events.max(1) as f64;
             self.wal = Some(format!(
-                "wal per 1000 events: {:.0} records, {:.0} full-page images, {:.0} kB; outbox autovacuums during the phase: {}",
-                per_k((b.records - a.records) as f64),
-                per_k((b.fpi - a.fpi) as f64),
+                "wal per 1000 events: {:.0} kB; outbox autovacuums during the phase: {}",
                 per_k(b.bytes - a.bytes) / 1024.0,
                 b.autovacuums - a.autovacuums
             ));
