@@ -719,9 +719,10 @@ async fn relay_drain(
         "outbox not empty after the drain"
     );
     let elapsed = t.elapsed();
-    let cpu_line = cpu::Cpu::now()
-        .report_since(&cpu, n)
-        .with_wal(wal, cpu::Wal::now(pool).await, n);
+    let cpu_line =
+        cpu::Cpu::now()
+            .report_since(&cpu, n)
+            .with_wal(wal, cpu::Wal::now(pool).await, n);
     for s in stops {
         let _ = s.send(());
     }

@@ -63,8 +63,9 @@ pub struct ConsumerConfig {
     pub partition_buffer: usize,
     /// When an owned partition has delivered nothing for this long while the broker's high
     /// watermark lies beyond the stored offset, the consumer logs a warning, resumes the
-    /// partition and seeks to the stored offset again (default 10 s). It guards against a
-    /// fetch position lost to a broker fault; records are never skipped by it.
+    /// partition and seeks to the stored offset again (default 10 s), once per stored offset
+    /// and high watermark (transaction markers also keep the high watermark ahead). It guards
+    /// against a fetch position lost to a broker fault; records are never skipped by it.
     pub stall_check: Duration,
     /// How long shutdown waits for in-flight transactions before abandoning (rolling back)
     /// them (default 10 s).

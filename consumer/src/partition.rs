@@ -113,13 +113,15 @@ impl Worker {
         }
         tracing::debug!(topic = %self.topic, partition = self.partition, epoch = own.epoch, next_offset = ?next, "partition taken over");
         let max_batch = self.shared.config.max_batch;
+        // The (stored offset, high watermark) of the last stall recovery (see `check_stall`).
+        let mut last_stall = None;
         loop {
             let head = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return,
                 r = self.rx.recv() => match r { Some(r) => r, None => return },
                 _ = tokio::time::sleep(self.shared.config.stall_check) => {
-                    self.check_stall(next).await;
+                    self.check_stall(next, &mut last_stall).await;
                     continue;
                 }
             };
@@ -182,8 +184,11 @@ impl Worker {
     /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
     /// offset `next`, the fetch position was lost (seen with tansu after a consumer restart);
     /// resume the partition and seek to `next` again. Seeking to the stored offset never skips
-    /// a record: anything below it is dropped on arrival, as after any seek.
-    async fn check_stall(&self, next: Option<i64>) {
+    /// a record: anything below it is dropped on arrival, as after any seek. Done once per
+    /// (stored offset, high watermark): offsets that hold no deliverable record (transaction
+    /// markers of transactional producers) keep the high watermark ahead of the stored offset
+    /// without any stall, and must not warn every `stall_check`.
+    async fn check_stall(&self, next: Option<i64>, last: &mut Option<(i64, i64)>) {
         let Some(n) = next else {
             return;
         };
@@ -196,9 +201,10 @@ impl Worker {
         let Ok(Ok((_, high))) = high else {
             return;
         };
-        if high <= n || self.cancel.is_cancelled() {
+        if high <= n || self.cancel.is_cancelled() || *last == Some((n, high)) {
             return;
         }
+        *last = Some((n, high));
         tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, high_watermark = high,
             idle_ms = self.shared.config.stall_check.as_millis() as u64,
             "no records from an owned partition although the broker has more; seeking to the stored offset again");
