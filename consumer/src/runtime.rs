@@ -309,13 +309,21 @@ impl Consumer {
             );
         }
         let consumer = shared.consumer.clone();
+        let close_timeout = config.shutdown_timeout;
         drop(shared);
-        // Closing leaves the group; it can block briefly, so not on an async worker.
-        let _ = tokio::task::spawn_blocking(move || {
+        // Closing leaves the group; it can block briefly, so not on an async worker. It is
+        // bounded: a close that hangs inside librdkafka (seen once with tansu: a revocation's
+        // `assign` never answered) must not keep shutdown from returning. Everything is
+        // committed by now; the broker expires the member after its session timeout.
+        let close = tokio::task::spawn_blocking(move || {
             consumer.unsubscribe();
             drop(consumer);
-        })
-        .await;
+        });
+        if tokio::time::timeout(close_timeout, close).await.is_err() {
+            tracing::warn!(
+                "leaving the consumer group did not finish in time; the broker expires this member after its session timeout"
+            );
+        }
         if let Some(ops) = ops {
             ops.abort();
         }
