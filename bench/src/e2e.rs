@@ -63,25 +63,25 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
             } else {
                 "polling only (relay default, every 1 s)"
             },
-            r.n,
-            r.p50,
-            r.p99
+            r.e2e.n,
+            r.e2e.p50,
+            r.e2e.p99
         );
         if opts.split {
             println!(
                 "    of which order commit -> plain consumer of the topic (relay + broker): {} records, p50 {:.1} ms  p99 {:.1} ms",
-                r.broker_n, r.broker_p50, r.broker_p99
+                r.to_broker.n, r.to_broker.p50, r.to_broker.p99
             );
         }
     }
     let b = broker_run(bootstrap, &opts).await?;
     println!(
         "  broker alone (raw produce -> raw consume, same settings): {} records, p50 {:.1} ms  p99 {:.1} ms",
-        b.n, b.p50, b.p99
+        b.e2e.n, b.e2e.p50, b.e2e.p99
     );
     println!(
         "    of which send -> acknowledgement (acks=all): p50 {:.1} ms  p99 {:.1} ms",
-        b.ack_p50, b.ack_p99
+        b.ack.p50, b.ack.p99
     );
     Ok(())
 }
@@ -200,14 +200,13 @@ async fn postal_run(
     let _ = stop_relay.send(());
     relay_task.await??;
 
-    let mut lat: Vec<f64> = sqlx::query_scalar(
+    let lat: Vec<f64> = sqlx::query_scalar(
         "SELECT (extract(epoch FROM l.applied_at - o.created_at) * 1000)::float8
          FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1",
     )
     .bind(warmup_orders)
     .fetch_all(&pool)
     .await?;
-    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
     let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
         Some(reader) => reader.await??.into_iter().collect(),
@@ -220,7 +219,7 @@ async fn postal_run(
     .bind(warmup_orders)
     .fetch_all(&pool)
     .await?;
-    let mut to_broker: Vec<f64> = created
+    let to_broker: Vec<f64> = created
         .iter()
         .filter_map(|(id, at)| {
             let got = received.get(&id.to_string())?;
@@ -231,26 +230,36 @@ async fn postal_run(
             Some((got - at) * 1000.0)
         })
         .collect();
-    to_broker.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Ok(Run {
-        p50: percentile(&lat, 0.5),
-        p99: percentile(&lat, 0.99),
-        n: lat.len(),
-        broker_p50: percentile(&to_broker, 0.5),
-        broker_p99: percentile(&to_broker, 0.99),
-        broker_n: to_broker.len(),
+        e2e: Latencies::of(lat),
+        to_broker: Latencies::of(to_broker),
     })
+}
+
+/// p50, p99 and count of a set of latencies (ms).
+struct Latencies {
+    p50: f64,
+    p99: f64,
+    n: usize,
+}
+
+impl Latencies {
+    fn of(mut v: Vec<f64>) -> Latencies {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        Latencies {
+            p50: percentile(&v, 0.5),
+            p99: percentile(&v, 0.99),
+            n: v.len(),
+        }
+    }
 }
 
 /// Latencies of one Postal run.
 struct Run {
-    p50: f64,
-    p99: f64,
-    n: usize,
+    /// Order commit → ledger commit.
+    e2e: Latencies,
     /// Order → plain consumer on the same topic.
-    broker_p50: f64,
-    broker_p99: f64,
-    broker_n: usize,
+    to_broker: Latencies,
 }
 
 async fn create_order(pool: &PgPool, topic: &str) -> anyhow::Result<()> {
@@ -274,12 +283,10 @@ async fn create_order(pool: &PgPool, topic: &str) -> anyhow::Result<()> {
 
 /// Latencies of the broker path alone.
 struct BrokerRun {
-    p50: f64,
-    p99: f64,
-    n: usize,
+    /// Raw produce → raw consume.
+    e2e: Latencies,
     /// Send → the producer's delivery report.
-    ack_p50: f64,
-    ack_p99: f64,
+    ack: Latencies,
 }
 
 /// Raw producer → raw consumer at the same rate and client settings: the broker's share.
@@ -367,14 +374,8 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun
     for a in acks {
         ack_lat.push(a.await?);
     }
-    ack_lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let mut lat = reader.await??;
-    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Ok(BrokerRun {
-        p50: percentile(&lat, 0.5),
-        p99: percentile(&lat, 0.99),
-        n: lat.len(),
-        ack_p50: percentile(&ack_lat, 0.5),
-        ack_p99: percentile(&ack_lat, 0.99),
+        e2e: Latencies::of(reader.await??),
+        ack: Latencies::of(ack_lat),
     })
 }
