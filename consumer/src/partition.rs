@@ -90,10 +90,17 @@ pub(crate) struct Worker {
     pub queued: Arc<AtomicUsize>,
     pub paused: Arc<Mutex<bool>>,
     pub cancel: CancellationToken,
+    /// The partition's turn: held from before the takeover until the worker returns.
+    pub turn: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Worker {
     pub async fn run(mut self) {
+        let _turn = tokio::select! {
+            biased;
+            _ = self.cancel.cancelled() => return,
+            t = self.turn.clone().lock_owned() => t,
+        };
         let Some(own) = self.claim().await else {
             return;
         };

@@ -181,6 +181,12 @@ impl Consumer {
         crate::testing::FetchFault(self.shared.consumer.clone())
     }
 
+    /// Fault injection for tests (see [`crate::testing::RebalanceFault`]).
+    #[doc(hidden)]
+    pub fn rebalance_fault(&self) -> crate::testing::RebalanceFault {
+        crate::testing::RebalanceFault(self.shared.consumer.context().events.clone())
+    }
+
     /// The subscribed topics.
     pub fn topics(&self) -> Vec<String> {
         self.shared.router.topics()
@@ -239,6 +245,8 @@ impl Consumer {
             stop.clone(),
         ));
         let mut partitions: HashMap<Tp, Partition> = HashMap::new();
+        // One turn per partition, held by its worker for the worker's whole life (see `apply`).
+        let mut turns: HashMap<Tp, Arc<tokio::sync::Mutex<()>>> = HashMap::new();
         let mut workers = JoinSet::new();
         let mut commit_tick = tokio::time::interval(config.kafka_commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -250,7 +258,7 @@ impl Consumer {
                     biased;
                     _ = &mut shutdown => break,
                     Some(ev) = events.recv() => {
-                        apply(&shared, ev, &mut partitions, &mut workers, &stop);
+                        apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
                     }
                     _ = commit_tick.tick() => commit(&shared, CommitMode::Async),
                     Some(_) = workers.join_next(), if !workers.is_empty() => {}
@@ -263,7 +271,7 @@ impl Consumer {
                             if !partitions.contains_key(&tp) {
                                 // The assignment callback may have run inside this poll.
                                 while let Ok(ev) = events.try_recv() {
-                                    apply(&shared, ev, &mut partitions, &mut workers, &stop);
+                                    apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
                                 }
                             }
                             match partitions.get(&tp) {
@@ -332,10 +340,17 @@ impl Consumer {
     }
 }
 
+/// Applies a rebalance: cancels the workers of revoked partitions and starts one for each
+/// assigned partition. A new worker waits for its partition's turn, which the previous worker
+/// of the same partition holds until it has returned: otherwise a cancelled predecessor still
+/// taking the partition over in the database could do so after its successor, fencing the
+/// successor and leaving the partition with no worker (seen after quick successive
+/// rebalances).
 fn apply(
     shared: &Arc<Shared>,
     ev: RebalanceEvent,
     partitions: &mut HashMap<Tp, Partition>,
+    turns: &mut HashMap<Tp, Arc<tokio::sync::Mutex<()>>>,
     workers: &mut JoinSet<()>,
     stop: &CancellationToken,
 ) {
@@ -374,6 +389,7 @@ fn apply(
                         queued: queued.clone(),
                         paused: paused.clone(),
                         cancel: cancel.clone(),
+                        turn: turns.entry(tp.clone()).or_default().clone(),
                     }
                     .run(),
                 );

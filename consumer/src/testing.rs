@@ -103,3 +103,22 @@ impl FetchFault {
         Ok(())
     }
 }
+
+/// Fault injection for the runtime's own tests: tells the runtime that a partition was revoked
+/// and assigned again, as quick successive rebalances do, without librdkafka's involvement.
+#[doc(hidden)]
+pub struct RebalanceFault(
+    pub(crate) tokio::sync::mpsc::UnboundedSender<crate::context::RebalanceEvent>,
+);
+
+impl RebalanceFault {
+    /// Sends `times` pairs of (revoked, assigned) for `topic`/`partition`, back to back.
+    pub fn reassign(&self, topic: &str, partition: i32, times: usize) {
+        use crate::context::RebalanceEvent;
+        for _ in 0..times {
+            let tp = vec![(topic.to_owned(), partition)];
+            let _ = self.0.send(RebalanceEvent::Revoked(tp.clone()));
+            let _ = self.0.send(RebalanceEvent::Assigned(tp));
+        }
+    }
+}

@@ -126,8 +126,8 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
             let high = tokio::task::spawn_blocking(move || high_watermarks(&bootstrap, &t, 3))
                 .await
                 .unwrap();
-            let stored: Vec<(i32, Option<i64>)> = sqlx::query_as(
-                "SELECT partition, next_offset FROM postal.consumer_offsets
+            let stored: Vec<(i32, Option<i64>, i64)> = sqlx::query_as(
+                "SELECT partition, next_offset, epoch FROM postal.consumer_offsets
                  WHERE topic = $1 ORDER BY partition",
             )
             .bind(topic.as_str())
@@ -135,7 +135,7 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
             .await
             .unwrap_or_default();
             report.push_str(&format!(
-                "\n  {topic}: broker high watermarks {high:?}, {who} stored next offsets {stored:?}, {who} effects {:?}",
+                "\n  {topic}: broker high watermarks {high:?}, {who} stored (partition, next offset, epoch) {stored:?}, {who} effects {:?}",
                 effects(pool).await
             ));
         }

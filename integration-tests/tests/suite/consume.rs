@@ -405,6 +405,55 @@ async fn a_partition_that_stops_fetching_is_recovered() {
     assert_eq!(effects(&db.pool).await, (40, 40));
 }
 
+/// Guarantee: a partition revoked and assigned again in quick succession (several rebalances
+/// in a row) keeps being consumed: the worker of the last assignment owns the partition in the
+/// database, however the earlier workers' takeovers interleave with its own. (A restarted
+/// consumer in the chain test once left a partition to a worker fenced by its cancelled
+/// predecessor.)
+#[tokio::test]
+async fn quick_successive_reassignments_leave_the_partition_consumed() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("reassign");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let batch = |from: i64| -> Vec<RawRecord> {
+        (from..from + 10)
+            .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
+            .collect()
+    };
+    produce(&svc.bootstrap, &topic, None, &batch(0)).await;
+    let config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    let consumer = Consumer::builder(db.pool.clone(), config)
+        .on(&topic, "job", apply)
+        .build()
+        .expect("valid consumer");
+    let fault = consumer.rebalance_fault();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the first 10 events applied", || {
+        let s = stats.snapshot();
+        async move { s.applied == 10 }
+    })
+    .await;
+    for round in 1..=8i64 {
+        fault.reassign(&topic, 0, 3);
+        produce(&svc.bootstrap, &topic, None, &batch(round * 10)).await;
+        let want = (round + 1) * 10;
+        wait::until(
+            Duration::from_secs(30),
+            "the next 10 events applied after reassignments",
+            || {
+                let s = stats.snapshot();
+                async move { s.applied == want as u64 }
+            },
+        )
+        .await;
+    }
+    running.stop().await;
+    assert_eq!(effects(&db.pool).await, (90, 90));
+}
+
 /// Guarantee: with a tiny per-partition buffer the runtime pauses and resumes fetching over and
 /// over without losing, repeating or stalling a record.
 #[tokio::test]
