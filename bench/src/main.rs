@@ -1130,7 +1130,6 @@ async fn explain_claim(
     ))
     .bind(mask)
     .bind(2000i64)
-    .bind("30000ms")
     .bind(None::<Vec<String>>)
     .bind(None::<Vec<String>>)
     .bind(lo)

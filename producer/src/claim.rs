@@ -190,8 +190,9 @@ pub async fn claim(
     let mut tx = pool.begin().await?;
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan;
-    // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`) and lets the claim's
-    // commit return before its WAL is flushed (see `async_commit!`).
+    // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`), lets the claim's
+    // commit return before its WAL is flushed (see `async_commit!`) and ends the transaction
+    // if it stays idle for half the lease.
     let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
                 WHERE owner = $1 AND lease_until > now() + interval '1 second'
@@ -199,10 +200,11 @@ pub async fn claim(
         plan_settings!(),
         ", ",
         async_commit!(),
-        ")"
+        ", set_config('idle_in_transaction_session_timeout', $3, true))"
     ))
     .bind(relay)
     .bind(partitions)
+    .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
     .fetch_one(&mut *tx)
     .await?;
     if owned.is_empty() {
@@ -232,7 +234,6 @@ pub async fn claim(
     let rows: Vec<Row> = sqlx::query_as(sql)
         .bind(filter)
         .bind(limit as i64)
-        .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
         .bind(only)
         .bind(except)
         .bind(lo)
@@ -288,14 +289,14 @@ fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>)> {
 macro_rules! publishable {
     () => {
         r#"
-            SELECT o.seq, o.ctid AS row_id
-            FROM postal.outbox o, lease
+            SELECT o.ctid
+            FROM postal.outbox o
             WHERE o.status = 'pending'
               AND o.available_at <= now()
-              AND o.key_partition BETWEEN $6 AND $7
+              AND o.key_partition BETWEEN $5 AND $6
               AND ($1::bool[] IS NULL OR ($1::bool[])[o.key_partition + 1])
-              AND ($4::text[] IS NULL OR o.topic = ANY($4))
-              AND ($5::text[] IS NULL OR o.topic <> ALL($5))
+              AND ($3::text[] IS NULL OR o.topic = ANY($3))
+              AND ($4::text[] IS NULL OR o.topic <> ALL($4))
               AND (NOT EXISTS (SELECT 1 FROM postal.outbox h WHERE h.held)
                    OR NOT EXISTS (
                   SELECT 1 FROM postal.outbox b
@@ -310,32 +311,29 @@ macro_rules! publishable {
 }
 
 /// The claim statement (delete-on-claim form). Parameters: `$1` key partitions (`bool[256]`
-/// mask, `true` = claim from it, or NULL for all), `$2` limit, `$3` idle-in-transaction
-/// timeout, `$4` only these topics (`text[]` or NULL), `$5` not these topics (`text[]` or
-/// NULL), `$6`/`$7` the lowest and highest key partition in the mask (`int2`): a condition
+/// mask, `true` = claim from it, or NULL for all), `$2` limit, `$3` only these topics
+/// (`text[]` or NULL), `$4` not these topics (`text[]` or NULL), `$5`/`$6` the lowest and
+/// highest key partition in the mask (`int2`): a condition
 /// on the index (`outbox_pending_seq_partition`), so that rows outside that range are skipped
 /// without reading the table. Public for `EXPLAIN`.
 ///
 /// The picked rows are deleted by tuple id: this statement holds their row locks until the
 /// transaction ends, so nobody can move them, and the delete needs no index lookup per row.
+/// The tuple ids go straight into an array (no CTE to materialize).
 pub const CLAIM_DELETE: &str = concat!(
-    "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
-     picked AS (",
+    "DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(",
     publishable!(),
-    ")
-     DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT row_id FROM picked))
+    "))
      RETURNING d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
                d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
                d.last_error"
 );
 
 const CLAIM_LOCK: &str = concat!(
-    "WITH lease AS MATERIALIZED (SELECT set_config('idle_in_transaction_session_timeout', $3, true)),
-     picked AS (",
-    publishable!(),
-    ")
-     SELECT d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
+    "SELECT d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version,
             d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at,
             d.last_error
-     FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT row_id FROM picked))"
+     FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(",
+    publishable!(),
+    "))"
 );

@@ -1,18 +1,20 @@
 //! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::future::{join_all, BoxFuture};
+use futures::future::BoxFuture;
 use futures::FutureExt;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::util::Timeout;
+use rdkafka::ClientContext;
 
 use postal_shared::headers as h;
 
@@ -136,7 +138,7 @@ impl KafkaTransport {
         if client_config.get("message.timeout.ms") == Some("0") {
             tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
         }
-        let producer: FutureProducer = client_config.create()?;
+        let producer: AckProducer = client_config.create_with_context(AckContext)?;
         let admin: AdminClient<DefaultClientContext> = client_config.create()?;
         let max_message_bytes = client_config
             .get("message.max.bytes")
@@ -154,8 +156,8 @@ impl KafkaTransport {
         })
     }
 
-    /// The current producer (for metrics or tests).
-    pub fn producer(&self) -> FutureProducer {
+    /// The current producer.
+    fn producer(&self) -> AckProducer {
         self.producer.current().1
     }
 
@@ -280,12 +282,12 @@ impl KafkaTransport {
 /// The producer in use, numbered so that a failure seen by many in-flight records replaces
 /// it once.
 struct ProducerSlot {
-    current: std::sync::RwLock<(u64, FutureProducer)>,
+    current: std::sync::RwLock<(u64, AckProducer)>,
     client_config: rdkafka::ClientConfig,
 }
 
 impl ProducerSlot {
-    fn current(&self) -> (u64, FutureProducer) {
+    fn current(&self) -> (u64, AckProducer) {
         self.current.read().expect("producer lock").clone()
     }
 
@@ -298,7 +300,10 @@ impl ProducerSlot {
         if current.0 != generation {
             return;
         }
-        match self.client_config.create::<FutureProducer>() {
+        match self
+            .client_config
+            .create_with_context::<_, AckProducer>(AckContext)
+        {
             Ok(p) => {
                 let old = std::mem::replace(&mut current.1, p);
                 current.0 += 1;
@@ -316,6 +321,101 @@ impl ProducerSlot {
                 tracing::warn!(error = %e, "could not recreate the Kafka producer; keeping the old one");
             }
         }
+    }
+}
+
+/// The producer: librdkafka's client with a polling thread that runs the delivery callbacks.
+type AckProducer = ThreadedProducer<AckContext>;
+
+/// Delivery callbacks that count a batch's acknowledgements down (see [`BatchAcks`]), instead
+/// of a channel and a future per record.
+struct AckContext;
+
+impl ClientContext for AckContext {}
+
+impl ProducerContext for AckContext {
+    type DeliveryOpaque = Box<Ack>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, mut ack: Box<Ack>) {
+        ack.delivered = true;
+        if let Err((err, _)) = result {
+            ack.failure = Some(err.clone());
+        }
+        // Dropping the ack records it (see `Drop for Ack`).
+    }
+}
+
+/// The acknowledgements of one batch, filled in from the delivery callbacks.
+struct BatchAcks {
+    /// Records handed to librdkafka and not yet reported, plus one while records are still
+    /// being handed over.
+    remaining: AtomicUsize,
+    /// Records that failed after they were handed over: (index in the batch, error).
+    failures: Mutex<Vec<(usize, PublishError)>>,
+    /// A failure asked for a fresh producer (see [`needs_reset`]).
+    reset: AtomicBool,
+    /// Woken when `remaining` reaches zero.
+    done: tokio::sync::Notify,
+}
+
+impl BatchAcks {
+    fn new() -> Arc<Self> {
+        Arc::new(BatchAcks {
+            remaining: AtomicUsize::new(1),
+            failures: Mutex::new(Vec::new()),
+            reset: AtomicBool::new(false),
+            done: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// One record (or the hand-over itself) is done.
+    fn count_down(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+
+    /// Resolves once every record handed over was reported.
+    async fn settled(&self) {
+        while self.remaining.load(Ordering::Acquire) > 0 {
+            self.done.notified().await;
+        }
+    }
+}
+
+/// One record's delivery opaque: reports its outcome to the batch when dropped — by the
+/// delivery callback, or by librdkafka discarding the record without one (reported as the
+/// producer shutting down before the acknowledgement).
+struct Ack {
+    batch: Arc<BatchAcks>,
+    index: usize,
+    delivered: bool,
+    failure: Option<KafkaError>,
+}
+
+impl Drop for Ack {
+    fn drop(&mut self) {
+        let failure = match (self.delivered, self.failure.take()) {
+            (true, None) => None,
+            (true, Some(err)) => {
+                if needs_reset(&err) {
+                    self.batch.reset.store(true, Ordering::Release);
+                }
+                Some(PublishError::new(classify(&err), err.to_string()))
+            }
+            (false, _) => Some(PublishError::new(
+                FailureKind::Unavailable,
+                "producer shut down before the broker acknowledged",
+            )),
+        };
+        if let Some(f) = failure {
+            self.batch
+                .failures
+                .lock()
+                .expect("batch failures")
+                .push((self.index, f));
+        }
+        self.batch.count_down();
     }
 }
 
@@ -338,32 +438,33 @@ impl Transport for KafkaTransport {
             }
         }
 
-        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> =
-            Vec::with_capacity(batch.len());
-        for e in batch {
+        // Outcomes known before the acknowledgements (refused before sending); the rest are
+        // filled in from the delivery callbacks.
+        let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
+        let acks = BatchAcks::new();
+        for (index, e) in batch.iter().enumerate() {
             if blocked.contains(e.key.as_str()) {
-                let err =
-                    PublishError::new(FailureKind::HeldBack, "an earlier event of this key failed");
-                pending.push(async move { Err(err) }.boxed());
+                outcomes[index] = Err(PublishError::new(
+                    FailureKind::HeldBack,
+                    "an earlier event of this key failed",
+                ));
                 continue;
             }
             if let Err(err) = &topic_ok[e.topic.as_str()] {
-                let err = err.clone();
+                outcomes[index] = Err(err.clone());
                 blocked.insert(e.key.as_str());
-                pending.push(async move { Err(err) }.boxed());
                 continue;
             }
             let size = Self::record_size(e);
             if size > self.max_message_bytes {
-                let err = PublishError::new(
+                outcomes[index] = Err(PublishError::new(
                     FailureKind::Permanent,
                     format!(
                         "record of about {size} bytes exceeds the producer's message.max.bytes of {}",
                         self.max_message_bytes
                     ),
-                );
+                ));
                 blocked.insert(e.key.as_str());
-                pending.push(async move { Err(err) }.boxed());
                 continue;
             }
             let id = e.id.to_string();
@@ -415,52 +516,54 @@ impl Transport for KafkaTransport {
                     value: Some(v.as_str()),
                 });
             }
-            let mut record = FutureRecord::to(&e.topic)
+            acks.remaining.fetch_add(1, Ordering::AcqRel);
+            let ack = Box::new(Ack {
+                batch: acks.clone(),
+                index,
+                delivered: false,
+                failure: None,
+            });
+            let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
                 .key(e.key.as_bytes())
                 .payload(e.payload.as_slice())
                 .headers(headers);
             loop {
-                match producer.send_result(record) {
-                    Ok(delivery) => {
-                        let slot = self.producer.clone();
-                        pending.push(
-                            async move {
-                                match delivery.await {
-                                    Ok(Ok(_)) => Ok(()),
-                                    Ok(Err((err, _msg))) => {
-                                        if needs_reset(&err) {
-                                            slot.replace(generation);
-                                        }
-                                        Err(PublishError::new(classify(&err), err.to_string()))
-                                    }
-                                    Err(_canceled) => Err(PublishError::new(
-                                        FailureKind::Unavailable,
-                                        "producer shut down before the broker acknowledged",
-                                    )),
-                                }
-                            }
-                            .boxed(),
-                        );
-                        break;
-                    }
+                match producer.send(record) {
+                    Ok(()) => break,
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                         // The local queue is full: give librdkafka a moment to drain it.
                         record = r;
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
-                    Err((err, _)) => {
+                    Err((err, r)) => {
+                        // Not handed over: its ack is dropped here, unreported.
+                        let mut ack = r.delivery_opaque;
+                        ack.delivered = true;
+                        drop(ack);
                         if needs_reset(&err) {
                             self.producer.replace(generation);
                         }
-                        let err = PublishError::new(classify(&err), err.to_string());
+                        outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
                         blocked.insert(e.key.as_str());
-                        pending.push(async move { Err(err) }.boxed());
                         break;
                     }
                 }
             }
         }
-        join_all(pending).boxed()
+        // The hand-over is done: from here the count reaches zero with the last callback.
+        acks.count_down();
+        let slot = self.producer.clone();
+        async move {
+            acks.settled().await;
+            if acks.reset.load(Ordering::Acquire) {
+                slot.replace(generation);
+            }
+            for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
+                outcomes[index] = Err(failure);
+            }
+            outcomes
+        }
+        .boxed()
     }
 
     fn delivery_timeout(&self) -> Option<Duration> {
