@@ -92,21 +92,9 @@ fn migrate_then_status() {
         .enable_all()
         .build()
         .unwrap();
-    let name = format!("postal_cli_{}", std::process::id());
-    let url = rt.block_on(async {
-        use sqlx::{ConnectOptions, Executor};
-        let opts: sqlx::postgres::PgConnectOptions = server.parse().unwrap();
-        let mut admin = opts.connect().await.unwrap();
-        admin
-            .execute(format!("DROP DATABASE IF EXISTS {name}").as_str())
-            .await
-            .unwrap();
-        admin
-            .execute(format!("CREATE DATABASE {name}").as_str())
-            .await
-            .unwrap();
-        opts.database(&name).to_url_lossy().to_string()
-    });
+    // Dropped when the test passed.
+    let db = rt.block_on(postal_integration_tests::create_db(&server));
+    let url = db.url.clone();
     for _ in 0..2 {
         let out = postal()
             .arg("migrate")

@@ -9,7 +9,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use sqlx::{ConnectOptions, Executor, PgPool, Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Transaction};
 
 fn postal(url: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_postal"));
@@ -31,6 +31,8 @@ struct Env {
     url: String,
     pool: PgPool,
     bootstrap: String,
+    /// The test's database, dropped when the test passed.
+    _db: postal_integration_tests::TestDb,
 }
 
 async fn env() -> Option<Env> {
@@ -43,15 +45,8 @@ async fn env() -> Option<Env> {
         );
         return None;
     };
-    let name = format!("postal_cli_{}", uuid::Uuid::now_v7().simple());
-    let opts: sqlx::postgres::PgConnectOptions = server.parse().unwrap();
-    let mut admin = opts.connect().await.unwrap();
-    admin
-        .execute(format!("CREATE DATABASE {name}").as_str())
-        .await
-        .unwrap();
-    let url = opts.database(&name).to_url_lossy().to_string();
-    let pool = PgPool::connect(&url).await.unwrap();
+    let db = postal_integration_tests::create_db(&server).await;
+    let (url, pool) = (db.url.clone(), db.pool.clone());
     postal_shared::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE effects (event_id uuid NOT NULL)")
         .execute(&pool)
@@ -61,6 +56,7 @@ async fn env() -> Option<Env> {
         url,
         pool,
         bootstrap,
+        _db: db,
     })
 }
 
