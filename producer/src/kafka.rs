@@ -156,6 +156,12 @@ impl KafkaTransport {
         })
     }
 
+    /// How many times the producer was replaced.
+    #[cfg(test)]
+    fn producers_generation(&self) -> u64 {
+        self.producer.current().0
+    }
+
     /// The current producer.
     fn producer(&self) -> AckProducer {
         self.producer.current().1
@@ -352,20 +358,47 @@ struct BatchAcks {
     remaining: AtomicUsize,
     /// Records that failed after they were handed over: (index in the batch, error).
     failures: Mutex<Vec<(usize, PublishError)>>,
-    /// A failure asked for a fresh producer (see [`needs_reset`]).
+    /// Set once a failure asked for a fresh producer (see [`needs_reset`]).
     reset: AtomicBool,
+    /// The producer the batch went through (weak: the records queued in a producer hold their
+    /// batch, which must not keep the producer alive), its generation, and the runtime to
+    /// replace it on.
+    slot: std::sync::Weak<ProducerSlot>,
+    generation: u64,
+    runtime: tokio::runtime::Handle,
     /// Woken when `remaining` reaches zero.
     done: tokio::sync::Notify,
 }
 
 impl BatchAcks {
-    fn new() -> Arc<Self> {
+    fn new(slot: std::sync::Weak<ProducerSlot>, generation: u64) -> Arc<Self> {
         Arc::new(BatchAcks {
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
             reset: AtomicBool::new(false),
+            slot,
+            generation,
+            runtime: tokio::runtime::Handle::current(),
             done: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Replaces the producer at once, not when the batch is settled (other batches would keep
+    /// going through a producer that needs replacing meanwhile). Called from the delivery
+    /// callback, i.e. on the producer's own polling thread, which must not drop the producer:
+    /// the replacement runs on the runtime's blocking pool.
+    fn reset_producer(&self) {
+        if self.reset.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(slot) = self.slot.upgrade() else {
+            return;
+        };
+        let generation = self.generation;
+        drop(
+            self.runtime
+                .spawn_blocking(move || slot.replace(generation)),
+        );
     }
 
     /// One record (or the hand-over itself) is done.
@@ -399,7 +432,7 @@ impl Drop for Ack {
             (true, None) => None,
             (true, Some(err)) => {
                 if needs_reset(&err) {
-                    self.batch.reset.store(true, Ordering::Release);
+                    self.batch.reset_producer();
                 }
                 Some(PublishError::new(classify(&err), err.to_string()))
             }
@@ -441,7 +474,7 @@ impl Transport for KafkaTransport {
         // Outcomes known before the acknowledgements (refused before sending); the rest are
         // filled in from the delivery callbacks.
         let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
-        let acks = BatchAcks::new();
+        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation);
         for (index, e) in batch.iter().enumerate() {
             if blocked.contains(e.key.as_str()) {
                 outcomes[index] = Err(PublishError::new(
@@ -552,12 +585,8 @@ impl Transport for KafkaTransport {
         }
         // The hand-over is done: from here the count reaches zero with the last callback.
         acks.count_down();
-        let slot = self.producer.clone();
         async move {
             acks.settled().await;
-            if acks.reset.load(Ordering::Acquire) {
-                slot.replace(generation);
-            }
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
                 outcomes[index] = Err(failure);
             }
@@ -646,6 +675,79 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use postal_shared::EventId;
+    use rdkafka::mocking::MockCluster;
+
+    fn event(topic: &str, seq: i64) -> OutboundEvent {
+        OutboundEvent {
+            seq,
+            id: EventId::new(),
+            topic: topic.into(),
+            key: "k".into(),
+            event_type: "job".into(),
+            schema_version: 1,
+            occurred_at: chrono::Utc::now(),
+            content_type: "application/json".into(),
+            payload: b"{}".to_vec(),
+            headers: Vec::new(),
+            attempts: 0,
+        }
+    }
+
+    /// Guarantee: a delivery timeout (the broker went away) fails the batch's events as
+    /// retryable outcomes — nothing hangs — and replaces the producer right away, from the
+    /// delivery callback; once the broker is back, the next batch goes through the fresh
+    /// producer. (librdkafka's in-process mock cluster.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_delivery_timeout_replaces_the_producer_and_fails_the_batch_retryably() {
+        let mock = MockCluster::new(1).expect("mock cluster");
+        mock.create_topic("jobs", 1, 1).expect("topic");
+        let mut config = KafkaConfig::new(mock.bootstrap_servers());
+        config.create_topics = false;
+        config
+            .properties
+            .insert("message.timeout.ms".into(), "500".into());
+        let transport = KafkaTransport::new(config).expect("transport");
+
+        let ok = transport.send(&[event("jobs", 1)]).await.await;
+        assert_eq!(ok, vec![Ok(())]);
+        assert_eq!(transport.producers_generation(), 0);
+
+        mock.broker_down(1).expect("broker down");
+        let failed = transport
+            .send(&[event("jobs", 2), event("jobs", 3)])
+            .await
+            .await;
+        assert_eq!(failed.len(), 2);
+        for outcome in &failed {
+            let err = outcome.as_ref().expect_err("timed out");
+            assert_eq!(err.kind, FailureKind::Unavailable, "{err}");
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while transport.producers_generation() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "producer not replaced"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // Back up: the fresh producer reconnects (with librdkafka's reconnect backoff, so the
+        // first attempts may still time out, as the relay's retries would see).
+        mock.broker_up(1).expect("broker up");
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let again = transport.send(&[event("jobs", 4)]).await.await;
+            if again == vec![Ok(())] {
+                break;
+            }
+            assert!(
+                attempts < 20,
+                "never published after the broker came back: {again:?}"
+            );
+        }
+    }
 
     /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
     /// is what gets logged), while the rest of the configuration does.
