@@ -68,7 +68,7 @@ impl Inbox {
     }
 }
 
-fn tpl(topic: &str, partition: i32) -> TopicPartitionList {
+pub(crate) fn tpl(topic: &str, partition: i32) -> TopicPartitionList {
     let mut t = TopicPartitionList::new();
     t.add_partition(topic, partition);
     t

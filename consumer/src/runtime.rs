@@ -377,9 +377,7 @@ fn apply(
                 let (tx, rx) = mpsc::unbounded_channel();
                 let queued = Arc::new(AtomicUsize::new(0));
                 let paused = Arc::new(Mutex::new(false));
-                let mut list = rdkafka::TopicPartitionList::new();
-                list.add_partition(&tp.0, tp.1);
-                let _ = shared.consumer.resume(&list);
+                let _ = shared.consumer.resume(&crate::partition::tpl(&tp.0, tp.1));
                 workers.spawn(
                     Worker {
                         shared: shared.clone(),

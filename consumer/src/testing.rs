@@ -97,9 +97,7 @@ impl FetchFault {
     /// Pauses fetching from `topic`/`partition` without telling the runtime.
     pub fn stop_fetching(&self, topic: &str, partition: i32) -> Result<(), crate::Error> {
         use rdkafka::consumer::Consumer as _;
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        tpl.add_partition(topic, partition);
-        self.0.pause(&tpl)?;
+        self.0.pause(&crate::partition::tpl(topic, partition))?;
         Ok(())
     }
 }

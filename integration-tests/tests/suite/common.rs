@@ -333,15 +333,24 @@ pub async fn effects(pool: &PgPool) -> (i64, i64) {
         .unwrap()
 }
 
+/// A consumer that routes `job` events on `topic` to [`crate::handlers::apply`] (not started:
+/// tests take their fault-injection hooks from it first).
+pub fn apply_consumer(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+) -> postal_consumer::Consumer {
+    postal_consumer::Consumer::builder(pool.clone(), config)
+        .on(topic, "job", crate::handlers::apply)
+        .build()
+        .expect("valid consumer")
+}
+
 /// Starts a consumer that routes `job` events on `topic` to [`crate::handlers::apply`].
 pub fn start_apply(
     pool: &PgPool,
     topic: &str,
     config: postal_consumer::ConsumerConfig,
 ) -> RunningConsumer {
-    let consumer = postal_consumer::Consumer::builder(pool.clone(), config)
-        .on(topic, "job", crate::handlers::apply)
-        .build()
-        .expect("valid consumer");
-    RunningConsumer::start(consumer)
+    RunningConsumer::start(apply_consumer(pool, topic, config))
 }

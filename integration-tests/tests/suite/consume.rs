@@ -8,8 +8,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
-    RunningConsumer,
+    apply_consumer, consumer_config, create_topic, effects, effects_table, produce, start_apply,
+    RawRecord, RunningConsumer,
 };
 use crate::handlers::{self, apply, Job};
 
@@ -362,6 +362,22 @@ async fn shutdown_abandons_an_unfinished_transaction_cleanly() {
     );
 }
 
+/// `n` `job` events of key `k`, numbered from `from`.
+fn jobs(from: i64, n: i64) -> Vec<RawRecord> {
+    (from..from + n)
+        .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
+        .collect()
+}
+
+/// Waits until the runtime has applied `n` events in all.
+async fn applied(stats: &postal_consumer::Stats, n: u64, within: Duration, what: &str) {
+    wait::until(within, what, || {
+        let s = stats.snapshot();
+        async move { s.applied == n }
+    })
+    .await;
+}
+
 /// Guarantee: an owned partition whose fetching stops behind the runtime's back (a lost fetch
 /// position, as after a broker fault) does not stall: after `stall_check` without records
 /// while the broker has more, the runtime resumes and seeks to the stored offset, and every
@@ -373,32 +389,22 @@ async fn a_partition_that_stops_fetching_is_recovered() {
     effects_table(&db.pool).await;
     let topic = unique("stall");
     create_topic(&svc.bootstrap, &topic, 1).await;
-    let batch = |from: i64| -> Vec<RawRecord> {
-        (from..from + 20)
-            .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
-            .collect()
-    };
-    produce(&svc.bootstrap, &topic, None, &batch(0)).await;
+    produce(&svc.bootstrap, &topic, None, &jobs(0, 20)).await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     config.stall_check = Duration::from_secs(1);
-    let consumer = Consumer::builder(db.pool.clone(), config)
-        .on(&topic, "job", apply)
-        .build()
-        .expect("valid consumer");
+    let consumer = apply_consumer(&db.pool, &topic, config);
     let fault = consumer.fetch_fault();
     let running = RunningConsumer::start(consumer);
     let stats = running.stats.clone();
-    wait::until(WAIT, "the first 20 events applied", || {
-        let s = stats.snapshot();
-        async move { s.applied == 20 }
-    })
-    .await;
+    applied(&stats, 20, WAIT, "the first 20 events applied").await;
     fault.stop_fetching(&topic, 0).expect("pause");
-    produce(&svc.bootstrap, &topic, None, &batch(20)).await;
-    wait::until(WAIT, "the next 20 events applied after the stall", || {
-        let s = stats.snapshot();
-        async move { s.applied == 40 }
-    })
+    produce(&svc.bootstrap, &topic, None, &jobs(20, 20)).await;
+    applied(
+        &stats,
+        40,
+        WAIT,
+        "the next 20 events applied after the stall",
+    )
     .await;
     assert!(stats.snapshot().stalls_recovered >= 1);
     running.stop().await;
@@ -417,36 +423,21 @@ async fn quick_successive_reassignments_leave_the_partition_consumed() {
     effects_table(&db.pool).await;
     let topic = unique("reassign");
     create_topic(&svc.bootstrap, &topic, 1).await;
-    let batch = |from: i64| -> Vec<RawRecord> {
-        (from..from + 10)
-            .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
-            .collect()
-    };
-    produce(&svc.bootstrap, &topic, None, &batch(0)).await;
+    produce(&svc.bootstrap, &topic, None, &jobs(0, 10)).await;
     let config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
-    let consumer = Consumer::builder(db.pool.clone(), config)
-        .on(&topic, "job", apply)
-        .build()
-        .expect("valid consumer");
+    let consumer = apply_consumer(&db.pool, &topic, config);
     let fault = consumer.rebalance_fault();
     let running = RunningConsumer::start(consumer);
     let stats = running.stats.clone();
-    wait::until(WAIT, "the first 10 events applied", || {
-        let s = stats.snapshot();
-        async move { s.applied == 10 }
-    })
-    .await;
-    for round in 1..=8i64 {
+    applied(&stats, 10, WAIT, "the first 10 events applied").await;
+    for round in 1..=8u64 {
         fault.reassign(&topic, 0, 3);
-        produce(&svc.bootstrap, &topic, None, &batch(round * 10)).await;
-        let want = (round + 1) * 10;
-        wait::until(
+        produce(&svc.bootstrap, &topic, None, &jobs(round as i64 * 10, 10)).await;
+        applied(
+            &stats,
+            (round + 1) * 10,
             Duration::from_secs(30),
             "the next 10 events applied after reassignments",
-            || {
-                let s = stats.snapshot();
-                async move { s.applied == want as u64 }
-            },
         )
         .await;
     }
