@@ -112,6 +112,8 @@ unix_socket_directories = '$STACK/pg'
 max_connections = 300
 shared_buffers = 256MB
 max_wal_size = 2GB
+# postal-bench e2e measures order commit -> ledger commit from commit timestamps
+track_commit_timestamp = on
 CONF
   fi
   log "starting postgres on 127.0.0.1:$PG_PORT"
