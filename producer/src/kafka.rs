@@ -677,6 +677,7 @@ mod tests {
     use super::*;
     use postal_shared::EventId;
     use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
     fn event(topic: &str, seq: i64) -> OutboundEvent {
         OutboundEvent {
@@ -751,6 +752,143 @@ mod tests {
             publish(4).await,
             "never published after the broker came back"
         );
+    }
+
+    /// A transport on a fresh mock cluster with topic `jobs` (one partition) that has
+    /// published one event already (so the idempotent producer holds its id).
+    async fn mock_transport() -> (
+        MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+        KafkaTransport,
+    ) {
+        let mock = MockCluster::new(1).expect("mock cluster");
+        mock.create_topic("jobs", 1, 1).expect("topic");
+        let mut config = KafkaConfig::new(mock.bootstrap_servers());
+        config.create_topics = false;
+        let transport = KafkaTransport::new(config).expect("transport");
+        let mut first = Vec::new();
+        for _ in 0..20 {
+            first = transport.send(&[event("jobs", 0)]).await.await;
+            if first == vec![Ok(())] {
+                return (mock, transport);
+            }
+        }
+        panic!("the first event was never published: {first:?}");
+    }
+
+    /// The values of partition 0 of `topic`, from the beginning, until `n` arrived.
+    fn read_back(
+        mock: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+        topic: &str,
+        n: usize,
+    ) -> Vec<String> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::Message;
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap_servers())
+            .set("group.id", "read-back")
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("consumer");
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)
+            .expect("offset");
+        consumer.assign(&tpl).expect("assign");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut values = Vec::new();
+        while values.len() < n && std::time::Instant::now() < deadline {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                values.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
+            }
+        }
+        // Anything beyond `n` would be a duplicate: give it a moment to show up.
+        while let Some(Ok(m)) = consumer.poll(Duration::from_millis(500)) {
+            values.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
+        }
+        values
+    }
+
+    fn numbered(topic: &str, seq: i64) -> OutboundEvent {
+        OutboundEvent {
+            payload: format!("{{\"n\":{seq}}}").into_bytes(),
+            ..event(topic, seq)
+        }
+    }
+
+    /// Guarantee: leadership and replication errors from the broker (a partition changing
+    /// leader, too few in-sync replicas) are retried inside the idempotent producer: the batch
+    /// is acknowledged, and the topic holds each event once, in order — no duplicate from the
+    /// retries, nothing used up. (librdkafka's mock cluster fails the next produce requests.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broker_leadership_errors_are_retried_without_duplicates() {
+        let (mock, transport) = mock_transport().await;
+        mock.request_errors(
+            RDKafkaApiKey::Produce,
+            &[
+                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
+                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+                RDKafkaRespErr::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE,
+            ],
+        );
+        let batch: Vec<OutboundEvent> = (1..=3).map(|n| numbered("jobs", n)).collect();
+        let outcomes = transport.send(&batch).await.await;
+        assert_eq!(outcomes, vec![Ok(()), Ok(()), Ok(())]);
+        let values = read_back(&mock, "jobs", 4);
+        assert_eq!(values, vec!["{}", r#"{"n":1}"#, r#"{"n":2}"#, r#"{"n":3}"#]);
+    }
+
+    /// Guarantee: a broker that refuses a record for good (larger than the broker's own
+    /// limit) fails that event as `Permanent` with the broker's reason — the relay parks it
+    /// instead of retrying forever — and the producer goes on publishing to the same topic.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_the_broker_refuses_as_too_large_fails_permanently_and_the_topic_goes_on() {
+        let (mock, transport) = mock_transport().await;
+        mock.request_errors(
+            RDKafkaApiKey::Produce,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+        );
+        let outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
+        let err = outcomes[0].as_ref().expect_err("refused");
+        assert_eq!(err.kind, FailureKind::Permanent, "{err}");
+        assert!(err.reason.to_lowercase().contains("too large"), "{err}");
+        assert!(
+            publish_with_retries(&transport, "jobs", 2).await,
+            "the topic stopped"
+        );
+        assert_eq!(read_back(&mock, "jobs", 2), vec!["{}", r#"{"n":2}"#]);
+    }
+
+    /// Guarantee: a topic this producer may not write to fails its events as `Permanent` with
+    /// the broker's reason (they are parked, to be requeued once the ACL is fixed), while
+    /// other topics keep flowing. librdkafka keeps reporting the topic as unauthorized until
+    /// its next metadata refresh, so the refused topic's later events are parked too
+    /// (README, *Failures*).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unauthorized_topic_fails_permanently_and_other_topics_flow() {
+        let (mock, transport) = mock_transport().await;
+        mock.create_topic("other", 1, 1).expect("topic");
+        mock.request_errors(
+            RDKafkaApiKey::Produce,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED],
+        );
+        let outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
+        let err = outcomes[0].as_ref().expect_err("refused");
+        assert_eq!(err.kind, FailureKind::Permanent, "{err}");
+        assert!(err.reason.to_lowercase().contains("authoriz"), "{err}");
+        assert!(
+            publish_with_retries(&transport, "other", 2).await,
+            "other topics stopped"
+        );
+    }
+
+    /// Publishes one numbered event, retrying as the relay would (a fresh connection's first
+    /// attempts can time out on a loaded machine).
+    async fn publish_with_retries(transport: &KafkaTransport, topic: &str, n: i64) -> bool {
+        for _ in 0..20 {
+            if transport.send(&[numbered(topic, n)]).await.await == vec![Ok(())] {
+                return true;
+            }
+        }
+        false
     }
 
     /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
