@@ -196,14 +196,14 @@ pub async fn claim(
     let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
                 WHERE owner = $1 AND lease_until > now() + interval '1 second'
-                  AND key_partition = ANY($2)), concat(",
+                  AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])), concat(",
         plan_settings!(),
         ", ",
         async_commit!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true))"
     ))
     .bind(relay)
-    .bind(partitions)
+    .bind(mask(partitions))
     .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
     .fetch_one(&mut *tx)
     .await?;
@@ -218,13 +218,7 @@ pub async fn claim(
         owned.iter().copied().min().unwrap_or(0),
         owned.iter().copied().max().unwrap_or(KEY_PARTITIONS - 1),
     );
-    let filter = (owned.len() < KEY_PARTITIONS as usize).then(|| {
-        let mut mask = vec![false; KEY_PARTITIONS as usize];
-        for p in owned {
-            mask[p as usize] = true;
-        }
-        mask
-    });
+    let filter = mask(&owned);
     let sql = if delete_on_claim {
         CLAIM_DELETE
     } else {
@@ -277,6 +271,18 @@ pub async fn claim(
         deleted,
         history: false,
     }))
+}
+
+/// The key partitions as a `bool[256]` mask (`true` = included), or `None` for all of them:
+/// one array lookup per row instead of a search through a list.
+fn mask(partitions: &[i16]) -> Option<Vec<bool>> {
+    let mut mask = vec![false; KEY_PARTITIONS as usize];
+    for &p in partitions {
+        if let Some(m) = usize::try_from(p).ok().and_then(|p| mask.get_mut(p)) {
+            *m = true;
+        }
+    }
+    (!mask.iter().all(|&m| m)).then_some(mask)
 }
 
 fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>)> {
@@ -337,3 +343,29 @@ const CLAIM_LOCK: &str = concat!(
     publishable!(),
     "))"
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The partition mask that the fence and the claim filter by: exactly the listed
+    /// partitions, none for an empty list, and no mask at all (every row) for all of them.
+    #[test]
+    fn the_partition_mask_holds_exactly_the_listed_partitions() {
+        let some = mask(&[0, 7, 255]).expect("a mask");
+        assert_eq!(some.len(), KEY_PARTITIONS as usize);
+        let set: Vec<usize> = (0..some.len()).filter(|&i| some[i]).collect();
+        assert_eq!(set, vec![0, 7, 255]);
+        assert!(mask(&[]).expect("a mask").iter().all(|&m| !m));
+        assert_eq!(mask(&all_partitions()), None);
+        // Out-of-range values are ignored rather than panicking.
+        assert_eq!(
+            mask(&[-1, 300])
+                .expect("a mask")
+                .iter()
+                .filter(|&&m| m)
+                .count(),
+            0
+        );
+    }
+}
