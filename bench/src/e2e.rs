@@ -155,6 +155,11 @@ async fn postal_run(
 
     let mut config = ConsumerConfig::new(bootstrap, format!("ledger-{topic}"), "ledger");
     config.max_batch = opts.max_batch;
+    // tansu answers a fetch from inside a record batch with the next batch (README, "tansu 0.6.0
+    // faults"), and the relay here writes large batches: a partition paused because its buffer
+    // filled up would resume mid-batch and skip records. The polling variant's bursts (a
+    // second of orders at once) filled the default buffer with one partition.
+    config.partition_buffer = 100_000;
     for (k, v) in [
         ("fetch.wait.max.ms", opts.fetch_wait_ms.to_string()),
         ("session.timeout.ms", "6000".into()),
@@ -210,11 +215,14 @@ async fn postal_run(
     let want = warmup_orders as u64 + (total / writers) * writers;
     let deadline = Instant::now() + Duration::from_secs(120);
     while stats.snapshot().applied < want {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "consumer applied {} of {want}",
-            stats.snapshot().applied
-        );
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "consumer applied {} of {want}; {:?}; {}",
+                stats.snapshot().applied,
+                stats.snapshot(),
+                where_they_are(&pool, bootstrap, &topic).await
+            );
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = stop_consumer.send(());
@@ -282,6 +290,57 @@ impl Latencies {
             n: v.len(),
         }
     }
+}
+
+/// Where the events that did not arrive are: the outbox by status, the consumer's stored
+/// offsets and the topic's high watermarks.
+async fn where_they_are(pool: &PgPool, bootstrap: &str, topic: &str) -> String {
+    let outbox: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status::text, count(*) FROM postal.outbox GROUP BY 1 ORDER BY 1")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    let stored: Vec<(i32, Option<i64>)> = sqlx::query_as(
+        "SELECT partition, next_offset FROM postal.consumer_offsets WHERE topic = $1 ORDER BY 1",
+    )
+    .bind(topic)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let high = {
+        let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
+        tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<i64>> {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .create()?;
+            let metadata = consumer.fetch_metadata(Some(&topic), Duration::from_secs(5))?;
+            let partitions = metadata
+                .topics()
+                .first()
+                .map_or(0, |t| t.partitions().len() as i32);
+            (0..partitions)
+                .map(|p| {
+                    Ok(consumer
+                        .fetch_watermarks(&topic, p, Duration::from_secs(5))?
+                        .1)
+                })
+                .collect()
+        })
+        .await
+        .map_err(anyhow::Error::from)
+        .and_then(|r| r)
+    };
+    let rows: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM ledger),
+                (SELECT count(*) FROM postal.processed_events)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or_default();
+    // (tansu 0.6.0 reports the last batch's base offset + 1 as the high watermark.)
+    format!(
+        "orders, ledger rows, dedup rows {rows:?}; outbox by status {outbox:?}; stored offsets {stored:?}; broker's high watermarks {high:?}"
+    )
 }
 
 /// Whether the server records commit timestamps (`track_commit_timestamp`).
