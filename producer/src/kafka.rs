@@ -701,29 +701,7 @@ mod tests {
     /// producer. (librdkafka's in-process mock cluster.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_delivery_timeout_replaces_the_producer_and_fails_the_batch_retryably() {
-        let mock = MockCluster::new(1).expect("mock cluster");
-        mock.create_topic("jobs", 1, 1).expect("topic");
-        let mut config = KafkaConfig::new(mock.bootstrap_servers());
-        config.create_topics = false;
-        config
-            .properties
-            .insert("message.timeout.ms".into(), "500".into());
-        let transport = KafkaTransport::new(config).expect("transport");
-
-        // Publishes one event, retrying as the relay would: a first attempt can time out
-        // while the idempotent producer is still getting its id on a loaded machine.
-        let publish = |seq: i64| {
-            let transport = &transport;
-            async move {
-                for _ in 0..20 {
-                    if transport.send(&[event("jobs", seq)]).await.await == vec![Ok(())] {
-                        return true;
-                    }
-                }
-                false
-            }
-        };
-        assert!(publish(1).await, "never published");
+        let (mock, transport) = mock_transport(&[("message.timeout.ms", "500")]).await;
         let before = transport.producers_generation();
 
         mock.broker_down(1).expect("broker down");
@@ -749,14 +727,17 @@ mod tests {
         // first attempts may still time out, as the relay's retries would see).
         mock.broker_up(1).expect("broker up");
         assert!(
-            publish(4).await,
+            publish_with_retries(&transport, event("jobs", 4)).await,
             "never published after the broker came back"
         );
     }
 
-    /// A transport on a fresh mock cluster with topic `jobs` (one partition) that has
-    /// published one event already (so the idempotent producer holds its id).
-    async fn mock_transport() -> (
+    /// A transport (with these extra librdkafka properties) on a fresh mock cluster with
+    /// topic `jobs` (one partition) that has published one event already (so the idempotent
+    /// producer holds its id).
+    async fn mock_transport(
+        properties: &[(&str, &str)],
+    ) -> (
         MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
         KafkaTransport,
     ) {
@@ -764,15 +745,38 @@ mod tests {
         mock.create_topic("jobs", 1, 1).expect("topic");
         let mut config = KafkaConfig::new(mock.bootstrap_servers());
         config.create_topics = false;
+        for (k, v) in properties {
+            config.properties.insert((*k).into(), (*v).into());
+        }
         let transport = KafkaTransport::new(config).expect("transport");
-        let mut first = Vec::new();
+        assert!(
+            publish_with_retries(&transport, event("jobs", 0)).await,
+            "the first event was never published"
+        );
+        (mock, transport)
+    }
+
+    /// Publishes one event, retrying as the relay would: a first attempt can time out while
+    /// the idempotent producer is still getting its id (or reconnecting) on a loaded machine.
+    async fn publish_with_retries(transport: &KafkaTransport, e: OutboundEvent) -> bool {
         for _ in 0..20 {
-            first = transport.send(&[event("jobs", 0)]).await.await;
-            if first == vec![Ok(())] {
-                return (mock, transport);
+            if transport.send(std::slice::from_ref(&e)).await.await == vec![Ok(())] {
+                return true;
             }
         }
-        panic!("the first event was never published: {first:?}");
+        false
+    }
+
+    /// Makes the broker refuse the next produce request with `error` and returns how the
+    /// transport reports the event it carried.
+    async fn refused(
+        mock: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+        transport: &KafkaTransport,
+        error: RDKafkaRespErr,
+    ) -> PublishError {
+        mock.request_errors(RDKafkaApiKey::Produce, &[error]);
+        let mut outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
+        outcomes.remove(0).expect_err("refused")
     }
 
     /// The values of partition 0 of `topic`, from the beginning, until `n` arrived.
@@ -820,7 +824,7 @@ mod tests {
     /// retries, nothing used up. (librdkafka's mock cluster fails the next produce requests.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn broker_leadership_errors_are_retried_without_duplicates() {
-        let (mock, transport) = mock_transport().await;
+        let (mock, transport) = mock_transport(&[]).await;
         mock.request_errors(
             RDKafkaApiKey::Produce,
             &[
@@ -841,17 +845,17 @@ mod tests {
     /// instead of retrying forever — and the producer goes on publishing to the same topic.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_record_the_broker_refuses_as_too_large_fails_permanently_and_the_topic_goes_on() {
-        let (mock, transport) = mock_transport().await;
-        mock.request_errors(
-            RDKafkaApiKey::Produce,
-            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
-        );
-        let outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
-        let err = outcomes[0].as_ref().expect_err("refused");
+        let (mock, transport) = mock_transport(&[]).await;
+        let err = refused(
+            &mock,
+            &transport,
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
+        )
+        .await;
         assert_eq!(err.kind, FailureKind::Permanent, "{err}");
         assert!(err.reason.to_lowercase().contains("too large"), "{err}");
         assert!(
-            publish_with_retries(&transport, "jobs", 2).await,
+            publish_with_retries(&transport, numbered("jobs", 2)).await,
             "the topic stopped"
         );
         assert_eq!(read_back(&mock, "jobs", 2), vec!["{}", r#"{"n":2}"#]);
@@ -864,31 +868,20 @@ mod tests {
     /// (README, *Failures*).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unauthorized_topic_fails_permanently_and_other_topics_flow() {
-        let (mock, transport) = mock_transport().await;
+        let (mock, transport) = mock_transport(&[]).await;
         mock.create_topic("other", 1, 1).expect("topic");
-        mock.request_errors(
-            RDKafkaApiKey::Produce,
-            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED],
-        );
-        let outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
-        let err = outcomes[0].as_ref().expect_err("refused");
+        let err = refused(
+            &mock,
+            &transport,
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+        )
+        .await;
         assert_eq!(err.kind, FailureKind::Permanent, "{err}");
         assert!(err.reason.to_lowercase().contains("authoriz"), "{err}");
         assert!(
-            publish_with_retries(&transport, "other", 2).await,
+            publish_with_retries(&transport, numbered("other", 2)).await,
             "other topics stopped"
         );
-    }
-
-    /// Publishes one numbered event, retrying as the relay would (a fresh connection's first
-    /// attempts can time out on a loaded machine).
-    async fn publish_with_retries(transport: &KafkaTransport, topic: &str, n: i64) -> bool {
-        for _ in 0..20 {
-            if transport.send(&[numbered(topic, n)]).await.await == vec![Ok(())] {
-                return true;
-            }
-        }
-        false
     }
 
     /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
