@@ -10,7 +10,11 @@
 //! benchmark says so and falls back to the inserts: `orders.created_at` is
 //! `clock_timestamp()` at the order's insert and `ledger.applied_at` at the ledger row's
 //! insert, each followed by its commit. The latencies are also reported per 5 s window of
-//! order time, which shows whether they drift while the topic fills.
+//! order time, which shows whether they drift while the topic fills, and split into three
+//! segments at the record's Kafka timestamp (set when the relay hands the event to its
+//! producer; millisecond resolution) and at the ledger row's insert: the relay (wake-up and
+//! claim), the broker and the consumer up to the handler, and the rest of the consumer's
+//! transaction.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +41,8 @@ pub struct E2eOpts {
     pub lanes: usize,
     /// Run a plain consumer on the topic too (order → broker → plain consumer).
     pub split: bool,
+    /// Run the polling-only variant too.
+    pub polling: bool,
 }
 
 /// The ledger handler of the benchmark.
@@ -45,9 +51,10 @@ async fn book(
     tx: &mut Transaction<'_, Postgres>,
     event: Event<serde_json::Value>,
 ) -> Result<(), HandlerError> {
-    sqlx::query("INSERT INTO ledger (order_id, event_id) VALUES ($1, $2)")
+    sqlx::query("INSERT INTO ledger (order_id, event_id, produced_at) VALUES ($1, $2, $3)")
         .bind(event.payload["order_id"].as_i64().unwrap_or(-1))
         .bind(event.id.as_uuid())
+        .bind(event.timestamp)
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -68,6 +75,9 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
         }
     );
     for listen in [true, false] {
+        if !listen && !opts.polling {
+            continue;
+        }
         let r = postal_run(url, bootstrap, &opts, listen, commit_ts).await?;
         println!(
             "  order commit -> ledger commit, {}: {} orders, p50 {:.1} ms  p99 {:.1} ms",
@@ -80,14 +90,30 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
             r.e2e.p50,
             r.e2e.p99
         );
-        println!(
-            "    p50 per 5 s window of order time: {}",
-            r.windows
-                .iter()
+        let line = |w: &[f64]| {
+            w.iter()
                 .map(|p| format!("{p:.1}"))
                 .collect::<Vec<_>>()
                 .join(" / ")
-        );
+        };
+        println!("    p50 per 5 s window of order time: {}", line(&r.windows));
+        println!("      of which (record timestamps have 1 ms resolution):");
+        for (name, w) in [
+            (
+                "order commit -> relay hands the record to the producer",
+                &r.segments[0],
+            ),
+            (
+                "-> handler's insert (broker, fetch, consumer, dedup)",
+                &r.segments[1],
+            ),
+            (
+                "-> ledger commit (rest of the consumer's transaction)",
+                &r.segments[2],
+            ),
+        ] {
+            println!("        {name}: {}", line(w));
+        }
         if opts.split {
             println!(
                 "    of which order commit -> plain consumer of the topic (relay + broker): {} records, p50 {:.1} ms  p99 {:.1} ms",
@@ -99,6 +125,14 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
     println!(
         "  broker alone (raw produce -> raw consume, same settings): {} records, p50 {:.1} ms  p99 {:.1} ms",
         b.e2e.n, b.e2e.p50, b.e2e.p99
+    );
+    println!(
+        "    p50 per 5 s window of send time: {}",
+        b.windows
+            .iter()
+            .map(|p| format!("{p:.1}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
     );
     println!(
         "    of which send -> acknowledgement (acks=all): p50 {:.1} ms  p99 {:.1} ms",
@@ -117,7 +151,7 @@ async fn postal_run(
     let pool = fresh_db(url, 24).await?;
     sqlx::raw_sql(
         "CREATE TABLE orders (id bigserial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
-         CREATE TABLE ledger (order_id bigint NOT NULL, event_id uuid NOT NULL,
+         CREATE TABLE ledger (order_id bigint NOT NULL, event_id uuid NOT NULL, produced_at timestamptz,
                               applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
     )
     .execute(&pool)
@@ -230,20 +264,44 @@ async fn postal_run(
     let _ = stop_relay.send(());
     relay_task.await??;
 
-    // (seconds since the first measured order, latency in ms)
-    let rows: Vec<(f64, f64)> = sqlx::query_as(
-        "SELECT extract(epoch FROM o.created_at - min(o.created_at) OVER ())::float8,
-                (extract(epoch FROM CASE WHEN $2
-                     THEN pg_xact_commit_timestamp(l.xmin) - pg_xact_commit_timestamp(o.xmin)
-                     ELSE l.applied_at - o.created_at END) * 1000)::float8
-         FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1",
+    // (seconds since the first measured order, latency in ms, and its three segments: order
+    // commit → record timestamp (the relay's producer call), → the handler's insert, → ledger
+    // commit)
+    type Point = (f64, f64, Option<f64>, Option<f64>, f64);
+    let rows: Vec<Point> = sqlx::query_as(
+        "WITH t AS (
+             SELECT o.created_at,
+                    CASE WHEN $2 THEN pg_xact_commit_timestamp(o.xmin) ELSE o.created_at END AS ordered,
+                    l.produced_at, l.applied_at,
+                    CASE WHEN $2 THEN pg_xact_commit_timestamp(l.xmin) ELSE l.applied_at END AS booked
+             FROM orders o JOIN ledger l ON l.order_id = o.id WHERE o.id > $1)
+         SELECT extract(epoch FROM created_at - min(created_at) OVER ())::float8,
+                (extract(epoch FROM booked - ordered) * 1000)::float8,
+                (extract(epoch FROM produced_at - ordered) * 1000)::float8,
+                (extract(epoch FROM applied_at - produced_at) * 1000)::float8,
+                (extract(epoch FROM booked - applied_at) * 1000)::float8
+         FROM t",
     )
     .bind(warmup_orders)
     .bind(commit_ts)
     .fetch_all(&pool)
     .await?;
-    let windows = windows(&rows, 5.0);
-    let lat: Vec<f64> = rows.into_iter().map(|(_, l)| l).collect();
+    let windows_of = |f: &dyn Fn(&Point) -> Option<f64>| {
+        windows(
+            &rows
+                .iter()
+                .filter_map(|p| Some((p.0, f(p)?)))
+                .collect::<Vec<_>>(),
+            5.0,
+        )
+    };
+    let segments = [
+        windows_of(&|p| p.2),
+        windows_of(&|p| p.3),
+        windows_of(&|p| Some(p.4)),
+    ];
+    let windows = windows_of(&|p| Some(p.1));
+    let lat: Vec<f64> = rows.into_iter().map(|p| p.1).collect();
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
     let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
         Some(reader) => reader.await??.into_iter().collect(),
@@ -269,6 +327,7 @@ async fn postal_run(
         .collect();
     Ok(Run {
         windows,
+        segments,
         e2e: Latencies::of(lat),
         to_broker: Latencies::of(to_broker),
     })
@@ -377,6 +436,9 @@ struct Run {
     e2e: Latencies,
     /// p50 of `e2e` per window of order time.
     windows: Vec<f64>,
+    /// p50 per window of the segments: order commit → record timestamp, → handler's insert,
+    /// → ledger commit.
+    segments: [Vec<f64>; 3],
     /// Order → plain consumer on the same topic.
     to_broker: Latencies,
 }
@@ -406,18 +468,21 @@ struct BrokerRun {
     e2e: Latencies,
     /// Send → the producer's delivery report.
     ack: Latencies,
+    /// p50 of `e2e` per window of send time.
+    windows: Vec<f64>,
 }
 
 /// Raw producer → raw consumer at the same rate and client settings: the broker's share.
 async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun> {
     let topic = format!("bench-broker-{}", uuid::Uuid::now_v7().simple());
     create_topic(bootstrap, &topic, opts.partitions).await?;
-    let n = (opts.rate * opts.seconds.min(10)) as usize;
+    let n = (opts.rate * opts.seconds) as usize;
     let reader = {
         let bootstrap = bootstrap.to_owned();
         let topic = topic.clone();
         let wait = opts.fetch_wait_ms;
-        tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<f64>> {
+        // (send time in ms since the epoch, latency in ms)
+        tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<(f64, f64)>> {
             let consumer: BaseConsumer = ClientConfig::new()
                 .set("bootstrap.servers", &bootstrap)
                 .set(
@@ -443,7 +508,7 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun
                         .and_then(|s| s.parse::<f64>().ok())
                     {
                         if sent > 0.0 {
-                            out.push(now - sent);
+                            out.push((sent, now - sent));
                         }
                     }
                 }
@@ -493,8 +558,14 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun
     for a in acks {
         ack_lat.push(a.await?);
     }
+    let mut received = reader.await??;
+    let first = received.iter().map(|r| r.0).fold(f64::INFINITY, f64::min);
+    for r in &mut received {
+        r.0 = (r.0 - first) / 1000.0;
+    }
     Ok(BrokerRun {
-        e2e: Latencies::of(reader.await??),
+        windows: windows(&received, 5.0),
+        e2e: Latencies::of(received.into_iter().map(|r| r.1).collect()),
         ack: Latencies::of(ack_lat),
     })
 }

@@ -139,6 +139,9 @@ enum Command {
         /// storage work that grows with the records the partition holds.
         #[arg(long)]
         no_split: bool,
+        /// Leave out the polling-only variant (the wake-up variant and the broker path only).
+        #[arg(long)]
+        no_polling: bool,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
     /// Postal's relay next to a raw lapin publisher with confirms.
@@ -245,9 +248,11 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             in_flight,
             lanes,
             no_split,
+            no_polling,
         } => {
             let opts = e2e::E2eOpts {
                 split: !no_split,
+                polling: !no_polling,
                 rate,
                 seconds,
                 partitions,

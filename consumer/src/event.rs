@@ -82,6 +82,11 @@ pub struct Event<T> {
     pub headers: Headers,
     /// Where the record was read from (`None` for events built in tests).
     pub position: Option<Position>,
+    /// The record's Kafka timestamp (`None` for events built in tests and records without
+    /// one): when the producer created it (`CreateTime`, Postal's relay: when it handed the
+    /// event to the producer) or when the broker appended it (`LogAppendTime` topics), in
+    /// milliseconds.
+    pub timestamp: Option<DateTime<Utc>>,
     /// The decoded payload.
     pub payload: T,
 }
@@ -98,6 +103,7 @@ impl<T> Event<T> {
             occurred_at: None,
             headers: Headers::default(),
             position: None,
+            timestamp: None,
             payload,
         }
     }

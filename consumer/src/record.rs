@@ -16,6 +16,8 @@ pub(crate) struct Record {
     pub key: Option<Vec<u8>>,
     pub payload: Option<Vec<u8>>,
     pub headers: Headers,
+    /// The record's Kafka timestamp, if it has one.
+    pub timestamp: Option<DateTime<Utc>>,
 }
 
 impl Record {
@@ -35,6 +37,10 @@ impl Record {
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
             headers: Headers::new(headers),
+            timestamp: m
+                .timestamp()
+                .to_millis()
+                .and_then(DateTime::from_timestamp_millis),
         }
     }
 
@@ -128,6 +134,61 @@ pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T
         occurred_at,
         headers: record.headers.clone(),
         position: Some(record.position()),
+        timestamp: record.timestamp,
         payload,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+
+    fn message(timestamp: Timestamp) -> OwnedMessage {
+        let id = EventId::new().to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: headers::CE_ID,
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: headers::CE_TYPE,
+                value: Some("order.created"),
+            });
+        OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            Some(b"k".to_vec()),
+            "orders".into(),
+            timestamp,
+            3,
+            42,
+            Some(headers),
+        )
+    }
+
+    /// The handler sees the record's Kafka timestamp (create or log-append time), and none
+    /// when the record has none.
+    #[test]
+    fn the_record_timestamp_reaches_the_event() {
+        for ts in [
+            Timestamp::CreateTime(1_700_000_000_123),
+            Timestamp::LogAppendTime(1_700_000_000_456),
+        ] {
+            let record = Record::from_message(&message(ts));
+            let event: Event<serde_json::Value> =
+                decode(&record, &meta(&record).expect("envelope")).expect("decodes");
+            assert_eq!(
+                event.timestamp.map(|t| t.timestamp_millis()),
+                ts.to_millis()
+            );
+            assert_eq!(
+                event.position.map(|p| (p.partition, p.offset)),
+                Some((3, 42))
+            );
+        }
+        let record = Record::from_message(&message(Timestamp::NotAvailable));
+        let event: Event<serde_json::Value> =
+            decode(&record, &meta(&record).expect("envelope")).expect("decodes");
+        assert_eq!(event.timestamp, None);
+    }
 }
