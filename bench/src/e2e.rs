@@ -96,8 +96,18 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
                 .collect::<Vec<_>>()
                 .join(" / ")
         };
-        println!("    p50 per 5 s window of order time: {}", line(&r.windows));
+        println!(
+            "    p50 per 5 s window of order time: {}  (orders: {})",
+            line(&r.windows),
+            r.counts
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
         println!("      of which (record timestamps have 1 ms resolution):");
+        // Without commit timestamps the ledger's end is its insert: the last segment is empty.
+        let segments = if commit_ts { 3 } else { 2 };
         for (name, w) in [
             (
                 "order commit -> relay hands the record to the producer",
@@ -111,7 +121,10 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
                 "-> ledger commit (rest of the consumer's transaction)",
                 &r.segments[2],
             ),
-        ] {
+        ]
+        .into_iter()
+        .take(segments)
+        {
             println!("        {name}: {}", line(w));
         }
         if opts.split {
@@ -301,6 +314,11 @@ async fn postal_run(
         windows_of(&|p| Some(p.4)),
     ];
     let windows = windows_of(&|p| Some(p.1));
+    let mut counts: std::collections::BTreeMap<u64, usize> = Default::default();
+    for p in &rows {
+        *counts.entry((p.0 / 5.0) as u64).or_default() += 1;
+    }
+    let counts = counts.into_values().collect();
     let lat: Vec<f64> = rows.into_iter().map(|p| p.1).collect();
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
     let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
@@ -327,6 +345,7 @@ async fn postal_run(
         .collect();
     Ok(Run {
         windows,
+        counts,
         segments,
         e2e: Latencies::of(lat),
         to_broker: Latencies::of(to_broker),
@@ -436,6 +455,8 @@ struct Run {
     e2e: Latencies,
     /// p50 of `e2e` per window of order time.
     windows: Vec<f64>,
+    /// Orders per window of `windows` (the last one holds what the generator sent late).
+    counts: Vec<usize>,
     /// p50 per window of the segments: order commit → record timestamp, → handler's insert,
     /// → ledger commit.
     segments: [Vec<f64>; 3],
@@ -481,6 +502,7 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun
         let bootstrap = bootstrap.to_owned();
         let topic = topic.clone();
         let wait = opts.fetch_wait_ms;
+        let seconds = opts.seconds;
         // (send time in ms since the epoch, latency in ms)
         tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<(f64, f64)>> {
             let consumer: BaseConsumer = ClientConfig::new()
@@ -494,7 +516,7 @@ async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun
                 .set("fetch.wait.max.ms", wait.to_string())
                 .create()?;
             consumer.subscribe(&[&topic])?;
-            let deadline = Instant::now() + Duration::from_secs(120);
+            let deadline = Instant::now() + Duration::from_secs(seconds + 120);
             let mut out = Vec::with_capacity(n);
             while out.len() < n && Instant::now() < deadline {
                 if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {

@@ -73,18 +73,46 @@ macro_rules! async_commit {
 /// statements); public so that `EXPLAIN` shows the relay's plan.
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
 
+/// The names of the columns in [`returned!`], in order: what [`decode`]'s positions mean.
+const RETURNED_NAMES: [&str; 13] = [
+    "seq",
+    "event_id",
+    "topic",
+    "event_key",
+    "event_type",
+    "schema_version",
+    "occurred_at",
+    "content_type",
+    "payload",
+    "headers",
+    "attempts",
+    "created_at",
+    "last_error",
+];
+
 /// A claimed row, decoded by position in the order of the claim statements' column list
-/// (`RETURNED`): a claim decodes thousands of rows, and looking each column up by name cost
-/// more than the decoding itself.
+/// ([`returned!`]): a claim decodes thousands of rows, and looking each column up by name cost
+/// more than the decoding itself. Debug builds (the test suite) check the names, so that a
+/// reordered column list cannot silently put one text column into another.
 fn decode(row: &sqlx::postgres::PgRow) -> Result<(OutboundEvent, Kept), sqlx::Error> {
-    use sqlx::Row as _;
+    use sqlx::{Column as _, Row as _};
+    debug_assert!(
+        row.columns()
+            .iter()
+            .map(|c| c.name())
+            .eq(RETURNED_NAMES.iter().copied()),
+        "the claim's columns are not in the order decode reads them"
+    );
     let headers: sqlx::types::Json<std::collections::BTreeMap<String, String>> = row.try_get(9)?;
+    let seq: i64 = row.try_get(0)?;
     let event_id: Uuid = row.try_get(1)?;
     Ok((
         OutboundEvent {
-            seq: row.try_get(0)?,
+            seq,
+            // Unreachable (the outbox's CHECK constraint forbids the nil id); an error rather
+            // than a panic, naming the row.
             id: EventId::from_uuid(event_id).map_err(|e| sqlx::Error::ColumnDecode {
-                index: "event_id".into(),
+                index: format!("event_id of outbox row {seq}"),
                 source: e.into(),
             })?,
             topic: row.try_get(2)?,
@@ -239,7 +267,8 @@ pub async fn claim(
         CLAIM_LOCK
     };
     let (only, except) = topics.binds();
-    let mut rows: Vec<(OutboundEvent, Kept)> = Vec::with_capacity(limit);
+    // Sized for a light-load claim; a full batch grows it a few times.
+    let mut rows: Vec<(OutboundEvent, Kept)> = Vec::with_capacity(limit.min(256));
     {
         use futures::TryStreamExt as _;
         let mut stream = sqlx::query(sql)
@@ -350,6 +379,19 @@ const CLAIM_LOCK: &str = concat!(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `decode` reads the claim's columns by position: the statements' column list and the
+    /// names it checks them against (debug builds) must be the same, in the same order.
+    #[test]
+    fn the_claim_returns_the_columns_decode_expects() {
+        let listed: Vec<&str> = returned!()
+            .split(',')
+            .map(|c| c.trim().trim_start_matches("d."))
+            .collect();
+        assert_eq!(listed, RETURNED_NAMES);
+        assert!(CLAIM_DELETE.ends_with(returned!()));
+        assert!(CLAIM_LOCK.starts_with(concat!("SELECT ", returned!(), " FROM")));
+    }
 
     /// The partition mask that the fence and the claim filter by: exactly the listed
     /// partitions, none for an empty list, and no mask at all (every row) for all of them.
