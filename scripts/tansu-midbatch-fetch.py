@@ -8,10 +8,10 @@ reader sees offsets 50-100; tansu answers with the next batch instead.
     python3 scripts/tansu-midbatch-fetch.py "$KAFKA_BOOTSTRAP_SERVERS"
 """
 import sys
-import time
 import uuid
-from confluent_kafka import Producer, Consumer, TopicPartition
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from kafka_readback import read_until_idle
 bs = sys.argv[1]
 topic = "mid-" + uuid.uuid4().hex
 admin = AdminClient({"bootstrap.servers": bs}); admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
@@ -19,12 +19,6 @@ p = Producer({"bootstrap.servers": bs, "enable.idempotence": True, "linger.ms": 
 for i in range(100): p.produce(topic, value=str(i))
 p.flush(10)
 p.produce(topic, value="100"); p.flush(10)   # a second batch
-c = Consumer({"bootstrap.servers": bs, "group.id": "g" + topic, "enable.auto.commit": False})
-c.assign([TopicPartition(topic, 0, 50)])
-got = []; idle = time.time()
-while time.time() - idle < 4:
-    m = c.poll(0.5)
-    if m is None or m.error(): continue
-    got.append(m.offset()); idle = time.time()
+got = [m.offset() for m in read_until_idle(bs, topic, 50, "g" + topic)]
 print("fetch from offset 50 delivered offsets", got[:5], "...", got[-3:], "count", len(got))
 print("as Kafka would" if got == list(range(50, 101)) else "records 50-99 were not delivered as such: the fault")

@@ -6,22 +6,16 @@ offset gaps: whether a topic holds each event exactly once.
     python3 scripts/topic-scan.py "$KAFKA_BOOTSTRAP_SERVERS" bench-e2e
 """
 import sys
-import time
-from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from kafka_readback import read_until_idle
 bs = sys.argv[1]
 admin = AdminClient({"bootstrap.servers": bs})
 topics = [t for t in admin.list_topics(timeout=10).topics if t.startswith(sys.argv[2])]
 for topic in topics:
-    c = Consumer({"bootstrap.servers": bs, "group.id": "scan-" + topic, "enable.auto.commit": False})
-    c.assign([TopicPartition(topic, 0, 0)])
-    recs = []; idle = time.time()
-    while time.time() - idle < 4:
-        m = c.poll(0.5)
-        if m is None or m.error(): continue
+    recs = []
+    for m in read_until_idle(bs, topic, 0, "scan-" + topic):
         h = dict(m.headers() or [])
         recs.append((m.offset(), h.get("ce_id", b"").decode(), h.get("postal_seq", h.get("ce_postalseq", b"")).decode() if h else ""))
-        idle = time.time()
     ids = [r[1] for r in recs]
     seen = {}
     dups = []
@@ -31,4 +25,3 @@ for topic in topics:
     offs = [r[0] for r in recs]
     gaps = [(a, b) for a, b in zip(offs, offs[1:]) if b != a + 1]
     print(topic, "records", len(recs), "unique", len(seen), "dups (first offset, dup offset, seq)", dups[:12], "offset gaps", gaps[:10])
-    c.close()

@@ -314,11 +314,10 @@ async fn postal_run(
         windows_of(&|p| Some(p.4)),
     ];
     let windows = windows_of(&|p| Some(p.1));
-    let mut counts: std::collections::BTreeMap<u64, usize> = Default::default();
-    for p in &rows {
-        *counts.entry((p.0 / 5.0) as u64).or_default() += 1;
-    }
-    let counts = counts.into_values().collect();
+    let counts = by_window(&rows.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), 5.0)
+        .iter()
+        .map(Vec::len)
+        .collect();
     let lat: Vec<f64> = rows.into_iter().map(|p| p.1).collect();
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
     let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
@@ -423,25 +422,28 @@ async fn where_they_are(pool: &PgPool, bootstrap: &str, topic: &str) -> String {
 
 /// Whether the server records commit timestamps (`track_commit_timestamp`).
 async fn commit_timestamps(url: &str) -> anyhow::Result<bool> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(url)
-        .await?;
+    use sqlx::Connection as _;
+    let mut conn = sqlx::PgConnection::connect(url).await?;
     let on: String = sqlx::query_scalar("SHOW track_commit_timestamp")
-        .fetch_one(&pool)
+        .fetch_one(&mut conn)
         .await?;
-    pool.close().await;
+    conn.close().await?;
     Ok(on == "on")
 }
 
-/// p50 of the latencies per `width`-second window of `(seconds, latency)` points.
-fn windows(points: &[(f64, f64)], width: f64) -> Vec<f64> {
+/// The latencies of `(seconds, latency)` points grouped by `width`-second window, in order.
+fn by_window(points: &[(f64, f64)], width: f64) -> Vec<Vec<f64>> {
     let mut by_window: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
     for &(at, lat) in points {
         by_window.entry((at / width) as u64).or_default().push(lat);
     }
-    by_window
-        .into_values()
+    by_window.into_values().collect()
+}
+
+/// p50 of the latencies per `width`-second window of `(seconds, latency)` points.
+fn windows(points: &[(f64, f64)], width: f64) -> Vec<f64> {
+    by_window(points, width)
+        .into_iter()
         .map(|mut v| {
             v.sort_by(|a, b| a.partial_cmp(b).unwrap());
             percentile(&v, 0.5)

@@ -230,6 +230,7 @@ pub async fn claim(
     topics: &TopicFilter,
 ) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = pool.begin().await?;
+    let requested = mask(partitions);
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan;
     // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`), lets the claim's
@@ -245,7 +246,7 @@ pub async fn claim(
         ", set_config('idle_in_transaction_session_timeout', $3, true))"
     ))
     .bind(relay)
-    .bind(mask(partitions))
+    .bind(&requested)
     .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
     .fetch_one(&mut *tx)
     .await?;
@@ -260,7 +261,16 @@ pub async fn claim(
         owned.iter().copied().min().unwrap_or(0),
         owned.iter().copied().max().unwrap_or(KEY_PARTITIONS - 1),
     );
-    let filter = mask(&owned);
+    // `owned` is the part of the requested partitions still leased: as many means all of
+    // them, and the mask already built stands.
+    let requested_count = requested.as_ref().map_or(KEY_PARTITIONS as usize, |m| {
+        m.iter().filter(|&&b| b).count()
+    });
+    let filter = if owned.len() == requested_count {
+        requested
+    } else {
+        mask(&owned)
+    };
     let sql = if delete_on_claim {
         CLAIM_DELETE
     } else {
