@@ -74,6 +74,10 @@ enum Command {
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
+        /// Extra librdkafka property `key=value` for the relay's producer (repeatable), e.g.
+        /// `linger.ms=5`; overrides Postal's defaults as `postal relay --kafka` does.
+        #[arg(long = "kafka", value_parser = parse_property)]
+        kafka: Vec<(String, String)>,
     },
     /// `EXPLAIN ANALYZE` of the claim on an outbox with no history and with `published` rows
     /// of retained history (plus the same pending backlog).
@@ -202,6 +206,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             instances,
             repeat,
             relay_only,
+            kafka,
         } => {
             let opts = RelayOpts {
                 n: events,
@@ -214,6 +219,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 instances,
                 repeat,
                 relay_only,
+                kafka,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
         }
@@ -374,6 +380,14 @@ async fn outbox_len(pool: &PgPool) -> anyhow::Result<i64> {
         .await?)
 }
 
+/// A `key=value` librdkafka property from the command line.
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not of the form key=value")),
+    }
+}
+
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
@@ -389,6 +403,7 @@ struct RelayOpts {
     instances: Vec<usize>,
     repeat: usize,
     relay_only: bool,
+    kafka: Vec<(String, String)>,
 }
 
 async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result<()> {
@@ -438,8 +453,14 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         for &instances in &o.instances {
             let (r, cpu) = relay_drain(&pool, bootstrap, &o, instances).await?;
             println!(
-                "(a) Postal relay, {instances} instance(s), {} lanes, batch {}, {} in flight: {r:>9.0} events/s",
-                o.lanes, o.batch_size, o.in_flight
+                "(a) Postal relay, {instances} instance(s), {} lanes, batch {}, {} in flight{}: {r:>9.0} events/s",
+                o.lanes,
+                o.batch_size,
+                o.in_flight,
+                o.kafka
+                    .iter()
+                    .map(|(k, v)| format!(", {k}={v}"))
+                    .collect::<String>()
             );
             println!("    {cpu}");
             if first.is_nan() {
@@ -671,6 +692,7 @@ async fn relay_drain(
         let mut kcfg = KafkaConfig::new(bootstrap);
         kcfg.properties
             .insert("message.timeout.ms".into(), "2500".into());
+        kcfg.properties.extend(o.kafka.iter().cloned());
         let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         stops.push(tx);

@@ -76,15 +76,22 @@ impl KafkaConfig {
     /// The librdkafka producer configuration: Postal's defaults, then the user's properties.
     ///
     /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
-    /// where Java clients and Debezium put them), `linger.ms=5`, `message.timeout.ms=20000`,
+    /// where Java clients and Debezium put them), `linger.ms=0`, `message.timeout.ms=20000`,
     /// `queue.buffering.max.messages=1000000`, `allow.auto.create.topics=false`.
+    ///
+    /// `linger.ms` is 0 (librdkafka's own default is 5) because the relay already batches: it
+    /// hands a whole claimed batch to the producer at once, so librdkafka's send queues fill
+    /// without waiting, and a linger would only hold back the last, partly filled record batch
+    /// of each partition — and with it the batch's acknowledgement, its commit and the lane's
+    /// next claim. `postal-bench relay --relay-only --instances 1 --kafka linger.ms=5` against
+    /// the default measures the difference (BENCHMARKS.md).
     pub fn client_config(&self) -> ClientConfig {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", &self.bootstrap_servers)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("partitioner", "murmur2_random")
-            .set("linger.ms", "5")
+            .set("linger.ms", "0")
             .set("message.timeout.ms", "20000")
             .set("queue.buffering.max.messages", "1000000")
             .set("queue.buffering.max.kbytes", "1048576")
