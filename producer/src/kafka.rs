@@ -471,29 +471,39 @@ impl Transport for KafkaTransport {
         let mut blocked: HashSet<&str> = HashSet::new();
         // Resolve every distinct topic once per batch.
         let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        let mut previous: Option<&str> = None;
         for e in batch {
-            if !topic_ok.contains_key(e.topic.as_str()) {
+            // Batches mostly hold one topic: look it up only when it changes.
+            if previous != Some(e.topic.as_str()) && !topic_ok.contains_key(e.topic.as_str()) {
                 let r = self.ensure_topic(&e.topic).await;
                 topic_ok.insert(e.topic.as_str(), r);
             }
+            previous = Some(e.topic.as_str());
         }
+        let every_topic_ok = topic_ok.values().all(Result::is_ok);
+        // The header values formatted per event, without an allocation each.
+        let mut id_buf = uuid::Uuid::encode_buffer();
+        let mut version_buf = itoa::Buffer::new();
+        let mut seq_buf = itoa::Buffer::new();
 
         // Outcomes known before the acknowledgements (refused before sending); the rest are
         // filled in from the delivery callbacks.
         let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
         let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation);
         for (index, e) in batch.iter().enumerate() {
-            if blocked.contains(e.key.as_str()) {
+            if !blocked.is_empty() && blocked.contains(e.key.as_str()) {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
                 ));
                 continue;
             }
-            if let Err(err) = &topic_ok[e.topic.as_str()] {
-                outcomes[index] = Err(err.clone());
-                blocked.insert(e.key.as_str());
-                continue;
+            if !every_topic_ok {
+                if let Err(err) = &topic_ok[e.topic.as_str()] {
+                    outcomes[index] = Err(err.clone());
+                    blocked.insert(e.key.as_str());
+                    continue;
+                }
             }
             let size = Self::record_size(e);
             if size > self.max_message_bytes {
@@ -507,16 +517,16 @@ impl Transport for KafkaTransport {
                 blocked.insert(e.key.as_str());
                 continue;
             }
-            let id = e.id.to_string();
+            let id: &str = e.id.as_uuid().hyphenated().encode_lower(&mut id_buf);
             let time = e
                 .occurred_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-            let version = e.schema_version.to_string();
-            let seq = e.seq.to_string();
+            let version = version_buf.format(e.schema_version);
+            let seq = seq_buf.format(e.seq);
             let mut headers = OwnedHeaders::new_with_capacity(9 + e.headers.len())
                 .insert(Header {
                     key: h::CE_ID,
-                    value: Some(id.as_str()),
+                    value: Some(id),
                 })
                 .insert(Header {
                     key: h::CE_TYPE,
@@ -540,11 +550,11 @@ impl Transport for KafkaTransport {
                 })
                 .insert(Header {
                     key: h::CE_SCHEMA_VERSION,
-                    value: Some(version.as_str()),
+                    value: Some(version),
                 })
                 .insert(Header {
                     key: h::CE_POSTAL_SEQ,
-                    value: Some(seq.as_str()),
+                    value: Some(seq),
                 })
                 .insert(Header {
                     key: h::CONTENT_TYPE,
