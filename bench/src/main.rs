@@ -74,8 +74,9 @@ enum Command {
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
-        /// Extra librdkafka property `key=value` for the relay's producer (repeatable), e.g.
-        /// `linger.ms=5`; overrides Postal's defaults as `postal relay --kafka` does.
+        /// Extra librdkafka property `key=value` (repeatable), e.g. `linger.ms=5`, for the
+        /// relay's producer and the raw producer (c); overrides Postal's defaults as `postal
+        /// relay --kafka` does.
         #[arg(long = "kafka", value_parser = parse_property)]
         kafka: Vec<(String, String)>,
     },
@@ -442,7 +443,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             println!("    {cpu}");
             steal = steal.max(cpu.steal);
             d_rates.push(d);
-            let (c, cpu) = raw_produce(bootstrap, n, payload_bytes, keys).await?;
+            let (c, cpu) = raw_produce(bootstrap, &o.kafka, n, payload_bytes, keys).await?;
             println!("(c) raw rdkafka idempotent producer, not awaited one by one:      {c:>9.0} events/s");
             println!("    {cpu}");
             steal = steal.max(cpu.steal);
@@ -562,11 +563,14 @@ async fn sql_drain(
 /// (c) Raw rdkafka: the same records, sends not awaited one by one.
 async fn raw_produce(
     bootstrap: &str,
+    kafka: &[(String, String)],
     n: usize,
     payload_bytes: usize,
     keys: usize,
 ) -> anyhow::Result<(f64, cpu::Report)> {
-    let producer: FutureProducer = KafkaConfig::new(bootstrap).client_config().create()?;
+    let mut kcfg = KafkaConfig::new(bootstrap);
+    kcfg.properties.extend(kafka.iter().cloned());
+    let producer: FutureProducer = kcfg.client_config().create()?;
     let topic_c = format!("bench-raw-{}", uuid::Uuid::now_v7().simple());
     create_topic(bootstrap, &topic_c, 12).await?;
     let body: Vec<Vec<u8>> = (0..n)

@@ -80,11 +80,11 @@ impl KafkaConfig {
     /// `queue.buffering.max.messages=1000000`, `allow.auto.create.topics=false`.
     ///
     /// `linger.ms` is 0 (librdkafka's own default is 5) because the relay already batches: it
-    /// hands a whole claimed batch to the producer at once, so librdkafka's send queues fill
-    /// without waiting, and a linger would only hold back the last, partly filled record batch
-    /// of each partition — and with it the batch's acknowledgement, its commit and the lane's
-    /// next claim. `postal-bench relay --relay-only --instances 1 --kafka linger.ms=5` against
-    /// the default measures the difference (BENCHMARKS.md).
+    /// hands a whole claimed batch to the producer at once. Under light load a claim holds a
+    /// few events, and a linger would add its full length to each of them (and to the
+    /// acknowledgement that the batch's commit and the lane's next claim wait for). Draining a
+    /// backlog, `postal-bench relay --relay-only --instances 1 --kafka linger.ms=5` against the
+    /// default measured no difference beyond the spread (BENCHMARKS.md).
     pub fn client_config(&self) -> ClientConfig {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", &self.bootstrap_servers)
