@@ -313,11 +313,9 @@ async fn postal_run(
         windows_of(&|p| p.3),
         windows_of(&|p| Some(p.4)),
     ];
-    let windows = windows_of(&|p| Some(p.1));
-    let counts = by_window(&rows.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), 5.0)
-        .iter()
-        .map(Vec::len)
-        .collect();
+    let grouped = by_window(&rows.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), 5.0);
+    let counts = grouped.iter().map(Vec::len).collect();
+    let windows = p50s(grouped);
     let lat: Vec<f64> = rows.into_iter().map(|p| p.1).collect();
     stop_reader.store(true, std::sync::atomic::Ordering::Relaxed);
     let received: std::collections::HashMap<String, std::time::SystemTime> = match reader {
@@ -442,7 +440,12 @@ fn by_window(points: &[(f64, f64)], width: f64) -> Vec<Vec<f64>> {
 
 /// p50 of the latencies per `width`-second window of `(seconds, latency)` points.
 fn windows(points: &[(f64, f64)], width: f64) -> Vec<f64> {
-    by_window(points, width)
+    p50s(by_window(points, width))
+}
+
+/// The p50 of each group of latencies.
+fn p50s(groups: Vec<Vec<f64>>) -> Vec<f64> {
+    groups
         .into_iter()
         .map(|mut v| {
             v.sort_by(|a, b| a.partial_cmp(b).unwrap());

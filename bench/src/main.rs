@@ -17,7 +17,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use futures::future::join_all;
 use postal_producer::{
-    enqueue, enqueue_batch, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig,
+    enqueue, enqueue_batch, parse_property, KafkaConfig, KafkaTransport, NewEvent, Relay,
+    RelayConfig,
 };
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -379,14 +380,6 @@ async fn outbox_len(pool: &PgPool) -> anyhow::Result<i64> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
         .fetch_one(pool)
         .await?)
-}
-
-/// A `key=value` librdkafka property from the command line.
-fn parse_property(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
-        _ => Err(format!("{s:?} is not of the form key=value")),
-    }
 }
 
 fn rate(n: usize, d: Duration) -> f64 {

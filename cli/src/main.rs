@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
+use postal_producer::parse_property;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
@@ -216,17 +217,6 @@ fn parse_route(s: &str) -> Result<(String, Destination), String> {
     let dest = <Destination as clap::ValueEnum>::from_str(dest.trim(), true)
         .map_err(|_| format!("unknown destination {dest:?} in {s:?} (kafka or rabbitmq)"))?;
     Ok((topic.trim().to_owned(), dest))
-}
-
-fn parse_property(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| format!("{s:?} is not of the form key=value"))?;
-    let k = k.trim();
-    if k.is_empty() {
-        return Err(format!("{s:?} has an empty key"));
-    }
-    Ok((k.to_owned(), v.to_owned()))
 }
 
 fn main() -> ExitCode {

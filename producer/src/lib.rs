@@ -43,7 +43,7 @@ mod tasks;
 mod trace;
 mod transport;
 
-pub use config::{RelayConfig, TopicFilter};
+pub use config::{parse_property, RelayConfig, TopicFilter};
 pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
