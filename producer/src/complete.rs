@@ -44,7 +44,7 @@ pub(crate) async fn mark(
     let sql = r#"
         WITH done AS (
             UPDATE postal.outbox
-            SET status = 'published', published_at = now(), held = false
+            SET status = 'published', published_at = statement_timestamp(), held = false
             WHERE seq = ANY($1) AND status = 'pending'
             RETURNING 1
         ), failed AS (
@@ -135,7 +135,9 @@ pub(crate) async fn restore(
 }
 
 /// History mode: writes the acknowledged rows of `batch` (deleted at claim time) into
-/// `postal.outbox_history`, in the claim's transaction, with `published_at = now()`.
+/// `postal.outbox_history`, in the claim's transaction, with `published_at` the time of this statement (after the
+/// acknowledgement; `now()` would be the claim's start, which can precede the event's
+/// `created_at` when the enqueueing transaction began after the claim's `BEGIN`).
 /// `kept` is per row of `batch`, in batch order.
 pub(crate) async fn archive(
     conn: &mut PgConnection,
@@ -165,7 +167,7 @@ pub(crate) async fn archive(
                                            schema_version, occurred_at, content_type, payload,
                                            headers, attempts, created_at, published_at)
         SELECT u.seq, u.id, u.topic, u.k, u.typ, u.ver, u.occ, u.ct, u.payload, u.hdr,
-               u.attempts, u.created, now()
+               u.attempts, u.created, statement_timestamp()
         FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::int4[],
                     $7::timestamptz[], $8::text[], $9::bytea[], $10::jsonb[], $11::int4[],
                     $12::timestamptz[])
