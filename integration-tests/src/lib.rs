@@ -105,6 +105,20 @@ pub struct TestDb {
     admin_url: String,
 }
 
+impl TestDb {
+    /// A pool of its own on the test's database, as a separate process would have. Code run
+    /// on it and then killed in-process takes only its own connections down with it (close the
+    /// pool after the kill), never the test's.
+    pub async fn process_pool(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(20))
+            .connect(&self.url)
+            .await
+            .expect("connect to test database")
+    }
+}
+
 impl Drop for TestDb {
     /// Drops the test's database when the test passed (tests create one each, and a dev
     /// server would otherwise fill its disk); keeps it, and says so, when the test failed or

@@ -63,17 +63,23 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
 
     let origin_relay = RunningRelay::start(&origin.pool, transport(&svc.bootstrap), fast_config());
     let middle_group = unique("middle");
-    let start_middle = || {
+    // The middle service's consumer and relay each run on a pool of their own, as separate
+    // processes: killing them closes their connections (a connection left inside a
+    // transaction in the test's pool once held a lock that stalled the restarted consumer).
+    let start_middle = || async {
+        let pool = middle.process_pool().await;
         let consumer = Consumer::builder(
-            middle.pool.clone(),
+            pool.clone(),
             consumer_config(&svc.bootstrap, &middle_group, "middle"),
         )
         .on(&first, "job", forward)
         .build()
         .unwrap();
+        let relay_pool = middle.process_pool().await;
         (
-            RunningConsumer::start(consumer),
-            RunningRelay::start(&middle.pool, transport(&svc.bootstrap), fast_config()),
+            RunningConsumer::start(consumer).owning(pool),
+            RunningRelay::start(&relay_pool, transport(&svc.bootstrap), fast_config())
+                .owning(relay_pool),
         )
     };
     let sink_consumer = RunningConsumer::start(
@@ -86,14 +92,14 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
         .unwrap(),
     );
 
-    let (consumer, relay) = start_middle();
+    let (consumer, relay) = start_middle().await;
     wait::until(WAIT, "the middle service to be part-way", || {
         let pool = middle.pool.clone();
         async move { effects(&pool).await.1 >= total / 3 }
     })
     .await;
-    consumer.kill();
-    relay.kill();
+    consumer.kill().await;
+    relay.kill().await;
     // tansu 0.6.0 drops a member that expires in a stable group without a rebalance, leaving
     // its partitions to nobody (README: tansu faults): the replacement joins once the killed
     // member is gone from the group.
@@ -106,7 +112,7 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
         }
     })
     .await;
-    let (consumer, relay) = start_middle();
+    let (consumer, relay) = start_middle().await;
     // On a timeout, say where the events stopped: the broker's high watermarks of both hops
     // next to the offsets the middle and sink consumers stored (a stall seen once in CI left
     // one partition of the restarted middle consumer behind without a log line).

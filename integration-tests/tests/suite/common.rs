@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 pub struct RunningRelay {
     stop: Option<oneshot::Sender<()>>,
     handle: JoinHandle<Result<RelayStats, postal_producer::Error>>,
+    own_pool: Option<PgPool>,
 }
 
 impl RunningRelay {
@@ -29,7 +30,14 @@ impl RunningRelay {
         RunningRelay {
             stop: Some(tx),
             handle,
+            own_pool: None,
         }
+    }
+
+    /// Marks `pool` as this relay's own (see [`TestDb::process_pool`]): `kill` closes it.
+    pub fn owning(mut self, pool: PgPool) -> Self {
+        self.own_pool = Some(pool);
+        self
     }
 
     /// Starts a Kafka relay with test-friendly settings.
@@ -37,10 +45,12 @@ impl RunningRelay {
         Self::start(pool, kafka_transport(bootstrap), fast_config())
     }
 
-    /// Kills the relay: its task is dropped with whatever it was doing (claims roll back when
-    /// their connections go), no shutdown work, no lease given up.
-    pub fn kill(self) {
-        self.handle.abort();
+    /// Kills the relay: its task is dropped with whatever it was doing, no shutdown work, no
+    /// lease given up. Returns once the task is gone and, if the relay owns its pool, that pool
+    /// is closed, so the server rolls back whatever its connections left open, as it does
+    /// when a process dies.
+    pub async fn kill(self) {
+        kill(self.handle, self.own_pool).await;
     }
 
     /// Graceful shutdown; returns the relay's totals.
@@ -163,6 +173,7 @@ impl<T: Transport> Transport for Counting<T> {
 pub struct RunningConsumer {
     stop: Option<oneshot::Sender<()>>,
     handle: JoinHandle<Result<(), postal_consumer::Error>>,
+    own_pool: Option<PgPool>,
     /// The runtime's counters.
     pub stats: Arc<postal_consumer::Stats>,
 }
@@ -178,13 +189,22 @@ impl RunningConsumer {
         RunningConsumer {
             stop: Some(tx),
             handle,
+            own_pool: None,
             stats,
         }
     }
 
-    /// Drops the runtime mid-flight: in-flight transactions roll back, nothing is finished.
-    pub fn kill(self) {
-        self.handle.abort();
+    /// Marks `pool` as this consumer's own (see [`TestDb::process_pool`]): `kill` closes it.
+    pub fn owning(mut self, pool: PgPool) -> Self {
+        self.own_pool = Some(pool);
+        self
+    }
+
+    /// Drops the runtime mid-flight, nothing finished. Returns once the task is gone and, if
+    /// the consumer owns its pool, that pool is closed, so the server rolls back its
+    /// in-flight transactions, as it does when a process dies.
+    pub async fn kill(self) {
+        kill(self.handle, self.own_pool).await;
     }
 
     /// Graceful shutdown.
@@ -196,6 +216,17 @@ impl RunningConsumer {
             .await
             .expect("consumer task")
             .expect("consumer run");
+    }
+}
+
+/// Aborts `handle`, waits until its task is gone, then closes `own_pool`. A task aborted
+/// mid-statement can hand a connection back to its pool still inside a transaction; on a pool
+/// shared with the test, that connection's locks would outlive the "dead" process.
+async fn kill<T>(handle: JoinHandle<T>, own_pool: Option<PgPool>) {
+    handle.abort();
+    let _ = handle.await;
+    if let Some(pool) = own_pool {
+        pool.close().await;
     }
 }
 

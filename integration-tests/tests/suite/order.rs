@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use postal_integration_tests::{kafka, services, unique, wait, TestDb};
 use postal_producer::{enqueue, enqueue_batch, NewEvent, RelayConfig};
-use sqlx::postgres::PgPoolOptions;
 
 use crate::common::{fast_config, kafka_transport, outbox_count, RunningRelay};
 
@@ -26,16 +25,12 @@ fn first_seen_seqs(records: &[kafka::Record]) -> BTreeMap<String, Vec<i64>> {
 
 async fn relay_on_own_pool(db: &TestDb, bootstrap: &str) -> RunningRelay {
     // Its own pool, so that killing it drops its connections like a dead process.
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect(&db.url)
-        .await
-        .unwrap();
+    let pool = db.process_pool().await;
     let cfg = RelayConfig {
         batch_size: 200,
         ..fast_config()
     };
-    RunningRelay::start(&pool, kafka_transport(bootstrap), cfg)
+    RunningRelay::start(&pool, kafka_transport(bootstrap), cfg).owning(pool)
 }
 
 /// Guarantee: with three relays, one killed midway and one added, every event arrives, and per
@@ -71,7 +66,7 @@ async fn three_relays_with_a_death_and_a_join_keep_per_key_order() {
         outbox_count(&db.pool).await < 7000
     })
     .await;
-    r2.kill();
+    r2.kill().await;
     let r4 = relay_on_own_pool(&db, &svc.bootstrap).await;
     wait::until(Duration::from_secs(120), "all drained", || async {
         outbox_count(&db.pool).await == 0

@@ -37,15 +37,17 @@ async fn members_join_and_leave_mid_stream() {
             })
             .collect()
     };
-    let start = || {
+    // Each member runs on a pool of its own, as a separate process: `kill` closes it.
+    let start = || async {
+        let pool = db.process_pool().await;
         let consumer = Consumer::builder(
-            db.pool.clone(),
+            pool.clone(),
             consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
         )
         .on(&topic, "job", apply)
         .build()
         .unwrap();
-        RunningConsumer::start(consumer)
+        RunningConsumer::start(consumer).owning(pool)
     };
     let applied_at_least = |n: i64| {
         let pool = db.pool.clone();
@@ -56,17 +58,17 @@ async fn members_join_and_leave_mid_stream() {
     };
 
     produce(&svc.bootstrap, &topic, None, &batch(0, 1000)).await;
-    let a = start();
+    let a = start().await;
     wait::until(WAIT, "300 applied", applied_at_least(300)).await;
-    let b = start();
+    let b = start().await;
     produce(&svc.bootstrap, &topic, None, &batch(1000, 2000)).await;
     wait::until(WAIT, "1200 applied", applied_at_least(1200)).await;
-    let c = start();
+    let c = start().await;
     wait::until(WAIT, "1500 applied", applied_at_least(1500)).await;
     a.stop().await; // leaves gracefully
     produce(&svc.bootstrap, &topic, None, &batch(2000, total)).await;
     wait::until(WAIT, "2200 applied", applied_at_least(2200)).await;
-    b.kill(); // dropped mid-flight
+    b.kill().await; // dropped mid-flight
     wait::until(WAIT, "every event applied", applied_at_least(total)).await;
     let stats = c.stats.clone();
     c.stop().await;

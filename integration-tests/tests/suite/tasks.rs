@@ -173,7 +173,8 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     )
     .await
     .unwrap();
-    let a = RunningRelay::start(&db.pool, slow, cfg.clone());
+    let a_pool = db.process_pool().await;
+    let a = RunningRelay::start(&a_pool, slow, cfg.clone()).owning(a_pool);
     started.notified().await;
     // Past the claim's idle limit (half the lease): the claim is still held.
     tokio::time::sleep(lease).await;
@@ -191,7 +192,7 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     );
 
     let killed_at = Instant::now();
-    a.kill();
+    a.kill().await;
     let ran_at = Arc::new(Mutex::new(None::<Instant>));
     let r = ran_at.clone();
     let quick =
