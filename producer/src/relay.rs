@@ -95,7 +95,6 @@ impl<T: Transport> Relay<T> {
             paused_until: Arc::new(std::sync::Mutex::new(None::<Instant>)),
             slots: Arc::new(Semaphore::new(self.config.max_in_flight_batches)),
             backlogged: AtomicBool::new(true),
-            claim_turn: tokio::sync::RwLock::new(()),
             active_lanes: AtomicUsize::new(self.config.lanes.max(1)),
             stop: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
@@ -177,13 +176,10 @@ struct Shared<T: Transport> {
     unavailable_streak: Arc<AtomicU32>,
     paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
     slots: Arc<Semaphore>,
-    /// Whether the last claim came back full: there is a backlog, and the lanes claim their
-    /// own shares at once. Otherwise one lane at a time claims for all partitions (see the
-    /// lane loop).
+    /// Whether the last claim came back full: there is a backlog, and the lanes keep up to
+    /// `max_in_flight_batches` batches in flight. Otherwise a lane claims only once no batch is
+    /// in flight (see the lane loop).
     backlogged: AtomicBool,
-    /// Claiming and handing over: shared by lanes claiming their own shares, exclusive for a
-    /// lane claiming all partitions.
-    claim_turn: tokio::sync::RwLock<()>,
     /// How many of the lanes claim: `lanes` is the budget of the whole relay group, and each of
     /// `n` live relays runs `lanes / n` of them, rounded up ([`lanes_per_relay`]). Changes only
     /// together with `owned`, while the coordinator holds every in-flight slot.
@@ -382,26 +378,25 @@ impl<T: Transport> Shared<T> {
                     }
                 }
             }
-            // Without a backlog, a lane claims for all of the relay's partitions, alone: it
-            // holds the claim turn exclusively while it claims and hands the batch to the
-            // transport, so it cannot race another lane for the same key, and events that
-            // arrived meanwhile go out together in one claim. The next claim may start as soon
-            // as the batch is handed over, while it awaits its acknowledgements: the transport
-            // keeps the hand-over order per key. With a backlog (the last claim came back
-            // full) the lanes claim their own shares at once, sharing the turn. Either way
-            // each batch holds one of the `max_in_flight_batches` slots until it is recorded.
+            // Without a backlog, a lane claims only when no batch is in flight, and then for
+            // all of the relay's partitions: events that arrived meanwhile go out together in
+            // one claim (one produce request per Kafka partition, one commit) instead of in
+            // small claims of their own each. Holding every slot while it claims and hands the
+            // batch to the transport, it cannot race another lane for the same key. At a
+            // steady load this lowered the end-to-end latency in `postal-bench e2e`
+            // (BENCHMARKS.md): the claims and requests saved are work the database and the
+            // broker no longer queue. With a backlog (the last claim came back full) the lanes
+            // claim their own shares with up to `max_in_flight_batches` batches in flight.
             let light = !self.backlogged.load(Ordering::Relaxed);
+            let all = self.config.max_in_flight_batches as u32;
             let own = tokio::select! {
                 _ = stop.cancelled() => break,
                 p = own_slots.clone().acquire_owned() => p.expect("semaphore never closed"),
             };
-            let permit = tokio::select! {
+            let mut permit = tokio::select! {
                 _ = stop.cancelled() => break,
-                p = self.slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-            };
-            let turn = tokio::select! {
-                _ = stop.cancelled() => break,
-                t = Turn::take(&self.claim_turn, light) => t,
+                p = self.slots.clone().acquire_many_owned(if light { all } else { 1 }) =>
+                    p.expect("semaphore never closed"),
             };
             // Read only while holding a slot: the split changes only while the coordinator
             // holds all of them. Lanes beyond this relay's part of the group's budget idle.
@@ -417,7 +412,7 @@ impl<T: Transport> Shared<T> {
                 }
             };
             if partitions.is_empty() {
-                drop((turn, permit));
+                drop(permit);
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     Ok(()) = owned_changed.changed() => {}
@@ -449,7 +444,7 @@ impl<T: Transport> Shared<T> {
                 Ok(None) => {
                     db_failures = 0;
                     self.backlogged.store(false, Ordering::Relaxed);
-                    drop((turn, permit));
+                    drop(permit);
                     tokio::select! {
                         _ = stop.cancelled() => break,
                         // Err only once the relay is stopping; `stop` ends the loop then.
@@ -460,7 +455,7 @@ impl<T: Transport> Shared<T> {
                     continue;
                 }
                 Err(e) => {
-                    drop((turn, permit));
+                    drop(permit);
                     let wait = self.config.backoff.delay(db_failures);
                     db_failures = db_failures.saturating_add(1);
                     tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed (database unreachable?); retrying");
@@ -492,8 +487,10 @@ impl<T: Transport> Shared<T> {
             };
             let acks = self.transport.send(&batch).await;
             let send_time = started.elapsed();
-            // Handed over in order: other lanes may claim again.
-            drop(turn);
+            if light {
+                // Handed over in order: other lanes may claim again (keep one slot).
+                drop(permit.split(all as usize - 1));
+            }
             let ctx = CompleteCtx {
                 config: self.config.clone(),
                 counters: self.counters.clone(),
@@ -560,32 +557,6 @@ fn lane_share(owned: &[i16], lanes: usize, lane: usize) -> Vec<i16> {
     let lanes = lanes.max(1);
     let n = owned.len();
     owned[lane * n / lanes..(lane + 1) * n / lanes].to_vec()
-}
-
-/// A lane's turn to claim and hand over (see [`Shared::claim_turn`]).
-enum Turn<'a> {
-    /// Claiming all of the relay's partitions: no other lane claims meanwhile.
-    Alone {
-        _guard: tokio::sync::RwLockWriteGuard<'a, ()>,
-    },
-    /// Claiming the lane's own share, next to the other lanes claiming theirs.
-    Shared {
-        _guard: tokio::sync::RwLockReadGuard<'a, ()>,
-    },
-}
-
-impl<'a> Turn<'a> {
-    async fn take(lock: &'a tokio::sync::RwLock<()>, alone: bool) -> Turn<'a> {
-        if alone {
-            Turn::Alone {
-                _guard: lock.write().await,
-            }
-        } else {
-            Turn::Shared {
-                _guard: lock.read().await,
-            }
-        }
-    }
 }
 
 struct CompleteCtx {
