@@ -127,7 +127,9 @@ impl Worker {
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut tx = self.shared.pool.begin().await.map_err(Attempt::db)?;
+        let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool)
+            .await
+            .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
         let ids: Vec<EventId> = metas
             .iter()

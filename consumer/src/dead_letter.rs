@@ -167,7 +167,9 @@ impl Publisher {
 
     /// Publishes one batch; `Ok(true)` when a full batch went out (there may be more).
     async fn publish_pending(&self) -> Result<bool, String> {
-        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
+        let mut tx = postal_shared::cancel_safe::begin(&self.pool)
+            .await
+            .map_err(|e| e.to_string())?;
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic

@@ -400,7 +400,9 @@ impl Worker {
         meta: &Meta,
         route: &dyn Route,
     ) -> Result<bool, Attempt> {
-        let mut tx = self.shared.pool.begin().await.map_err(Attempt::db)?;
+        let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool)
+            .await
+            .map_err(Attempt::db)?;
         let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
             .await
             .map_err(|e| match e {
@@ -481,7 +483,7 @@ impl Worker {
         let mut failures = 0u32;
         loop {
             let result: Result<bool, sqlx::Error> = async {
-                let mut tx = self.shared.pool.begin().await?;
+                let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool).await?;
                 if let Some(d) = dead {
                     self.record_dead(&mut tx, record, d).await?;
                 }

@@ -16,6 +16,7 @@ use sqlx::PgPool;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::config::ConsumerConfig;
 use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
@@ -222,11 +223,11 @@ impl Consumer {
                     let pool = pool.clone();
                     async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
                 };
-                Some(
+                Some(AbortOnDropHandle::new(
                     postal_ops::serve(addr, ready)
                         .await
                         .map_err(|e| Error::Config(e.to_string()))?,
-                )
+                ))
             }
             None => None,
         };
@@ -236,14 +237,16 @@ impl Consumer {
         tracing::info!(group = %config.group, consumer = %config.consumer, topics = ?topics, "consumer started");
 
         let stop = CancellationToken::new();
-        let dlq = tokio::spawn(dlq.run(stop.clone()));
-        let housekeeping = tokio::spawn(housekeeping(
+        // Aborted when dropped: if this future is dropped (the consumer is killed in-process),
+        // nothing keeps publishing dead letters or cleaning up on its behalf.
+        let dlq = AbortOnDropHandle::new(tokio::spawn(dlq.run(stop.clone())));
+        let housekeeping = AbortOnDropHandle::new(tokio::spawn(housekeeping(
             shared.pool.clone(),
             config.consumer.clone(),
             config.dedup_retention,
             config.cleanup_interval,
             stop.clone(),
-        ));
+        )));
         let mut partitions: HashMap<Tp, Partition> = HashMap::new();
         // One turn per partition, held by its worker for the worker's whole life (see `apply`).
         let mut turns: HashMap<Tp, Arc<tokio::sync::Mutex<()>>> = HashMap::new();

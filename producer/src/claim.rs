@@ -223,7 +223,7 @@ pub async fn claim(
     delete_on_claim: bool,
     topics: &TopicFilter,
 ) -> Result<Option<Claim>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let requested = mask(partitions);
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan;

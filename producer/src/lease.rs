@@ -47,7 +47,7 @@ pub async fn heartbeat(
     release_ok: bool,
 ) -> Result<Lease, sqlx::Error> {
     let lease_ms = lease.as_millis() as i64;
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     if held.is_empty() && group != DEFAULT_GROUP {
         // A group's partition rows are created by its first relay.
         sqlx::query(
@@ -137,7 +137,7 @@ pub async fn heartbeat(
 
 /// Gives up every partition this relay holds (graceful shutdown) and removes its heartbeat.
 pub async fn leave(pool: &PgPool, relay: Uuid) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     sqlx::query(
         "UPDATE postal.relay_partitions SET owner = NULL, lease_until = NULL WHERE owner = $1",
     )

@@ -53,7 +53,7 @@ pub async fn maintain_history(
     pool: &PgPool,
     retention: Duration,
 ) -> Result<Option<HistoryMaintenance>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
         .bind(HISTORY_LOCK)
         .fetch_one(&mut *tx)

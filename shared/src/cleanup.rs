@@ -27,7 +27,8 @@ pub async fn delete_in_batches(
     batch: usize,
     mut progress: impl FnMut(u64),
 ) -> Result<Option<u64>, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
+    // Closed instead of returned to the pool if this job is dropped while it holds the lock.
+    let mut conn = crate::cancel_safe::CloseUnlessFinished::new(pool.acquire().await?);
     let (try_lock, unlock) = match lock {
         CleanupLock::Key(_) => (
             "SELECT pg_try_advisory_lock($1)",
@@ -42,7 +43,8 @@ pub async fn delete_in_batches(
         CleanupLock::Key(key) => sqlx::query_scalar::<_, bool>(sql).bind(key),
         CleanupLock::Named(key, name) => sqlx::query_scalar::<_, bool>(sql).bind(key).bind(name),
     };
-    if !bind_lock(try_lock).fetch_one(&mut *conn).await? {
+    if !bind_lock(try_lock).fetch_one(&mut **conn).await? {
+        conn.finish();
         return Ok(None);
     }
     let result = async {
@@ -54,7 +56,7 @@ pub async fn delete_in_batches(
             if let CleanupLock::Named(_, name) = lock {
                 q = q.bind(name);
             }
-            let n = q.execute(&mut *conn).await?.rows_affected();
+            let n = q.execute(&mut **conn).await?.rows_affected();
             total += n;
             progress(total);
             if (n as usize) < batch {
@@ -63,6 +65,8 @@ pub async fn delete_in_batches(
         }
     }
     .await;
-    let _ = bind_lock(unlock).fetch_one(&mut *conn).await;
+    if let Ok(true) = bind_lock(unlock).fetch_one(&mut **conn).await {
+        conn.finish();
+    }
     result.map(Some)
 }

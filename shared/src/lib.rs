@@ -16,6 +16,7 @@
 
 mod availability;
 mod backoff;
+pub mod cancel_safe;
 pub mod cleanup;
 mod envelope;
 mod error;

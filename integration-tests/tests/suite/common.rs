@@ -219,14 +219,22 @@ impl RunningConsumer {
     }
 }
 
-/// Aborts `handle`, waits until its task is gone, then closes `own_pool`. A task aborted
-/// mid-statement can hand a connection back to its pool still inside a transaction; on a pool
-/// shared with the test, that connection's locks would outlive the "dead" process.
+/// Aborts `handle`, waits until its task is gone, then closes `own_pool`, as a process's death
+/// closes its connections. Postal's own transactions begin cancel-safely
+/// (`postal_shared::cancel_safe`), but a killed process leaves nothing behind at all: with a
+/// pool shared with the test, what the aborted code still held (a connection, a lock) would
+/// outlive the "dead" process.
 async fn kill<T>(handle: JoinHandle<T>, own_pool: Option<PgPool>) {
     handle.abort();
-    let _ = handle.await;
+    if let Err(e) = handle.await {
+        if e.is_panic() {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
     if let Some(pool) = own_pool {
-        pool.close().await;
+        tokio::time::timeout(Duration::from_secs(30), pool.close())
+            .await
+            .expect("the killed task's pool closes");
     }
 }
 

@@ -4,6 +4,7 @@
 //! testcontainers (see `postal_integration_tests`). Every test takes a fresh database and
 //! unique topic names.
 
+mod cancel;
 mod chain;
 mod chaos;
 mod common;

@@ -193,6 +193,12 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
 
     let killed_at = Instant::now();
     a.kill().await;
+    // `waited` below counts from before the kill: the kill must not take long itself.
+    assert!(
+        killed_at.elapsed() < Duration::from_millis(500),
+        "the kill took {:?}",
+        killed_at.elapsed()
+    );
     let ran_at = Arc::new(Mutex::new(None::<Instant>));
     let r = ran_at.clone();
     let quick =

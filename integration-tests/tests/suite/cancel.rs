@@ -1,0 +1,92 @@
+//! Cancellation: Postal's work on a pool it shares with the application, dropped at any
+//! moment (a task aborted at a shutdown deadline, a killed runtime), leaves that pool clean.
+
+use std::time::Duration;
+
+use postal_integration_tests::{services, wait};
+use postal_shared::cleanup::{delete_in_batches, CleanupLock};
+use sqlx::postgres::{PgConnection, PgPoolOptions};
+use sqlx::Connection as _;
+
+/// Guarantee: a transaction begun through `postal_shared::cancel_safe::begin` and dropped at
+/// any point of its `BEGIN` leaves no connection of the pool inside a transaction: the next
+/// statement on the pool's only connection runs in a transaction of its own. (sqlx's own
+/// `pool.begin()` does not: transact-rs/sqlx#4393.)
+#[tokio::test]
+async fn a_begin_dropped_midway_leaves_no_connection_inside_a_transaction() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let mut cancelled = 0;
+    for step in 0..400u64 {
+        let after = Duration::from_micros(step * 5);
+        let begun = tokio::time::timeout(after, postal_shared::cancel_safe::begin(&pool)).await;
+        if begun.is_err() {
+            cancelled += 1;
+        }
+        drop(begun);
+        let own: bool = sqlx::query_scalar("SELECT now() = statement_timestamp()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(
+            own,
+            "after a begin dropped at {after:?} the pool's connection was still inside a transaction"
+        );
+    }
+    assert!(cancelled > 0, "no begin was dropped before it finished");
+}
+
+/// Guarantee: a cleanup job dropped while it holds its session advisory lock does not leave
+/// that lock on a pooled connection: its connection is closed, and another instance can take
+/// the lock at once after.
+#[tokio::test]
+async fn a_cleanup_dropped_midway_does_not_keep_its_lock() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    const KEY: i64 = 4_242_424_242;
+    // Stands in for a long DELETE: holds the lock for a second.
+    const SLOW: &str = "SELECT pg_sleep(1), $1::bigint, $2::bigint";
+    let job = delete_in_batches(
+        &pool,
+        CleanupLock::Key(KEY),
+        SLOW,
+        Duration::from_secs(1),
+        10,
+        |_| {},
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), job)
+            .await
+            .is_err(),
+        "the job was dropped while it ran"
+    );
+    // Checked from a connection outside the pool: a pooled one could be the very session
+    // that holds the lock, and advisory locks are re-entrant within a session.
+    wait::until(Duration::from_secs(10), "the lock to be free", || async {
+        let mut other = PgConnection::connect(&db.url).await.unwrap();
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(KEY)
+            .fetch_one(&mut other)
+            .await
+            .unwrap();
+        if got {
+            let _: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(KEY)
+                .fetch_one(&mut other)
+                .await
+                .unwrap();
+        }
+        got
+    })
+    .await;
+}
