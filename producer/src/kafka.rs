@@ -839,9 +839,17 @@ mod tests {
     /// leader, too few in-sync replicas) are retried inside the idempotent producer: the batch
     /// is acknowledged, and the topic holds each event once, in order — no duplicate from the
     /// retries, nothing used up. (librdkafka's mock cluster fails the next produce requests.)
+    ///
+    /// One produce request in flight at a time: the mock cluster checks producer sequence
+    /// numbers only for transactional producers, so it appends a later request although an
+    /// earlier one failed, and librdkafka then counts the earlier records as delivered — the
+    /// later acknowledgement implies them on a real broker, which refuses such a request as out
+    /// of order. With the relay's `linger.ms=0` the three records can leave in separate
+    /// requests; CI once saw the first record acknowledged and missing that way.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn broker_leadership_errors_are_retried_without_duplicates() {
-        let (mock, transport) = mock_transport(&[]).await;
+        let (mock, transport) =
+            mock_transport(&[("max.in.flight.requests.per.connection", "1")]).await;
         mock.request_errors(
             RDKafkaApiKey::Produce,
             &[
