@@ -311,10 +311,15 @@ impl Consumer {
         }
         commit(&shared, CommitMode::Sync);
         housekeeping.abort();
-        if tokio::time::timeout(config.shutdown_timeout, dlq)
+        let mut dlq = dlq;
+        if tokio::time::timeout(config.shutdown_timeout, &mut dlq)
             .await
             .is_err()
         {
+            // Left to finish the batch it is publishing (it stops after that, `stop` being
+            // cancelled): aborting it between the sends and their commit would publish that
+            // batch again at the next start.
+            drop(dlq.detach());
             tracing::warn!(
                 "dead-letter publishing did not finish; the next start publishes the rest"
             );

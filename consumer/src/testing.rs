@@ -34,7 +34,7 @@ pub async fn deliver<H: Handler>(
     handler: &H,
     event: Event<H::Payload>,
 ) -> Result<Outcome, HandlerError> {
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let fresh = crate::dedup::record(&mut tx, handler.consumer(), event.id).await?;
     if !fresh {
         return Ok(Outcome::Duplicate);

@@ -9,6 +9,9 @@
 //! itself, whose pool Postal shares — then runs inside the stale transaction and keeps its
 //! locks. Likewise a session advisory lock taken on a pooled connection outlives a cancelled
 //! job that meant to release it.
+//!
+//! Upstream fixed the `begin()` case in transact-rs/sqlx#4394, not yet in a release as of
+//! sqlx 0.9.0; once Postal's sqlx includes it, [`begin`] can become `pool.begin()` again.
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -17,8 +20,9 @@ use sqlx::{PgPool, Postgres, Transaction};
 /// `BEGIN` round trip runs in a task of its own, so a cancelled caller leaves a transaction
 /// that is then dropped whole (and rolled back) instead of a connection stuck inside one.
 pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    use tracing::Instrument as _;
     let pool = pool.clone();
-    match tokio::spawn(async move { pool.begin().await }).await {
+    match tokio::spawn(async move { pool.begin().await }.in_current_span()).await {
         Ok(result) => result,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(sqlx::Error::PoolClosed),

@@ -58,23 +58,38 @@ async fn a_cleanup_dropped_midway_does_not_keep_its_lock() {
         .connect(&db.url)
         .await
         .unwrap();
-    const KEY: i64 = 4_242_424_242;
-    // Stands in for a long DELETE: holds the lock for a second.
-    const SLOW: &str = "SELECT pg_sleep(1), $1::bigint, $2::bigint";
-    let job = delete_in_batches(
+    const KEY: i64 = 424_242;
+    // Stands in for a long DELETE: holds the lock for two seconds.
+    const SLOW: &str = "SELECT pg_sleep(2), $1::bigint, $2::bigint";
+    let mut job = Box::pin(delete_in_batches(
         &pool,
         CleanupLock::Key(KEY),
         SLOW,
         Duration::from_secs(1),
         10,
         |_| {},
-    );
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), job)
+    ));
+    // Dropped once it holds the lock (seen from outside), not after a guessed delay.
+    let locked = wait::until(
+        Duration::from_secs(10),
+        "the job to take its lock",
+        || async {
+            let mut other = PgConnection::connect(&db.url).await.unwrap();
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND classid = 0 AND objid = $1::bigint::oid AND objsubid = 1)",
+            )
+            .bind(KEY)
+            .fetch_one(&mut other)
             .await
-            .is_err(),
-        "the job was dropped while it ran"
+            .unwrap()
+        },
     );
+    tokio::select! {
+        _ = &mut job => panic!("the job finished before it was dropped"),
+        () = locked => {}
+    }
+    drop(job);
     // Checked from a connection outside the pool: a pooled one could be the very session
     // that holds the lock, and advisory locks are re-entrant within a session.
     wait::until(Duration::from_secs(10), "the lock to be free", || async {

@@ -191,14 +191,10 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
         "the long-running task's claim is alive (its row stays locked)"
     );
 
-    let killed_at = Instant::now();
     a.kill().await;
-    // `waited` below counts from before the kill: the kill must not take long itself.
-    assert!(
-        killed_at.elapsed() < Duration::from_millis(500),
-        "the kill took {:?}",
-        killed_at.elapsed()
-    );
+    // Counted from the moment A is gone (its pool closed), so a slow kill cannot make B's
+    // wait look longer than it was.
+    let killed_at = Instant::now();
     let ran_at = Arc::new(Mutex::new(None::<Instant>));
     let r = ran_at.clone();
     let quick =
