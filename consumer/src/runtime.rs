@@ -239,7 +239,7 @@ impl Consumer {
         let stop = CancellationToken::new();
         // Aborted when dropped: if this future is dropped (the consumer is killed in-process),
         // nothing keeps publishing dead letters or cleaning up on its behalf.
-        let dlq = AbortOnDropHandle::new(tokio::spawn(dlq.run(stop.clone())));
+        let mut dlq = AbortOnDropHandle::new(tokio::spawn(dlq.run(stop.clone())));
         let housekeeping = AbortOnDropHandle::new(tokio::spawn(housekeeping(
             shared.pool.clone(),
             config.consumer.clone(),
@@ -311,7 +311,6 @@ impl Consumer {
         }
         commit(&shared, CommitMode::Sync);
         housekeeping.abort();
-        let mut dlq = dlq;
         if tokio::time::timeout(config.shutdown_timeout, &mut dlq)
             .await
             .is_err()

@@ -110,8 +110,13 @@ impl TestDb {
     /// on it and then killed in-process takes only its own connections down with it (close the
     /// pool after the kill), never the test's.
     pub async fn process_pool(&self) -> PgPool {
+        self.pool_of(8).await
+    }
+
+    /// A new pool of at most `size` connections on the test's database.
+    pub async fn pool_of(&self, size: u32) -> PgPool {
         PgPoolOptions::new()
-            .max_connections(8)
+            .max_connections(size)
             .acquire_timeout(Duration::from_secs(20))
             .connect(&self.url)
             .await

@@ -14,7 +14,7 @@
 //! sqlx 0.9.0; once Postal's sqlx includes it, [`begin`] can become `pool.begin()` again.
 
 use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 /// `pool.begin()`, but finished even if the caller's future is dropped meanwhile: the
 /// `BEGIN` round trip runs in a task of its own, so a cancelled caller leaves a transaction
@@ -54,7 +54,7 @@ impl CloseUnlessFinished {
 }
 
 impl std::ops::Deref for CloseUnlessFinished {
-    type Target = PoolConnection<Postgres>;
+    type Target = PgConnection;
     fn deref(&self) -> &Self::Target {
         &self.conn
     }

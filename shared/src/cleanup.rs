@@ -43,7 +43,7 @@ pub async fn delete_in_batches(
         CleanupLock::Key(key) => sqlx::query_scalar::<_, bool>(sql).bind(key),
         CleanupLock::Named(key, name) => sqlx::query_scalar::<_, bool>(sql).bind(key).bind(name),
     };
-    if !bind_lock(try_lock).fetch_one(&mut **conn).await? {
+    if !bind_lock(try_lock).fetch_one(&mut *conn).await? {
         conn.finish();
         return Ok(None);
     }
@@ -56,7 +56,7 @@ pub async fn delete_in_batches(
             if let CleanupLock::Named(_, name) = lock {
                 q = q.bind(name);
             }
-            let n = q.execute(&mut **conn).await?.rows_affected();
+            let n = q.execute(&mut *conn).await?.rows_affected();
             total += n;
             progress(total);
             if (n as usize) < batch {
@@ -65,7 +65,7 @@ pub async fn delete_in_batches(
         }
     }
     .await;
-    if let Ok(true) = bind_lock(unlock).fetch_one(&mut **conn).await {
+    if let Ok(true) = bind_lock(unlock).fetch_one(&mut *conn).await {
         conn.finish();
     }
     result.map(Some)

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use postal_integration_tests::{services, wait, TestDb};
+use postal_integration_tests::{services, wait};
 use postal_shared::cleanup::{delete_in_batches, CleanupLock};
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::PgConnection;
 use sqlx::Connection as _;
 
 /// Guarantee: a transaction begun through `postal_shared::cancel_safe::begin` and dropped at
@@ -15,7 +15,7 @@ use sqlx::Connection as _;
 #[tokio::test]
 async fn a_begin_dropped_midway_leaves_no_connection_inside_a_transaction() {
     let db = services().await.fresh_db().await;
-    let pool = pool_of(&db, 1).await;
+    let pool = db.pool_of(1).await;
     let mut cancelled = 0;
     for step in 0..400u64 {
         let after = Duration::from_micros(step * 5);
@@ -47,7 +47,7 @@ async fn a_begin_dropped_midway_leaves_no_connection_inside_a_transaction() {
 #[tokio::test]
 async fn a_cleanup_dropped_midway_does_not_keep_its_lock() {
     let db = services().await.fresh_db().await;
-    let pool = pool_of(&db, 2).await;
+    let pool = db.pool_of(2).await;
     const KEY: i64 = 424_242;
     // Stands in for a long DELETE: holds the lock for two seconds.
     const SLOW: &str = "SELECT pg_sleep(2), $1::bigint, $2::bigint";
@@ -99,13 +99,4 @@ async fn a_cleanup_dropped_midway_does_not_keep_its_lock() {
         got
     })
     .await;
-}
-
-/// A pool of `size` connections on the test's database.
-async fn pool_of(db: &TestDb, size: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(size)
-        .connect(&db.url)
-        .await
-        .unwrap()
 }
