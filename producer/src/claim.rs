@@ -54,21 +54,6 @@ macro_rules! plan_settings {
     };
 }
 
-/// The claim's transaction commits asynchronously (`synchronous_commit = off`, transaction-local):
-/// the relay does not wait for the WAL flush of the statement that records a batch as
-/// published, and the business transactions that write the outbox do not queue behind those
-/// flushes. Nothing can be lost by it: if PostgreSQL itself crashes within the WAL writer's
-/// delay after such a commit, the commit is undone, the batch's rows are pending again, and the
-/// relay publishes them again under the same event ids — a duplicate the consumers' dedup
-/// absorbs, exactly as after a relay that dies between the acknowledgement and the commit.
-/// Per-key order of first deliveries is unaffected: an undone batch had been acknowledged in
-/// order, so what it publishes again are duplicates of events already delivered.
-macro_rules! async_commit {
-    () => {
-        "set_config('synchronous_commit', 'off', true)"
-    };
-}
-
 /// `SELECT` of the planner settings the relay applies before each claim (see the claim
 /// statements); public so that `EXPLAIN` shows the relay's plan.
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
@@ -227,16 +212,19 @@ pub async fn claim(
     let requested = mask(partitions);
     // The fence: only partitions whose lease this relay holds now (with a second of margin
     // for the claim itself). A separate statement keeps the claim on its ordered index scan;
-    // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`), lets the claim's
-    // commit return before its WAL is flushed (see `async_commit!`) and ends the transaction
-    // if it stays idle for half the lease.
+    // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`) and ends the transaction
+    // if it stays idle for half the lease. The claim commits with the server's
+    // `synchronous_commit` (on by default), waiting for its WAL flush: while a backlog drains,
+    // each claim walks the index entries of the rows its lane's earlier claims deleted until
+    // a scan marks them dead, and PostgreSQL lets a scan do that only once the deleting
+    // commit's WAL is flushed (it sets the commit hint bit only then). An asynchronous commit
+    // left those entries to be walked again by the claims that follow within milliseconds;
+    // `postal-bench relay --relay-only` drained faster with flushed commits (BENCHMARKS.md).
     let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
                 WHERE owner = $1 AND lease_until > now() + interval '1 second'
                   AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])), concat(",
         plan_settings!(),
-        ", ",
-        async_commit!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true))"
     ))
     .bind(relay)
