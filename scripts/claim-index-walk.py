@@ -3,7 +3,7 @@
 committing synchronously or asynchronously.
 
 Fills a fresh database's outbox with a backlog, then drains it the way the relay's lanes do:
-each lane claims up to BATCH rows of its quarter of the key partitions in sequence order
+each lane claims up to BATCH rows of its share of the key partitions in sequence order
 (`outbox_pending_seq_partition`, FOR UPDATE SKIP LOCKED, deleted by tuple id in the claim),
 holds its transaction open for PUBLISH_MS (the publish), commits, and claims again. It prints,
 per commit mode, the entries the pending index returned to the claims per claimed row
@@ -13,8 +13,8 @@ to a row an earlier claim deleted and no scan has marked dead yet) and the rows 
     source <(bash scripts/stack.sh env)
     python3 scripts/claim-index-walk.py [ROWS] [LANES] [PUBLISH_MS] [BATCH]   # 300000 4 20 2000
 
-Needs `pip install psycopg[binary]` and the `postal` binary (`cargo build --release -p
-postal-cli`, or POSTAL_BIN) to create the schema.
+Run it from the repository root. Needs `pip install psycopg[binary]` and the `postal` binary
+(`cargo build --release -p postal-cli`, or POSTAL_BIN) to create the schema.
 """
 import os
 import subprocess
@@ -54,8 +54,10 @@ RETURNED = "SELECT pg_stat_get_tuples_returned('postal.outbox_pending_seq_partit
 
 
 def with_db(url, name):
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
+    """`url` with its database replaced by `name` (query parameters kept)."""
+    rest, sep, query = url.partition("?")
+    base, _, _ = rest.rpartition("/")
+    return f"{base}/{name}{sep}{query}"
 
 
 def drain(url, commit):
@@ -68,8 +70,10 @@ def drain(url, commit):
         (ROWS,),
     )
     setup.execute("VACUUM ANALYZE postal.outbox")
-    # Statistics reach the shared counters when a backend has been idle for a second.
+    # This connection's counters reach the shared statistics at a transaction end at most once
+    # a second (else after 10 s idle or at exit): wait, then touch them.
     time.sleep(1.2)
+    setup.execute("SELECT 1")
     before = setup.execute(RETURNED).fetchone()[0]
     claimed = [0] * LANES
 
@@ -93,10 +97,12 @@ def drain(url, commit):
     for t in threads:
         t.join()
     elapsed = time.monotonic() - started
+    # The lanes' connections are closed: their counters were reported when they exited.
     time.sleep(1.2)
     walked = setup.execute(RETURNED).fetchone()[0] - before
     setup.close()
-    assert sum(claimed) == ROWS, f"claimed {sum(claimed)} of {ROWS}"
+    if sum(claimed) != ROWS:
+        raise SystemExit(f"claimed {sum(claimed)} of {ROWS}")
     print(
         f"synchronous_commit {commit:>3}: {walked / ROWS:.2f} index entries per claimed row, "
         f"{ROWS / elapsed:,.0f} rows/s ({ROWS} rows, {LANES} lanes, batch {BATCH}, "

@@ -730,10 +730,11 @@ async fn relay_drain(
     let cpu = cpu::Cpu::now();
     let t = Instant::now();
     // Watching must not load the database: the lowest pending sequence number, searched from
-    // the one found last time. Every event was committed before the drain began and none can
-    // come back below that point unless its publish failed (then the check after the loop
-    // fails the run), so the probe skips the index entries of rows already drained (they stay
-    // in the index until a scan marks them dead) instead of walking them 50 times a second.
+    // the one found last time. Pending rows keep their sequence numbers (a failed publish
+    // writes its row back under the same one) and none are inserted during the drain, so the
+    // probe skips the index entries of rows already drained (they stay in the index until a
+    // scan marks them dead) instead of walking them 50 times a second.
+    let deadline = t + Duration::from_secs(600);
     let mut floor = 0_i64;
     while let Some(next) = sqlx::query_scalar::<_, Option<i64>>(
         "SELECT min(seq) FROM postal.outbox WHERE status = 'pending' AND seq >= $1",
@@ -742,6 +743,10 @@ async fn relay_drain(
     .fetch_one(pool)
     .await?
     {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the relay left events pending for 10 minutes (lowest pending seq {next})"
+        );
         floor = next;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

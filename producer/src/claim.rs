@@ -216,10 +216,11 @@ pub async fn claim(
     // if it stays idle for half the lease. The claim commits with the server's
     // `synchronous_commit` (on by default), waiting for its WAL flush: while a backlog drains,
     // each claim walks the index entries of the rows its lane's earlier claims deleted until
-    // a scan marks them dead, and PostgreSQL lets a scan do that only once the deleting
-    // commit's WAL is flushed (it sets the commit hint bit only then). An asynchronous commit
-    // left those entries to be walked again by the claims that follow within milliseconds;
-    // `postal-bench relay --relay-only` drained faster with flushed commits (BENCHMARKS.md).
+    // a scan marks them dead, and PostgreSQL lets a scan do that only once the deletion is
+    // older than every running snapshot and the deleting commit's WAL is flushed (it sets the
+    // commit hint bit only then). After an asynchronous commit the claims that follow within
+    // milliseconds walked those entries more often (`scripts/claim-index-walk.py`), and the
+    // relay-only drain's median was lower, within a wide spread (BENCHMARKS.md).
     let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
                 WHERE owner = $1 AND lease_until > now() + interval '1 second'

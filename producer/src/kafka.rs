@@ -91,8 +91,9 @@ impl KafkaConfig {
     /// and Postal headers repeat from record to record, and compressed batches are fewer bytes
     /// for the broker to receive, store and serve. Draining a backlog with it, the broker
     /// spent less CPU per event and the relay none more (`postal-bench relay --relay-only
-    /// --kafka compression.type=none` against the default, BENCHMARKS.md). Every Kafka client
-    /// reads lz4 batches; `--kafka compression.type=none` turns it off.
+    /// --kafka compression.type=lz4` against `=none`, before lz4 became the default;
+    /// BENCHMARKS.md). librdkafka-based and Java clients read lz4 batches as they are; some
+    /// others need a codec installed. `--kafka compression.type=none` turns it off.
     pub fn client_config(&self) -> ClientConfig {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", &self.bootstrap_servers)
