@@ -327,14 +327,23 @@ impl Consumer {
         let close_timeout = config.shutdown_timeout;
         drop(shared);
         // Closing leaves the group; it can block briefly, so not on an async worker. It is
-        // bounded: a close that hangs inside librdkafka (seen once with tansu: a revocation's
+        // bounded: a close that hangs inside librdkafka (seen with tansu: a revocation's
         // `assign` never answered) must not keep shutdown from returning. Everything is
-        // committed by now; the broker expires the member after its session timeout.
-        let close = tokio::task::spawn_blocking(move || {
-            consumer.unsubscribe();
-            drop(consumer);
-        });
-        if tokio::time::timeout(close_timeout, close).await.is_err() {
+        // committed by now; the broker expires the member after its session timeout. A thread
+        // of its own, not the runtime's blocking pool: dropping a tokio runtime waits for its
+        // blocking tasks, so a hung close would keep the application's runtime (and a test's)
+        // from ever shutting down; a detached thread does not.
+        let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name("postal-consumer-close".into())
+            .spawn(move || {
+                consumer.unsubscribe();
+                drop(consumer);
+                let _ = closed_tx.send(());
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start the thread that leaves the consumer group; the broker expires this member after its session timeout");
+        } else if tokio::time::timeout(close_timeout, closed).await.is_err() {
             tracing::warn!(
                 "leaving the consumer group did not finish in time; the broker expires this member after its session timeout"
             );
