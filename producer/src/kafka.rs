@@ -331,10 +331,17 @@ impl ProducerSlot {
                 let old = std::mem::replace(&mut current.1, p);
                 current.0 += 1;
                 drop(current);
-                // Destroying a client can block briefly: not on the async worker.
-                match tokio::runtime::Handle::try_current() {
-                    Ok(rt) => drop(rt.spawn_blocking(move || drop(old))),
-                    Err(_) => drop(old),
+                // Destroying a client blocks until librdkafka's threads end: not on an async
+                // worker, and not on the runtime's blocking pool either, because dropping a
+                // tokio runtime waits for its blocking tasks, so a destroy that hung inside
+                // librdkafka would keep the application from exiting. A detached thread does
+                // not hold the runtime (the consumer leaves its group the same way).
+                let spawned = std::thread::Builder::new()
+                    .name("postal-producer-drop".into())
+                    .spawn(move || drop(old));
+                if let Err(e) = spawned {
+                    // The closure, and the old producer with it, was dropped right here.
+                    tracing::warn!(error = %e, "could not start a thread to destroy the replaced Kafka producer; destroyed it in place");
                 }
                 tracing::info!(
                     "recreated the Kafka producer after delivery timeouts or a fatal broker error"
