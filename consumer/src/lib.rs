@@ -78,6 +78,7 @@
 //! of the dead letter; re-driving it later applies it after them.
 
 mod batch;
+mod client;
 mod config;
 mod context;
 pub mod dead_letter;

@@ -7,14 +7,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::{Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use crate::client::Client;
 use crate::config::{ConsumerConfig, UnknownTypes};
-use crate::context::{Context, Ownership as OwnershipState};
+use crate::context::Ownership as OwnershipState;
 use crate::dead_letter::{self, DeadLetter, Reason};
 use crate::handler::{classify_sqlx, Class, HandlerError};
 use crate::offsets::{self, Ownership};
@@ -27,7 +28,7 @@ pub(crate) struct Shared {
     pub pool: PgPool,
     pub config: ConsumerConfig,
     pub router: Router,
-    pub consumer: Arc<StreamConsumer<Context>>,
+    pub consumer: Client,
     pub state: Arc<Mutex<OwnershipState>>,
     pub stats: Arc<Stats>,
     pub dlq_wake: Arc<Notify>,

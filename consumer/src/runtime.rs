@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::client::Client;
 use crate::config::ConsumerConfig;
 use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
 use crate::dead_letter::Publisher;
@@ -125,7 +126,7 @@ impl ConsumerBuilder {
                 pool: self.pool,
                 config: self.config,
                 router: self.router,
-                consumer: Arc::new(consumer),
+                consumer: Client::new(consumer),
                 state,
                 stats: Arc::new(Stats::default()),
                 dlq_wake: dlq.wake.clone(),
@@ -326,19 +327,17 @@ impl Consumer {
         let consumer = shared.consumer.clone();
         let close_timeout = config.shutdown_timeout;
         drop(shared);
-        // Closing leaves the group; it can block briefly, so not on an async worker. It is
-        // bounded: a close that hangs inside librdkafka (seen with tansu: a revocation's
-        // `assign` never answered) must not keep shutdown from returning. Everything is
-        // committed by now; the broker expires the member after its session timeout. A thread
-        // of its own, not the runtime's blocking pool: dropping a tokio runtime waits for its
-        // blocking tasks, so a hung close would keep the application's runtime (and a test's)
-        // from ever shutting down; a detached thread does not.
+        // Leaving the group, on a thread of its own (see `client`), waited for at most
+        // `shutdown_timeout`: a close that hangs inside librdkafka must not keep shutdown from
+        // returning. Everything is committed by now; the broker expires the member after its
+        // session timeout. When another handle is still alive (a test's fault injector), the
+        // close happens where that one goes, on a thread of its own too.
         let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
         let spawned = std::thread::Builder::new()
             .name("postal-consumer-close".into())
             .spawn(move || {
                 consumer.unsubscribe();
-                drop(consumer);
+                drop(consumer.into_last());
                 let _ = closed_tx.send(());
             });
         if let Err(e) = spawned {

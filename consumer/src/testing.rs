@@ -89,9 +89,7 @@ where
 /// Fault injection for the runtime's own tests: stops fetching from a partition behind the
 /// runtime's back, as a broker fault that loses a consumer's fetch position would.
 #[doc(hidden)]
-pub struct FetchFault(
-    pub(crate) std::sync::Arc<rdkafka::consumer::StreamConsumer<crate::context::Context>>,
-);
+pub struct FetchFault(pub(crate) crate::client::Client);
 
 impl FetchFault {
     /// Pauses fetching from `topic`/`partition` without telling the runtime.
