@@ -72,7 +72,8 @@ enum Command {
     Cleanup(cleanup::CleanupArgs),
 }
 
-/// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment.
+/// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment (the
+/// connections as `KAFKA_BOOTSTRAP_SERVERS` and `AMQP_URL`).
 #[derive(Args, Debug)]
 struct RelayArgs {
     /// Kafka bootstrap servers.

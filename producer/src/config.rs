@@ -37,7 +37,8 @@ pub struct RelayConfig {
     /// and removed later by retention cleanup.
     pub delete_on_publish: bool,
     /// With `delete_on_publish = false`: delete published rows older than this, in batches,
-    /// every minute, one instance at a time (default: keep them; no cleanup).
+    /// every 15 s (or every `lease`, when shorter), one instance at a time (default: keep them;
+    /// no cleanup).
     pub retention: Option<Duration>,
     /// History mode (default off): keep published events this long in
     /// `postal.outbox_history`, a table partitioned by UTC day of publication. Each published
