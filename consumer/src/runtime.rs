@@ -310,7 +310,10 @@ impl Consumer {
             workers.abort_all();
             while workers.join_next().await.is_some() {}
         }
-        commit(&shared, CommitMode::Sync);
+        // The offsets processed last go to Kafka too (the database holds them already), with a
+        // synchronous commit on the closing thread below: it waits for the group coordinator
+        // without a limit of its own (up to the session timeout with the broker down).
+        let final_commits = take_commits(&mut shared.state.lock().expect("ownership state"));
         housekeeping.abort();
         if tokio::time::timeout(config.shutdown_timeout, &mut dlq)
             .await
@@ -327,15 +330,21 @@ impl Consumer {
         let consumer = shared.consumer.clone();
         let close_timeout = config.shutdown_timeout;
         drop(shared);
-        // Leaving the group, on a thread of its own (see `client`), waited for at most
-        // `shutdown_timeout`: a close that hangs inside librdkafka must not keep shutdown from
-        // returning. Everything is committed by now; the broker expires the member after its
-        // session timeout. When another handle is still alive (a test's fault injector), the
-        // close happens where that one goes, on a thread of its own too.
+        // The final Kafka commit and leaving the group, on a thread of its own (see `client`),
+        // waited for at most `shutdown_timeout`: a close that hangs inside librdkafka must not
+        // keep shutdown from returning. Everything is committed to the database by now; the
+        // broker expires the member after its session timeout. When another handle is still
+        // alive (a test's fault injector), the close happens where that one goes, on a thread
+        // of its own too.
         let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
         let spawned = std::thread::Builder::new()
             .name("postal-consumer-close".into())
             .spawn(move || {
+                if final_commits.count() > 0 {
+                    if let Err(e) = consumer.commit(&final_commits, CommitMode::Sync) {
+                        tracing::debug!(error = %e, "kafka offset commit failed (the database holds the offsets)");
+                    }
+                }
                 consumer.unsubscribe();
                 drop(consumer.into_last());
                 let _ = closed_tx.send(());
