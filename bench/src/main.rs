@@ -75,6 +75,9 @@ enum Command {
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
+        /// Connections of the SQL-only drain (d), each running the claim-and-delete loop.
+        #[arg(long, default_value_t = 1)]
+        sql_connections: usize,
         /// Extra librdkafka property `key=value` (repeatable), e.g. `linger.ms=5`, for the
         /// relay's producer and the raw producer (c); overrides Postal's defaults as `postal
         /// relay --kafka` does.
@@ -208,6 +211,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             instances,
             repeat,
             relay_only,
+            sql_connections,
             kafka,
         } => {
             let opts = RelayOpts {
@@ -221,6 +225,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 instances,
                 repeat,
                 relay_only,
+                sql_connections: sql_connections.max(1),
                 kafka,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
@@ -397,6 +402,7 @@ struct RelayOpts {
     instances: Vec<usize>,
     repeat: usize,
     relay_only: bool,
+    sql_connections: usize,
     kafka: Vec<(String, String)>,
 }
 
@@ -431,8 +437,14 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         let mut steal: f64 = 0.0;
         let mut ceiling = f64::NAN;
         if !o.relay_only {
-            let (d, cpu) = sql_drain(&pool, n, payload_bytes, keys).await?;
-            println!("(d) SQL-only drain (claim+delete, 1000/statement, 1 connection): {d:>9.0} events/s");
+            let conns = o.sql_connections;
+            let (d, cpu) = sql_drain(&pool, n, payload_bytes, keys, conns).await?;
+            let label = if conns == 1 {
+                "connection"
+            } else {
+                "connections"
+            };
+            println!("(d) SQL-only drain (claim+delete, 1000/statement, {conns} {label}): {d:>9.0} events/s");
             println!("    {cpu}");
             steal = steal.max(cpu.steal);
             d_rates.push(d);
@@ -523,30 +535,41 @@ async fn clean(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// (d) The SQL-only ceiling: claim and delete in batches of 1000, no broker.
+/// (d) The SQL-only ceiling: claim and delete in batches of 1000, no broker, on `connections`
+/// connections at once (each skips the rows the others hold).
 async fn sql_drain(
     pool: &PgPool,
     n: usize,
     payload_bytes: usize,
     keys: usize,
+    connections: usize,
 ) -> anyhow::Result<(f64, cpu::Report)> {
     clean(pool).await?;
     seed(pool, "bench-sql", n, payload_bytes, keys).await?;
     let wal = cpu::Wal::now(pool).await;
     let cpu = cpu::Cpu::now();
     let t = Instant::now();
-    loop {
-        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
-            "DELETE FROM postal.outbox WHERE seq IN (
-                 SELECT seq FROM postal.outbox WHERE status = 'pending' ORDER BY seq LIMIT 1000
-                 FOR UPDATE SKIP LOCKED)
-             RETURNING seq, payload",
-        )
-        .fetch_all(pool)
-        .await?;
-        if rows.is_empty() {
-            break;
-        }
+    let mut loops = tokio::task::JoinSet::new();
+    for _ in 0..connections {
+        let pool = pool.clone();
+        loops.spawn(async move {
+            loop {
+                let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+                    "DELETE FROM postal.outbox WHERE seq IN (
+                         SELECT seq FROM postal.outbox WHERE status = 'pending' ORDER BY seq LIMIT 1000
+                         FOR UPDATE SKIP LOCKED)
+                     RETURNING seq, payload",
+                )
+                .fetch_all(&pool)
+                .await?;
+                if rows.is_empty() {
+                    return anyhow::Ok(());
+                }
+            }
+        });
+    }
+    while let Some(done) = loops.join_next().await {
+        done??;
     }
     let r = rate(n, t.elapsed());
     let report = cpu::Cpu::now().report_since(&cpu, n);
