@@ -75,8 +75,10 @@ enum Command {
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
-        /// Connections of the SQL-only drain (d), each running the claim-and-delete loop.
-        #[arg(long, default_value_t = 1)]
+        /// Connections of the SQL-only drain (d), each running the claim-and-delete loop. Two
+        /// keep this machine's two cores busy; one left about half a core idle, so it was not
+        /// the database's ceiling (BENCHMARKS.md).
+        #[arg(long, default_value_t = 2)]
         sql_connections: usize,
         /// Extra librdkafka property `key=value` (repeatable), e.g. `linger.ms=5`, for the
         /// relay's producer and the raw producer (c); overrides Postal's defaults as `postal
