@@ -138,7 +138,8 @@ struct RelayArgs {
     /// Replication factor of topics the relay creates.
     #[arg(long, env = "POSTAL_TOPIC_REPLICATION", default_value_t = 1)]
     topic_replication: i32,
-    /// How long shutdown waits for in-flight acknowledgements.
+    /// How long shutdown waits for a batch still being handed over, and then for in-flight
+    /// acknowledgements (each).
     #[arg(long, env = "POSTAL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
     /// Apply migrations before starting.

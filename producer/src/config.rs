@@ -47,7 +47,8 @@ pub struct RelayConfig {
     /// more than this long ago (no row-by-row DELETE, no vacuum), by one instance at a time.
     /// Requires `delete_on_publish` (it replaces keeping rows in the outbox).
     pub history: Option<Duration>,
-    /// How long shutdown waits for in-flight acknowledgements (default 20 s).
+    /// How long shutdown waits for a batch still being handed to the destination, and then
+    /// for in-flight acknowledgements (default 20 s each).
     pub shutdown_timeout: Duration,
     /// Relay group (default `default`). Relays split the key partitions among the live members
     /// of their own group; give relays that serve different topics of one outbox (see

@@ -129,9 +129,25 @@ impl<T: Transport> Relay<T> {
         shared.stop.cancel();
         drop(wake_tx);
         let mut completions = Vec::new();
-        while let Some(r) = lane_tasks.join_next().await {
-            if let Ok(set) = r {
-                completions.push(set);
+        // A claim loop finishes the hand-over it is in before it sees `stop`. A transport
+        // whose hand-over does not return (a task handler that never ends, a destination
+        // that never answers) must not keep the relay from stopping: after `shutdown_timeout`
+        // the loops are abandoned, and dropping their claims rolls them back.
+        let handed_over = tokio::time::timeout(self.config.shutdown_timeout, async {
+            while let Some(r) = lane_tasks.join_next().await {
+                if let Ok(set) = r {
+                    completions.push(set);
+                }
+            }
+        })
+        .await;
+        if handed_over.is_err() {
+            tracing::warn!("shutdown timeout reached while a batch was still being handed to the destination; abandoning it (its claim rolls back, its events are published again later)");
+            lane_tasks.abort_all();
+            while let Some(r) = lane_tasks.join_next().await {
+                if let Ok(set) = r {
+                    completions.push(set);
+                }
             }
         }
         let all = self.config.max_in_flight_batches as u32;

@@ -415,6 +415,67 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
     );
 }
 
+/// Guarantee: a hand-over that never returns (a destination that never answers) does not keep
+/// the relay from stopping: after the shutdown timeout the batch is abandoned, its claim rolls
+/// back, and every event is still in the outbox, unclaimed.
+#[tokio::test]
+async fn a_hand_over_that_never_returns_does_not_block_shutdown() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("stuck");
+    let ids = seed(&db.pool, &topic, 10, 2).await;
+    let entered = std::sync::Arc::new(tokio::sync::Notify::new());
+    let config = RelayConfig {
+        shutdown_timeout: Duration::from_secs(1),
+        ..fast_config()
+    };
+    let relay = RunningRelay::start(
+        &db.pool,
+        NeverHandsOver {
+            entered: entered.clone(),
+        },
+        config,
+    );
+    tokio::time::timeout(Duration::from_secs(30), entered.notified())
+        .await
+        .expect("the relay claimed and began handing the batch over");
+    let stopped = tokio::time::timeout(Duration::from_secs(30), relay.stop()).await;
+    let stats = stopped.expect("the relay stopped within its bounds");
+    assert_eq!(stats.published, 0);
+    let claimed: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM postal.outbox)
+              - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox FOR UPDATE SKIP LOCKED) s)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(claimed, 0, "the abandoned claim rolled back");
+    let pending: BTreeSet<String> = sqlx::query_scalar::<_, uuid::Uuid>(
+        "SELECT event_id FROM postal.outbox WHERE status = 'pending'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|u| u.to_string())
+    .collect();
+    assert_eq!(pending, ids, "every event is still pending");
+}
+
+/// A destination whose hand-over never returns.
+struct NeverHandsOver {
+    entered: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Transport for NeverHandsOver {
+    type Acks = std::future::Ready<Vec<Result<(), postal_producer::PublishError>>>;
+
+    async fn send(&self, _batch: &[postal_producer::OutboundEvent]) -> Self::Acks {
+        self.entered.notify_one();
+        std::future::pending().await
+    }
+}
+
 /// Guarantee: a bytes payload keeps its exact bytes and content type through Kafka.
 #[tokio::test]
 async fn bytes_payload_round_trips_with_content_type() {
