@@ -126,7 +126,7 @@ impl ConsumerBuilder {
                 pool: self.pool,
                 config: self.config,
                 router: self.router,
-                consumer: Client::new(consumer),
+                consumer: Client::new(consumer, crate::client::CLOSE_THREAD),
                 state,
                 stats: Arc::new(Stats::default()),
                 dlq_wake: dlq.wake.clone(),
@@ -201,8 +201,8 @@ impl Consumer {
 
     /// Runs until `shutdown` resolves, then: stops fetching, lets each in-flight transaction
     /// finish (abandoning — rolling back — those still running after `shutdown_timeout`),
-    /// commits the processed offsets to Kafka, publishes pending dead letters and leaves the
-    /// group.
+    /// commits the processed offsets to Kafka and leaves the group while it publishes pending
+    /// dead letters (each waited for at most `shutdown_timeout`).
     ///
     /// An unreachable database or broker is waited for (with log lines), not an error; a
     /// database without Postal's schema is.
@@ -310,12 +310,33 @@ impl Consumer {
             workers.abort_all();
             while workers.join_next().await.is_some() {}
         }
-        // The offsets processed last go to Kafka too (the database holds them already), with a
-        // synchronous commit on the closing thread below: it waits for the group coordinator
-        // without a limit of its own (up to the session timeout with the broker down).
+        // The offsets processed last go to Kafka too (the database holds them already), and
+        // the consumer leaves its group, on a thread of its own (see `client`), while pending
+        // dead letters are published (that does not use the consumer). The synchronous commit
+        // waits for the group coordinator without a limit of its own (up to the session
+        // timeout with the broker down), and a close can hang inside librdkafka: the thread is
+        // waited for at most `shutdown_timeout`; the broker expires a member that did not
+        // leave after its session timeout. When another handle is still alive (a test's fault
+        // injector), the close happens where that one goes, on a thread of its own too.
         let final_commits = take_commits(&mut shared.state.lock().expect("ownership state"));
+        let shutdown_timeout = config.shutdown_timeout;
+        let consumer = shared.consumer.clone();
+        drop(shared);
+        let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name(crate::client::CLOSE_THREAD.into())
+            .spawn(move || {
+                if final_commits.count() > 0 {
+                    if let Err(e) = consumer.commit(&final_commits, CommitMode::Sync) {
+                        tracing::debug!(error = %e, "kafka offset commit failed (the database holds the offsets)");
+                    }
+                }
+                consumer.unsubscribe();
+                drop(consumer.into_last());
+                let _ = closed_tx.send(());
+            });
         housekeeping.abort();
-        if tokio::time::timeout(config.shutdown_timeout, &mut dlq)
+        if tokio::time::timeout(shutdown_timeout, &mut dlq)
             .await
             .is_err()
         {
@@ -327,31 +348,12 @@ impl Consumer {
                 "dead-letter publishing did not finish; the next start publishes the rest"
             );
         }
-        let consumer = shared.consumer.clone();
-        let close_timeout = config.shutdown_timeout;
-        drop(shared);
-        // The final Kafka commit and leaving the group, on a thread of its own (see `client`),
-        // waited for at most `shutdown_timeout`: a close that hangs inside librdkafka must not
-        // keep shutdown from returning. Everything is committed to the database by now; the
-        // broker expires the member after its session timeout. When another handle is still
-        // alive (a test's fault injector), the close happens where that one goes, on a thread
-        // of its own too.
-        let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
-        let spawned = std::thread::Builder::new()
-            .name("postal-consumer-close".into())
-            .spawn(move || {
-                if final_commits.count() > 0 {
-                    if let Err(e) = consumer.commit(&final_commits, CommitMode::Sync) {
-                        tracing::debug!(error = %e, "kafka offset commit failed (the database holds the offsets)");
-                    }
-                }
-                consumer.unsubscribe();
-                drop(consumer.into_last());
-                let _ = closed_tx.send(());
-            });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "could not start the thread that leaves the consumer group; the broker expires this member after its session timeout");
-        } else if tokio::time::timeout(close_timeout, closed).await.is_err() {
+        } else if tokio::time::timeout(shutdown_timeout, closed)
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 "leaving the consumer group did not finish in time; the broker expires this member after its session timeout"
             );

@@ -155,7 +155,7 @@ impl KafkaTransport {
         if client_config.get("message.timeout.ms") == Some("0") {
             tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
         }
-        let producer: AckProducer = client_config.create_with_context(AckContext)?;
+        let producer = shared_producer(client_config.create_with_context(AckContext)?);
         let admin: AdminClient<DefaultClientContext> = client_config.create()?;
         let max_message_bytes = client_config
             .get("message.max.bytes")
@@ -180,7 +180,7 @@ impl KafkaTransport {
     }
 
     /// The current producer.
-    fn producer(&self) -> AckProducer {
+    fn producer(&self) -> SharedProducer {
         self.producer.current().1
     }
 
@@ -305,12 +305,12 @@ impl KafkaTransport {
 /// The producer in use, numbered so that a failure seen by many in-flight records replaces
 /// it once.
 struct ProducerSlot {
-    current: std::sync::RwLock<(u64, AckProducer)>,
+    current: std::sync::RwLock<(u64, SharedProducer)>,
     client_config: rdkafka::ClientConfig,
 }
 
 impl ProducerSlot {
-    fn current(&self) -> (u64, AckProducer) {
+    fn current(&self) -> (u64, SharedProducer) {
         self.current.read().expect("producer lock").clone()
     }
 
@@ -328,21 +328,12 @@ impl ProducerSlot {
             .create_with_context::<_, AckProducer>(AckContext)
         {
             Ok(p) => {
-                let old = std::mem::replace(&mut current.1, p);
+                let old = std::mem::replace(&mut current.1, shared_producer(p));
                 current.0 += 1;
                 drop(current);
-                // Destroying a client blocks until librdkafka's threads end: not on an async
-                // worker, and not on the runtime's blocking pool either, because dropping a
-                // tokio runtime waits for its blocking tasks, so a destroy that hung inside
-                // librdkafka would keep the application from exiting. A detached thread does
-                // not hold the runtime (the consumer leaves its group the same way).
-                let spawned = std::thread::Builder::new()
-                    .name("postal-producer-drop".into())
-                    .spawn(move || drop(old));
-                if let Err(e) = spawned {
-                    // The closure, and the old producer with it, was dropped right here.
-                    tracing::warn!(error = %e, "could not start a thread to destroy the replaced Kafka producer; destroyed it in place");
-                }
+                // Destroyed where its last handle goes (batches still in flight hold one), on
+                // a thread of its own (see `SharedProducer`).
+                drop(old);
                 tracing::info!(
                     "recreated the Kafka producer after delivery timeouts or a fatal broker error"
                 );
@@ -356,6 +347,15 @@ impl ProducerSlot {
 
 /// The producer: librdkafka's client with a polling thread that runs the delivery callbacks.
 type AckProducer = ThreadedProducer<AckContext>;
+
+/// A handle to the producer: the last one to go destroys the client on a thread of its own,
+/// never on an async worker or the runtime's blocking pool (destroying it waits for
+/// librdkafka's threads; see [`postal_shared::DetachedDrop`]).
+type SharedProducer = postal_shared::DetachedDrop<AckProducer>;
+
+fn shared_producer(producer: AckProducer) -> SharedProducer {
+    postal_shared::DetachedDrop::new(producer, "postal-producer-drop")
+}
 
 /// Delivery callbacks that count a batch's acknowledgements down (see [`BatchAcks`]), instead
 /// of a channel and a future per record.

@@ -76,7 +76,10 @@ impl<T: Transport> Relay<T> {
 
     /// Runs until `shutdown` resolves, then stops claiming, waits (bounded) for in-flight
     /// acknowledgements and records them; whatever is still unacknowledged after
-    /// `shutdown_timeout` is given back (its claim rolls back).
+    /// `shutdown_timeout` is given back (its claim rolls back). A batch still being handed to
+    /// the destination when shutdown begins gets `shutdown_timeout` of its own first; a
+    /// hand-over that takes longer is given up (its claim rolls back too). So a stop takes at
+    /// most about twice `shutdown_timeout` plus a one-second flush.
     ///
     /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks:
     /// each lane claims its partitions in sequence order, so per-key order
@@ -97,6 +100,7 @@ impl<T: Transport> Relay<T> {
             backlogged: AtomicBool::new(true),
             active_lanes: AtomicUsize::new(self.config.lanes.max(1)),
             stop: CancellationToken::new(),
+            abandon: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
             id: self.id,
         });
@@ -129,25 +133,28 @@ impl<T: Transport> Relay<T> {
         shared.stop.cancel();
         drop(wake_tx);
         let mut completions = Vec::new();
-        // A claim loop finishes the hand-over it is in before it sees `stop`. A transport
-        // whose hand-over does not return (a task handler that never ends, a destination
-        // that never answers) must not keep the relay from stopping: after `shutdown_timeout`
-        // the loops are abandoned, and dropping their claims rolls them back.
-        let handed_over = tokio::time::timeout(self.config.shutdown_timeout, async {
-            while let Some(r) = lane_tasks.join_next().await {
-                if let Ok(set) = r {
-                    completions.push(set);
-                }
-            }
-        })
-        .await;
-        if handed_over.is_err() {
-            tracing::warn!("shutdown timeout reached while a batch was still being handed to the destination; abandoning it (its claim rolls back, its events are published again later)");
-            lane_tasks.abort_all();
-            while let Some(r) = lane_tasks.join_next().await {
-                if let Ok(set) = r {
-                    completions.push(set);
-                }
+        // A claim loop finishes the hand-over it is in before it sees `stop`. A hand-over that
+        // does not return (a task handler that never ends, a destination that never answers)
+        // must not keep the relay from stopping: after `shutdown_timeout` the loops give up
+        // their hand-overs (those claims roll back) and return; their batches already handed
+        // over stay in flight and are waited for below.
+        let limit = self.config.shutdown_timeout;
+        if tokio::time::timeout(limit, join_lanes(&mut lane_tasks, &mut completions))
+            .await
+            .is_err()
+        {
+            shared.abandon.cancel();
+            // Given-up hand-overs return at once; only a loop stuck elsewhere (in a claim) is
+            // aborted, after another timeout.
+            if tokio::time::timeout(limit, join_lanes(&mut lane_tasks, &mut completions))
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    "a claim loop did not return after giving up its hand-over; aborting it"
+                );
+                lane_tasks.abort_all();
+                join_lanes(&mut lane_tasks, &mut completions).await;
             }
         }
         let all = self.config.max_in_flight_batches as u32;
@@ -201,6 +208,9 @@ struct Shared<T: Transport> {
     /// together with `owned`, while the coordinator holds every in-flight slot.
     active_lanes: AtomicUsize,
     stop: CancellationToken,
+    /// Cancelled when shutdown stops waiting for hand-overs: a lane still handing a batch
+    /// over gives it up (its claim rolls back) and returns its batches in flight.
+    abandon: CancellationToken,
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
     id: Uuid,
@@ -501,7 +511,14 @@ impl<T: Transport> Shared<T> {
             } else {
                 0.0
             };
-            let acks = self.transport.send(&batch).await;
+            let acks = tokio::select! {
+                acks = self.transport.send(&batch) => acks,
+                _ = self.abandon.cancelled() => {
+                    tracing::warn!(events = batch.len(), "shutdown timeout reached while a batch was still being handed to the destination; giving it up (its claim rolls back, its events are published again later)");
+                    drop(claim);
+                    break;
+                }
+            };
             let send_time = started.elapsed();
             if light {
                 // Handed over in order: other lanes may claim again (keep one slot).
@@ -555,6 +572,18 @@ impl<T: Transport> Shared<T> {
             }
         }
         completions
+    }
+}
+
+/// Waits for the claim loops to return, collecting their sets of batches in flight.
+async fn join_lanes(
+    lanes: &mut tokio::task::JoinSet<tokio::task::JoinSet<()>>,
+    completions: &mut Vec<tokio::task::JoinSet<()>>,
+) {
+    while let Some(r) = lanes.join_next().await {
+        if let Ok(set) = r {
+            completions.push(set);
+        }
     }
 }
 

@@ -18,6 +18,7 @@ mod availability;
 mod backoff;
 pub mod cancel_safe;
 pub mod cleanup;
+mod detached_drop;
 mod envelope;
 mod error;
 pub mod headers;
@@ -26,6 +27,7 @@ mod migrate;
 
 pub use availability::database_unavailable;
 pub use backoff::Backoff;
+pub use detached_drop::DetachedDrop;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
 pub use error::Error;
 pub use ids::EventId;

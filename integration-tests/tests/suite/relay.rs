@@ -39,6 +39,28 @@ pub(crate) async fn seed(pool: &PgPool, topic: &str, n: usize, keys: usize) -> B
     ids
 }
 
+/// Outbox rows locked by a claim: exactly those a `SKIP LOCKED` read cannot see.
+async fn claimed(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM postal.outbox)
+              - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox FOR UPDATE SKIP LOCKED) s)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The event ids in the outbox.
+async fn outbox_ids(pool: &PgPool) -> BTreeSet<String> {
+    sqlx::query_scalar::<_, uuid::Uuid>("SELECT event_id FROM postal.outbox")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|u| u.to_string())
+        .collect()
+}
+
 fn id_counts(records: &[kafka::Record]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for r in records {
@@ -386,23 +408,12 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
     })
     .await;
     relay.stop().await;
-    // Rows still locked by a claim are exactly those a `SKIP LOCKED` read cannot see.
-    let claimed: i64 = sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM postal.outbox)
-              - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox FOR UPDATE SKIP LOCKED) s)",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(claimed, 0, "no claimed-but-unpublished rows");
-    let pending: BTreeSet<String> =
-        sqlx::query_scalar::<_, uuid::Uuid>("SELECT event_id FROM postal.outbox")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|u| u.to_string())
-            .collect();
+    assert_eq!(
+        claimed(&db.pool).await,
+        0,
+        "no claimed-but-unpublished rows"
+    );
+    let pending = outbox_ids(&db.pool).await;
     let published_n = 20_000 - pending.len();
     let records =
         kafka::read_all(&svc.bootstrap, &topic, published_n, Duration::from_secs(60)).await;
@@ -442,24 +453,24 @@ async fn a_hand_over_that_never_returns_does_not_block_shutdown() {
     let stopped = tokio::time::timeout(Duration::from_secs(30), relay.stop()).await;
     let stats = stopped.expect("the relay stopped within its bounds");
     assert_eq!(stats.published, 0);
-    let claimed: i64 = sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM postal.outbox)
-              - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox FOR UPDATE SKIP LOCKED) s)",
+    // The claim's rollback is sent when its connection is next used or returned.
+    wait::until(
+        Duration::from_secs(10),
+        "the given-up claim rolled back",
+        || async { claimed(&db.pool).await == 0 },
     )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(claimed, 0, "the abandoned claim rolled back");
-    let pending: BTreeSet<String> = sqlx::query_scalar::<_, uuid::Uuid>(
-        "SELECT event_id FROM postal.outbox WHERE status = 'pending'",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|u| u.to_string())
-    .collect();
-    assert_eq!(pending, ids, "every event is still pending");
+    .await;
+    assert_eq!(
+        outbox_ids(&db.pool).await,
+        ids,
+        "every event is still in the outbox"
+    );
+    let pending: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'pending'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(pending, 10, "and pending");
 }
 
 /// A destination whose hand-over never returns.
