@@ -75,9 +75,9 @@ enum Command {
         /// Skip the baselines (b), (c), (d).
         #[arg(long)]
         relay_only: bool,
-        /// Connections of the SQL-only drain (d), each running the claim-and-delete loop. Two
-        /// keep this machine's two cores busy; one left about half a core idle, so it was not
-        /// the database's ceiling (BENCHMARKS.md).
+        /// Connections of the SQL-only drain (d), each running the claim-and-delete loop. One
+        /// left this 2-core machine about 45 % idle, so it was not the database's ceiling; two
+        /// drained 13–20 % faster (BENCHMARKS.md).
         #[arg(long, default_value_t = 2)]
         sql_connections: usize,
         /// Extra librdkafka property `key=value` (repeatable), e.g. `linger.ms=5`, for the
