@@ -12,11 +12,12 @@ use anyhow::Context;
 use futures::future::join_all;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError, Stats};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::{create_topic, fresh_db, payload, rate, raw_headers};
+use crate::{create_topic, fresh_db, payload, rate};
 
 /// Options of the consumer benchmark.
 pub struct ConsumeOpts {
@@ -73,7 +74,7 @@ async fn produce(
             let producer = producer.clone();
             let topic = topic.to_owned();
             async move {
-                let headers = raw_headers(&id);
+                let headers = fill_headers(&id);
                 producer
                     .send(
                         FutureRecord::to(&topic)
@@ -299,4 +300,25 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         a / b
     );
     Ok(())
+}
+
+/// The headers of the records the consumer benchmarks read: the three a Postal consumer needs
+/// (event id, type, content type).
+fn fill_headers(id: &str) -> OwnedHeaders {
+    use postal_shared::headers as h;
+    [
+        (h::CE_ID, id),
+        (h::CE_TYPE, "bench.event"),
+        (h::CONTENT_TYPE, "application/json"),
+    ]
+    .into_iter()
+    .fold(
+        OwnedHeaders::new_with_capacity(3),
+        |headers, (key, value)| {
+            headers.insert(Header {
+                key,
+                value: Some(value),
+            })
+        },
+    )
 }

@@ -578,7 +578,8 @@ async fn sql_drain(
     Ok((r, report.with_wal(wal, cpu::Wal::now(pool).await, n)))
 }
 
-/// (c) Raw rdkafka: the same records, sends not awaited one by one.
+/// (c) Raw rdkafka: the same records (key, payload and the relay's nine headers), sends not
+/// awaited one by one.
 async fn raw_produce(
     bootstrap: &str,
     kafka: &[(String, String)],
@@ -600,7 +601,9 @@ async fn raw_produce(
     for (i, b) in body.iter().enumerate() {
         let key = format!("key-{}", i % keys);
         let id = uuid::Uuid::now_v7().to_string();
-        let headers = raw_headers(&id);
+        let time = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let seq = (i + 1).to_string();
+        let headers = raw_headers(&id, &key, &time, &seq);
         let mut rec = FutureRecord::to(&topic_c)
             .key(key.as_bytes())
             .payload(b.as_slice())
@@ -839,20 +842,32 @@ async fn delete_topic(bootstrap: &str, topic: &str) -> bool {
 }
 
 /// The headers of the benchmarks' raw records (the relay adds the rest of CloudEvents').
-fn raw_headers(id: &str) -> OwnedHeaders {
-    OwnedHeaders::new()
-        .insert(Header {
-            key: "ce_id",
-            value: Some(id),
-        })
-        .insert(Header {
-            key: "ce_type",
-            value: Some("bench.event"),
-        })
-        .insert(Header {
-            key: "content-type",
-            value: Some("application/json"),
-        })
+/// The headers the relay writes on a record of the benchmark's backlog (see
+/// `postal_producer::KafkaTransport`), so that (c) produces the same records as (a): the nine
+/// CloudEvents and Postal headers, in the same order, with values of the same lengths.
+fn raw_headers(id: &str, key: &str, time: &str, seq: &str) -> OwnedHeaders {
+    use postal_shared::headers as h;
+    [
+        (h::CE_ID, id),
+        (h::CE_TYPE, "bench.event"),
+        (h::CE_SOURCE, "postal"),
+        (h::CE_TIME, time),
+        (h::CE_SPECVERSION, h::SPEC_VERSION),
+        (h::CE_SUBJECT, key),
+        (h::CE_SCHEMA_VERSION, "1"),
+        (h::CE_POSTAL_SEQ, seq),
+        (h::CONTENT_TYPE, "application/json"),
+    ]
+    .into_iter()
+    .fold(
+        OwnedHeaders::new_with_capacity(9),
+        |headers, (key, value)| {
+            headers.insert(Header {
+                key,
+                value: Some(value),
+            })
+        },
+    )
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

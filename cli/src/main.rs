@@ -189,6 +189,10 @@ struct RelayArgs {
     /// How long a RabbitMQ publish may wait for its confirm (must stay under half the lease).
     #[arg(long, env = "POSTAL_RABBITMQ_CONFIRM_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     rabbitmq_confirm_timeout: Duration,
+    /// How long connecting to RabbitMQ (TCP, TLS, AMQP handshake, channel), declaring an
+    /// exchange or closing may take before the relay counts it as unavailable and retries.
+    #[arg(long, env = "POSTAL_RABBITMQ_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    rabbitmq_connect_timeout: Duration,
     /// Largest message body sent to RabbitMQ; bigger events are parked.
     #[arg(long, env = "POSTAL_RABBITMQ_MAX_MESSAGE_BYTES", default_value_t = 16 * 1024 * 1024)]
     rabbitmq_max_message_bytes: usize,
@@ -356,6 +360,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         cfg.routing_keys = args.rabbitmq_routing_keys.iter().cloned().collect();
         cfg.declare_exchanges = !args.rabbitmq_no_declare;
         cfg.confirm_timeout = args.rabbitmq_confirm_timeout;
+        cfg.connect_timeout = args.rabbitmq_connect_timeout;
         cfg.max_message_bytes = args.rabbitmq_max_message_bytes;
         Some(postal_producer::RabbitTransport::new(cfg).context("rabbitmq configuration")?)
     } else {

@@ -38,6 +38,10 @@ pub struct RabbitConfig {
     /// How long a publish may wait for its confirm before it counts as unavailable
     /// (default 20 s).
     pub confirm_timeout: Duration,
+    /// How long opening the link (TCP and TLS connect, AMQP handshake, channel, confirm mode),
+    /// declaring an exchange or closing may take before it counts as unavailable (default
+    /// 10 s). Bounds the relay's wait on a broker that accepts connections but does not answer.
+    pub connect_timeout: Duration,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -49,6 +53,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("declare_exchanges", &self.declare_exchanges)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .finish()
     }
 }
@@ -82,6 +87,7 @@ impl RabbitConfig {
             declare_exchanges: true,
             max_message_bytes: 16 * 1024 * 1024,
             confirm_timeout: Duration::from_secs(20),
+            connect_timeout: Duration::from_secs(10),
         }
     }
 
@@ -141,9 +147,12 @@ impl RabbitTransport {
             .uri
             .parse::<lapin::uri::AMQPUri>()
             .map_err(|e| Error::Config(format!("invalid AMQP URI: {e}")))?;
-        if config.max_message_bytes == 0 || config.confirm_timeout.is_zero() {
+        if config.max_message_bytes == 0
+            || config.confirm_timeout.is_zero()
+            || config.connect_timeout.is_zero()
+        {
             return Err(Error::Config(
-                "max message bytes and confirm timeout must be positive".into(),
+                "max message bytes, confirm timeout and connect timeout must be positive".into(),
             ));
         }
         Ok(RabbitTransport {
@@ -163,19 +172,33 @@ impl RabbitTransport {
             tracing::info!("RabbitMQ connection or channel closed; reconnecting");
         }
         *slot = None;
+        let limit = self.config.connect_timeout;
         let props =
             ConnectionProperties::default().with_connection_name(LongString::from("postal-relay"));
-        let connection = Connection::connect(&self.config.uri, props)
-            .await
-            .map_err(|e| unavailable("connecting to RabbitMQ", &e))?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| unavailable("opening a channel", &e))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| unavailable("enabling publisher confirms", &e))?;
+        let connection = bounded(
+            limit,
+            "connecting to RabbitMQ",
+            Connection::connect(&self.config.uri, props),
+        )
+        .await?;
+        let opened = async {
+            let channel = bounded(limit, "opening a channel", connection.create_channel()).await?;
+            bounded(
+                limit,
+                "enabling publisher confirms",
+                channel.confirm_select(ConfirmSelectOptions::default()),
+            )
+            .await?;
+            Ok::<_, PublishError>(channel)
+        }
+        .await;
+        let channel = match opened {
+            Ok(channel) => channel,
+            Err(e) => {
+                close(limit, &connection, 320, "postal relay reconnects").await;
+                return Err(e);
+            }
+        };
         // Exchanges may have been deleted while we were away: check them again.
         self.exchanges.lock().expect("exchange cache").clear();
         tracing::info!(uri = %redact_uri(&self.config.uri), "connected to RabbitMQ");
@@ -204,27 +227,27 @@ impl RabbitTransport {
                 }
             };
         }
-        let channel = link
-            .connection
-            .create_channel()
-            .await
-            .map_err(|e| unavailable("opening a channel", &e))?;
+        let limit = self.config.connect_timeout;
+        let channel = bounded(limit, "opening a channel", link.connection.create_channel()).await?;
         let options = ExchangeDeclareOptions {
             durable: true,
             passive: !self.config.declare_exchanges,
             ..ExchangeDeclareOptions::default()
         };
-        let declared = channel
-            .exchange_declare(
+        let declared = tokio::time::timeout(
+            limit,
+            channel.exchange_declare(
                 topic.into(),
                 ExchangeKind::Topic,
                 options,
                 FieldTable::default(),
-            )
-            .await;
+            ),
+        )
+        .await
+        .map_err(|_| no_answer(&format!("declaring exchange {topic:?}"), limit))?;
         let state = match declared {
             Ok(()) => {
-                let _ = channel.close(200, "declared".into()).await;
+                let _ = tokio::time::timeout(limit, channel.close(200, "declared".into())).await;
                 ExchangeState::Ready
             }
             Err(e) => match soft_error(&e) {
@@ -302,6 +325,38 @@ fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
     PublishError::new(FailureKind::Unavailable, format!("{what}: {e}"))
 }
 
+/// An operation that got no answer within `limit`.
+fn no_answer(what: &str, limit: Duration) -> PublishError {
+    PublishError::new(
+        FailureKind::Unavailable,
+        format!("{what}: no answer within {limit:?}"),
+    )
+}
+
+/// Runs one AMQP operation for at most `limit`: an error or no answer is "unavailable".
+async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    op: impl std::future::Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, PublishError> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(unavailable(what, &e)),
+        Err(_) => Err(no_answer(what, limit)),
+    }
+}
+
+/// Closes a connection, waiting at most `limit` for the broker's answer (a broker that stopped
+/// answering would otherwise hold the caller forever).
+async fn close(limit: Duration, connection: &Connection, code: u16, reason: &str) {
+    if tokio::time::timeout(limit, connection.close(code, reason.into()))
+        .await
+        .is_err()
+    {
+        tracing::warn!(timeout = ?limit, "RabbitMQ did not answer the connection close in time; dropping the connection");
+    }
+}
+
 type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
 impl Transport for RabbitTransport {
@@ -360,9 +415,11 @@ impl Transport for RabbitTransport {
                 continue;
             }
             let routing_key = self.config.routing_key(&e.event_type);
-            let published = link
-                .channel
-                .basic_publish(
+            // Handing a message over can wait on the broker's flow control (a resource alarm
+            // blocks publishers): bounded like a confirm.
+            let published = tokio::time::timeout(
+                self.config.confirm_timeout,
+                link.channel.basic_publish(
                     e.topic.as_str().into(),
                     routing_key.into(),
                     BasicPublishOptions {
@@ -371,10 +428,11 @@ impl Transport for RabbitTransport {
                     },
                     &e.payload,
                     self.properties(e),
-                )
-                .await;
+                ),
+            )
+            .await;
             match published {
-                Ok(confirm) => {
+                Ok(Ok(confirm)) => {
                     let timeout = self.config.confirm_timeout;
                     let exchange = e.topic.clone();
                     let routing_key = routing_key.to_owned();
@@ -407,14 +465,18 @@ impl Transport for RabbitTransport {
                         .boxed(),
                     );
                 }
-                Err(err) => {
+                failed => {
                     broken = true;
                     blocked.insert(e.key.as_str());
-                    let err = unavailable("publishing", &err);
+                    let err = match failed {
+                        Ok(Err(err)) => unavailable("publishing", &err),
+                        _ => no_answer("publishing", self.config.confirm_timeout),
+                    };
                     pending.push(async move { Err(err) }.boxed());
                 }
             }
         }
+        let limit = self.config.connect_timeout;
         let acks = join_all(pending);
         async move {
             let outcomes = acks.await;
@@ -423,10 +485,7 @@ impl Transport for RabbitTransport {
                 .any(|o| matches!(o, Err(e) if e.kind == FailureKind::Unavailable));
             if broken || failed {
                 // A link that failed is closed: the next batch opens a fresh one.
-                let _ = link
-                    .connection
-                    .close(320, "postal relay reconnects".into())
-                    .await;
+                close(limit, &link.connection, 320, "postal relay reconnects").await;
             }
             outcomes
         }
@@ -441,11 +500,13 @@ impl Transport for RabbitTransport {
         let link = self.link.lock().await.clone();
         if let Some(link) = link {
             let _ = tokio::time::timeout(timeout, link.channel.wait_for_confirms()).await;
-            let _ = link.channel.close(200, "postal relay stopped".into()).await;
-            let _ = link
-                .connection
-                .close(200, "postal relay stopped".into())
-                .await;
+            let limit = self.config.connect_timeout.min(timeout);
+            let _ = tokio::time::timeout(
+                limit,
+                link.channel.close(200, "postal relay stopped".into()),
+            )
+            .await;
+            close(limit, &link.connection, 200, "postal relay stopped").await;
         }
     }
 }
@@ -478,5 +539,49 @@ mod tests {
             .insert("order.created".into(), "orders.v1.created".into());
         assert_eq!(c.routing_key("order.created"), "orders.v1.created");
         assert_eq!(c.routing_key("order.paid"), "order.paid");
+    }
+
+    /// Guarantee: a broker that accepts the TCP connection but never answers the AMQP handshake
+    /// (a hung or half-dead RabbitMQ) does not hold the relay: the batch comes back as
+    /// "unavailable" (retried without using up attempts) after `connect_timeout`, and so does
+    /// the next one, with a fresh attempt to connect.
+    #[tokio::test]
+    async fn a_broker_that_never_answers_the_handshake_is_unavailable_after_the_connect_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // Accepts connections and keeps them open without a word.
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let mut config = RabbitConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
+        config.connect_timeout = Duration::from_millis(300);
+        let transport = RabbitTransport::new(config).unwrap();
+        let event = OutboundEvent {
+            seq: 1,
+            id: postal_shared::EventId::new(),
+            topic: "orders".into(),
+            key: "k".into(),
+            event_type: "order.created".into(),
+            schema_version: 1,
+            occurred_at: chrono::Utc::now(),
+            content_type: "application/json".into(),
+            payload: b"{}".to_vec(),
+            headers: Vec::new(),
+            attempts: 0,
+        };
+        for _ in 0..2 {
+            let outcomes = tokio::time::timeout(Duration::from_secs(10), async {
+                transport.send(std::slice::from_ref(&event)).await.await
+            })
+            .await
+            .expect("send must give up after the connect timeout");
+            let err = outcomes[0].clone().unwrap_err();
+            assert_eq!(err.kind, FailureKind::Unavailable, "{err}");
+            assert!(err.reason.contains("no answer within"), "{err}");
+        }
+        silent.abort();
     }
 }
