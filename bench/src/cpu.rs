@@ -121,6 +121,11 @@ impl Cpu {
         );
         Report {
             line,
+            ms_per_k: Costs {
+                postgres: per_k(pg),
+                broker: per_k(br),
+                process: per_k(me),
+            },
             steal,
             wal: None,
         }
@@ -150,9 +155,29 @@ impl Wal {
     }
 }
 
+/// CPU milliseconds per 1,000 events of one phase, per component.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Costs {
+    /// PostgreSQL's processes.
+    pub postgres: f64,
+    /// The broker's process.
+    pub broker: f64,
+    /// The benchmark's own process (the relay, or the raw producer, or the SQL drain's client).
+    pub process: f64,
+}
+
+impl Costs {
+    /// All three.
+    pub fn sum(&self) -> f64 {
+        self.postgres + self.broker + self.process
+    }
+}
+
 /// What [`Cpu::report_since`] found: the printed line and the machine's steal share.
 pub struct Report {
     line: String,
+    /// CPU milliseconds per 1,000 events: PostgreSQL's processes, the broker, this process.
+    pub ms_per_k: Costs,
     /// Share of the machine's CPU time taken by the hypervisor for other guests (0–1).
     pub steal: f64,
     wal: Option<String>,

@@ -432,12 +432,16 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     // Per round: (a) with the first instance count over min(c, d) of the same round, and the
     // highest steal share of the round's phases.
     let mut round_ratios: Vec<(f64, f64)> = Vec::new();
+    // Per round: CPU per 1,000 events of (a) with the first instance count, and of what it
+    // has to do at least: (d)'s database work plus (c)'s producer and broker work.
+    let mut round_costs: Vec<(f64, f64, f64)> = Vec::new();
     for round in 1..=rounds {
         if rounds > 1 {
             println!("round {round} of {rounds}");
         }
         let mut steal: f64 = 0.0;
         let mut ceiling = f64::NAN;
+        let mut floor = f64::NAN;
         if !o.relay_only {
             let conns = o.sql_connections;
             let (d, cpu) = sql_drain(&pool, n, payload_bytes, keys, conns).await?;
@@ -449,11 +453,13 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             println!("(d) SQL-only drain (claim+delete, 1000/statement, {conns} {label}): {d:>9.0} events/s");
             println!("    {cpu}");
             steal = steal.max(cpu.steal);
+            floor = cpu.ms_per_k.sum();
             d_rates.push(d);
             let (c, cpu) = raw_produce(bootstrap, &o.kafka, n, payload_bytes, keys).await?;
             println!("(c) raw rdkafka idempotent producer, not awaited one by one:      {c:>9.0} events/s");
             println!("    {cpu}");
             steal = steal.max(cpu.steal);
+            floor += cpu.ms_per_k.sum();
             c_rates.push(c);
             ceiling = c.min(d);
         }
@@ -474,6 +480,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             if first.is_nan() {
                 first = r;
                 steal = steal.max(cpu.steal);
+                round_costs.push((cpu.ms_per_k.sum(), floor, ceiling));
             }
             a_rates.push((instances, r));
         }
@@ -524,6 +531,21 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             per_round.join(", "),
             sorted[sorted.len() / 2]
         );
+    }
+    if !o.relay_only {
+        // How the relay's CPU compares with the work it cannot avoid, and what the two cores
+        // allow at either cost.
+        println!("CPU per 1000 events, (a) with {} instance(s) against (d)'s database work + (c)'s producer and broker work, per round:", o.instances[0]);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        for (i, (a_ms, floor_ms, ceiling)) in round_costs.iter().enumerate() {
+            println!(
+                "    round {}: (a) {a_ms:.1} ms, (d)+(c) {floor_ms:.1} ms (the relay adds {:+.1}); {cores} fully busy cores allow {:.2} of min(c, d) at (a)'s cost, {:.2} at (d)+(c)'s",
+                i + 1,
+                a_ms - floor_ms,
+                cores * 1e6 / a_ms / ceiling,
+                cores * 1e6 / floor_ms / ceiling,
+            );
+        }
     }
     println!("(a)/(b)      = {:.1}x", a1 / b_rate);
     Ok(())
