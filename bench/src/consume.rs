@@ -12,12 +12,12 @@ use anyhow::Context;
 use futures::future::join_all;
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError, Stats};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
-use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::{create_topic, fresh_db, payload, rate};
+use crate::{create_topic, fresh_db, headers, payload, rate};
 
 /// Options of the consumer benchmark.
 pub struct ConsumeOpts {
@@ -306,19 +306,9 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
 /// (event id, type, content type).
 fn fill_headers(id: &str) -> OwnedHeaders {
     use postal_shared::headers as h;
-    [
+    headers(&[
         (h::CE_ID, id),
         (h::CE_TYPE, "bench.event"),
         (h::CONTENT_TYPE, "application/json"),
-    ]
-    .into_iter()
-    .fold(
-        OwnedHeaders::new_with_capacity(3),
-        |headers, (key, value)| {
-            headers.insert(Header {
-                key,
-                value: Some(value),
-            })
-        },
-    )
+    ])
 }

@@ -863,13 +863,12 @@ async fn delete_topic(bootstrap: &str, topic: &str) -> bool {
     )
 }
 
-/// The headers of the benchmarks' raw records (the relay adds the rest of CloudEvents').
 /// The headers the relay writes on a record of the benchmark's backlog (see
 /// `postal_producer::KafkaTransport`), so that (c) produces the same records as (a): the nine
-/// CloudEvents and Postal headers, in the same order, with values of the same lengths.
+/// CloudEvents and Postal headers, in the same order, with values of about the same lengths.
 fn raw_headers(id: &str, key: &str, time: &str, seq: &str) -> OwnedHeaders {
     use postal_shared::headers as h;
-    [
+    headers(&[
         (h::CE_ID, id),
         (h::CE_TYPE, "bench.event"),
         (h::CE_SOURCE, "postal"),
@@ -879,11 +878,14 @@ fn raw_headers(id: &str, key: &str, time: &str, seq: &str) -> OwnedHeaders {
         (h::CE_SCHEMA_VERSION, "1"),
         (h::CE_POSTAL_SEQ, seq),
         (h::CONTENT_TYPE, "application/json"),
-    ]
-    .into_iter()
-    .fold(
-        OwnedHeaders::new_with_capacity(9),
-        |headers, (key, value)| {
+    ])
+}
+
+/// Kafka headers from (name, value) pairs, in order.
+fn headers(pairs: &[(&str, &str)]) -> OwnedHeaders {
+    pairs.iter().fold(
+        OwnedHeaders::new_with_capacity(pairs.len()),
+        |headers, &(key, value)| {
             headers.insert(Header {
                 key,
                 value: Some(value),

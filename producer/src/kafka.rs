@@ -709,25 +709,10 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use postal_shared::EventId;
     use rdkafka::mocking::MockCluster;
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
-    fn event(topic: &str, seq: i64) -> OutboundEvent {
-        OutboundEvent {
-            seq,
-            id: EventId::new(),
-            topic: topic.into(),
-            key: "k".into(),
-            event_type: "job".into(),
-            schema_version: 1,
-            occurred_at: chrono::Utc::now(),
-            content_type: "application/json".into(),
-            payload: b"{}".to_vec(),
-            headers: Vec::new(),
-            attempts: 0,
-        }
-    }
+    use crate::transport::sample_event as event;
 
     /// Guarantee: a delivery timeout (the broker went away) fails the batch's events as
     /// retryable outcomes — nothing hangs — and replaces the producer right away, from the

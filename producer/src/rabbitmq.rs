@@ -559,19 +559,7 @@ mod tests {
         let mut config = RabbitConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
         config.connect_timeout = Duration::from_millis(300);
         let transport = RabbitTransport::new(config).unwrap();
-        let event = OutboundEvent {
-            seq: 1,
-            id: postal_shared::EventId::new(),
-            topic: "orders".into(),
-            key: "k".into(),
-            event_type: "order.created".into(),
-            schema_version: 1,
-            occurred_at: chrono::Utc::now(),
-            content_type: "application/json".into(),
-            payload: b"{}".to_vec(),
-            headers: Vec::new(),
-            attempts: 0,
-        };
+        let event = crate::transport::sample_event("orders", 1);
         for _ in 0..2 {
             let outcomes = tokio::time::timeout(Duration::from_secs(10), async {
                 transport.send(std::slice::from_ref(&event)).await.await

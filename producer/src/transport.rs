@@ -101,3 +101,21 @@ pub trait Transport: Send + Sync + 'static {
         async {}
     }
 }
+
+/// An event for the transports' unit tests: key `k`, type `job`, an empty JSON object.
+#[cfg(test)]
+pub(crate) fn sample_event(topic: &str, seq: i64) -> OutboundEvent {
+    OutboundEvent {
+        seq,
+        id: EventId::new(),
+        topic: topic.into(),
+        key: "k".into(),
+        event_type: "job".into(),
+        schema_version: 1,
+        occurred_at: chrono::Utc::now(),
+        content_type: "application/json".into(),
+        payload: b"{}".to_vec(),
+        headers: Vec::new(),
+        attempts: 0,
+    }
+}
