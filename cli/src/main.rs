@@ -189,8 +189,9 @@ struct RelayArgs {
     /// How long a RabbitMQ publish may wait for its confirm (must stay under half the lease).
     #[arg(long, env = "POSTAL_RABBITMQ_CONFIRM_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     rabbitmq_confirm_timeout: Duration,
-    /// How long connecting to RabbitMQ (TCP, TLS, AMQP handshake, channel), declaring an
-    /// exchange or closing may take before the relay counts it as unavailable and retries.
+    /// How long a batch waits for the RabbitMQ connection to open (TCP, TLS, AMQP handshake,
+    /// channel), and how long declaring an exchange or closing may take, before the relay
+    /// counts it as unavailable and retries. One attempt to connect runs at a time.
     #[arg(long, env = "POSTAL_RABBITMQ_CONNECT_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     rabbitmq_connect_timeout: Duration,
     /// Largest message body sent to RabbitMQ; bigger events are parked.

@@ -2,6 +2,7 @@
 //! confirms awaited per batch before any row is marked.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,9 +39,16 @@ pub struct RabbitConfig {
     /// How long a publish may wait for its confirm before it counts as unavailable
     /// (default 20 s).
     pub confirm_timeout: Duration,
-    /// How long opening the link (TCP and TLS connect, AMQP handshake, channel, confirm mode),
-    /// declaring an exchange or closing may take before it counts as unavailable (default
-    /// 10 s). Bounds the relay's wait on a broker that accepts connections but does not answer.
+    /// How long a batch waits for the link to open (TCP and TLS connect, AMQP handshake,
+    /// channel, confirm mode), and how long declaring an exchange or closing may take, before
+    /// it counts as unavailable (default 10 s). Bounds the relay's wait on a broker that
+    /// accepts connections but does not answer.
+    ///
+    /// One attempt to open the link runs at a time, in a task of its own: batches that find it
+    /// still running wait for it (each at most this long) instead of starting another. A new
+    /// attempt starts when it failed, or when it has had no answer for six times this long
+    /// (lapin cannot cancel a handshake in progress: the attempt left behind keeps its socket
+    /// and thread until the broker answers or closes the connection).
     pub connect_timeout: Duration,
 }
 
@@ -112,6 +120,26 @@ struct Link {
     channel: Channel,
 }
 
+impl Link {
+    fn usable(&self) -> bool {
+        self.connection.status().connected() && self.channel.status().connected()
+    }
+}
+
+/// The outcome of an attempt to open the link, once there is one.
+type Opened = Option<Result<Arc<Link>, PublishError>>;
+
+/// The link, or the attempt to open one.
+enum LinkSlot {
+    Closed,
+    Open(Arc<Link>),
+    Opening {
+        result: tokio::sync::watch::Receiver<Opened>,
+        started: std::time::Instant,
+        attempt: u64,
+    },
+}
+
 /// Publishes outbox events to RabbitMQ.
 ///
 /// Message layout: exchange = the event's topic (a durable `topic` exchange), routing key =
@@ -127,7 +155,9 @@ struct Link {
 /// attempts). The connection is re-opened on the next batch.
 pub struct RabbitTransport {
     config: RabbitConfig,
-    link: tokio::sync::Mutex<Option<Arc<Link>>>,
+    /// Never held across an await.
+    link: Mutex<LinkSlot>,
+    attempts: AtomicU64,
     exchanges: Arc<Mutex<HashMap<String, ExchangeState>>>,
 }
 
@@ -157,57 +187,74 @@ impl RabbitTransport {
         }
         Ok(RabbitTransport {
             config,
-            link: tokio::sync::Mutex::new(None),
+            link: Mutex::new(LinkSlot::Closed),
+            attempts: AtomicU64::new(0),
             exchanges: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
-    /// The open link, or a newly opened one.
+    /// The open link, or the one the attempt in progress opens within `connect_timeout`.
     async fn link(&self) -> Result<Arc<Link>, PublishError> {
-        let mut slot = self.link.lock().await;
-        if let Some(link) = slot.as_ref() {
-            if link.connection.status().connected() && link.channel.status().connected() {
-                return Ok(link.clone());
-            }
-            tracing::info!("RabbitMQ connection or channel closed; reconnecting");
-        }
-        *slot = None;
         let limit = self.config.connect_timeout;
-        let props =
-            ConnectionProperties::default().with_connection_name(LongString::from("postal-relay"));
-        let connection = bounded(
-            limit,
-            "connecting to RabbitMQ",
-            Connection::connect(&self.config.uri, props),
-        )
-        .await?;
-        let opened = async {
-            let channel = bounded(limit, "opening a channel", connection.create_channel()).await?;
-            bounded(
-                limit,
-                "enabling publisher confirms",
-                channel.confirm_select(ConfirmSelectOptions::default()),
-            )
-            .await?;
-            Ok::<_, PublishError>(channel)
-        }
-        .await;
-        let channel = match opened {
-            Ok(channel) => channel,
-            Err(e) => {
-                close(limit, &connection, 320, "postal relay reconnects").await;
-                return Err(e);
+        let (mut result, attempt) = {
+            let mut slot = self.link.lock().expect("link slot");
+            let pending = match &*slot {
+                LinkSlot::Open(link) if link.usable() => return Ok(link.clone()),
+                LinkSlot::Open(_) => {
+                    tracing::info!("RabbitMQ connection or channel closed; reconnecting");
+                    None
+                }
+                LinkSlot::Opening {
+                    result,
+                    started,
+                    attempt,
+                } => {
+                    if started.elapsed() < limit * 6 {
+                        Some((result.clone(), *attempt))
+                    } else {
+                        tracing::warn!(waited = ?started.elapsed(), "RabbitMQ has not answered a connection attempt; leaving it and starting another");
+                        None
+                    }
+                }
+                LinkSlot::Closed => None,
+            };
+            match pending {
+                Some(p) => p,
+                None => {
+                    let attempt = self.attempts.fetch_add(1, Ordering::Relaxed);
+                    let (done, result) = tokio::sync::watch::channel(None);
+                    tokio::spawn(open_link(self.config.uri.clone(), limit, done));
+                    *slot = LinkSlot::Opening {
+                        result: result.clone(),
+                        started: std::time::Instant::now(),
+                        attempt,
+                    };
+                    (result, attempt)
+                }
             }
         };
-        // Exchanges may have been deleted while we were away: check them again.
-        self.exchanges.lock().expect("exchange cache").clear();
-        tracing::info!(uri = %redact_uri(&self.config.uri), "connected to RabbitMQ");
-        let link = Arc::new(Link {
-            connection,
-            channel,
-        });
-        *slot = Some(link.clone());
-        Ok(link)
+        let opened = match tokio::time::timeout(limit, result.wait_for(Option::is_some)).await {
+            Err(_) => return Err(no_answer("connecting to RabbitMQ", limit)),
+            Ok(Ok(opened)) => opened.clone().expect("waited for an outcome"),
+            Ok(Err(_)) => Err(PublishError::new(
+                FailureKind::Unavailable,
+                "connecting to RabbitMQ: the attempt ended without an outcome",
+            )),
+        };
+        let mut slot = self.link.lock().expect("link slot");
+        // The first to see the attempt's outcome records it.
+        if matches!(&*slot, LinkSlot::Opening { attempt: a, .. } if *a == attempt) {
+            *slot = match &opened {
+                Ok(link) => {
+                    // Exchanges may have been deleted while we were away: check them again.
+                    self.exchanges.lock().expect("exchange cache").clear();
+                    tracing::info!(uri = %redact_uri(&self.config.uri), "connected to RabbitMQ");
+                    LinkSlot::Open(link.clone())
+                }
+                Err(_) => LinkSlot::Closed,
+            };
+        }
+        opened
     }
 
     /// Declares (or, with declaration disabled, checks) the exchange of `topic`, on a channel
@@ -325,6 +372,43 @@ fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
     PublishError::new(FailureKind::Unavailable, format!("{what}: {e}"))
 }
 
+/// Opens a connection and its confirm-mode channel, and reports the outcome through `done`.
+/// Runs to the end in a task of its own (see [`RabbitConfig::connect_timeout`]); an outcome
+/// nobody waits for any more is dropped, which closes its connection.
+async fn open_link(uri: String, limit: Duration, done: tokio::sync::watch::Sender<Opened>) {
+    let opened = async {
+        let props =
+            ConnectionProperties::default().with_connection_name(LongString::from("postal-relay"));
+        let connection = Connection::connect(&uri, props)
+            .await
+            .map_err(|e| unavailable("connecting to RabbitMQ", &e))?;
+        let channel = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| unavailable("opening a channel", &e))?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| unavailable("enabling publisher confirms", &e))?;
+            Ok(channel)
+        }
+        .await;
+        match channel {
+            Ok(channel) => Ok(Arc::new(Link {
+                connection,
+                channel,
+            })),
+            Err(e) => {
+                close(limit, &connection, 320, "postal relay reconnects").await;
+                Err(e)
+            }
+        }
+    }
+    .await;
+    let _ = done.send(Some(opened));
+}
+
 /// An operation that got no answer within `limit`.
 fn no_answer(what: &str, limit: Duration) -> PublishError {
     PublishError::new(
@@ -353,7 +437,7 @@ async fn close(limit: Duration, connection: &Connection, code: u16, reason: &str
         .await
         .is_err()
     {
-        tracing::warn!(timeout = ?limit, "RabbitMQ did not answer the connection close in time; dropping the connection");
+        tracing::warn!(timeout = ?limit, "RabbitMQ did not answer the connection close in time; no longer waiting for it");
     }
 }
 
@@ -372,9 +456,20 @@ impl Transport for RabbitTransport {
             }
         };
         let mut exchange_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        // After one exchange could not be checked (no answer, channel error), the others are
+        // not tried on this link: each would wait as long.
+        let mut unreachable: Option<PublishError> = None;
         for e in batch {
             if !exchange_ok.contains_key(e.topic.as_str()) {
-                let r = self.ensure_exchange(&link, &e.topic).await;
+                let r = match &unreachable {
+                    Some(err) => Err(err.clone()),
+                    None => self.ensure_exchange(&link, &e.topic).await,
+                };
+                if let Err(err) = &r {
+                    if err.kind == FailureKind::Unavailable {
+                        unreachable = Some(err.clone());
+                    }
+                }
                 exchange_ok.insert(e.topic.as_str(), r);
             }
         }
@@ -497,7 +592,10 @@ impl Transport for RabbitTransport {
     }
 
     async fn flush(&self, timeout: Duration) {
-        let link = self.link.lock().await.clone();
+        let link = match &*self.link.lock().expect("link slot") {
+            LinkSlot::Open(link) => Some(link.clone()),
+            _ => None,
+        };
         if let Some(link) = link {
             let _ = tokio::time::timeout(timeout, link.channel.wait_for_confirms()).await;
             let limit = self.config.connect_timeout.min(timeout);
@@ -542,34 +640,50 @@ mod tests {
     }
 
     /// Guarantee: a broker that accepts the TCP connection but never answers the AMQP handshake
-    /// (a hung or half-dead RabbitMQ) does not hold the relay: the batch comes back as
-    /// "unavailable" (retried without using up attempts) after `connect_timeout`, and so does
-    /// the next one, with a fresh attempt to connect.
+    /// (a hung or half-dead RabbitMQ) does not hold the relay: every batch comes back as
+    /// "unavailable" (retried without using up attempts) after `connect_timeout`, whether it
+    /// waits alone or with others, and the batches share the one attempt to connect instead of
+    /// each leaving a handshake of its own behind (lapin cannot cancel one).
     #[tokio::test]
     async fn a_broker_that_never_answers_the_handshake_is_unavailable_after_the_connect_timeout() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicU64::new(0));
         // Accepts connections and keeps them open without a word.
-        let silent = tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = listener.accept().await {
-                held.push(socket);
+        let silent = tokio::spawn({
+            let accepted = accepted.clone();
+            async move {
+                let mut held = Vec::new();
+                while let Ok((socket, _)) = listener.accept().await {
+                    accepted.fetch_add(1, Ordering::SeqCst);
+                    held.push(socket);
+                }
             }
         });
         let mut config = RabbitConfig::new(format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
         config.connect_timeout = Duration::from_millis(300);
         let transport = RabbitTransport::new(config).unwrap();
         let event = crate::transport::sample_event("orders", 1);
-        for _ in 0..2 {
-            let outcomes = tokio::time::timeout(Duration::from_secs(10), async {
+        let send = || async {
+            tokio::time::timeout(Duration::from_secs(10), async {
                 transport.send(std::slice::from_ref(&event)).await.await
             })
             .await
-            .expect("send must give up after the connect timeout");
-            let err = outcomes[0].clone().unwrap_err();
+            .expect("send must give up after the connect timeout")
+        };
+        // One batch after another, then four at once (the relay's lanes).
+        let mut outcomes = vec![send().await, send().await];
+        outcomes.extend(futures::future::join_all((0..4).map(|_| send())).await);
+        for o in &outcomes {
+            let err = o[0].clone().unwrap_err();
             assert_eq!(err.kind, FailureKind::Unavailable, "{err}");
             assert!(err.reason.contains("no answer within"), "{err}");
         }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the batches should share one attempt to connect"
+        );
         silent.abort();
     }
 }
