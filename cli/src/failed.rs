@@ -1,4 +1,6 @@
-//! `postal failed`: parked outbox events — list, show, requeue.
+//! `postal failed`: parked outbox events — list, show, requeue, discard.
+
+use std::io::Write as _;
 
 use clap::Subcommand;
 use serde::Serialize;
@@ -40,6 +42,42 @@ pub enum FailedCommand {
         #[arg(long)]
         all: bool,
     },
+    /// Delete parked events for good, so that the later events of their keys flow: by id, by
+    /// topic, or all. Each discarded event is printed first, whole, as one JSON line (keep the
+    /// output: it is the only copy left).
+    Discard {
+        /// Event ids (repeatable).
+        #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
+        ids: Vec<Uuid>,
+        /// Every parked event of this topic.
+        #[arg(long, conflicts_with = "all")]
+        topic: Option<String>,
+        /// Every parked event.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+/// A discarded event, as printed: everything needed to enqueue it again.
+#[derive(Serialize, sqlx::FromRow)]
+struct Discarded {
+    event_id: Uuid,
+    topic: String,
+    event_key: String,
+    event_type: String,
+    schema_version: i32,
+    occurred_at: chrono::DateTime<chrono::Utc>,
+    content_type: String,
+    headers: serde_json::Value,
+    attempts: i32,
+    last_error: Option<String>,
+    /// The payload as text when it is UTF-8 (JSON payloads are).
+    #[sqlx(skip)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<String>,
+    /// The payload in base64 when it is not UTF-8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload_base64: Option<String>,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -140,6 +178,62 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             match std::str::from_utf8(&payload) {
                 Ok(text) => println!("payload:      {text}"),
                 Err(_) => println!("payload:      {} bytes (binary)", payload.len()),
+            }
+            Ok(())
+        }
+        FailedCommand::Discard { ids, topic, all } => {
+            if ids.is_empty() && topic.is_none() && !all {
+                anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
+            }
+            let mut done = 0usize;
+            loop {
+                // Each batch is printed (and stdout flushed) before its deletion commits: an
+                // interrupted run loses nothing it did not print.
+                let mut tx = pool.begin().await?;
+                let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
+                    "WITH batch AS (
+                         SELECT seq FROM postal.outbox WHERE status = 'failed'
+                         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
+                         AND ($2::text IS NULL OR topic = $2)
+                         ORDER BY seq LIMIT 1000 FOR UPDATE)
+                     DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
+                     RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
+                               o.schema_version, o.occurred_at, o.content_type, o.headers,
+                               o.attempts, o.last_error, o.payload,
+                               encode(o.payload, 'base64') AS payload_base64",
+                )
+                .bind(&ids)
+                .bind(&topic)
+                .try_map(|row: sqlx::postgres::PgRow| {
+                    use sqlx::{FromRow, Row};
+                    Ok((Discarded::from_row(&row)?, row.try_get("payload")?))
+                })
+                .fetch_all(&mut *tx)
+                .await?;
+                let n = rows.len();
+                let mut out = std::io::stdout().lock();
+                for (mut d, payload) in rows {
+                    if let Ok(text) = String::from_utf8(payload) {
+                        d.payload = Some(text);
+                        d.payload_base64 = None;
+                    }
+                    writeln!(out, "{}", serde_json::to_string(&d)?)?;
+                }
+                out.flush()?;
+                drop(out);
+                tx.commit().await?;
+                done += n;
+                if n < 1000 {
+                    break;
+                }
+            }
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(postal_producer::NOTIFY_CHANNEL)
+                .execute(pool)
+                .await?;
+            eprintln!("discarded {done} parked event(s); later events of their keys are released");
+            if !ids.is_empty() && done < ids.len() {
+                eprintln!("({} of the given ids were not parked)", ids.len() - done);
             }
             Ok(())
         }

@@ -24,6 +24,7 @@ fn alert_rules_parse_and_use_real_metrics() {
     for wanted in [
         "PostalOutboxBacklogHigh",
         "PostalPublishErrorRate",
+        "PostalEventsParked",
         "PostalSlowProcessing",
         "PostalRelayStuck",
         "PostalHorizonStalled",

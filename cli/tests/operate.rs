@@ -306,6 +306,87 @@ async fn requeued_parked_event_is_published_once() {
     );
 }
 
+/// Guarantee: `postal failed discard` deletes a parked event only after printing it whole
+/// (id, payload, error), and releases its key: the later event of the same key, which waited
+/// behind it, is then published, and the discarded one never is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discarded_parked_event_releases_its_key() {
+    let Some(e) = env().await else { return };
+    let topic = unique("discard");
+    let mut ids = Vec::new();
+    for n in 1..=2 {
+        let id: uuid::Uuid = sqlx::query_scalar(
+            "SELECT postal.enqueue($1, 'k', 'job', jsonb_build_object('n', $2))",
+        )
+        .bind(&topic)
+        .bind(n)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        ids.push(id);
+    }
+    let mut r = relay(&e, &["--no-create-topics"]);
+    until("the first event to be parked", || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT status FROM postal.outbox WHERE event_id = $1",
+        )
+        .bind(ids[0])
+        .fetch_one(&e.pool)
+        .await
+        .unwrap()
+        .as_deref()
+            == Some("failed")
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+
+    let mut none = postal(&e.url);
+    none.args(["failed", "discard"]);
+    let refused = none.output().unwrap();
+    assert!(!refused.status.success(), "discard needs a selection");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("say what to discard"));
+    let mut discard = postal(&e.url);
+    discard.args(["failed", "discard", "--id", &ids[0].to_string()]);
+    let printed = ok(discard);
+    let lines: Vec<serde_json::Value> = printed
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{printed}");
+    assert_eq!(lines[0]["event_id"], ids[0].to_string());
+    assert_eq!(lines[0]["event_key"], "k");
+    let payload: serde_json::Value =
+        serde_json::from_str(lines[0]["payload"].as_str().unwrap()).unwrap();
+    assert_eq!(payload["n"], 1);
+    assert!(lines[0]["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("does not exist"));
+
+    create_topic(&e.bootstrap, &topic).await;
+    let mut r = relay(&e, &[]);
+    until("the outbox to drain", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+    let (b, t) = (e.bootstrap.clone(), topic.clone());
+    let published = tokio::task::spawn_blocking(move || read_ids(&b, &t))
+        .await
+        .unwrap();
+    assert_eq!(
+        published,
+        [ids[1].to_string()],
+        "the later event of the key, and not the discarded one"
+    );
+}
+
 #[idempotent(consumer = "cli-test")]
 async fn record(
     tx: &mut Transaction<'_, Postgres>,
