@@ -17,6 +17,10 @@ pub struct CleanupArgs {
     /// can republish an event (README: "Dedup retention").
     #[arg(long, value_parser = humantime::parse_duration)]
     dedup_retention: Option<Duration>,
+    /// Delete dead letters older than this that reached their dead-letter topic (unpublished
+    /// ones are kept: the table is their only copy).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    dead_letter_retention: Option<Duration>,
     /// Only these consumers' dedup rows (repeatable; default every consumer).
     #[arg(long = "consumer")]
     consumers: Vec<String>,
@@ -27,8 +31,10 @@ pub struct CleanupArgs {
 
 pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.published_retention.is_some() || args.dedup_retention.is_some(),
-        "say what to clean: --published-retention and/or --dedup-retention"
+        args.published_retention.is_some()
+            || args.dedup_retention.is_some()
+            || args.dead_letter_retention.is_some(),
+        "say what to clean: --published-retention, --dedup-retention and/or --dead-letter-retention"
     );
     anyhow::ensure!(args.batch > 0, "--batch must be positive");
     if let Some(r) = args.published_retention {
@@ -67,6 +73,15 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 ),
                 None => println!("dedup {c}: another instance is cleaning right now; nothing done"),
             }
+        }
+    }
+    if let Some(r) = args.dead_letter_retention {
+        match postal_consumer::retention::cleanup_dead_letters(pool, r, args.batch).await? {
+            Some(n) => println!(
+                "dead letters: deleted {n} published row(s) older than {}",
+                humantime::format_duration(r)
+            ),
+            None => println!("dead letters: another instance is cleaning right now; nothing done"),
         }
     }
     Ok(())

@@ -593,8 +593,9 @@ async fn relay_serves_metrics_and_health() {
     r.wait().unwrap();
 }
 
-/// Guarantee: `postal cleanup` deletes kept published outbox rows and dedup rows older than the
-/// given retention, and nothing newer (and never pending rows).
+/// Guarantee: `postal cleanup` deletes kept published outbox rows, dedup rows and published
+/// dead letters older than the given retention, and nothing newer (and never pending rows or
+/// dead letters not yet published to their topic).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cleanup_deletes_only_expired_rows() {
     let Some(e) = env().await else { return };
@@ -622,6 +623,23 @@ async fn cleanup_deletes_only_expired_rows() {
         .await
         .unwrap();
     }
+    // Dead letters: old and published (deleted), old and not published yet, new and published.
+    for (age, published) in [(3, true), (3, false), (0, true)] {
+        sqlx::query(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                              kafka_offset, reason, error, dlq_topic,
+                                              created_at, published_at)
+             SELECT 'billing', 'g', 't', 0, n, 'permanent', 'bad', 't.dlq',
+                    now() - $1 * interval '1 day',
+                    CASE WHEN $2 THEN now() - $1 * interval '1 day' END
+             FROM generate_series(1, 5) AS n",
+        )
+        .bind(age)
+        .bind(published)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    }
     let mut c = postal(&e.url);
     c.args([
         "cleanup",
@@ -629,12 +647,29 @@ async fn cleanup_deletes_only_expired_rows() {
         "1day",
         "--dedup-retention",
         "1day",
+        "--dead-letter-retention",
+        "1day",
         "--batch",
         "7",
     ]);
     let out = ok(c);
     assert!(out.contains("deleted 30 published row(s)"), "{out}");
     assert!(out.contains("dedup billing: deleted 20 row(s)"), "{out}");
+    assert!(
+        out.contains("dead letters: deleted 5 published row(s)"),
+        "{out}"
+    );
+    let dead: Vec<(bool, i64)> = sqlx::query_as(
+        "SELECT published_at IS NOT NULL, count(*) FROM postal.dead_letters GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        dead,
+        [(false, 5), (true, 5)],
+        "the old unpublished and the new published ones stay"
+    );
     let left: Vec<(String, i64)> =
         sqlx::query_as("SELECT status, count(*) FROM postal.outbox GROUP BY 1 ORDER BY 1")
             .fetch_all(&e.pool)

@@ -1,5 +1,6 @@
 //! Retention of `processed_events`: dedup rows older than the window are deleted in small
-//! batches, by one instance of a consumer at a time.
+//! batches, by one instance of a consumer at a time. And of `dead_letters` that reached their
+//! dead-letter topic ([`cleanup_dead_letters`], run by `postal cleanup`).
 //!
 //! The rule: offsets stored beside the effects make consumer-side replays harmless without the
 //! dedup table, but a relay that republishes an event (it crashed after the broker acknowledged
@@ -35,6 +36,34 @@ pub async fn cleanup_processed(
              WHERE consumer_name = $3
                AND processed_at < now() - $1 * interval '1 millisecond'
              LIMIT $2)",
+        retention,
+        batch,
+        |_| {},
+    )
+    .await
+}
+
+/// Advisory lock held while cleaning up dead letters (`'postdlqc'`).
+pub const DEAD_LETTER_CLEANUP_LOCK: i64 = 0x706f_7374_646c_7163;
+
+/// Deletes dead letters created more than `retention` ago whose record was published to their
+/// dead-letter topic (a dead letter not published yet is never deleted: the table is its only
+/// copy), `batch` rows per statement, until none are left. Replayed ones go the same way.
+/// Returns `None` (doing nothing) when another instance is cleaning right now, else the number
+/// of rows deleted.
+pub async fn cleanup_dead_letters(
+    pool: &PgPool,
+    retention: Duration,
+    batch: usize,
+) -> Result<Option<u64>, sqlx::Error> {
+    delete_in_batches(
+        pool,
+        CleanupLock::Key(DEAD_LETTER_CLEANUP_LOCK),
+        "DELETE FROM postal.dead_letters WHERE id IN (
+             SELECT id FROM postal.dead_letters
+             WHERE published_at IS NOT NULL
+               AND created_at < now() - $1 * interval '1 millisecond'
+             ORDER BY id LIMIT $2)",
         retention,
         batch,
         |_| {},
