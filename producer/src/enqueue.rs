@@ -18,8 +18,10 @@ pub const KEY_LOCK_CLASS: i32 = 0x706F_7374;
 /// Writes one event into the outbox on the caller's connection — normally an open transaction:
 /// `enqueue(&mut *tx, event)`. The event commits or rolls back with the caller's business rows.
 ///
-/// It takes `&mut PgConnection`, never a pool, so the outbox write cannot escape the
-/// caller's transaction:
+/// It takes `&mut PgConnection`, never a pool, so the outbox write goes where the caller's
+/// own writes go: into their transaction when they pass one (`&mut *tx`), and never onto a
+/// connection of its own. A bare connection (`&mut *pool.acquire().await?`) compiles too and
+/// commits the event on its own, which is what you ask for then:
 ///
 /// ```compile_fail
 /// # async fn f(pool: sqlx::PgPool, e: postal_producer::NewEvent) {
@@ -28,8 +30,12 @@ pub const KEY_LOCK_CLASS: i32 = 0x706F_7374;
 /// ```
 ///
 /// Writers of the same key are serialised until commit (a transaction-scoped advisory lock on
-/// the key), so per key the outbox sequence is also the commit order. The relay is woken
-/// with a `NOTIFY` that PostgreSQL delivers once per transaction, after commit.
+/// the key), so per key the outbox sequence is also the commit order. Like row locks, these
+/// can deadlock: two transactions that enqueue for keys `a` then `b` and `b` then `a` wait for
+/// each other until PostgreSQL aborts one of them (SQLSTATE `40P01`, to be retried like any
+/// deadlock). [`enqueue_batch`] takes its keys' locks in one fixed order, so one batch per
+/// transaction never deadlocks with another. The relay is woken with a `NOTIFY` that
+/// PostgreSQL delivers once per transaction, after commit.
 pub async fn enqueue(conn: &mut PgConnection, event: NewEvent) -> Result<EventId, Error> {
     let id = event.id;
     enqueue_batch(conn, vec![event]).await?;
