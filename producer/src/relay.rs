@@ -387,8 +387,15 @@ impl<T: Transport> Shared<T> {
         // This lane's own share of the in-flight batches. A lane's next claim walks past the
         // rows of its own batches still in flight (they stay in the index, locked, until their
         // commit); with several lanes each holding few batches, the relay keeps as many
-        // batches in flight while each claim steps over fewer of them.
-        let per_lane = self.config.max_in_flight_batches.div_ceil(lanes).max(1);
+        // batches in flight while each claim steps over fewer of them. A transport that keeps
+        // each key's order across batches itself (the task runner) lets a lane use every slot:
+        // a long-running batch then holds back only its own keys, not its lane's share.
+        let chained = self.transport.chains_keys_across_batches();
+        let per_lane = if chained {
+            self.config.max_in_flight_batches.max(1)
+        } else {
+            self.config.max_in_flight_batches.div_ceil(lanes).max(1)
+        };
         let own_slots = Arc::new(Semaphore::new(per_lane));
         let mut db_failures: u32 = 0;
         let stop = self.stop.clone();
@@ -412,8 +419,10 @@ impl<T: Transport> Shared<T> {
             // steady load this lowered the end-to-end latency in `postal-bench e2e`
             // (BENCHMARKS.md): the claims and requests saved are work the database and the
             // broker no longer queue. With a backlog (the last claim came back full) the lanes
-            // claim their own shares with up to `max_in_flight_batches` batches in flight.
-            let light = !self.backlogged.load(Ordering::Relaxed);
+            // claim their own shares with up to `max_in_flight_batches` batches in flight, and
+            // so do they always for a transport that chains each key's events across batches
+            // (the task runner: one long task must not stop the claims of every other key).
+            let light = !chained && !self.backlogged.load(Ordering::Relaxed);
             let all = self.config.max_in_flight_batches as u32;
             let own = tokio::select! {
                 _ = stop.cancelled() => break,

@@ -20,6 +20,8 @@ pub trait DynTransport: Send + Sync + 'static {
     fn delivery_timeout_dyn(&self) -> Option<Duration>;
     /// [`Transport::flush`], boxed.
     fn flush_dyn(&self, timeout: Duration) -> BoxFuture<'_, ()>;
+    /// [`Transport::chains_keys_across_batches`].
+    fn chains_keys_across_batches_dyn(&self) -> bool;
 }
 
 impl<T: Transport> DynTransport for T {
@@ -33,6 +35,10 @@ impl<T: Transport> DynTransport for T {
 
     fn flush_dyn(&self, timeout: Duration) -> BoxFuture<'_, ()> {
         self.flush(timeout).boxed()
+    }
+
+    fn chains_keys_across_batches_dyn(&self) -> bool {
+        self.chains_keys_across_batches()
     }
 }
 
@@ -209,6 +215,15 @@ impl Transport for Router {
 
     async fn flush(&self, timeout: Duration) {
         join_all(self.destinations.iter().map(|(_, t)| t.flush_dyn(timeout))).await;
+    }
+
+    /// Only when every destination does.
+    fn chains_keys_across_batches(&self) -> bool {
+        !self.destinations.is_empty()
+            && self
+                .destinations
+                .iter()
+                .all(|(_, t)| t.chains_keys_across_batches_dyn())
     }
 }
 

@@ -230,6 +230,11 @@ fn panic_message(join: tokio::task::JoinError) -> String {
 impl Transport for TaskTransport {
     type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
+    /// A key's tasks wait for those of earlier batches (see `send`).
+    fn chains_keys_across_batches(&self) -> bool {
+        true
+    }
+
     /// Starts the batch's tasks: keys run concurrently (up to `concurrency` handlers), the
     /// tasks of one key one after another in outbox order, also across batches in flight at
     /// once. After a failure, the key's later tasks are held back, not run.

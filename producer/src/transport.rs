@@ -95,6 +95,16 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// Whether the transport itself keeps each key's events in order across batches in flight
+    /// at once (the task runner does: a key's tasks wait for those of earlier batches, and are
+    /// held back after a failure). The relay then claims new batches while earlier ones are
+    /// still in flight, also without a backlog, so that a long-running batch (a slow task)
+    /// holds back only its own keys. Default `false`: the relay has at most one batch with a
+    /// given key in flight, and without a backlog one batch at a time.
+    fn chains_keys_across_batches(&self) -> bool {
+        false
+    }
+
     /// Waits (bounded) for everything handed over to be acknowledged; called on shutdown.
     fn flush(&self, timeout: std::time::Duration) -> impl Future<Output = ()> + Send {
         let _ = timeout;

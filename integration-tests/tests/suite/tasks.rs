@@ -480,3 +480,63 @@ async fn task_worker_process_killed_mid_run_loses_nothing() {
         "B ran the killed tasks only after A's lease (3 s, renewed every 1 s) ran out: {waited:?}"
     );
 }
+
+/// Guarantee: a long-running task holds back only its own key. While one handler is still
+/// running, a task of another key enqueued afterwards runs and completes.
+#[tokio::test]
+async fn a_long_task_does_not_hold_back_other_keys() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks");
+    let release = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let done = Arc::new(AtomicU64::new(0));
+    let (rel, st, d) = (release.clone(), started.clone(), done.clone());
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+        let (release, started, done) = (rel.clone(), st.clone(), d.clone());
+        async move {
+            if task.key == "slow" {
+                started.notify_one();
+                release.notified().await;
+            }
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let slow = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "slow", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config());
+    tokio::time::timeout(Duration::from_secs(30), started.notified())
+        .await
+        .expect("the slow task starts");
+    let fast = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "fast", "job", &2).unwrap(),
+    )
+    .await
+    .unwrap();
+    wait::until(
+        Duration::from_secs(30),
+        "the other key's task to complete while the slow one runs",
+        || async { status_of(&db.pool, fast).await.is_none() },
+    )
+    .await;
+    assert_eq!(done.load(Ordering::SeqCst), 1, "only the fast task is done");
+    assert!(
+        status_of(&db.pool, slow).await.is_some(),
+        "the slow task is still claimed"
+    );
+    release.notify_one();
+    wait::until(
+        Duration::from_secs(30),
+        "the slow task to complete",
+        || async { status_of(&db.pool, slow).await.is_none() },
+    )
+    .await;
+    relay.stop().await;
+}
