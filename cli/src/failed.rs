@@ -200,7 +200,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                      RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
                                o.schema_version, o.occurred_at, o.content_type, o.headers,
                                o.attempts, o.last_error, o.payload,
-                               encode(o.payload, 'base64') AS payload_base64",
+                               translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
                 )
                 .bind(&ids)
                 .bind(&topic)
@@ -222,6 +222,9 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 out.flush()?;
                 drop(out);
                 tx.commit().await?;
+                if n > 0 {
+                    eprintln!("deleted the {n} event(s) printed above this line");
+                }
                 done += n;
                 if n < 1000 {
                     break;

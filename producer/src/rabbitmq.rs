@@ -209,7 +209,8 @@ impl RabbitTransport {
                     started,
                     attempt,
                 } => {
-                    if started.elapsed() < limit * 6 {
+                    // An attempt that has an outcome is used whatever its age.
+                    if started.elapsed() < limit * 6 || result.borrow().is_some() {
                         Some((result.clone(), *attempt))
                     } else {
                         tracing::warn!(waited = ?started.elapsed(), "RabbitMQ has not answered a connection attempt; leaving it and starting another");

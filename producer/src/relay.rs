@@ -541,6 +541,7 @@ impl<T: Transport> Shared<T> {
             };
             while completions.try_join_next().is_some() {}
             let keep_alive_every = self.config.lease / 4;
+            let relay = self.clone();
             completions.spawn(async move {
                 // While the transport works on the batch (a slow broker, a long task handler),
                 // the claim is kept alive; it ends only when the relay dies.
@@ -562,7 +563,8 @@ impl<T: Transport> Shared<T> {
                 let acked = started.elapsed();
                 metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
                 let n = batch.len();
-                ctx.record(claim, batch, outcomes).await;
+                let committed = ctx.record(claim, &batch, outcomes).await;
+                relay.transport.recorded(&batch, committed);
                 tracing::trace!(
                     events = n,
                     waited_ms,
@@ -621,12 +623,14 @@ struct CompleteCtx {
 }
 
 impl CompleteCtx {
+    /// Records the batch's outcomes on its claim; `false` when that failed (the claim rolled
+    /// back).
     async fn record(
         &self,
         claim: claim::Claim,
-        batch: Vec<OutboundEvent>,
+        batch: &[OutboundEvent],
         outcomes: Vec<Result<(), PublishError>>,
-    ) {
+    ) -> bool {
         let mut published = Vec::with_capacity(batch.len());
         let mut failures = Vec::new();
         let mut any_unavailable = false;
@@ -695,9 +699,9 @@ impl CompleteCtx {
 
         // Record the outcome on the claim's transaction. If that fails (database gone), the
         // transaction rolls back and the rows are republished later: duplicates, never loss.
-        if let Err(e) = claim.complete(&batch, &published, &failures).await {
+        if let Err(e) = claim.complete(batch, &published, &failures).await {
             tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
-            return;
+            return false;
         }
         let parked = failures.iter().filter(|f| f.park).count() as u64;
         let retried = failures.len() as u64 - parked;
@@ -709,6 +713,7 @@ impl CompleteCtx {
         metrics::counter!("postal_relay_published_total").increment(published.len() as u64);
         metrics::counter!("postal_relay_failed_total").increment(parked);
         metrics::counter!("postal_relay_retried_total").increment(retried);
+        true
     }
 }
 

@@ -22,6 +22,8 @@ pub trait DynTransport: Send + Sync + 'static {
     fn flush_dyn(&self, timeout: Duration) -> BoxFuture<'_, ()>;
     /// [`Transport::chains_keys_across_batches`].
     fn chains_keys_across_batches_dyn(&self) -> bool;
+    /// [`Transport::recorded`].
+    fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool);
 }
 
 impl<T: Transport> DynTransport for T {
@@ -39,6 +41,10 @@ impl<T: Transport> DynTransport for T {
 
     fn chains_keys_across_batches_dyn(&self) -> bool {
         self.chains_keys_across_batches()
+    }
+
+    fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool) {
+        self.recorded(batch, committed)
     }
 }
 
@@ -215,6 +221,14 @@ impl Transport for Router {
 
     async fn flush(&self, timeout: Duration) {
         join_all(self.destinations.iter().map(|(_, t)| t.flush_dyn(timeout))).await;
+    }
+
+    /// The whole batch goes to every destination: each knows the events it was handed (the
+    /// task runner finds its own by event id).
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        for (_, t) in &self.destinations {
+            t.recorded_dyn(batch, committed);
+        }
     }
 
     /// Only when every destination does.

@@ -131,10 +131,26 @@ pub struct TaskTransport {
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
     running: Arc<Semaphore>,
-    /// Per key, the completion of its latest chain of tasks (`true` = all succeeded): batches
-    /// in flight at once run a key's tasks one after another, in claim order.
+    /// Per key, the end of its latest chain of tasks: resolved once the relay recorded the
+    /// chain's batch (`true` = all its tasks succeeded and were recorded). Batches in flight at
+    /// once run a key's tasks one after another, in claim order, and a key's later tasks never
+    /// run before the outcome of its earlier ones is in the database: a failed task is then
+    /// held there before anything after it is claimed again.
     tails: Arc<std::sync::Mutex<HashMap<String, (u64, Tail)>>>,
     chains: Arc<std::sync::atomic::AtomicU64>,
+    /// The chains whose batch the relay has not recorded yet, by the event id of each chain's
+    /// first task (several after a task was handed out again before its batch was recorded).
+    unrecorded: Arc<std::sync::Mutex<HashMap<EventId, std::collections::VecDeque<Unrecorded>>>>,
+}
+
+/// A chain of one key's tasks in a batch, until the relay recorded the batch.
+struct Unrecorded {
+    key: String,
+    chain_no: u64,
+    /// Set when the chain ended: whether all its tasks succeeded.
+    succeeded: Arc<std::sync::atomic::AtomicBool>,
+    /// Resolves the chain's tail.
+    done: tokio::sync::oneshot::Sender<bool>,
 }
 
 type Tail = futures::future::Shared<BoxFuture<'static, bool>>;
@@ -160,6 +176,7 @@ impl TaskTransport {
             running,
             tails: Arc::default(),
             chains: Arc::default(),
+            unrecorded: Arc::default(),
         }
     }
 
@@ -235,6 +252,36 @@ impl Transport for TaskTransport {
         true
     }
 
+    /// Ends the batch's chains: a key's tasks in later batches go on if these all succeeded
+    /// and were recorded, else they are held back.
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        let mut ended = Vec::new();
+        {
+            let mut unrecorded = self.unrecorded.lock().expect("unrecorded lock");
+            for e in batch {
+                if let Some(queue) = unrecorded.get_mut(&e.id) {
+                    if let Some(chain) = queue.pop_front() {
+                        ended.push(chain);
+                    }
+                    if queue.is_empty() {
+                        unrecorded.remove(&e.id);
+                    }
+                }
+            }
+        }
+        let mut tails = self.tails.lock().expect("tails lock");
+        for chain in ended {
+            if tails
+                .get(&chain.key)
+                .is_some_and(|(n, _)| *n == chain.chain_no)
+            {
+                tails.remove(&chain.key);
+            }
+            let ok = committed && chain.succeeded.load(std::sync::atomic::Ordering::Acquire);
+            let _ = chain.done.send(ok);
+        }
+    }
+
     /// Starts the batch's tasks: keys run concurrently (up to `concurrency` handlers), the
     /// tasks of one key one after another in outbox order, also across batches in flight at
     /// once. After a failure, the key's later tasks are held back, not run.
@@ -261,7 +308,18 @@ impl Transport for TaskTransport {
                 .expect("tails lock")
                 .insert(key.clone(), (chain_no, tail))
                 .map(|(_, t)| t);
-            let tails = self.tails.clone();
+            let succeeded = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            self.unrecorded
+                .lock()
+                .expect("unrecorded lock")
+                .entry(batch[positions[0]].id)
+                .or_default()
+                .push_back(Unrecorded {
+                    key: key.clone(),
+                    chain_no,
+                    succeeded: succeeded.clone(),
+                    done: done_tx,
+                });
             let jobs: Vec<(usize, Option<Handler>, OutboundEvent)> = positions
                 .into_iter()
                 .map(|i| {
@@ -273,7 +331,8 @@ impl Transport for TaskTransport {
             let timeout = self.config.timeout;
             chains.push(AbortOnDropHandle::new(tokio::spawn(async move {
                 let mut out = Vec::with_capacity(jobs.len());
-                // Wait for the key's tasks of earlier batches; if one failed, hold back.
+                // Wait until the key's tasks of earlier batches are recorded; if one failed (or
+                // its batch could not be recorded), hold back.
                 let mut failed = match previous {
                     Some(p) => !p.await,
                     None => false,
@@ -310,13 +369,7 @@ impl Transport for TaskTransport {
                     failed |= outcome.is_err();
                     out.push((i, outcome));
                 }
-                {
-                    let mut tails = tails.lock().expect("tails lock");
-                    if tails.get(&key).is_some_and(|(n, _)| *n == chain_no) {
-                        tails.remove(&key);
-                    }
-                }
-                let _ = done_tx.send(!failed);
+                succeeded.store(!failed, std::sync::atomic::Ordering::Release);
                 out
             })));
         }

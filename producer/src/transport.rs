@@ -96,13 +96,21 @@ pub trait Transport: Send + Sync + 'static {
     }
 
     /// Whether the transport itself keeps each key's events in order across batches in flight
-    /// at once (the task runner does: a key's tasks wait for those of earlier batches, and are
-    /// held back after a failure). The relay then claims new batches while earlier ones are
-    /// still in flight, also without a backlog, so that a long-running batch (a slow task)
-    /// holds back only its own keys. Default `false`: the relay has at most one batch with a
-    /// given key in flight, and without a backlog one batch at a time.
+    /// at once. The task runner does: a key's tasks in a batch wait until the relay recorded
+    /// the batch that had the key's earlier tasks (see [`Transport::recorded`]), and are held
+    /// back if those failed. The relay then claims new batches while earlier ones are still in
+    /// flight, also without a backlog, so that a long-running batch (a slow task) holds back
+    /// only its own keys. Default `false`: without a backlog the relay hands over one batch at
+    /// a time.
     fn chains_keys_across_batches(&self) -> bool {
         false
+    }
+
+    /// Called once the relay recorded the outcomes of a batch this transport was handed
+    /// (`committed`), or failed to (the claim rolled back and its events are handed out
+    /// again). Default: nothing.
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        let _ = (batch, committed);
     }
 
     /// Waits (bounded) for everything handed over to be acknowledged; called on shutdown.

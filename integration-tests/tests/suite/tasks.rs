@@ -540,3 +540,86 @@ async fn a_long_task_does_not_hold_back_other_keys() {
     .await;
     relay.stop().await;
 }
+
+/// Guarantee: with batches in flight at once, a key's later task never runs before a retry of
+/// its earlier one. A slow task of another key keeps the first batch (with the key's first
+/// task, which fails once) from being recorded; the key's second task, claimed meanwhile in a
+/// batch of its own, runs only after the first task's retry succeeded.
+#[tokio::test]
+async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_flight() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks");
+    let release = Arc::new(tokio::sync::Notify::new());
+    let first_failed = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(Mutex::new(Vec::<(String, i32)>::new()));
+    let (rel, ff, r) = (release.clone(), first_failed.clone(), runs.clone());
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+        let (release, first_failed, runs) = (rel.clone(), ff.clone(), r.clone());
+        async move {
+            let n: u32 = task.json()?;
+            if task.key == "slow" {
+                release.notified().await;
+                return Ok(());
+            }
+            runs.lock().unwrap().push((format!("k{n}"), task.attempt));
+            if n == 1 && task.attempt == 1 {
+                first_failed.notify_one();
+                return Err(TaskError::retryable("first try fails"));
+            }
+            Ok(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    // One transaction, so that the relay claims both in one batch.
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![
+            NewEvent::json(topic.as_str(), "slow", "job", &0).unwrap(),
+            NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config());
+    tokio::time::timeout(Duration::from_secs(30), first_failed.notified())
+        .await
+        .expect("the key's first task runs and fails");
+    let second = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &2).unwrap(),
+    )
+    .await
+    .unwrap();
+    // The second task is claimed (its row locked by a claim) while the first batch waits for
+    // the slow task.
+    wait::until(
+        Duration::from_secs(30),
+        "the second task to be claimed",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM (SELECT 1 FROM postal.outbox WHERE event_id = $1
+                                   FOR UPDATE SKIP LOCKED) AS free",
+            )
+            .bind(second.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+    release.notify_one();
+    wait::until(Duration::from_secs(30), "every task done", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(
+        runs.lock().unwrap().clone(),
+        vec![("k1".into(), 1), ("k1".into(), 2), ("k2".into(), 1)],
+        "the key's tasks in outbox order, the retry before the later task"
+    );
+}
