@@ -103,6 +103,7 @@ impl<T: Transport> Relay<T> {
             abandon: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
             id: self.id,
+            record_gate: tokio::sync::RwLock::new(()),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
         // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
@@ -214,6 +215,42 @@ struct Shared<T: Transport> {
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
     id: Uuid,
+    /// For a transport that chains keys across batches: a lane holds it (shared) from the
+    /// start of its claim until the batch is handed over, and telling the transport that a
+    /// batch was recorded takes it exclusively. A claim whose snapshot predates an earlier
+    /// batch's commit (so it did not see a failed event of a key as held, and took the key's
+    /// later events) then hands them over before the transport hears of that commit, and the
+    /// transport chains them behind the failure.
+    record_gate: tokio::sync::RwLock<()>,
+}
+
+/// Tells the transport about a batch exactly once: [`RecordedNotice::recorded`] after the
+/// relay recorded it, or "not recorded" when the task recording it is dropped first (aborted
+/// at shutdown), so that nothing the transport chains behind the batch waits for good.
+struct RecordedNotice<T: Transport> {
+    shared: Arc<Shared<T>>,
+    batch: Vec<OutboundEvent>,
+    told: bool,
+}
+
+impl<T: Transport> RecordedNotice<T> {
+    async fn recorded(mut self, committed: bool) {
+        let _gate = if self.shared.transport.chains_keys_across_batches() {
+            Some(self.shared.record_gate.write().await)
+        } else {
+            None
+        };
+        self.shared.transport.recorded(&self.batch, committed);
+        self.told = true;
+    }
+}
+
+impl<T: Transport> Drop for RecordedNotice<T> {
+    fn drop(&mut self) {
+        if !self.told {
+            self.shared.transport.recorded(&self.batch, false);
+        }
+    }
 }
 
 impl<T: Transport> Shared<T> {
@@ -457,6 +494,11 @@ impl<T: Transport> Shared<T> {
             }
             // The claim is not raced against shutdown: it is short and bounded, and its
             // transaction is then either completed or rolled back.
+            let gate = if chained {
+                Some(self.record_gate.read().await)
+            } else {
+                None
+            };
             let claim_started = Instant::now();
             let claimed = claim::claim(
                 &self.pool,
@@ -479,6 +521,7 @@ impl<T: Transport> Shared<T> {
                 Ok(None) => {
                     db_failures = 0;
                     self.backlogged.store(false, Ordering::Relaxed);
+                    drop(gate);
                     drop(permit);
                     tokio::select! {
                         _ = stop.cancelled() => break,
@@ -490,6 +533,7 @@ impl<T: Transport> Shared<T> {
                     continue;
                 }
                 Err(e) => {
+                    drop(gate);
                     drop(permit);
                     let wait = self.config.backoff.delay(db_failures);
                     db_failures = db_failures.saturating_add(1);
@@ -525,9 +569,12 @@ impl<T: Transport> Shared<T> {
                 _ = self.abandon.cancelled() => {
                     tracing::warn!(events = batch.len(), "shutdown timeout reached while a batch was still being handed to the destination; giving it up (its claim rolls back, its events are published again later)");
                     drop(claim);
+                    // What the transport may have started of it ends without a record.
+                    self.transport.recorded(&batch, false);
                     break;
                 }
             };
+            drop(gate);
             let send_time = started.elapsed();
             if light {
                 // Handed over in order: other lanes may claim again (keep one slot).
@@ -541,7 +588,11 @@ impl<T: Transport> Shared<T> {
             };
             while completions.try_join_next().is_some() {}
             let keep_alive_every = self.config.lease / 4;
-            let relay = self.clone();
+            let notice = RecordedNotice {
+                shared: self.clone(),
+                batch,
+                told: false,
+            };
             completions.spawn(async move {
                 // While the transport works on the batch (a slow broker, a long task handler),
                 // the claim is kept alive; it ends only when the relay dies.
@@ -562,9 +613,9 @@ impl<T: Transport> Shared<T> {
                 };
                 let acked = started.elapsed();
                 metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
-                let n = batch.len();
-                let committed = ctx.record(claim, &batch, outcomes).await;
-                relay.transport.recorded(&batch, committed);
+                let n = notice.batch.len();
+                let committed = ctx.record(claim, &notice.batch, outcomes).await;
+                notice.recorded(committed).await;
                 tracing::trace!(
                     events = n,
                     waited_ms,

@@ -131,11 +131,11 @@ pub struct TaskTransport {
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
     running: Arc<Semaphore>,
-    /// Per key, the end of its latest chain of tasks: resolved once the relay recorded the
-    /// chain's batch (`true` = all its tasks succeeded and were recorded). Batches in flight at
-    /// once run a key's tasks one after another, in claim order, and a key's later tasks never
-    /// run before the outcome of its earlier ones is in the database: a failed task is then
-    /// held there before anything after it is claimed again.
+    /// Per key, the end of its latest chain of tasks: `true` as soon as all its tasks
+    /// succeeded, `false` once the relay recorded the chain's batch if one failed (or the
+    /// batch could not be recorded). Batches in flight at once run a key's tasks one after
+    /// another, in claim order; after a failure the key's later tasks wait until the failure
+    /// is in the database, where it holds them back until its retry ran.
     tails: Arc<std::sync::Mutex<HashMap<String, (u64, Tail)>>>,
     chains: Arc<std::sync::atomic::AtomicU64>,
     /// The chains whose batch the relay has not recorded yet, by the event id of each chain's
@@ -147,10 +147,8 @@ pub struct TaskTransport {
 struct Unrecorded {
     key: String,
     chain_no: u64,
-    /// Set when the chain ended: whether all its tasks succeeded.
-    succeeded: Arc<std::sync::atomic::AtomicBool>,
-    /// Resolves the chain's tail.
-    done: tokio::sync::oneshot::Sender<bool>,
+    /// Resolves the chain's tail; taken by the chain itself when all its tasks succeeded.
+    done: Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<bool>>>>,
 }
 
 type Tail = futures::future::Shared<BoxFuture<'static, bool>>;
@@ -269,6 +267,7 @@ impl Transport for TaskTransport {
                 }
             }
         }
+        let _ = committed; // a chain that succeeded went on already, recorded or not
         let mut tails = self.tails.lock().expect("tails lock");
         for chain in ended {
             if tails
@@ -277,8 +276,10 @@ impl Transport for TaskTransport {
             {
                 tails.remove(&chain.key);
             }
-            let ok = committed && chain.succeeded.load(std::sync::atomic::Ordering::Acquire);
-            let _ = chain.done.send(ok);
+            // Still here: a task of the chain failed, or the chain never ended.
+            if let Some(done) = chain.done.lock().expect("chain end").take() {
+                let _ = done.send(false);
+            }
         }
     }
 
@@ -308,7 +309,7 @@ impl Transport for TaskTransport {
                 .expect("tails lock")
                 .insert(key.clone(), (chain_no, tail))
                 .map(|(_, t)| t);
-            let succeeded = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let done = Arc::new(std::sync::Mutex::new(Some(done_tx)));
             self.unrecorded
                 .lock()
                 .expect("unrecorded lock")
@@ -317,8 +318,7 @@ impl Transport for TaskTransport {
                 .push_back(Unrecorded {
                     key: key.clone(),
                     chain_no,
-                    succeeded: succeeded.clone(),
-                    done: done_tx,
+                    done: done.clone(),
                 });
             let jobs: Vec<(usize, Option<Handler>, OutboundEvent)> = positions
                 .into_iter()
@@ -369,7 +369,12 @@ impl Transport for TaskTransport {
                     failed |= outcome.is_err();
                     out.push((i, outcome));
                 }
-                succeeded.store(!failed, std::sync::atomic::Ordering::Release);
+                if !failed {
+                    // The key's later tasks need not wait for the record: these ran.
+                    if let Some(done) = done.lock().expect("chain end").take() {
+                        let _ = done.send(true);
+                    }
+                }
                 out
             })));
         }
@@ -396,5 +401,82 @@ impl Transport for TaskTransport {
             outcomes
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::sample_event;
+
+    fn runner() -> TaskTransport {
+        TaskTransport::new(TaskConfig::default()).on("job", |task: Task| async move {
+            if task.payload == b"fail" {
+                Err(TaskError::retryable("fails"))
+            } else {
+                Ok(())
+            }
+        })
+    }
+
+    /// Guarantee: after a key's task failed in one batch, its task in a later batch does not
+    /// run (nor finish) before the relay recorded the first batch, and is then held back.
+    #[tokio::test]
+    async fn after_a_failure_the_key_waits_for_the_record_and_is_held_back() {
+        let tasks = runner();
+        let mut first = sample_event("t", 1);
+        first.payload = b"fail".to_vec();
+        let second = sample_event("t", 2);
+        let outcomes = tasks.send(std::slice::from_ref(&first)).await.await;
+        assert_eq!(
+            outcomes[0].as_ref().unwrap_err().kind,
+            FailureKind::Transient
+        );
+        let mut later = std::pin::pin!(tasks.send(std::slice::from_ref(&second)).await);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), &mut later)
+                .await
+                .is_err(),
+            "the later task must wait for the failed one's record"
+        );
+        tasks.recorded(std::slice::from_ref(&first), true);
+        let outcomes = tokio::time::timeout(Duration::from_secs(5), later)
+            .await
+            .expect("released by the record");
+        assert_eq!(
+            outcomes[0].as_ref().unwrap_err().kind,
+            FailureKind::HeldBack
+        );
+    }
+
+    /// Guarantee: after a key's tasks succeeded, its task in a later batch runs at once, without
+    /// waiting for the first batch's record (whose other tasks may still be running).
+    #[tokio::test]
+    async fn after_a_success_the_key_goes_on_before_the_record() {
+        let tasks = runner();
+        let first = sample_event("t", 1);
+        let second = sample_event("t", 2);
+        assert!(tasks.send(std::slice::from_ref(&first)).await.await[0].is_ok());
+        let outcomes = tokio::time::timeout(
+            Duration::from_secs(5),
+            tasks.send(std::slice::from_ref(&second)).await,
+        )
+        .await
+        .expect("no wait for the record");
+        assert!(outcomes[0].is_ok());
+        // A batch given up without a record releases the key as failed.
+        let mut third = sample_event("t", 3);
+        third.payload = b"fail".to_vec();
+        let fourth = sample_event("t", 4);
+        assert!(tasks.send(std::slice::from_ref(&third)).await.await[0].is_err());
+        let after = tasks.send(std::slice::from_ref(&fourth)).await;
+        tasks.recorded(std::slice::from_ref(&third), false);
+        let outcomes = tokio::time::timeout(Duration::from_secs(5), after)
+            .await
+            .expect("released when the batch is given up");
+        assert_eq!(
+            outcomes[0].as_ref().unwrap_err().kind,
+            FailureKind::HeldBack
+        );
     }
 }

@@ -96,9 +96,9 @@ pub trait Transport: Send + Sync + 'static {
     }
 
     /// Whether the transport itself keeps each key's events in order across batches in flight
-    /// at once. The task runner does: a key's tasks in a batch wait until the relay recorded
-    /// the batch that had the key's earlier tasks (see [`Transport::recorded`]), and are held
-    /// back if those failed. The relay then claims new batches while earlier ones are still in
+    /// at once. The task runner does: a key's tasks in a batch wait for its tasks in earlier
+    /// batches, and if one of those failed, until the relay recorded that batch (see
+    /// [`Transport::recorded`]); they are then held back. The relay then claims new batches while earlier ones are still in
     /// flight, also without a backlog, so that a long-running batch (a slow task) holds back
     /// only its own keys. Default `false`: without a backlog the relay hands over one batch at
     /// a time.
@@ -108,7 +108,8 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Called once the relay recorded the outcomes of a batch this transport was handed
     /// (`committed`), or failed to (the claim rolled back and its events are handed out
-    /// again). Default: nothing.
+    /// again), or gave the batch up (shutdown). Default: nothing. A transport that wraps
+    /// another must pass this on (the task runner waits for it after a failure).
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
         let _ = (batch, committed);
     }

@@ -583,7 +583,15 @@ async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    let relay = RunningRelay::start(&db.pool, tasks, fast_config());
+    // One lane: the two keys are claimed in one batch whatever their partitions.
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            lanes: 1,
+            ..fast_config()
+        },
+    );
     tokio::time::timeout(Duration::from_secs(30), first_failed.notified())
         .await
         .expect("the key's first task runs and fails");
