@@ -2,7 +2,7 @@
 
 use std::io::Write as _;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -32,30 +32,30 @@ pub enum FailedCommand {
     /// Make parked events pending again (attempts reset, event ids unchanged): by id, by topic,
     /// or all. The relay publishes them in their original order.
     Requeue {
-        /// Event ids (repeatable).
-        #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
-        ids: Vec<Uuid>,
-        /// Every parked event of this topic.
-        #[arg(long, conflicts_with = "all")]
-        topic: Option<String>,
-        /// Every parked event.
-        #[arg(long)]
-        all: bool,
+        #[command(flatten)]
+        select: Selection,
     },
     /// Delete parked events for good, so that the later events of their keys flow: by id, by
     /// topic, or all. Each discarded event is printed first, whole, as one JSON line (keep the
     /// output: it is the only copy left).
     Discard {
-        /// Event ids (repeatable).
-        #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
-        ids: Vec<Uuid>,
-        /// Every parked event of this topic.
-        #[arg(long, conflicts_with = "all")]
-        topic: Option<String>,
-        /// Every parked event.
-        #[arg(long)]
-        all: bool,
+        #[command(flatten)]
+        select: Selection,
     },
+}
+
+/// Which parked events a command acts on.
+#[derive(Args, Debug)]
+pub struct Selection {
+    /// Event ids (repeatable).
+    #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
+    ids: Vec<Uuid>,
+    /// Every parked event of this topic.
+    #[arg(long, conflicts_with = "all")]
+    topic: Option<String>,
+    /// Every parked event.
+    #[arg(long)]
+    all: bool,
 }
 
 /// A discarded event, as printed: everything needed to enqueue it again.
@@ -181,7 +181,9 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        FailedCommand::Discard { ids, topic, all } => {
+        FailedCommand::Discard {
+            select: Selection { ids, topic, all },
+        } => {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
             }
@@ -240,7 +242,9 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        FailedCommand::Requeue { ids, topic, all } => {
+        FailedCommand::Requeue {
+            select: Selection { ids, topic, all },
+        } => {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
             }

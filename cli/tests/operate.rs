@@ -145,6 +145,29 @@ fn read_ids(bootstrap: &str, topic: &str) -> Vec<String> {
     ids
 }
 
+/// Waits until the outbox is empty, then kills the relay process `r`.
+async fn stop_when_drained(e: &Env, mut r: Child) {
+    until("the outbox to drain", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    r.kill().unwrap();
+    r.wait().unwrap();
+}
+
+/// Runs a relay until the outbox is empty, then returns the event ids on `topic`.
+async fn drain_and_read(e: &Env, topic: &str) -> Vec<String> {
+    stop_when_drained(e, relay(e, &[])).await;
+    let (b, t) = (e.bootstrap.clone(), topic.to_owned());
+    tokio::task::spawn_blocking(move || read_ids(&b, &t))
+        .await
+        .unwrap()
+}
+
 fn relay(e: &Env, extra: &[&str]) -> Child {
     postal(&e.url)
         .args([
@@ -199,7 +222,7 @@ async fn relay_routes_topics_to_rabbitmq_and_kafka() {
             .await
             .unwrap();
     let route = format!("{to_rabbit}=rabbitmq");
-    let mut r = relay(
+    let r = relay(
         &e,
         &[
             "--route",
@@ -214,16 +237,7 @@ async fn relay_routes_topics_to_rabbitmq_and_kafka() {
             "1",
         ],
     );
-    until("the outbox to drain", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-            .fetch_one(&e.pool)
-            .await
-            .unwrap()
-            == 0
-    })
-    .await;
-    r.kill().unwrap();
-    r.wait().unwrap();
+    stop_when_drained(&e, r).await;
     let messages = rabbit::read_all(&amqp, &queue, 20, Duration::from_secs(30)).await;
     let got: Vec<String> = messages
         .iter()
@@ -284,21 +298,7 @@ async fn requeued_parked_event_is_published_once() {
     let mut requeue = postal(&e.url);
     requeue.args(["failed", "requeue", "--id", &id.to_string()]);
     assert!(ok(requeue).contains("requeued 1 event(s)"));
-    let mut r = relay(&e, &[]);
-    until("the outbox to drain", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-            .fetch_one(&e.pool)
-            .await
-            .unwrap()
-            == 0
-    })
-    .await;
-    r.kill().unwrap();
-    r.wait().unwrap();
-    let (b, t) = (e.bootstrap.clone(), topic.clone());
-    let ids = tokio::task::spawn_blocking(move || read_ids(&b, &t))
-        .await
-        .unwrap();
+    let ids = drain_and_read(&e, &topic).await;
     assert_eq!(
         ids,
         [id.to_string()],
@@ -365,21 +365,7 @@ async fn discarded_parked_event_releases_its_key() {
         .contains("does not exist"));
 
     create_topic(&e.bootstrap, &topic).await;
-    let mut r = relay(&e, &[]);
-    until("the outbox to drain", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-            .fetch_one(&e.pool)
-            .await
-            .unwrap()
-            == 0
-    })
-    .await;
-    r.kill().unwrap();
-    r.wait().unwrap();
-    let (b, t) = (e.bootstrap.clone(), topic.clone());
-    let published = tokio::task::spawn_blocking(move || read_ids(&b, &t))
-        .await
-        .unwrap();
+    let published = drain_and_read(&e, &topic).await;
     assert_eq!(
         published,
         [ids[1].to_string()],

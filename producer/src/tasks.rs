@@ -112,6 +112,10 @@ impl Default for TaskConfig {
 
 /// Runs outbox events as in-process tasks, one handler per event type.
 ///
+/// It needs to hear from the relay when a batch was recorded ([`Transport::recorded`]): a
+/// transport that wraps it must pass that call (and `chains_keys_across_batches`) on. Register
+/// it under one destination of a [`crate::Router`] only.
+///
 /// ```
 /// use postal_producer::{Task, TaskError, TaskTransport};
 ///
@@ -469,7 +473,13 @@ mod tests {
         third.payload = b"fail".to_vec();
         let fourth = sample_event("t", 4);
         assert!(tasks.send(std::slice::from_ref(&third)).await.await[0].is_err());
-        let after = tasks.send(std::slice::from_ref(&fourth)).await;
+        let mut after = std::pin::pin!(tasks.send(std::slice::from_ref(&fourth)).await);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), &mut after)
+                .await
+                .is_err(),
+            "the later task must wait for the failed one's batch"
+        );
         tasks.recorded(std::slice::from_ref(&third), false);
         let outcomes = tokio::time::timeout(Duration::from_secs(5), after)
             .await

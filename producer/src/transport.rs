@@ -109,7 +109,8 @@ pub trait Transport: Send + Sync + 'static {
     /// Called once the relay recorded the outcomes of a batch this transport was handed
     /// (`committed`), or failed to (the claim rolled back and its events are handed out
     /// again), or gave the batch up (shutdown). Default: nothing. A transport that wraps
-    /// another must pass this on (the task runner waits for it after a failure).
+    /// another must pass this on, and [`Transport::chains_keys_across_batches`] too: the task
+    /// runner waits for it after a failure, and without it keeps its bookkeeping for good.
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
         let _ = (batch, committed);
     }

@@ -167,6 +167,15 @@ impl<T: Transport> Transport for Counting<T> {
             out
         })
     }
+
+    // A decorator passes these on, or the task runner would wait for records it never hears of.
+    fn chains_keys_across_batches(&self) -> bool {
+        self.inner.chains_keys_across_batches()
+    }
+
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        self.inner.recorded(batch, committed)
+    }
 }
 
 /// A consumer runtime running in a task.
