@@ -6,8 +6,12 @@ use sqlx::PgPool;
 #[derive(Serialize, sqlx::FromRow)]
 struct TopicRow {
     topic: String,
+    /// Pending events that are due (see the relay's `postal_relay_backlog`).
     pending: i64,
+    /// Events scheduled for later delivery, not due yet.
+    scheduled: i64,
     failed: i64,
+    /// Age of the oldest due event (a scheduled one counts from its delivery time).
     oldest_pending_age_s: Option<f64>,
 }
 
@@ -54,12 +58,17 @@ struct RelayRow {
 pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow::Result<()> {
     let topics: Vec<TopicRow> = sqlx::query_as(
         r#"SELECT topic,
-                  count(*) FILTER (WHERE status = 'pending') AS pending,
+                  count(*) FILTER (WHERE status = 'pending' AND NOT scheduled) AS pending,
+                  count(*) FILTER (WHERE status = 'pending' AND scheduled) AS scheduled,
                   count(*) FILTER (WHERE status = 'failed') AS failed,
-                  extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+                  extract(epoch FROM now() - min(CASE WHEN held AND last_error IS NULL
+                                                      THEN greatest(created_at, available_at)
+                                                      ELSE created_at END)
+                                             FILTER (WHERE status = 'pending' AND NOT scheduled))::float8
                       AS oldest_pending_age_s
-           FROM postal.outbox
-           WHERE status IN ('pending', 'failed')
+           FROM (SELECT topic, status, held, last_error, created_at, available_at,
+                        (held AND last_error IS NULL AND available_at > now()) AS scheduled
+                 FROM postal.outbox WHERE status IN ('pending', 'failed')) AS o
            GROUP BY topic ORDER BY topic"#,
     )
     .fetch_all(pool)
@@ -119,14 +128,15 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         return Ok(());
     }
     println!(
-        "{:<40} {:>10} {:>8} {:>14}",
-        "TOPIC", "PENDING", "FAILED", "OLDEST (s)"
+        "{:<40} {:>10} {:>10} {:>8} {:>14}",
+        "TOPIC", "PENDING", "SCHEDULED", "FAILED", "OLDEST (s)"
     );
     for t in &status.topics {
         println!(
-            "{:<40} {:>10} {:>8} {:>14}",
+            "{:<40} {:>10} {:>10} {:>8} {:>14}",
             t.topic,
             t.pending,
+            t.scheduled,
             t.failed,
             t.oldest_pending_age_s
                 .map(|a| format!("{a:.1}"))

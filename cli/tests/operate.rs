@@ -567,10 +567,24 @@ async fn relay_serves_metrics_and_health() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
+    // An event scheduled an hour ahead is not backlog (the "relay stuck" alert must not fire
+    // on it) and is counted as scheduled.
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload,
+                                    available_at, held)
+         VALUES (gen_random_uuid(), 't', 'k', 'reminder', '\\x7b7d',
+                 now() + interval '1 hour', true)",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
     let mut r = relay(&e, &["--metrics-addr", &addr]);
-    until("the backlog gauge on /metrics", || async {
-        http_get(&addr, "/metrics")
-            .is_some_and(|(s, body)| s == 200 && body.contains("postal_relay_backlog"))
+    until("the gauges on /metrics", || async {
+        http_get(&addr, "/metrics").is_some_and(|(s, body)| {
+            s == 200
+                && body.lines().any(|l| l == "postal_relay_backlog 0")
+                && body.lines().any(|l| l == "postal_relay_scheduled 1")
+        })
     })
     .await;
     assert_eq!(http_get(&addr, "/healthz").map(|r| r.0), Some(200));

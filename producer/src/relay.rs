@@ -362,20 +362,30 @@ impl<T: Transport> Shared<T> {
         let mut tick = tokio::time::interval(Duration::from_secs(15).min(self.config.lease));
         loop {
             tick.tick().await;
-            match sqlx::query_as::<_, (i64, Option<f64>, i64)>(
-                "SELECT count(*) FILTER (WHERE status = 'pending'),
-                        extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8,
-                        count(*) FILTER (WHERE status = 'failed')
-                 FROM postal.outbox WHERE status IN ('pending', 'failed')",
+            // An event scheduled for later (`deliver_at`) is held with no error until its time
+            // (a retry sets `last_error`): not backlog, and not late, before then. Once due, its
+            // age counts from its delivery time.
+            match sqlx::query_as::<_, (i64, Option<f64>, i64, i64)>(
+                "SELECT count(*) FILTER (WHERE status = 'pending' AND NOT scheduled),
+                        extract(epoch FROM now() - min(CASE WHEN held AND last_error IS NULL
+                                                            THEN greatest(created_at, available_at)
+                                                            ELSE created_at END)
+                                                   FILTER (WHERE status = 'pending' AND NOT scheduled))::float8,
+                        count(*) FILTER (WHERE status = 'failed'),
+                        count(*) FILTER (WHERE status = 'pending' AND scheduled)
+                 FROM (SELECT status, held, last_error, created_at, available_at,
+                              (held AND last_error IS NULL AND available_at > now()) AS scheduled
+                       FROM postal.outbox WHERE status IN ('pending', 'failed')) AS o",
             )
             .fetch_one(&self.pool)
             .await
             {
-                Ok((pending, oldest, failed)) => {
+                Ok((pending, oldest, failed, scheduled)) => {
                     metrics::gauge!("postal_relay_backlog").set(pending as f64);
                     metrics::gauge!("postal_relay_oldest_pending_seconds")
                         .set(oldest.unwrap_or(0.0));
                     metrics::gauge!("postal_relay_parked").set(failed as f64);
+                    metrics::gauge!("postal_relay_scheduled").set(scheduled as f64);
                 }
                 Err(e) => tracing::debug!(error = %e, "backlog check failed"),
             }
