@@ -56,23 +56,9 @@ struct RelayRow {
 }
 
 pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow::Result<()> {
-    let topics: Vec<TopicRow> = sqlx::query_as(
-        r#"SELECT topic,
-                  count(*) FILTER (WHERE status = 'pending' AND NOT scheduled) AS pending,
-                  count(*) FILTER (WHERE status = 'pending' AND scheduled) AS scheduled,
-                  count(*) FILTER (WHERE status = 'failed') AS failed,
-                  extract(epoch FROM now() - min(CASE WHEN held AND last_error IS NULL
-                                                      THEN greatest(created_at, available_at)
-                                                      ELSE created_at END)
-                                             FILTER (WHERE status = 'pending' AND NOT scheduled))::float8
-                      AS oldest_pending_age_s
-           FROM (SELECT topic, status, held, last_error, created_at, available_at,
-                        (held AND last_error IS NULL AND available_at > now()) AS scheduled
-                 FROM postal.outbox WHERE status IN ('pending', 'failed')) AS o
-           GROUP BY topic ORDER BY topic"#,
-    )
-    .fetch_all(pool)
-    .await?;
+    let topics: Vec<TopicRow> = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
+        .fetch_all(pool)
+        .await?;
     let oldest_transaction_s: Option<f64> = sqlx::query_scalar(
         "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
          WHERE (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL) AND pid <> pg_backend_pid()",

@@ -26,6 +26,7 @@
 //! # let _ = event_id; Ok(()) }
 //! ```
 
+pub mod backlog;
 pub mod claim;
 pub mod complete;
 mod config;

@@ -108,6 +108,7 @@ impl<T: Transport> Relay<T> {
             owned: std::sync::RwLock::new(Vec::new()),
             id: self.id,
             record_gate: tokio::sync::RwLock::new(()),
+            chained: self.transport.chains_keys_across_batches(),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
         // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
@@ -226,6 +227,8 @@ struct Shared<T: Transport> {
     /// later events) then hands them over before the transport hears of that commit, and the
     /// transport chains them behind the failure.
     record_gate: tokio::sync::RwLock<()>,
+    /// [`Transport::chains_keys_across_batches`], asked once.
+    chained: bool,
 }
 
 /// Tells the transport about a batch exactly once: [`RecordedNotice::recorded`] after the
@@ -239,7 +242,7 @@ struct RecordedNotice<T: Transport> {
 
 impl<T: Transport> RecordedNotice<T> {
     async fn recorded(mut self, committed: bool) {
-        let _gate = if self.shared.transport.chains_keys_across_batches() {
+        let _gate = if self.shared.chained {
             Some(self.shared.record_gate.write().await)
         } else {
             None
@@ -360,27 +363,14 @@ impl<T: Transport> Shared<T> {
     /// cleanup (when configured).
     async fn housekeeping(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_secs(15).min(self.config.lease));
+        let summary = crate::backlog::summary_sql(false);
         loop {
             tick.tick().await;
-            // An event scheduled for later (`deliver_at`) is held with no error until its time
-            // (a retry sets `last_error`): not backlog, and not late, before then. Once due, its
-            // age counts from its delivery time.
-            match sqlx::query_as::<_, (i64, Option<f64>, i64, i64)>(
-                "SELECT count(*) FILTER (WHERE status = 'pending' AND NOT scheduled),
-                        extract(epoch FROM now() - min(CASE WHEN held AND last_error IS NULL
-                                                            THEN greatest(created_at, available_at)
-                                                            ELSE created_at END)
-                                                   FILTER (WHERE status = 'pending' AND NOT scheduled))::float8,
-                        count(*) FILTER (WHERE status = 'failed'),
-                        count(*) FILTER (WHERE status = 'pending' AND scheduled)
-                 FROM (SELECT status, held, last_error, created_at, available_at,
-                              (held AND last_error IS NULL AND available_at > now()) AS scheduled
-                       FROM postal.outbox WHERE status IN ('pending', 'failed')) AS o",
-            )
-            .fetch_one(&self.pool)
-            .await
+            match sqlx::query_as::<_, (i64, i64, i64, Option<f64>)>(&summary)
+                .fetch_one(&self.pool)
+                .await
             {
-                Ok((pending, oldest, failed, scheduled)) => {
+                Ok((pending, scheduled, failed, oldest)) => {
                     metrics::gauge!("postal_relay_backlog").set(pending as f64);
                     metrics::gauge!("postal_relay_oldest_pending_seconds")
                         .set(oldest.unwrap_or(0.0));
@@ -441,7 +431,7 @@ impl<T: Transport> Shared<T> {
         // batches in flight while each claim steps over fewer of them. A transport that keeps
         // each key's order across batches itself (the task runner) lets a lane use every slot:
         // a long-running batch then holds back only its own keys, not its lane's share.
-        let chained = self.transport.chains_keys_across_batches();
+        let chained = self.chained;
         let per_lane = if chained {
             self.config.max_in_flight_batches.max(1)
         } else {

@@ -423,6 +423,36 @@ mod tests {
         })
     }
 
+    /// Sends `failed` (a batch whose task fails), then `later` (a later task of the same key):
+    /// `later` waits until `failed`'s batch is reported with `committed`, and is then held back.
+    async fn held_back_until_recorded(
+        tasks: &TaskTransport,
+        failed: &OutboundEvent,
+        later: &OutboundEvent,
+        committed: bool,
+    ) {
+        let outcomes = tasks.send(std::slice::from_ref(failed)).await.await;
+        assert_eq!(
+            outcomes[0].as_ref().unwrap_err().kind,
+            FailureKind::Transient
+        );
+        let mut waiting = std::pin::pin!(tasks.send(std::slice::from_ref(later)).await);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), &mut waiting)
+                .await
+                .is_err(),
+            "the later task must wait for the failed one's batch"
+        );
+        tasks.recorded(std::slice::from_ref(failed), committed);
+        let outcomes = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("released once the batch is reported");
+        assert_eq!(
+            outcomes[0].as_ref().unwrap_err().kind,
+            FailureKind::HeldBack
+        );
+    }
+
     /// Guarantee: after a key's task failed in one batch, its task in a later batch does not
     /// run (nor finish) before the relay recorded the first batch, and is then held back.
     #[tokio::test]
@@ -431,26 +461,7 @@ mod tests {
         let mut first = sample_event("t", 1);
         first.payload = b"fail".to_vec();
         let second = sample_event("t", 2);
-        let outcomes = tasks.send(std::slice::from_ref(&first)).await.await;
-        assert_eq!(
-            outcomes[0].as_ref().unwrap_err().kind,
-            FailureKind::Transient
-        );
-        let mut later = std::pin::pin!(tasks.send(std::slice::from_ref(&second)).await);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(200), &mut later)
-                .await
-                .is_err(),
-            "the later task must wait for the failed one's record"
-        );
-        tasks.recorded(std::slice::from_ref(&first), true);
-        let outcomes = tokio::time::timeout(Duration::from_secs(5), later)
-            .await
-            .expect("released by the record");
-        assert_eq!(
-            outcomes[0].as_ref().unwrap_err().kind,
-            FailureKind::HeldBack
-        );
+        held_back_until_recorded(&tasks, &first, &second, true).await;
     }
 
     /// Guarantee: after a key's tasks succeeded, its task in a later batch runs at once, without
@@ -472,21 +483,6 @@ mod tests {
         let mut third = sample_event("t", 3);
         third.payload = b"fail".to_vec();
         let fourth = sample_event("t", 4);
-        assert!(tasks.send(std::slice::from_ref(&third)).await.await[0].is_err());
-        let mut after = std::pin::pin!(tasks.send(std::slice::from_ref(&fourth)).await);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(200), &mut after)
-                .await
-                .is_err(),
-            "the later task must wait for the failed one's batch"
-        );
-        tasks.recorded(std::slice::from_ref(&third), false);
-        let outcomes = tokio::time::timeout(Duration::from_secs(5), after)
-            .await
-            .expect("released when the batch is given up");
-        assert_eq!(
-            outcomes[0].as_ref().unwrap_err().kind,
-            FailureKind::HeldBack
-        );
+        held_back_until_recorded(&tasks, &third, &fourth, false).await;
     }
 }
