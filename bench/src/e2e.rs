@@ -15,6 +15,11 @@
 //! producer; millisecond resolution) and at the ledger row's insert: the relay (wake-up and
 //! claim), the broker and the consumer up to the handler, and the rest of the consumer's
 //! transaction.
+//!
+//! With `--mock-broker` the same run goes through librdkafka's mock cluster (a Kafka-protocol
+//! broker in memory, on loopback, served by a thread of the benchmark process) instead of the
+//! given broker: it shows Postal's path with a broker whose fetch cost does not grow with the
+//! records a partition holds, which tansu's memory storage does (BENCHMARKS.md).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +28,8 @@ use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError,
 use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::Message;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -43,6 +49,31 @@ pub struct E2eOpts {
     pub split: bool,
     /// Run the polling-only variant too.
     pub polling: bool,
+    /// Use librdkafka's in-process mock cluster instead of the given broker.
+    pub mock_broker: bool,
+}
+
+/// The broker a run goes through: the one given, or librdkafka's mock cluster.
+enum Broker {
+    Remote(String),
+    Mock(MockCluster<'static, DefaultProducerContext>),
+}
+
+impl Broker {
+    fn bootstrap(&self) -> String {
+        match self {
+            Broker::Remote(bootstrap) => bootstrap.clone(),
+            Broker::Mock(mock) => mock.bootstrap_servers(),
+        }
+    }
+
+    /// Creates a topic (the mock cluster has no CreateTopics API: through its own call).
+    async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+        match self {
+            Broker::Remote(bootstrap) => create_topic(bootstrap, topic, partitions).await,
+            Broker::Mock(mock) => Ok(mock.create_topic(topic, partitions, 1)?),
+        }
+    }
 }
 
 /// The ledger handler of the benchmark.
@@ -61,6 +92,16 @@ async fn book(
 }
 
 pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Result<()> {
+    let broker = if opts.mock_broker {
+        let mock = MockCluster::new(1)?;
+        println!(
+            "broker: librdkafka's mock cluster at {} (in this process), not {bootstrap}",
+            mock.bootstrap_servers()
+        );
+        Broker::Mock(mock)
+    } else {
+        Broker::Remote(bootstrap.to_owned())
+    };
     println!(
         "end to end at {} orders/s for {} s per variant ({} partitions, consumer max_batch {}, linger.ms {}, fetch.wait.max.ms {}):",
         opts.rate, opts.seconds, opts.partitions, opts.max_batch, opts.linger_ms, opts.fetch_wait_ms
@@ -78,7 +119,7 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
         if !listen && !opts.polling {
             continue;
         }
-        let r = postal_run(url, bootstrap, &opts, listen, commit_ts).await?;
+        let r = postal_run(url, &broker, &opts, listen, commit_ts).await?;
         println!(
             "  order commit -> ledger commit, {}: {} orders, p50 {:.1} ms  p99 {:.1} ms",
             if listen {
@@ -134,7 +175,7 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
             );
         }
     }
-    let b = broker_run(bootstrap, &opts).await?;
+    let b = broker_run(&broker, &opts).await?;
     println!(
         "  broker alone (raw produce -> raw consume, same settings): {} records, p50 {:.1} ms  p99 {:.1} ms",
         b.e2e.n, b.e2e.p50, b.e2e.p99
@@ -156,7 +197,7 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
 
 async fn postal_run(
     url: &str,
-    bootstrap: &str,
+    broker: &Broker,
     opts: &E2eOpts,
     listen: bool,
     commit_ts: bool,
@@ -169,8 +210,9 @@ async fn postal_run(
     )
     .execute(&pool)
     .await?;
+    let bootstrap = &broker.bootstrap();
     let topic = format!("bench-e2e-{}", uuid::Uuid::now_v7().simple());
-    create_topic(bootstrap, &topic, opts.partitions).await?;
+    broker.create_topic(&topic, opts.partitions).await?;
     // A plain consumer on the same topic splits the path: order → broker → plain consumer
     // (relay and broker) versus order → ledger commit (plus Postal's consumer).
     let stop_reader = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -499,9 +541,10 @@ struct BrokerRun {
 }
 
 /// Raw producer → raw consumer at the same rate and client settings: the broker's share.
-async fn broker_run(bootstrap: &str, opts: &E2eOpts) -> anyhow::Result<BrokerRun> {
+async fn broker_run(broker: &Broker, opts: &E2eOpts) -> anyhow::Result<BrokerRun> {
+    let bootstrap = &broker.bootstrap();
     let topic = format!("bench-broker-{}", uuid::Uuid::now_v7().simple());
-    create_topic(bootstrap, &topic, opts.partitions).await?;
+    broker.create_topic(&topic, opts.partitions).await?;
     let n = (opts.rate * opts.seconds) as usize;
     let reader = {
         let bootstrap = bootstrap.to_owned();

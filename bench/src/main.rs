@@ -153,6 +153,10 @@ enum Command {
         /// Leave out the polling-only variant (the wake-up variant and the broker path only).
         #[arg(long)]
         no_polling: bool,
+        /// Go through librdkafka's mock cluster (in this process) instead of `--bootstrap`: a
+        /// broker whose fetch cost does not grow with the records a partition holds.
+        #[arg(long)]
+        mock_broker: bool,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
     /// Postal's relay next to a raw lapin publisher with confirms.
@@ -264,8 +268,10 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             lanes,
             no_split,
             no_polling,
+            mock_broker,
         } => {
             let opts = e2e::E2eOpts {
+                mock_broker,
                 split: !no_split,
                 polling: !no_polling,
                 rate,
