@@ -192,6 +192,16 @@ impl Claim {
     }
 }
 
+/// The lease a relay must have left on a partition to claim from it, and to keep a claim
+/// alive: the longest a claim's transaction lives on after its last statement (half the lease,
+/// then PostgreSQL ends it) plus a twentieth of the lease. A claim thus ends before the lease
+/// of its partitions runs out even when its relay stops hearing from the database, and the
+/// next owner never overtakes it. Relays renew their leases every quarter of the lease, so a
+/// healthy relay always has more left.
+pub fn lease_reserve(lease: Duration) -> Duration {
+    lease / 2 + lease / 20
+}
+
 /// Claims up to `limit` publishable rows of the given key partitions that `relay` holds a live
 /// lease on (see [`crate::lease`]), in sequence order. Returns `None` when there is nothing to
 /// publish. The claim's transaction may stay idle for at most half the lease.
@@ -210,8 +220,8 @@ pub async fn claim(
 ) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let requested = mask(partitions);
-    // The fence: only partitions whose lease this relay holds now (with a second of margin
-    // for the claim itself). A separate statement keeps the claim on its ordered index scan;
+    // The fence: only partitions whose lease this relay holds for longer than the claim's
+    // transaction can outlive its last statement ([`lease_reserve`]). A separate statement keeps the claim on its ordered index scan;
     // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`) and ends the transaction
     // if it stays idle for half the lease. The claim commits with the server's
     // `synchronous_commit` (on by default), waiting for its WAL flush: while a backlog drains,
@@ -223,7 +233,7 @@ pub async fn claim(
     // relay-only drain's median was lower, within a wide spread (BENCHMARKS.md).
     let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
-                WHERE owner = $1 AND lease_until > now() + interval '1 second'
+                WHERE owner = $1 AND lease_until > now() + make_interval(secs => $4)
                   AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])), concat(",
         plan_settings!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true))"
@@ -231,6 +241,7 @@ pub async fn claim(
     .bind(relay)
     .bind(&requested)
     .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
+    .bind(lease_reserve(lease).as_secs_f64())
     .fetch_one(&mut *tx)
     .await?;
     if owned.is_empty() {

@@ -19,9 +19,11 @@ pub struct RelayConfig {
     /// `lanes / n` of them, rounded up: adding relays adds standbys and spreads the relays'
     /// own work without multiplying the claims that compete in PostgreSQL.
     pub lanes: usize,
-    /// Lease on key partitions (default 60 s): a dead relay's partitions move to the others
-    /// within this time. A claim transaction may stay idle for at most half of it, which must
-    /// exceed the transport's delivery timeout (Kafka: `message.timeout.ms`, 20 s by default).
+    /// Lease on key partitions (default 60 s), renewed every quarter of it: a dead relay's
+    /// partitions move to the others within this time. A claim transaction may stay idle for at
+    /// most half of it, which must exceed the transport's delivery timeout (Kafka:
+    /// `message.timeout.ms`, 20 s by default). A relay whose heartbeats fail gives up its
+    /// batches in flight when 55 % of the lease is left.
     pub lease: Duration,
     /// Safety-net polling interval when no notification arrives (default 1 s).
     pub poll_interval: Duration,

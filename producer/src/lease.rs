@@ -10,8 +10,11 @@
 //! lease, so a relay that lost its lease claims nothing from that partition.
 //!
 //! A claim transaction can outlive its relay by at most half a lease (the claim sets
-//! `idle_in_transaction_session_timeout` to half the lease), so by the time a partition's lease
-//! runs out, rows claimed by a dead owner are back: the new owner never overtakes them.
+//! `idle_in_transaction_session_timeout` to half the lease), and a relay claims only while its
+//! lease has more than that left ([`crate::claim::lease_reserve`]), so by the time a
+//! partition's lease runs out, rows claimed by a dead owner are back: the new owner never
+//! overtakes them. A live relay keeps a claim alive (a long task handler) only while its
+//! heartbeats keep the lease that long; otherwise it gives the batch up in time.
 
 use std::time::Duration;
 

@@ -23,6 +23,9 @@ use crate::Error;
 /// `backoff.max`, so a relay resumes within seconds of the broker coming back.
 const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
+/// Why a batch in flight is given up when the relay's partition leases run short.
+const NOT_RENEWED: &str = "partition leases not renewed in time (heartbeats failing?)";
+
 /// Totals of one relay run, returned when it stops.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RelayStats {
@@ -106,6 +109,7 @@ impl<T: Transport> Relay<T> {
             stop: CancellationToken::new(),
             abandon: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
+            lease_until: std::sync::Mutex::new(None),
             id: self.id,
             record_gate: tokio::sync::RwLock::new(()),
             chained: self.transport.chains_keys_across_batches(),
@@ -219,6 +223,9 @@ struct Shared<T: Transport> {
     abandon: CancellationToken,
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
+    /// Until when those leases hold at least: the start of the last successful heartbeat
+    /// plus the lease (the database set them from a later clock reading).
+    lease_until: std::sync::Mutex<Option<Instant>>,
     id: Uuid,
     /// For a transport that chains keys across batches: a lane holds it (shared) from the
     /// start of its claim until the batch is handed over, and telling the transport that a
@@ -261,16 +268,39 @@ impl<T: Transport> Drop for RecordedNotice<T> {
 }
 
 impl<T: Transport> Shared<T> {
-    /// Heartbeats every third of the lease, keeps `owned` up to date and gives partitions
+    /// When a batch still in flight must be given up: from then on the lease left would not
+    /// outlast its claim's transaction ([`claim::lease_reserve`]).
+    fn fence_at(&self) -> tokio::time::Instant {
+        let until = *self.lease_until.lock().expect("lease lock");
+        // Nothing is claimed before the first heartbeat.
+        let until = until.unwrap_or_else(|| Instant::now() + self.config.lease);
+        tokio::time::Instant::from_std(until) - claim::lease_reserve(self.config.lease)
+    }
+
+    /// Notes the leases that a heartbeat started at `beat` renewed.
+    fn renewed(&self, beat: Instant, result: &Result<lease::Lease, sqlx::Error>) {
+        if result.is_ok() {
+            *self.lease_until.lock().expect("lease lock") = Some(beat + self.config.lease);
+        }
+    }
+
+    /// Heartbeats every quarter of the lease, keeps `owned` up to date and gives partitions
     /// away (after draining in-flight batches) when relays join.
+    ///
+    /// Heartbeats start every `lease / 4`, counted from the start of the one before, and a
+    /// wait for in-flight batches takes at most as long, so a healthy relay renews its leases
+    /// at least every `lease / 4` plus a heartbeat's duration: it always has more than
+    /// [`claim::lease_reserve`] left, and never gives up a batch in flight for lack of lease.
     async fn coordinate(self: Arc<Self>, changed: tokio::sync::watch::Sender<u64>) {
-        let every = self.config.lease / 3;
+        let every = self.config.lease / 4;
         let host = std::env::var("HOSTNAME").unwrap_or_default();
         let mut failures = 0u32;
         loop {
+            let round = tokio::time::Instant::now();
             let held = self.owned.read().expect("owned lock").clone();
             // In-flight slots held across a change of `owned` (see below).
             let mut drained = None;
+            let beat = Instant::now();
             let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
@@ -281,17 +311,17 @@ impl<T: Transport> Shared<T> {
                 false,
             )
             .await;
+            self.renewed(beat, &result);
             if let Ok(l) = &result {
                 if l.wants_release {
                     // Record everything in flight before giving partitions away, so the next
                     // owner cannot overtake an event of ours.
                     let all = self.config.max_in_flight_batches as u32;
-                    if let Ok(Ok(permits)) = tokio::time::timeout(
-                        self.config.lease / 3,
-                        self.slots.clone().acquire_many_owned(all),
-                    )
-                    .await
+                    if let Ok(Ok(permits)) =
+                        tokio::time::timeout(every, self.slots.clone().acquire_many_owned(all))
+                            .await
                     {
+                        let beat = Instant::now();
                         result = lease::heartbeat(
                             &self.pool,
                             &self.config.group,
@@ -302,6 +332,7 @@ impl<T: Transport> Shared<T> {
                             true,
                         )
                         .await;
+                        self.renewed(beat, &result);
                         drained = Some(permits);
                     }
                 }
@@ -322,7 +353,7 @@ impl<T: Transport> Shared<T> {
                         if drained.is_none() {
                             let all = self.config.max_in_flight_batches as u32;
                             drained = tokio::time::timeout(
-                                self.config.lease / 3,
+                                every,
                                 self.slots.clone().acquire_many_owned(all),
                             )
                             .await
@@ -335,7 +366,7 @@ impl<T: Transport> Shared<T> {
                             self.active_lanes.store(active, Ordering::Relaxed);
                             changed.send_modify(|n| *n = n.wrapping_add(1));
                         } else {
-                            // Batches still in flight after a third of the lease: keep the
+                            // Batches still in flight after a quarter of the lease: keep the
                             // old split (claims re-check the lease, so partitions that were
                             // lost are not claimed) and try again at the next heartbeat.
                             tracing::warn!(relay = %self.id, "key partitions changed but batches are still in flight; rebalancing lanes at the next heartbeat");
@@ -350,12 +381,12 @@ impl<T: Transport> Shared<T> {
                     tracing::warn!(error = %e, "cannot renew partition leases (database unreachable?); retrying");
                 }
             }
-            let wait = if failures > 0 {
-                self.config.backoff.delay(failures).min(every)
+            if failures > 0 {
+                let wait = self.config.backoff.delay(failures).min(every);
+                tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
             } else {
-                every
-            };
-            tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
+                tokio::time::sleep_until(round + every).await;
+            }
         }
     }
 
@@ -599,20 +630,54 @@ impl<T: Transport> Shared<T> {
             };
             completions.spawn(async move {
                 // While the transport works on the batch (a slow broker, a long task handler),
-                // the claim is kept alive; it ends only when the relay dies.
-                let mut acks = std::pin::pin!(acks);
+                // the claim is kept alive for as long as the relay's partition leases hold.
+                let mut acks = Box::pin(acks);
                 let mut tick = tokio::time::interval_at(
                     tokio::time::Instant::now() + keep_alive_every,
                     keep_alive_every,
                 );
                 let outcomes = loop {
+                    let fence_at = notice.shared.fence_at();
                     tokio::select! {
-                        outcomes = &mut acks => break outcomes,
-                        _ = tick.tick() => {
-                            if let Err(e) = claim.keep_alive().await {
-                                tracing::warn!(error = %e, "could not keep a claim alive; its events will be handed out again");
+                        outcomes = &mut acks => break Ok(outcomes),
+                        // Heartbeats renew the leases long before this, unless they fail.
+                        _ = tokio::time::sleep_until(fence_at) => {
+                            if notice.shared.fence_at() <= tokio::time::Instant::now() {
+                                break Err(NOT_RENEWED.to_owned());
                             }
                         }
+                        _ = tick.tick() => {
+                            match tokio::time::timeout_at(fence_at, claim.keep_alive()).await {
+                                Ok(Ok(())) => {}
+                                // The claim's transaction is gone (or aborted): its rows are
+                                // free for any claim already.
+                                Ok(Err(e)) => {
+                                    break Err(format!("could not keep the claim alive: {e}"))
+                                }
+                                Err(_) => break Err(NOT_RENEWED.to_owned()),
+                            }
+                        }
+                    }
+                };
+                let outcomes = match outcomes {
+                    Ok(outcomes) => outcomes,
+                    Err(reason) => {
+                        // The fence: the work on this batch stops (a task handler is aborted,
+                        // Kafka acknowledgements are no longer awaited) before another claim may
+                        // take its events, and its claim rolls back (or PostgreSQL ends it, half
+                        // a lease after its last statement, before the leases run out), so they
+                        // are handed out again in order.
+                        drop(acks);
+                        tracing::warn!(
+                            events = notice.batch.len(),
+                            reason,
+                            "giving up a batch still in flight (its events are handed out again)"
+                        );
+                        drop(claim);
+                        notice.recorded(false).await;
+                        drop(permit);
+                        drop(own);
+                        return;
                     }
                 };
                 let acked = started.elapsed();

@@ -109,7 +109,7 @@ pub async fn claim_as_doomed_relay(pool: &PgPool) -> postal_producer::claim::Cla
         doomed,
         &claim::all_partitions(),
         1000,
-        Duration::from_secs(60),
+        Duration::from_secs(3),
         true,
         &postal_producer::TopicFilter::All,
     )

@@ -631,3 +631,118 @@ async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_
         "the key's tasks in outbox order, the retry before the later task"
     );
 }
+
+/// Guarantee: a relay that is alive but can no longer renew its partition leases stops its
+/// running tasks before another relay may take their keys over. Relay A's heartbeats start
+/// failing (a trigger rejects them) while its handler for the key's first task runs; A aborts
+/// that handler and gives the claim back before its leases run out, and relay B then runs the
+/// key's two tasks in order, the first only after A's run of it was stopped.
+#[tokio::test]
+async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-fence");
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(3),
+        ..fast_config()
+    };
+    // Handler runs in the order they happened: (relay, task number, what).
+    let log = Arc::new(Mutex::new(Vec::<(&'static str, u32, &'static str)>::new()));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let (l, s) = (log.clone(), started.clone());
+    let on_a = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+        let (log, started) = (l.clone(), s.clone());
+        async move {
+            struct Running(Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>, u32);
+            impl Drop for Running {
+                fn drop(&mut self) {
+                    self.0.lock().unwrap().push(("A", self.1, "stopped"));
+                }
+            }
+            let n: u32 = task.json()?;
+            log.lock().unwrap().push(("A", n, "start"));
+            let _running = Running(log.clone(), n);
+            started.notify_one();
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let l = log.clone();
+    let on_b = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+        let log = l.clone();
+        async move {
+            let n: u32 = task.json()?;
+            log.lock().unwrap().push(("B", n, "start"));
+            tokio::task::yield_now().await;
+            log.lock().unwrap().push(("B", n, "end"));
+            Ok(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let first = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    let second = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &2).unwrap(),
+    )
+    .await
+    .unwrap();
+    let a_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            db.url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .unwrap()
+                .application_name("relay-a"),
+        )
+        .await
+        .unwrap();
+    let a = RunningRelay::start(&a_pool, on_a, cfg.clone()).owning(a_pool);
+    tokio::time::timeout(Duration::from_secs(30), started.notified())
+        .await
+        .expect("A starts the first task");
+    // From now on every heartbeat of A fails; its claim's connection keeps working.
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.reject_relay_a() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF current_setting('application_name') = 'relay-a' THEN
+             RAISE EXCEPTION 'heartbeat rejected by the test';
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER reject_relay_a BEFORE INSERT OR UPDATE ON postal.relay_instances
+           FOR EACH ROW EXECUTE FUNCTION public.reject_relay_a();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let b = RunningRelay::start(&db.pool, on_b, cfg);
+    wait::until(Duration::from_secs(30), "B to run both tasks", || async {
+        status_of(&db.pool, first).await.is_none() && status_of(&db.pool, second).await.is_none()
+    })
+    .await;
+    b.stop().await;
+    a.kill().await;
+    let log = log.lock().unwrap().clone();
+    let at = |entry: (&'static str, u32, &'static str)| {
+        log.iter()
+            .position(|e| *e == entry)
+            .unwrap_or_else(|| panic!("{entry:?} missing from {log:?}"))
+    };
+    assert!(
+        at(("A", 1, "stopped")) < at(("B", 1, "start")),
+        "A's run of the first task was stopped before B started it: {log:?}"
+    );
+    assert!(
+        at(("B", 1, "end")) < at(("B", 2, "start")),
+        "B ran the key's tasks in order: {log:?}"
+    );
+    assert!(
+        !log.contains(&("A", 2, "start")),
+        "A never started the second task: {log:?}"
+    );
+}
