@@ -647,13 +647,14 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
         ..fast_config()
     };
     // Handler runs in the order they happened: (relay, task number, what).
-    let log = Arc::new(Mutex::new(Vec::<(&'static str, u32, &'static str)>::new()));
+    type Log = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
+    let log: Log = Arc::default();
     let started = Arc::new(tokio::sync::Notify::new());
     let (l, s) = (log.clone(), started.clone());
     let on_a = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
         let (log, started) = (l.clone(), s.clone());
         async move {
-            struct Running(Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>, u32);
+            struct Running(Log, u32);
             impl Drop for Running {
                 fn drop(&mut self) {
                     self.0.lock().unwrap().push(("A", self.1, "stopped"));
