@@ -125,6 +125,10 @@ pub struct Claim {
     deleted: Option<Vec<Kept>>,
     /// Write acknowledged rows into `postal.outbox_history` (delete-on-claim mode only).
     history: bool,
+    /// The relay, the key partitions whose leases the claim relied on, and the lease.
+    relay: Uuid,
+    partitions: Vec<i16>,
+    lease: Duration,
 }
 
 impl std::fmt::Debug for Claim {
@@ -177,13 +181,35 @@ impl Claim {
     }
 
     /// Keeps the claim's transaction from counting as idle (PostgreSQL ends a claim idle for
-    /// half the lease). The relay calls it while a transport is still working on the batch,
-    /// e.g. a long-running task handler.
-    pub async fn keep_alive(&mut self) -> Result<(), sqlx::Error> {
-        sqlx::query("SELECT 1")
-            .execute(&mut *self.tx)
-            .await
-            .map(|_| ())
+    /// half the lease) while the relay still holds the leases of the claim's key partitions.
+    /// The relay calls it while a transport is still working on the batch, e.g. a
+    /// long-running task handler.
+    ///
+    /// The statement reads the leases with the server's clock and shortens the transaction's
+    /// idle limit to what they have left, less a twentieth of the lease: however late it
+    /// arrives, it never lets the claim outlive them. Returns `false` when a lease was lost or
+    /// has less than that left: the relay must then give the batch up.
+    pub async fn keep_alive(&mut self) -> Result<bool, sqlx::Error> {
+        let margin = self.lease / 20;
+        let (held, left_ms): (i64, Option<f64>) = sqlx::query_as(
+            "WITH l AS (
+                 SELECT count(*) AS held,
+                        extract(epoch FROM min(lease_until) - clock_timestamp()) * 1000 AS left_ms
+                 FROM postal.relay_partitions WHERE owner = $1 AND key_partition = ANY($2))
+             SELECT held, left_ms::float8 FROM l,
+                    set_config('idle_in_transaction_session_timeout',
+                               greatest(1, least($3, coalesce(floor(left_ms), 0) - $4))::bigint
+                                   || 'ms',
+                               true)",
+        )
+        .bind(self.relay)
+        .bind(&self.partitions)
+        .bind((self.lease / 2).as_millis() as i64)
+        .bind(margin.as_millis() as i64)
+        .fetch_one(&mut *self.tx)
+        .await?;
+        Ok(held == self.partitions.len() as i64
+            && left_ms.is_some_and(|ms| ms > margin.as_millis() as f64))
     }
 
     /// Gives the rows back without recording anything (they are claimable again at once).
@@ -192,12 +218,12 @@ impl Claim {
     }
 }
 
-/// The lease a relay must have left on a partition to claim from it, and to keep a claim
-/// alive: the longest a claim's transaction lives on after its last statement (half the lease,
-/// then PostgreSQL ends it) plus a twentieth of the lease. A claim thus ends before the lease
-/// of its partitions runs out even when its relay stops hearing from the database, and the
-/// next owner never overtakes it. Relays renew their leases every quarter of the lease, so a
-/// healthy relay always has more left.
+/// The lease a relay must have left on a partition to claim from it: the longest a claim's
+/// transaction lives on after its last statement (half the lease, then PostgreSQL ends it)
+/// plus a twentieth of the lease. A claim whose relay never sends another statement thus ends
+/// before the leases of its partitions run out, and the next owner never overtakes it (a
+/// claim kept alive shortens its idle limit the same way, [`Claim::keep_alive`]). Relays renew
+/// their leases every quarter of the lease, so a healthy relay always has more left.
 pub fn lease_reserve(lease: Duration) -> Duration {
     lease / 2 + lease / 20
 }
@@ -311,6 +337,9 @@ pub async fn claim(
         events,
         deleted,
         history: false,
+        relay,
+        partitions: owned,
+        lease,
     }))
 }
 

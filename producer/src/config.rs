@@ -22,8 +22,9 @@ pub struct RelayConfig {
     /// Lease on key partitions (default 60 s), renewed every quarter of it: a dead relay's
     /// partitions move to the others within this time. A claim transaction may stay idle for at
     /// most half of it, which must exceed the transport's delivery timeout (Kafka:
-    /// `message.timeout.ms`, 20 s by default). A relay whose heartbeats fail gives up its
-    /// batches in flight when 55 % of the lease is left.
+    /// `message.timeout.ms`, 20 s by default). A relay claims only with more than 55 % of the
+    /// lease left, and one whose heartbeats fail gives up its batches in flight when a quarter
+    /// is left.
     pub lease: Duration,
     /// Safety-net polling interval when no notification arrives (default 1 s).
     pub poll_interval: Duration,

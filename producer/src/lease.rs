@@ -13,8 +13,9 @@
 //! `idle_in_transaction_session_timeout` to half the lease), and a relay claims only while its
 //! lease has more than that left ([`crate::claim::lease_reserve`]), so by the time a
 //! partition's lease runs out, rows claimed by a dead owner are back: the new owner never
-//! overtakes them. A live relay keeps a claim alive (a long task handler) only while its
-//! heartbeats keep the lease that long; otherwise it gives the batch up in time.
+//! overtakes them. A live relay keeps a claim alive (a long task handler) only within its
+//! leases (each keep-alive shortens the claim's idle limit to what they have left) and gives
+//! the batch up when a quarter of the lease is left without a renewal.
 
 use std::time::Duration;
 

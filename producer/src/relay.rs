@@ -25,6 +25,8 @@ const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
 /// Why a batch in flight is given up when the relay's partition leases run short.
 const NOT_RENEWED: &str = "partition leases not renewed in time (heartbeats failing?)";
+/// Why a batch in flight is given up when the database says its leases run short.
+const LEASE_SHORT: &str = "partition leases lost or about to run out";
 
 /// Totals of one relay run, returned when it stops.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -268,13 +270,24 @@ impl<T: Transport> Drop for RecordedNotice<T> {
 }
 
 impl<T: Transport> Shared<T> {
-    /// When a batch still in flight must be given up: from then on the lease left would not
-    /// outlast its claim's transaction ([`claim::lease_reserve`]).
-    fn fence_at(&self) -> tokio::time::Instant {
+    /// When a batch still in flight is given up unless a heartbeat renewed the leases
+    /// meanwhile: a quarter of the lease before they run out, so that its work (a task
+    /// handler) has stopped before another relay may take its keys over. A healthy relay
+    /// renews every quarter of the lease and is never this close.
+    fn give_up_at(&self) -> tokio::time::Instant {
         let until = *self.lease_until.lock().expect("lease lock");
         // Nothing is claimed before the first heartbeat.
         let until = until.unwrap_or_else(|| Instant::now() + self.config.lease);
-        tokio::time::Instant::from_std(until) - claim::lease_reserve(self.config.lease)
+        tokio::time::Instant::from_std(until) - self.config.lease / 4
+    }
+
+    /// Whether the leases, as this relay last renewed them, have enough left for a claim
+    /// ([`claim::lease_reserve`]; the claim checks the same with the database's clock). A
+    /// relay whose heartbeats fail stops claiming here instead of claiming batches that it
+    /// would give up at once.
+    fn may_claim(&self) -> bool {
+        let until = *self.lease_until.lock().expect("lease lock");
+        until.is_none_or(|until| Instant::now() + claim::lease_reserve(self.config.lease) < until)
     }
 
     /// Notes the leases that a heartbeat started at `beat` renewed.
@@ -287,10 +300,12 @@ impl<T: Transport> Shared<T> {
     /// Heartbeats every quarter of the lease, keeps `owned` up to date and gives partitions
     /// away (after draining in-flight batches) when relays join.
     ///
-    /// Heartbeats start every `lease / 4`, counted from the start of the one before, and a
-    /// wait for in-flight batches takes at most as long, so a healthy relay renews its leases
-    /// at least every `lease / 4` plus a heartbeat's duration: it always has more than
-    /// [`claim::lease_reserve`] left, and never gives up a batch in flight for lack of lease.
+    /// Heartbeats start every `lease / 4`, counted from the start of the one before, and the
+    /// waits for in-flight batches within a round end when the next round is due, so a healthy
+    /// relay starts a heartbeat at least every `lease / 4` plus one heartbeat's duration. It
+    /// thus keeps more than [`claim::lease_reserve`] (55 %) of the lease for its claims, and
+    /// gives up batches in flight (at a quarter left, [`Shared::give_up_at`]) only when its
+    /// heartbeats fail or stall for half a lease.
     async fn coordinate(self: Arc<Self>, changed: tokio::sync::watch::Sender<u64>) {
         let every = self.config.lease / 4;
         let host = std::env::var("HOSTNAME").unwrap_or_default();
@@ -317,9 +332,11 @@ impl<T: Transport> Shared<T> {
                     // Record everything in flight before giving partitions away, so the next
                     // owner cannot overtake an event of ours.
                     let all = self.config.max_in_flight_batches as u32;
-                    if let Ok(Ok(permits)) =
-                        tokio::time::timeout(every, self.slots.clone().acquire_many_owned(all))
-                            .await
+                    if let Ok(Ok(permits)) = tokio::time::timeout_at(
+                        round + every,
+                        self.slots.clone().acquire_many_owned(all),
+                    )
+                    .await
                     {
                         let beat = Instant::now();
                         result = lease::heartbeat(
@@ -352,8 +369,8 @@ impl<T: Transport> Shared<T> {
                         // Lanes read their share only once they hold a slot.
                         if drained.is_none() {
                             let all = self.config.max_in_flight_batches as u32;
-                            drained = tokio::time::timeout(
-                                every,
+                            drained = tokio::time::timeout_at(
+                                round + every,
                                 self.slots.clone().acquire_many_owned(all),
                             )
                             .await
@@ -518,7 +535,7 @@ impl<T: Transport> Shared<T> {
                     lane_share(&owned, active, lane)
                 }
             };
-            if partitions.is_empty() {
+            if partitions.is_empty() || !self.may_claim() {
                 drop(permit);
                 tokio::select! {
                     _ = stop.cancelled() => break,
@@ -637,18 +654,20 @@ impl<T: Transport> Shared<T> {
                     keep_alive_every,
                 );
                 let outcomes = loop {
-                    let fence_at = notice.shared.fence_at();
+                    let give_up_at = notice.shared.give_up_at();
                     tokio::select! {
+                        biased;
                         outcomes = &mut acks => break Ok(outcomes),
                         // Heartbeats renew the leases long before this, unless they fail.
-                        _ = tokio::time::sleep_until(fence_at) => {
-                            if notice.shared.fence_at() <= tokio::time::Instant::now() {
+                        _ = tokio::time::sleep_until(give_up_at) => {
+                            if notice.shared.give_up_at() <= tokio::time::Instant::now() {
                                 break Err(NOT_RENEWED.to_owned());
                             }
                         }
                         _ = tick.tick() => {
-                            match tokio::time::timeout_at(fence_at, claim.keep_alive()).await {
-                                Ok(Ok(())) => {}
+                            match tokio::time::timeout_at(give_up_at, claim.keep_alive()).await {
+                                Ok(Ok(true)) => {}
+                                Ok(Ok(false)) => break Err(LEASE_SHORT.to_owned()),
                                 // The claim's transaction is gone (or aborted): its rows are
                                 // free for any claim already.
                                 Ok(Err(e)) => {
@@ -662,18 +681,20 @@ impl<T: Transport> Shared<T> {
                 let outcomes = match outcomes {
                     Ok(outcomes) => outcomes,
                     Err(reason) => {
-                        // The fence: the work on this batch stops (a task handler is aborted,
-                        // Kafka acknowledgements are no longer awaited) before another claim may
-                        // take its events, and its claim rolls back (or PostgreSQL ends it, half
-                        // a lease after its last statement, before the leases run out), so they
-                        // are handed out again in order.
+                        // The fence: the work on this batch stops (a task handler is aborted
+                        // at its next await, Kafka acknowledgements are no longer awaited)
+                        // before another relay may take its keys over, and its claim rolls
+                        // back (or PostgreSQL ends it: its idle limit never reaches past the
+                        // leases), so its events are handed out again in order.
                         drop(acks);
                         tracing::warn!(
                             events = notice.batch.len(),
                             reason,
                             "giving up a batch still in flight (its events are handed out again)"
                         );
-                        drop(claim);
+                        // Its slot is freed only once the rollback is through (or the lease is
+                        // nearly over), so that partitions are not given away before.
+                        let _ = tokio::time::timeout(ctx.config.lease / 4, claim.release()).await;
                         notice.recorded(false).await;
                         drop(permit);
                         drop(own);

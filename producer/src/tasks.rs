@@ -5,8 +5,10 @@
 //! broker events holds for tasks: one owner per key at a time (two relays never run the same
 //! task, and tasks of one key run one after another in outbox order), retries with backoff,
 //! parking after `max_attempts` or on a permanent error, retention and metrics. While a handler
-//! runs, the relay keeps its claim alive; if the process dies, the claim rolls back and the
-//! task runs again once the key partition's lease has passed to a live relay. A handler can
+//! runs, the relay keeps its claim alive for as long as it renews its partition leases (if its
+//! heartbeats fail, it aborts the handler before they run out); if the process dies, the claim
+//! rolls back and the task runs again once the key partition's lease has passed to a live
+//! relay. A handler can
 //! therefore run more than once for one task (after a crash between its side effect and the
 //! commit): it gets the event id as its idempotency key.
 
@@ -97,7 +99,8 @@ pub struct TaskConfig {
     /// Handlers running at once across all keys (default 16).
     pub concurrency: usize,
     /// Longest a handler may run; it is then cancelled and the attempt counts as failed
-    /// (default 15 min). The relay keeps the claim alive meanwhile, so this may exceed the lease.
+    /// (default 15 min). The relay keeps the claim alive meanwhile, so this may exceed the lease
+    /// (as long as the relay's heartbeats renew its partition leases).
     pub timeout: Duration,
 }
 
@@ -205,7 +208,8 @@ impl TaskTransport {
         let id = task.id;
         let event_type = task.event_type.clone();
         // Spawned, so that a panicking handler fails its task instead of the relay.
-        // Aborted with its claim: a handler never outlives the claim that protects its task.
+        // Aborted with its claim (at the handler's next await, with what it spawned left
+        // running): a handler does not run on after the relay gave up its task.
         let run =
             AbortOnDropHandle::new(tokio::spawn(tokio::time::timeout(timeout, handler(task))));
         let started = std::time::Instant::now();

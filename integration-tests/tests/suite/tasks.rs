@@ -477,7 +477,7 @@ async fn task_worker_process_killed_mid_run_loses_nothing() {
     let waited = (first_by_b - killed_at).to_std().unwrap_or_default();
     assert!(
         waited >= Duration::from_millis(1500),
-        "B ran the killed tasks only after A's lease (3 s, renewed every 1 s) ran out: {waited:?}"
+        "B ran the killed tasks only after A's lease (3 s, renewed every 0.75 s) ran out: {waited:?}"
     );
 }
 
@@ -642,27 +642,30 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("tasks-fence");
+    let cfg_lease = Duration::from_secs(3);
     let cfg = RelayConfig {
-        lease: Duration::from_secs(3),
+        lease: cfg_lease,
         ..fast_config()
     };
     // Handler runs in the order they happened: (relay, task number, what).
     type Log = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
     let log: Log = Arc::default();
+    let stopped_at = Arc::new(Mutex::new(None::<Instant>));
     let started = Arc::new(tokio::sync::Notify::new());
-    let (l, s) = (log.clone(), started.clone());
+    let (l, s, st) = (log.clone(), started.clone(), stopped_at.clone());
     let on_a = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
-        let (log, started) = (l.clone(), s.clone());
+        let (log, started, stopped_at) = (l.clone(), s.clone(), st.clone());
         async move {
-            struct Running(Log, u32);
+            struct Running(Log, u32, Arc<Mutex<Option<Instant>>>);
             impl Drop for Running {
                 fn drop(&mut self) {
+                    self.2.lock().unwrap().get_or_insert_with(Instant::now);
                     self.0.lock().unwrap().push(("A", self.1, "stopped"));
                 }
             }
             let n: u32 = task.json()?;
             log.lock().unwrap().push(("A", n, "start"));
-            let _running = Running(log.clone(), n);
+            let _running = Running(log.clone(), n, stopped_at.clone());
             started.notify_one();
             std::future::pending::<()>().await;
             Ok(())
@@ -706,7 +709,9 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     tokio::time::timeout(Duration::from_secs(30), started.notified())
         .await
         .expect("A starts the first task");
-    // From now on every heartbeat of A fails; its claim's connection keeps working.
+    // From now on every heartbeat of A fails; its claim's connection keeps working. A's last
+    // renewal started before this, so its leases run out before `rejected + lease`.
+    let rejected = Instant::now();
     sqlx::raw_sql(
         "CREATE FUNCTION public.reject_relay_a() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
@@ -734,6 +739,11 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
             .position(|e| *e == entry)
             .unwrap_or_else(|| panic!("{entry:?} missing from {log:?}"))
     };
+    let stopped = stopped_at.lock().unwrap().expect("A's handler was stopped") - rejected;
+    assert!(
+        stopped < cfg_lease,
+        "A stopped its handler before its leases ran out ({stopped:?} after its heartbeats began to fail, lease {cfg_lease:?})"
+    );
     assert!(
         at(("A", 1, "stopped")) < at(("B", 1, "start")),
         "A's run of the first task was stopped before B started it: {log:?}"
