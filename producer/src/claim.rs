@@ -220,8 +220,9 @@ impl Claim {
 
 /// The lease a relay must have left on a partition to claim from it: the longest a claim's
 /// transaction lives on after its last statement (half the lease, then PostgreSQL ends it)
-/// plus a twentieth of the lease. A claim whose relay never sends another statement thus ends
-/// before the leases of its partitions run out, and the next owner never overtakes it (a
+/// plus a twentieth of the lease (which also covers the claim statement itself: the check
+/// reads the transaction's start time). A claim whose relay never sends another statement thus
+/// ends before the leases of its partitions run out, and the next owner never overtakes it (a
 /// claim kept alive shortens its idle limit the same way, [`Claim::keep_alive`]). Relays renew
 /// their leases every quarter of the lease, so a healthy relay always has more left.
 pub fn lease_reserve(lease: Duration) -> Duration {

@@ -25,6 +25,8 @@ const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
 /// Why a batch in flight is given up when the relay's partition leases run short.
 const NOT_RENEWED: &str = "partition leases not renewed in time (heartbeats failing?)";
+/// Why a batch in flight is given up when its keep-alive did not return in time.
+const KEEP_ALIVE_LATE: &str = "the claim's keep-alive did not return before the give-up point";
 /// Why a batch in flight is given up when the database says its leases run short.
 const LEASE_SHORT: &str = "partition leases lost or about to run out";
 
@@ -303,7 +305,8 @@ impl<T: Transport> Shared<T> {
     /// Heartbeats start every `lease / 4`, counted from the start of the one before, and the
     /// waits for in-flight batches within a round end when the next round is due, so a healthy
     /// relay starts a heartbeat at least every `lease / 4` plus one heartbeat's duration. It
-    /// thus keeps more than [`claim::lease_reserve`] (55 %) of the lease for its claims, and
+    /// thus keeps more than [`claim::lease_reserve`] (55 %) of the lease for its claims while a
+    /// heartbeat takes less than a fifth of the lease (12 s by default), and
     /// gives up batches in flight (at a quarter left, [`Shared::give_up_at`]) only when its
     /// heartbeats fail or stall for half a lease.
     async fn coordinate(self: Arc<Self>, changed: tokio::sync::watch::Sender<u64>) {
@@ -673,7 +676,8 @@ impl<T: Transport> Shared<T> {
                                 Ok(Err(e)) => {
                                     break Err(format!("could not keep the claim alive: {e}"))
                                 }
-                                Err(_) => break Err(NOT_RENEWED.to_owned()),
+                                // Its transaction's state is unknown now: give the batch up.
+                                Err(_) => break Err(KEEP_ALIVE_LATE.to_owned()),
                             }
                         }
                     }

@@ -635,8 +635,8 @@ async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_
 /// Guarantee: a relay that is alive but can no longer renew its partition leases stops its
 /// running tasks before another relay may take their keys over. Relay A's heartbeats start
 /// failing (a trigger rejects them) while its handler for the key's first task runs; A aborts
-/// that handler and gives the claim back before its leases run out, and relay B then runs the
-/// key's two tasks in order, the first only after A's run of it was stopped.
+/// that handler and gives the claim back well before its leases run out in the database, and
+/// relay B, once they have, runs the key's two tasks in order.
 #[tokio::test]
 async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over() {
     let svc = services().await;
@@ -650,16 +650,16 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     // Handler runs in the order they happened: (relay, task number, what).
     type Log = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
     let log: Log = Arc::default();
-    let stopped_at = Arc::new(Mutex::new(None::<Instant>));
+    let stopped_at = Arc::new(Mutex::new(None::<chrono::DateTime<chrono::Utc>>));
     let started = Arc::new(tokio::sync::Notify::new());
     let (l, s, st) = (log.clone(), started.clone(), stopped_at.clone());
     let on_a = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
         let (log, started, stopped_at) = (l.clone(), s.clone(), st.clone());
         async move {
-            struct Running(Log, u32, Arc<Mutex<Option<Instant>>>);
+            struct Running(Log, u32, Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>);
             impl Drop for Running {
                 fn drop(&mut self) {
-                    self.2.lock().unwrap().get_or_insert_with(Instant::now);
+                    self.2.lock().unwrap().get_or_insert_with(chrono::Utc::now);
                     self.0.lock().unwrap().push(("A", self.1, "stopped"));
                 }
             }
@@ -671,11 +671,16 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
             Ok(())
         }
     });
-    let l = log.clone();
+    let b_started_at = Arc::new(Mutex::new(None::<chrono::DateTime<chrono::Utc>>));
+    let (l, bs) = (log.clone(), b_started_at.clone());
     let on_b = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
-        let log = l.clone();
+        let (log, b_started_at) = (l.clone(), bs.clone());
         async move {
             let n: u32 = task.json()?;
+            b_started_at
+                .lock()
+                .unwrap()
+                .get_or_insert_with(chrono::Utc::now);
             log.lock().unwrap().push(("B", n, "start"));
             tokio::task::yield_now().await;
             log.lock().unwrap().push(("B", n, "end"));
@@ -709,9 +714,7 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     tokio::time::timeout(Duration::from_secs(30), started.notified())
         .await
         .expect("A starts the first task");
-    // From now on every heartbeat of A fails; its claim's connection keeps working. A's last
-    // renewal started before this, so its leases run out before `rejected + lease`.
-    let rejected = Instant::now();
+    // From now on every heartbeat of A fails; its claim's connection keeps working.
     sqlx::raw_sql(
         "CREATE FUNCTION public.reject_relay_a() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
@@ -726,6 +729,13 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     .execute(&db.pool)
     .await
     .unwrap();
+    // Creating the trigger waited for any heartbeat in progress: A's leases end here for good
+    // (the database's clock; the test runs on the same host).
+    let lease_end: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT min(lease_until) FROM postal.relay_partitions")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     let b = RunningRelay::start(&db.pool, on_b, cfg);
     wait::until(Duration::from_secs(30), "B to run both tasks", || async {
         status_of(&db.pool, first).await.is_none() && status_of(&db.pool, second).await.is_none()
@@ -739,10 +749,15 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
             .position(|e| *e == entry)
             .unwrap_or_else(|| panic!("{entry:?} missing from {log:?}"))
     };
-    let stopped = stopped_at.lock().unwrap().expect("A's handler was stopped") - rejected;
+    let stopped = stopped_at.lock().unwrap().expect("A's handler was stopped");
+    let b_started = b_started_at.lock().unwrap().expect("B ran a task");
     assert!(
-        stopped < cfg_lease,
-        "A stopped its handler before its leases ran out ({stopped:?} after its heartbeats began to fail, lease {cfg_lease:?})"
+        stopped + cfg_lease / 8 < lease_end,
+        "A stopped its handler at {stopped}, well before its leases ran out at {lease_end}"
+    );
+    assert!(
+        b_started >= lease_end,
+        "B started the key's tasks at {b_started}, after A's leases ran out at {lease_end}"
     );
     assert!(
         at(("A", 1, "stopped")) < at(("B", 1, "start")),
