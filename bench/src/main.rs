@@ -423,7 +423,8 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         ..
     } = o;
     println!("backlog {n} events, payload {payload_bytes} B, {keys} keys; broker {bootstrap}");
-    let pool = fresh_db(url, 40).await?;
+    // Room for the relays' connections and for every connection of the SQL-only drain.
+    let pool = fresh_db(url, 40.max(o.sql_connections as u32 + 8)).await?;
     let rounds = o.repeat.max(1);
     let mut b_rate = f64::NAN;
     if !o.relay_only {
