@@ -18,8 +18,8 @@
 //!
 //! With `--mock-broker` the same run goes through librdkafka's mock cluster (a Kafka-protocol
 //! broker in memory, on loopback, served by a thread of the benchmark process) instead of the
-//! given broker: it shows Postal's path with a broker whose fetch cost does not grow with the
-//! records a partition holds, which tansu's memory storage does (BENCHMARKS.md).
+//! given broker: it shows Postal's path with a broker whose fetch cost grows far more slowly
+//! with the records a partition holds than that of tansu's memory storage (BENCHMARKS.md).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,7 +68,7 @@ impl Broker {
     }
 
     /// Creates a topic (the mock cluster has no CreateTopics API: through its own call).
-    async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+    async fn new_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
         match self {
             Broker::Remote(bootstrap) => create_topic(bootstrap, topic, partitions).await,
             Broker::Mock(mock) => Ok(mock.create_topic(topic, partitions, 1)?),
@@ -212,7 +212,7 @@ async fn postal_run(
     .await?;
     let bootstrap = &broker.bootstrap();
     let topic = format!("bench-e2e-{}", uuid::Uuid::now_v7().simple());
-    broker.create_topic(&topic, opts.partitions).await?;
+    broker.new_topic(&topic, opts.partitions).await?;
     // A plain consumer on the same topic splits the path: order → broker → plain consumer
     // (relay and broker) versus order → ledger commit (plus Postal's consumer).
     let stop_reader = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -544,7 +544,7 @@ struct BrokerRun {
 async fn broker_run(broker: &Broker, opts: &E2eOpts) -> anyhow::Result<BrokerRun> {
     let bootstrap = &broker.bootstrap();
     let topic = format!("bench-broker-{}", uuid::Uuid::now_v7().simple());
-    broker.create_topic(&topic, opts.partitions).await?;
+    broker.new_topic(&topic, opts.partitions).await?;
     let n = (opts.rate * opts.seconds) as usize;
     let reader = {
         let bootstrap = bootstrap.to_owned();

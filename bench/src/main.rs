@@ -154,7 +154,7 @@ enum Command {
         #[arg(long)]
         no_polling: bool,
         /// Go through librdkafka's mock cluster (in this process) instead of `--bootstrap`: a
-        /// broker whose fetch cost does not grow with the records a partition holds.
+        /// broker whose fetch cost grows far more slowly with the records a partition holds.
         #[arg(long)]
         mock_broker: bool,
     },
@@ -423,7 +423,8 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         ..
     } = o;
     println!("backlog {n} events, payload {payload_bytes} B, {keys} keys; broker {bootstrap}");
-    // Room for the relays' connections and for every connection of the SQL-only drain.
+    // Room for every connection of the SQL-only drain, plus a few for the benchmark's own
+    // queries (seeding, vacuum, counts) while it runs.
     let pool = fresh_db(url, 40.max(o.sql_connections as u32 + 8)).await?;
     let rounds = o.repeat.max(1);
     let mut b_rate = f64::NAN;

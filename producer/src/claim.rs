@@ -188,7 +188,9 @@ impl Claim {
     /// The statement reads the leases with the server's clock and shortens the transaction's
     /// idle limit to what they have left, less a twentieth of the lease: however late it
     /// arrives, it never lets the claim outlive them. Returns `false` when a lease was lost or
-    /// has less than that left: the relay must then give the batch up.
+    /// has less than that left: the claim can then not be kept idle at all, and the relay must
+    /// give the batch up. (The relay gives up earlier by its own clock, with a quarter of the
+    /// lease left, so that a task handler has stopped well before; this is the hard limit.)
     pub async fn keep_alive(&mut self) -> Result<bool, sqlx::Error> {
         let margin = self.lease / 20;
         let (held, left_ms): (i64, Option<f64>) = sqlx::query_as(
@@ -248,8 +250,9 @@ pub async fn claim(
     let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let requested = mask(partitions);
     // The fence: only partitions whose lease this relay holds for longer than the claim's
-    // transaction can outlive its last statement ([`lease_reserve`]). A separate statement keeps the claim on its ordered index scan;
-    // it also pins the claim's plan to that scan (see `PLAN_SETTINGS`) and ends the transaction
+    // transaction can outlive its last statement ([`lease_reserve`]). A separate statement
+    // keeps the claim on its ordered index scan; it also pins the claim's plan to that scan
+    // (see `PLAN_SETTINGS`) and ends the transaction
     // if it stays idle for half the lease. The claim commits with the server's
     // `synchronous_commit` (on by default), waiting for its WAL flush: while a backlog drains,
     // each claim walks the index entries of the rows its lane's earlier claims deleted until

@@ -23,12 +23,35 @@ use crate::Error;
 /// `backoff.max`, so a relay resumes within seconds of the broker coming back.
 const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
-/// Why a batch in flight is given up when the relay's partition leases run short.
-const NOT_RENEWED: &str = "partition leases not renewed in time (heartbeats failing?)";
-/// Why a batch in flight is given up when its keep-alive did not return in time.
-const KEEP_ALIVE_LATE: &str = "the claim's keep-alive did not return before the give-up point";
-/// Why a batch in flight is given up when the database says its leases run short.
-const LEASE_SHORT: &str = "partition leases lost or about to run out";
+/// Why a batch in flight was given up (logged).
+#[derive(Debug)]
+enum GiveUp {
+    /// By the relay's clock: no heartbeat renewed the leases in time.
+    NotRenewed,
+    /// The claim's keep-alive did not return before the give-up point.
+    KeepAliveLate,
+    /// The database answered the keep-alive: the claim's leases are lost or nearly over.
+    LeaseShort,
+    /// The keep-alive failed: the claim's transaction is gone or aborted.
+    KeepAliveFailed(sqlx::Error),
+}
+
+impl std::fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GiveUp::NotRenewed => f.write_str(
+                "no heartbeat renewed the partition leases in time (heartbeats failing?)",
+            ),
+            GiveUp::KeepAliveLate => {
+                f.write_str("the claim's keep-alive did not return before the give-up point")
+            }
+            GiveUp::LeaseShort => f.write_str(
+                "the database reports the claim's partition leases lost or about to run out",
+            ),
+            GiveUp::KeepAliveFailed(e) => write!(f, "could not keep the claim alive: {e}"),
+        }
+    }
+}
 
 /// Totals of one relay run, returned when it stops.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -229,7 +252,7 @@ struct Shared<T: Transport> {
     owned: std::sync::RwLock<Vec<i16>>,
     /// Until when those leases hold at least: the start of the last successful heartbeat
     /// plus the lease (the database set them from a later clock reading).
-    lease_until: std::sync::Mutex<Option<Instant>>,
+    lease_until: std::sync::Mutex<Option<tokio::time::Instant>>,
     id: Uuid,
     /// For a transport that chains keys across batches: a lane holds it (shared) from the
     /// start of its claim until the batch is handed over, and telling the transport that a
@@ -277,10 +300,14 @@ impl<T: Transport> Shared<T> {
     /// handler) has stopped before another relay may take its keys over. A healthy relay
     /// renews every quarter of the lease and is never this close.
     fn give_up_at(&self) -> tokio::time::Instant {
+        self.lease_until() - self.config.lease / 4
+    }
+
+    /// Until when this relay's partition leases hold at least, as last renewed (a full lease
+    /// from now before the first heartbeat, when nothing can be claimed yet).
+    fn lease_until(&self) -> tokio::time::Instant {
         let until = *self.lease_until.lock().expect("lease lock");
-        // Nothing is claimed before the first heartbeat.
-        let until = until.unwrap_or_else(|| Instant::now() + self.config.lease);
-        tokio::time::Instant::from_std(until) - self.config.lease / 4
+        until.unwrap_or_else(|| tokio::time::Instant::now() + self.config.lease)
     }
 
     /// Whether the leases, as this relay last renewed them, have enough left for a claim
@@ -288,12 +315,11 @@ impl<T: Transport> Shared<T> {
     /// relay whose heartbeats fail stops claiming here instead of claiming batches that it
     /// would give up at once.
     fn may_claim(&self) -> bool {
-        let until = *self.lease_until.lock().expect("lease lock");
-        until.is_none_or(|until| Instant::now() + claim::lease_reserve(self.config.lease) < until)
+        tokio::time::Instant::now() + claim::lease_reserve(self.config.lease) < self.lease_until()
     }
 
     /// Notes the leases that a heartbeat started at `beat` renewed.
-    fn renewed(&self, beat: Instant, result: &Result<lease::Lease, sqlx::Error>) {
+    fn renewed(&self, beat: tokio::time::Instant, result: &Result<lease::Lease, sqlx::Error>) {
         if result.is_ok() {
             *self.lease_until.lock().expect("lease lock") = Some(beat + self.config.lease);
         }
@@ -318,7 +344,7 @@ impl<T: Transport> Shared<T> {
             let held = self.owned.read().expect("owned lock").clone();
             // In-flight slots held across a change of `owned` (see below).
             let mut drained = None;
-            let beat = Instant::now();
+            let beat = tokio::time::Instant::now();
             let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
@@ -341,7 +367,7 @@ impl<T: Transport> Shared<T> {
                     )
                     .await
                     {
-                        let beat = Instant::now();
+                        let beat = tokio::time::Instant::now();
                         result = lease::heartbeat(
                             &self.pool,
                             &self.config.group,
@@ -664,20 +690,18 @@ impl<T: Transport> Shared<T> {
                         // Heartbeats renew the leases long before this, unless they fail.
                         _ = tokio::time::sleep_until(give_up_at) => {
                             if notice.shared.give_up_at() <= tokio::time::Instant::now() {
-                                break Err(NOT_RENEWED.to_owned());
+                                break Err(GiveUp::NotRenewed);
                             }
                         }
                         _ = tick.tick() => {
                             match tokio::time::timeout_at(give_up_at, claim.keep_alive()).await {
                                 Ok(Ok(true)) => {}
-                                Ok(Ok(false)) => break Err(LEASE_SHORT.to_owned()),
+                                Ok(Ok(false)) => break Err(GiveUp::LeaseShort),
                                 // The claim's transaction is gone (or aborted): its rows are
                                 // free for any claim already.
-                                Ok(Err(e)) => {
-                                    break Err(format!("could not keep the claim alive: {e}"))
-                                }
+                                Ok(Err(e)) => break Err(GiveUp::KeepAliveFailed(e)),
                                 // Its transaction's state is unknown now: give the batch up.
-                                Err(_) => break Err(KEEP_ALIVE_LATE.to_owned()),
+                                Err(_) => break Err(GiveUp::KeepAliveLate),
                             }
                         }
                     }
@@ -693,11 +717,14 @@ impl<T: Transport> Shared<T> {
                         drop(acks);
                         tracing::warn!(
                             events = notice.batch.len(),
-                            reason,
+                            %reason,
                             "giving up a batch still in flight (its events are handed out again)"
                         );
-                        // Its slot is freed only once the rollback is through (or the lease is
-                        // nearly over), so that partitions are not given away before.
+                        // Its slot is freed only once the rollback is through, so that this
+                        // relay does not give its partitions away before. If the database
+                        // does not answer, the wait ends after a quarter of the lease, about
+                        // when the leases end; PostgreSQL ends the claim by its idle limit,
+                        // which the keep-alives kept within the leases.
                         let _ = tokio::time::timeout(ctx.config.lease / 4, claim.release()).await;
                         notice.recorded(false).await;
                         drop(permit);

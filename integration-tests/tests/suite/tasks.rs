@@ -649,29 +649,43 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     };
     // Handler runs in the order they happened: (relay, task number, what).
     type Log = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
+    // The first time something happened, by the wall clock (comparable with the database's:
+    // same host).
+    type When = Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>;
     let log: Log = Arc::default();
-    let stopped_at = Arc::new(Mutex::new(None::<chrono::DateTime<chrono::Utc>>));
+    let stopped_at: When = Arc::default();
     let started = Arc::new(tokio::sync::Notify::new());
     let (l, s, st) = (log.clone(), started.clone(), stopped_at.clone());
     let on_a = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
         let (log, started, stopped_at) = (l.clone(), s.clone(), st.clone());
         async move {
-            struct Running(Log, u32, Arc<Mutex<Option<chrono::DateTime<chrono::Utc>>>>);
+            struct Running {
+                log: Log,
+                task: u32,
+                stopped_at: When,
+            }
             impl Drop for Running {
                 fn drop(&mut self) {
-                    self.2.lock().unwrap().get_or_insert_with(chrono::Utc::now);
-                    self.0.lock().unwrap().push(("A", self.1, "stopped"));
+                    self.stopped_at
+                        .lock()
+                        .unwrap()
+                        .get_or_insert_with(chrono::Utc::now);
+                    self.log.lock().unwrap().push(("A", self.task, "stopped"));
                 }
             }
             let n: u32 = task.json()?;
             log.lock().unwrap().push(("A", n, "start"));
-            let _running = Running(log.clone(), n, stopped_at.clone());
+            let _running = Running {
+                log: log.clone(),
+                task: n,
+                stopped_at: stopped_at.clone(),
+            };
             started.notify_one();
             std::future::pending::<()>().await;
             Ok(())
         }
     });
-    let b_started_at = Arc::new(Mutex::new(None::<chrono::DateTime<chrono::Utc>>));
+    let b_started_at: When = Arc::default();
     let (l, bs) = (log.clone(), b_started_at.clone());
     let on_b = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
         let (log, b_started_at) = (l.clone(), bs.clone());
