@@ -418,7 +418,6 @@ impl<T: Transport> Shared<T> {
                             tracing::warn!(relay = %self.id, "key partitions changed but batches are still in flight; rebalancing lanes at the next heartbeat");
                         }
                     }
-                    drop(drained.take());
                     metrics::gauge!("postal_relay_partitions_owned")
                         .set(self.owned.read().expect("owned lock").len() as f64);
                 }
@@ -427,6 +426,9 @@ impl<T: Transport> Shared<T> {
                     tracing::warn!(error = %e, "cannot renew partition leases (database unreachable?); retrying");
                 }
             }
+            // Lanes claim again while this waits (also after a failed release heartbeat, which
+            // gave nothing away).
+            drop(drained);
             if failures > 0 {
                 let wait = self.config.backoff.delay(failures).min(every);
                 tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
