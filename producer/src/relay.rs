@@ -344,7 +344,6 @@ impl<T: Transport> Shared<T> {
             let held = self.owned.read().expect("owned lock").clone();
             // In-flight slots held across a change of `owned` (see below).
             let mut drained = None;
-            let beat = tokio::time::Instant::now();
             let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
@@ -355,7 +354,7 @@ impl<T: Transport> Shared<T> {
                 false,
             )
             .await;
-            self.renewed(beat, &result);
+            self.renewed(round, &result);
             if let Ok(l) = &result {
                 if l.wants_release {
                     // Record everything in flight before giving partitions away, so the next

@@ -98,10 +98,10 @@ pub trait Transport: Send + Sync + 'static {
     /// Whether the transport itself keeps each key's events in order across batches in flight
     /// at once. The task runner does: a key's tasks in a batch wait for its tasks in earlier
     /// batches, and if one of those failed, until the relay recorded that batch (see
-    /// [`Transport::recorded`]); they are then held back. The relay then claims new batches while earlier ones are still in
-    /// flight, also without a backlog, so that a long-running batch (a slow task) holds back
-    /// only its own keys. Default `false`: without a backlog the relay hands over one batch at
-    /// a time.
+    /// [`Transport::recorded`]); they are then held back. The relay then claims new batches
+    /// while earlier ones are still in flight, also without a backlog, so that a long-running
+    /// batch (a slow task) holds back only its own keys. Default `false`: without a backlog
+    /// the relay hands over one batch at a time.
     fn chains_keys_across_batches(&self) -> bool {
         false
     }
