@@ -32,23 +32,50 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
     }
 }
 
-/// Connects to PostgreSQL, waiting (with a log line every attempt, up to 5 s apart) while the
-/// server is unreachable, then applies Postal's migrations. A malformed URL fails at once.
-pub async fn connect(url: &str) -> anyhow::Result<PgPool> {
+/// Connects to PostgreSQL, applies Postal's migrations, then runs `setup` (the service's own
+/// `CREATE TABLE IF NOT EXISTS …`; several statements allowed). While the server is unreachable
+/// or restarting — also when it goes away halfway through — it waits and starts over, with a
+/// log line every attempt (up to 5 s apart). A malformed URL or a failing statement is an error
+/// at once.
+pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
     let opts: sqlx::postgres::PgConnectOptions = url.parse().context("DATABASE_URL")?;
     let mut wait = Duration::from_millis(200);
     loop {
-        match PgPool::connect_with(opts.clone()).await {
+        let error = match PgPool::connect_with(opts.clone()).await {
             Ok(pool) => match postal_shared::migrate(&pool).await {
-                Ok(()) => return Ok(pool),
-                // The server went away between connecting and migrating: wait like above.
-                Err(postal_shared::Error::Database(e)) => {
-                    tracing::warn!(error = %e, "PostgreSQL unreachable; retrying in {wait:?}")
-                }
+                Ok(()) => match sqlx::raw_sql(setup).execute(&pool).await {
+                    Ok(_) => return Ok(pool),
+                    Err(e) if postal_shared::database_unavailable(&e) => e.to_string(),
+                    Err(e) => return Err(anyhow::Error::new(e).context("setting up tables")),
+                },
+                Err(e) if e.is_unavailable() => e.to_string(),
                 Err(e) => return Err(e.into()),
             },
             Err(sqlx::Error::Configuration(e)) => anyhow::bail!("DATABASE_URL: {e}"),
-            Err(e) => tracing::warn!(error = %e, "PostgreSQL unreachable; retrying in {wait:?}"),
+            Err(e) if postal_shared::database_unavailable(&e) => e.to_string(),
+            Err(e) => return Err(e.into()),
+        };
+        tracing::warn!(%error, "PostgreSQL unreachable; retrying in {wait:?}");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Runs `step` until it succeeds, waiting (with a log line, up to 5 s apart) while PostgreSQL is
+/// unreachable; any other error is returned at once.
+pub async fn retry_while_unreachable<T, F, Fut>(what: &str, mut step: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut wait = Duration::from_millis(200);
+    loop {
+        match step().await {
+            Ok(v) => return Ok(v),
+            Err(e) if postal_shared::database_unavailable(&e) => {
+                tracing::warn!(error = %e, "{what}: PostgreSQL unreachable; retrying in {wait:?}");
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context(what.to_owned())),
         }
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_secs(5));

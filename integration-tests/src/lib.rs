@@ -203,12 +203,34 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::now_v7().simple())
 }
 
-/// A free TCP port on loopback (bound and released; good enough for tests).
+/// A free TCP port on loopback for a server the tests start (bound and released), below the
+/// kernel's ephemeral range: a broker or database restarted on its port must find it free, and
+/// a port from that range could meanwhile have become the local end of some client connection
+/// (their reconnects after a restart pick from it). Ports are not handed out twice by one process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU16, Ordering};
+    const LOWEST: u16 = 20_000;
+    let below = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .filter(|&low| low > LOWEST + 1_000)
+        .unwrap_or(32_768);
+    let span = below - LOWEST;
+    // Where this process starts in the range, so that parallel test processes rarely meet.
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let _ = NEXT.compare_exchange(
+        0,
+        1 + (std::process::id() % u32::from(span - 1)) as u16,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let port = LOWEST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOWEST}..{below}")
 }
 
 mod containers {

@@ -19,10 +19,50 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether this failure means PostgreSQL is (for now) unreachable or refusing work — also
+    /// when it happened inside a migration — rather than something retrying cannot fix (a
+    /// modified migration, an invalid value). See [`crate::database_unavailable`].
+    pub fn is_unavailable(&self) -> bool {
+        use sqlx::migrate::MigrateError;
+        match self {
+            Error::Database(e)
+            | Error::Migrate(MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _)) => {
+                crate::database_unavailable(e)
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
         Error::Invalid {
             what,
             reason: reason.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::migrate::MigrateError;
+
+    use super::*;
+
+    fn lost() -> sqlx::Error {
+        sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ))
+    }
+
+    /// A connection lost in the middle of a migration is an outage (wait and retry), the same
+    /// as one lost outside it; a migration that no longer matches what was applied is not.
+    #[test]
+    fn connection_lost_inside_a_migration_is_unavailable_a_mismatch_is_not() {
+        assert!(Error::Database(lost()).is_unavailable());
+        assert!(Error::Migrate(MigrateError::Execute(lost())).is_unavailable());
+        assert!(Error::Migrate(MigrateError::ExecuteMigration(lost(), 3)).is_unavailable());
+        assert!(!Error::Migrate(MigrateError::VersionMismatch(3)).is_unavailable());
+        assert!(!Error::Migrate(MigrateError::Execute(sqlx::Error::RowNotFound)).is_unavailable());
+        assert!(!Error::invalid("topic", "empty").is_unavailable());
     }
 }

@@ -67,14 +67,13 @@ async fn main() -> anyhow::Result<()> {
     let _ =
         INVOICES_TOPIC.set(std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()));
     let config = ConsumerConfig::new(brokers, "billing", "billing").with_env()?;
-    let pool = connect(&db).await?;
-    sqlx::query(
+    let pool = connect(
+        &db,
         "CREATE TABLE IF NOT EXISTS ledger (
              id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
              seq integer NOT NULL, event_id uuid NOT NULL,
              applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
     )
-    .execute(&pool)
     .await?;
     let consumer = Consumer::builder(pool, config)
         .on(&orders, "order.created", on_order_created)

@@ -43,14 +43,13 @@ async fn main() -> anyhow::Result<()> {
     let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let topic = std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into());
     let config = ConsumerConfig::new(brokers, "invoices", "invoices").with_env()?;
-    let pool = connect(&db).await?;
-    sqlx::query(
+    let pool = connect(
+        &db,
         "CREATE TABLE IF NOT EXISTS invoices (
              id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
              seq integer NOT NULL, event_id uuid NOT NULL,
              recorded_at timestamptz NOT NULL DEFAULT clock_timestamp())",
     )
-    .execute(&pool)
     .await?;
     let consumer = Consumer::builder(pool, config)
         .on(&topic, "invoice.created", on_invoice_created)

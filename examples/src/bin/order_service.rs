@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use postal_examples::{connect, env_or, env_required, init_tracing};
+use postal_examples::{connect, env_or, env_required, init_tracing, retry_while_unreachable};
 use postal_producer::{enqueue, NewEvent};
 use sqlx::PgPool;
 
@@ -64,21 +64,20 @@ async fn main() -> anyhow::Result<()> {
         rate > 0.0 && customers > 0,
         "ORDER_RATE and CUSTOMERS must be positive"
     );
-    let pool = connect(&db).await?;
-    sqlx::query(
+    let pool = connect(
+        &db,
         "CREATE TABLE IF NOT EXISTS orders (
              id bigserial PRIMARY KEY, customer text NOT NULL, seq integer NOT NULL,
              created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
              UNIQUE (customer, seq))",
     )
-    .execute(&pool)
     .await?;
-    let mut seqs: HashMap<String, i32> =
-        sqlx::query_as("SELECT customer, max(seq) FROM orders GROUP BY customer")
-            .fetch_all(&pool)
-            .await?
-            .into_iter()
-            .collect();
+    let mut seqs: HashMap<String, i32> = retry_while_unreachable("reading order numbers", || {
+        sqlx::query_as("SELECT customer, max(seq) FROM orders GROUP BY customer").fetch_all(&pool)
+    })
+    .await?
+    .into_iter()
+    .collect();
 
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);

@@ -84,14 +84,13 @@ async fn generate(pool: PgPool, work: Duration, task: Task) -> Result<(), TaskEr
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     init_tracing("info");
-    let pool = connect(&env_required("DATABASE_URL")?).await?;
-    sqlx::raw_sql(
+    let pool = connect(
+        &env_required("DATABASE_URL")?,
         "CREATE TABLE IF NOT EXISTS report_requests (id bigserial PRIMARY KEY, customer text NOT NULL);
          CREATE TABLE IF NOT EXISTS reports (
              event_id uuid PRIMARY KEY, request_id bigint NOT NULL, body text NOT NULL,
              created_at timestamptz NOT NULL DEFAULT now());",
     )
-    .execute(&pool)
     .await?;
     request_reports(&pool, env_or("REPORTS", 20)?).await?;
 

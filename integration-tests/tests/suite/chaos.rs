@@ -83,7 +83,8 @@ impl Proc {
             name: name.into(),
             program,
             args: args.iter().map(|s| s.to_string()).collect(),
-            env: Vec::new(),
+            // Errors returned from `main` print without a backtrace (panics keep theirs).
+            env: vec![("RUST_LIB_BACKTRACE".into(), "0".into())],
             log: logs.join(format!("{name}.log")),
             metrics_port: None,
             child: None,
@@ -259,9 +260,28 @@ impl Drop for Proc {
     }
 }
 
+/// The last 30 lines of a log, without the frames of backtraces (they would crowd out the
+/// message).
 fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
+    let mut in_backtrace = false;
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let t = l.trim_start();
+            if t.eq_ignore_ascii_case("stack backtrace:") {
+                in_backtrace = true;
+                return true;
+            }
+            let frame = t
+                .split_once(": ")
+                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+                || t.starts_with("at ")
+                || t.starts_with("note: Some details");
+            in_backtrace &= frame;
+            !in_backtrace
+        })
+        .collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
 
@@ -607,4 +627,83 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         relay_kills >= kills_each && billing.kills >= kills_each && invoices.kills >= kills_each
     );
     assert!(broker_restarted && pg_restarted);
+}
+
+/// Guarantee: a consumer service started while PostgreSQL crashes halfway through its start-up
+/// (here: inside the migrator, waiting for a lock on sqlx's bookkeeping table) waits for the
+/// server to come back and then starts, instead of exiting. (Before this was handled, the
+/// connection lost inside the migrator ended `billing_service` with exit status 1, which a
+/// chaos run hit when a consumer restart met the PostgreSQL crash.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_starting_while_postgres_crashes_waits_for_it() {
+    let mut pg = PrivatePostgres::start().await;
+    let db = create_db(&pg.url()).await;
+    postal_shared::migrate(&db.pool).await.expect("migrate");
+    // Holds sqlx's bookkeeping table so that the service's migrator stops on it.
+    let mut holder = db.pool.begin().await.expect("begin");
+    sqlx::query("LOCK TABLE postal._sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+
+    let dir = bin_dir();
+    let logs = dir.join(format!("startup-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    // No broker listens there: the consumer connects lazily, so this does not stop it starting.
+    let env = [
+        ("DATABASE_URL", db.url.clone()),
+        (
+            "KAFKA_BOOTSTRAP_SERVERS",
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        ("ORDERS_TOPIC", unique("startup-orders")),
+        ("RUST_LOG", "info,rdkafka=off".into()),
+    ];
+    let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&env);
+    billing.start();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let until = |what: &str| {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+    };
+    // The service's migrator is waiting for the table lock.
+    loop {
+        billing.assert_alive();
+        let waiting = scalar(
+            &db.pool,
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'postal._sqlx_migrations'::regclass",
+        )
+        .await;
+        if waiting.unwrap_or(0) > 0 {
+            break;
+        }
+        until("the migrator to wait for the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(holder);
+    db.pool.close().await;
+    pg.crash();
+    pg.restart().await;
+
+    let log = |p: &Proc| std::fs::read_to_string(&p.log).unwrap_or_default();
+    loop {
+        billing.assert_alive();
+        if log(&billing).contains("consumer started") {
+            break;
+        }
+        until("billing to start after the restart");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        log(&billing).contains("PostgreSQL unreachable"),
+        "the crash did not reach the service's start-up:\n{}",
+        log_tail(&billing.log)
+    );
+    let pool = PgPool::connect(&db.url).await.expect("reconnect");
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM ledger").await,
+        Some(0),
+        "billing created its table after the restart"
+    );
+    billing.stop();
 }
