@@ -203,34 +203,43 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::now_v7().simple())
 }
 
-/// A free TCP port on loopback for a server the tests start (bound and released), below the
+/// A free TCP port on loopback for a server the tests start (bound and released), outside the
 /// kernel's ephemeral range: a broker or database restarted on its port must find it free, and
 /// a port from that range could meanwhile have become the local end of some client connection
 /// (their reconnects after a restart pick from it). Ports are not handed out twice by one process.
 pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU16, Ordering};
-    const LOWEST: u16 = 20_000;
-    let below = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .filter(|&low| low > LOWEST + 1_000)
-        .unwrap_or(32_768);
-    let span = below - LOWEST;
+        .and_then(|r| {
+            let mut it = r.split_whitespace().map(|p| p.parse::<u32>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32_768, 60_999));
+    // Below the range if there is room there, else above it (else anywhere, as before).
+    let (from, to) = if low >= 21_000 {
+        (20_000, low)
+    } else if high <= 64_535 {
+        (high + 1, 65_536)
+    } else {
+        (1_024, 65_536)
+    };
+    let span = to - from;
     // Where this process starts in the range, so that parallel test processes rarely meet.
-    static NEXT: AtomicU16 = AtomicU16::new(0);
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
     let _ = NEXT.compare_exchange(
-        0,
-        1 + (std::process::id() % u32::from(span - 1)) as u16,
+        u32::MAX,
+        std::process::id() % span,
         Ordering::Relaxed,
         Ordering::Relaxed,
     );
     for _ in 0..span {
-        let port = LOWEST + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = (from + NEXT.fetch_add(1, Ordering::Relaxed) % span) as u16;
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
-    panic!("no free port in {LOWEST}..{below}")
+    panic!("no free port in {from}..{to}")
 }
 
 mod containers {

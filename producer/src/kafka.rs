@@ -701,7 +701,11 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         | TimedOutQueue
         | QueueFull
         | KafkaStorageError
-        | ThrottlingQuotaExceeded => FailureKind::Unavailable,
+        | ThrottlingQuotaExceeded
+        // Purged by the relay itself: the producer the record went through was replaced
+        // (after another record's failure) or shut down. Not the record's fault.
+        | PurgeQueue
+        | PurgeInflight => FailureKind::Unavailable,
         _ => FailureKind::Transient,
     }
 }
@@ -713,6 +717,21 @@ mod tests {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
     use crate::transport::sample_event as event;
+
+    /// Records purged because the relay replaced or closed its producer do not count as a
+    /// failed attempt of theirs (they would be parked after enough producer resets); records
+    /// the broker rejects for what they are do, permanently.
+    #[test]
+    fn purged_records_are_unavailable_rejected_ones_permanent() {
+        use RDKafkaErrorCode::*;
+        for code in [PurgeQueue, PurgeInflight, MessageTimedOut, AllBrokersDown] {
+            assert_eq!(classify_code(code), FailureKind::Unavailable, "{code:?}");
+        }
+        for code in [MessageSizeTooLarge, InvalidRecord] {
+            assert_eq!(classify_code(code), FailureKind::Permanent, "{code:?}");
+        }
+        assert_eq!(classify_code(Unknown), FailureKind::Transient);
+    }
 
     /// Guarantee: a delivery timeout (the broker went away) fails the batch's events as
     /// retryable outcomes — nothing hangs — and replaces the producer right away, from the

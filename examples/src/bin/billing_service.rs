@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
 use postal_examples::{connect, env_required, init_tracing};
-use postal_producer::{enqueue, NewEvent};
+use postal_producer::{enqueue, Error, NewEvent};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -52,9 +52,12 @@ async fn on_order_created(
         &serde_json::json!({"order_id": order.order_id, "customer": order.customer, "seq": order.seq}),
     )
     .map_err(HandlerError::permanent)?;
-    enqueue(tx, invoice)
-        .await
-        .map_err(HandlerError::retryable)?;
+    enqueue(tx, invoice).await.map_err(|e| match e {
+        // Classified like the handler's own sqlx calls: a lost connection is an outage
+        // (waited out, not counted as a failed attempt).
+        Error::Database(db) => HandlerError::from(db),
+        other => HandlerError::permanent(other),
+    })?;
     Ok(())
 }
 

@@ -680,9 +680,10 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
         until("the migrator to wait for the lock");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Crash with the lock still held (released before, the migrator could finish first).
+    pg.crash();
     drop(holder);
     db.pool.close().await;
-    pg.crash();
     pg.restart().await;
 
     let log = |p: &Proc| std::fs::read_to_string(&p.log).unwrap_or_default();

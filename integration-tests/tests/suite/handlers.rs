@@ -112,7 +112,12 @@ pub async fn forward(
     .map_err(HandlerError::permanent)?;
     postal_producer::enqueue(tx, out)
         .await
-        .map_err(HandlerError::retryable)?;
+        .map_err(|e| match e {
+            // Classified like the handler's own sqlx calls: a lost connection is an outage
+            // (waited out, not counted as a failed attempt).
+            postal_producer::Error::Database(db) => HandlerError::from(db),
+            other => HandlerError::permanent(other),
+        })?;
     Ok(())
 }
 
