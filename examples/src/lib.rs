@@ -35,15 +35,19 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
 /// Connects to PostgreSQL, applies Postal's migrations, then runs `setup` (the service's own
 /// `CREATE TABLE IF NOT EXISTS …`; several statements allowed). While the server is unreachable
 /// or restarting — also when it goes away halfway through — it waits and starts over, with a
-/// log line every attempt (up to 5 s apart). A malformed URL or a failing statement is an error
-/// at once.
+/// log line every attempt (up to 5 s apart). A malformed URL, a refused login, a missing
+/// database or a failing statement is an error at once. Instances starting together run
+/// `setup` one at a time (two concurrent `CREATE TABLE IF NOT EXISTS` of one table can fail).
 pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
     let opts: sqlx::postgres::PgConnectOptions = url.parse().context("DATABASE_URL")?;
+    // One implicit transaction: the lock is held until `setup` is through.
+    let setup =
+        format!("SELECT pg_advisory_xact_lock(hashtext('postal_examples.setup'));\n{setup}");
     let mut wait = Duration::from_millis(200);
     loop {
         let error = match PgPool::connect_with(opts.clone()).await {
             Ok(pool) => match postal_shared::migrate(&pool).await {
-                Ok(()) => match sqlx::raw_sql(setup).execute(&pool).await {
+                Ok(()) => match sqlx::raw_sql(&setup).execute(&pool).await {
                     Ok(_) => return Ok(pool),
                     Err(e) if postal_shared::database_unavailable(&e) => e.to_string(),
                     Err(e) => return Err(anyhow::Error::new(e).context("setting up tables")),

@@ -225,11 +225,15 @@ pub fn free_port() -> u16 {
         (1_024, 65_536)
     };
     let span = to - from;
-    // Where this process starts in the range, so that parallel test processes rarely meet.
+    // Where this process starts in the range: scattered (process ids run in sequence), so
+    // that test processes running side by side rarely meet.
     static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
     let _ = NEXT.compare_exchange(
         u32::MAX,
-        std::process::id() % span,
+        (std::process::id().wrapping_mul(0x9E37_79B1) ^ nanos) % span,
         Ordering::Relaxed,
         Ordering::Relaxed,
     );

@@ -701,11 +701,11 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         | TimedOutQueue
         | QueueFull
         | KafkaStorageError
-        | ThrottlingQuotaExceeded
+        | ThrottlingQuotaExceeded => FailureKind::Unavailable,
         // Purged by the relay itself: the producer the record went through was replaced
-        // (after another record's failure) or shut down. Not the record's fault.
-        | PurgeQueue
-        | PurgeInflight => FailureKind::Unavailable,
+        // (after another record's failure) or shut down. Not the record's fault, nor a sign
+        // that the broker is down: released for the next claim like a held-back record.
+        PurgeQueue | PurgeInflight => FailureKind::HeldBack,
         _ => FailureKind::Transient,
     }
 }
@@ -718,13 +718,16 @@ mod tests {
 
     use crate::transport::sample_event as event;
 
-    /// Records purged because the relay replaced or closed its producer do not count as a
-    /// failed attempt of theirs (they would be parked after enough producer resets); records
-    /// the broker rejects for what they are do, permanently.
+    /// Records purged because the relay replaced or closed its producer neither count as a
+    /// failed attempt of theirs (they would be parked after enough producer resets) nor pause
+    /// the relay; records the broker rejects for what they are are permanent.
     #[test]
-    fn purged_records_are_unavailable_rejected_ones_permanent() {
+    fn purged_records_are_held_back_rejected_ones_permanent() {
         use RDKafkaErrorCode::*;
-        for code in [PurgeQueue, PurgeInflight, MessageTimedOut, AllBrokersDown] {
+        for code in [PurgeQueue, PurgeInflight] {
+            assert_eq!(classify_code(code), FailureKind::HeldBack, "{code:?}");
+        }
+        for code in [MessageTimedOut, AllBrokersDown] {
             assert_eq!(classify_code(code), FailureKind::Unavailable, "{code:?}");
         }
         for code in [MessageSizeTooLarge, InvalidRecord] {

@@ -49,8 +49,10 @@ pub enum FailureKind {
     Transient,
     /// The event can never be published as it is (too large, invalid topic): parked at once.
     Permanent,
-    /// Not attempted: an earlier event of the same key in the batch failed first. Released for
-    /// a later claim without using up an attempt; the earlier event holds the key meanwhile.
+    /// Not attempted: an earlier event of the same key in the batch failed first (or, with
+    /// Kafka, the record was purged when the relay replaced its producer after another
+    /// record's failure). Released for a later claim without using up an attempt; the earlier
+    /// event holds the key meanwhile.
     HeldBack,
 }
 

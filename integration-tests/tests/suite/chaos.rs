@@ -662,10 +662,10 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
     let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&env);
     billing.start();
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let until = |what: &str| {
+    let until = |deadline: Instant, what: &str| {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
     };
+    let deadline = Instant::now() + Duration::from_secs(60);
     // The service's migrator is waiting for the table lock.
     loop {
         billing.assert_alive();
@@ -677,7 +677,7 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
         if waiting.unwrap_or(0) > 0 {
             break;
         }
-        until("the migrator to wait for the lock");
+        until(deadline, "the migrator to wait for the lock");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Crash with the lock still held (released before, the migrator could finish first).
@@ -687,12 +687,13 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
     pg.restart().await;
 
     let log = |p: &Proc| std::fs::read_to_string(&p.log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         billing.assert_alive();
         if log(&billing).contains("consumer started") {
             break;
         }
-        until("billing to start after the restart");
+        until(deadline, "billing to start after the restart");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(
