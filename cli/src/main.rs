@@ -142,7 +142,8 @@ struct RelayArgs {
     /// acknowledgements (each).
     #[arg(long, env = "POSTAL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
-    /// Apply migrations before starting.
+    /// Apply migrations before starting (waiting while the database is unreachable; an error
+    /// waiting cannot fix, e.g. a modified migration or a refused login, stops the relay).
     #[arg(long, env = "POSTAL_MIGRATE")]
     migrate: bool,
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (database reachable) on this
@@ -411,6 +412,13 @@ async fn run_relay<T: postal_producer::Transport>(
         loop {
             match postal_shared::migrate(&pool).await {
                 Ok(()) => break,
+                // Waiting does not fix these (a modified migration, a refused login, missing
+                // rights): stop with the reason.
+                Err(e) if !e.is_unavailable() => {
+                    return Err(
+                        anyhow::Error::new(e).context(format!("cannot apply migrations to {url}"))
+                    )
+                }
                 Err(e) => {
                     attempt += 1;
                     let wait = Duration::from_secs(u64::from(attempt.min(30)));

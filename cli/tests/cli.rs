@@ -139,3 +139,57 @@ fn migrate_then_status() {
     assert_eq!(status["relays"][0]["relay_group"], "reports");
     assert_eq!(status["relays"][0]["host"], "worker-1");
 }
+
+/// Guarantee: `postal relay --migrate` waits for an unreachable database but stops at once, with
+/// the reason, on a migration error that waiting cannot fix: here a migration that was applied
+/// and has been modified since (its checksum no longer matches).
+#[test]
+fn relay_with_migrate_stops_on_a_modified_migration() {
+    let Ok(server) = std::env::var("DATABASE_URL") else {
+        eprintln!("DATABASE_URL not set: skipping (scripts/test.sh sets it)");
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Dropped when the test passed.
+    let db = rt.block_on(postal_integration_tests::create_db(&server));
+    rt.block_on(async {
+        postal_shared::migrate(&db.pool).await.unwrap();
+        sqlx::query(
+            "UPDATE postal._sqlx_migrations SET checksum = '\\x00'
+             WHERE version = (SELECT min(version) FROM postal._sqlx_migrations)",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    });
+    let mut child = postal()
+        .args(["relay", "--migrate"])
+        .env("DATABASE_URL", &db.url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the relay kept retrying a migration that cannot be applied");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("cannot apply migrations") && stderr.contains("has been modified"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
