@@ -2,10 +2,11 @@
 //! database connection that waits for PostgreSQL instead of failing (a long-running service
 //! started while the database restarts should come up when it is back).
 
+use std::future::Future;
 use std::time::Duration;
 
 use anyhow::Context;
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 
 /// Logs through `tracing`, filtered by `RUST_LOG` (else `default`).
 pub fn init_tracing(default: &str) {
@@ -32,6 +33,30 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
     }
 }
 
+/// SIGINT or SIGTERM, listened for from this call on: a service that creates it first thing
+/// stops cleanly (exit status 0) even when told to while it still waits for PostgreSQL at
+/// start-up. Pass it on to [`postal_consumer::Consumer::run`] once started.
+pub fn stop_signal() -> anyhow::Result<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+        Ok(Box::pin(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }))
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(Box::pin(async {
+            let _ = tokio::signal::ctrl_c().await;
+        }))
+    }
+}
+
 /// Connects to PostgreSQL, applies Postal's migrations, then runs `setup` (the service's own
 /// `CREATE TABLE IF NOT EXISTS …`; several statements allowed). While the server is unreachable
 /// or restarting — also when it goes away halfway through — it waits and starts over, with a
@@ -45,7 +70,17 @@ pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
         format!("SELECT pg_advisory_xact_lock(hashtext('postal_examples.setup'));\n{setup}");
     let mut wait = Duration::from_millis(200);
     loop {
-        let error = match PgPool::connect_with(opts.clone()).await {
+        // One connection first: it fails at once while the server is down, where the pool
+        // would retry quietly for its whole acquire timeout (30 s) before the first log line.
+        let probe = match PgConnection::connect_with(&opts).await {
+            Ok(c) => c.close().await,
+            Err(e) => Err(e),
+        };
+        let connected = match probe {
+            Ok(()) => PgPool::connect_with(opts.clone()).await,
+            Err(e) => Err(e),
+        };
+        let error = match connected {
             Ok(pool) => match postal_shared::migrate(&pool).await {
                 Ok(()) => match sqlx::raw_sql(&setup).execute(&pool).await {
                     Ok(_) => return Ok(pool),
@@ -70,7 +105,7 @@ pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
 pub async fn retry_while_unreachable<T, F, Fut>(what: &str, mut step: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
 {
     let mut wait = Duration::from_millis(200);
     loop {

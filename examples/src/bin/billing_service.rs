@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
-use postal_examples::{connect, env_required, init_tracing};
+use postal_examples::{connect, env_required, init_tracing, stop_signal};
 use postal_producer::{enqueue, Error, NewEvent};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
@@ -61,6 +61,12 @@ async fn on_order_created(
     Ok(())
 }
 
+/// The service's own table.
+const LEDGER_TABLE: &str = "CREATE TABLE IF NOT EXISTS ledger (
+     id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
+     seq integer NOT NULL, event_id uuid NOT NULL,
+     applied_at timestamptz NOT NULL DEFAULT clock_timestamp())";
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     init_tracing("info");
@@ -70,17 +76,15 @@ async fn main() -> anyhow::Result<()> {
     let _ =
         INVOICES_TOPIC.set(std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()));
     let config = ConsumerConfig::new(brokers, "billing", "billing").with_env()?;
-    let pool = connect(
-        &db,
-        "CREATE TABLE IF NOT EXISTS ledger (
-             id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
-             seq integer NOT NULL, event_id uuid NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
-    )
-    .await?;
+    // Listening from here on: a stop while start-up still waits for PostgreSQL is clean too.
+    let mut stop = stop_signal()?;
+    let pool = tokio::select! {
+        pool = connect(&db, LEDGER_TABLE) => pool?,
+        () = &mut stop => return Ok(()),
+    };
     let consumer = Consumer::builder(pool, config)
         .on(&orders, "order.created", on_order_created)
         .build()?;
-    consumer.run_until_signal().await?;
+    consumer.run(stop).await?;
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! `invoices`), and the consumer settings of `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, …).
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
-use postal_examples::{connect, env_required, init_tracing};
+use postal_examples::{connect, env_required, init_tracing, stop_signal};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -36,6 +36,12 @@ async fn on_invoice_created(
     Ok(())
 }
 
+/// The service's own table.
+const INVOICES_TABLE: &str = "CREATE TABLE IF NOT EXISTS invoices (
+     id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
+     seq integer NOT NULL, event_id uuid NOT NULL,
+     recorded_at timestamptz NOT NULL DEFAULT clock_timestamp())";
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     init_tracing("info");
@@ -43,17 +49,15 @@ async fn main() -> anyhow::Result<()> {
     let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let topic = std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into());
     let config = ConsumerConfig::new(brokers, "invoices", "invoices").with_env()?;
-    let pool = connect(
-        &db,
-        "CREATE TABLE IF NOT EXISTS invoices (
-             id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
-             seq integer NOT NULL, event_id uuid NOT NULL,
-             recorded_at timestamptz NOT NULL DEFAULT clock_timestamp())",
-    )
-    .await?;
+    // Listening from here on: a stop while start-up still waits for PostgreSQL is clean too.
+    let mut stop = stop_signal()?;
+    let pool = tokio::select! {
+        pool = connect(&db, INVOICES_TABLE) => pool?,
+        () = &mut stop => return Ok(()),
+    };
     let consumer = Consumer::builder(pool, config)
         .on(&topic, "invoice.created", on_invoice_created)
         .build()?;
-    consumer.run_until_signal().await?;
+    consumer.run(stop).await?;
     Ok(())
 }

@@ -709,3 +709,36 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
     );
     billing.stop();
 }
+
+/// Guarantee: a consumer service told to stop (SIGTERM) while its start-up still waits for an
+/// unreachable PostgreSQL exits cleanly (status 0) instead of being killed by the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_stopped_while_waiting_for_postgres_exits_cleanly() {
+    let dir = bin_dir();
+    let logs = dir.join(unique("startup-stop"));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    // Nothing listens on either port.
+    let env = [
+        (
+            "DATABASE_URL",
+            format!("postgres://postgres@127.0.0.1:{}/postgres", free_port()),
+        ),
+        (
+            "KAFKA_BOOTSTRAP_SERVERS",
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        ("RUST_LOG", "info,rdkafka=off".into()),
+    ];
+    let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&env);
+    billing.start();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&billing.log)
+        .unwrap_or_default()
+        .contains("PostgreSQL unreachable")
+    {
+        billing.assert_alive();
+        assert!(Instant::now() < deadline, "billing never reported the wait");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    billing.stop();
+}
