@@ -142,8 +142,9 @@ struct RelayArgs {
     /// acknowledgements (each).
     #[arg(long, env = "POSTAL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
-    /// Apply migrations before starting (waiting while the database is unreachable; an error
-    /// waiting cannot fix, e.g. a modified migration or a refused login, stops the relay).
+    /// Apply migrations before starting (waiting while the database is unreachable or a
+    /// lock is busy; an error waiting cannot fix, e.g. a modified migration, a refused login or
+    /// a missing database, stops the relay).
     #[arg(long, env = "POSTAL_MIGRATE")]
     migrate: bool,
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (database reachable) on this
@@ -412,9 +413,9 @@ async fn run_relay<T: postal_producer::Transport>(
         loop {
             match postal_shared::migrate(&pool).await {
                 Ok(()) => break,
-                // Waiting does not fix these (a modified migration, a refused login, missing
-                // rights): stop with the reason.
-                Err(e) if !e.is_unavailable() => {
+                // Waiting does not fix these (a modified migration, a refused login, a missing
+                // database, missing rights): stop with the reason.
+                Err(e) if !e.is_unavailable() && !worth_retrying(&e) => {
                     return Err(
                         anyhow::Error::new(e).context(format!("cannot apply migrations to {url}"))
                     )
@@ -444,6 +445,25 @@ async fn run_relay<T: postal_producer::Transport>(
     let stats = relay.run(shutdown_signal()).await?;
     tracing::info!(published = stats.published, parked = stats.parked, "bye");
     Ok(())
+}
+
+/// Migration errors that another attempt may not meet although the server is reachable:
+/// serialization failures, deadlocks, lock and statement timeouts (another session held a
+/// lock the migration needs).
+fn worth_retrying(e: &postal_shared::Error) -> bool {
+    use sqlx::migrate::MigrateError;
+    let db = match e {
+        postal_shared::Error::Database(db)
+        | postal_shared::Error::Migrate(
+            MigrateError::Execute(db) | MigrateError::ExecuteMigration(db, _),
+        ) => db,
+        _ => return false,
+    };
+    let code = db
+        .as_database_error()
+        .and_then(|d| d.code())
+        .unwrap_or_default();
+    code.starts_with("40") || code == "55P03" || code == "57014"
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -158,7 +158,7 @@ fn relay_with_migrate_stops_on_a_modified_migration() {
     rt.block_on(async {
         postal_shared::migrate(&db.pool).await.unwrap();
         sqlx::query(
-            "UPDATE postal._sqlx_migrations SET checksum = '\\x00'
+            "UPDATE postal._sqlx_migrations SET checksum = decode('00', 'hex')
              WHERE version = (SELECT min(version) FROM postal._sqlx_migrations)",
         )
         .execute(&db.pool)

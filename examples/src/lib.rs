@@ -33,9 +33,10 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
     }
 }
 
-/// SIGINT or SIGTERM, listened for from this call on: a service that creates it first thing
-/// stops cleanly (exit status 0) even when told to while it still waits for PostgreSQL at
-/// start-up. Pass it on to [`postal_consumer::Consumer::run`] once started.
+/// SIGINT or SIGTERM, listened for from this call on (on Unix; elsewhere Ctrl-C from the first
+/// poll): a service that creates it before connecting stops cleanly (exit status 0) even when
+/// told to while it still waits for PostgreSQL at start-up. Pass it on to
+/// [`postal_consumer::Consumer::run`] once started.
 pub fn stop_signal() -> anyhow::Result<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> {
     #[cfg(unix)]
     {
@@ -57,6 +58,9 @@ pub fn stop_signal() -> anyhow::Result<std::pin::Pin<Box<dyn Future<Output = ()>
     }
 }
 
+/// How long [`connect`] waits for one connection before it counts the server as unreachable.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Connects to PostgreSQL, applies Postal's migrations, then runs `setup` (the service's own
 /// `CREATE TABLE IF NOT EXISTS …`; several statements allowed). While the server is unreachable
 /// or restarting — also when it goes away halfway through — it waits and starts over, with a
@@ -70,12 +74,18 @@ pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
         format!("SELECT pg_advisory_xact_lock(hashtext('postal_examples.setup'));\n{setup}");
     let mut wait = Duration::from_millis(200);
     loop {
-        // One connection first: it fails at once while the server is down, where the pool
-        // would retry quietly for its whole acquire timeout (30 s) before the first log line.
-        let probe = match PgConnection::connect_with(&opts).await {
-            Ok(c) => c.close().await,
-            Err(e) => Err(e),
-        };
+        // One connection first (at most 5 s): it fails at once while the server is down,
+        // where the pool would retry quietly for its whole acquire timeout (30 s) before the
+        // first log line.
+        let probe =
+            match tokio::time::timeout(PROBE_TIMEOUT, PgConnection::connect_with(&opts)).await {
+                Ok(Ok(c)) => {
+                    let _ = c.close().await;
+                    Ok(())
+                }
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(sqlx::Error::PoolTimedOut),
+            };
         let connected = match probe {
             Ok(()) => PgPool::connect_with(opts.clone()).await,
             Err(e) => Err(e),
