@@ -451,16 +451,9 @@ async fn run_relay<T: postal_producer::Transport>(
 /// serialization failures, deadlocks, lock and statement timeouts (another session held a
 /// lock the migration needs).
 fn worth_retrying(e: &postal_shared::Error) -> bool {
-    use sqlx::migrate::MigrateError;
-    let db = match e {
-        postal_shared::Error::Database(db)
-        | postal_shared::Error::Migrate(
-            MigrateError::Execute(db) | MigrateError::ExecuteMigration(db, _),
-        ) => db,
-        _ => return false,
-    };
-    let code = db
-        .as_database_error()
+    let code = e
+        .database_error()
+        .and_then(sqlx::Error::as_database_error)
         .and_then(|d| d.code())
         .unwrap_or_default();
     code.starts_with("40") || code == "55P03" || code == "57014"

@@ -72,61 +72,73 @@ pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
     // One implicit transaction: the lock is held until `setup` is through.
     let setup =
         format!("SELECT pg_advisory_xact_lock(hashtext('postal_examples.setup'));\n{setup}");
-    let mut wait = Duration::from_millis(200);
-    loop {
-        // One connection first (at most 5 s): it fails at once while the server is down,
-        // where the pool would retry quietly for its whole acquire timeout (30 s) before the
-        // first log line.
-        let probe =
-            match tokio::time::timeout(PROBE_TIMEOUT, PgConnection::connect_with(&opts)).await {
-                Ok(Ok(c)) => {
-                    let _ = c.close().await;
-                    Ok(())
-                }
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(sqlx::Error::PoolTimedOut),
-            };
-        let connected = match probe {
-            Ok(()) => PgPool::connect_with(opts.clone()).await,
-            Err(e) => Err(e),
-        };
-        let error = match connected {
-            Ok(pool) => match postal_shared::migrate(&pool).await {
-                Ok(()) => match sqlx::raw_sql(&setup).execute(&pool).await {
-                    Ok(_) => return Ok(pool),
-                    Err(e) if postal_shared::database_unavailable(&e) => e.to_string(),
-                    Err(e) => return Err(anyhow::Error::new(e).context("setting up tables")),
-                },
-                Err(e) if e.is_unavailable() => e.to_string(),
-                Err(e) => return Err(e.into()),
-            },
-            Err(sqlx::Error::Configuration(e)) => anyhow::bail!("DATABASE_URL: {e}"),
-            Err(e) if postal_shared::database_unavailable(&e) => e.to_string(),
-            Err(e) => return Err(e.into()),
-        };
-        tracing::warn!(%error, "PostgreSQL unreachable; retrying in {wait:?}");
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(Duration::from_secs(5));
+    wait_out(
+        "starting up",
+        || start(&opts, &setup),
+        postal_shared::Error::is_unavailable,
+    )
+    .await
+}
+
+/// One attempt of [`connect`].
+async fn start(
+    opts: &sqlx::postgres::PgConnectOptions,
+    setup: &str,
+) -> Result<PgPool, postal_shared::Error> {
+    // One connection first (at most 5 s): it fails at once while the server is down, where
+    // the pool would retry quietly for its whole acquire timeout (30 s) before the first log
+    // line.
+    match tokio::time::timeout(PROBE_TIMEOUT, PgConnection::connect_with(opts)).await {
+        Ok(Ok(c)) => {
+            let _ = c.close().await;
+        }
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => return Err(sqlx::Error::PoolTimedOut.into()),
     }
+    let pool = PgPool::connect_with(opts.clone()).await?;
+    postal_shared::migrate(&pool).await?;
+    sqlx::raw_sql(setup).execute(&pool).await?;
+    Ok(pool)
 }
 
 /// Runs `step` until it succeeds, waiting (with a log line, up to 5 s apart) while PostgreSQL is
 /// unreachable; any other error is returned at once.
-pub async fn retry_while_unreachable<T, F, Fut>(what: &str, mut step: F) -> anyhow::Result<T>
+pub async fn retry_while_unreachable<T, F, Fut>(what: &str, step: F) -> anyhow::Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, sqlx::Error>>,
 {
-    let mut wait = Duration::from_millis(200);
+    wait_out(what, step, postal_shared::database_unavailable).await
+}
+
+/// Runs `step` until it succeeds, waiting while `outage` says its error means PostgreSQL is
+/// unreachable (200 ms, doubling up to 5 s, a log line each time); any other error is
+/// returned at once.
+async fn wait_out<T, E, F, Fut>(
+    what: &str,
+    mut step: F,
+    outage: impl Fn(&E) -> bool,
+) -> anyhow::Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let backoff = postal_shared::Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(5),
+    };
+    let mut attempt = 0u32;
     loop {
         match step().await {
             Ok(v) => return Ok(v),
-            Err(e) if postal_shared::database_unavailable(&e) => {
+            Err(e) if outage(&e) => {
+                let wait = backoff.ceiling(attempt);
                 tracing::warn!(error = %e, "{what}: PostgreSQL unreachable; retrying in {wait:?}");
+                tokio::time::sleep(wait).await;
+                attempt = attempt.saturating_add(1);
             }
             Err(e) => return Err(anyhow::Error::new(e).context(what.to_owned())),
         }
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(Duration::from_secs(5));
     }
 }

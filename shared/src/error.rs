@@ -23,13 +23,19 @@ impl Error {
     /// when it happened inside a migration — rather than something retrying cannot fix (a
     /// modified migration, an invalid value). See [`crate::database_unavailable`].
     pub fn is_unavailable(&self) -> bool {
+        self.database_error()
+            .is_some_and(crate::database_unavailable)
+    }
+
+    /// The database error behind this failure, also when it happened inside a migration.
+    pub fn database_error(&self) -> Option<&sqlx::Error> {
         use sqlx::migrate::MigrateError;
         match self {
             Error::Database(e)
             | Error::Migrate(MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _)) => {
-                crate::database_unavailable(e)
+                Some(e)
             }
-            _ => false,
+            _ => None,
         }
     }
 

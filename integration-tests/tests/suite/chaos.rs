@@ -142,6 +142,27 @@ impl Proc {
         }
     }
 
+    /// Whether its log so far contains `text`.
+    fn logged(&self, text: &str) -> bool {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .contains(text)
+    }
+
+    /// Waits until its log contains `text`; panics if it exits first or `within` passes.
+    async fn await_log(&mut self, text: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.logged(text) {
+            self.assert_alive();
+            assert!(
+                Instant::now() < deadline,
+                "{} did not log {text:?} within {within:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     fn scrape(&mut self) {
         let Some(port) = self.metrics_port else {
             return;
@@ -662,9 +683,6 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
     let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&env);
     billing.start();
 
-    let until = |deadline: Instant, what: &str| {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-    };
     let deadline = Instant::now() + Duration::from_secs(60);
     // The service's migrator is waiting for the table lock.
     loop {
@@ -677,7 +695,10 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
         if waiting.unwrap_or(0) > 0 {
             break;
         }
-        until(deadline, "the migrator to wait for the lock");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for the migrator to wait for the lock"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Crash with the lock still held (released before, the migrator could finish first).
@@ -686,18 +707,11 @@ async fn a_service_starting_while_postgres_crashes_waits_for_it() {
     db.pool.close().await;
     pg.restart().await;
 
-    let log = |p: &Proc| std::fs::read_to_string(&p.log).unwrap_or_default();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        billing.assert_alive();
-        if log(&billing).contains("consumer started") {
-            break;
-        }
-        until(deadline, "billing to start after the restart");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    billing
+        .await_log("consumer started", Duration::from_secs(60))
+        .await;
     assert!(
-        log(&billing).contains("PostgreSQL unreachable"),
+        billing.logged("PostgreSQL unreachable"),
         "the crash did not reach the service's start-up:\n{}",
         log_tail(&billing.log)
     );
@@ -731,14 +745,8 @@ async fn a_service_stopped_while_waiting_for_postgres_exits_cleanly() {
     ];
     let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&env);
     billing.start();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !std::fs::read_to_string(&billing.log)
-        .unwrap_or_default()
-        .contains("PostgreSQL unreachable")
-    {
-        billing.assert_alive();
-        assert!(Instant::now() < deadline, "billing never reported the wait");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    billing
+        .await_log("PostgreSQL unreachable", Duration::from_secs(60))
+        .await;
     billing.stop();
 }
