@@ -35,8 +35,9 @@ pub enum DeadLetterCommand {
     },
     /// Send dead letters back to the topic they came from, with their original key, value and
     /// headers (so their original event id), for the consumer's handler to process again: by
-    /// id, by consumer, or all not yet replayed. No dedup row was written for a dead letter, so
-    /// a replayed event is applied once.
+    /// id, by consumer, or all not yet replayed. A dead letter keeps its event's dedup row, so
+    /// that no copy of it is ever applied by itself; replay removes that row just before
+    /// sending, so the event goes through the handler once more — once.
     Replay {
         /// Dead letter ids (repeatable).
         #[arg(long = "id", conflicts_with_all = ["consumer", "all"])]
@@ -79,6 +80,8 @@ struct Full {
     payload: Option<Vec<u8>>,
     header_names: Vec<String>,
     header_values: Vec<Vec<u8>>,
+    consumer_name: String,
+    event_id: Option<uuid::Uuid>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -201,7 +204,8 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
             }
             let rows: Vec<Full> = sqlx::query_as(
-                "SELECT id, topic, record_key, payload, header_names, header_values
+                "SELECT id, topic, record_key, payload, header_names, header_values,
+                        consumer_name, event_id
                  FROM postal.dead_letters
                  WHERE replayed_at IS NULL
                    AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
@@ -221,6 +225,18 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             let progress = Progress::new(rows.len() as u64, "replayed");
             let mut done = 0u64;
             for chunk in rows.chunks(500) {
+                // The event may go through the handler again: its dedup row goes first (a
+                // replayed copy that found it would be skipped as a duplicate).
+                let (consumers, events) = dedup_keys(chunk.iter());
+                sqlx::query(
+                    "DELETE FROM postal.processed_events p
+                     USING unnest($1::text[], $2::uuid[]) AS u(consumer_name, event_id)
+                     WHERE p.consumer_name = u.consumer_name AND p.event_id = u.event_id",
+                )
+                .bind(&consumers)
+                .bind(&events)
+                .execute(pool)
+                .await?;
                 let sends = chunk.iter().map(|r| {
                     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
                     for (n, v) in r.header_names.iter().zip(&r.header_values) {
@@ -241,16 +257,19 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 });
                 let results = futures::future::join_all(sends).await;
                 let mut sent = Vec::new();
+                let mut failed = Vec::new();
+                let mut first_error = None;
                 for (r, res) in chunk.iter().zip(results) {
                     match res {
                         Ok(_) => sent.push(r.id),
                         Err((e, _)) => {
-                            progress.finish();
-                            anyhow::bail!(
-                                "replaying dead letter {} to {:?} failed: {e} ({done} replayed before it)",
-                                r.id,
-                                r.topic
-                            );
+                            first_error.get_or_insert_with(|| {
+                                format!(
+                                    "replaying dead letter {} to {:?} failed: {e}",
+                                    r.id, r.topic
+                                )
+                            });
+                            failed.push(r);
                         }
                     }
                 }
@@ -260,6 +279,23 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 .bind(&sent)
                 .execute(pool)
                 .await?;
+                // Not sent: the dead letter stands, and so does its dedup row again.
+                let (consumers, events) = dedup_keys(failed.into_iter());
+                sqlx::query(
+                    "INSERT INTO postal.processed_events (consumer_name, event_id)
+                     SELECT * FROM unnest($1::text[], $2::uuid[]) ON CONFLICT DO NOTHING",
+                )
+                .bind(&consumers)
+                .bind(&events)
+                .execute(pool)
+                .await?;
+                if let Some(e) = first_error {
+                    progress.finish();
+                    anyhow::bail!(
+                        "{e} ({} replayed before it; run the same command again to replay the rest)",
+                        done + sent.len() as u64
+                    );
+                }
                 done += sent.len() as u64;
                 progress.set(done);
             }
@@ -268,4 +304,10 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The (consumer, event id) dedup keys of dead letters that have an event id.
+fn dedup_keys<'a>(rows: impl Iterator<Item = &'a Full>) -> (Vec<String>, Vec<uuid::Uuid>) {
+    rows.filter_map(|r| r.event_id.map(|id| (r.consumer_name.clone(), id)))
+        .unzip()
 }

@@ -90,8 +90,8 @@ impl Worker {
                 }
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
-                    tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back and stopping");
-                    return Step::Stop;
+                    tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
+                    return Step::Fenced;
                 }
                 Err(Attempt::Permanent(..)) | Err(Attempt::Retryable(_)) if !isolate => {
                     // A body failed in the optimistic pass: run again with savepoints.
@@ -140,7 +140,13 @@ impl Worker {
             .map_err(Attempt::db)?
             .into_iter()
             .collect();
+        // The ids whose first record in this batch was handled: later copies are duplicates.
         let mut claimed: HashSet<EventId> = HashSet::new();
+        // The ids whose dedup row stays: applied, or dead-lettered (a later copy of a dead
+        // letter must never be applied; replaying one is an operator's action). Every other
+        // row inserted above is deleted before the commit, in one place (`settle_dedup`): no
+        // path can leave an applied event without its row or keep the row of one not applied.
+        let mut finished: HashSet<EventId> = HashSet::new();
         let mut c = Committed::default();
         for (i, (record, m)) in queue.iter().zip(&metas).enumerate() {
             let m = match m {
@@ -153,13 +159,17 @@ impl Worker {
                     continue;
                 }
             };
+            if !fresh.contains(&m.id) || !claimed.insert(m.id) {
+                c.duplicates += 1;
+                c.done += 1;
+                continue;
+            }
             let route = self
                 .shared
                 .router
                 .find(&record.topic, &m.event_type, m.schema_version)
                 .cloned();
             let Some(route) = route else {
-                self.forget(&mut tx, m.id, &fresh).await?;
                 if config.unknown_types == UnknownTypes::Skip {
                     c.skipped += 1;
                 } else {
@@ -169,18 +179,13 @@ impl Worker {
                     );
                     self.dead_in(&mut tx, record, Some(m), Reason::UnknownType, &error, 0)
                         .await?;
+                    finished.insert(m.id);
                     c.dead += 1;
                 }
                 c.done += 1;
                 continue;
             };
-            if !fresh.contains(&m.id) || !claimed.insert(m.id) {
-                c.duplicates += 1;
-                c.done += 1;
-                continue;
-            }
             if i == 0 && head_exhausted {
-                self.forget(&mut tx, m.id, &fresh).await?;
                 let error = format!("gave up after {head_attempts} attempts");
                 self.dead_in(
                     &mut tx,
@@ -191,6 +196,7 @@ impl Worker {
                     head_attempts as i32,
                 )
                 .await?;
+                finished.insert(m.id);
                 c.dead += 1;
                 c.done += 1;
                 continue;
@@ -203,10 +209,12 @@ impl Worker {
                     .instrument(span)
                     .await;
                 match r {
-                    Ok(()) => sp.commit().await.map_err(Attempt::db)?,
-                    Err(_) => sp.rollback().await.map_err(Attempt::db)?,
+                    Ok(()) => release(sp).await?,
+                    Err(f) => {
+                        sp.rollback().await.map_err(Attempt::db)?;
+                        Err(f)
+                    }
                 }
-                r
             } else {
                 run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
@@ -214,6 +222,7 @@ impl Worker {
             };
             match outcome {
                 Ok(()) => {
+                    finished.insert(m.id);
                     c.applied += 1;
                     c.done += 1;
                 }
@@ -224,7 +233,6 @@ impl Worker {
                     })
                 }
                 Err(BodyFailure::Dead(reason, error)) => {
-                    self.forget(&mut tx, m.id, &fresh).await?;
                     let ran = if reason == Reason::Undecodable {
                         0
                     } else {
@@ -232,6 +240,7 @@ impl Worker {
                     };
                     self.dead_in(&mut tx, record, Some(m), reason, &error, ran as i32)
                         .await?;
+                    finished.insert(m.id);
                     c.dead += 1;
                     c.done += 1;
                 }
@@ -241,17 +250,7 @@ impl Worker {
                 }
             }
         }
-        if c.stopped.is_some() {
-            // The dedup rows of records not finished in this transaction go with it.
-            let rest: Vec<EventId> = metas[c.done..]
-                .iter()
-                .filter_map(|m| m.as_ref().ok().map(|m| m.id))
-                .filter(|id| fresh.contains(id))
-                .collect();
-            crate::dedup::forget_many(&mut tx, &config.consumer, &rest)
-                .await
-                .map_err(Attempt::db)?;
-        }
+        settle_dedup(&mut tx, &config.consumer, &fresh, &finished).await?;
         if c.done > 0 {
             let next = queue[c.done - 1].offset + 1;
             let owned = offsets::advance(
@@ -272,21 +271,6 @@ impl Worker {
         Ok(c)
     }
 
-    /// Removes a dedup row this transaction inserted (the record was not applied after all).
-    async fn forget(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        id: EventId,
-        fresh: &HashSet<EventId>,
-    ) -> Result<(), Attempt> {
-        if fresh.contains(&id) {
-            crate::dedup::forget_many(tx, &self.shared.config.consumer, &[id])
-                .await
-                .map_err(Attempt::db)?;
-        }
-        Ok(())
-    }
-
     async fn dead_in(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -305,5 +289,38 @@ impl Worker {
         self.record_dead(tx, record, dead)
             .await
             .map_err(Attempt::db)
+    }
+}
+
+/// Deletes the dedup rows this transaction inserted (`fresh`) for events it did not finish
+/// (`finished`: applied or dead-lettered): records after a retryable stop, skipped unknown
+/// types. The only place a batch deletes dedup rows.
+async fn settle_dedup(
+    tx: &mut Transaction<'static, Postgres>,
+    consumer: &str,
+    fresh: &HashSet<EventId>,
+    finished: &HashSet<EventId>,
+) -> Result<(), Attempt> {
+    let unfinished: Vec<EventId> = fresh.difference(finished).copied().collect();
+    crate::dedup::forget_many(tx, consumer, &unfinished)
+        .await
+        .map_err(Attempt::db)
+}
+
+/// Releases the savepoint of a body that returned `Ok`. A handler that swallowed a database
+/// error leaves the transaction aborted and the release fails: that is the body's failure (a
+/// retryable one, counted as an attempt and dead-lettered after `max_attempts`), not the
+/// database's; the savepoint is rolled back when `sp` is dropped, before the next statement.
+async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure>, Attempt> {
+    match sp.commit().await {
+        Ok(()) => Ok(Ok(())),
+        Err(e) => match Attempt::db(e) {
+            Attempt::Unavailable(e) => Err(Attempt::Unavailable(e)),
+            Attempt::Retryable(e) | Attempt::Permanent(_, e) => Ok(Err(BodyFailure::Retry(
+                format!("the handler returned Ok but its transaction had failed (a database error it did not return?): {e}"),
+                false,
+            ))),
+            Attempt::Fenced => Err(Attempt::Fenced),
+        },
     }
 }

@@ -79,8 +79,18 @@ pub(crate) fn tpl(topic: &str, partition: i32) -> TopicPartitionList {
 pub(crate) enum Step {
     /// The partition moved past the record.
     Done,
-    /// Stop the worker (revoked, shutting down or fenced); the record is left for the next owner.
+    /// Stop the worker (revoked or shutting down); the record is left for the next owner.
     Stop,
+    /// Another owner's claim bumped the partition's epoch: this transaction rolled back.
+    Fenced,
+}
+
+/// How one ownership of a partition ended.
+enum Owned {
+    /// Cancelled (revoked, shutting down).
+    Ended,
+    /// Fenced by another claim while still assigned here.
+    Fenced,
 }
 
 pub(crate) struct Worker {
@@ -102,14 +112,47 @@ impl Worker {
             _ = self.cancel.cancelled() => return,
             t = self.turn.clone().lock_owned() => t,
         };
+        let mut fenced = 0u32;
+        loop {
+            match self.own().await {
+                Owned::Ended => return,
+                Owned::Fenced => {
+                    // Still assigned here (a revocation cancels the worker), yet another
+                    // owner's claim bumped the epoch: typically a revoked worker elsewhere
+                    // whose delayed claim landed after this one. Take the partition back
+                    // rather than leave it without a worker until the next rebalance; if the
+                    // other owner is live (a rebalance in progress), the two alternate, each
+                    // fencing the other, until Kafka revokes one — never both committing.
+                    tracing::info!(topic = %self.topic, partition = self.partition, "fenced while still assigned here; taking the partition over again");
+                    if !self.wait(fenced).await {
+                        return;
+                    }
+                    fenced = fenced.saturating_add(1);
+                    // What was fetched for the lost ownership is read again after the seek.
+                    let mut dropped = 0;
+                    while self.rx.try_recv().is_ok() {
+                        dropped += 1;
+                    }
+                    self.dequeued(dropped);
+                }
+            }
+        }
+    }
+
+    /// One ownership of the partition: claims it in the database (bumping its epoch), seeks
+    /// to the stored offset and processes records until cancelled or fenced.
+    async fn own(&mut self) -> Owned {
         let Some(own) = self.claim().await else {
-            return;
+            return Owned::Ended;
         };
         let mut next = own.next_offset;
+        // Until the first record is processed: whether the seek to the stored offset was
+        // verified (see below).
+        let mut verified = false;
         let mut first = true;
         if let Some(n) = next {
             // Asynchronous seek (timeout 0): records below `n` that were fetched before it
-            // takes effect are skipped below.
+            // takes effect are skipped below; records above it are checked (`verified`).
             if let Err(e) = self.shared.consumer.seek(
                 &self.topic,
                 self.partition,
@@ -126,8 +169,8 @@ impl Worker {
         loop {
             let head = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => return,
-                r = self.rx.recv() => match r { Some(r) => r, None => return },
+                _ = self.cancel.cancelled() => return Owned::Ended,
+                r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
                 _ = tokio::time::sleep(self.shared.config.stall_check) => {
                     self.check_stall(next, &mut last_stall).await;
                     continue;
@@ -142,9 +185,21 @@ impl Worker {
             }
             self.dequeued(records.len());
             if let (true, Some(n)) = (first, next) {
+                if records[0].offset > n && !verified {
+                    // The fetch started above the stored offset: fetched before the seek took
+                    // effect (a reassignment in this process, or Kafka's group offset ahead of
+                    // the stored one after `postal consumer reset`), or there really is nothing
+                    // in between. Processing it could skip records: seek again, waiting for
+                    // the seek this time, drop what was fetched before, and look again.
+                    verified = true;
+                    if !self.seek_and_drop(n, records[0].offset).await {
+                        return Owned::Ended;
+                    }
+                    continue;
+                }
                 if records[0].offset > n {
                     tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, first = records[0].offset,
-                        "the broker delivered the partition from a later offset than the stored one: records in between were not seen (compaction, retention, or a broker fault)");
+                        "the broker delivered the partition from a later offset than the stored one, also after a second seek: records in between were not seen (compaction, retention, transaction markers, or a broker fault)");
                 }
             }
             first = false;
@@ -163,8 +218,8 @@ impl Worker {
             };
             let permit = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => return,
-                p = self.shared.permits.acquire() => match p { Ok(p) => p, Err(_) => return },
+                _ = self.cancel.cancelled() => return Owned::Ended,
+                p = self.shared.permits.acquire() => match p { Ok(p) => p, Err(_) => return Owned::Ended },
             };
             let step = if records.len() == 1 {
                 self.process(&own, &records[0]).await
@@ -184,9 +239,53 @@ impl Worker {
                             .insert((self.topic.clone(), self.partition), last + 1);
                     }
                 }
-                Step::Stop => return,
+                Step::Stop => return Owned::Ended,
+                Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
+                Step::Fenced => return Owned::Fenced,
             }
         }
+    }
+
+    /// Seeks to `n` and waits for the seek (records fetched afterwards come from `n` on), then
+    /// drops the records fetched before it. `false` if cancelled meanwhile.
+    async fn seek_and_drop(&mut self, n: i64, seen: i64) -> bool {
+        tracing::info!(topic = %self.topic, partition = self.partition, stored = n, first = seen,
+            "records arrived from above the stored offset; seeking to the stored offset again");
+        let mut failures = 0u32;
+        loop {
+            let consumer = self.shared.consumer.clone();
+            let (topic, partition) = (self.topic.clone(), self.partition);
+            let r = tokio::task::spawn_blocking(move || {
+                consumer.seek(
+                    &topic,
+                    partition,
+                    Offset::Offset(n),
+                    Duration::from_secs(10),
+                )
+            })
+            .await;
+            match r {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) if failures < 5 => {
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset failed; retrying");
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset keeps failing; going on from what the broker delivers");
+                    break;
+                }
+                Err(_) => return false,
+            }
+            if !self.wait(failures).await {
+                return false;
+            }
+            failures += 1;
+        }
+        let mut dropped = 0;
+        while self.rx.try_recv().is_ok() {
+            dropped += 1;
+        }
+        self.dequeued(dropped);
+        !self.cancel.is_cancelled()
     }
 
     /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
@@ -295,7 +394,7 @@ impl Worker {
         }
     }
 
-    async fn process(&self, own: &Ownership, record: &Record) -> Step {
+    pub(crate) async fn process(&self, own: &Ownership, record: &Record) -> Step {
         let consumer = self.shared.config.consumer.as_str();
         let meta = match meta(record) {
             Ok(m) => m,
@@ -348,8 +447,8 @@ impl Worker {
                 }
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
-                    tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back and stopping");
-                    return Step::Stop;
+                    tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
+                    return Step::Fenced;
                 }
                 Err(Attempt::Unavailable(e)) => {
                     tracing::warn!(error = %e, event_id = %meta.id, "database or dependency unavailable; retrying (does not count as an attempt)");
@@ -438,7 +537,11 @@ impl Worker {
 
     /// Advances past a record of an unknown type.
     async fn skip(&self, own: &Ownership, record: &Record) -> Step {
-        let step = self.write_with_retry(own, record, None).await;
+        let step = match self.write_with_retry(own, record, None).await {
+            Written::Stop => Step::Stop,
+            Written::Fenced => Step::Fenced,
+            _ => Step::Done,
+        };
         if matches!(step, Step::Done) {
             self.shared
                 .stats
@@ -463,30 +566,65 @@ impl Worker {
             error,
             attempts,
         };
-        let step = self.write_with_retry(own, record, Some(dead)).await;
-        if matches!(step, Step::Done) {
-            self.shared
-                .stats
-                .dead_letters(&self.shared.config.consumer, &record.topic, 1);
-            self.shared.dlq_wake.notify_one();
+        match self.write_with_retry(own, record, Some(dead)).await {
+            Written::DeadLetter => {
+                self.shared
+                    .stats
+                    .dead_letters(&self.shared.config.consumer, &record.topic, 1);
+                self.shared.dlq_wake.notify_one();
+                Step::Done
+            }
+            Written::Duplicate => {
+                self.shared
+                    .stats
+                    .duplicates(&self.shared.config.consumer, &record.topic, 1);
+                Step::Done
+            }
+            Written::Offset => Step::Done,
+            Written::Stop => Step::Stop,
+            Written::Fenced => Step::Fenced,
         }
-        step
     }
 
     /// Records the dead letter (if any) and the offset advance in one transaction, retrying
     /// database failures until it commits, the worker is cancelled, or the partition is fenced.
+    ///
+    /// A dead letter with an event id also gets the event's dedup row, in the same
+    /// transaction: a copy of the event at a later offset is then a duplicate, never applied
+    /// after the events that followed it (replaying a dead letter, `postal dead-letters
+    /// replay`, removes that row on purpose). If the row is there already, another copy of
+    /// the event was applied meanwhile: the record is a duplicate, not a dead letter.
     async fn write_with_retry(
         &self,
         own: &Ownership,
         record: &Record,
         dead: Option<Dead<'_>>,
-    ) -> Step {
+    ) -> Written {
         let mut failures = 0u32;
         loop {
-            let result: Result<bool, sqlx::Error> = async {
+            let result: Result<(bool, Written), sqlx::Error> = async {
                 let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool).await?;
+                let mut written = Written::Offset;
                 if let Some(d) = dead {
-                    self.record_dead(&mut tx, record, d).await?;
+                    let fresh = match d.meta {
+                        Some(m) => {
+                            crate::dedup::record_many(
+                                &mut tx,
+                                &self.shared.config.consumer,
+                                &[m.id],
+                            )
+                            .await?
+                            .len()
+                                == 1
+                        }
+                        None => true,
+                    };
+                    if fresh {
+                        self.record_dead(&mut tx, record, d).await?;
+                        written = Written::DeadLetter;
+                    } else {
+                        written = Written::Duplicate;
+                    }
                 }
                 let owned = offsets::advance(
                     &mut tx,
@@ -500,27 +638,41 @@ impl Worker {
                 if owned {
                     tx.commit().await?;
                 }
-                Ok(owned)
+                Ok((owned, written))
             }
             .await;
             match result {
-                Ok(true) => return Step::Done,
-                Ok(false) => {
+                Ok((true, written)) => return written,
+                Ok((false, _)) => {
                     self.shared
                         .stats
                         .fenced(&self.shared.config.consumer, &record.topic, 1);
-                    return Step::Stop;
+                    return Written::Fenced;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, topic = %record.topic, partition = record.partition, offset = record.offset, "cannot record the outcome; retrying");
                     if !self.wait(failures).await {
-                        return Step::Stop;
+                        return Written::Stop;
                     }
                     failures = failures.saturating_add(1);
                 }
             }
         }
     }
+}
+
+/// What [`Worker::write_with_retry`] committed.
+enum Written {
+    /// The offset advance only.
+    Offset,
+    /// The dead letter (with its event's dedup row) and the offset advance.
+    DeadLetter,
+    /// The offset advance: the event was applied from another copy meanwhile.
+    Duplicate,
+    /// Nothing: cancelled.
+    Stop,
+    /// Nothing: another owner's claim bumped the epoch.
+    Fenced,
 }
 
 /// What a dead letter says about its record.

@@ -189,6 +189,13 @@ impl Consumer {
         crate::testing::RebalanceFault(self.shared.consumer.context().events.clone())
     }
 
+    /// The transaction protocol without Kafka, for the randomized protocol tests (see
+    /// [`crate::testing::Protocol`]).
+    #[doc(hidden)]
+    pub fn protocol(&self) -> crate::testing::Protocol {
+        crate::testing::Protocol(self.shared.clone())
+    }
+
     /// The subscribed topics.
     pub fn topics(&self) -> Vec<String> {
         self.shared.router.topics()

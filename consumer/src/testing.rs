@@ -118,3 +118,106 @@ impl RebalanceFault {
         }
     }
 }
+
+/// The runtime's transaction protocol driven directly, without Kafka: a test claims a
+/// partition (bumping its epoch, as an assigned worker does) and hands records to the same
+/// code a worker runs — one record per transaction, or a batch in throughput mode — in any
+/// order, with duplicates, stale owners and replays. For the randomized protocol tests; not a
+/// public API.
+#[doc(hidden)]
+pub struct Protocol(pub(crate) std::sync::Arc<crate::partition::Shared>);
+
+/// A record as the broker would deliver it (see [`Protocol`]).
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct TestRecord {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Value.
+    pub payload: Option<Vec<u8>>,
+    /// Headers.
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// How [`Protocol::deliver`] ended.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivered {
+    /// Every record was finished and the offset moved past the last one.
+    Done,
+    /// The owner's epoch is stale: nothing was committed.
+    Fenced,
+    /// Cancelled (the harness never cancels: not expected).
+    Stopped,
+}
+
+impl Protocol {
+    /// Takes the partition over as an assigned worker does: bumps the epoch, returns the
+    /// ownership (its epoch and the stored next offset).
+    pub async fn claim(
+        &self,
+        topic: &str,
+        partition: i32,
+    ) -> Result<crate::offsets::Ownership, sqlx::Error> {
+        crate::offsets::claim(
+            &self.0.pool,
+            &self.0.config.group,
+            topic,
+            partition,
+            &self.0.owner,
+        )
+        .await
+    }
+
+    /// Processes `records` (of one partition, in offset order) under `own` exactly as a worker
+    /// does: one record per transaction when there is one, throughput mode otherwise.
+    pub async fn deliver(
+        &self,
+        own: &crate::offsets::Ownership,
+        records: Vec<TestRecord>,
+    ) -> Delivered {
+        use crate::partition::{Step, Worker};
+        let Some(first) = records.first() else {
+            return Delivered::Done;
+        };
+        let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let worker = Worker {
+            shared: self.0.clone(),
+            topic: first.topic.clone(),
+            partition: first.partition,
+            rx,
+            queued: Default::default(),
+            paused: Default::default(),
+            cancel: Default::default(),
+            turn: Default::default(),
+        };
+        let records: Vec<crate::record::Record> = records
+            .into_iter()
+            .map(|r| crate::record::Record {
+                topic: r.topic,
+                partition: r.partition,
+                offset: r.offset,
+                key: r.key,
+                payload: r.payload,
+                headers: crate::event::Headers::new(r.headers),
+                timestamp: None,
+            })
+            .collect();
+        let step = if records.len() == 1 {
+            worker.process(own, &records[0]).await
+        } else {
+            worker.process_batch(own, records).await
+        };
+        match step {
+            Step::Done => Delivered::Done,
+            Step::Fenced => Delivered::Fenced,
+            Step::Stop => Delivered::Stopped,
+        }
+    }
+}

@@ -52,6 +52,25 @@ pub async fn services() -> &'static Services {
     }
 }
 
+/// A fresh, migrated database for a test that needs PostgreSQL only: on the server named by
+/// `DATABASE_URL` when set (no broker needed), else on the shared services.
+pub async fn fresh_postgres_db() -> TestDb {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => {
+            init_tracing();
+            if let Err(e) = wait::ready_postgres(&url, Duration::from_secs(60)).await {
+                panic!("PostgreSQL unavailable: {e}");
+            }
+            let db = create_db(&url).await;
+            postal_shared::migrate(&db.pool)
+                .await
+                .expect("migrate test database");
+            db
+        }
+        _ => services().await.fresh_db().await,
+    }
+}
+
 fn init_services() -> Result<Services, String> {
     init_tracing();
     let db = std::env::var("DATABASE_URL").ok().filter(|s| !s.is_empty());

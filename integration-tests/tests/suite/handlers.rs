@@ -18,8 +18,8 @@ pub const CONSUMER: &str = "effects";
 pub struct Job {
     /// Any number, recorded with the effect.
     pub n: i64,
-    /// `permanent`, `retry` (fails `retries` times, then succeeds), `panic` or `block` (waits
-    /// until [`release`]d).
+    /// `permanent`, `retry` (fails `retries` times, then succeeds), `panic`, `swallow` (ignores
+    /// a failed statement's error and returns Ok) or `block` (waits until [`release`]d).
     #[serde(default)]
     pub fail: Option<String>,
     /// Failures before a `retry` job succeeds.
@@ -74,6 +74,12 @@ pub async fn apply(
             "flaky dependency (attempt {attempt})"
         ))),
         Some("panic") => panic!("handler bug for event {id}"),
+        Some("swallow") => {
+            // A handler bug: a failed statement's error is ignored, which leaves the
+            // transaction aborted although the handler returns Ok.
+            let _ = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+            Ok(())
+        }
         Some("block") => {
             ENTERED.lock().unwrap().insert(id);
             while !RELEASED.lock().unwrap().contains(&id) {

@@ -15,6 +15,7 @@ mod enqueue;
 mod handlers;
 mod migrations;
 mod order;
+mod protocol;
 mod rabbitmq;
 mod rebalance;
 mod relay;
