@@ -1,7 +1,7 @@
 //! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +20,9 @@ use postal_shared::headers as h;
 
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
+
+mod key_fence;
+use key_fence::{KeyFence, Tracked};
 
 /// Settings of the Kafka transport.
 #[derive(Clone)]
@@ -164,7 +167,9 @@ impl KafkaTransport {
         Ok(KafkaTransport {
             producer: Arc::new(ProducerSlot {
                 current: std::sync::RwLock::new((0, producer)),
+                generation: AtomicU64::new(0),
                 client_config: client_config.clone(),
+                fence: KeyFence::default(),
             }),
             admin,
             config,
@@ -306,7 +311,13 @@ impl KafkaTransport {
 /// it once.
 struct ProducerSlot {
     current: std::sync::RwLock<(u64, SharedProducer)>,
+    /// The current generation, also readable without the lock: a batch being handed over
+    /// checks it before each record, so that nothing goes to a producer already replaced
+    /// (see [`KeyFence`]).
+    generation: AtomicU64,
     client_config: rdkafka::ClientConfig,
+    /// Keys held back while a record of theirs in a replaced producer has no recorded outcome.
+    fence: KeyFence,
 }
 
 impl ProducerSlot {
@@ -328,6 +339,12 @@ impl ProducerSlot {
             .create_with_context::<_, AckProducer>(AckContext)
         {
             Ok(p) => {
+                // Batches still handing records to the old producer stop at their next record,
+                // then the keys of its records without an outcome are fenced: all before the
+                // new producer is handed out (under the lock), so no batch sends through it
+                // without seeing the fence.
+                self.generation.store(generation + 1, Ordering::SeqCst);
+                self.fence.fence_generation(generation);
                 let old = std::mem::replace(&mut current.1, shared_producer(p));
                 current.0 += 1;
                 drop(current);
@@ -392,14 +409,21 @@ struct BatchAcks {
     runtime: tokio::runtime::Handle,
     /// Woken when `remaining` reaches zero.
     done: tokio::sync::Notify,
+    /// Which records have their outcome, for the key fence.
+    tracked: Arc<Tracked>,
 }
 
 impl BatchAcks {
-    fn new(slot: std::sync::Weak<ProducerSlot>, generation: u64) -> Arc<Self> {
+    fn new(
+        slot: std::sync::Weak<ProducerSlot>,
+        generation: u64,
+        tracked: Arc<Tracked>,
+    ) -> Arc<Self> {
         Arc::new(BatchAcks {
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
             reset: AtomicBool::new(false),
+            tracked,
             slot,
             generation,
             runtime: tokio::runtime::Handle::current(),
@@ -472,6 +496,12 @@ impl Drop for Ack {
                 .expect("batch failures")
                 .push((self.index, f));
         }
+        if self.batch.tracked.resolved(self.index) {
+            // The batch holds keys in the fence: this may have been its last open record.
+            if let (Some(slot), Some(id)) = (self.batch.slot.upgrade(), self.batch.tracked.id()) {
+                slot.fence.try_release(id);
+            }
+        }
         self.batch.count_down();
     }
 }
@@ -506,13 +536,24 @@ impl Transport for KafkaTransport {
         // Outcomes known before the acknowledgements (refused before sending); the rest are
         // filled in from the delivery callbacks.
         let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
-        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation);
+        let fence = &self.producer.fence;
+        let tracked = fence.track(batch, generation);
+        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation, tracked.clone());
+        // Set once the producer was replaced while this batch was being handed over.
+        let mut replaced = false;
         for (index, e) in batch.iter().enumerate() {
             if !blocked.is_empty() && blocked.contains(e.key.as_str()) {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
                 ));
+                continue;
+            }
+            // A record of this key in a replaced producer has no recorded outcome yet: this
+            // one must not overtake it (see `KeyFence`); nor may the key's later ones here.
+            if fence.any() && fence.hold_if_fenced(&tracked, index) {
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
                 continue;
             }
             if !every_topic_ok {
@@ -594,6 +635,21 @@ impl Transport for KafkaTransport {
                 .key(e.key.as_bytes())
                 .payload(e.payload.as_slice())
                 .headers(headers);
+            tracked.handing(index);
+            if replaced || self.producer.generation.load(Ordering::SeqCst) != generation {
+                // The producer was replaced meanwhile: the rest of the batch goes to none,
+                // and its keys stay fenced until the batch is recorded (the records of
+                // theirs that the old producer got are fenced by the replacement).
+                replaced = true;
+                tracked.not_handed(index);
+                fence.hold_key(&tracked, index);
+                let mut ack = record.delivery_opaque;
+                ack.delivered = true;
+                drop(ack);
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
+                continue;
+            }
             loop {
                 match producer.send(record) {
                     Ok(()) => break,
@@ -629,6 +685,12 @@ impl Transport for KafkaTransport {
         .boxed()
     }
 
+    fn recorded(&self, batch: &[OutboundEvent], _committed: bool) {
+        // Committed or rolled back, the batch's failed and purged rows are in the outbox again
+        // (or still there), ahead of their key's later events: its fenced keys may go.
+        self.producer.fence.recorded(batch);
+    }
+
     fn delivery_timeout(&self) -> Option<Duration> {
         let ms = self
             .config
@@ -644,6 +706,10 @@ impl Transport for KafkaTransport {
         let _ = tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
     }
 }
+
+/// Why a record of a fenced key was held back.
+const FENCED: &str =
+    "an earlier event of this key has no recorded outcome yet in a replaced Kafka producer";
 
 /// Errors after which the producer is replaced by a fresh one at once:
 /// librdkafka's fatal (idempotence) errors, a broker's unknown server error, and delivery
