@@ -999,6 +999,93 @@ mod tests {
         );
     }
 
+    /// Guarantee: when the producer is replaced while a batch of key K has no outcome, no later
+    /// record of K is acknowledged through the new producer before each record of that batch
+    /// was acknowledged or came back; republished as the relay does (failed and held-back
+    /// records again in sequence order, once their batch is recorded), the topic holds K's
+    /// first occurrences in sequence order, none missing. Two batches of one key in flight:
+    /// K:1..50 handed to a producer that cannot reach the broker, the producer replaced (as
+    /// its delivery callbacks do after a timeout or a fatal error: its records are purged),
+    /// then K:51..100 handed over with the broker back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replaced_producer_keeps_its_keys_until_their_records_are_recorded() {
+        let (mock, transport) = mock_transport(&[("message.timeout.ms", "3000")]).await;
+        let transport = Arc::new(transport);
+        let events: Vec<OutboundEvent> = (1..=100).map(|n| numbered("jobs", n)).collect();
+        let (first, second) = (events[..50].to_vec(), events[50..].to_vec());
+
+        mock.broker_down(1).expect("broker down");
+        let first_acks = tokio::spawn(timed(transport.send(&first).await));
+        let generation = transport.producers_generation();
+        let slot = transport.producer.clone();
+        tokio::task::spawn_blocking(move || slot.replace(generation))
+            .await
+            .expect("replace");
+        assert_eq!(transport.producers_generation(), generation + 1);
+        mock.broker_up(1).expect("broker up");
+        let second_acks = tokio::spawn(timed(transport.send(&second).await));
+
+        let (first_out, first_done) = first_acks.await.expect("first batch");
+        let (second_out, second_done) = second_acks.await.expect("second batch");
+        assert!(
+            first_out
+                .iter()
+                .all(|o| o.is_ok() || o.as_ref().is_err_and(|e| e.kind != FailureKind::Permanent)),
+            "{first_out:?}"
+        );
+        if second_out.iter().any(Result::is_ok) {
+            assert!(
+                second_done >= first_done,
+                "K:51.. acknowledged before K:1..50 had their outcomes"
+            );
+        }
+
+        // Until the relay records the purged batch, its key stays fenced.
+        assert!(transport.producer.fence.is_fenced(&first[0]));
+
+        // As the relay: record both batches, then claim what is left in sequence order.
+        let mut left: std::collections::BTreeMap<i64, OutboundEvent> = Default::default();
+        for (batch, outcomes) in [(&first, first_out), (&second, second_out)] {
+            for (e, o) in batch.iter().zip(outcomes) {
+                if o.is_err() {
+                    left.insert(e.seq, e.clone());
+                }
+            }
+            transport.recorded(batch, true);
+        }
+        for _ in 0..30 {
+            if left.is_empty() {
+                break;
+            }
+            let batch: Vec<OutboundEvent> = left.values().cloned().collect();
+            let outcomes = transport.send(&batch).await.await;
+            transport.recorded(&batch, true);
+            for (e, o) in batch.iter().zip(outcomes) {
+                if o.is_ok() {
+                    left.remove(&e.seq);
+                }
+            }
+        }
+        assert!(left.is_empty(), "never published: {:?}", left.keys());
+        assert!(!transport.producer.fence.is_fenced(&first[0]));
+
+        let values = read_back(&mock, "jobs", 101);
+        let mut firsts: Vec<String> = Vec::new();
+        for v in values.into_iter().skip(1) {
+            if !firsts.contains(&v) {
+                firsts.push(v);
+            }
+        }
+        let expected: Vec<String> = (1..=100).map(|n| format!("{{\"n\":{n}}}")).collect();
+        assert_eq!(firsts, expected, "K's first deliveries out of order");
+    }
+
+    /// Awaits a batch's acknowledgements and notes when they were all in.
+    async fn timed(acks: Acks) -> (Vec<Result<(), PublishError>>, std::time::Instant) {
+        let outcomes = acks.await;
+        (outcomes, std::time::Instant::now())
+    }
+
     /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
     /// is what gets logged), while the rest of the configuration does.
     #[test]
