@@ -1080,6 +1080,51 @@ mod tests {
         assert_eq!(firsts, expected, "K's first deliveries out of order");
     }
 
+    /// Guarantee: while a key is fenced (a replaced producer had a record of it without an
+    /// outcome), a later batch hands none of that key's records to the new producer — the first
+    /// one and every later one of the key in the batch come back held back — while other keys
+    /// go out; the key stays fenced until every batch holding it (the purged one and the one
+    /// held back) is recorded, and then flows again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fenced_key_is_held_back_in_later_batches_until_both_are_recorded() {
+        let (mock, transport) = mock_transport(&[("message.timeout.ms", "3000")]).await;
+        let keyed = |seq: i64, key: &str| OutboundEvent {
+            key: key.into(),
+            ..numbered("jobs", seq)
+        };
+        mock.broker_down(1).expect("broker down");
+        let purged = vec![keyed(1, "k")];
+        let purged_acks = transport.send(&purged).await;
+        let generation = transport.producers_generation();
+        let slot = transport.producer.clone();
+        tokio::task::spawn_blocking(move || slot.replace(generation))
+            .await
+            .expect("replace");
+        mock.broker_up(1).expect("broker up");
+
+        let later = vec![keyed(2, "k"), keyed(3, "other"), keyed(4, "k")];
+        let outcomes = transport.send(&later).await.await;
+        let kinds: Vec<Option<FailureKind>> = outcomes
+            .iter()
+            .map(|o| o.as_ref().err().map(|e| e.kind))
+            .collect();
+        assert_eq!(kinds[0], Some(FailureKind::HeldBack), "{outcomes:?}");
+        assert_eq!(kinds[2], Some(FailureKind::HeldBack), "{outcomes:?}");
+        assert_ne!(kinds[1], Some(FailureKind::HeldBack), "{outcomes:?}");
+
+        let purged_out = purged_acks.await;
+        assert!(purged_out[0].is_err(), "{purged_out:?}");
+        transport.recorded(&purged, true);
+        // The held-back batch's rows are not written back yet: the key stays fenced.
+        assert!(transport.producer.fence.is_fenced(&later[0]));
+        transport.recorded(&later, true);
+        assert!(!transport.producer.fence.is_fenced(&later[0]));
+        assert!(
+            publish_with_retries(&transport, keyed(5, "k")).await,
+            "the key never flowed again"
+        );
+    }
+
     /// Awaits a batch's acknowledgements and notes when they were all in.
     async fn timed(acks: Acks) -> (Vec<Result<(), PublishError>>, std::time::Instant) {
         let outcomes = acks.await;
