@@ -812,10 +812,11 @@ mod tests {
         let before = transport.producers_generation();
 
         mock.broker_down(1).expect("broker down");
-        let failed = transport
-            .send(&[event("jobs", 2), event("jobs", 3)])
-            .await
-            .await;
+        let batch = [event("jobs", 2), event("jobs", 3)];
+        let failed = transport.send(&batch).await.await;
+        // As the relay does: a record still open in the replaced producer fences its key until
+        // its batch is recorded.
+        transport.recorded(&batch, true);
         assert_eq!(failed.len(), 2);
         for outcome in &failed {
             let err = outcome.as_ref().expect_err("timed out");
@@ -863,11 +864,15 @@ mod tests {
         (mock, transport)
     }
 
-    /// Publishes one event, retrying as the relay would: a first attempt can time out while
-    /// the idempotent producer is still getting its id (or reconnecting) on a loaded machine.
+    /// Publishes one event, retrying as the relay would (recording each attempt): a first
+    /// attempt can time out while the idempotent producer is still getting its id (or
+    /// reconnecting) on a loaded machine.
     async fn publish_with_retries(transport: &KafkaTransport, e: OutboundEvent) -> bool {
+        let batch = std::slice::from_ref(&e);
         for _ in 0..20 {
-            if transport.send(std::slice::from_ref(&e)).await.await == vec![Ok(())] {
+            let outcomes = transport.send(batch).await.await;
+            transport.recorded(batch, true);
+            if outcomes == vec![Ok(())] {
                 return true;
             }
         }
