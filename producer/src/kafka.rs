@@ -1,7 +1,7 @@
 //! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +20,9 @@ use postal_shared::headers as h;
 
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
+
+mod key_fence;
+use key_fence::{KeyFence, Tracked};
 
 /// Settings of the Kafka transport.
 #[derive(Clone)]
@@ -164,7 +167,9 @@ impl KafkaTransport {
         Ok(KafkaTransport {
             producer: Arc::new(ProducerSlot {
                 current: std::sync::RwLock::new((0, producer)),
+                generation: AtomicU64::new(0),
                 client_config: client_config.clone(),
+                fence: KeyFence::default(),
             }),
             admin,
             config,
@@ -306,7 +311,13 @@ impl KafkaTransport {
 /// it once.
 struct ProducerSlot {
     current: std::sync::RwLock<(u64, SharedProducer)>,
+    /// The current generation, also readable without the lock: a batch being handed over
+    /// checks it before each record, so that nothing goes to a producer already replaced
+    /// (see [`KeyFence`]).
+    generation: AtomicU64,
     client_config: rdkafka::ClientConfig,
+    /// Keys held back while a record of theirs in a replaced producer has no recorded outcome.
+    fence: KeyFence,
 }
 
 impl ProducerSlot {
@@ -328,6 +339,12 @@ impl ProducerSlot {
             .create_with_context::<_, AckProducer>(AckContext)
         {
             Ok(p) => {
+                // Batches still handing records to the old producer stop at their next record,
+                // then the keys of its records without an outcome are fenced: all before the
+                // new producer is handed out (under the lock), so no batch sends through it
+                // without seeing the fence.
+                self.generation.store(generation + 1, Ordering::SeqCst);
+                self.fence.fence_generation(generation);
                 let old = std::mem::replace(&mut current.1, shared_producer(p));
                 current.0 += 1;
                 drop(current);
@@ -392,14 +409,21 @@ struct BatchAcks {
     runtime: tokio::runtime::Handle,
     /// Woken when `remaining` reaches zero.
     done: tokio::sync::Notify,
+    /// Which records have their outcome, for the key fence.
+    tracked: Arc<Tracked>,
 }
 
 impl BatchAcks {
-    fn new(slot: std::sync::Weak<ProducerSlot>, generation: u64) -> Arc<Self> {
+    fn new(
+        slot: std::sync::Weak<ProducerSlot>,
+        generation: u64,
+        tracked: Arc<Tracked>,
+    ) -> Arc<Self> {
         Arc::new(BatchAcks {
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
             reset: AtomicBool::new(false),
+            tracked,
             slot,
             generation,
             runtime: tokio::runtime::Handle::current(),
@@ -472,6 +496,12 @@ impl Drop for Ack {
                 .expect("batch failures")
                 .push((self.index, f));
         }
+        if self.batch.tracked.resolved(self.index) {
+            // The batch holds keys in the fence: this may have been its last open record.
+            if let (Some(slot), Some(id)) = (self.batch.slot.upgrade(), self.batch.tracked.id()) {
+                slot.fence.try_release(id);
+            }
+        }
         self.batch.count_down();
     }
 }
@@ -506,13 +536,24 @@ impl Transport for KafkaTransport {
         // Outcomes known before the acknowledgements (refused before sending); the rest are
         // filled in from the delivery callbacks.
         let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
-        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation);
+        let fence = &self.producer.fence;
+        let tracked = fence.track(batch, generation);
+        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation, tracked.clone());
+        // Set once the producer was replaced while this batch was being handed over.
+        let mut replaced = false;
         for (index, e) in batch.iter().enumerate() {
             if !blocked.is_empty() && blocked.contains(e.key.as_str()) {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
                 ));
+                continue;
+            }
+            // A record of this key in a replaced producer has no recorded outcome yet: this
+            // one must not overtake it (see `KeyFence`); nor may the key's later ones here.
+            if fence.any() && fence.hold_if_fenced(&tracked, index) {
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
                 continue;
             }
             if !every_topic_ok {
@@ -594,6 +635,21 @@ impl Transport for KafkaTransport {
                 .key(e.key.as_bytes())
                 .payload(e.payload.as_slice())
                 .headers(headers);
+            tracked.handing(index);
+            if replaced || self.producer.generation.load(Ordering::SeqCst) != generation {
+                // The producer was replaced meanwhile: the rest of the batch goes to none,
+                // and its keys stay fenced until the batch is recorded (the records of
+                // theirs that the old producer got are fenced by the replacement).
+                replaced = true;
+                tracked.not_handed(index);
+                fence.hold_key(&tracked, index);
+                let mut ack = record.delivery_opaque;
+                ack.delivered = true;
+                drop(ack);
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
+                continue;
+            }
             loop {
                 match producer.send(record) {
                     Ok(()) => break,
@@ -629,6 +685,12 @@ impl Transport for KafkaTransport {
         .boxed()
     }
 
+    fn recorded(&self, batch: &[OutboundEvent], _committed: bool) {
+        // Committed or rolled back, the batch's failed and purged rows are in the outbox again
+        // (or still there), ahead of their key's later events: its fenced keys may go.
+        self.producer.fence.recorded(batch);
+    }
+
     fn delivery_timeout(&self) -> Option<Duration> {
         let ms = self
             .config
@@ -644,6 +706,10 @@ impl Transport for KafkaTransport {
         let _ = tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
     }
 }
+
+/// Why a record of a fenced key was held back.
+const FENCED: &str =
+    "an earlier event of this key has no recorded outcome yet in a replaced Kafka producer";
 
 /// Errors after which the producer is replaced by a fresh one at once:
 /// librdkafka's fatal (idempotence) errors, a broker's unknown server error, and delivery
@@ -746,10 +812,11 @@ mod tests {
         let before = transport.producers_generation();
 
         mock.broker_down(1).expect("broker down");
-        let failed = transport
-            .send(&[event("jobs", 2), event("jobs", 3)])
-            .await
-            .await;
+        let batch = [event("jobs", 2), event("jobs", 3)];
+        let failed = transport.send(&batch).await.await;
+        // As the relay does: a record still open in the replaced producer fences its key until
+        // its batch is recorded.
+        transport.recorded(&batch, true);
         assert_eq!(failed.len(), 2);
         for outcome in &failed {
             let err = outcome.as_ref().expect_err("timed out");
@@ -797,11 +864,15 @@ mod tests {
         (mock, transport)
     }
 
-    /// Publishes one event, retrying as the relay would: a first attempt can time out while
-    /// the idempotent producer is still getting its id (or reconnecting) on a loaded machine.
+    /// Publishes one event, retrying as the relay would (recording each attempt): a first
+    /// attempt can time out while the idempotent producer is still getting its id (or
+    /// reconnecting) on a loaded machine.
     async fn publish_with_retries(transport: &KafkaTransport, e: OutboundEvent) -> bool {
+        let batch = std::slice::from_ref(&e);
         for _ in 0..20 {
-            if transport.send(std::slice::from_ref(&e)).await.await == vec![Ok(())] {
+            let outcomes = transport.send(batch).await.await;
+            transport.recorded(batch, true);
+            if outcomes == vec![Ok(())] {
                 return true;
             }
         }
@@ -931,6 +1002,138 @@ mod tests {
             publish_with_retries(&transport, numbered("other", 2)).await,
             "other topics stopped"
         );
+    }
+
+    /// Guarantee: when the producer is replaced while a batch of key K has no outcome, no later
+    /// record of K is acknowledged through the new producer before each record of that batch
+    /// was acknowledged or came back; republished as the relay does (failed and held-back
+    /// records again in sequence order, once their batch is recorded), the topic holds K's
+    /// first occurrences in sequence order, none missing. Two batches of one key in flight:
+    /// K:1..50 handed to a producer that cannot reach the broker, the producer replaced (as
+    /// its delivery callbacks do after a timeout or a fatal error: its records are purged),
+    /// then K:51..100 handed over with the broker back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replaced_producer_keeps_its_keys_until_their_records_are_recorded() {
+        let (mock, transport) = mock_transport(&[("message.timeout.ms", "3000")]).await;
+        let transport = Arc::new(transport);
+        let events: Vec<OutboundEvent> = (1..=100).map(|n| numbered("jobs", n)).collect();
+        let (first, second) = (events[..50].to_vec(), events[50..].to_vec());
+
+        mock.broker_down(1).expect("broker down");
+        let first_acks = tokio::spawn(timed(transport.send(&first).await));
+        let generation = transport.producers_generation();
+        let slot = transport.producer.clone();
+        tokio::task::spawn_blocking(move || slot.replace(generation))
+            .await
+            .expect("replace");
+        assert_eq!(transport.producers_generation(), generation + 1);
+        mock.broker_up(1).expect("broker up");
+        let second_acks = tokio::spawn(timed(transport.send(&second).await));
+
+        let (first_out, first_done) = first_acks.await.expect("first batch");
+        let (second_out, second_done) = second_acks.await.expect("second batch");
+        assert!(
+            first_out
+                .iter()
+                .all(|o| o.is_ok() || o.as_ref().is_err_and(|e| e.kind != FailureKind::Permanent)),
+            "{first_out:?}"
+        );
+        if second_out.iter().any(Result::is_ok) {
+            assert!(
+                second_done >= first_done,
+                "K:51.. acknowledged before K:1..50 had their outcomes"
+            );
+        }
+
+        // Until the relay records the purged batch, its key stays fenced.
+        assert!(transport.producer.fence.is_fenced(&first[0]));
+
+        // As the relay: record both batches, then claim what is left in sequence order.
+        let mut left: std::collections::BTreeMap<i64, OutboundEvent> = Default::default();
+        for (batch, outcomes) in [(&first, first_out), (&second, second_out)] {
+            for (e, o) in batch.iter().zip(outcomes) {
+                if o.is_err() {
+                    left.insert(e.seq, e.clone());
+                }
+            }
+            transport.recorded(batch, true);
+        }
+        for _ in 0..30 {
+            if left.is_empty() {
+                break;
+            }
+            let batch: Vec<OutboundEvent> = left.values().cloned().collect();
+            let outcomes = transport.send(&batch).await.await;
+            transport.recorded(&batch, true);
+            for (e, o) in batch.iter().zip(outcomes) {
+                if o.is_ok() {
+                    left.remove(&e.seq);
+                }
+            }
+        }
+        assert!(left.is_empty(), "never published: {:?}", left.keys());
+        assert!(!transport.producer.fence.is_fenced(&first[0]));
+
+        let values = read_back(&mock, "jobs", 101);
+        let mut firsts: Vec<String> = Vec::new();
+        for v in values.into_iter().skip(1) {
+            if !firsts.contains(&v) {
+                firsts.push(v);
+            }
+        }
+        let expected: Vec<String> = (1..=100).map(|n| format!("{{\"n\":{n}}}")).collect();
+        assert_eq!(firsts, expected, "K's first deliveries out of order");
+    }
+
+    /// Guarantee: while a key is fenced (a replaced producer had a record of it without an
+    /// outcome), a later batch hands none of that key's records to the new producer — the first
+    /// one and every later one of the key in the batch come back held back — while other keys
+    /// go out; the key stays fenced until every batch holding it (the purged one and the one
+    /// held back) is recorded, and then flows again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fenced_key_is_held_back_in_later_batches_until_both_are_recorded() {
+        let (mock, transport) = mock_transport(&[("message.timeout.ms", "3000")]).await;
+        let keyed = |seq: i64, key: &str| OutboundEvent {
+            key: key.into(),
+            ..numbered("jobs", seq)
+        };
+        mock.broker_down(1).expect("broker down");
+        let purged = vec![keyed(1, "k")];
+        let purged_acks = transport.send(&purged).await;
+        let generation = transport.producers_generation();
+        let slot = transport.producer.clone();
+        tokio::task::spawn_blocking(move || slot.replace(generation))
+            .await
+            .expect("replace");
+        mock.broker_up(1).expect("broker up");
+
+        let later = vec![keyed(2, "k"), keyed(3, "other"), keyed(4, "k")];
+        let outcomes = transport.send(&later).await.await;
+        let kinds: Vec<Option<FailureKind>> = outcomes
+            .iter()
+            .map(|o| o.as_ref().err().map(|e| e.kind))
+            .collect();
+        assert_eq!(kinds[0], Some(FailureKind::HeldBack), "{outcomes:?}");
+        assert_eq!(kinds[2], Some(FailureKind::HeldBack), "{outcomes:?}");
+        assert_ne!(kinds[1], Some(FailureKind::HeldBack), "{outcomes:?}");
+
+        let purged_out = purged_acks.await;
+        assert!(purged_out[0].is_err(), "{purged_out:?}");
+        transport.recorded(&purged, true);
+        // The held-back batch's rows are not written back yet: the key stays fenced.
+        assert!(transport.producer.fence.is_fenced(&later[0]));
+        transport.recorded(&later, true);
+        assert!(!transport.producer.fence.is_fenced(&later[0]));
+        assert!(
+            publish_with_retries(&transport, keyed(5, "k")).await,
+            "the key never flowed again"
+        );
+    }
+
+    /// Awaits a batch's acknowledgements and notes when they were all in.
+    async fn timed(acks: Acks) -> (Vec<Result<(), PublishError>>, std::time::Instant) {
+        let outcomes = acks.await;
+        (outcomes, std::time::Instant::now())
     }
 
     /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which

@@ -51,8 +51,9 @@ pub enum FailureKind {
     Permanent,
     /// Not attempted: an earlier event of the same key in the batch failed first (or, with
     /// Kafka, the record was purged when the relay replaced its producer after another
-    /// record's failure). Released for a later claim without using up an attempt; the earlier
-    /// event holds the key meanwhile.
+    /// record's failure, or an earlier record of its key in a replaced producer has no
+    /// recorded outcome yet). Released for a later claim without using up an attempt; the
+    /// earlier event holds the key meanwhile.
     HeldBack,
 }
 
@@ -110,7 +111,9 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Called once the relay recorded the outcomes of a batch this transport was handed
     /// (`committed`), or failed to (the claim rolled back and its events are handed out
-    /// again), or gave the batch up (shutdown). Default: nothing. A transport that wraps
+    /// again), or gave the batch up (shutdown). Default: nothing. The Kafka transport holds
+    /// back the keys of records that a replaced producer had no outcome for until their batch
+    /// is recorded, so a caller other than the relay must call this too. A transport that wraps
     /// another must pass this on, and [`Transport::chains_keys_across_batches`] too: the task
     /// runner waits for it after a failure, and without it keeps its bookkeeping for good.
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
