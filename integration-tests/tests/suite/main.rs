@@ -20,6 +20,7 @@ mod rabbitmq;
 mod rebalance;
 mod relay;
 mod smoke;
+mod takeover;
 mod tasks;
 mod throughput;
 mod trace;
