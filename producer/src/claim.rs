@@ -269,8 +269,10 @@ impl Claim {
 /// transaction lives on after its last statement (half the lease, then PostgreSQL ends it)
 /// plus a twentieth of the lease (which also covers the claim statement itself: the check
 /// reads the transaction's start time). A claim whose relay never sends another statement thus
-/// ends before the leases of its partitions run out, and the next owner never overtakes it (a
-/// claim kept alive shortens its idle limit the same way, [`Claim::keep_alive`]). Relays renew
+/// ends before the leases of its partitions run out, and the next owner takes them over without
+/// having to terminate it (a claim kept alive shortens its idle limit the same way,
+/// [`Claim::keep_alive`]). A claim whose backend stays active past them is held off by the
+/// fence ([`crate::fence`]). Relays renew
 /// their leases every quarter of the lease, so a healthy relay always has more left.
 pub fn lease_reserve(lease: Duration) -> Duration {
     lease / 2 + lease / 20
