@@ -91,14 +91,16 @@ async fn owner_of_key(pool: &PgPool, key: &str) -> Option<Uuid> {
     .unwrap()
 }
 
-/// The backend of the session named `app` that waits on `wait_event` (`ClientWrite`, `Lock`).
-async fn backend_waiting(pool: &PgPool, app: &str, wait_event_type: &str) -> Option<i32> {
+/// The backend of the session named `app` that waits on `wait` (an event such as
+/// `ClientWrite`, or a type such as `Lock`).
+async fn backend_waiting(pool: &PgPool, app: &str, wait: &str) -> Option<i32> {
     sqlx::query_scalar(
         "SELECT pid FROM pg_stat_activity
-         WHERE application_name = $1 AND state = 'active' AND wait_event_type = $2",
+         WHERE application_name = $1 AND state = 'active'
+           AND (wait_event_type = $2 OR wait_event = $2)",
     )
     .bind(app)
-    .bind(wait_event_type)
+    .bind(wait)
     .fetch_optional(pool)
     .await
     .unwrap()
@@ -167,21 +169,22 @@ async fn a_frozen_claim_keeps_the_next_owner_off_its_key() {
         a_pool.close().await;
         outcome
     });
+    // (A backend also waits on `ClientWrite` for moments while its client reads.)
     wait::until(
         Duration::from_secs(20),
         "A's backend blocked writing its claim",
         || async {
-            backend_waiting(&db.pool, "fence-a", "Client")
-                .await
-                .is_some()
+            proxy.frozen()
+                && backend_waiting(&db.pool, "fence-a", "ClientWrite")
+                    .await
+                    .is_some()
         },
     )
     .await;
     // Blocked: still the same backend.
-    let a_backend = backend_waiting(&db.pool, "fence-a", "Client")
+    let a_backend = backend_waiting(&db.pool, "fence-a", "ClientWrite")
         .await
-        .unwrap();
-    assert!(proxy.frozen(), "the proxy froze A's connection mid-claim");
+        .expect("A's backend blocked");
 
     // Relay B starts; A's lease runs out (A heartbeats no more). B publishes the key only
     // once A's rows are back, all of them before the key's last event.
