@@ -80,8 +80,6 @@ struct Full {
     payload: Option<Vec<u8>>,
     header_names: Vec<String>,
     header_values: Vec<Vec<u8>>,
-    consumer_name: String,
-    event_id: Option<uuid::Uuid>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -204,8 +202,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
             }
             let rows: Vec<Full> = sqlx::query_as(
-                "SELECT id, topic, record_key, payload, header_names, header_values,
-                        consumer_name, event_id
+                "SELECT id, topic, record_key, payload, header_names, header_values
                  FROM postal.dead_letters
                  WHERE replayed_at IS NULL
                    AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
@@ -225,18 +222,30 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             let progress = Progress::new(rows.len() as u64, "replayed");
             let mut done = 0u64;
             for chunk in rows.chunks(500) {
-                // The event may go through the handler again: its dedup row goes first (a
-                // replayed copy that found it would be skipped as a duplicate).
-                let (consumers, events) = dedup_keys(chunk.iter());
-                sqlx::query(
-                    "DELETE FROM postal.processed_events p
-                     USING unnest($1::text[], $2::uuid[]) AS u(consumer_name, event_id)
-                     WHERE p.consumer_name = u.consumer_name AND p.event_id = u.event_id",
+                // Claim the chunk (a replay running at the same time takes none of these), and
+                // remove the dedup rows these dead letters wrote — only those: written in the
+                // dead letter's own transaction, they carry its time. A row from an applied
+                // copy (a replay before, or a dead letter recorded before dead letters kept
+                // their row) stays, and the replayed record is then a duplicate.
+                let ids: Vec<i64> = chunk.iter().map(|r| r.id).collect();
+                let mut tx = pool.begin().await?;
+                let claimed: Vec<i64> = sqlx::query_scalar(
+                    "UPDATE postal.dead_letters SET replayed_at = now()
+                     WHERE id = ANY($1) AND replayed_at IS NULL RETURNING id",
                 )
-                .bind(&consumers)
-                .bind(&events)
-                .execute(pool)
+                .bind(&ids)
+                .fetch_all(&mut *tx)
                 .await?;
+                sqlx::query(
+                    "DELETE FROM postal.processed_events p USING postal.dead_letters d
+                     WHERE d.id = ANY($1) AND p.consumer_name = d.consumer_name
+                       AND p.event_id = d.event_id AND p.processed_at = d.created_at",
+                )
+                .bind(&claimed)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                let chunk: Vec<&Full> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
                 let sends = chunk.iter().map(|r| {
                     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
                     for (n, v) in r.header_names.iter().zip(&r.header_values) {
@@ -256,12 +265,12 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     producer.send(rec, Duration::from_secs(15))
                 });
                 let results = futures::future::join_all(sends).await;
-                let mut sent = Vec::new();
+                let mut sent = 0u64;
                 let mut failed = Vec::new();
                 let mut first_error = None;
                 for (r, res) in chunk.iter().zip(results) {
                     match res {
-                        Ok(_) => sent.push(r.id),
+                        Ok(_) => sent += 1,
                         Err((e, _)) => {
                             first_error.get_or_insert_with(|| {
                                 format!(
@@ -269,34 +278,39 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                                     r.id, r.topic
                                 )
                             });
-                            failed.push(r);
+                            failed.push(r.id);
                         }
                     }
                 }
-                sqlx::query(
-                    "UPDATE postal.dead_letters SET replayed_at = now() WHERE id = ANY($1)",
-                )
-                .bind(&sent)
-                .execute(pool)
-                .await?;
-                // Not sent: the dead letter stands, and so does its dedup row again.
-                let (consumers, events) = dedup_keys(failed.into_iter());
-                sqlx::query(
-                    "INSERT INTO postal.processed_events (consumer_name, event_id)
-                     SELECT * FROM unnest($1::text[], $2::uuid[]) ON CONFLICT DO NOTHING",
-                )
-                .bind(&consumers)
-                .bind(&events)
-                .execute(pool)
-                .await?;
+                if !failed.is_empty() {
+                    // Not sent: the dead letter stands again, with its dedup row (unless a
+                    // copy of the event was applied meanwhile: that row stays as it is).
+                    let mut tx = pool.begin().await?;
+                    sqlx::query(
+                        "UPDATE postal.dead_letters SET replayed_at = NULL WHERE id = ANY($1)",
+                    )
+                    .bind(&failed)
+                    .execute(&mut *tx)
+                    .await?;
+                    sqlx::query(
+                        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+                         SELECT consumer_name, event_id, created_at FROM postal.dead_letters
+                         WHERE id = ANY($1) AND event_id IS NOT NULL
+                         ON CONFLICT DO NOTHING",
+                    )
+                    .bind(&failed)
+                    .execute(&mut *tx)
+                    .await?;
+                    tx.commit().await?;
+                }
                 if let Some(e) = first_error {
                     progress.finish();
                     anyhow::bail!(
                         "{e} ({} replayed before it; run the same command again to replay the rest)",
-                        done + sent.len() as u64
+                        done + sent
                     );
                 }
-                done += sent.len() as u64;
+                done += sent;
                 progress.set(done);
             }
             progress.finish();
@@ -304,10 +318,4 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
-}
-
-/// The (consumer, event id) dedup keys of dead letters that have an event id.
-fn dedup_keys<'a>(rows: impl Iterator<Item = &'a Full>) -> (Vec<String>, Vec<uuid::Uuid>) {
-    rows.filter_map(|r| r.event_id.map(|id| (r.consumer_name.clone(), id)))
-        .unzip()
 }

@@ -546,6 +546,66 @@ async fn dead_letter_replay_applies_once() {
     assert_eq!(remaining.as_array().unwrap().len(), 0, "marked replayed");
 }
 
+/// Guarantee: `postal dead-letters replay` removes only the dedup row its dead letter wrote.
+/// When a copy of the dead-lettered event was applied since (a replay retried after a failed
+/// send, two replays at once, or a dead letter recorded before dead letters kept their row),
+/// that copy's row stays and the replayed record is a duplicate: the event is applied once.
+/// Before, replay deleted whatever row the event had and applied it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_replay_never_applies_an_event_twice() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("dl"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    sqlx::query("CREATE TABLE broken ()")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let ids = produce(&e.bootstrap, &topic, &["{}"]).await;
+    let (stop, task, stats) = start_consumer(&e, &group, &topic);
+    until("the dead letter", || async {
+        stats.snapshot().dead_letters == 1
+    })
+    .await;
+    // Meanwhile a copy of the event was applied: its effect and its own dedup row (written
+    // in a later transaction than the dead letter).
+    sqlx::query("DROP TABLE broken")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO effects VALUES ($1)")
+        .bind(ids[0])
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE postal.processed_events SET processed_at = processed_at + interval '1 second'
+         WHERE event_id = $1",
+    )
+    .bind(ids[0])
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let mut replay = postal(&e.url);
+    replay
+        .args(["dead-letters", "replay", "--all"])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    assert!(ok(replay).contains("replayed 1 dead letter(s)"));
+    until("the replayed record recognised as a duplicate", || async {
+        stats.snapshot().duplicates == 1
+    })
+    .await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    assert_eq!(stats.snapshot().applied, 0);
+    assert_eq!(effects(&e.pool).await, (1, 1), "applied once");
+    // A second replay finds nothing left to replay.
+    let mut again = postal(&e.url);
+    again
+        .args(["dead-letters", "replay", "--all"])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    assert!(ok(again).contains("replayed 0 dead letter(s)"));
+}
+
 fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).ok()?;

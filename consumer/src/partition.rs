@@ -89,8 +89,9 @@ pub(crate) enum Step {
 enum Owned {
     /// Cancelled (revoked, shutting down).
     Ended,
-    /// Fenced by another claim while still assigned here.
-    Fenced,
+    /// Fenced by another claim while still assigned here; the lowest offset this ownership
+    /// received while the stored offset was NULL (nothing committed yet), if any.
+    Fenced(Option<i64>),
 }
 
 pub(crate) struct Worker {
@@ -113,10 +114,16 @@ impl Worker {
             t = self.turn.clone().lock_owned() => t,
         };
         let mut fenced = 0u32;
+        // With no stored offset, where the records this worker dropped begin.
+        let mut floor: Option<i64> = None;
         loop {
-            match self.own().await {
+            match self.own(floor).await {
                 Owned::Ended => return,
-                Owned::Fenced => {
+                Owned::Fenced(seen) => {
+                    floor = match (floor, seen) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
                     // Still assigned here (a revocation cancels the worker), yet another
                     // owner's claim bumped the epoch: typically a revoked worker elsewhere
                     // whose delayed claim landed after this one. Take the partition back
@@ -141,11 +148,14 @@ impl Worker {
 
     /// One ownership of the partition: claims it in the database (bumping its epoch), seeks
     /// to the stored offset and processes records until cancelled or fenced.
-    async fn own(&mut self) -> Owned {
+    async fn own(&mut self, floor: Option<i64>) -> Owned {
         let Some(own) = self.claim().await else {
             return Owned::Ended;
         };
-        let mut next = own.next_offset;
+        // Nothing committed yet: records from `floor` on were dropped by an earlier, fenced
+        // ownership of this worker and must be read again.
+        let mut next = own.next_offset.or(floor);
+        let mut lowest: Option<i64> = None;
         // Until the first record is processed: whether the seek to the stored offset was
         // verified (see below).
         let mut verified = false;
@@ -184,6 +194,10 @@ impl Worker {
                 }
             }
             self.dequeued(records.len());
+            if own.next_offset.is_none() {
+                let o = records[0].offset;
+                lowest = Some(lowest.map_or(o, |l: i64| l.min(o)));
+            }
             if let (true, Some(n)) = (first, next) {
                 if records[0].offset > n && !verified {
                     // The fetch started above the stored offset: fetched before the seek took
@@ -241,7 +255,7 @@ impl Worker {
                 }
                 Step::Stop => return Owned::Ended,
                 Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
-                Step::Fenced => return Owned::Fenced,
+                Step::Fenced => return Owned::Fenced(lowest),
             }
         }
     }

@@ -48,6 +48,30 @@ pub async fn enqueue_batch(
     conn: &mut PgConnection,
     events: Vec<NewEvent>,
 ) -> Result<Vec<EventId>, Error> {
+    write(conn, events, false).await
+}
+
+/// Writes `event` unless the outbox already holds the same event: one with its id and the
+/// same topic, key, type and payload (then nothing is written and the id is returned). For
+/// events whose id is derived from what caused them ([`EventId::derived`]): a handler that
+/// emits an event while applying its input may be applied again (a replay past the dedup
+/// retention, a replayed dead letter) and then emits the same event, which must not fail —
+/// nor become a second event. If the earlier copy was already published and removed from the
+/// outbox, it is written and published again with the same id, which consumers deduplicate.
+/// A different event under the same id is [`Error::DuplicateEventId`].
+///
+/// [`EventId::derived`]: postal_shared::EventId::derived
+pub async fn enqueue_once(conn: &mut PgConnection, event: NewEvent) -> Result<EventId, Error> {
+    let id = event.id;
+    write(conn, vec![event], true).await?;
+    Ok(id)
+}
+
+async fn write(
+    conn: &mut PgConnection,
+    events: Vec<NewEvent>,
+    once: bool,
+) -> Result<Vec<EventId>, Error> {
     if events.is_empty() {
         return Ok(Vec::new());
     }
@@ -87,8 +111,51 @@ pub async fn enqueue_batch(
         deliver_at.push(e.deliver_at);
     }
 
-    let inserted: i64 = sqlx::query_scalar(
-        r#"
+    let sql = if once { INSERT_ONCE } else { INSERT };
+    let inserted: i64 = sqlx::query_scalar(sql)
+        .bind(&uuids)
+        .bind(&topics)
+        .bind(&keys)
+        .bind(&types)
+        .bind(&versions)
+        .bind(&occurred)
+        .bind(&content_types)
+        .bind(&payloads)
+        .bind(&headers)
+        .bind(&deliver_at)
+        .bind(NOTIFY_CHANNEL)
+        .bind(KEY_LOCK_CLASS)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(Error::from_insert)?;
+    if once && inserted == 0 {
+        // Already there: the same event, or a different one under this id?
+        let same: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM postal.outbox
+                            WHERE event_id = $1 AND topic = $2 AND event_key = $3
+                              AND event_type = $4 AND payload = $5)",
+        )
+        .bind(uuids[0])
+        .bind(&topics[0])
+        .bind(&keys[0])
+        .bind(&types[0])
+        .bind(&payloads[0])
+        .fetch_one(&mut *conn)
+        .await?;
+        if !same {
+            return Err(Error::DuplicateEventId);
+        }
+        return Ok(ids);
+    }
+    debug_assert_eq!(inserted as usize, n);
+    Ok(ids)
+}
+
+/// The insert, after taking the keys' advisory locks in one fixed order (`$12` their class).
+macro_rules! insert {
+    ($on_conflict:literal) => {
+        concat!(
+            r#"
         WITH key_locks AS MATERIALIZED (
             SELECT count(pg_advisory_xact_lock($12, h)) AS n
             FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($3::text[]) AS k ORDER BY 1) AS s
@@ -104,26 +171,16 @@ pub async fn enqueue_batch(
                         $10::timestamptz[])
                    WITH ORDINALITY AS u(id, topic, k, typ, ver, occ, ct, payload, hdr, deliver_at, ord)
             ORDER BY u.ord
+            "#,
+            $on_conflict,
+            r#"
             RETURNING 1
         )
         SELECT count(*) FROM ins, (SELECT pg_notify($11, '')) AS wake
-        "#,
-    )
-    .bind(&uuids)
-    .bind(&topics)
-    .bind(&keys)
-    .bind(&types)
-    .bind(&versions)
-    .bind(&occurred)
-    .bind(&content_types)
-    .bind(&payloads)
-    .bind(&headers)
-    .bind(&deliver_at)
-    .bind(NOTIFY_CHANNEL)
-    .bind(KEY_LOCK_CLASS)
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(Error::from_insert)?;
-    debug_assert_eq!(inserted as usize, n);
-    Ok(ids)
+        "#
+        )
+    };
 }
+
+const INSERT: &str = insert!("");
+const INSERT_ONCE: &str = insert!(" ON CONFLICT ON CONSTRAINT outbox_event_id_unique DO NOTHING");

@@ -35,6 +35,7 @@ mod error;
 mod event;
 pub mod fence;
 mod kafka;
+mod key_chain;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;
@@ -46,7 +47,7 @@ mod trace;
 mod transport;
 
 pub use config::{parse_property, RelayConfig, TopicFilter};
-pub use enqueue::{enqueue, enqueue_batch, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
+pub use enqueue::{enqueue, enqueue_batch, enqueue_once, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};

@@ -15,6 +15,7 @@ use crate::claim;
 use crate::complete::Failure;
 use crate::config::RelayConfig;
 use crate::enqueue::NOTIFY_CHANNEL;
+use crate::key_chain::{self, KeyChain};
 use crate::lease;
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
@@ -139,6 +140,7 @@ impl<T: Transport> Relay<T> {
             lease_until: std::sync::Mutex::new(None),
             id: self.id,
             record_gate: tokio::sync::RwLock::new(()),
+            key_chain: KeyChain::default(),
             chained: self.transport.chains_keys_across_batches(),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
@@ -263,6 +265,9 @@ struct Shared<T: Transport> {
     record_gate: tokio::sync::RwLock<()>,
     /// [`Transport::chains_keys_across_batches`], asked once.
     chained: bool,
+    /// For every other transport: the relay's own chain of keys across its batches in flight
+    /// ([`crate::key_chain`]), behind the same record gate.
+    key_chain: KeyChain,
 }
 
 /// Tells the transport about a batch exactly once: [`RecordedNotice::recorded`] after the
@@ -270,26 +275,57 @@ struct Shared<T: Transport> {
 /// at shutdown), so that nothing the transport chains behind the batch waits for good.
 struct RecordedNotice<T: Transport> {
     shared: Arc<Shared<T>>,
+    /// The claimed batch, as recorded.
     batch: Vec<OutboundEvent>,
+    /// What of it was handed to the transport (all of it, unless the key chain held some back).
+    sent: Vec<OutboundEvent>,
+    /// The batch's place in the relay's key chain (transports that do not chain keys).
+    chain: Option<key_chain::Entry>,
     told: bool,
 }
 
 impl<T: Transport> RecordedNotice<T> {
     async fn recorded(mut self, committed: bool) {
-        let _gate = if self.shared.chained {
+        // A batch with failures leaves the chain (and the transport hears of its commit) only
+        // between claims: a claim in progress took its snapshot before this commit.
+        let failed = self
+            .chain
+            .as_ref()
+            .is_some_and(key_chain::Entry::failed_any);
+        let _gate = if self.shared.chained || failed {
             Some(self.shared.record_gate.write().await)
         } else {
             None
         };
-        self.shared.transport.recorded(&self.batch, committed);
+        if let Some(entry) = &self.chain {
+            self.shared.key_chain.remove(entry);
+        }
+        self.shared.transport.recorded(&self.sent, committed);
         self.told = true;
+    }
+
+    /// The batch's outcome, for the batches of the key chain that wait for it.
+    fn resolve(&mut self, outcomes: &[Result<(), PublishError>]) {
+        if let Some(entry) = &mut self.chain {
+            entry.resolve(outcomes);
+        }
+    }
+
+    /// The batch was given up: for the key chain, all of it failed.
+    fn resolve_failed(&mut self) {
+        if let Some(entry) = &mut self.chain {
+            entry.resolve_failed();
+        }
     }
 }
 
 impl<T: Transport> Drop for RecordedNotice<T> {
     fn drop(&mut self) {
         if !self.told {
-            self.shared.transport.recorded(&self.batch, false);
+            if let Some(entry) = &self.chain {
+                self.shared.key_chain.remove(entry);
+            }
+            self.shared.transport.recorded(&self.sent, false);
         }
     }
 }
@@ -576,11 +612,8 @@ impl<T: Transport> Shared<T> {
             }
             // The claim is not raced against shutdown: it is short and bounded, and its
             // transaction is then either completed or rolled back.
-            let gate = if chained {
-                Some(self.record_gate.read().await)
-            } else {
-                None
-            };
+            // Held until the batch is handed over (see `record_gate`).
+            let gate = self.record_gate.read().await;
             let claim_started = Instant::now();
             let claimed = claim::claim(
                 &self.pool,
@@ -646,27 +679,64 @@ impl<T: Transport> Shared<T> {
             } else {
                 0.0
             };
+            // Transports that do not chain keys themselves: this batch waits for the outcome
+            // of earlier batches in flight with a key of its own, and holds back the events
+            // of keys that failed there (see `key_chain`).
+            let mut chain = (!chained).then(|| self.key_chain.register(&batch));
+            let mut held: Vec<bool> = Vec::new();
+            if let Some(entry) = chain.as_ref().filter(|e| e.has_deps()) {
+                held = tokio::select! {
+                    h = entry.wait() => h,
+                    _ = self.abandon.cancelled() => {
+                        tracing::warn!(events = batch.len(), "shutdown timeout reached while a batch waited for an earlier one of its keys; giving it up (its claim rolls back)");
+                        drop(claim);
+                        if let Some(entry) = chain.take() {
+                            self.key_chain.remove(&entry);
+                        }
+                        break;
+                    }
+                };
+            }
             if claim.send_deadline_passed() {
                 // The fence's last step (see `claim::Claim::send_deadline_passed`): this relay
                 // stalled (a frozen process, a starved runtime, a claim that waited on a
                 // lock) until its leases as read at claim time may have run out.
                 tracing::warn!(events = batch.len(), claim_ms = claim_time.as_secs_f64() * 1e3, "a claimed batch reached its send deadline before it was handed over (the relay stalled?); giving it back unsent");
                 let _ = tokio::time::timeout(self.config.lease / 4, claim.release()).await;
+                if let Some(entry) = chain.take() {
+                    self.key_chain.remove(&entry);
+                }
                 drop(gate);
                 drop(permit);
                 drop(own);
                 continue;
             }
-            let acks = tokio::select! {
-                acks = self.transport.send(&batch) => acks,
+            // The events to hand over: all, unless the chain holds some back.
+            let sent: Vec<OutboundEvent> = if held.iter().any(|h| *h) {
+                batch
+                    .iter()
+                    .zip(&held)
+                    .filter(|(_, h)| !**h)
+                    .map(|(e, _)| e.clone())
+                    .collect()
+            } else {
+                batch.clone()
+            };
+            let handed = tokio::select! {
+                acks = self.transport.send(&sent), if !sent.is_empty() => Some(acks),
+                _ = std::future::ready(()), if sent.is_empty() => None,
                 _ = self.abandon.cancelled() => {
                     tracing::warn!(events = batch.len(), "shutdown timeout reached while a batch was still being handed to the destination; giving it up (its claim rolls back, its events are published again later)");
                     drop(claim);
+                    if let Some(entry) = chain.take() {
+                        self.key_chain.remove(&entry);
+                    }
                     // What the transport may have started of it ends without a record.
-                    self.transport.recorded(&batch, false);
+                    self.transport.recorded(&sent, false);
                     break;
                 }
             };
+            let acks = merge_held(handed, held);
             drop(gate);
             let send_time = started.elapsed();
             if light {
@@ -681,9 +751,11 @@ impl<T: Transport> Shared<T> {
             };
             while completions.try_join_next().is_some() {}
             let keep_alive_every = self.config.lease / 4;
-            let notice = RecordedNotice {
+            let mut notice = RecordedNotice {
                 shared: self.clone(),
                 batch,
+                sent,
+                chain,
                 told: false,
             };
             completions.spawn(async move {
@@ -727,6 +799,7 @@ impl<T: Transport> Shared<T> {
                         // back (or PostgreSQL ends it: its idle limit never reaches past the
                         // leases), so its events are handed out again in order.
                         drop(acks);
+                        notice.resolve_failed();
                         tracing::warn!(
                             events = notice.batch.len(),
                             %reason,
@@ -744,6 +817,7 @@ impl<T: Transport> Shared<T> {
                         return;
                     }
                 };
+                notice.resolve(&outcomes);
                 let acked = started.elapsed();
                 metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
                 let n = notice.batch.len();
@@ -768,6 +842,47 @@ impl<T: Transport> Shared<T> {
         }
         completions
     }
+}
+
+/// The outcomes of a claimed batch of which the key chain held some events back (`held`, per
+/// event; empty when none was): the handed-over events' outcomes from the transport, in
+/// order, and `HeldBack` for the others (released for a later claim without an attempt).
+fn merge_held<A>(
+    handed: Option<A>,
+    held: Vec<bool>,
+) -> futures::future::BoxFuture<'static, Vec<Result<(), PublishError>>>
+where
+    A: std::future::Future<Output = Vec<Result<(), PublishError>>> + Send + 'static,
+{
+    use futures::FutureExt as _;
+    async move {
+        let mut sent = match handed {
+            Some(acks) => acks.await,
+            None => Vec::new(),
+        }
+        .into_iter();
+        if held.is_empty() {
+            return sent.collect();
+        }
+        held.into_iter()
+            .map(|h| {
+                if h {
+                    Err(PublishError::new(
+                        FailureKind::HeldBack,
+                        "an earlier event of this key failed in another batch",
+                    ))
+                } else {
+                    sent.next().unwrap_or_else(|| {
+                        Err(PublishError::new(
+                            FailureKind::Unavailable,
+                            "the destination returned no outcome",
+                        ))
+                    })
+                }
+            })
+            .collect()
+    }
+    .boxed()
 }
 
 /// Waits for the claim loops to return, collecting their sets of batches in flight.

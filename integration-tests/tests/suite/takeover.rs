@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use postal_integration_tests::{services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;
@@ -163,5 +164,67 @@ async fn records_fetched_above_the_stored_offset_do_not_skip_a_replay() {
         order,
         (0..30).collect::<Vec<_>>(),
         "applied in offset order"
+    );
+}
+
+/// Guarantee: a worker fenced before anything was committed for its partition (no stored
+/// offset yet: a new group, a newly subscribed topic, the start-up rebalance of several
+/// instances) reads again what its fenced ownership dropped — the fenced batch and its
+/// buffer — instead of moving on from the fetch position and skipping them. (Found by review:
+/// without a stored offset there was no seek.)
+#[tokio::test]
+async fn a_worker_fenced_before_any_commit_does_not_skip_what_it_dropped() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("takeover");
+    let group = unique("g");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &group, crate::handlers::CONSUMER),
+    );
+    let stored = |pool: sqlx::PgPool, group: String, topic: String| async move {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT next_offset FROM postal.consumer_offsets
+             WHERE group_id = $1 AND topic = $2 AND partition = 0",
+        )
+        .bind(group)
+        .bind(topic)
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let pool = db.pool.clone();
+    wait::until(WAIT, "the worker's claim (no stored offset yet)", || {
+        stored(pool.clone(), group.clone(), topic.clone()).map(|s| s == Some(None))
+    })
+    .await;
+    // The late claim of a worker revoked elsewhere, before anything was committed.
+    postal_consumer::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
+        .await
+        .unwrap();
+    produce(&svc.bootstrap, &topic, Some(0), &records(0, 10)).await;
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the worker fenced", || {
+        let s = stats.snapshot();
+        async move { s.fenced >= 1 }
+    })
+    .await;
+    produce(&svc.bootstrap, &topic, Some(0), &records(10, 20)).await;
+    wait::until(WAIT, "stored offset 20", || {
+        stored(pool.clone(), group.clone(), topic.clone()).map(|s| s == Some(Some(20)))
+    })
+    .await;
+    running.stop().await;
+    let applied: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        applied,
+        (0..20).collect::<Vec<_>>(),
+        "every record below the stored offset applied, in order"
     );
 }

@@ -1,0 +1,230 @@
+//! Per-key order across the batches one relay has in flight at once.
+//!
+//! A claim skips rows that another claim of this relay still locks (`SKIP LOCKED`), and until
+//! that claim commits, a failed row of it is not yet written back as holding its key. So a
+//! later claim can take a key's later events while its earlier ones are in flight in another
+//! batch: if the earlier one then fails (refused, nacked, timed out), the later one must not be
+//! published ahead of it. The chain makes that impossible for every transport that does not
+//! chain keys itself ([`crate::Transport::chains_keys_across_batches`]):
+//!
+//! - each batch registers its keys when it is handed over, in claim order, and depends on the
+//!   batches before it that hold any of its keys and have not been recorded yet;
+//! - before its events are handed over, it waits for the outcome of those batches (their
+//!   acknowledgements, not their commit); its events whose key had a failure there (or was held
+//!   back there) are not sent but held back, to be claimed again behind the failed event, which
+//!   by then holds the key in the outbox;
+//! - a batch with failures leaves the chain only once the relay recorded it, under the relay's
+//!   record gate, which every claim holds until its batch is handed over: a claim whose
+//!   snapshot predates that commit (and so took the key's later events) still sees the failure.
+//!
+//! Batches without a key in common wait for nothing, so unrelated keys keep their pipelining;
+//! a key with events in two batches at once hands the later ones over only after the earlier
+//! ones' acknowledgements.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use crate::transport::{OutboundEvent, PublishError};
+
+/// A key as the chain knows it: a hash of its topic and key (order is per key within a topic;
+/// a collision only makes two keys wait for each other).
+fn key_of(event: &OutboundEvent) -> u64 {
+    let mut h = DefaultHasher::new();
+    event.topic.hash(&mut h);
+    event.key.hash(&mut h);
+    h.finish()
+}
+
+/// One batch in the chain.
+pub(crate) struct Link {
+    /// `Some(keys with a failure)` once the batch's outcome is known.
+    outcome: watch::Sender<Option<Arc<HashSet<u64>>>>,
+}
+
+impl Link {
+    /// The keys that failed (or were held back) in this batch, once its outcome is known.
+    async fn failed(&self) -> Arc<HashSet<u64>> {
+        let mut rx = self.outcome.subscribe();
+        loop {
+            if let Some(failed) = rx.borrow_and_update().clone() {
+                return failed;
+            }
+            if rx.changed().await.is_err() {
+                // Unreachable while `self` holds the sender; count everything as failed.
+                return Arc::new(HashSet::new());
+            }
+        }
+    }
+}
+
+/// The batches of one relay that are in flight or not yet recorded, by key.
+#[derive(Default)]
+pub(crate) struct KeyChain {
+    /// Key → the last batch registered with it.
+    last: Mutex<HashMap<u64, Arc<Link>>>,
+}
+
+/// A batch's place in the chain, from hand-over until it is recorded.
+pub(crate) struct Entry {
+    link: Arc<Link>,
+    keys: Vec<u64>,
+    /// Earlier batches with a key of this one, not yet recorded when it registered.
+    deps: Vec<Arc<Link>>,
+    resolved: bool,
+    failed_any: bool,
+}
+
+impl KeyChain {
+    /// Registers `batch` (called in claim order, before any later claim can register).
+    pub(crate) fn register(&self, batch: &[OutboundEvent]) -> Entry {
+        let (tx, _) = watch::channel(None);
+        let link = Arc::new(Link { outcome: tx });
+        let keys: Vec<u64> = batch.iter().map(key_of).collect();
+        let mut deps: Vec<Arc<Link>> = Vec::new();
+        let mut last = self.last.lock().expect("key chain");
+        let mut seen = HashSet::new();
+        for k in &keys {
+            if !seen.insert(*k) {
+                continue;
+            }
+            if let Some(prev) = last.insert(*k, link.clone()) {
+                if !deps.iter().any(|d| Arc::ptr_eq(d, &prev)) {
+                    deps.push(prev);
+                }
+            }
+        }
+        Entry {
+            link,
+            keys,
+            deps,
+            resolved: false,
+            failed_any: false,
+        }
+    }
+
+    /// Takes the batch out of the chain: its keys no longer make later batches wait.
+    pub(crate) fn remove(&self, entry: &Entry) {
+        let mut last = self.last.lock().expect("key chain");
+        for k in &entry.keys {
+            if last.get(k).is_some_and(|l| Arc::ptr_eq(l, &entry.link)) {
+                last.remove(k);
+            }
+        }
+    }
+}
+
+impl Entry {
+    /// Waits for the batches this one depends on; returns, per event of the batch, whether it
+    /// must be held back (an earlier event of its key failed or was held back there).
+    pub(crate) async fn wait(&self) -> Vec<bool> {
+        let mut failed: HashSet<u64> = HashSet::new();
+        for dep in &self.deps {
+            failed.extend(dep.failed().await.iter().copied());
+        }
+        self.keys.iter().map(|k| failed.contains(k)).collect()
+    }
+
+    /// Whether the batch waits for another one.
+    pub(crate) fn has_deps(&self) -> bool {
+        !self.deps.is_empty()
+    }
+
+    /// Publishes the batch's outcome to the batches that wait for it: the keys of events that
+    /// did not succeed.
+    pub(crate) fn resolve(&mut self, outcomes: &[Result<(), PublishError>]) {
+        let failed: HashSet<u64> = self
+            .keys
+            .iter()
+            .zip(outcomes)
+            .filter(|(_, o)| o.is_err())
+            .map(|(k, _)| *k)
+            .collect();
+        self.failed_any = !failed.is_empty();
+        self.resolved = true;
+        self.link.outcome.send_replace(Some(Arc::new(failed)));
+    }
+
+    /// The batch is given up without outcomes: every key counts as failed.
+    pub(crate) fn resolve_failed(&mut self) {
+        let failed: HashSet<u64> = self.keys.iter().copied().collect();
+        self.failed_any = !failed.is_empty();
+        self.resolved = true;
+        self.link.outcome.send_replace(Some(Arc::new(failed)));
+    }
+
+    /// Whether some key failed: leaving the chain must then wait for the record gate.
+    pub(crate) fn failed_any(&self) -> bool {
+        self.failed_any
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // Never leave a waiting batch hanging: an entry dropped unresolved failed everything.
+        if !self.resolved {
+            self.resolve_failed();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{sample_event, FailureKind};
+
+    fn keyed(seq: i64, key: &str) -> OutboundEvent {
+        OutboundEvent {
+            key: key.into(),
+            ..sample_event("t", seq)
+        }
+    }
+
+    /// A batch waits only for earlier unrecorded batches that share a key with it, and holds
+    /// back exactly its events whose key failed there; keys without an earlier batch go at
+    /// once; a removed batch no longer makes anyone wait.
+    #[tokio::test]
+    async fn a_later_batch_holds_back_only_the_keys_that_failed_before_it() {
+        let chain = KeyChain::default();
+        let mut a = chain.register(&[keyed(1, "k"), keyed(2, "j")]);
+        let b = chain.register(&[keyed(3, "k"), keyed(4, "x"), keyed(5, "j")]);
+        let c = chain.register(&[keyed(6, "y")]);
+        assert!(!a.has_deps() && b.has_deps() && !c.has_deps());
+        let waiting = tokio::spawn(async move { (b.wait().await, b) });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "b waits for a's outcome");
+        a.resolve(&[
+            Err(PublishError::new(FailureKind::Transient, "nack")),
+            Ok(()),
+        ]);
+        let (held, mut b) = waiting.await.unwrap();
+        assert_eq!(held, vec![true, false, false]);
+        // b's held-back k counts as failed for whatever comes after b.
+        b.resolve(&[
+            Err(PublishError::new(FailureKind::HeldBack, "held")),
+            Ok(()),
+            Ok(()),
+        ]);
+        let d = chain.register(&[keyed(7, "k")]);
+        assert_eq!(d.wait().await, vec![true]);
+        chain.remove(&a);
+        chain.remove(&b);
+        chain.remove(&d);
+        let e = chain.register(&[keyed(8, "k")]);
+        assert!(!e.has_deps(), "nothing left to wait for");
+    }
+
+    /// A batch dropped before its outcome (given up, aborted) counts as failed for every key,
+    /// so nothing waits for it forever and nothing overtakes it.
+    #[tokio::test]
+    async fn a_dropped_batch_fails_its_keys_for_the_batches_behind_it() {
+        let chain = KeyChain::default();
+        let a = chain.register(&[keyed(1, "k")]);
+        let b = chain.register(&[keyed(2, "k")]);
+        drop(a);
+        assert_eq!(b.wait().await, vec![true]);
+    }
+}
