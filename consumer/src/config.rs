@@ -41,7 +41,8 @@ pub struct ConsumerConfig {
     /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
     /// window in which a relay can republish an event (README: "Dedup retention").
     pub dedup_retention: Option<Duration>,
-    /// How often retention runs (default 60 s).
+    /// How often retention runs and `postal_consumer_dedup_oldest_seconds` is refreshed
+    /// (default 60 s).
     pub cleanup_interval: Duration,
     /// Handler runs per event before a retryable failure becomes a dead letter (default 10).
     /// Outages ([`crate::HandlerError::Unavailable`], an unreachable database) never count.
