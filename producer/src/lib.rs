@@ -34,6 +34,7 @@ mod enqueue;
 mod error;
 mod event;
 mod kafka;
+mod kafka_overrides;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;
