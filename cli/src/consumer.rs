@@ -120,29 +120,36 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
     .await?
     .into_iter()
     .collect();
-    let (b, g, t) = (bootstrap_servers.clone(), group.clone(), topic.clone());
-    let horizon_ms = horizon.as_ref().map(|(_, h)| h.timestamp_millis());
-    let (positions, safe_from) = tokio::task::spawn_blocking(move || {
+    let (b, g, t, stored_) = (
+        bootstrap_servers.clone(),
+        group.clone(),
+        topic.clone(),
+        stored.clone(),
+    );
+    let horizon_us = horizon.as_ref().map(|(_, h)| h.timestamp_micros());
+    let (positions, past) = tokio::task::spawn_blocking(move || {
         let positions = positions(&b, &g, &t, partitions, target, force)?;
-        let safe_from = match horizon_ms {
-            Some(ms) => first_offsets_after(&b, &t, &positions, ms)?,
-            None => HashMap::new(),
-        };
-        anyhow::Ok((positions, safe_from))
-    })
-    .await??;
-    if let Some((consumer, h)) = &horizon {
-        for (partition, offset) in &positions {
-            // Only a move back (or a first position) replays records already processed.
-            let replays = stored.get(partition).is_none_or(|s| offset < s);
-            match safe_from.get(partition) {
-                Some(&safe) if replays && *offset < safe => anyhow::bail!(
-                    "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
-                    h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-                ),
-                _ => {}
+        let mut past = None;
+        if let Some(h) = horizon_us {
+            for &(p, o) in &positions {
+                // Only a move back (or a first position) replays records already processed.
+                if stored_.get(&p).is_some_and(|s| o >= *s) {
+                    continue;
+                }
+                if let Some(safe) = first_newer(&b, &t, p, o, h)? {
+                    past = Some((p, o, safe));
+                    break;
+                }
             }
         }
+        anyhow::Ok((positions, past))
+    })
+    .await??;
+    if let (Some((consumer, h)), Some((partition, offset, safe))) = (&horizon, past) {
+        anyhow::bail!(
+            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
+            h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        );
     }
     // Kafka's group offsets must never be ahead of the stored ones: a restarted consumer
     // fetches from Kafka's offset until its seek to the stored one lands, and would take a
@@ -242,31 +249,80 @@ fn commit_to_kafka(
 
 /// Per partition, the first offset whose record is newer than `horizon_ms` (the high watermark
 /// when none is).
-fn first_offsets_after(
+/// When the record at `offset` of `topic[partition]` (or the first after it) is not newer than
+/// `horizon_us` (microseconds since the epoch): `Some` of the first offset whose record is,
+/// found by bisection up to the high watermark (record timestamps grow with offsets). `None`
+/// when it is newer, or there is no record there (nothing to replay).
+fn first_newer(
     bootstrap: &str,
     topic: &str,
-    positions: &[(i32, i64)],
-    horizon_ms: i64,
-) -> anyhow::Result<HashMap<i32, i64>> {
-    let timeout = Duration::from_secs(10);
+    partition: i32,
+    offset: i64,
+    horizon_us: i64,
+) -> anyhow::Result<Option<i64>> {
+    let old = |ts_ms: i64| ts_ms.saturating_mul(1000) <= horizon_us;
+    let Some((at, ts)) = record_at(bootstrap, topic, partition, offset)? else {
+        return Ok(None);
+    };
+    if !old(ts) {
+        return Ok(None);
+    }
     let client: BaseConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("log_level", "0")
         .create()?;
+    let high = client
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))?
+        .1;
+    // Records up to `lo` are old; the first newer one is in (lo, hi].
+    let (mut lo, mut hi) = (at, high);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match record_at(bootstrap, topic, partition, mid)? {
+            Some((o, ts)) if old(ts) => lo = o,
+            _ => hi = mid,
+        }
+    }
+    Ok(Some(hi))
+}
+
+/// The (offset, timestamp in ms) of the record at `offset` of `topic[partition]` or the first
+/// after it; `None` when none arrives within 10 s (e.g. `offset` is the high watermark).
+fn record_at(
+    bootstrap: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> anyhow::Result<Option<(i64, i64)>> {
+    use rdkafka::Message as _;
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set(
+            "group.id",
+            format!("postal-cli-{}", uuid::Uuid::now_v7().simple()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("log_level", "0")
+        .create()?;
+    let high = client
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))?
+        .1;
+    if offset >= high {
+        return Ok(None);
+    }
     let mut tpl = TopicPartitionList::new();
-    for (p, _) in positions {
-        tpl.add_partition_offset(topic, *p, Offset::Offset(horizon_ms + 1))?;
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset))?;
+    client.assign(&tpl)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if let Some(m) = client.poll(Duration::from_millis(200)) {
+            let m = m?;
+            if m.offset() >= offset {
+                return Ok(m.timestamp().to_millis().map(|t| (m.offset(), t)));
+            }
+        }
     }
-    let found = client.offsets_for_times(tpl, timeout)?;
-    let mut out = HashMap::new();
-    for (p, _) in positions {
-        let offset = match found.find_partition(topic, *p).map(|e| e.offset()) {
-            Some(Offset::Offset(n)) if n >= 0 => n,
-            _ => client.fetch_watermarks(topic, *p, timeout)?.1,
-        };
-        out.insert(*p, offset);
-    }
-    Ok(out)
+    Ok(None)
 }
 
 fn positions(
