@@ -1,6 +1,9 @@
 //! `postal consumer`: stored consumer positions.
 
+use std::collections::HashMap;
 use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 
 use clap::Subcommand;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -16,6 +19,12 @@ pub enum ConsumerCommand {
     /// not from Kafka's group offsets: Kafka's own reset tool (`kafka-consumer-groups
     /// --reset-offsets`) would be ignored. Use this instead. Moving back replays events: their
     /// dedup rows (within the dedup retention) make the replay apply nothing twice.
+    ///
+    /// Refused when the target reaches records older than a consumer's dedup retention horizon
+    /// (their dedup rows were deleted, so they would apply twice) unless
+    /// `--force-past-retention`. The group's Kafka offsets are committed too, in an order that
+    /// never leaves them ahead of the stored ones (a restarted consumer would otherwise fetch
+    /// past the replay); the command fails, naming what to do, when that cannot be done.
     Reset {
         /// Consumer group.
         #[arg(long)]
@@ -32,6 +41,16 @@ pub enum ConsumerCommand {
         /// Reset even if the group has live members (they would overwrite the reset).
         #[arg(long)]
         force: bool,
+        /// The group's dedup scopes (`ConsumerConfig::consumer`, `#[idempotent(consumer = ..)]`)
+        /// whose dedup retention horizon the target must not reach past (repeatable). Default:
+        /// every consumer whose dedup rows retention ever deleted, since the database does not
+        /// record which consumer names a group uses.
+        #[arg(long = "consumer")]
+        consumers: Vec<String>,
+        /// Move back past the dedup retention horizon anyway: events older than it whose dedup
+        /// rows were deleted are applied again (only for handlers that tolerate that).
+        #[arg(long)]
+        force_past_retention: bool,
         /// Kafka bootstrap servers (for the topic's partitions, watermarks and group members).
         #[arg(
             long,
@@ -73,15 +92,113 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         partitions,
         to,
         force,
+        consumers,
+        force_past_retention,
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
-    let (b, g, t) = (bootstrap_servers.clone(), group.clone(), topic.clone());
-    let positions =
-        tokio::task::spawn_blocking(move || positions(&b, &g, &t, partitions, target, force))
-            .await??;
-    let mut tx = pool.begin().await?;
+    // The newest horizon among the consumers checked: the strictest.
+    let horizon: Option<(String, DateTime<Utc>)> = if force_past_retention {
+        None
+    } else {
+        sqlx::query_as(
+            "SELECT consumer_name, horizon FROM postal.dedup_horizon
+             WHERE cardinality($1::text[]) = 0 OR consumer_name = ANY($1)
+             ORDER BY horizon DESC, consumer_name LIMIT 1",
+        )
+        .bind(&consumers)
+        .fetch_optional(pool)
+        .await?
+    };
+    let stored: HashMap<i32, i64> = sqlx::query_as::<_, (i32, i64)>(
+        "SELECT partition, next_offset FROM postal.consumer_offsets
+         WHERE group_id = $1 AND topic = $2 AND next_offset IS NOT NULL",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .collect();
+    let (b, g, t, stored_) = (
+        bootstrap_servers.clone(),
+        group.clone(),
+        topic.clone(),
+        stored.clone(),
+    );
+    let horizon_us = horizon.as_ref().map(|(_, h)| h.timestamp_micros());
+    let (positions, past) = tokio::task::spawn_blocking(move || {
+        let positions = positions(&b, &g, &t, partitions, target, force)?;
+        let mut past = None;
+        if let Some(h) = horizon_us {
+            for &(p, o) in &positions {
+                // Only a move back (or a first position) replays records already processed.
+                if stored_.get(&p).is_some_and(|s| o >= *s) {
+                    continue;
+                }
+                if let Some(safe) = first_newer(&b, &t, p, o, h)? {
+                    past = Some((p, o, safe));
+                    break;
+                }
+            }
+        }
+        anyhow::Ok((positions, past))
+    })
+    .await??;
+    if let (Some((consumer, h)), Some((partition, offset, safe))) = (&horizon, past) {
+        anyhow::bail!(
+            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
+            h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        );
+    }
+    // Kafka's group offsets must never be ahead of the stored ones: a restarted consumer
+    // fetches from Kafka's offset until its seek to the stored one lands, and would take a
+    // later record as its start, skipping the replay. So: move Kafka's offsets back first
+    // (to min(stored, target)), then write the stored offsets, then move Kafka's forward.
+    let back: Vec<(i32, i64)> = positions
+        .iter()
+        .map(|&(p, o)| (p, stored.get(&p).map_or(o, |&s| s.min(o))))
+        .collect();
+    let forward: Vec<(i32, i64)> = positions
+        .iter()
+        .copied()
+        .filter(|(p, o)| stored.get(p).is_some_and(|s| o > s))
+        .collect();
+    let commit = |p: Vec<(i32, i64)>| {
+        let (b, g, t) = (bootstrap_servers.clone(), group.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || commit_to_kafka(&b, &g, &t, &p))
+    };
+    if let Err(e) = commit(back).await? {
+        anyhow::bail!(
+            "nothing changed: cannot commit group {group:?}'s offsets to Kafka ({e:#}); make sure the broker is reachable and the group has no live members, then re-run"
+        );
+    }
+    if let Err(e) = store(pool, &group, &topic, &positions).await {
+        anyhow::bail!(
+            "Kafka's offsets of group {group:?} were moved back, but the stored offsets were not written ({e}): re-run this command before starting the group (until then it resumes from its old stored offsets)"
+        );
+    }
     for (partition, offset) in &positions {
+        println!("{group} {topic}[{partition}] -> next offset {offset}");
+    }
+    if !forward.is_empty() {
+        if let Err(e) = commit(forward).await? {
+            anyhow::bail!(
+                "the stored offsets moved, but Kafka's offsets of group {group:?} could not follow them forward ({e:#}); the group resumes from the stored offsets; re-run this command to align Kafka's offsets (for lag tools)"
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn store(
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    positions: &[(i32, i64)],
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    for (partition, offset) in positions {
         sqlx::query(
             "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset, owner)
              VALUES ($1, $2, $3, $4, 'postal consumer reset')
@@ -89,31 +206,18 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
                 SET next_offset = EXCLUDED.next_offset, epoch = postal.consumer_offsets.epoch + 1,
                     owner = EXCLUDED.owner, updated_at = now()",
         )
-        .bind(&group)
-        .bind(&topic)
+        .bind(group)
+        .bind(topic)
         .bind(partition)
         .bind(offset)
         .execute(&mut *tx)
         .await?;
     }
-    tx.commit().await?;
-    // Align the group's Kafka offsets too (lag tools; and a restarted consumer then fetches
-    // from the new position rather than from a later Kafka offset before its seek lands).
-    let (b, g, t, p) = (
-        bootstrap_servers,
-        group.clone(),
-        topic.clone(),
-        positions.clone(),
-    );
-    if let Err(e) = tokio::task::spawn_blocking(move || commit_to_kafka(&b, &g, &t, &p)).await? {
-        eprintln!("warning: stored offsets moved, but the Kafka group offsets were not: {e}");
-    }
-    for (partition, offset) in &positions {
-        println!("{group} {topic}[{partition}] -> next offset {offset}");
-    }
-    Ok(())
+    tx.commit().await
 }
 
+/// Commits `positions` as the group's Kafka offsets and reads them back: an error unless the
+/// broker stored every one of them.
 fn commit_to_kafka(
     bootstrap: &str,
     group: &str,
@@ -131,7 +235,94 @@ fn commit_to_kafka(
         tpl.add_partition_offset(topic, *p, Offset::Offset(*o))?;
     }
     client.commit(&tpl, rdkafka::consumer::CommitMode::Sync)?;
+    let committed = client.committed_offsets(tpl, Duration::from_secs(10))?;
+    for (p, o) in positions {
+        let got = committed
+            .find_partition(topic, *p)
+            .map(|e| (e.offset(), e.error()));
+        if !matches!(got, Some((Offset::Offset(n), Ok(()))) if n == *o) {
+            anyhow::bail!("the broker did not store offset {o} of {topic}[{p}] (it has {got:?})");
+        }
+    }
     Ok(())
+}
+
+/// Per partition, the first offset whose record is newer than `horizon_ms` (the high watermark
+/// when none is).
+/// When the record at `offset` of `topic[partition]` (or the first after it) is not newer than
+/// `horizon_us` (microseconds since the epoch): `Some` of the first offset whose record is,
+/// found by bisection up to the high watermark (record timestamps grow with offsets). `None`
+/// when it is newer, or there is no record there (nothing to replay).
+fn first_newer(
+    bootstrap: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    horizon_us: i64,
+) -> anyhow::Result<Option<i64>> {
+    let old = |ts_ms: i64| ts_ms.saturating_mul(1000) <= horizon_us;
+    let Some((at, ts)) = record_at(bootstrap, topic, partition, offset)? else {
+        return Ok(None);
+    };
+    if !old(ts) {
+        return Ok(None);
+    }
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()?;
+    let high = client
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))?
+        .1;
+    // Records up to `lo` are old; the first newer one is in (lo, hi].
+    let (mut lo, mut hi) = (at, high);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match record_at(bootstrap, topic, partition, mid)? {
+            Some((o, ts)) if old(ts) => lo = o,
+            _ => hi = mid,
+        }
+    }
+    Ok(Some(hi))
+}
+
+/// The (offset, timestamp in ms) of the record at `offset` of `topic[partition]` or the first
+/// after it; `None` when none arrives within 10 s (e.g. `offset` is the high watermark).
+fn record_at(
+    bootstrap: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> anyhow::Result<Option<(i64, i64)>> {
+    use rdkafka::Message as _;
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set(
+            "group.id",
+            format!("postal-cli-{}", uuid::Uuid::now_v7().simple()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("log_level", "0")
+        .create()?;
+    let high = client
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))?
+        .1;
+    if offset >= high {
+        return Ok(None);
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(offset))?;
+    client.assign(&tpl)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if let Some(m) = client.poll(Duration::from_millis(200)) {
+            let m = m?;
+            if m.offset() >= offset {
+                return Ok(m.timestamp().to_millis().map(|t| (m.offset(), t)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 fn positions(

@@ -84,7 +84,9 @@ struct RelayArgs {
     )]
     bootstrap_servers: String,
     /// Extra librdkafka property `key=value` (repeatable; comma-separated in the env), e.g.
-    /// `security.protocol=SASL_SSL`. Overrides Postal's producer defaults.
+    /// `security.protocol=SASL_SSL`. Overrides Postal's producer defaults; values that break
+    /// durability or per-key order (acks other than all, another partitioner, retries=0, more
+    /// than 5 requests in flight, no idempotence with more than 1) are refused.
     #[arg(long = "kafka", env = "POSTAL_KAFKA", value_delimiter = ',', value_parser = parse_property)]
     kafka: Vec<(String, String)>,
     /// CloudEvents `source` written on every record.

@@ -23,6 +23,15 @@ struct Status {
     relays: Vec<RelayRow>,
     consumers: Vec<ConsumerRow>,
     dead_letters: Vec<DeadLetterRow>,
+    dedup_horizons: Vec<HorizonRow>,
+}
+
+/// A consumer's dedup retention horizon: dedup rows processed up to it were deleted, so
+/// `postal consumer reset` refuses to move back to records older than it.
+#[derive(Serialize, sqlx::FromRow)]
+struct HorizonRow {
+    consumer_name: String,
+    horizon: chrono::DateTime<chrono::Utc>,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -102,12 +111,18 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     )
     .fetch_all(pool)
     .await?;
+    let dedup_horizons: Vec<HorizonRow> = sqlx::query_as(
+        "SELECT consumer_name, horizon FROM postal.dedup_horizon ORDER BY consumer_name",
+    )
+    .fetch_all(pool)
+    .await?;
     let status = Status {
         topics,
         oldest_transaction_s,
         relays,
         consumers,
         dead_letters,
+        dedup_horizons,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
@@ -164,6 +179,13 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         println!(
             "dead letters of {}: {} ({} not yet published to the DLQ, {} not replayed)",
             d.consumer_name, d.total, d.unpublished, d.not_replayed
+        );
+    }
+    for h in &status.dedup_horizons {
+        println!(
+            "dedup horizon of {}: {} (rows processed up to then were deleted; resets to older records are refused)",
+            h.consumer_name,
+            h.horizon.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
         );
     }
     Ok(())

@@ -34,7 +34,8 @@ fn migrate_against_unreachable_database_fails_fast_with_one_line() {
     assert!(!stderr.contains("panicked"));
 }
 
-/// Guarantee: invalid relay settings stop the process at start-up with a clear error.
+/// Guarantee: invalid relay settings (including `--kafka` overrides that break durability or
+/// per-key order) stop the process at start-up with a clear error.
 #[test]
 fn invalid_relay_settings_are_rejected() {
     relay_rejects(
@@ -55,6 +56,14 @@ fn invalid_relay_settings_are_rejected() {
         "is not of the form key=value",
     );
     relay_rejects(&["--route", "orders=sqs"], "unknown destination");
+    relay_rejects(
+        &["--kafka", "partitioner=consistent_random"],
+        "Kafka property partitioner=consistent_random is refused",
+    );
+    relay_rejects(
+        &["--kafka", "enable.idempotence=false"],
+        "Kafka property enable.idempotence=false is refused",
+    );
     relay_rejects(
         &["--destination", "rabbitmq"],
         "--rabbitmq-url (or AMQP_URL) is required",

@@ -745,3 +745,247 @@ async fn cleanup_deletes_only_expired_rows() {
         .unwrap();
     assert_eq!(dedup, 10);
 }
+
+/// Writes one event per timestamp (milliseconds since the epoch) as the record's timestamp.
+async fn produce_at(bootstrap: &str, topic: &str, timestamps: &[i64]) {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("batch.num.messages", "1")
+        .create()
+        .unwrap();
+    for ts in timestamps {
+        let id = uuid::Uuid::now_v7().to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(&id),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("job"),
+            });
+        producer
+            .send(
+                FutureRecord::to(topic)
+                    .key("k")
+                    .payload("{}")
+                    .headers(headers)
+                    .timestamp(*ts),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// The group's stored next offset of partition 0 of `topic`.
+async fn stored_offset(pool: &PgPool, group: &str, topic: &str) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT next_offset FROM postal.consumer_offsets
+         WHERE group_id = $1 AND topic = $2 AND partition = 0",
+    )
+    .bind(group)
+    .bind(topic)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+    .flatten()
+}
+
+/// Guarantee: once `postal cleanup --dedup-retention 7d` deleted dedup rows, `postal consumer
+/// reset` refuses (exit non-zero, one line saying why and what to do, stored offset unchanged)
+/// a target whose records are older than the deleted rows, since their replay would apply
+/// twice; a target inside the horizon is accepted, and `--force-past-retention` overrides.
+/// `postal status` shows the horizon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("horizon"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let day = 24 * 3600 * 1000;
+    // Offsets 0..3: produced 9 days ago; 3..5: now.
+    produce_at(
+        &e.bootstrap,
+        &topic,
+        &[now - 9 * day, now - 9 * day, now - 9 * day, now, now],
+    )
+    .await;
+    // Dedup rows: processed 8 days ago (expired under 7d) and an hour ago (kept).
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         VALUES ('cli-test', gen_random_uuid(), now() - interval '8 days'),
+                ('cli-test', gen_random_uuid(), now() - interval '1 hour')",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let mut cleanup = postal(&e.url);
+    cleanup.args(["cleanup", "--dedup-retention", "7d"]);
+    assert!(ok(cleanup).contains("dedup cli-test: deleted 1 row(s)"));
+    let mut status = postal(&e.url);
+    status.args(["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&ok(status)).unwrap();
+    assert_eq!(status["dedup_horizons"][0]["consumer_name"], "cli-test");
+
+    let reset = |to: &str, extra: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args([
+            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", to,
+        ])
+        .args(extra)
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        c
+    };
+    assert!(ok(reset("3", &[])).contains("-> next offset 3"), "inside");
+    assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(3));
+
+    let refused = reset("earliest", &[]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(
+        lines[0].starts_with(&format!("error: {topic}[0] offset 0 holds records older than consumer \"cli-test\"'s dedup retention horizon")),
+        "{stderr}"
+    );
+    assert!(
+        lines[0].contains("reset to offset 3 or later, or pass --force-past-retention"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stored_offset(&e.pool, &group, &topic).await,
+        Some(3),
+        "unchanged"
+    );
+
+    // Naming only a consumer whose rows were never deleted: nothing to protect.
+    assert!(ok(reset("1", &["--consumer", "other"])).contains("-> next offset 1"));
+    assert!(ok(reset("earliest", &["--force-past-retention"])).contains("-> next offset 0"));
+    assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(0));
+}
+
+/// Guarantee: a running consumer exports the age of its oldest dedup row as
+/// `postal_consumer_dedup_oldest_seconds{consumer}`, updated after its retention deletes
+/// expired rows (and the deletion is recorded as its dedup horizon).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reports_the_age_of_its_oldest_dedup_row() {
+    let Some(e) = env().await else { return };
+    let topic = unique("oldest");
+    create_topic(&e.bootstrap, &topic).await;
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         VALUES ('cli-test', gen_random_uuid(), now() - interval '10 days'),
+                ('cli-test', gen_random_uuid(), now() - interval '2 hours')",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let addr = format!("127.0.0.1:{}", postal_integration_tests::free_port());
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), unique("g"), "cli-test");
+    config.dedup_retention = Some(Duration::from_secs(24 * 3600));
+    config.cleanup_interval = Duration::from_millis(200);
+    config.ops_addr = Some(addr.parse().unwrap());
+    let consumer = Consumer::builder(e.pool.clone(), config)
+        .on(&topic, "job", record)
+        .build()
+        .unwrap();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(async move {
+        let _ = rx.await;
+    }));
+    let age = |body: &str| {
+        body.lines()
+            .find_map(|l| {
+                l.strip_prefix("postal_consumer_dedup_oldest_seconds{consumer=\"cli-test\"} ")
+            })
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    until(
+        "the gauge to show the 2-hour-old row as the oldest",
+        || async {
+            http_get(&addr, "/metrics")
+                .and_then(|(_, body)| age(&body))
+                .is_some_and(|a| (7200.0..7300.0).contains(&a))
+        },
+    )
+    .await;
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    let horizon_age_days: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - horizon)::float8 / 86400 FROM postal.dedup_horizon
+         WHERE consumer_name = 'cli-test'",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    assert!(
+        (9.9..10.1).contains(&horizon_age_days),
+        "{horizon_age_days}"
+    );
+}
+
+/// Guarantee: when the group's Kafka offsets cannot be moved (here: `--force` while a member
+/// is live, so the broker refuses a commit from outside the group), `postal consumer reset`
+/// fails with one line saying what to do and leaves the stored offsets unchanged: a restarted
+/// consumer can never fetch from a Kafka offset later than the stored one and skip the replay.
+///
+/// Needs a broker that refuses offset commits from outside a live group, as Kafka does
+/// (UNKNOWN_MEMBER_ID); tansu 0.6 accepts them, so the test is ignored in the default run:
+/// `cargo test -p postal-cli --test operate -- --ignored` against Kafka.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a broker that refuses commits from outside a live group (Kafka; not tansu 0.6)"]
+async fn consumer_reset_whose_kafka_commit_fails_changes_nothing() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("resetfail"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    produce(&e.bootstrap, &topic, &["{}"; 5]).await;
+    let (stop, task, stats) = start_consumer(&e, &group, &topic);
+    until("5 events applied", || async {
+        stats.snapshot().applied == 5
+    })
+    .await;
+    until("the group to show its member", || {
+        let (b, g) = (e.bootstrap.clone(), group.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let c: BaseConsumer = ClientConfig::new()
+                    .set("bootstrap.servers", &b)
+                    .create()
+                    .unwrap();
+                c.fetch_group_list(Some(&g), Duration::from_secs(5))
+                    .map(|l| {
+                        l.groups()
+                            .iter()
+                            .any(|x| x.name() == g && !x.members().is_empty())
+                    })
+                    .unwrap_or(false)
+            })
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    let mut reset = postal(&e.url);
+    reset
+        .args([
+            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+            "--force",
+        ])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    let out = reset.output().unwrap();
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "error: nothing changed: cannot commit group \"{group}\"'s offsets to Kafka"
+        )),
+        "{stderr}"
+    );
+    assert!(lines[0].ends_with("then re-run"), "{stderr}");
+    assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(5));
+}

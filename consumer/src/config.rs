@@ -41,7 +41,8 @@ pub struct ConsumerConfig {
     /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
     /// window in which a relay can republish an event (README: "Dedup retention").
     pub dedup_retention: Option<Duration>,
-    /// How often retention runs (default 60 s).
+    /// How often retention runs and `postal_consumer_dedup_oldest_seconds` is refreshed
+    /// (default 60 s).
     pub cleanup_interval: Duration,
     /// Handler runs per event before a retryable failure becomes a dead letter (default 10).
     /// Outages ([`crate::HandlerError::Unavailable`], an unreachable database) never count.
@@ -106,6 +107,45 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("kafka", &kafka)
             .finish_non_exhaustive()
     }
+}
+
+/// Refuses extra librdkafka properties that would make the consumer skip or misapply records;
+/// the error names the property, its value and why.
+fn check_overrides(kafka: &BTreeMap<String, String>) -> Result<(), Error> {
+    let refuse = |k: &str, v: &str, why: &str| {
+        Err(Error::Config(format!(
+            "Kafka property {k}={v} is refused: {why}"
+        )))
+    };
+    for (k, v) in kafka {
+        let lower = v.trim().to_ascii_lowercase();
+        match k.as_str() {
+            "enable.auto.commit" | "enable.auto.offset.store" => return refuse(
+                k,
+                v,
+                "managed by Postal (offsets are stored beside the effects; Kafka's copy is committed by Postal, never ahead of them)",
+            ),
+            "group.id" => return refuse(
+                k,
+                v,
+                "managed by Postal: set ConsumerConfig::group, which also keys the stored offsets (another group.id would hand partitions to consumers that resume from other stored offsets)",
+            ),
+            "isolation.level" if lower != "read_committed" => return refuse(
+                k,
+                v,
+                "records of aborted transactions would be processed; only read_committed is allowed",
+            ),
+            "auto.offset.reset" if matches!(lower.as_str(), "latest" | "largest" | "end") => {
+                return refuse(
+                    k,
+                    v,
+                    "a new group, or a stored offset no longer on the broker, would skip every record already on the topic; use earliest (default) or error",
+                )
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 impl ConsumerConfig {
@@ -245,12 +285,7 @@ impl ConsumerConfig {
         if self.partition_buffer == 0 {
             return bad("partition buffer must be at least 1");
         }
-        if self.kafka.contains_key("enable.auto.offset.store")
-            || self.kafka.contains_key("enable.auto.commit")
-        {
-            return bad("enable.auto.commit and enable.auto.offset.store are managed by Postal");
-        }
-        Ok(())
+        check_overrides(&self.kafka)
     }
 
     /// The librdkafka consumer configuration: Postal's defaults, then the user's properties.
@@ -340,6 +375,43 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("managed by Postal"), "{err}");
+    }
+
+    /// Guarantee: consumer overrides that would skip records, process aborted ones, or store
+    /// offsets behind Postal's back are refused with one line naming the property, its value
+    /// and the reason; safe ones (and the defaults' own values) are accepted.
+    #[test]
+    fn skipping_or_misapplying_overrides_are_refused() {
+        for (k, v) in [
+            ("enable.auto.commit", "true"),
+            ("enable.auto.offset.store", "true"),
+            ("group.id", "other"),
+            ("isolation.level", "read_uncommitted"),
+            ("auto.offset.reset", "latest"),
+            ("auto.offset.reset", "largest"),
+            ("auto.offset.reset", "end"),
+        ] {
+            let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+            c.kafka.insert(k.into(), v.into());
+            let err = c.validate().unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("Kafka property {k}={v} is refused: ")),
+                "{k}={v}: {err}"
+            );
+            assert_eq!(err.lines().count(), 1, "{err}");
+        }
+        for (k, v) in [
+            ("isolation.level", "read_committed"),
+            ("auto.offset.reset", "earliest"),
+            ("auto.offset.reset", "error"),
+            ("session.timeout.ms", "6000"),
+            ("security.protocol", "SASL_SSL"),
+        ] {
+            let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+            c.kafka.insert(k.into(), v.into());
+            c.validate()
+                .unwrap_or_else(|e| panic!("{k}={v} must be accepted: {e}"));
+        }
     }
 
     /// Secrets in Kafka properties never show in `Debug` output; bad values are rejected with

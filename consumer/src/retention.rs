@@ -8,6 +8,11 @@
 //! So dedup rows must outlive the longest window in which the relay can republish: its lease
 //! timeout plus the longest broker or database outage you plan for. The default, 7 days, covers
 //! any outage that does not need a human.
+//!
+//! Each cleanup first records the consumer's dedup horizon (`postal.dedup_horizon`: the newest
+//! `processed_at` among the rows it is about to delete) and then deletes only rows at or before
+//! it, so a replay of records produced after the horizon is always deduplicated. `postal
+//! consumer reset` refuses to move a group back past it ([`dedup_horizon`]).
 
 use std::time::Duration;
 
@@ -21,12 +26,29 @@ pub const DEDUP_CLEANUP_LOCK: i32 = 0x7064_6564;
 /// Deletes `consumer`'s dedup rows older than `retention`, `batch` rows per statement, until
 /// none are left. Returns `None` (doing nothing) when another instance of the consumer is
 /// cleaning right now, else the number of rows deleted.
+///
+/// Before deleting, it moves the consumer's dedup horizon forward to the newest `processed_at`
+/// of the rows it will delete, and the delete never goes past the recorded horizon: dedup
+/// information is never lost without the horizon saying so, even if the cleanup is cut short.
 pub async fn cleanup_processed(
     pool: &PgPool,
     consumer: &str,
     retention: Duration,
     batch: usize,
 ) -> Result<Option<u64>, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO postal.dedup_horizon (consumer_name, horizon)
+         SELECT $1, max(processed_at) FROM postal.processed_events
+         WHERE consumer_name = $1 AND processed_at < now() - $2 * interval '1 millisecond'
+         HAVING max(processed_at) IS NOT NULL
+         ON CONFLICT (consumer_name) DO UPDATE
+            SET horizon = greatest(postal.dedup_horizon.horizon, EXCLUDED.horizon),
+                updated_at = now()",
+    )
+    .bind(consumer)
+    .bind(retention.as_millis() as i64)
+    .execute(pool)
+    .await?;
     delete_in_batches(
         pool,
         CleanupLock::Named(DEDUP_CLEANUP_LOCK, consumer),
@@ -35,12 +57,45 @@ pub async fn cleanup_processed(
              SELECT event_id FROM postal.processed_events
              WHERE consumer_name = $3
                AND processed_at < now() - $1 * interval '1 millisecond'
+               AND processed_at <= (SELECT horizon FROM postal.dedup_horizon
+                                    WHERE consumer_name = $3)
              LIMIT $2)",
         retention,
         batch,
         |_| {},
     )
     .await
+}
+
+/// `consumer`'s dedup horizon: every dedup row retention deleted was processed at or before
+/// it, and none processed after it was deleted. `None`: retention never deleted any.
+pub async fn dedup_horizon(
+    pool: &PgPool,
+    consumer: &str,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>, sqlx::Error> {
+    sqlx::query_scalar("SELECT horizon FROM postal.dedup_horizon WHERE consumer_name = $1")
+        .bind(consumer)
+        .fetch_optional(pool)
+        .await
+}
+
+/// Age in seconds of `consumer`'s oldest dedup row (`None` when it has none).
+pub async fn oldest_dedup_age(pool: &PgPool, consumer: &str) -> Result<Option<f64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - min(processed_at))::float8
+         FROM postal.processed_events WHERE consumer_name = $1",
+    )
+    .bind(consumer)
+    .fetch_one(pool)
+    .await
+}
+
+/// Name of the gauge of the age of a consumer's oldest dedup row, label `consumer`.
+pub const DEDUP_OLDEST_GAUGE: &str = "postal_consumer_dedup_oldest_seconds";
+
+/// Sets [`DEDUP_OLDEST_GAUGE`] for `consumer` (0 when it has no dedup rows).
+pub fn report_oldest_dedup_age(consumer: &str, age: Option<f64>) {
+    metrics::gauge!(DEDUP_OLDEST_GAUGE, "consumer" => consumer.to_owned()).set(age.unwrap_or(0.0));
 }
 
 /// Advisory lock held while cleaning up dead letters (`'postdlqc'`).

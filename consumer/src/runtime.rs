@@ -436,7 +436,9 @@ fn apply(
     }
 }
 
-/// Deletes expired dedup rows every `interval` (one instance at a time).
+/// Deletes expired dedup rows every `interval` (one instance at a time) and reports the age of
+/// the oldest dedup row left (`postal_consumer_dedup_oldest_seconds`), at start and after every
+/// round (also when retention is off: the gauge then shows how far back dedup reaches).
 async fn housekeeping(
     pool: PgPool,
     consumer: String,
@@ -444,12 +446,16 @@ async fn housekeeping(
     interval: Duration,
     stop: CancellationToken,
 ) {
-    let Some(retention) = retention else { return };
     loop {
+        match crate::retention::oldest_dedup_age(&pool, &consumer).await {
+            Ok(age) => crate::retention::report_oldest_dedup_age(&consumer, age),
+            Err(e) => tracing::debug!(error = %e, "cannot read the oldest dedup row's age"),
+        }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = stop.cancelled() => return,
         }
+        let Some(retention) = retention else { continue };
         match crate::retention::cleanup_processed(&pool, &consumer, retention, 5000).await {
             Ok(Some(n)) if n > 0 => {
                 tracing::info!(deleted = n, consumer, "deleted expired dedup rows")

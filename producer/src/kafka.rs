@@ -149,6 +149,7 @@ impl KafkaTransport {
     /// Creates the producer and admin clients. Fails on invalid librdkafka properties; an
     /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        crate::kafka_overrides::check(&config.properties)?;
         if config.topic_partitions < 1 || config.topic_replication < 1 {
             return Err(Error::Config(
                 "topic partitions and replication factor must be at least 1".into(),

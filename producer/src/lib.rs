@@ -36,6 +36,7 @@ mod event;
 pub mod fence;
 mod kafka;
 mod key_chain;
+mod kafka_overrides;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;
