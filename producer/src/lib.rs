@@ -35,8 +35,8 @@ mod error;
 mod event;
 pub mod fence;
 mod kafka;
-mod key_chain;
 mod kafka_overrides;
+mod key_chain;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;

@@ -1,0 +1,165 @@
+//! A key's events split across two batches in flight in one relay. `SKIP LOCKED` lets a
+//! second claim take K:10 while K:9 is still in an earlier batch whose claim has not
+//! committed; the second claim's held-key check cannot see K:9 as failed yet (its write-back
+//! is uncommitted, or not yet made). The relay's key chain (`key_chain.rs`) keeps K:10 from
+//! going out ahead of it. (Both tests came from an adversarial review; both failed every run
+//! on the code before the key chain.)
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use postal_integration_tests::{services, unique, wait};
+use postal_producer::{
+    enqueue_batch, FailureKind, KafkaConfig, KafkaTransport, NewEvent, OutboundEvent,
+    PublishError, RelayConfig, Transport,
+};
+use sqlx::PgPool;
+
+use crate::common::{fast_config, RunningRelay};
+
+const KEYS: usize = 40;
+
+/// Per key: the first event ("head") and the second ("tail"), enqueued head before tail.
+async fn seed_pairs(pool: &PgPool, topic: &str, head_bytes: usize) {
+    let mut conn = pool.acquire().await.unwrap();
+    let big = "x".repeat(head_bytes);
+    let mut events = Vec::new();
+    for k in 0..KEYS {
+        events.push(NewEvent::json(topic, format!("key-{k}"), "head", &big).unwrap());
+        events.push(NewEvent::json(topic, format!("key-{k}"), "tail", &"small").unwrap());
+    }
+    enqueue_batch(&mut conn, events).await.unwrap();
+}
+
+/// Config: one lane, batches of one event, four in flight: a key's head and tail are in two
+/// batches that can be in flight at once.
+fn split_config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 1,
+        max_in_flight_batches: 4,
+        lanes: 1,
+        max_attempts: 100,
+        ..fast_config()
+    }
+}
+
+/// Guarantee (real Kafka transport, real PostgreSQL): an event refused before sending (record
+/// larger than `message.max.bytes`, parked at once as Permanent) holds back the later event
+/// of its key that a concurrent claim took while the parked one's batch was still
+/// uncommitted: no tail is published while its head is parked.
+#[tokio::test]
+async fn a_parked_head_holds_back_its_tail_in_a_later_batch_kafka() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("review-parked");
+    seed_pairs(&db.pool, &topic, 6000).await;
+    let mut cfg = KafkaConfig::new(svc.bootstrap.clone());
+    cfg.topic_partitions = 4;
+    cfg.properties
+        .insert("message.timeout.ms".into(), "1000".into());
+    // The transport's own pre-send size check uses this; the heads exceed it.
+    cfg.properties
+        .insert("message.max.bytes".into(), "4096".into());
+    let transport = KafkaTransport::new(cfg).unwrap();
+    let relay = RunningRelay::start(&db.pool, transport, split_config());
+    wait::until(Duration::from_secs(60), "every head parked", || async {
+        let failed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'failed'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        failed == KEYS as i64
+    })
+    .await;
+    // Let anything still in flight finish.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    relay.stop().await;
+    let left: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT event_key, event_type, status FROM postal.outbox ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let tails_left: HashSet<String> = left
+        .iter()
+        .filter(|(_, t, _)| t == "tail")
+        .map(|(k, _, _)| k.clone())
+        .collect();
+    let overtaken: Vec<String> = (0..KEYS)
+        .map(|k| format!("key-{k}"))
+        .filter(|k| !tails_left.contains(k))
+        .collect();
+    assert!(
+        overtaken.is_empty(),
+        "{} of {KEYS} keys had their tail published while their head is parked: {overtaken:?}",
+        overtaken.len()
+    );
+}
+
+/// A transport that fails the first attempt of every "head" event with a transient error
+/// (e.g. Kafka's topic metadata lookup failing for a moment, a RabbitMQ nack, a broker error
+/// for one produce request) and acknowledges everything else; it records the acknowledged
+/// events in the order they were handed over — the order a broker would hold them in.
+#[derive(Clone, Default)]
+struct FlakyHeads {
+    published: Arc<Mutex<Vec<(String, String)>>>,
+    failed_once: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Transport for FlakyHeads {
+    type Acks = futures::future::Ready<Vec<Result<(), PublishError>>>;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+        let mut out = Vec::with_capacity(batch.len());
+        for e in batch {
+            if e.event_type == "head" && self.failed_once.lock().unwrap().insert(e.key.clone()) {
+                out.push(Err(PublishError::new(FailureKind::Transient, "flaky")));
+            } else {
+                self.published
+                    .lock()
+                    .unwrap()
+                    .push((e.key.clone(), e.event_type.clone()));
+                out.push(Ok(()));
+            }
+        }
+        futures::future::ready(out)
+    }
+}
+
+/// Guarantee (relay, any transport that does not chain keys itself): when the head of a key
+/// fails once with a transient error and is rescheduled, its tail — taken by a claim made
+/// while the head's batch was still uncommitted — is not published before it: first
+/// publication per key is head, then tail.
+#[tokio::test]
+async fn a_retried_head_is_first_published_before_its_tail() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("review-retry");
+    seed_pairs(&db.pool, &topic, 10).await;
+    let transport = FlakyHeads::default();
+    let relay = RunningRelay::start(&db.pool, transport.clone(), split_config());
+    wait::until(Duration::from_secs(60), "drained", || async {
+        crate::common::outbox_count(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    let published = transport.published.lock().unwrap().clone();
+    let mut first: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (k, t) in published {
+        let v = first.entry(k).or_default();
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    let overtaken: Vec<&String> = first
+        .iter()
+        .filter(|(_, v)| v.first().map(String::as_str) == Some("tail"))
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        overtaken.is_empty(),
+        "{} of {KEYS} keys were first published tail before head: {overtaken:?}",
+        overtaken.len()
+    );
+}
