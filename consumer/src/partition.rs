@@ -157,8 +157,10 @@ impl Worker {
         let mut next = own.next_offset.or(floor);
         let mut lowest: Option<i64> = None;
         // Until the first record is processed: whether the seek to the stored offset was
-        // verified (see below).
+        // verified (see below), and while a second seek is awaited, the first offset seen
+        // above the stored one.
         let mut verified = false;
+        let mut landing: Option<i64> = None;
         let mut first = true;
         if let Some(n) = next {
             // Asynchronous seek (timeout 0): records below `n` that were fetched before it
@@ -182,7 +184,15 @@ impl Worker {
                 _ = self.cancel.cancelled() => return Owned::Ended,
                 r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
                 _ = tokio::time::sleep(self.shared.config.stall_check) => {
-                    self.check_stall(next, &mut last_stall).await;
+                    match (landing, next) {
+                        // The second seek has not shown yet (lost?): issue it again.
+                        (Some(seen), Some(n)) => {
+                            if !self.seek_stored(n, seen).await {
+                                return Owned::Ended;
+                            }
+                        }
+                        _ => self.check_stall(next, &mut last_stall).await,
+                    }
                     continue;
                 }
             };
@@ -198,15 +208,28 @@ impl Worker {
                 let o = records[0].offset;
                 lowest = Some(lowest.map_or(o, |l: i64| l.min(o)));
             }
+            if let Some(seen) = landing {
+                // After the second seek the fetch restarts at the stored offset: records from
+                // before it (all above `seen`, and queued ahead of any fetched after it) are
+                // dropped until one at or below `seen` shows that the seek took effect.
+                match records.iter().position(|r| r.offset <= seen) {
+                    None => continue,
+                    Some(p) => {
+                        records.drain(..p);
+                        landing = None;
+                    }
+                }
+            }
             if let (true, Some(n)) = (first, next) {
                 if records[0].offset > n && !verified {
                     // The fetch started above the stored offset: fetched before the seek took
                     // effect (a reassignment in this process, or Kafka's group offset ahead of
                     // the stored one after `postal consumer reset`), or there really is nothing
-                    // in between. Processing it could skip records: seek again, waiting for
-                    // the seek this time, drop what was fetched before, and look again.
+                    // in between. Processing it could skip records: seek again and drop what
+                    // comes until the seek shows.
                     verified = true;
-                    if !self.seek_and_drop(n, records[0].offset).await {
+                    landing = Some(records[0].offset);
+                    if !self.seek_stored(n, records[0].offset).await {
                         return Owned::Ended;
                     }
                     continue;
@@ -260,9 +283,9 @@ impl Worker {
         }
     }
 
-    /// Seeks to `n` and waits for the seek (records fetched afterwards come from `n` on), then
-    /// drops the records fetched before it. `false` if cancelled meanwhile.
-    async fn seek_and_drop(&mut self, n: i64, seen: i64) -> bool {
+    /// Seeks to `n`, waiting for librdkafka to take the seek (retried a few times if it fails).
+    /// `false` if cancelled meanwhile.
+    async fn seek_stored(&mut self, n: i64, seen: i64) -> bool {
         tracing::info!(topic = %self.topic, partition = self.partition, stored = n, first = seen,
             "records arrived from above the stored offset; seeking to the stored offset again");
         let mut failures = 0u32;
@@ -284,7 +307,9 @@ impl Worker {
                     tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset failed; retrying");
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset keeps failing; going on from what the broker delivers");
+                    // Records above the stored offset are still dropped until one at or below
+                    // `seen` comes; the stall check seeks again meanwhile.
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset keeps failing; trying again after the stall check");
                     break;
                 }
                 Err(_) => return false,
@@ -294,11 +319,6 @@ impl Worker {
             }
             failures += 1;
         }
-        let mut dropped = 0;
-        while self.rx.try_recv().is_ok() {
-            dropped += 1;
-        }
-        self.dequeued(dropped);
         !self.cancel.is_cancelled()
     }
 

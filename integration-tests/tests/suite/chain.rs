@@ -213,3 +213,104 @@ fn group_members(bootstrap: &str, group: &str) -> Option<usize> {
             .sum(),
     )
 }
+
+/// Guarantee: a consume-transform-produce handler that derives its output's id from its input
+/// (`EventId::derived`) and enqueues it with `enqueue_once` emits the same event whenever the
+/// input is applied again — here after its dedup row expired and the consumer's offset was
+/// reset — so the next hop applies the output once. Re-applying while the first output is
+/// still in the outbox writes nothing; after the relay removed it, the same id is written
+/// again and the next hop recognises the copy. With fresh random ids the next hop applied two
+/// outputs.
+#[tokio::test]
+async fn a_reapplied_input_emits_the_same_output_and_the_next_hop_applies_it_once() {
+    use postal_consumer::testing::{Delivered, TestRecord};
+    let middle = postal_integration_tests::fresh_postgres_db().await;
+    let sink = postal_integration_tests::fresh_postgres_db().await;
+    effects_table(&middle.pool).await;
+    effects_table(&sink.pool).await;
+    let bootstrap =
+        std::env::var("KAFKA_BOOTSTRAP_SERVERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let (first, second) = (unique("hop1"), unique("hop2"));
+    let middle_consumer = Consumer::builder(
+        middle.pool.clone(),
+        consumer_config(&bootstrap, &unique("g"), "middle"),
+    )
+    .on(&first, "job", forward)
+    .build()
+    .unwrap();
+    let sink_consumer = Consumer::builder(
+        sink.pool.clone(),
+        consumer_config(&bootstrap, &unique("g"), handlers::CONSUMER),
+    )
+    .on(&second, "job", apply)
+    .build()
+    .unwrap();
+    let (m, s) = (middle_consumer.protocol(), sink_consumer.protocol());
+    let input = uuid::Uuid::now_v7();
+    let record = |topic: &str, offset: i64, id: String, payload: serde_json::Value| TestRecord {
+        topic: topic.into(),
+        partition: 0,
+        offset,
+        key: Some(b"k".to_vec()),
+        payload: Some(serde_json::to_vec(&payload).unwrap()),
+        headers: vec![
+            ("ce_id".into(), Some(id.into_bytes())),
+            ("ce_type".into(), Some(b"job".to_vec())),
+            ("content-type".into(), Some(b"application/json".to_vec())),
+        ],
+    };
+    let input_record = record(
+        &first,
+        0,
+        input.to_string(),
+        serde_json::json!({"n": 7, "next": second}),
+    );
+    let outbox = || async {
+        sqlx::query_as::<_, (uuid::Uuid, Vec<u8>)>(
+            "SELECT event_id, payload FROM postal.outbox ORDER BY seq",
+        )
+        .fetch_all(&middle.pool)
+        .await
+        .unwrap()
+    };
+    // Re-application: the dedup row gone (retention), the stored offset moved back (reset).
+    let reapply = || async {
+        sqlx::query("DELETE FROM postal.processed_events")
+            .execute(&middle.pool)
+            .await
+            .unwrap();
+        let own = m.claim(&first, 0).await.unwrap();
+        sqlx::query("UPDATE postal.consumer_offsets SET next_offset = 0")
+            .execute(&middle.pool)
+            .await
+            .unwrap();
+        assert_eq!(m.deliver(&own, vec![input_record.clone()]).await, Delivered::Done);
+    };
+
+    let own = m.claim(&first, 0).await.unwrap();
+    assert_eq!(m.deliver(&own, vec![input_record.clone()]).await, Delivered::Done);
+    let emitted = outbox().await;
+    assert_eq!(emitted.len(), 1);
+    // Applied again while the output is still in the outbox: nothing new is written.
+    reapply().await;
+    assert_eq!(outbox().await, emitted, "the same output, written once");
+    // The relay published the output and removed it; the input is applied once more.
+    sqlx::query("DELETE FROM postal.outbox")
+        .execute(&middle.pool)
+        .await
+        .unwrap();
+    reapply().await;
+    let again = outbox().await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].0, emitted[0].0, "the output keeps its id");
+    // The next hop gets both copies (the first publish, the republish): applied once.
+    let own = s.claim(&second, 0).await.unwrap();
+    let out_id = emitted[0].0.to_string();
+    let copies = vec![
+        record(&second, 0, out_id.clone(), serde_json::json!({"n": 7})),
+        record(&second, 1, out_id, serde_json::json!({"n": 7})),
+    ];
+    assert_eq!(s.deliver(&own, copies).await, Delivered::Done);
+    assert_eq!(effects(&sink.pool).await, (1, 1), "the output applied once");
+    assert_eq!(effects(&middle.pool).await, (3, 1), "the input applied three times");
+}

@@ -109,14 +109,17 @@ pub async fn forward(
         .as_deref()
         .ok_or_else(|| HandlerError::permanent("no `next` topic"))?;
     let key = event.key.clone().unwrap_or_else(|| "none".into());
+    // The output's id is derived from the input's: applying the input again (a replay past
+    // the dedup retention) emits the same event, which the next hop deduplicates.
     let out = postal_producer::NewEvent::json(
         next,
         key.as_str(),
         "job",
         &serde_json::json!({ "n": event.payload.n }),
     )
-    .map_err(HandlerError::permanent)?;
-    postal_producer::enqueue(tx, out)
+    .map_err(HandlerError::permanent)?
+    .with_id(postal_consumer::EventId::derived(event.id, "forward"));
+    postal_producer::enqueue_once(tx, out)
         .await
         .map_err(|e| match e {
             // Classified like the handler's own sqlx calls: a lost connection is an outage
