@@ -284,11 +284,17 @@ async fn a_reapplied_input_emits_the_same_output_and_the_next_hop_applies_it_onc
             .execute(&middle.pool)
             .await
             .unwrap();
-        assert_eq!(m.deliver(&own, vec![input_record.clone()]).await, Delivered::Done);
+        assert_eq!(
+            m.deliver(&own, vec![input_record.clone()]).await,
+            Delivered::Done
+        );
     };
 
     let own = m.claim(&first, 0).await.unwrap();
-    assert_eq!(m.deliver(&own, vec![input_record.clone()]).await, Delivered::Done);
+    assert_eq!(
+        m.deliver(&own, vec![input_record.clone()]).await,
+        Delivered::Done
+    );
     let emitted = outbox().await;
     assert_eq!(emitted.len(), 1);
     // Applied again while the output is still in the outbox: nothing new is written.
@@ -312,5 +318,9 @@ async fn a_reapplied_input_emits_the_same_output_and_the_next_hop_applies_it_onc
     ];
     assert_eq!(s.deliver(&own, copies).await, Delivered::Done);
     assert_eq!(effects(&sink.pool).await, (1, 1), "the output applied once");
-    assert_eq!(effects(&middle.pool).await, (3, 1), "the input applied three times");
+    assert_eq!(
+        effects(&middle.pool).await,
+        (3, 1),
+        "the input applied three times"
+    );
 }

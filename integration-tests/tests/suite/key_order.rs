@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{
-    enqueue_batch, FailureKind, KafkaConfig, KafkaTransport, NewEvent, OutboundEvent,
-    PublishError, RelayConfig, Transport,
+    enqueue_batch, FailureKind, KafkaConfig, KafkaTransport, NewEvent, OutboundEvent, PublishError,
+    RelayConfig, Transport,
 };
 use sqlx::PgPool;
 
@@ -75,12 +75,11 @@ async fn a_parked_head_holds_back_its_tail_in_a_later_batch_kafka() {
     // Let anything still in flight finish.
     tokio::time::sleep(Duration::from_secs(2)).await;
     relay.stop().await;
-    let left: Vec<(String, String, String)> = sqlx::query_as(
-        "SELECT event_key, event_type, status FROM postal.outbox ORDER BY seq",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
+    let left: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT event_key, event_type, status FROM postal.outbox ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     let tails_left: HashSet<String> = left
         .iter()
         .filter(|(_, t, _)| t == "tail")
