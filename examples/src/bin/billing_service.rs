@@ -8,9 +8,9 @@
 
 use std::sync::OnceLock;
 
-use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError};
 use postal_examples::{connect, env_required, init_tracing, stop_signal};
-use postal_producer::{enqueue, Error, NewEvent};
+use postal_producer::{enqueue_once, Error, NewEvent};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -51,8 +51,12 @@ async fn on_order_created(
         "invoice.created",
         &serde_json::json!({"order_id": order.order_id, "customer": order.customer, "seq": order.seq}),
     )
-    .map_err(HandlerError::permanent)?;
-    enqueue(tx, invoice).await.map_err(|e| match e {
+    .map_err(HandlerError::permanent)?
+    // Derived from the order event's id: if this order event is ever applied again (a replay
+    // past the dedup retention), the same invoice event is emitted, and the next hop
+    // recognises it instead of recording a second invoice.
+    .with_id(EventId::derived(event.id, "invoice.created"));
+    enqueue_once(tx, invoice).await.map_err(|e| match e {
         // Classified like the handler's own sqlx calls: a lost connection is an outage
         // (waited out, not counted as a failed attempt).
         Error::Database(db) => HandlerError::from(db),
