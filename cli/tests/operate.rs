@@ -426,6 +426,25 @@ fn start_consumer(
     (tx, task, stats)
 }
 
+/// Whether the broker lists `group` with at least one member.
+async fn group_has_members(bootstrap: String, group: String) -> bool {
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .create()
+            .unwrap();
+        c.fetch_group_list(Some(&group), Duration::from_secs(5))
+            .map(|l| {
+                l.groups()
+                    .iter()
+                    .any(|x| x.name() == group && !x.members().is_empty())
+            })
+            .unwrap_or(false)
+    })
+    .await
+    .unwrap()
+}
+
 async fn effects(pool: &PgPool) -> (i64, i64) {
     sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
         .fetch_one(pool)
@@ -458,24 +477,7 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     };
     // The broker reports the running consumer as a member (group state can lag under load).
     until("the group to show its member", || {
-        let (b, g) = (e.bootstrap.clone(), group.clone());
-        async move {
-            tokio::task::spawn_blocking(move || {
-                let c: BaseConsumer = ClientConfig::new()
-                    .set("bootstrap.servers", &b)
-                    .create()
-                    .unwrap();
-                c.fetch_group_list(Some(&g), Duration::from_secs(5))
-                    .map(|l| {
-                        l.groups()
-                            .iter()
-                            .any(|x| x.name() == g && !x.members().is_empty())
-                    })
-                    .unwrap_or(false)
-            })
-            .await
-            .unwrap()
-        }
+        group_has_members(e.bootstrap.clone(), group.clone())
     })
     .await;
     let refused = reset().output().unwrap();
@@ -501,18 +503,7 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letter_replay_applies_once() {
     let Some(e) = env().await else { return };
-    let (topic, group) = (unique("dl"), unique("g"));
-    create_topic(&e.bootstrap, &topic).await;
-    sqlx::query("CREATE TABLE broken ()")
-        .execute(&e.pool)
-        .await
-        .unwrap();
-    let ids = produce(&e.bootstrap, &topic, &["{}"]).await;
-    let (stop, task, stats) = start_consumer(&e, &group, &topic);
-    until("the dead letter", || async {
-        stats.snapshot().dead_letters == 1
-    })
-    .await;
+    let (ids, stop, task, stats) = one_dead_letter(&e).await;
 
     let mut list = postal(&e.url);
     list.args(["dead-letters", "list", "--json"]);
@@ -554,18 +545,7 @@ async fn dead_letter_replay_applies_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letter_replay_never_applies_an_event_twice() {
     let Some(e) = env().await else { return };
-    let (topic, group) = (unique("dl"), unique("g"));
-    create_topic(&e.bootstrap, &topic).await;
-    sqlx::query("CREATE TABLE broken ()")
-        .execute(&e.pool)
-        .await
-        .unwrap();
-    let ids = produce(&e.bootstrap, &topic, &["{}"]).await;
-    let (stop, task, stats) = start_consumer(&e, &group, &topic);
-    until("the dead letter", || async {
-        stats.snapshot().dead_letters == 1
-    })
-    .await;
+    let (ids, stop, task, stats) = one_dead_letter(&e).await;
     // Meanwhile a copy of the event was applied: its effect and its own dedup row (written
     // in a later transaction than the dead letter).
     sqlx::query("DROP TABLE broken")
@@ -604,6 +584,31 @@ async fn dead_letter_replay_never_applies_an_event_twice() {
         .args(["dead-letters", "replay", "--all"])
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     assert!(ok(again).contains("replayed 0 dead letter(s)"));
+}
+
+/// One event on a fresh topic, dead-lettered by a consumer whose ledger is broken (the
+/// `broken` table exists); the consumer keeps running.
+async fn one_dead_letter(
+    e: &Env,
+) -> (
+    Vec<uuid::Uuid>,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<Stats>,
+) {
+    let (topic, group) = (unique("dl"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    sqlx::query("CREATE TABLE broken ()")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let ids = produce(&e.bootstrap, &topic, &["{}"]).await;
+    let (stop, task, stats) = start_consumer(e, &group, &topic);
+    until("the dead letter", || async {
+        stats.snapshot().dead_letters == 1
+    })
+    .await;
+    (ids, stop, task, stats)
 }
 
 fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
@@ -946,24 +951,7 @@ async fn consumer_reset_whose_kafka_commit_fails_changes_nothing() {
     })
     .await;
     until("the group to show its member", || {
-        let (b, g) = (e.bootstrap.clone(), group.clone());
-        async move {
-            tokio::task::spawn_blocking(move || {
-                let c: BaseConsumer = ClientConfig::new()
-                    .set("bootstrap.servers", &b)
-                    .create()
-                    .unwrap();
-                c.fetch_group_list(Some(&g), Duration::from_secs(5))
-                    .map(|l| {
-                        l.groups()
-                            .iter()
-                            .any(|x| x.name() == g && !x.members().is_empty())
-                    })
-                    .unwrap_or(false)
-            })
-            .await
-            .unwrap()
-        }
+        group_has_members(e.bootstrap.clone(), group.clone())
     })
     .await;
     let mut reset = postal(&e.url);

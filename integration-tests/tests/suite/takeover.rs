@@ -14,6 +14,14 @@ use crate::common::{
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The `n` of every effect, in the order they were applied.
+async fn applied_in_order(pool: &sqlx::PgPool) -> Vec<i64> {
+    sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 fn records(from: i64, to: i64) -> Vec<RawRecord> {
     (from..to)
         .map(|n| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})))
@@ -156,12 +164,8 @@ async fn records_fetched_above_the_stored_offset_do_not_skip_a_replay() {
     .await;
     running.stop().await;
     assert_eq!(effects(&db.pool).await, (30, 30), "each event exactly once");
-    let order: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
     assert_eq!(
-        order,
+        applied_in_order(&db.pool).await,
         (0..30).collect::<Vec<_>>(),
         "applied in offset order"
     );
@@ -218,12 +222,8 @@ async fn a_worker_fenced_before_any_commit_does_not_skip_what_it_dropped() {
     })
     .await;
     running.stop().await;
-    let applied: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
     assert_eq!(
-        applied,
+        applied_in_order(&db.pool).await,
         (0..20).collect::<Vec<_>>(),
         "every record below the stored offset applied, in order"
     );
