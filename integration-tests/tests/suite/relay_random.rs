@@ -12,7 +12,7 @@
 //! the relay recorded the failed batch (as the Kafka transport's key fence does), so the fake
 //! never reorders a key by itself.
 //!
-//! `POSTAL_RELAY_RANDOM_CASES` sets how many random cases run (default 4, about 10 s each),
+//! `POSTAL_RELAY_RANDOM_CASES` sets how many random cases run (default 8, about 5 s each),
 //! `POSTAL_RELAY_RANDOM_SEED` the first case's seed (default random). A failure prints the
 //! case's seed: `POSTAL_RELAY_RANDOM_SEED=<seed> POSTAL_RELAY_RANDOM_CASES=1` runs that case
 //! again. The seed fixes the case's parameters and its schedule of actions; the timing of the
@@ -624,10 +624,7 @@ async fn check(
         .filter(|r| r.3 == "pending")
         .map(|r| r.0)
         .collect();
-    if let Some(r) = rows
-        .iter()
-        .find(|r| r.3 != "failed" && r.3 != "pending")
-    {
+    if let Some(r) = rows.iter().find(|r| r.3 != "failed" && r.3 != "pending") {
         return Err(format!("unexpected outbox row {r:?}"));
     }
     let known: HashSet<Uuid> = enqueued.values().flatten().copied().collect();
@@ -722,7 +719,7 @@ async fn random_relay_interleavings_keep_order_and_lose_nothing() {
     let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
+        .unwrap_or(8);
     let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
