@@ -6,8 +6,19 @@
 //! published row costs one write; rows that failed are written back, rescheduled or parked, in
 //! the same transaction ([`Claim::complete`]). When published rows are kept, the claim only
 //! locks them and completion marks them. If the relay dies, its connection closes and the
-//! transaction rolls back: the rows are back at once, unchanged. A relay that hangs with its
-//! connection open loses its claim after half the lease (`idle_in_transaction_session_timeout`).
+//! transaction rolls back: the rows are back at once, unchanged.
+//!
+//! Because a claim's rows are skipped by every other claim, a claim must never outlive its
+//! relay's ownership of their key partitions, or the next owner would publish a key's later
+//! events before the claimed earlier ones. The fence ([`crate::fence`]): the claim holds a
+//! shared advisory lock on each of its partitions for its transaction's whole life, taken
+//! before it checks its leases, and a relay takes a partition over only with the exclusive
+//! lock, terminating the backends of claims whose partition lease expired. This holds whatever
+//! the claim's backend is doing (idle, blocked writing to a frozen client, waiting on a
+//! relation lock). In addition, a claim idle for half the lease is ended by PostgreSQL
+//! (`idle_in_transaction_session_timeout`), its session gets `tcp_user_timeout` for the same
+//! time, completion re-checks ownership before it commits ([`Claim::complete`]), and the relay
+//! hands rows over only before the claim's send deadline ([`Claim::send_deadline_passed`]).
 
 use std::time::Duration;
 
@@ -129,6 +140,9 @@ pub struct Claim {
     relay: Uuid,
     partitions: Vec<i16>,
     lease: Duration,
+    /// The relay's clock: hand the rows over to a transport only before this
+    /// ([`Claim::send_deadline_passed`]).
+    send_by: std::time::Instant,
 }
 
 impl std::fmt::Debug for Claim {
@@ -153,12 +167,17 @@ impl Claim {
     /// Records the outcome in one statement and commits: acknowledged rows are gone (deleted at
     /// claim time, or marked published), failed ones are rescheduled or parked. `batch` is
     /// what [`Claim::take_events`] returned.
+    ///
+    /// Before it commits, the fence check: the relay must still own every partition of the
+    /// claim. If it does not, the transaction rolls back ([`crate::Error::LeaseLost`]): the
+    /// rows are published again (consumers drop the duplicates), never lost, and nothing this
+    /// relay recorded lands behind a later event that the new owner already published.
     pub async fn complete(
         mut self,
         batch: &[OutboundEvent],
         published: &[i64],
         failures: &[Failure],
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), crate::Error> {
         match &self.deleted {
             Some(kept) => {
                 if !failures.is_empty() {
@@ -170,7 +189,33 @@ impl Claim {
             }
             None => complete::mark(&mut self.tx, published, failures).await?,
         }
-        self.tx.commit().await
+        // Last, so that the check is as close to the commit as it can be. (With the claim's
+        // partition locks, no relay can take them over meanwhile; this fences a takeover that
+        // bypassed them, e.g. a relay of an earlier version during a rolling upgrade.)
+        let lost: Vec<i16> = sqlx::query_scalar(
+            "SELECT ARRAY(SELECT p FROM unnest($2::int2[]) p
+                 WHERE NOT EXISTS (SELECT 1 FROM postal.relay_partitions r
+                                   WHERE r.owner = $1 AND r.key_partition = p))",
+        )
+        .bind(self.relay)
+        .bind(&self.partitions)
+        .fetch_one(&mut *self.tx)
+        .await?;
+        if !lost.is_empty() {
+            self.tx.rollback().await?;
+            return Err(crate::Error::LeaseLost { partitions: lost });
+        }
+        Ok(self.tx.commit().await?)
+    }
+
+    /// Whether the claim's send deadline has passed by this process's monotonic clock: the
+    /// lease its partitions had left when it was claimed (read with the server's clock), less
+    /// a quarter of the lease for the hand-over itself. The relay then gives the rows back
+    /// unsent ([`Claim::release`]): a process frozen (or starved) between claim and hand-over
+    /// must not publish once its leases may have passed to another relay, which would then
+    /// have published the same events, and the key's later ones, before it.
+    pub fn send_deadline_passed(&self) -> bool {
+        std::time::Instant::now() >= self.send_by
     }
 
     /// History mode: when completed, acknowledged rows are also written into the
@@ -224,16 +269,26 @@ impl Claim {
 /// transaction lives on after its last statement (half the lease, then PostgreSQL ends it)
 /// plus a twentieth of the lease (which also covers the claim statement itself: the check
 /// reads the transaction's start time). A claim whose relay never sends another statement thus
-/// ends before the leases of its partitions run out, and the next owner never overtakes it (a
-/// claim kept alive shortens its idle limit the same way, [`Claim::keep_alive`]). Relays renew
+/// ends before the leases of its partitions run out, and the next owner takes them over without
+/// having to terminate it (a claim kept alive shortens its idle limit the same way,
+/// [`Claim::keep_alive`]). A claim whose backend stays active past them is held off by the
+/// fence ([`crate::fence`]). Relays renew
 /// their leases every quarter of the lease, so a healthy relay always has more left.
 pub fn lease_reserve(lease: Duration) -> Duration {
     lease / 2 + lease / 20
 }
 
+/// How much before the end of its leases (as read at claim time) a claim's rows must have been
+/// handed to the transport: a quarter of the lease, the same margin the relay keeps for work in
+/// flight (it gives a batch up with a quarter of the lease left unrenewed).
+fn send_margin(lease: Duration) -> Duration {
+    lease / 4
+}
+
 /// Claims up to `limit` publishable rows of the given key partitions that `relay` holds a live
-/// lease on (see [`crate::lease`]), in sequence order. Returns `None` when there is nothing to
-/// publish. The claim's transaction may stay idle for at most half the lease.
+/// lease on (see [`crate::lease`]) and whose fence lock it got ([`crate::fence`]), in sequence
+/// order. Returns `None` when there is nothing to publish. The claim's transaction may stay
+/// idle for at most half the lease.
 ///
 /// A row is publishable when it is pending, due (`available_at` passed), not claimed by anyone
 /// else, and no earlier row of its key holds it back (parked, waiting for a retry, or
@@ -249,11 +304,40 @@ pub async fn claim(
 ) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let requested = mask(partitions);
-    // The fence: only partitions whose lease this relay holds for longer than the claim's
-    // transaction can outlive its last statement ([`lease_reserve`]). A separate statement
-    // keeps the claim on its ordered index scan; it also pins the claim's plan to that scan
-    // (see `PLAN_SETTINGS`) and ends the transaction
-    // if it stays idle for half the lease. The claim commits with the server's
+    let reserve = lease_reserve(lease).as_secs_f64();
+    // The fence, first half ([`crate::fence`]): a shared lock on each partition this relay
+    // holds, with enough lease left, that the claim may take rows from; a takeover needs the
+    // exclusive lock, so none can happen while this transaction lives. `try`: a partition
+    // being taken over right now is left for the next claim. The CASE keeps the lock off
+    // every other partition (a lock there would hold up another relay's takeover).
+    let locked: Vec<i16> = sqlx::query_scalar(concat!(
+        "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
+                WHERE CASE WHEN owner = $1 AND lease_until > now() + make_interval(secs => $3)
+                                AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])
+                           THEN pg_try_advisory_xact_lock_shared(",
+        crate::fence::fence_lock_class!("relay_group"),
+        ", key_partition)
+                           ELSE false END)"
+    ))
+    .bind(relay)
+    .bind(&requested)
+    .bind(reserve)
+    .fetch_one(&mut *tx)
+    .await?;
+    if locked.is_empty() {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    // The second half, in a statement of its own so that it reads the leases with a snapshot
+    // taken after the locks: a takeover that committed before a lock was granted shows here.
+    // Only partitions whose lease this relay holds for longer than the claim's transaction can
+    // outlive its last statement ([`lease_reserve`]) are kept, and the lease they have left
+    // (by the server's clock) sets the claim's send deadline ([`Claim::send_deadline_passed`]).
+    // A separate statement keeps the claim on its ordered index scan; it also pins the claim's
+    // plan to that scan (see `PLAN_SETTINGS`), ends the transaction if it stays idle for half
+    // the lease, and sets `tcp_user_timeout` (half the lease) for the transaction, so that
+    // the kernel drops the connection when the client stops acknowledging the claim's rows.
+    // The claim commits with the server's
     // `synchronous_commit` (on by default), waiting for its WAL flush: while a backlog drains,
     // each claim walks the index entries of the rows its lane's earlier claims deleted until
     // a scan marks them dead, and PostgreSQL lets a scan do that only once the deletion is
@@ -261,23 +345,32 @@ pub async fn claim(
     // commit hint bit only then). After an asynchronous commit the claims that follow within
     // milliseconds walked those entries more often (`scripts/claim-index-walk.py`), and the
     // relay-only drain's median was lower, within a wide spread (BENCHMARKS.md).
-    let (owned, _): (Vec<i16>, String) = sqlx::query_as(concat!(
-        "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
-                WHERE owner = $1 AND lease_until > now() + make_interval(secs => $4)
-                  AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])), concat(",
+    let checked_at = std::time::Instant::now();
+    let half = format!("{}ms", (lease / 2).as_millis().max(1));
+    let (owned, left_ms, _): (Vec<i16>, Option<f64>, String) = sqlx::query_as(concat!(
+        "WITH o AS (SELECT key_partition, lease_until FROM postal.relay_partitions
+                WHERE owner = $1 AND key_partition = ANY($2)
+                  AND lease_until > now() + make_interval(secs => $4))
+         SELECT ARRAY(SELECT key_partition FROM o ORDER BY key_partition),
+                (extract(epoch FROM (SELECT min(lease_until) FROM o) - clock_timestamp())
+                    * 1000)::float8,
+                concat(",
         plan_settings!(),
-        ", set_config('idle_in_transaction_session_timeout', $3, true))"
+        ", set_config('idle_in_transaction_session_timeout', $3, true),
+           set_config('tcp_user_timeout', $3, true))"
     ))
     .bind(relay)
-    .bind(&requested)
-    .bind(format!("{}ms", (lease / 2).as_millis().max(1)))
-    .bind(lease_reserve(lease).as_secs_f64())
+    .bind(&locked)
+    .bind(&half)
+    .bind(reserve)
     .fetch_one(&mut *tx)
     .await?;
     if owned.is_empty() {
         tx.rollback().await?;
         return Ok(None);
     }
+    let left = Duration::from_secs_f64(left_ms.unwrap_or(0.0).max(0.0) / 1e3);
+    let send_by = checked_at + left.saturating_sub(send_margin(lease));
     // The range of the owned partitions is checked inside the index; the mask (one array
     // lookup per row instead of a search through the list) then keeps exactly the owned ones.
     // Every partition: no mask at all.
@@ -344,6 +437,7 @@ pub async fn claim(
         relay,
         partitions: owned,
         lease,
+        send_by,
     }))
 }
 

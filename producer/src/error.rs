@@ -25,6 +25,14 @@ pub enum Error {
     /// The relay or transport configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A claim was not completed because the relay no longer owns some of its key partitions
+    /// (the fence, [`crate::fence`]): its transaction rolled back, and its rows are handed out
+    /// again.
+    #[error("the claim's key partitions {partitions:?} are no longer this relay's; its completion was rolled back")]
+    LeaseLost {
+        /// The claim's partitions that another relay (or nobody) owns now.
+        partitions: Vec<i16>,
+    },
     /// A database call failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

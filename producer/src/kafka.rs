@@ -490,6 +490,12 @@ impl Drop for Ack {
             )),
         };
         if let Some(f) = failure {
+            // A failed record holds its key until its batch is recorded (its row is then back
+            // in the outbox, holding the key there): a later batch must not send the key's
+            // later records meanwhile (see `KeyFence`).
+            if let Some(slot) = self.batch.slot.upgrade() {
+                slot.fence.hold_key(&self.batch.tracked, self.index);
+            }
             self.batch
                 .failures
                 .lock()
@@ -560,6 +566,7 @@ impl Transport for KafkaTransport {
                 if let Err(err) = &topic_ok[e.topic.as_str()] {
                     outcomes[index] = Err(err.clone());
                     blocked.insert(e.key.as_str());
+                    fence.hold_key(&tracked, index);
                     continue;
                 }
             }
@@ -573,6 +580,7 @@ impl Transport for KafkaTransport {
                     ),
                 ));
                 blocked.insert(e.key.as_str());
+                fence.hold_key(&tracked, index);
                 continue;
             }
             let id: &str = e.id.as_uuid().hyphenated().encode_lower(&mut id_buf);
@@ -668,6 +676,7 @@ impl Transport for KafkaTransport {
                         }
                         outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
                         blocked.insert(e.key.as_str());
+                        fence.hold_key(&tracked, index);
                         break;
                     }
                 }
@@ -887,7 +896,10 @@ mod tests {
         error: RDKafkaRespErr,
     ) -> PublishError {
         mock.request_errors(RDKafkaApiKey::Produce, &[error]);
-        let mut outcomes = transport.send(&[numbered("jobs", 1)]).await.await;
+        let batch = [numbered("jobs", 1)];
+        let mut outcomes = transport.send(&batch).await.await;
+        // Recorded as the relay would (a failed record holds its key until then).
+        transport.recorded(&batch, true);
         outcomes.remove(0).expect_err("refused")
     }
 
@@ -1126,6 +1138,46 @@ mod tests {
         assert!(!transport.producer.fence.is_fenced(&later[0]));
         assert!(
             publish_with_retries(&transport, keyed(5, "k")).await,
+            "the key never flowed again"
+        );
+    }
+
+    /// Guarantee: a record that fails (here refused before sending as too large) holds its key
+    /// across batches: a later batch in flight before the failed one is recorded sends none of
+    /// that key's records — they come back held back, not published ahead of the failed one —
+    /// while other keys go out; once the failed batch is recorded (its row back in the outbox,
+    /// holding the key there) the key flows again. Before, only the failed record's own batch
+    /// held the key's later records back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_record_holds_its_key_in_later_batches_until_recorded() {
+        let (_mock, transport) = mock_transport(&[]).await;
+        let keyed = |seq: i64, key: &str| OutboundEvent {
+            key: key.into(),
+            ..numbered("jobs", seq)
+        };
+        let too_large = OutboundEvent {
+            payload: vec![b'x'; transport.max_message_bytes + 1],
+            ..keyed(1, "k")
+        };
+        let failed = vec![too_large];
+        let failed_out = transport.send(&failed).await.await;
+        assert_eq!(
+            failed_out[0].as_ref().err().map(|e| e.kind),
+            Some(FailureKind::Permanent)
+        );
+        let later = vec![keyed(2, "k"), keyed(3, "other")];
+        let outcomes = transport.send(&later).await.await;
+        assert_eq!(
+            outcomes[0].as_ref().err().map(|e| e.kind),
+            Some(FailureKind::HeldBack),
+            "{outcomes:?}"
+        );
+        assert!(outcomes[1].is_ok(), "{outcomes:?}");
+        transport.recorded(&failed, true);
+        transport.recorded(&later, true);
+        assert!(!transport.producer.fence.is_fenced(&later[0]));
+        assert!(
+            publish_with_retries(&transport, keyed(4, "k")).await,
             "the key never flowed again"
         );
     }

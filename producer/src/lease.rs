@@ -9,13 +9,19 @@
 //! recorded. The claim statement re-checks the
 //! lease, so a relay that lost its lease claims nothing from that partition.
 //!
-//! A claim transaction can outlive its relay by at most half a lease (the claim sets
-//! `idle_in_transaction_session_timeout` to half the lease), and a relay claims only while its
-//! lease has more than that left ([`crate::claim::lease_reserve`]), so by the time a
-//! partition's lease runs out, rows claimed by a dead owner are back: the new owner never
-//! overtakes them. A live relay keeps a claim alive (a long task handler) only within its
-//! leases (each keep-alive shortens the claim's idle limit to what they have left) and gives
-//! the batch up when a quarter of the lease is left without a renewal.
+//! No partition changes hands while a claim of its previous owner on it is still open, whatever
+//! that claim's backend is doing: every claim holds a shared advisory lock on each of its
+//! partitions for its whole transaction, and [`heartbeat`] takes a partition over only with
+//! the exclusive lock; when the lock's holders belong to a lease that expired (or was given
+//! up), it terminates their backends and takes the partition at the next heartbeat (see
+//! [`crate::fence`]). A relay renewing its own partitions takes no lock, so its claims never
+//! hold up its heartbeats. In normal operation the fence never has to act: a claim
+//! transaction can outlive its relay by at most half a lease while idle (the claim sets
+//! `idle_in_transaction_session_timeout` to half the lease), and a relay claims only while
+//! its lease has more than that left ([`crate::claim::lease_reserve`]). A live relay keeps a
+//! claim alive (a long task handler) only within its leases (each keep-alive shortens the
+//! claim's idle limit to what they have left) and gives the batch up when a quarter of the
+//! lease is left without a renewal.
 
 use std::time::Duration;
 
@@ -41,6 +47,10 @@ pub const DEFAULT_GROUP: &str = "default";
 ///
 /// `release_ok` says whether partitions may be given up now (the caller has drained its
 /// in-flight batches); if not, partitions to give away are kept and renewed until next time.
+///
+/// A partition that is free or expired but still locked by some claim is not taken: after its
+/// transaction commits, the heartbeat terminates those claims' backends
+/// ([`crate::fence::terminate_stale_holders`]), and a later heartbeat takes the partition.
 pub async fn heartbeat(
     pool: &PgPool,
     group: &str,
@@ -108,18 +118,42 @@ pub async fn heartbeat(
         .copied()
         .chain(held.iter().copied().filter(|p| !give_up.contains(p)))
         .collect();
+    // The fence ([`crate::fence`]): a partition is taken over only with the exclusive lock
+    // that every claim on it holds shared, so never while a claim of its previous owner is
+    // still open. `try`: a partition still claimed is not taken this round. Renewing our own
+    // partitions takes no lock, so it never waits for our own claims.
+    let takeover: Vec<(i16, bool)> = sqlx::query_as(concat!(
+        "SELECT key_partition, pg_try_advisory_xact_lock(",
+        crate::fence::fence_lock_class!("relay_group"),
+        ", key_partition)
+         FROM postal.relay_partitions
+         WHERE relay_group = $2 AND key_partition = ANY($3)
+           AND owner IS DISTINCT FROM $1 AND (owner IS NULL OR lease_until < now())
+         ORDER BY key_partition"
+    ))
+    .bind(relay)
+    .bind(group)
+    .bind(&wanted)
+    .fetch_all(&mut *tx)
+    .await?;
+    let locked: Vec<i16> = takeover.iter().filter(|t| t.1).map(|t| t.0).collect();
+    let blocked: Vec<i16> = takeover.iter().filter(|t| !t.1).map(|t| t.0).collect();
+    // A statement of its own: its snapshot is taken after the locks, so a partition that its
+    // owner renewed meanwhile is not taken.
     let mut now_held: Vec<i16> = sqlx::query_scalar(
         "UPDATE postal.relay_partitions
          SET owner = $1, lease_until = now() + $2 * interval '1 millisecond',
              acquired_at = CASE WHEN owner IS DISTINCT FROM $1 THEN now() ELSE acquired_at END
-         WHERE relay_group = $4 AND key_partition = ANY($3)
-           AND (owner = $1 OR owner IS NULL OR lease_until < now())
+         WHERE relay_group = $4
+           AND ((owner = $1 AND key_partition = ANY($3))
+                OR (key_partition = ANY($5) AND (owner IS NULL OR lease_until < now())))
          RETURNING key_partition",
     )
     .bind(relay)
     .bind(lease_ms)
     .bind(&wanted)
     .bind(group)
+    .bind(&locked)
     .fetch_all(&mut *tx)
     .await?;
     // Forget relays that have been silent for a long time.
@@ -130,6 +164,17 @@ pub async fn heartbeat(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
+    if !blocked.is_empty() {
+        // Outside the heartbeat's transaction: a missing right to signal must not undo the
+        // heartbeat, and the terminated claims' rows are back before the next round takes the
+        // partitions. A failure here only delays the takeover.
+        match crate::fence::terminate_stale_holders(pool, group, relay, &blocked).await {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, partitions = ?blocked, "cannot look for the claims that keep key partitions from this relay; retrying at the next heartbeat")
+            }
+        }
+    }
     now_held.sort_unstable();
     let pending_release = held.iter().any(|p| !target.contains(p)) && !release_ok;
     Ok(Lease {

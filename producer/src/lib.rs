@@ -33,6 +33,7 @@ mod config;
 mod enqueue;
 mod error;
 mod event;
+pub mod fence;
 mod kafka;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]

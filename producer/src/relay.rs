@@ -646,6 +646,17 @@ impl<T: Transport> Shared<T> {
             } else {
                 0.0
             };
+            if claim.send_deadline_passed() {
+                // The fence's last step (see `claim::Claim::send_deadline_passed`): this relay
+                // stalled (a frozen process, a starved runtime, a claim that waited on a
+                // lock) until its leases as read at claim time may have run out.
+                tracing::warn!(events = batch.len(), claim_ms = claim_time.as_secs_f64() * 1e3, "a claimed batch reached its send deadline before it was handed over (the relay stalled?); giving it back unsent");
+                let _ = tokio::time::timeout(self.config.lease / 4, claim.release()).await;
+                drop(gate);
+                drop(permit);
+                drop(own);
+                continue;
+            }
             let acks = tokio::select! {
                 acks = self.transport.send(&batch) => acks,
                 _ = self.abandon.cancelled() => {
@@ -872,9 +883,16 @@ impl CompleteCtx {
 
         // Record the outcome on the claim's transaction. If that fails (database gone), the
         // transaction rolls back and the rows are republished later: duplicates, never loss.
-        if let Err(e) = claim.complete(batch, &published, &failures).await {
-            tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
-            return false;
+        match claim.complete(batch, &published, &failures).await {
+            Ok(()) => {}
+            Err(e @ Error::LeaseLost { .. }) => {
+                tracing::warn!(error = %e, events = batch.len(), "a published batch was not recorded: its key partitions moved to another relay meanwhile; its events will be published again");
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
+                return false;
+            }
         }
         let parked = failures.iter().filter(|f| f.park).count() as u64;
         let retried = failures.len() as u64 - parked;

@@ -102,11 +102,12 @@ async fn same_event_twice_is_applied_once() {
     );
 }
 
-/// Guarantee: a failing handler leaves neither its effects nor a dedup row; retryable failures
-/// are retried until they succeed (applied once), permanent failures and panics become dead
-/// letters, and the records after them are still processed.
+/// Guarantee: a failing handler leaves none of its effects; retryable failures are retried
+/// until they succeed (applied once), permanent failures and panics become dead letters whose
+/// event keeps its dedup row (so no later copy applies it), and the records after them are
+/// still processed.
 #[tokio::test]
-async fn handler_errors_leave_no_effect_and_no_dedup_row() {
+async fn handler_errors_leave_no_effect_and_dead_letters_keep_their_dedup_row() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -153,8 +154,8 @@ async fn handler_errors_leave_no_effect_and_no_dedup_row() {
         );
         assert_eq!(
             processed_rows(&db.pool, id).await,
-            0,
-            "no dedup row of a failed event"
+            1,
+            "a dead letter keeps its event's dedup row (no copy of it is ever applied)"
         );
     }
     assert_eq!(

@@ -12,6 +12,7 @@ mod consume;
 mod consumer_crash;
 mod dead_letters;
 mod enqueue;
+mod fence;
 mod handlers;
 mod migrations;
 mod order;

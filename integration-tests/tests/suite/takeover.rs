@@ -106,9 +106,36 @@ async fn records_fetched_above_the_stored_offset_do_not_skip_a_replay() {
     .execute(&db.pool)
     .await
     .unwrap();
-    // Records above Kafka's group offset, which the fetch reaches first.
+    // Records above Kafka's group offset, where the fetch starts.
     produce(&svc.bootstrap, &topic, Some(0), &records(20, 30)).await;
+    // The worker's takeover in the database waits behind this lock while the fetch from
+    // Kafka's group offset delivers records 20.. into its buffer: they are there before its
+    // seek to the stored offset is even issued.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1 FOR UPDATE")
+        .bind(&group)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
     let running = start_apply(&db.pool, &topic, config());
+    wait::until(WAIT, "the worker's takeover waiting for the lock", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%consumer_offsets%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    // Not a synchronization: the outcome must be the same however long this is; it only
+    // gives the fetch time to fill the buffer, the situation the worker must handle.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    blocker.rollback().await.unwrap();
     wait::until(WAIT, "offsets 20..30 handled", || {
         let pool = pool.clone();
         async move {
