@@ -434,11 +434,14 @@ async fn run_case(seed: u64) -> Result<String, String> {
         faults: AtomicU8::new(Faults::None as u8),
         started,
     });
+    // Most cases start with a failing destination.
+    let faults = random_faults(&mut rng);
+    world.faults.store(faults as u8, Ordering::Relaxed);
     let mut log = Log {
         started,
         lines: Vec::new(),
     };
-    log.note(format!("{params:?}"));
+    log.note(format!("{params:?}, faults {faults:?}"));
     let keys: Vec<String> = (0..params.keys).map(|k| format!("k{k}")).collect();
     // Per key, the enqueued event ids in sequence order.
     let mut enqueued: BTreeMap<String, Vec<Uuid>> = BTreeMap::new();
@@ -521,11 +524,7 @@ async fn run_case(seed: u64) -> Result<String, String> {
                 }
             }
             _ => {
-                let f = match rng.random_range(0..3) {
-                    0 => Faults::None,
-                    1 => Faults::Light,
-                    _ => Faults::Heavy,
-                };
+                let f = random_faults(&mut rng);
                 world.faults.store(f as u8, Ordering::Relaxed);
                 log.note(format!("faults {f:?}"));
             }
@@ -581,6 +580,14 @@ async fn run_case(seed: u64) -> Result<String, String> {
     check(&db.pool, &enqueued, &landed)
         .await
         .map_err(|e| format!("{e}\n{}", dump(&log)))
+}
+
+fn random_faults(rng: &mut StdRng) -> Faults {
+    match rng.random_range(0..3) {
+        0 => Faults::None,
+        1 => Faults::Light,
+        _ => Faults::Heavy,
+    }
 }
 
 fn dump(log: &Log) -> String {
