@@ -21,6 +21,7 @@ mod protocol;
 mod rabbitmq;
 mod rebalance;
 mod relay;
+mod relay_random;
 mod smoke;
 mod takeover;
 mod tasks;
