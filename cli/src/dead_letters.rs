@@ -222,11 +222,16 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             let progress = Progress::new(rows.len() as u64, "replayed");
             let mut done = 0u64;
             for chunk in rows.chunks(500) {
-                // Claim the chunk (a replay running at the same time takes none of these), and
-                // remove the dedup rows these dead letters wrote — only those: written in the
-                // dead letter's own transaction, they carry its time. A row from an applied
-                // copy (a replay before, or a dead letter recorded before dead letters kept
-                // their row) stays, and the replayed record is then a duplicate.
+                // One transaction per chunk, open until the broker acknowledged the sends:
+                // it claims the chunk (a replay running at the same time waits for it, then
+                // takes none of these) and removes the dedup rows these dead letters wrote —
+                // only those: written in the dead letter's own transaction, they carry its
+                // time. A row from an applied copy (a replay before, or a dead letter recorded
+                // before dead letters kept their row) stays, and the replayed record is then a
+                // duplicate. If this process dies before the commit, nothing of it happened:
+                // the dead letters stand with their rows (a record that went out meanwhile is
+                // a duplicate) and the replay can be run again. A consumer that reads a
+                // replayed record before the commit waits for it on the dedup row.
                 let ids: Vec<i64> = chunk.iter().map(|r| r.id).collect();
                 let mut tx = pool.begin().await?;
                 let claimed: Vec<i64> = sqlx::query_scalar(
@@ -244,7 +249,6 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 .bind(&claimed)
                 .execute(&mut *tx)
                 .await?;
-                tx.commit().await?;
                 let chunk: Vec<&Full> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
                 let sends = chunk.iter().map(|r| {
                     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
@@ -283,9 +287,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     }
                 }
                 if !failed.is_empty() {
-                    // Not sent: the dead letter stands again, with its dedup row (unless a
-                    // copy of the event was applied meanwhile: that row stays as it is).
-                    let mut tx = pool.begin().await?;
+                    // Not sent: the dead letter stands again, with its dedup row.
                     sqlx::query(
                         "UPDATE postal.dead_letters SET replayed_at = NULL WHERE id = ANY($1)",
                     )
@@ -301,8 +303,8 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .bind(&failed)
                     .execute(&mut *tx)
                     .await?;
-                    tx.commit().await?;
                 }
+                tx.commit().await?;
                 if let Some(e) = first_error {
                     progress.finish();
                     anyhow::bail!(

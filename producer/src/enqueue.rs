@@ -52,7 +52,9 @@ pub async fn enqueue_batch(
 }
 
 /// Writes `event` unless the outbox already holds the same event: one with its id and the
-/// same topic, key, type and payload (then nothing is written and the id is returned). For
+/// same topic, key, type, schema version, content type, headers (the trace context aside) and
+/// payload, byte for byte — serialize derived events deterministically (then nothing is
+/// written and the id is returned). For
 /// events whose id is derived from what caused them ([`EventId::derived`]): a handler that
 /// emits an event while applying its input may be applied again (a replay past the dedup
 /// retention, a replayed dead letter) and then emits the same event, which must not fail —
@@ -130,16 +132,23 @@ async fn write(
         .map_err(Error::from_insert)?;
     if once && inserted == 0 {
         // Already there: the same event, or a different one under this id?
+        // The trace context is the current span's, different on every application.
         let same: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM postal.outbox
                             WHERE event_id = $1 AND topic = $2 AND event_key = $3
-                              AND event_type = $4 AND payload = $5)",
+                              AND event_type = $4 AND payload = $5 AND schema_version = $6
+                              AND content_type = $7
+                              AND headers - 'traceparent' - 'tracestate'
+                                  = $8::jsonb - 'traceparent' - 'tracestate')",
         )
         .bind(uuids[0])
         .bind(&topics[0])
         .bind(&keys[0])
         .bind(&types[0])
         .bind(&payloads[0])
+        .bind(versions[0])
+        .bind(&content_types[0])
+        .bind(&headers[0])
         .fetch_one(&mut *conn)
         .await?;
         if !same {

@@ -64,8 +64,8 @@ impl Link {
 /// The batches of one relay that are in flight or not yet recorded, by key.
 #[derive(Default)]
 pub(crate) struct KeyChain {
-    /// Key → the last batch registered with it.
-    last: Mutex<HashMap<u64, Arc<Link>>>,
+    /// Key → every batch registered with it and not yet removed.
+    batches: Mutex<HashMap<u64, Vec<Arc<Link>>>>,
 }
 
 /// A batch's place in the chain, from hand-over until it is recorded.
@@ -85,17 +85,19 @@ impl KeyChain {
         let link = Arc::new(Link { outcome: tx });
         let keys: Vec<u64> = batch.iter().map(key_of).collect();
         let mut deps: Vec<Arc<Link>> = Vec::new();
-        let mut last = self.last.lock().expect("key chain");
+        let mut last = self.batches.lock().expect("key chain");
         let mut seen = HashSet::new();
         for k in &keys {
             if !seen.insert(*k) {
                 continue;
             }
-            if let Some(prev) = last.insert(*k, link.clone()) {
-                if !deps.iter().any(|d| Arc::ptr_eq(d, &prev)) {
-                    deps.push(prev);
+            let links = last.entry(*k).or_default();
+            for prev in links.iter() {
+                if !deps.iter().any(|d| Arc::ptr_eq(d, prev)) {
+                    deps.push(prev.clone());
                 }
             }
+            links.push(link.clone());
         }
         Entry {
             link,
@@ -108,10 +110,13 @@ impl KeyChain {
 
     /// Takes the batch out of the chain: its keys no longer make later batches wait.
     pub(crate) fn remove(&self, entry: &Entry) {
-        let mut last = self.last.lock().expect("key chain");
+        let mut last = self.batches.lock().expect("key chain");
         for k in &entry.keys {
-            if last.get(k).is_some_and(|l| Arc::ptr_eq(l, &entry.link)) {
-                last.remove(k);
+            if let Some(links) = last.get_mut(k) {
+                links.retain(|l| !Arc::ptr_eq(l, &entry.link));
+                if links.is_empty() {
+                    last.remove(k);
+                }
             }
         }
     }

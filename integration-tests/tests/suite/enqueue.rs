@@ -1,6 +1,6 @@
 //! Writing events: atomic with the business transaction, validated, ordered.
 
-use postal_integration_tests::services;
+use postal_integration_tests::{services, unique};
 use postal_producer::{enqueue, enqueue_batch, ContentType, EventId, NewEvent};
 
 /// Guarantee: a rolled-back transaction leaves neither the business row nor the event.
@@ -210,4 +210,52 @@ async fn enqueue_captures_the_current_trace_context() {
         .as_str()
         .expect("traceparent captured");
     assert_eq!(tp, format!("00-{}-{}-01", sc.trace_id(), sc.span_id()));
+}
+
+/// Guarantee: `enqueue_once` takes an existing row for the same event only when it is the
+/// same event — same topic, key, type, schema version, content type, headers (trace context
+/// aside) and payload — and refuses a different event under that id with `DuplicateEventId`.
+/// (From a second review: another schema version or other headers were taken as the same.)
+#[tokio::test]
+async fn enqueue_once_refuses_a_different_event_under_the_same_id() {
+    use postal_producer::{enqueue_once, SchemaVersion};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("review2-once");
+    let id = EventId::derived(EventId::new(), "out");
+    let mut conn = db.pool.acquire().await.unwrap();
+    let first = NewEvent::json(topic.as_str(), "k", "t", &"p")
+        .unwrap()
+        .with_id(id);
+    enqueue_once(&mut conn, first).await.unwrap();
+    let other_version = NewEvent::json(topic.as_str(), "k", "t", &"p")
+        .unwrap()
+        .with_id(id)
+        .with_schema_version(SchemaVersion::new(2).unwrap());
+    let r1 = enqueue_once(&mut conn, other_version).await;
+    let other_headers = NewEvent::json(topic.as_str(), "k", "t", &"p")
+        .unwrap()
+        .with_id(id)
+        .with_header("tenant", "b")
+        .unwrap();
+    let r2 = enqueue_once(&mut conn, other_headers).await;
+    assert!(
+        r1.is_err() && r2.is_err(),
+        "a different event under the same id was accepted as the same: version {r1:?}, headers {r2:?}"
+    );
+    // The same event again (its trace context aside) is no error and writes nothing.
+    let same = NewEvent::json(topic.as_str(), "k", "t", &"p")
+        .unwrap()
+        .with_id(id)
+        .with_header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        .unwrap();
+    assert_eq!(enqueue_once(&mut conn, same).await.unwrap(), id);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
 }

@@ -162,3 +162,72 @@ async fn a_retried_head_is_first_published_before_its_tail() {
         overtaken.len()
     );
 }
+
+/// Guarantee: a key stays in the relay's chain while any batch with a failure of it is
+/// unrecorded, not only while the last batch registered with it is. The head fails in B1,
+/// whose write-back commit is slow (a trigger sleeps on it); mid and tail are held back in B2
+/// and B3, which commit quickly and leave the chain first. The next claim skips the still
+/// locked head and takes mid: it must still wait for B1. (From a second review: when the
+/// chain kept only the last batch per key, mid was published before head for every key.)
+#[tokio::test]
+async fn a_held_back_batch_leaving_the_chain_first_releases_the_key_of_an_unrecorded_failure() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("review2-chain");
+    const KEYS: usize = 4;
+    sqlx::query(
+        "CREATE FUNCTION postal.review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(1.5); RETURN NEW; END $$",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER review_slow BEFORE INSERT ON postal.outbox FOR EACH ROW
+         WHEN (NEW.event_type = 'head' AND NEW.attempts > 0)
+         EXECUTE FUNCTION postal.review_slow()",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    {
+        let mut conn = db.pool.acquire().await.unwrap();
+        let mut events = Vec::new();
+        for k in 0..KEYS {
+            for t in ["head", "mid", "tail"] {
+                events.push(NewEvent::json(topic.as_str(), format!("key-{k}"), t, &"x").unwrap());
+            }
+        }
+        enqueue_batch(&mut conn, events).await.unwrap();
+    }
+    let transport = FlakyHeads::default();
+    let cfg = RelayConfig {
+        batch_size: 1,
+        max_in_flight_batches: 4,
+        lanes: 1,
+        max_attempts: 100,
+        ..fast_config()
+    };
+    let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
+    wait::until(Duration::from_secs(60), "drained", || async {
+        crate::common::outbox_count(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    let published = transport.published.lock().unwrap().clone();
+    let mut first: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (k, t) in published {
+        let v = first.entry(k).or_default();
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    let bad: Vec<_> = first
+        .iter()
+        .filter(|(_, v)| v.as_slice() != ["head", "mid", "tail"])
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "first publication out of enqueue order: {bad:?}"
+    );
+}
