@@ -565,7 +565,7 @@ async fn connection_drops_with_batches_in_flight_keep_first_delivery_order() {
     let topic = unique("rmq-drop");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
     let proxy = rabbit::DroppingProxy::start(&mq.url(), Duration::from_secs(1)).await;
-    let ids = seed(&db.pool, &topic, 12000, 40).await;
+    let ids = seed(&db.pool, &topic, 8000, 40).await;
     let mut cfg = RabbitConfig::new(proxy.url.clone());
     cfg.confirm_timeout = Duration::from_secs(1);
     cfg.connect_timeout = Duration::from_secs(1);
