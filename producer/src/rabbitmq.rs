@@ -37,11 +37,11 @@ pub struct RabbitConfig {
     /// being sent (RabbitMQ closes the channel on them). Default 16 MiB; RabbitMQ's own
     /// `max_message_size` defaults to 128 MiB.
     pub max_message_bytes: usize,
-    /// How long a publish may wait for its confirm before it counts as unavailable
-    /// (default 20 s).
+    /// How long a round of a batch (the next event of each of its keys) may wait for its
+    /// confirms before they count as unavailable (default 20 s).
     pub confirm_timeout: Duration,
-    /// How long a batch waits for the link to open (TCP and TLS connect, AMQP handshake,
-    /// channel, confirm mode), and how long declaring an exchange or closing may take, before
+    /// How long a batch waits for the link to open (TCP and TLS connect, AMQP handshake), for
+    /// its channel (open, confirm mode), and how long declaring an exchange or closing may take, before
     /// it counts as unavailable (default 10 s). Bounds the relay's wait on a broker that
     /// accepts connections but does not answer.
     ///
@@ -154,6 +154,13 @@ enum LinkSlot {
 /// counts as a failed attempt ("unroutable"), as does a nack; a lost connection or a confirm
 /// that does not arrive within `confirm_timeout` is "unavailable" (retried without using up
 /// attempts). The connection is re-opened on the next batch.
+///
+/// Each batch publishes on a confirm-mode channel of its own, in rounds: per key at most one
+/// unconfirmed message at a time, so that a nacked, returned or lost message holds back the
+/// later events of its key (other keys pipeline within a round; a batch of one key sends one
+/// message per confirm round trip). Returned messages are matched to events by message id. A
+/// connection the broker blocks (resource alarm) gets nothing more to publish: its batches
+/// are unavailable at once, and it is kept, not replaced, until the broker unblocks it.
 pub struct RabbitTransport {
     config: RabbitConfig,
     /// Never held across an await.
