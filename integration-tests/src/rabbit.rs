@@ -327,3 +327,220 @@ pub async fn read_all(url: &str, queue: &str, min: usize, timeout: Duration) -> 
     let _ = conn.close(200, "read".into()).await;
     out
 }
+
+impl PrivateRabbit {
+    /// Runs `rabbitmqctl` against this node (its own cookie and name); returns its standard
+    /// output, or panics with its standard error.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        let cookie = std::fs::read_to_string(self.dir.join(".erlang.cookie")).expect("cookie");
+        let ctl = rabbitmq_bin().with_file_name("rabbitmqctl");
+        let out = Command::new(ctl)
+            .env("HOME", &self.dir)
+            .arg("--erlang-cookie")
+            .arg(cookie.trim())
+            .arg("-n")
+            .arg(&self.name)
+            .args(args)
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// How many client connections the node holds open.
+    pub fn connection_count(&self) -> usize {
+        self.ctl(&["list_connections", "--silent", "pid"])
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .count()
+    }
+}
+
+/// Converts a delivery into a [`Message`].
+fn message_of(d: &lapin::message::Delivery) -> Message {
+    let p = &d.properties;
+    let mut headers = BTreeMap::new();
+    if let Some(t) = p.headers() {
+        for (k, v) in t.inner() {
+            if let AMQPValue::LongString(s) = v {
+                headers.insert(
+                    k.as_str().to_owned(),
+                    String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                );
+            }
+        }
+    }
+    Message {
+        message_id: p.message_id().as_ref().map(|s| s.as_str().to_owned()),
+        kind: p.kind().as_ref().map(|s| s.as_str().to_owned()),
+        content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
+        delivery_mode: *p.delivery_mode(),
+        routing_key: d.routing_key.as_str().to_owned(),
+        headers,
+        body: d.data.clone(),
+    }
+}
+
+/// A consumer reading a queue in the background, in delivery order, acknowledging each
+/// message after `delay` (a slow consumer), one unacknowledged message at a time.
+pub struct Reader {
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Message>>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Reader {
+    /// Starts consuming `queue`.
+    pub async fn start(url: &str, queue: &str, delay: Duration) -> Reader {
+        let conn = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .expect("connect");
+        let ch = conn.create_channel().await.expect("channel");
+        ch.basic_qos(1, Default::default()).await.expect("qos");
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "postal-test-reader".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let seen = seen.clone();
+            async move {
+                loop {
+                    let next = tokio::select! {
+                        _ = &mut stopped => break,
+                        n = consumer.next() => n,
+                    };
+                    let Some(Ok(d)) = next else { break };
+                    seen.lock().unwrap().push(message_of(&d));
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    let _ = d.ack(BasicAckOptions::default()).await;
+                }
+                let _ = conn.close(200, "read".into()).await;
+            }
+        });
+        Reader {
+            seen,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// The distinct message ids read so far.
+    pub fn distinct(&self) -> usize {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m.message_id.as_deref())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    }
+
+    /// Stops and returns everything read, in delivery order.
+    pub async fn stop(mut self) -> Vec<Message> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.task.await;
+        std::mem::take(&mut *self.seen.lock().unwrap())
+    }
+}
+
+/// Per key (`ce_subject`), the first deliveries out of outbox order (`ce_postalseq`): how many
+/// events were first delivered after a later event of their key.
+pub fn first_delivery_inversions(messages: &[Message]) -> usize {
+    let mut first: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut last: BTreeMap<String, i64> = BTreeMap::new();
+    let mut inversions = 0;
+    for m in messages {
+        let id = m.message_id.clone().unwrap_or_default();
+        if !first.insert(id) {
+            continue;
+        }
+        let key = m.header("ce_subject").unwrap_or_default().to_owned();
+        let seq: i64 = m.header("ce_postalseq").unwrap_or("0").parse().unwrap();
+        match last.get(&key) {
+            Some(&p) if p > seq => inversions += 1,
+            _ => {
+                last.insert(key, seq);
+            }
+        }
+    }
+    inversions
+}
+
+/// A TCP proxy in front of a broker that cuts every connection through it every `period`
+/// (a flaky network, a broker that drops clients); connections are accepted again at once.
+pub struct DroppingProxy {
+    /// AMQP URI through the proxy.
+    pub url: String,
+    /// Connections cut so far.
+    pub cuts: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DroppingProxy {
+    /// Starts a proxy to the broker of `url` (an `amqp://…@host:port/vhost` URI).
+    pub async fn start(url: &str, period: Duration) -> DroppingProxy {
+        let at = url.rfind('@').expect("user@host in url");
+        let rest = &url[at + 1..];
+        let slash = rest.find('/').unwrap_or(rest.len());
+        let upstream = rest[..slash].to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let proxied = format!("{}127.0.0.1:{port}{}", &url[..at + 1], &rest[slash..]);
+        let cuts = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let task = tokio::spawn({
+            let cuts = cuts.clone();
+            async move {
+                let mut open: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+                let mut tick = tokio::time::interval(period);
+                tick.tick().await;
+                loop {
+                    tokio::select! {
+                        accepted = listener.accept() => {
+                            let Ok((mut client, _)) = accepted else { break };
+                            let upstream = upstream.clone();
+                            open.push(tokio::spawn(async move {
+                                if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                                }
+                            }));
+                        }
+                        _ = tick.tick() => {
+                            for t in open.drain(..) {
+                                if !t.is_finished() {
+                                    cuts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                }
+                                t.abort();
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        DroppingProxy {
+            url: proxied,
+            cuts,
+            task,
+        }
+    }
+}
+
+impl Drop for DroppingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

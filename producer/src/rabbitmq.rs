@@ -30,17 +30,18 @@ pub struct RabbitConfig {
     pub routing_keys: BTreeMap<String, String>,
     /// Declare each topic's exchange (durable, type `topic`) before its first publish
     /// (default `true`). When `false`, the exchange must exist: events for a missing exchange
-    /// are parked with a clear error.
+    /// are parked with a clear error. A refused exchange (missing, other settings, access
+    /// refused) is checked again after a second, so fixing the broker un-sticks new events.
     pub declare_exchanges: bool,
     /// Largest message body accepted; bigger events are parked as permanent failures instead of
     /// being sent (RabbitMQ closes the channel on them). Default 16 MiB; RabbitMQ's own
     /// `max_message_size` defaults to 128 MiB.
     pub max_message_bytes: usize,
-    /// How long a publish may wait for its confirm before it counts as unavailable
-    /// (default 20 s).
+    /// How long a round of a batch (the next event of each of its keys) may wait for its
+    /// confirms before they count as unavailable (default 20 s).
     pub confirm_timeout: Duration,
-    /// How long a batch waits for the link to open (TCP and TLS connect, AMQP handshake,
-    /// channel, confirm mode), and how long declaring an exchange or closing may take, before
+    /// How long a batch waits for the link to open (TCP and TLS connect, AMQP handshake), for
+    /// its channel (open, confirm mode), and how long declaring an exchange or closing may take, before
     /// it counts as unavailable (default 10 s). Bounds the relay's wait on a broker that
     /// accepts connections but does not answer.
     ///
@@ -111,18 +112,18 @@ impl RabbitConfig {
 #[derive(Clone, Debug)]
 enum ExchangeState {
     Ready,
-    Refused(String),
+    /// Refused, with when it was found out: checked again after [`REFUSED_RECHECK`].
+    Refused(String, std::time::Instant),
 }
 
-/// The open connection and its confirm-mode publishing channel.
+/// The open connection (each batch publishes on a confirm-mode channel of its own).
 struct Link {
     connection: Connection,
-    channel: Channel,
 }
 
 impl Link {
     fn usable(&self) -> bool {
-        self.connection.status().connected() && self.channel.status().connected()
+        self.connection.status().connected()
     }
 }
 
@@ -153,6 +154,13 @@ enum LinkSlot {
 /// counts as a failed attempt ("unroutable"), as does a nack; a lost connection or a confirm
 /// that does not arrive within `confirm_timeout` is "unavailable" (retried without using up
 /// attempts). The connection is re-opened on the next batch.
+///
+/// Each batch publishes on a confirm-mode channel of its own, in rounds: per key at most one
+/// unconfirmed message at a time, so that a nacked, returned or lost message holds back the
+/// later events of its key (other keys pipeline within a round; a batch of one key sends one
+/// message per confirm round trip). Returned messages are matched to events by message id. A
+/// connection the broker blocks (resource alarm) gets nothing more to publish: its batches
+/// are unavailable at once, and it is kept, not replaced, until the broker unblocks it.
 pub struct RabbitTransport {
     config: RabbitConfig,
     /// Never held across an await.
@@ -224,7 +232,7 @@ impl RabbitTransport {
                 None => {
                     let attempt = self.attempts.fetch_add(1, Ordering::Relaxed);
                     let (done, result) = tokio::sync::watch::channel(None);
-                    tokio::spawn(open_link(self.config.uri.clone(), limit, done));
+                    tokio::spawn(open_link(self.config.uri.clone(), done));
                     *slot = LinkSlot::Opening {
                         result: result.clone(),
                         started: std::time::Instant::now(),
@@ -261,19 +269,19 @@ impl RabbitTransport {
     /// Declares (or, with declaration disabled, checks) the exchange of `topic`, on a channel
     /// of its own: a refused declaration closes the channel it was made on.
     async fn ensure_exchange(&self, link: &Link, topic: &str) -> Result<(), PublishError> {
-        if let Some(state) = self
+        let cached = self
             .exchanges
             .lock()
             .expect("exchange cache")
             .get(topic)
-            .cloned()
-        {
-            return match state {
-                ExchangeState::Ready => Ok(()),
-                ExchangeState::Refused(reason) => {
-                    Err(PublishError::new(FailureKind::Permanent, reason))
-                }
-            };
+            .cloned();
+        match cached {
+            Some(ExchangeState::Ready) => return Ok(()),
+            Some(ExchangeState::Refused(reason, at)) if at.elapsed() < REFUSED_RECHECK => {
+                return Err(PublishError::new(FailureKind::Permanent, reason));
+            }
+            // Not known yet, or refused a while ago: the operator may have fixed it since.
+            _ => {}
         }
         let limit = self.config.connect_timeout;
         let channel = bounded(limit, "opening a channel", link.connection.create_channel()).await?;
@@ -299,14 +307,14 @@ impl RabbitTransport {
                 ExchangeState::Ready
             }
             Err(e) => match soft_error(&e) {
-                Some(AMQPSoftError::NOTFOUND) => ExchangeState::Refused(format!(
+                Some(AMQPSoftError::NOTFOUND) => refused(format!(
                     "exchange {topic:?} does not exist and exchange declaration is disabled"
                 )),
-                Some(AMQPSoftError::PRECONDITIONFAILED) => ExchangeState::Refused(format!(
+                Some(AMQPSoftError::PRECONDITIONFAILED) => refused(format!(
                     "exchange {topic:?} exists with other settings (Postal needs a durable topic exchange): {e}"
                 )),
                 Some(AMQPSoftError::ACCESSREFUSED) => {
-                    ExchangeState::Refused(format!("not allowed to use exchange {topic:?}: {e}"))
+                    refused(format!("not allowed to use exchange {topic:?}: {e}"))
                 }
                 _ => return Err(unavailable(&format!("declaring exchange {topic:?}"), &e)),
             },
@@ -320,7 +328,7 @@ impl RabbitTransport {
             .insert(topic.to_owned(), state.clone());
         match state {
             ExchangeState::Ready => Ok(()),
-            ExchangeState::Refused(reason) => {
+            ExchangeState::Refused(reason, _) => {
                 Err(PublishError::new(FailureKind::Permanent, reason))
             }
         }
@@ -359,6 +367,10 @@ impl RabbitTransport {
     }
 }
 
+fn refused(reason: String) -> ExchangeState {
+    ExchangeState::Refused(reason, std::time::Instant::now())
+}
+
 fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
     match e.kind() {
         lapin::ErrorKind::ProtocolError(p) => match p.kind() {
@@ -373,38 +385,17 @@ fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
     PublishError::new(FailureKind::Unavailable, format!("{what}: {e}"))
 }
 
-/// Opens a connection and its confirm-mode channel, and reports the outcome through `done`.
+/// Opens a connection and reports the outcome through `done`.
 /// Runs to the end in a task of its own (see [`RabbitConfig::connect_timeout`]); an outcome
 /// nobody waits for any more is dropped, which closes its connection.
-async fn open_link(uri: String, limit: Duration, done: tokio::sync::watch::Sender<Opened>) {
+async fn open_link(uri: String, done: tokio::sync::watch::Sender<Opened>) {
     let opened = async {
         let props =
             ConnectionProperties::default().with_connection_name(LongString::from("postal-relay"));
         let connection = Connection::connect(&uri, props)
             .await
             .map_err(|e| unavailable("connecting to RabbitMQ", &e))?;
-        let channel = async {
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| unavailable("opening a channel", &e))?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| unavailable("enabling publisher confirms", &e))?;
-            Ok(channel)
-        }
-        .await;
-        match channel {
-            Ok(channel) => Ok(Arc::new(Link {
-                connection,
-                channel,
-            })),
-            Err(e) => {
-                close(limit, &connection, 320, "postal relay reconnects").await;
-                Err(e)
-            }
-        }
+        Ok(Arc::new(Link { connection }))
     }
     .await;
     let _ = done.send(Some(opened));
@@ -444,18 +435,328 @@ async fn close(limit: Duration, connection: &Connection, code: u16, reason: &str
 
 type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
+/// How long a refused exchange (missing with declaration disabled, declared with other
+/// settings, access refused) is taken as refused before it is checked again: fixing the broker
+/// un-sticks its events within this time.
+const REFUSED_RECHECK: Duration = Duration::from_secs(1);
+
+/// One event of a batch, ready to publish (owned: the publishing runs in the acks future).
+struct Prepared {
+    index: usize,
+    /// Its key's queue in [`BatchRun::keys`].
+    slot: usize,
+    id: String,
+    exchange: String,
+    routing_key: String,
+    payload: Vec<u8>,
+    properties: BasicProperties,
+}
+
+/// What the broker said about one published message of a round.
+enum Heard {
+    Ack,
+    Nack,
+    /// The channel or connection failed.
+    Lost(PublishError),
+    /// No confirm within the confirm timeout.
+    TimedOut,
+}
+
+fn blocked_error() -> PublishError {
+    PublishError::new(
+        FailureKind::Unavailable,
+        "RabbitMQ blocks publishing on this connection (a resource alarm: memory or disk)",
+    )
+}
+
+/// Publishes a batch on its own confirm-mode channel, in rounds: a round sends the next event
+/// of every key that is still clear and waits for all its confirms. So per key at most one
+/// message is unconfirmed at a time (other keys pipeline within the round), and a key whose
+/// message was nacked, returned or lost sends nothing more in this batch: its later events are
+/// held back, as RabbitMQ cannot take back a message once sent.
+///
+/// Returned (unroutable) messages are matched to events by their message id (the event id),
+/// never by which confirm lapin attached them to: lapin hands the oldest waiting return to
+/// whichever confirm it resolves next. Once every confirm of the channel resolved, every
+/// return the broker sent for them is attached to one of them (the broker sends a message's
+/// return before its ack), so after a round all its returns are known.
+struct BatchRun {
+    link: Arc<Link>,
+    channel: Channel,
+    /// Per key, its events' indexes into `prepared`, in batch order.
+    keys: Vec<std::collections::VecDeque<usize>>,
+    prepared: Vec<Prepared>,
+    outcomes: Vec<Option<Result<(), PublishError>>>,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+    exchanges: Arc<Mutex<HashMap<String, ExchangeState>>>,
+}
+
+impl BatchRun {
+    async fn run(mut self) -> Vec<Result<(), PublishError>> {
+        let mut failure: Option<PublishError> = None;
+        let mut timed_out = false;
+        loop {
+            let round: Vec<usize> = self
+                .keys
+                .iter_mut()
+                .filter_map(std::collections::VecDeque::pop_front)
+                .collect();
+            if round.is_empty() {
+                break;
+            }
+            let deadline = tokio::time::Instant::now() + self.confirm_timeout;
+            let mut confirms = Vec::with_capacity(round.len());
+            let mut unsent = Vec::new();
+            for &p in &round {
+                if failure.is_some() {
+                    unsent.push(p);
+                    continue;
+                }
+                if self.link.connection.status().blocked() {
+                    failure = Some(blocked_error());
+                    unsent.push(p);
+                    continue;
+                }
+                let m = &self.prepared[p];
+                // Handing a message over can wait on the broker's flow control: bounded like
+                // a confirm.
+                let published = tokio::time::timeout_at(
+                    deadline,
+                    self.channel.basic_publish(
+                        m.exchange.as_str().into(),
+                        m.routing_key.as_str().into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &m.payload,
+                        m.properties.clone(),
+                    ),
+                )
+                .await;
+                match published {
+                    Ok(Ok(confirm)) => confirms.push((p, confirm)),
+                    Ok(Err(e)) => {
+                        failure = Some(unavailable("publishing", &e));
+                        unsent.push(p);
+                    }
+                    Err(_) => {
+                        timed_out = true;
+                        failure = Some(no_answer("publishing", self.confirm_timeout));
+                        unsent.push(p);
+                    }
+                }
+            }
+            // Every confirm of the round, each until the round's deadline.
+            let heard = join_all(confirms.into_iter().map(|(p, confirm)| async move {
+                match tokio::time::timeout_at(deadline, confirm).await {
+                    Ok(Ok(Confirmation::Ack(r))) => (p, Heard::Ack, r),
+                    Ok(Ok(Confirmation::Nack(r))) => (p, Heard::Nack, r),
+                    Ok(Ok(Confirmation::NotRequested)) => (
+                        p,
+                        Heard::Lost(PublishError::new(
+                            FailureKind::Unavailable,
+                            "publisher confirms are not enabled on the channel",
+                        )),
+                        None,
+                    ),
+                    Ok(Err(e)) => (
+                        p,
+                        Heard::Lost(unavailable("awaiting the publisher confirm", &e)),
+                        None,
+                    ),
+                    Err(_) => (p, Heard::TimedOut, None),
+                }
+            }))
+            .await;
+            let mut returned: HashMap<String, String> = HashMap::new();
+            let mut anonymous_returns = 0usize;
+            for (_, _, r) in &heard {
+                if let Some(r) = r {
+                    let reason = format!("{} {}", r.reply_code, r.reply_text);
+                    match r.properties.message_id() {
+                        Some(id) => {
+                            returned.insert(id.as_str().to_owned(), reason);
+                        }
+                        None => anonymous_returns += 1,
+                    }
+                }
+            }
+            let round_ids: HashSet<&str> = heard
+                .iter()
+                .map(|(p, _, _)| self.prepared[*p].id.as_str())
+                .collect();
+            let strays = returned
+                .keys()
+                .filter(|id| !round_ids.contains(id.as_str()))
+                .count();
+            if strays + anonymous_returns > 0 {
+                // Cannot happen on a channel of our own; if it does, no acked message of the
+                // round may count as published.
+                tracing::error!(
+                    strays,
+                    anonymous_returns,
+                    "RabbitMQ returned messages that match no event of the round"
+                );
+            }
+            for (p, heard, _) in heard {
+                let m = &self.prepared[p];
+                let outcome = match heard {
+                    Heard::Ack if strays + anonymous_returns > 0 => Err(PublishError::new(
+                        FailureKind::Unavailable,
+                        "RabbitMQ returned a message that could not be matched to its event",
+                    )),
+                    Heard::Ack => match returned.get(&m.id) {
+                        None => Ok(()),
+                        Some(reason) => Err(PublishError::new(
+                            FailureKind::Transient,
+                            format!(
+                                "unroutable: exchange {:?} has no queue bound for routing key {:?} ({reason})",
+                                m.exchange, m.routing_key
+                            ),
+                        )),
+                    },
+                    Heard::Nack => Err(PublishError::new(
+                        FailureKind::Transient,
+                        "RabbitMQ nacked the message (it could not store it)",
+                    )),
+                    Heard::TimedOut => {
+                        timed_out = true;
+                        let err = PublishError::new(
+                            FailureKind::Unavailable,
+                            format!("no publisher confirm within {:?}", self.confirm_timeout),
+                        );
+                        if failure.is_none() {
+                            failure = Some(err.clone());
+                        }
+                        Err(err)
+                    }
+                    Heard::Lost(err) => {
+                        if failure.is_none() {
+                            failure = Some(err.clone());
+                        }
+                        Err(err)
+                    }
+                };
+                let index = m.index;
+                if outcome.is_err() {
+                    self.clear_key_of(p);
+                }
+                self.outcomes[index] = Some(outcome);
+            }
+            for p in unsent {
+                let err = failure.clone().expect("unsent only after a failure");
+                self.clear_key_of(p);
+                self.outcomes[self.prepared[p].index] = Some(Err(err));
+            }
+            if failure.is_some() {
+                // Whatever is left is not sent on this channel.
+                break;
+            }
+        }
+        // Events never sent: behind a failed event of their key (held back), or left when the
+        // channel failed (unavailable).
+        for q in &self.keys {
+            for &p in q {
+                let err = match &failure {
+                    Some(f) => f.clone(),
+                    None => PublishError::new(
+                        FailureKind::HeldBack,
+                        "an earlier event of this key failed",
+                    ),
+                };
+                self.outcomes[self.prepared[p].index] = Some(Err(err));
+            }
+        }
+        self.finish(failure.is_some(), timed_out).await;
+        self.outcomes
+            .into_iter()
+            .map(|o| o.expect("every event has an outcome"))
+            .collect()
+    }
+
+    /// The event `p` failed: the later events of its key in the batch are held back.
+    fn clear_key_of(&mut self, p: usize) {
+        let slot = self.prepared[p].slot;
+        for later in std::mem::take(&mut self.keys[slot]) {
+            self.outcomes[self.prepared[later].index] = Some(Err(PublishError::new(
+                FailureKind::HeldBack,
+                "an earlier event of this key failed",
+            )));
+        }
+    }
+
+    /// Closes the batch's channel. A channel that failed may mean a deleted exchange (the
+    /// broker closes the channel with NOT_FOUND): the exchanges are checked again. A connection
+    /// that failed or stopped answering is closed (the next batch opens a fresh one), unless
+    /// the broker blocks it (a resource alarm): a blocked connection cannot even send its
+    /// close, so it is kept, and used again once the broker unblocks it, instead of leaving a
+    /// blocked connection behind per retry whose buffered messages arrive later.
+    async fn finish(&self, failed: bool, timed_out: bool) {
+        let blocked = self.link.connection.status().blocked();
+        if failed && !self.channel.status().connected() {
+            self.exchanges.lock().expect("exchange cache").clear();
+        }
+        if blocked {
+            // Closes once the broker unblocks the connection (or the connection ends).
+            let channel = self.channel.clone();
+            tokio::spawn(async move {
+                let _ = channel.close(200, "batch done".into()).await;
+            });
+            return;
+        }
+        if self.channel.status().connected() && !timed_out {
+            let _ = tokio::time::timeout(
+                self.connect_timeout,
+                self.channel.close(200, "batch done".into()),
+            )
+            .await;
+        }
+        if timed_out || !self.link.usable() {
+            close(
+                self.connect_timeout,
+                &self.link.connection,
+                320,
+                "postal relay reconnects",
+            )
+            .await;
+        }
+    }
+}
+
+/// Opens a confirm-mode channel for one batch.
+async fn batch_channel(link: &Link, limit: Duration) -> Result<Channel, PublishError> {
+    let channel = bounded(limit, "opening a channel", link.connection.create_channel()).await?;
+    bounded(
+        limit,
+        "enabling publisher confirms",
+        channel.confirm_select(ConfirmSelectOptions::default()),
+    )
+    .await?;
+    Ok(channel)
+}
+
 impl Transport for RabbitTransport {
     type Acks = Acks;
 
     async fn send(&self, batch: &[OutboundEvent]) -> Acks {
+        let everything = |err: PublishError| -> Acks {
+            let all = vec![Err(err); batch.len()];
+            async move { all }.boxed()
+        };
         let link = match self.link().await {
             Ok(l) => l,
             Err(err) => {
                 tracing::warn!(reason = %err.reason, "RabbitMQ unreachable");
-                let all = vec![Err(err); batch.len()];
-                return async move { all }.boxed();
+                return everything(err);
             }
         };
+        if link.connection.status().blocked() {
+            // Nothing is handed to a blocked connection: it would sit in its buffer and
+            // arrive whenever the alarm clears, long after this batch gave up on it.
+            return everything(blocked_error());
+        }
         let mut exchange_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         // After one exchange could not be checked (no answer, channel error), the others are
         // not tried on this link: each would wait as long.
@@ -474,13 +775,13 @@ impl Transport for RabbitTransport {
                 exchange_ok.insert(e.topic.as_str(), r);
             }
         }
-        // Keys whose earlier event in this batch failed before it was sent: their later events
-        // are held back instead of overtaking it.
+        // Refused before sending: the later events of their keys are held back.
+        let mut outcomes: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
         let mut blocked: HashSet<&str> = HashSet::new();
-        let mut pending: Vec<BoxFuture<'static, Result<(), PublishError>>> =
-            Vec::with_capacity(batch.len());
-        let mut broken = false;
-        for e in batch {
+        let mut slots: HashMap<&str, usize> = HashMap::new();
+        let mut keys: Vec<std::collections::VecDeque<usize>> = Vec::new();
+        let mut prepared = Vec::new();
+        for (index, e) in batch.iter().enumerate() {
             let refused = if blocked.contains(e.key.as_str()) {
                 Some(PublishError::new(
                     FailureKind::HeldBack,
@@ -497,94 +798,64 @@ impl Transport for RabbitTransport {
                         self.config.max_message_bytes
                     ),
                 ))
-            } else if broken {
-                Some(PublishError::new(
-                    FailureKind::Unavailable,
-                    "RabbitMQ channel closed during the batch",
-                ))
             } else {
                 None
             };
             if let Some(err) = refused {
                 blocked.insert(e.key.as_str());
-                pending.push(async move { Err(err) }.boxed());
+                outcomes[index] = Some(Err(err));
                 continue;
             }
-            let routing_key = self.config.routing_key(&e.event_type);
-            // Handing a message over can wait on the broker's flow control (a resource alarm
-            // blocks publishers): bounded like a confirm.
-            let published = tokio::time::timeout(
-                self.config.confirm_timeout,
-                link.channel.basic_publish(
-                    e.topic.as_str().into(),
-                    routing_key.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &e.payload,
-                    self.properties(e),
-                ),
-            )
-            .await;
-            match published {
-                Ok(Ok(confirm)) => {
-                    let timeout = self.config.confirm_timeout;
-                    let exchange = e.topic.clone();
-                    let routing_key = routing_key.to_owned();
-                    pending.push(
-                        async move {
-                            match tokio::time::timeout(timeout, confirm).await {
-                                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-                                Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(PublishError::new(
-                                    FailureKind::Transient,
-                                    format!(
-                                        "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({} {})",
-                                        returned.reply_code, returned.reply_text
-                                    ),
-                                )),
-                                Ok(Ok(Confirmation::Nack(_))) => Err(PublishError::new(
-                                    FailureKind::Transient,
-                                    "RabbitMQ nacked the message (it could not store it)",
-                                )),
-                                Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::new(
-                                    FailureKind::Transient,
-                                    "publisher confirms are not enabled on the channel",
-                                )),
-                                Ok(Err(e)) => Err(unavailable("awaiting the publisher confirm", &e)),
-                                Err(_) => Err(PublishError::new(
-                                    FailureKind::Unavailable,
-                                    format!("no publisher confirm within {timeout:?}"),
-                                )),
-                            }
-                        }
-                        .boxed(),
-                    );
-                }
-                failed => {
-                    broken = true;
-                    blocked.insert(e.key.as_str());
-                    let err = match failed {
-                        Ok(Err(err)) => unavailable("publishing", &err),
-                        _ => no_answer("publishing", self.config.confirm_timeout),
-                    };
-                    pending.push(async move { Err(err) }.boxed());
-                }
-            }
+            let slot = *slots.entry(e.key.as_str()).or_insert_with(|| {
+                keys.push(std::collections::VecDeque::new());
+                keys.len() - 1
+            });
+            keys[slot].push_back(prepared.len());
+            prepared.push(Prepared {
+                index,
+                slot,
+                id: e.id.to_string(),
+                exchange: e.topic.clone(),
+                routing_key: self.config.routing_key(&e.event_type).to_owned(),
+                payload: e.payload.clone(),
+                properties: self.properties(e),
+            });
         }
-        let limit = self.config.connect_timeout;
-        let acks = join_all(pending);
-        async move {
-            let outcomes = acks.await;
-            let failed = outcomes
-                .iter()
-                .any(|o| matches!(o, Err(e) if e.kind == FailureKind::Unavailable));
-            if broken || failed {
-                // A link that failed is closed: the next batch opens a fresh one.
-                close(limit, &link.connection, 320, "postal relay reconnects").await;
-            }
-            outcomes
+        if prepared.is_empty() {
+            let all = outcomes.into_iter().map(|o| o.expect("refused")).collect();
+            return async move { all }.boxed();
         }
+        // A channel per batch: its confirms and returns are this batch's only.
+        let channel = match batch_channel(&link, self.config.connect_timeout).await {
+            Ok(c) => c,
+            Err(err) => {
+                let all = outcomes
+                    .into_iter()
+                    .map(|o| o.unwrap_or_else(|| Err(err.clone())))
+                    .collect();
+                if !link.connection.status().blocked() {
+                    close(
+                        self.config.connect_timeout,
+                        &link.connection,
+                        320,
+                        "postal relay reconnects",
+                    )
+                    .await;
+                }
+                return async move { all }.boxed();
+            }
+        };
+        BatchRun {
+            link,
+            channel,
+            keys,
+            prepared,
+            outcomes,
+            confirm_timeout: self.config.confirm_timeout,
+            connect_timeout: self.config.connect_timeout,
+            exchanges: self.exchanges.clone(),
+        }
+        .run()
         .boxed()
     }
 
@@ -598,13 +869,7 @@ impl Transport for RabbitTransport {
             _ => None,
         };
         if let Some(link) = link {
-            let _ = tokio::time::timeout(timeout, link.channel.wait_for_confirms()).await;
             let limit = self.config.connect_timeout.min(timeout);
-            let _ = tokio::time::timeout(
-                limit,
-                link.channel.close(200, "postal relay stopped".into()),
-            )
-            .await;
             close(limit, &link.connection, 200, "postal relay stopped").await;
         }
     }
