@@ -18,16 +18,36 @@ pub(crate) struct Record {
     pub headers: Headers,
     /// The record's Kafka timestamp, if it has one.
     pub timestamp: Option<DateTime<Utc>>,
+    /// The position of the first header whose name could not be read (not UTF-8): the record
+    /// is dead-lettered as undecodable instead of crashing the consumer.
+    pub unreadable_header: Option<usize>,
 }
 
 impl Record {
     pub fn from_message<M: Message>(m: &M) -> Self {
+        let mut unreadable_header = None;
         let headers = m
             .headers()
             .map(|h| {
-                h.iter()
-                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                    .collect()
+                let mut pairs = Vec::with_capacity(h.count());
+                for i in 0..h.count() {
+                    // The Kafka client's accessor panics on a header name that is not UTF-8
+                    // (it unwraps the conversion): one such record from anyone with produce
+                    // rights would end the consumer, and again after every restart. Caught
+                    // here, per header, so the record can be dead-lettered by position.
+                    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        h.try_get(i)
+                            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    }));
+                    match read {
+                        Ok(Some(pair)) => pairs.push(pair),
+                        Ok(None) => {}
+                        Err(_) => {
+                            unreadable_header.get_or_insert(i);
+                        }
+                    }
+                }
+                pairs
             })
             .unwrap_or_default();
         Record {
@@ -41,6 +61,7 @@ impl Record {
                 .timestamp()
                 .to_millis()
                 .and_then(DateTime::from_timestamp_millis),
+            unreadable_header,
         }
     }
 
@@ -66,6 +87,12 @@ pub(crate) type Rejection = (Reason, String);
 
 /// Reads the event id, type and version from the headers.
 pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
+    if let Some(i) = record.unreadable_header {
+        return Err((
+            Reason::Undecodable,
+            format!("header #{i} has a name that is not valid UTF-8"),
+        ));
+    }
     let id = match record.headers.get(headers::CE_ID) {
         None => {
             return Err((

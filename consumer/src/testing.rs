@@ -207,6 +207,7 @@ impl Protocol {
                 payload: r.payload,
                 headers: crate::event::Headers::new(r.headers),
                 timestamp: None,
+                unreadable_header: None,
             })
             .collect();
         let step = if records.len() == 1 {

@@ -10,6 +10,7 @@
 pub mod kafka;
 pub mod private;
 pub mod rabbit;
+pub mod raw_produce;
 pub mod wait;
 
 use std::sync::OnceLock;

@@ -14,6 +14,7 @@ mod dead_letters;
 mod enqueue;
 mod fence;
 mod handlers;
+mod hostile;
 mod key_order;
 mod migrations;
 mod order;
