@@ -161,6 +161,7 @@ impl Worker {
         // above the stored one.
         let mut verified = false;
         let mut landing: Option<i64> = None;
+        let mut landing_since = std::time::Instant::now();
         let mut first = true;
         if let Some(n) = next {
             // Asynchronous seek (timeout 0): records below `n` that were fetched before it
@@ -184,9 +185,16 @@ impl Worker {
                 _ = self.cancel.cancelled() => return Owned::Ended,
                 r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
                 _ = tokio::time::sleep(self.shared.config.stall_check) => {
+                    // Idle: another claim (a `postal consumer reset` moving the stored offset,
+                    // a late claim from elsewhere) shows only at the next commit, and none
+                    // comes without records: look at the epoch now.
+                    if self.epoch_moved(own.epoch).await {
+                        return Owned::Fenced(lowest);
+                    }
                     match (landing, next) {
                         // The second seek has not shown yet (lost?): issue it again.
                         (Some(seen), Some(n)) => {
+                            landing_since = std::time::Instant::now();
                             if !self.seek_stored(n, seen).await {
                                 return Owned::Ended;
                             }
@@ -213,7 +221,20 @@ impl Worker {
                 // before it (all above `seen`, and queued ahead of any fetched after it) are
                 // dropped until one at or below `seen` shows that the seek took effect.
                 match records.iter().position(|r| r.offset <= seen) {
-                    None => continue,
+                    None => {
+                        // Still the old position after a while on a busy partition: the seek
+                        // was lost; issue it again (the idle tick never fires here).
+                        if let (Some(n), true) = (
+                            next,
+                            landing_since.elapsed() >= self.shared.config.stall_check,
+                        ) {
+                            landing_since = std::time::Instant::now();
+                            if !self.seek_stored(n, seen).await {
+                                return Owned::Ended;
+                            }
+                        }
+                        continue;
+                    }
                     Some(p) => {
                         records.drain(..p);
                         landing = None;
@@ -229,6 +250,7 @@ impl Worker {
                     // comes until the seek shows.
                     verified = true;
                     landing = Some(records[0].offset);
+                    landing_since = std::time::Instant::now();
                     if !self.seek_stored(n, records[0].offset).await {
                         return Owned::Ended;
                     }
@@ -240,8 +262,15 @@ impl Worker {
                 }
             }
             first = false;
+            // Offsets strictly increase from the stored one: a record below it, or at or below
+            // one already taken (the two seeks of a takeover can both deliver a run from the
+            // stored offset), is dropped.
+            let mut floor_offset = next.unwrap_or(i64::MIN);
             records.retain(|r| {
-                let below = next.is_some_and(|n| r.offset < n);
+                let below = r.offset < floor_offset;
+                if !below {
+                    floor_offset = r.offset + 1;
+                }
                 if below {
                     tracing::trace!(topic = %self.topic, partition = self.partition, offset = r.offset, "below the stored offset; skipped");
                     self.shared
@@ -286,6 +315,9 @@ impl Worker {
     /// Seeks to `n`, waiting for librdkafka to take the seek (retried a few times if it fails).
     /// `false` if cancelled meanwhile.
     async fn seek_stored(&mut self, n: i64, seen: i64) -> bool {
+        // A partition paused meanwhile (its buffer was full) would never deliver the record
+        // that shows the seek took effect.
+        self.resume_fetching();
         tracing::info!(topic = %self.topic, partition = self.partition, stored = n, first = seen,
             "records arrived from above the stored offset; seeking to the stored offset again");
         let mut failures = 0u32;
@@ -352,17 +384,7 @@ impl Worker {
         self.shared
             .stats
             .stalls_recovered(&self.shared.config.consumer, &self.topic, 1);
-        {
-            let mut paused = self.paused.lock().expect("pause flag");
-            if self
-                .shared
-                .consumer
-                .resume(&tpl(&self.topic, self.partition))
-                .is_ok()
-            {
-                *paused = false;
-            }
-        }
+        self.resume_fetching();
         if let Err(e) = self.shared.consumer.seek(
             &self.topic,
             self.partition,
@@ -371,6 +393,40 @@ impl Worker {
         ) {
             tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed");
         }
+    }
+
+    /// Resumes fetching from the partition (it may have been paused when its buffer filled).
+    fn resume_fetching(&self) {
+        let mut paused = self.paused.lock().expect("pause flag");
+        if self
+            .shared
+            .consumer
+            .resume(&tpl(&self.topic, self.partition))
+            .is_ok()
+        {
+            *paused = false;
+        }
+    }
+
+    /// Whether the partition's epoch in the database moved past `epoch` (another claim).
+    /// A database error counts as "no": the next commit finds out.
+    async fn epoch_moved(&self, epoch: i64) -> bool {
+        let current: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
+            "SELECT epoch FROM postal.consumer_offsets
+             WHERE group_id = $1 AND topic = $2 AND partition = $3",
+        )
+        .bind(&self.shared.config.group)
+        .bind(&self.topic)
+        .bind(self.partition)
+        .fetch_optional(&self.shared.pool)
+        .await;
+        let moved = matches!(current, Ok(Some(e)) if e != epoch);
+        if moved {
+            self.shared
+                .stats
+                .fenced(&self.shared.config.consumer, &self.topic, 1);
+        }
+        moved
     }
 
     fn dequeued(&self, n: usize) {

@@ -228,3 +228,62 @@ async fn a_worker_fenced_before_any_commit_does_not_skip_what_it_dropped() {
         "every record below the stored offset applied, in order"
     );
 }
+
+/// Guarantee: a stored offset moved back while the consumer is idle (what `postal consumer
+/// reset --force` does: a new next offset and a bumped epoch) is replayed without waiting for
+/// a new record: the idle worker notices the epoch moved at its next stall check, takes the
+/// partition again and reads from the stored offset. (From a review: before, the worker
+/// learned of the reset only at its next commit, and with no traffic never.)
+#[tokio::test]
+async fn a_stored_offset_moved_back_while_idle_is_replayed() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("takeover");
+    let group = unique("g");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    produce(&svc.bootstrap, &topic, Some(0), &records(0, 10)).await;
+    let mut config = consumer_config(&svc.bootstrap, &group, crate::handlers::CONSUMER);
+    config.stall_check = Duration::from_secs(1);
+    let running = start_apply(&db.pool, &topic, config);
+    let pool = db.pool.clone();
+    wait::until(WAIT, "10 applied", || {
+        let pool = pool.clone();
+        async move { effects(&pool).await.1 == 10 }
+    })
+    .await;
+    // The reset, with the replayed records' effects and dedup rows gone so that a replay shows.
+    let replayed: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM effects WHERE n >= 5")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM effects WHERE n >= 5")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM postal.processed_events WHERE event_id = ANY($1)")
+        .bind(&replayed)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE postal.consumer_offsets SET next_offset = 5, epoch = epoch + 1
+         WHERE group_id = $1 AND topic = $2",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    wait::until(WAIT, "the replay of offsets 5..10", || {
+        let pool = pool.clone();
+        async move { effects(&pool).await.1 == 10 }
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(
+        applied_in_order(&db.pool).await,
+        (0..10).collect::<Vec<_>>(),
+        "each record applied once more from the stored offset, in order"
+    );
+}
