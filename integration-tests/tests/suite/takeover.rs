@@ -14,6 +14,40 @@ use crate::common::{
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Moves the group's stored offset on `topic` back to `to` (bumping the epoch if `fence`, as
+/// `postal consumer reset` does) and forgets the effects and dedup rows of the records from
+/// `to` on, so that a replay shows as their effects coming back and a skipped record as one
+/// missing.
+async fn move_back(pool: &sqlx::PgPool, group: &str, topic: &str, to: i64, fence: bool) {
+    let replayed: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM effects WHERE n >= $1")
+        .bind(to)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM effects WHERE n >= $1")
+        .bind(to)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM postal.processed_events WHERE event_id = ANY($1)")
+        .bind(&replayed)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE postal.consumer_offsets
+         SET next_offset = $3, epoch = epoch + CASE WHEN $4 THEN 1 ELSE 0 END
+         WHERE group_id = $1 AND topic = $2",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(to)
+    .bind(fence)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// The `n` of every effect, in the order they were applied.
 async fn applied_in_order(pool: &sqlx::PgPool) -> Vec<i64> {
     sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
@@ -92,29 +126,8 @@ async fn records_fetched_above_the_stored_offset_do_not_skip_a_replay() {
     .await;
     // Stopping commits offset 20 to Kafka too.
     running.stop().await;
-    // The replay of offsets 5.. in the database only; their effects and dedup rows are gone,
-    // so a replayed record is applied again and a skipped one is missing.
-    let replayed: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM effects WHERE n >= 5")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM effects WHERE n >= 5")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM postal.processed_events WHERE event_id = ANY($1)")
-        .bind(&replayed)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query(
-        "UPDATE postal.consumer_offsets SET next_offset = 5 WHERE group_id = $1 AND topic = $2",
-    )
-    .bind(&group)
-    .bind(&topic)
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    // The replay of offsets 5.. in the database only (Kafka's group offset stays at 20).
+    move_back(&db.pool, &group, &topic, 5, false).await;
     // Records above Kafka's group offset, where the fetch starts.
     produce(&svc.bootstrap, &topic, Some(0), &records(20, 30)).await;
     // The worker's takeover in the database waits behind this lock while the fetch from
@@ -252,29 +265,8 @@ async fn a_stored_offset_moved_back_while_idle_is_replayed() {
         async move { effects(&pool).await.1 == 10 }
     })
     .await;
-    // The reset, with the replayed records' effects and dedup rows gone so that a replay shows.
-    let replayed: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM effects WHERE n >= 5")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM effects WHERE n >= 5")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM postal.processed_events WHERE event_id = ANY($1)")
-        .bind(&replayed)
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    sqlx::query(
-        "UPDATE postal.consumer_offsets SET next_offset = 5, epoch = epoch + 1
-         WHERE group_id = $1 AND topic = $2",
-    )
-    .bind(&group)
-    .bind(&topic)
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    // The reset, as `postal consumer reset --force` does it (the epoch bumped).
+    move_back(&db.pool, &group, &topic, 5, true).await;
     wait::until(WAIT, "the replay of offsets 5..10", || {
         let pool = pool.clone();
         async move { effects(&pool).await.1 == 10 }
