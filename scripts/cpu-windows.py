@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU per process group every 5 s while a benchmark runs: tansu, PostgreSQL's backends and
+"""CPU per process group every 5 s while a benchmark runs: the Kafka broker, PostgreSQL's backends and
 postal-bench, as % of one core, plus the machine's idle and steal share.
 
     ./target/release/postal-bench ... e2e ... > e2e.log 2>&1 &
@@ -10,7 +10,7 @@ import sys
 import time
 
 GROUPS = {
-    "tansu": lambda c: "tansu" in c and "broker" in c,
+    "kafka": lambda c: "kafka.Kafka" in c,
     "postgres": lambda c: c.startswith("postgres:"),
     "bench": lambda c: "postal-bench" in c,
 }

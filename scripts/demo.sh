@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Postal's main job on a fresh machine: bring the local stack up (PostgreSQL + tansu, no Docker
-# needed), then run the relay, the order service, the billing service and the invoice recorder
+# Postal's main job on a fresh machine: bring the local stack up (PostgreSQL + Apache Kafka, no
+# Docker needed), then run the relay, the order service, the billing service and the invoice recorder
 # as separate processes and print a summary. Exits non-zero if any order was not applied
 # exactly once. DEMO_ORDERS / DEMO_RATE / DEMO_CUSTOMERS tune the run.
 set -euo pipefail

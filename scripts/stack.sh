@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# Local stack without Docker: a PostgreSQL 15 cluster, a tansu Kafka-protocol broker and a
-# RabbitMQ node, all on loopback, all kept in the project-local, git-ignored directory .stack/.
+# Local stack without Docker: a PostgreSQL 15 cluster, an Apache Kafka 4.x broker (KRaft, from its
+# Maven Central jars) and a RabbitMQ node, all on loopback, all kept in the project-local,
+# git-ignored directory .stack/.
 #
-#   scripts/stack.sh up [--storage memory|sqlite]   start (harmless when already up)
-#   scripts/stack.sh down                           stop exactly what `up` started (by pid)
-#   scripts/stack.sh env                            print DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS, AMQP_URL
-#   scripts/stack.sh status                         say what runs
-#   scripts/stack.sh restart-broker [--storage …]   restart tansu only (memory storage starts empty)
-#   scripts/stack.sh ensure-tools                   install PostgreSQL 15 / tansu / rabbitmq-server if missing
+#   scripts/stack.sh up               start (harmless when already up); prints the env below
+#   scripts/stack.sh down             stop exactly what `up` started (by pid)
+#   scripts/stack.sh env              print DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS, AMQP_URL
+#   scripts/stack.sh status           say what runs
+#   scripts/stack.sh restart-broker   kill -9 Kafka and start it again on the same data
+#   scripts/stack.sh pg-up | kafka-up | kafka-down | kafka-kill   one service only
+#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server (apt) and fetch
+#                                     Kafka's jars (Maven, scripts/kafka/pom.xml) if missing
 #
-# Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092), POSTAL_AMQP_PORT
-# (default 25672; Erlang distribution on the next port). All below Linux's ephemeral range
-# (32768+), so that no client socket can hold them while a server boots. POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
-# Storage: --storage or POSTAL_BROKER_STORAGE: memory (default; fast, for benchmarks) or
-# sqlite (durable, .stack/tansu/tansu.db; survives kill -9 and restart).
+# Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092; its KRaft controller
+# on POSTAL_KAFKA_CONTROLLER_PORT, default the next port), POSTAL_AMQP_PORT (default 25672; Erlang
+# distribution on the next port). All below Linux's ephemeral range (32768+), so that no client
+# socket can hold them while a server boots. POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
+# Kafka: POSTAL_KAFKA_VERSION (4.4.0), POSTAL_KAFKA_HEAP (1g), POSTAL_KAFKA_LIB (jar folder,
+# .stack/kafka-lib). Broker logs: .stack/kafka/logs (server.log; broker.log has warnings).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${POSTAL_STACK_DIR:-$ROOT/.stack}"
 PG_PORT="${POSTAL_PG_PORT:-15432}"
 KAFKA_PORT="${POSTAL_KAFKA_PORT:-19092}"
-STORAGE="${POSTAL_BROKER_STORAGE:-memory}"
-TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
+KAFKA_CONTROLLER_PORT="${POSTAL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}"
+KAFKA_VERSION="${POSTAL_KAFKA_VERSION:-4.4.0}"
+KAFKA_LIB="${POSTAL_KAFKA_LIB:-$ROOT/.stack/kafka-lib}"
+KAFKA_HEAP="${POSTAL_KAFKA_HEAP:-1g}"
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
 AMQP_PORT="${POSTAL_AMQP_PORT:-25672}"
 RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
@@ -30,13 +36,6 @@ WITH_RABBITMQ=1
 
 log() { echo "stack: $*" >&2; }
 die() { echo "stack: error: $*" >&2; exit 1; }
-
-tansu_bin() {
-  if [ -n "${POSTAL_TANSU_BIN:-}" ]; then echo "$POSTAL_TANSU_BIN"; return; fi
-  if command -v tansu >/dev/null 2>&1; then command -v tansu; return; fi
-  if [ -x "$HOME/.cargo/bin/tansu" ]; then echo "$HOME/.cargo/bin/tansu"; return; fi
-  echo ""
-}
 
 # apt_install PACKAGE EXECUTABLE: installs the Debian package that provides EXECUTABLE.
 apt_install() {
@@ -56,11 +55,21 @@ ensure_postgres() {
   apt_install postgresql-15 "$PG_BIN/initdb"
 }
 
-ensure_tansu() {
-  if [ -n "$(tansu_bin)" ]; then return; fi
-  log "tansu missing: cargo install tansu@$TANSU_VERSION (about 12 minutes on 2 cores, once per machine)"
-  cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql >&2 \
-    || die "cargo install tansu failed"
+# The broker's jars: scripts/kafka/pom.xml names them, Maven fetches them into $KAFKA_LIB once
+# (later runs reuse them; POSTAL_KAFKA_LIB points at another folder of the same jars).
+ensure_kafka() {
+  command -v java >/dev/null || die "java is missing: Apache Kafka 4.x needs a JDK 17 or newer (apt-get install openjdk-17-jre-headless)"
+  if [ -f "$KAFKA_LIB/.complete-$KAFKA_VERSION" ]; then return; fi
+  command -v mvn >/dev/null || die "mvn is missing: Maven fetches Kafka's jars (apt-get install maven), or set POSTAL_KAFKA_LIB to a folder holding them"
+  log "fetching Apache Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIB (about 55 MB, once per machine):"
+  rm -rf "$KAFKA_LIB.partial"
+  mvn -B -q -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+    org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial" >&2 \
+    || die "Maven could not fetch Kafka's jars (is Maven Central reachable? see the output above)"
+  ls "$KAFKA_LIB.partial" | sed 's/^/stack:   /' >&2
+  rm -rf "$KAFKA_LIB"; mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
+  touch "$KAFKA_LIB/.complete-$KAFKA_VERSION"
 }
 
 ensure_rabbitmq() {
@@ -130,56 +139,90 @@ pg_down() {
   fi
 }
 
-tansu_pid() {
-  local f="$STACK/tansu/tansu.pid"
+kafka_pid() {
+  local f="$STACK/kafka/kafka.pid"
   [ -f "$f" ] || return 1
   local pid; pid="$(cat "$f")"
-  # Only a live process that is still our tansu counts.
-  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q tansu && echo "$pid"
+  # Only a live process that is still our broker counts.
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "kafka.Kafka $STACK/kafka/server.properties" && echo "$pid"
 }
 
-wait_port() {
-  local port="$1" secs="$2"
-  for _ in $(seq 1 $((secs * 10))); do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+# server.properties of a single-node KRaft cluster (combined broker and controller) on loopback,
+# written on every start so that port settings apply to existing storage too.
+kafka_config() {
+  local d="$STACK/kafka"
+  cat > "$d/server.properties" <<CONF
+# Written by scripts/stack.sh on each start; edit the script, not this file.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+inter.broker.listener.name=PLAINTEXT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$d/data
+# As production clusters do: Postal (or postal topics create) creates topics, not the broker.
+auto.create.topics.enable=false
+# One node: internal topics cannot have more replicas than that.
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+# Tests and the demo start groups often; the default waits 3 s for more members first.
+group.initial.rebalance.delay.ms=0
+CONF
+}
+
+kafka_up() {
+  ensure_kafka
+  local d="$STACK/kafka"
+  mkdir -p "$d/logs" "$d/data" "$d/tmp"
+  if pid="$(kafka_pid)"; then log "kafka already running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; return; fi
+  kafka_config
+  if [ ! -f "$d/data/meta.properties" ]; then
+    local id; id="$(java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid)"
+    log "formatting Kafka storage $d/data (cluster id $id)"
+    java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool format -t "$id" -c "$d/server.properties" >>"$d/logs/format.log" 2>&1 \
+      || { tail -5 "$d/logs/format.log" >&2; die "formatting Kafka storage failed"; }
+  fi
+  local offset=0
+  [ -f "$d/logs/server.log" ] && offset="$(stat -c %s "$d/logs/server.log")"
+  log "starting Apache Kafka $KAFKA_VERSION on 127.0.0.1:$KAFKA_PORT (controller $KAFKA_CONTROLLER_PORT, heap $KAFKA_HEAP)"
+  (
+    cd "$d"
+    # A private temp folder: a noexec /tmp would break the compression codecs' native libraries.
+    exec java -Xms"$KAFKA_HEAP" -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+      -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true \
+      -Djava.io.tmpdir="$d/tmp" \
+      -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$d/logs" \
+      -cp "$KAFKA_LIB/*" kafka.Kafka "$d/server.properties" >>"$d/logs/broker.log" 2>&1 </dev/null
+  ) &
+  local pid=$!
+  echo "$pid" > "$d/kafka.pid"
+  for _ in $(seq 1 1200); do
+    if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka exited during start-up (logs: $d/logs)"; }
     sleep 0.1
   done
-  return 1
+  tail -20 "$d/logs/broker.log" >&2; die "kafka did not start within 120 s (logs: $d/logs)"
 }
 
-tansu_up() {
-  ensure_tansu
-  mkdir -p "$STACK/tansu"
-  if pid="$(tansu_pid)"; then log "tansu already running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; return; fi
-  local engine
-  case "$STORAGE" in
-    memory) engine="memory://tansu/" ;;
-    sqlite) engine="sqlite://tansu.db" ;;
-    *) die "unknown storage '$STORAGE' (memory or sqlite)" ;;
-  esac
-  log "starting tansu on 127.0.0.1:$KAFKA_PORT (storage $STORAGE)"
-  (
-    cd "$STACK/tansu"
-    exec "$(tansu_bin)" broker \
-      --kafka-cluster-id postal \
-      --kafka-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
-      --kafka-advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
-      --storage-engine "$engine" \
-      ${POSTAL_TANSU_ARGS:-} >>"$STACK/tansu/tansu.log" 2>&1
-  ) &
-  echo $! > "$STACK/tansu/tansu.pid"
-  echo "$STORAGE" > "$STACK/tansu/storage"
-  wait_port "$KAFKA_PORT" 30 || { tail -20 "$STACK/tansu/tansu.log" >&2; die "tansu did not open port $KAFKA_PORT"; }
-}
-
-tansu_down() {
-  if pid="$(tansu_pid)"; then
-    log "stopping tansu (pid $pid)"
-    kill -TERM "$pid"
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+# stop: SIGTERM, a clean shutdown; kill: SIGKILL, as a crash (the data stays).
+kafka_down() {
+  local sig="${1:-TERM}"
+  if pid="$(kafka_pid)"; then
+    log "stopping kafka (pid $pid, SIG$sig)"
+    kill -"$sig" "$pid"
+    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+    # Reap nothing: the broker is not our child; wait until its ports are free.
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   fi
-  rm -f "$STACK/tansu/tansu.pid"
+  rm -f "$STACK/kafka/kafka.pid"
 }
 
 rabbit_pid() {
@@ -236,24 +279,21 @@ print_env() {
 }
 
 cmd="${1:-}"; shift || true
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --storage) STORAGE="$2"; shift 2 ;;
-    --storage=*) STORAGE="${1#*=}"; shift ;;
-    *) die "unknown argument $1" ;;
-  esac
-done
+[ $# -eq 0 ] || die "unknown argument $1"
 
 case "$cmd" in
-  up) pg_up; tansu_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
+  up) pg_up; kafka_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
   pg-up) pg_up; print_env ;;
-  restart-broker) tansu_down; tansu_up; print_env ;;
-  down) rabbit_down; tansu_down; pg_down ;;
+  kafka-up) kafka_up; print_env ;;
+  kafka-down) kafka_down TERM ;;
+  kafka-kill) kafka_down KILL ;;
+  restart-broker) kafka_down KILL; kafka_up; print_env ;;
+  down) rabbit_down; kafka_down TERM; pg_down ;;
   env) print_env ;;
-  ensure-tools) ensure_postgres; ensure_tansu; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
+  ensure-tools) ensure_postgres; ensure_kafka; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
     if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
-    if pid="$(tansu_pid)"; then echo "tansu: running (pid $pid, storage $(cat "$STACK/tansu/storage" 2>/dev/null)) on 127.0.0.1:$KAFKA_PORT"; else echo "tansu: stopped"; fi
+    if pid="$(kafka_pid)"; then echo "kafka: running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; else echo "kafka: stopped"; fi
     if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
   *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: brings the local stack up (installing PostgreSQL 15 and tansu if missing),
+# Runs every test: brings the local stack up (installing PostgreSQL 15 and RabbitMQ
+# and fetching Apache Kafka's jars if missing),
 # runs the workspace's unit, integration and doc tests against it, then the testcontainers smoke
 # step when a Docker engine can run here.
 #
@@ -11,7 +12,7 @@ cd "$ROOT"
 
 step() { echo; echo "=== $* ==="; }
 
-step "local stack (PostgreSQL 15 + tansu + RabbitMQ, no Docker)"
+step "local stack (PostgreSQL 15 + Apache Kafka + RabbitMQ, no Docker)"
 eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"

@@ -3,7 +3,8 @@
 #   1. makes sure a Docker engine runs (installs Debian's docker.io and starts dockerd if needed);
 #   2. builds two local images from a debootstrap'd Debian rootfs (no registry involved):
 #        postal-local/postgres:15   PostgreSQL 15, trust auth, listening on 5432
-#        postal-local/tansu:<ver>   the tansu broker binary of this machine
+#        postal-local/kafka:<ver>   Apache Kafka from the jars scripts/stack.sh fetched (the same
+#                                   version the local stack runs), on Debian's OpenJDK 17
 #   3. runs the integration suite's smoke test with DATABASE_URL / KAFKA_BOOTSTRAP_SERVERS unset,
 #      so the harness starts both services through testcontainers.
 #
@@ -15,8 +16,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$ROOT/.images"
 PG_IMAGE="postal-local/postgres:15"
-TANSU_VERSION="${POSTAL_TANSU_VERSION:-0.6.0}"
-TANSU_IMAGE="postal-local/tansu:$TANSU_VERSION"
+KAFKA_VERSION="${POSTAL_KAFKA_VERSION:-4.4.0}"
+KAFKA_IMAGE="postal-local/kafka:$KAFKA_VERSION"
 MIRROR="${POSTAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
 log() { echo "testcontainers-images: $*" >&2; }
@@ -43,11 +44,11 @@ ensure_engine() {
 
 rootfs() {
   local fs="$WORK/rootfs"
-  if [ -f "$fs/.complete" ]; then echo "$fs"; return; fi
+  if [ -f "$fs/.complete-2" ]; then echo "$fs"; return; fi
   command -v debootstrap >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
   rm -rf "$fs"; mkdir -p "$fs"
-  log "debootstrap bookworm with postgresql-15 (about 1.5 minutes)"
-  debootstrap --variant=minbase --include=postgresql-15 bookworm "$fs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
+  log "debootstrap bookworm with postgresql-15 and openjdk-17-jre-headless (a few minutes)"
+  debootstrap --variant=minbase --include=postgresql-15,openjdk-17-jre-headless bookworm "$fs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
     || { tail -20 "$WORK/debootstrap.log" >&2; return 1; }
   cat > "$fs/usr/local/bin/postal-postgres" <<'SH'
 #!/bin/sh
@@ -62,38 +63,75 @@ fi
 exec su postgres -s /bin/sh -c "exec /usr/lib/postgresql/15/bin/postgres -D $PGDATA -c listen_addresses='*' -c max_connections=300"
 SH
   chmod +x "$fs/usr/local/bin/postal-postgres"
-  touch "$fs/.complete"
+  cat > "$fs/usr/local/bin/postal-kafka" <<'SH'
+#!/bin/sh
+# Entry point of postal-local/kafka: a throwaway single-node KRaft cluster listening on
+# $KAFKA_PORT (default 9092) on all interfaces and advertising 127.0.0.1:$KAFKA_PORT (the
+# harness maps the port 1:1), with the settings of scripts/stack.sh.
+set -e
+PORT="${KAFKA_PORT:-9092}"
+D=/var/lib/kafka
+mkdir -p "$D/data" "$D/logs"
+cat > "$D/server.properties" <<CONF
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:9093
+listeners=PLAINTEXT://0.0.0.0:$PORT,CONTROLLER://127.0.0.1:9093
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+inter.broker.listener.name=PLAINTEXT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$D/data
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+CONF
+CP="/opt/kafka/lib/*"
+[ -f "$D/data/meta.properties" ] || java -Xmx256M -cp "$CP" kafka.tools.StorageTool format \
+  -t "$(java -Xmx256M -cp "$CP" kafka.tools.StorageTool random-uuid)" -c "$D/server.properties" >/dev/null
+exec java -Xms512m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true \
+  -Dlog4j2.configurationFile=/opt/kafka/log4j2.properties -Dkafka.logs.dir="$D/logs" \
+  -cp "$CP" kafka.Kafka "$D/server.properties"
+SH
+  chmod +x "$fs/usr/local/bin/postal-kafka"
+  touch "$fs/.complete-2"
   echo "$fs"
 }
 
 build() {
-  if ! docker image inspect "$PG_IMAGE" >/dev/null 2>&1 || ! docker image inspect "$TANSU_IMAGE" >/dev/null 2>&1; then
+  if ! docker image inspect "$PG_IMAGE" >/dev/null 2>&1 || ! docker image inspect "$KAFKA_IMAGE" >/dev/null 2>&1; then
     local fs; fs="$(rootfs)"
-    local tansu; tansu="$(bash "$ROOT/scripts/stack.sh" ensure-tools >&2; command -v tansu || echo "$HOME/.cargo/bin/tansu")"
     if ! docker image inspect "$PG_IMAGE" >/dev/null 2>&1; then
       log "importing $PG_IMAGE"
-      tar -C "$fs" --exclude=./.complete -c . | docker import \
+      tar -C "$fs" --exclude='./.complete*' -c . | docker import \
         --change 'ENTRYPOINT ["/usr/local/bin/postal-postgres"]' \
         --change 'EXPOSE 5432' - "$PG_IMAGE" >/dev/null
     fi
-    if ! docker image inspect "$TANSU_IMAGE" >/dev/null 2>&1; then
-      log "importing $TANSU_IMAGE (binary $tansu)"
-      install -D -m 0755 "$tansu" "$fs/usr/local/bin/tansu"
-      mkdir -p "$fs/var/lib/tansu"
-      tar -C "$fs" --exclude=./.complete -c . | docker import \
-        --change 'ENTRYPOINT ["/usr/local/bin/tansu"]' \
-        --change 'WORKDIR /var/lib/tansu' - "$TANSU_IMAGE" >/dev/null
-      rm -f "$fs/usr/local/bin/tansu"
+    if ! docker image inspect "$KAFKA_IMAGE" >/dev/null 2>&1; then
+      # The same jars as the local stack (fetched by Maven on first use).
+      POSTAL_NO_RABBITMQ=1 bash "$ROOT/scripts/stack.sh" ensure-tools >&2
+      local lib="${POSTAL_KAFKA_LIB:-$ROOT/.stack/kafka-lib}"
+      log "importing $KAFKA_IMAGE (jars from $lib)"
+      mkdir -p "$fs/opt/kafka/lib"
+      cp "$lib"/*.jar "$fs/opt/kafka/lib/"
+      cp "$ROOT/scripts/kafka/log4j2.properties" "$fs/opt/kafka/log4j2.properties"
+      tar -C "$fs" --exclude='./.complete*' -c . | docker import \
+        --change 'ENTRYPOINT ["/usr/local/bin/postal-kafka"]' - "$KAFKA_IMAGE" >/dev/null
+      rm -rf "$fs/opt/kafka"
     fi
   fi
-  log "images ready: $PG_IMAGE $TANSU_IMAGE"
+  log "images ready: $PG_IMAGE $KAFKA_IMAGE"
 }
 
 smoke() {
   log "smoke test through testcontainers (DATABASE_URL and KAFKA_BOOTSTRAP_SERVERS unset)"
   local rc=0
   (cd "$ROOT" && env -u DATABASE_URL -u KAFKA_BOOTSTRAP_SERVERS \
-    POSTAL_TEST_PG_IMAGE="$PG_IMAGE" POSTAL_TEST_KAFKA_IMAGE="$TANSU_IMAGE" \
+    POSTAL_TEST_PG_IMAGE="$PG_IMAGE" POSTAL_TEST_KAFKA_IMAGE="$KAFKA_IMAGE" \
     POSTAL_EXPECT_MODE=testcontainers \
     cargo test -p postal-integration-tests --test suite -- --nocapture smoke) || rc=$?
   # The harness keeps its containers for the life of the test process; remove them now.

@@ -1,5 +1,5 @@
 //! Where the CPU goes during a benchmark phase (Linux `/proc`): CPU time of the PostgreSQL
-//! processes, of the broker (tansu) and of this process (including librdkafka's threads), plus
+//! processes, of the broker (the Kafka JVM) and of this process (including librdkafka's threads), plus
 //! the machine's idle and steal time. On a machine where all of them share the same cores, this
 //! is what bounds a pipeline that needs all three at once.
 
@@ -68,7 +68,10 @@ impl Cpu {
                 } else if comm == "postgres" {
                     // The postmaster's children times cover backends that have exited.
                     cpu.postgres += own + children;
-                } else if comm.starts_with("tansu") {
+                } else if comm == "java"
+                    && std::fs::read(entry.path().join("cmdline"))
+                        .is_ok_and(|c| c.windows(11).any(|w| w == b"kafka.Kafka"))
+                {
                     cpu.broker += own;
                 }
             }

@@ -18,8 +18,7 @@
 //!
 //! With `--mock-broker` the same run goes through librdkafka's mock cluster (a Kafka-protocol
 //! broker in memory, on loopback, served by a thread of the benchmark process) instead of the
-//! given broker: it shows Postal's path with a broker whose fetch cost grows far more slowly
-//! with the records a partition holds than that of tansu's memory storage (BENCHMARKS.md).
+//! given broker: Postal's path without the broker's process on the same cores.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -244,15 +243,9 @@ async fn postal_run(
 
     let mut config = ConsumerConfig::new(bootstrap, format!("ledger-{topic}"), "ledger");
     config.max_batch = opts.max_batch;
-    // tansu answers a fetch from inside a record batch with the next batch (README, "tansu 0.6.0
-    // faults"), and the relay here writes large batches: a partition paused because its buffer
-    // filled up would resume mid-batch and skip records. The polling variant's bursts (a
-    // second of orders at once) filled the default buffer with one partition.
-    config.partition_buffer = 100_000;
     for (k, v) in [
         ("fetch.wait.max.ms", opts.fetch_wait_ms.to_string()),
         ("session.timeout.ms", "6000".into()),
-        ("max.poll.interval.ms", "10000".into()),
     ] {
         config.kafka.insert(k.into(), v);
     }
@@ -454,7 +447,6 @@ async fn where_they_are(pool: &PgPool, bootstrap: &str, topic: &str) -> String {
     .fetch_one(pool)
     .await
     .unwrap_or_default();
-    // (tansu 0.6.0 reports the last batch's base offset + 1 as the high watermark.)
     format!(
         "orders, ledger rows, dedup rows {rows:?}; outbox by status {outbox:?}; stored offsets {stored:?}; broker's high watermarks {high:?}"
     )

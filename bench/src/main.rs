@@ -146,15 +146,13 @@ enum Command {
         #[arg(long, default_value_t = 4)]
         lanes: usize,
         /// Leave out the plain consumer that splits the path into relay + broker and Postal's
-        /// consumer: it is a second reader of the topic, and every fetch costs tansu's memory
-        /// storage work that grows with the records the partition holds.
+        /// consumer: it is a second reader of the topic, whose fetches cost the broker CPU.
         #[arg(long)]
         no_split: bool,
         /// Leave out the polling-only variant (the wake-up variant and the broker path only).
         #[arg(long)]
         no_polling: bool,
-        /// Go through librdkafka's mock cluster (in this process) instead of `--bootstrap`: a
-        /// broker whose fetch cost grows far more slowly with the records a partition holds.
+        /// Go through librdkafka's mock cluster (in this process) instead of `--bootstrap`.
         #[arg(long)]
         mock_broker: bool,
     },
@@ -855,9 +853,8 @@ async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::
     Ok(())
 }
 
-/// Deletes a benchmark topic once its phase is measured: tansu's memory storage keeps every
-/// record for the life of the broker and gets slower as it grows, so later phases would
-/// otherwise pay for the records of earlier ones. Returns whether the broker deleted it.
+/// Deletes a benchmark topic once its phase is measured, so that the broker's disk and page
+/// cache hold only the phase running. Returns whether the broker deleted it.
 async fn delete_topic(bootstrap: &str, topic: &str) -> bool {
     let Ok(admin) = admin(bootstrap) else {
         return false;

@@ -87,11 +87,10 @@ async fn create_topic(bootstrap: &str, topic: &str) {
         .unwrap();
 }
 
-/// Writes events (one record per batch: see README on tansu) with `ce_id` / `ce_type`.
+/// Writes events with `ce_id` / `ce_type`.
 async fn produce(bootstrap: &str, topic: &str, bodies: &[&str]) -> Vec<uuid::Uuid> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("batch.num.messages", "1")
         .create()
         .unwrap();
     let mut ids = Vec::new();
@@ -934,12 +933,7 @@ async fn consumer_reports_the_age_of_its_oldest_dedup_row() {
 /// is live, so the broker refuses a commit from outside the group), `postal consumer reset`
 /// fails with one line saying what to do and leaves the stored offsets unchanged: a restarted
 /// consumer can never fetch from a Kafka offset later than the stored one and skip the replay.
-///
-/// Needs a broker that refuses offset commits from outside a live group, as Kafka does
-/// (UNKNOWN_MEMBER_ID); tansu 0.6 accepts them, so the test is ignored in the default run:
-/// `cargo test -p postal-cli --test operate -- --ignored` against Kafka.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a broker that refuses commits from outside a live group (Kafka; not tansu 0.6)"]
 async fn consumer_reset_whose_kafka_commit_fails_changes_nothing() {
     let Some(e) = env().await else { return };
     let (topic, group) = (unique("resetfail"), unique("g"));

@@ -83,7 +83,7 @@ impl ConsumerContext for Context {
                         cancel.cancel();
                     }
                     // Not committed to Kafka from here: a commit issued inside the rebalance
-                    // can hold up the next assignment (seen with tansu). The database has the
+                    // can hold up the next assignment (seen with a Kafka-protocol broker). The database has the
                     // offsets; the next owner commits to Kafka as it goes.
                     state.pending_commits.remove(tp);
                 }

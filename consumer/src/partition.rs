@@ -355,7 +355,8 @@ impl Worker {
     }
 
     /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
-    /// offset `next`, the fetch position was lost (seen with tansu after a consumer restart);
+    /// offset `next`, the fetch position was lost (seen with a Kafka-protocol broker after a
+    /// consumer restart);
     /// resume the partition and seek to `next` again. Seeking to the stored offset never skips
     /// a record: anything below it is dropped on arrival, as after any seek. Done once per
     /// (stored offset, high watermark): offsets that hold no deliverable record (transaction

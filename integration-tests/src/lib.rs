@@ -328,7 +328,7 @@ mod containers {
         let pg_spec =
             std::env::var("POSTAL_TEST_PG_IMAGE").unwrap_or_else(|_| "postgres:16".into());
         let kafka_spec = std::env::var("POSTAL_TEST_KAFKA_IMAGE")
-            .unwrap_or_else(|_| "apache/kafka:3.9.1".into());
+            .unwrap_or_else(|_| "apache/kafka:4.4.0".into());
 
         let (name, tag) = split_image(&pg_spec);
         let pg = GenericImage::new(name, tag)
@@ -352,19 +352,10 @@ mod containers {
         let image = GenericImage::new(name.clone(), tag)
             .with_exposed_port(ContainerPort::Tcp(port))
             .with_wait_for(WaitFor::Nothing);
-        let request = if name.contains("tansu") {
+        let request = if name.starts_with("postal-local/kafka") {
+            // Built by scripts/testcontainers-images.sh from the local stack's jars.
             image
-                .with_cmd([
-                    "broker".to_owned(),
-                    "--kafka-cluster-id".to_owned(),
-                    "postal".to_owned(),
-                    "--kafka-listener-url".to_owned(),
-                    format!("tcp://0.0.0.0:{port}"),
-                    "--kafka-advertised-listener-url".to_owned(),
-                    format!("tcp://127.0.0.1:{port}"),
-                    "--storage-engine".to_owned(),
-                    "memory://tansu/".to_owned(),
-                ])
+                .with_env_var("KAFKA_PORT", port.to_string())
                 .with_mapped_port(port, ContainerPort::Tcp(port))
         } else {
             // apache/kafka in KRaft mode.
@@ -388,7 +379,13 @@ mod containers {
                 .with_env_var("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
                 .with_env_var("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
                 .with_env_var("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+                .with_env_var(
+                    "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR",
+                    "1",
+                )
+                .with_env_var("KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR", "1")
                 .with_env_var("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+                .with_env_var("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false")
                 .with_mapped_port(port, ContainerPort::Tcp(port))
         };
         let broker = request

@@ -145,39 +145,34 @@ impl Drop for PrivatePostgres {
     }
 }
 
-/// Path of the tansu binary: `POSTAL_TANSU_BIN`, `tansu` on PATH, or `~/.cargo/bin/tansu`.
-pub fn tansu_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("POSTAL_TANSU_BIN") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("tansu"))
-            .find(|p| p.is_file())
-    }) {
-        return p;
-    }
-    PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cargo/bin/tansu")
+/// The repository's root (where `scripts/stack.sh` lives).
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
 }
 
-/// A tansu broker owned by one test, with durable sqlite storage so it can be killed and
-/// restarted without losing records.
+/// An Apache Kafka broker (single-node KRaft) owned by one test, started by `scripts/stack.sh`
+/// in a folder of its own, so it can be killed with SIGKILL and restarted on the same data.
 pub struct PrivateBroker {
     dir: PathBuf,
     port: u16,
-    child: Option<Child>,
+    controller_port: u16,
+    running: bool,
 }
 
 impl PrivateBroker {
-    /// Starts a broker on a free port with storage in a fresh temporary directory.
+    /// Starts a broker on free ports with storage in a fresh temporary directory.
     pub async fn start() -> PrivateBroker {
         let dir =
-            std::env::temp_dir().join(format!("postal-tansu-{}", uuid::Uuid::now_v7().simple()));
-        std::fs::create_dir_all(&dir).expect("tansu dir");
+            std::env::temp_dir().join(format!("postal-kafka-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("broker dir");
         let mut b = PrivateBroker {
             dir,
             port: free_port(),
-            child: None,
+            controller_port: free_port(),
+            running: false,
         };
         b.restart().await;
         b
@@ -188,52 +183,62 @@ impl PrivateBroker {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// (Re)starts the broker on the same port and storage and waits until it answers.
+    fn stack(&self, command: &'static str) -> Command {
+        let root = repo_root();
+        let mut c = Command::new("bash");
+        c.arg(root.join("scripts/stack.sh"))
+            .arg(command)
+            .env("POSTAL_STACK_DIR", &self.dir)
+            .env("POSTAL_KAFKA_PORT", self.port.to_string())
+            .env(
+                "POSTAL_KAFKA_CONTROLLER_PORT",
+                self.controller_port.to_string(),
+            )
+            .env(
+                "POSTAL_KAFKA_HEAP",
+                std::env::var("POSTAL_TEST_KAFKA_HEAP").unwrap_or_else(|_| "512m".into()),
+            )
+            .stdout(Stdio::null());
+        if std::env::var_os("POSTAL_KAFKA_LIB").is_none() {
+            c.env("POSTAL_KAFKA_LIB", root.join(".stack/kafka-lib"));
+        }
+        c
+    }
+
+    /// (Re)starts the broker on the same ports and storage and waits until it answers.
     pub async fn restart(&mut self) {
-        assert!(self.child.is_none(), "broker already running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("tansu.log"))
-            .expect("log file");
-        let child = Command::new(tansu_bin())
-            .current_dir(&self.dir)
-            .args(["broker", "--kafka-cluster-id", "postal"])
-            .arg("--kafka-listener-url")
-            .arg(format!("tcp://127.0.0.1:{}", self.port))
-            .arg("--kafka-advertised-listener-url")
-            .arg(format!("tcp://127.0.0.1:{}", self.port))
-            .args(["--storage-engine", "sqlite://tansu.db"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn tansu (install it: cargo install tansu --locked --features dynostore,libsql)");
-        self.child = Some(child);
+        assert!(!self.running, "broker already running");
+        let mut c = self.stack("kafka-up");
+        let status = tokio::task::spawn_blocking(move || c.status())
+            .await
+            .expect("join")
+            .expect("run scripts/stack.sh kafka-up");
+        assert!(
+            status.success(),
+            "private broker did not start (logs: {})",
+            self.dir.display()
+        );
+        self.running = true;
         crate::kafka::wait_ready(&self.bootstrap(), Duration::from_secs(60))
             .await
             .expect("private broker ready");
-        self.index_headers();
     }
 
-    /// tansu 0.6.0's sqlite schema has no index on record headers, so every fetched record
-    /// scans all headers ever stored and the broker slows down quadratically with the topic
-    /// (a few tens of thousands of records with CloudEvents headers starve its group
-    /// coordinator). The index it lacks, added next to it (sqlite allows a second process).
-    fn index_headers(&self) {
-        let db = rusqlite::Connection::open(self.dir.join("tansu.db")).expect("open tansu.db");
-        db.busy_timeout(Duration::from_secs(10))
-            .expect("busy timeout");
-        db.execute_batch(
-            "CREATE INDEX IF NOT EXISTS postal_header_record ON header (topition, offset_id)",
-        )
-        .expect("index tansu's header table");
+    /// Stops the broker with SIGSTOP: connections stay open, requests in flight get no answer
+    /// (a hung broker); [`Self::kill`] still works on it.
+    pub fn freeze(&self) {
+        let pid = std::fs::read_to_string(self.dir.join("kafka/kafka.pid")).expect("broker pid");
+        let status = Command::new("kill")
+            .args(["-STOP", pid.trim()])
+            .status()
+            .expect("kill -STOP");
+        assert!(status.success(), "kill -STOP {pid}");
     }
 
-    /// Kills the broker with SIGKILL and reaps it.
+    /// Kills the broker with SIGKILL and waits until it is gone.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if std::mem::take(&mut self.running) {
+            let _ = self.stack("kafka-kill").status();
         }
     }
 }

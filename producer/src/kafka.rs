@@ -31,8 +31,9 @@ pub struct KafkaConfig {
     pub bootstrap_servers: String,
     /// CloudEvents `source` written on every record (default `postal`).
     pub source: String,
-    /// Create missing topics through the admin API (default `true`). When `false`, events for
-    /// a missing topic are parked with a clear error.
+    /// Create missing topics through the admin API (default `true`). When `false` (or when the
+    /// cluster refuses), events for a missing topic wait, retried every few seconds without
+    /// using up attempts, and the relay logs which topic to create.
     pub create_topics: bool,
     /// Partition count of created topics (default 12).
     pub topic_partitions: i32,
@@ -120,7 +121,21 @@ impl KafkaConfig {
 #[derive(Clone, Debug)]
 enum TopicState {
     Ready,
-    Missing(String),
+    /// Missing since `since`: checked again after [`MISSING_TOPIC_RECHECK`].
+    Missing {
+        reason: String,
+        since: std::time::Instant,
+    },
+}
+
+/// How long a missing topic's events wait before the relay asks the cluster again.
+const MISSING_TOPIC_RECHECK: Duration = Duration::from_secs(5);
+
+/// One line saying which topic is missing, why Postal did not create it and what to do.
+fn missing_topic(topic: &str, why: &str) -> String {
+    format!(
+        "topic {topic:?} does not exist and {why}: create it (kafka-topics.sh --bootstrap-server <broker> --create --topic {topic}); its events wait until it exists"
+    )
 }
 
 /// Publishes outbox events to Kafka.
@@ -190,34 +205,53 @@ impl KafkaTransport {
         self.producer.current().1
     }
 
+    /// Makes sure `topic` exists before records go to it. A topic that is missing (topic
+    /// creation off, or refused by the cluster) is not the events' fault: they wait, retried
+    /// without using up attempts, and the relay logs which topic to create and how.
     async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
-        if let Some(state) = self.topics.lock().expect("topic cache").get(topic).cloned() {
-            return match state {
-                TopicState::Ready => Ok(()),
-                TopicState::Missing(reason) => {
-                    Err(PublishError::new(FailureKind::Permanent, reason))
-                }
-            };
+        let cached = self.topics.lock().expect("topic cache").get(topic).cloned();
+        match cached {
+            Some(TopicState::Ready) => return Ok(()),
+            Some(TopicState::Missing { reason, since })
+                if since.elapsed() < MISSING_TOPIC_RECHECK =>
+            {
+                return Err(PublishError::new(FailureKind::Waiting, reason));
+            }
+            _ => {}
         }
-        let exists = self.topic_exists(topic).await?;
-        let state = if exists {
-            TopicState::Ready
+        let outcome = if self.topic_exists(topic).await? {
+            Ok(())
         } else if self.config.create_topics {
-            self.create_topic(topic).await?;
-            TopicState::Ready
+            self.create_topic(topic).await
         } else {
-            TopicState::Missing(format!(
-                "topic {topic:?} does not exist and topic creation is disabled"
+            Err(PublishError::new(
+                FailureKind::Waiting,
+                missing_topic(topic, "topic creation is off (--no-create-topics)"),
             ))
         };
+        let state = match &outcome {
+            Ok(()) => TopicState::Ready,
+            Err(e) if e.kind == FailureKind::Waiting => {
+                let first = !matches!(cached, Some(TopicState::Missing { .. }));
+                if first {
+                    tracing::warn!(topic, "{}", e.reason);
+                }
+                TopicState::Missing {
+                    reason: e.reason.clone(),
+                    since: std::time::Instant::now(),
+                }
+            }
+            Err(_) => return outcome,
+        };
+        if matches!(state, TopicState::Ready) && matches!(cached, Some(TopicState::Missing { .. }))
+        {
+            tracing::info!(topic, "topic now exists: its waiting events go out");
+        }
         self.topics
             .lock()
             .expect("topic cache")
-            .insert(topic.to_owned(), state.clone());
-        match state {
-            TopicState::Ready => Ok(()),
-            TopicState::Missing(reason) => Err(PublishError::new(FailureKind::Permanent, reason)),
-        }
+            .insert(topic.to_owned(), state);
+        outcome
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {
@@ -276,6 +310,17 @@ impl KafkaTransport {
                     return Err(PublishError::new(
                         FailureKind::Permanent,
                         format!("invalid topic {topic:?}"),
+                    ))
+                }
+                Err((
+                    _,
+                    code @ (RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+                    | RDKafkaErrorCode::PolicyViolation),
+                )) => {
+                    return Err(PublishError::new(
+                        FailureKind::Waiting,
+                        missing_topic(topic, &format!("the cluster refused to create it ({code})")),
                     ))
                 }
                 Err((_, code)) => {
@@ -724,7 +769,7 @@ const FENCED: &str =
 /// Errors after which the producer is replaced by a fresh one at once:
 /// librdkafka's fatal (idempotence) errors, a broker's unknown server error, and delivery
 /// timeouts. After a timeout librdkafka would bump the epoch of its existing producer id; a
-/// broker that restarted meanwhile may no longer know that id (tansu fails such requests), while
+/// broker that restarted meanwhile may no longer know that id (some brokers fail such requests), while
 /// a fresh producer simply asks for a new id.
 fn needs_reset(err: &KafkaError) -> bool {
     matches!(

@@ -24,6 +24,9 @@ use crate::Error;
 /// `backoff.max`, so a relay resumes within seconds of the broker coming back.
 const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
+/// When an event that waits for its destination (e.g. a missing topic) is claimed again.
+const WAITING_RETRY: Duration = Duration::from_secs(5);
+
 /// Why a batch in flight was given up (logged).
 #[derive(Debug)]
 enum GiveUp {
@@ -956,7 +959,8 @@ impl CompleteCtx {
                     reason: None,
                 }),
                 Err(err) => {
-                    let counts = err.kind != FailureKind::Unavailable;
+                    let counts =
+                        !matches!(err.kind, FailureKind::Unavailable | FailureKind::Waiting);
                     let attempts = event.attempts + i32::from(counts);
                     let park =
                         err.kind == FailureKind::Permanent || attempts >= self.config.max_attempts;
@@ -965,10 +969,13 @@ impl CompleteCtx {
                             any_unavailable = true;
                             self.config.backoff.delay(streak).min(MAX_UNAVAILABLE_PAUSE)
                         }
+                        FailureKind::Waiting => WAITING_RETRY,
                         _ => self.config.backoff.delay(attempts.max(0) as u32),
                     };
                     if park {
                         tracing::warn!(event_id = %event.id, topic = %event.topic, key = %event.key, attempts, reason = %err.reason, "event parked as failed");
+                    } else if err.kind == FailureKind::Waiting {
+                        tracing::debug!(event_id = %event.id, reason = %err.reason, "event waits for its destination");
                     } else {
                         tracing::debug!(event_id = %event.id, reason = %err.reason, "publish failed; will retry");
                     }

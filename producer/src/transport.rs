@@ -55,6 +55,11 @@ pub enum FailureKind {
     /// recorded outcome yet). Released for a later claim without using up an attempt; the
     /// earlier event holds the key meanwhile.
     HeldBack,
+    /// The destination cannot take it until an operator acts, for reasons of the destination
+    /// and not of the event (a topic that does not exist and that Postal may not create).
+    /// Retried every few seconds for as long as it takes, never using up attempts; unlike
+    /// [`FailureKind::Unavailable`] it does not pause the relay, so other topics flow.
+    Waiting,
 }
 
 /// Why one event was not published.

@@ -1,8 +1,8 @@
 //! Shared values whose last handle is dropped on a thread of its own.
 //!
 //! Dropping a librdkafka client blocks until its threads end, and dropping a consumer first
-//! leaves its group, which waits inside librdkafka without a limit of its own (with tansu a
-//! revocation once never got its answer). On an async worker that stalls the runtime; on the
+//! leaves its group, which waits inside librdkafka without a limit of its own (with a
+//! Kafka-protocol broker a revocation once never got its answer). On an async worker that stalls the runtime; on the
 //! runtime's blocking pool it keeps the runtime from ever shutting down, because dropping a
 //! tokio runtime waits for its blocking tasks (a CI run hung exactly so). A detached thread
 //! holds nothing. So the relay's producer and the consumer's client are shared through

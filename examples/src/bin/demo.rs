@@ -131,19 +131,11 @@ async fn main() -> anyhow::Result<()> {
         "demo: {orders} orders for {customers} customers at {rate}/s through relay → billing → invoices (database {name}, logs in {})",
         logs.display()
     );
-    // One record per batch: tansu 0.6.0 cannot fetch from inside a record batch (README), which
-    // a consumer resuming after a rebalance would otherwise run into. Not needed with Kafka.
     let relay = Proc::spawn(
         &dir,
         &logs,
         "postal",
-        &[
-            "relay",
-            "--topic-partitions",
-            "6",
-            "--kafka",
-            "batch.num.messages=1",
-        ],
+        &["relay", "--topic-partitions", "6"],
         &env,
     )?;
     // Consumers fetch with a short wait: librdkafka's default `fetch.wait.max.ms` (500 ms)

@@ -1,6 +1,6 @@
 //! Chaos: the real binaries (`postal relay` ×2, `order_service`, `billing_service`,
-//! `invoice_recorder`) run against a private PostgreSQL and a private tansu with durable
-//! storage, while the test kill -9s relays and consumers at random moments and restarts the
+//! `invoice_recorder`) run against a private PostgreSQL and a private Apache Kafka broker,
+//! while the test kill -9s relays and consumers at random moments and restarts the
 //! broker and PostgreSQL once each.
 //!
 //! Guarantee proved: every order committed by the order service has exactly one ledger row and
@@ -340,6 +340,80 @@ fn records_in(bootstrap: &str, topic: &str) -> i64 {
         .sum()
 }
 
+/// Waits (up to 30 s) until relays hold outbox rows in open claims, i.e. sent to the broker
+/// and not yet acknowledged, and returns how many.
+async fn wait_for_claims_in_flight(pool: &PgPool) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // Pending rows minus those no open transaction holds: the claimed ones.
+        let claimed = scalar(
+            pool,
+            "SELECT (SELECT count(*) FROM postal.outbox WHERE status = 'pending')
+                  - (SELECT count(*) FROM (SELECT 1 FROM postal.outbox WHERE status = 'pending'
+                                           FOR UPDATE SKIP LOCKED) free)",
+        )
+        .await
+        .unwrap_or(0);
+        if claimed > 0 {
+            return claimed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no relay claim in flight within 30 s of hanging the broker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What an independent reader finds on one topic: records, distinct orders, orders of `want`
+/// missing, and customers whose orders first appear out of sequence (per key, in partition
+/// offset order, each order seen for the first time must be the customer's next one; a
+/// re-published copy of an earlier order is a duplicate the consumers drop, not a reorder).
+struct WireCheck {
+    records: usize,
+    distinct: usize,
+    missing: usize,
+    out_of_order: Vec<String>,
+}
+
+async fn check_wire(
+    bootstrap: &str,
+    topic: &str,
+    expected_records: i64,
+    want: &std::collections::BTreeSet<String>,
+) -> WireCheck {
+    let records = postal_integration_tests::kafka::read_all(
+        bootstrap,
+        topic,
+        usize::try_from(expected_records).unwrap_or(0),
+        Duration::from_secs(120),
+    )
+    .await;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut next: BTreeMap<String, i64> = BTreeMap::new();
+    let mut out_of_order = Vec::new();
+    for r in &records {
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).expect("order payload");
+        let order = v["order_id"].to_string().trim_matches('"').to_owned();
+        let customer = v["customer"].as_str().expect("customer").to_owned();
+        let seq = v["seq"].as_i64().expect("seq");
+        if !seen.insert(order) {
+            continue;
+        }
+        let expected = next.entry(customer.clone()).or_insert(seq);
+        if seq != *expected {
+            out_of_order.push(format!("{customer}: seq {seq} first seen where {expected} was due (partition {} offset {})", r.partition, r.offset));
+        }
+        *expected = (*expected).max(seq) + 1;
+    }
+    WireCheck {
+        records: records.len(),
+        distinct: seen.len(),
+        missing: want.difference(&seen).count(),
+        out_of_order,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     let soak = std::env::var("POSTAL_CHAOS_SOAK").is_ok_and(|v| v == "1");
@@ -371,41 +445,24 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         ("INVOICES_TOPIC", invoices_topic.clone()),
         ("RUST_LOG", "info,rdkafka=warn".into()),
     ];
-    // Consumers: quick group membership; small fetches (tansu's sqlite storage answers a
-    // large fetch over a long backlog of one-record batches slowly enough to starve the group
-    // coordinator). A killed consumer is restarted only after its
-    // session timeout has passed: tansu 0.6.0 does not rebalance when a member expires while
-    // the group is stable, so a replacement that joined before the corpse expired would keep
-    // a partial assignment forever (README, tansu notes). Real Kafka has no such wait.
+    // Consumers: Kafka's defaults except a 6 s session timeout (librdkafka's default is 45 s),
+    // so that the partitions of a killed member move on within seconds; it is a failover
+    // setting (README, Operations), not a safety one. A killed consumer starts again at once.
     let consumer_env = [(
         "POSTAL_KAFKA",
-        "session.timeout.ms=6000,max.poll.interval.ms=10000,heartbeat.interval.ms=1000,max.partition.fetch.bytes=32768".to_string(),
+        "session.timeout.ms=6000,heartbeat.interval.ms=1000".to_string(),
     )];
-    let consumer_restart_delay = Duration::from_millis(7500);
-    // Relay settings for tansu 0.6.0 (README, tansu notes): one record per batch (it cannot
-    // fetch from inside a batch), and no idempotent producer — its sqlite storage panics in the
-    // idempotence bookkeeping after delivery timeouts or restarts, then refuses every request.
-    // Without idempotence, one request in flight per connection and no delivery timeout
-    // (librdkafka retries until the broker takes the record) keep each key's records in
-    // order; the duplicates a retry can add are what the consumers' dedup removes. Sends are
-    // then one at a time, so claims are small enough to finish well within half a lease. With
-    // Kafka, keep the relay's defaults.
+    let consumer_restart_delay = Duration::from_millis(200);
+    // Relays: Postal's producer defaults (idempotent producer, acks=all, default batching and
+    // linger). Failover timing only: a 20 s lease instead of 60 s, because a kill -9ed relay's
+    // key partitions wait for its lease to expire and this run kills relays every few seconds;
+    // a lease must be more than twice the delivery timeout, hence 9 s instead of 20 s.
     let relay_args = [
         "relay",
         "--lease",
         "20s",
-        "--batch-size",
-        "100",
-        "--poll-interval",
-        "500ms",
         "--kafka",
-        "batch.num.messages=1",
-        "--kafka",
-        "enable.idempotence=false",
-        "--kafka",
-        "max.in.flight.requests.per.connection=1",
-        "--kafka",
-        "message.timeout.ms=0",
+        "message.timeout.ms=9000",
     ];
     let mut relays = [
         Proc::new(&dir, &logs, "relay-a", "postal", &relay_args).env(&common),
@@ -477,8 +534,13 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         }
         done += 1;
         if !broker_restarted && done >= total_kills / 3 {
+            // Hang the broker first, so that relays have batches sent and unacknowledged
+            // when it dies (their claims stay open, holding their rows locked), then kill -9:
+            // the idempotent producers retry those batches across the restart.
+            broker.freeze();
+            let in_flight = wait_for_claims_in_flight(&db.pool).await;
             eprintln!(
-                "  {:>6.1}s broker kill -9 + restart",
+                "  {:>6.1}s broker kill -9 + restart with {in_flight} outbox rows claimed and unacknowledged",
                 started.elapsed().as_secs_f64()
             );
             broker.kill();
@@ -584,6 +646,16 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     let consumed_invoices = q("SELECT coalesce(sum(next_offset), 0)::bigint FROM postal.consumer_offsets WHERE group_id = 'invoices'").await;
     let in_orders_topic = records_in(&bootstrap, &orders_topic);
     let in_invoices_topic = records_in(&bootstrap, &invoices_topic);
+    let order_ids: std::collections::BTreeSet<String> =
+        sqlx::query_scalar::<_, String>("SELECT id::text FROM orders")
+            .fetch_all(pool)
+            .await
+            .expect("order ids")
+            .into_iter()
+            .collect();
+    let wire_orders = check_wire(&bootstrap, &orders_topic, in_orders_topic, &order_ids).await;
+    let wire_invoices =
+        check_wire(&bootstrap, &invoices_topic, in_invoices_topic, &order_ids).await;
 
     let c = |p: &Proc, k: &str| p.counters.get(k).copied().unwrap_or(0);
     eprintln!("chaos report (seed {seed}):");
@@ -600,6 +672,18 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         2 * orders,
         in_orders_topic + in_invoices_topic - 2 * orders as i64
     );
+    for (name, w) in [("orders", &wire_orders), ("invoices", &wire_invoices)] {
+        eprintln!(
+            "  read back ({name:<8})      {} records, {} distinct orders, {} missing, {} first seen out of order (independent reader)",
+            w.records,
+            w.distinct,
+            w.missing,
+            w.out_of_order.len()
+        );
+        for line in w.out_of_order.iter().take(10) {
+            eprintln!("    {line}");
+        }
+    }
     eprintln!("  consumed (stored offsets) orders {consumed_orders}, invoices {consumed_invoices}");
     eprintln!(
         "  deduplicated              {} (committed deliveries whose event was already applied)",
@@ -619,6 +703,21 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     assert_eq!(ledger_rows, orders as i64, "ledger rows");
     assert_eq!(invoice_rows, orders as i64, "invoice rows");
     assert_eq!(strays, 0, "effects for orders that do not exist");
+    for (name, w, expected) in [
+        ("orders", &wire_orders, in_orders_topic),
+        ("invoices", &wire_invoices, in_invoices_topic),
+    ] {
+        assert_eq!(w.records as i64, expected, "{name}: records read back");
+        assert_eq!(w.missing, 0, "{name}: orders missing on the wire");
+        assert_eq!(
+            w.distinct, orders as usize,
+            "{name}: distinct orders on the wire"
+        );
+        assert!(
+            w.out_of_order.is_empty(),
+            "{name}: per-customer order broken on the wire"
+        );
+    }
     if out_of_order > 0 {
         let rows: Vec<(String, String, i32, i32)> = sqlx::query_as(
             "SELECT t, customer, prev, seq FROM (

@@ -247,8 +247,8 @@ async fn kill<T>(handle: JoinHandle<T>, own_pool: Option<PgPool>) {
     }
 }
 
-/// Consumer settings for tests: quick group joins (tansu waits about the rebalance timeout),
-/// quick retries.
+/// Consumer settings for tests: a short session timeout (a killed member's partitions move on
+/// quickly), quick retries.
 pub fn consumer_config(
     bootstrap: &str,
     group: &str,
@@ -322,8 +322,7 @@ impl RawRecord {
     }
 }
 
-/// Writes records to `topic` (all to `partition` when given, else by key), one record per
-/// batch, and waits for acks.
+/// Writes records to `topic` (all to `partition` when given, else by key) and waits for acks.
 pub async fn produce(bootstrap: &str, topic: &str, partition: Option<i32>, records: &[RawRecord]) {
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -331,10 +330,6 @@ pub async fn produce(bootstrap: &str, topic: &str, partition: Option<i32>, recor
         .set("bootstrap.servers", bootstrap)
         .set("enable.idempotence", "true")
         .set("linger.ms", "5")
-        // One record per batch: tansu 0.6.0 answers a fetch whose offset falls inside a batch
-        // with the *next* batch (skipping the rest of that one) or nothing, which would stall
-        // or skip a consumer resuming mid-batch. Real Kafka returns the containing batch.
-        .set("batch.num.messages", "1")
         .create()
         .expect("producer");
     let sends = records.iter().map(|r| {

@@ -282,17 +282,24 @@ async fn oversized_event_is_parked_and_holds_only_its_key() {
     assert_eq!(status, "pending", "the later event of the parked key waits");
 }
 
-/// Guarantee: with topic creation disabled, events for a missing topic are parked with a clear
-/// reason instead of stalling.
+/// Guarantee: with topic creation off (as on clusters where only operators create topics),
+/// events for a missing topic are not poison: they wait, in key order, without using up
+/// attempts, with a reason naming the topic and how to create it, while other topics flow;
+/// once the topic exists they all go out, once each and in order.
 #[tokio::test]
-async fn missing_topic_without_creation_is_parked() {
+async fn missing_topic_waits_until_created_and_other_topics_flow() {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let topic = unique("missing");
+    let (missing, present) = (unique("missing"), unique("present"));
+    crate::common::create_topic(&svc.bootstrap, &present, 1).await;
     let mut conn = db.pool.acquire().await.unwrap();
-    let id = enqueue(
+    let events = (0..20)
+        .map(|i| NewEvent::json(missing.as_str(), "k", "e", &serde_json::json!({"i": i})).unwrap())
+        .collect();
+    let waiting = enqueue_batch(&mut conn, events).await.unwrap();
+    let flowing = enqueue(
         &mut conn,
-        NewEvent::json(topic.as_str(), "k", "e", &1).unwrap(),
+        NewEvent::json(present.as_str(), "k", "e", &1).unwrap(),
     )
     .await
     .unwrap();
@@ -301,26 +308,52 @@ async fn missing_topic_without_creation_is_parked() {
     cfg.properties
         .insert("message.timeout.ms".into(), "1000".into());
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), fast_config());
-    wait::until(Duration::from_secs(30), "event parked", || async {
-        sqlx::query_scalar::<_, String>("SELECT status FROM postal.outbox WHERE event_id = $1")
-            .bind(id.as_uuid())
+    // The other topic's event goes out although the missing topic's events came first.
+    let read = kafka::read_all(&svc.bootstrap, &present, 1, Duration::from_secs(30)).await;
+    assert_eq!(kafka::event_ids(&read), [flowing.to_string()].into());
+    wait::until(
+        Duration::from_secs(30),
+        "the first event's reason recorded",
+        || async {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT last_error FROM postal.outbox WHERE event_id = $1",
+            )
+            .bind(waiting[0].as_uuid())
             .fetch_one(&db.pool)
             .await
             .unwrap()
-            == "failed"
-    })
+            .is_some()
+        },
+    )
     .await;
-    relay.stop().await;
-    let err: String =
-        sqlx::query_scalar("SELECT last_error FROM postal.outbox WHERE event_id = $1")
-            .bind(id.as_uuid())
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let (parked, attempts, err): (i64, i64, String) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status <> 'pending'), coalesce(sum(attempts), 0),
+                max(last_error) FROM postal.outbox WHERE topic = $1",
+    )
+    .bind(&missing)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (parked, attempts),
+        (0, 0),
+        "waiting events are neither parked nor charged attempts"
+    );
     assert!(
-        err.contains("does not exist") && err.contains("creation is disabled"),
+        err.contains(&format!("topic {missing:?} does not exist"))
+            && err.contains("--create --topic")
+            && err.contains("wait"),
         "{err}"
     );
+    crate::common::create_topic(&svc.bootstrap, &missing, 1).await;
+    let read = kafka::read_all(&svc.bootstrap, &missing, 20, Duration::from_secs(60)).await;
+    relay.stop().await;
+    let order: Vec<String> = read
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    let want: Vec<String> = waiting.iter().map(ToString::to_string).collect();
+    assert_eq!(order, want, "every waiting event once, in key order");
 }
 
 /// Guarantee: a broker outage longer than every retry budget parks nothing; when the broker
