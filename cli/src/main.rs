@@ -131,7 +131,8 @@ struct RelayArgs {
     /// partitioned by day; whole days are dropped once expired. Rows still leave the outbox.
     #[arg(long, env = "POSTAL_HISTORY", value_parser = humantime::parse_duration, conflicts_with = "keep_published")]
     history: Option<Duration>,
-    /// Do not create missing topics: events for them are parked with an error.
+    /// Do not create missing topics: events for them wait (holding their keys, using no
+    /// attempts) until an operator creates the topic; the relay logs which one.
     #[arg(long, env = "POSTAL_NO_CREATE_TOPICS")]
     no_create_topics: bool,
     /// Partitions of topics the relay creates.

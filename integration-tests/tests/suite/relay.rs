@@ -299,7 +299,8 @@ async fn missing_topic_waits_until_created_and_other_topics_flow() {
     let waiting = enqueue_batch(&mut conn, events).await.unwrap();
     let flowing = enqueue(
         &mut conn,
-        NewEvent::json(present.as_str(), "k", "e", &1).unwrap(),
+        // Another key: the waiting events hold theirs, on every topic (keys order across topics).
+        NewEvent::json(present.as_str(), "other", "e", &1).unwrap(),
     )
     .await
     .unwrap();
