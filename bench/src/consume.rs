@@ -17,6 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Postgres, Transaction};
 
+use crate::cpu::Cpu;
 use crate::{create_topic, fresh_db, headers, payload, rate};
 
 /// Options of the consumer benchmark.
@@ -266,25 +267,41 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
     )
     .await?;
 
+    // Where the CPU went in each phase (PostgreSQL, the Kafka broker, this process): on a
+    // machine where all of them share the cores, that is what bounds a figure.
+    let cpu = Cpu::now();
     let c = {
         let (b, t, p, n) = (bootstrap.to_owned(), topic.clone(), o.partitions, o.n);
         tokio::task::spawn_blocking(move || raw_consume(&b, &t, p, n)).await??
     };
     println!("(c) raw consume loop, no database:           {c:>9.0} events/s");
+    println!("    {}", Cpu::now().report_since(&cpu, o.n));
+    let cpu = Cpu::now();
     let d = sql_only(url, o.n, o.max_batch, concurrency, false).await?;
     println!("(d) SQL only, dedup + row-by-row effect:      {d:>9.0} events/s");
+    println!("    {}", Cpu::now().report_since(&cpu, o.n));
     let d2 = sql_only(url, o.n, o.max_batch, concurrency, true).await?;
     println!("(d') SQL only, dedup + multi-row effect:      {d2:>9.0} events/s (reference)");
+    let cpu = Cpu::now();
     let (a, join) = postal_run(url, bootstrap, &topic, o.n, o.max_batch, concurrency).await?;
     println!(
         "(a) Postal, throughput mode (batch {}):       {a:>9.0} events/s (group join {:.1} s not counted)",
         o.max_batch,
         join.as_secs_f64()
     );
+    println!(
+        "    {} (CPU includes the group join)",
+        Cpu::now().report_since(&cpu, o.n)
+    );
+    let cpu = Cpu::now();
     let (b, _) = postal_run(url, bootstrap, &sample_topic, o.sample, 1, concurrency).await?;
     println!(
         "(b) Postal, one transaction per message:      {b:>9.0} events/s ({} event sample)",
         o.sample
+    );
+    println!(
+        "    {} (CPU includes the group join)",
+        Cpu::now().report_since(&cpu, o.sample)
     );
     let floor = c.min(d);
     println!(

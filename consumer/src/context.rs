@@ -40,6 +40,21 @@ pub(crate) struct Context {
 }
 
 impl ClientContext for Context {
+    /// An unreachable broker is one warning every 30 s (librdkafka reports it from every
+    /// thread on every failed connection attempt); other global errors are logged as errors.
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        use rdkafka::types::RDKafkaErrorCode as C;
+        static UNREACHABLE_LOG: std::sync::LazyLock<postal_shared::LogThrottle> =
+            std::sync::LazyLock::new(|| {
+                postal_shared::LogThrottle::new(std::time::Duration::from_secs(30))
+            });
+        let unreachable = matches!(
+            error.rdkafka_error_code(),
+            Some(C::AllBrokersDown | C::BrokerTransportFailure | C::Resolve)
+        );
+        UNREACHABLE_LOG.kafka_client_error(unreachable, &error, reason);
+    }
+
     /// librdkafka statistics (every `statistics.interval.ms`): the per-partition lag gauge
     /// `postal_consumer_lag` (high watermark minus the last offset committed to Kafka, which
     /// trails the database by at most `kafka_commit_interval`).

@@ -424,7 +424,27 @@ fn shared_producer(producer: AckProducer) -> SharedProducer {
 /// of a channel and a future per record.
 struct AckContext;
 
-impl ClientContext for AckContext {}
+impl ClientContext for AckContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        UNREACHABLE_LOG.kafka_client_error(unreachable(&error), &error, reason);
+    }
+}
+
+/// One "broker unreachable" line every 30 s for all of the relay's Kafka clients.
+static UNREACHABLE_LOG: std::sync::LazyLock<postal_shared::LogThrottle> =
+    std::sync::LazyLock::new(|| postal_shared::LogThrottle::new(Duration::from_secs(30)));
+
+/// Whether a client's global error only says that the broker cannot be reached now.
+fn unreachable(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::Resolve
+        )
+    )
+}
 
 impl ProducerContext for AckContext {
     type DeliveryOpaque = Box<Ack>;

@@ -23,6 +23,7 @@ mod envelope;
 mod error;
 pub mod headers;
 mod ids;
+mod log_throttle;
 mod migrate;
 
 pub use availability::database_unavailable;
@@ -31,4 +32,5 @@ pub use detached_drop::DetachedDrop;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
 pub use error::Error;
 pub use ids::EventId;
+pub use log_throttle::LogThrottle;
 pub use migrate::{migrate, migrator, POSTAL_SCHEMA};
