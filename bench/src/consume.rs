@@ -110,9 +110,9 @@ async fn postal_run(
     let mut config = ConsumerConfig::new(bootstrap, group, "bench");
     config.max_batch = max_batch;
     config.max_concurrent_partitions = concurrency;
-    for (k, v) in [("session.timeout.ms", "6000")] {
-        config.kafka.insert(k.into(), v.into());
-    }
+    config
+        .kafka
+        .insert("session.timeout.ms".into(), "6000".into());
     let consumer = Consumer::builder(pool.clone(), config)
         .on(topic, "bench.event", record_row)
         .build()?;

@@ -51,7 +51,12 @@ impl LogThrottle {
     /// Logs a Kafka client's global error: one that says the broker cannot be reached
     /// (`unreachable`: all brokers down, a failed connection, a name that does not resolve)
     /// as one warning per interval, saying that the client retries; any other as an error.
-    pub fn kafka_client_error(&self, unreachable: bool, error: &dyn std::fmt::Display, reason: &str) {
+    pub fn kafka_client_error(
+        &self,
+        unreachable: bool,
+        error: &dyn std::fmt::Display,
+        reason: &str,
+    ) {
         if !unreachable {
             tracing::error!("Kafka client error: {error}: {reason}");
         } else if let Some(held_back) = self.admit("unreachable") {
