@@ -8,7 +8,11 @@
 #   scripts/stack.sh env              print DATABASE_URL, KAFKA_BOOTSTRAP_SERVERS, AMQP_URL
 #   scripts/stack.sh status           say what runs
 #   scripts/stack.sh restart-broker   kill -9 Kafka and start it again on the same data
-#   scripts/stack.sh pg-up | kafka-up | kafka-down | kafka-kill   one service only
+#   scripts/stack.sh pg-up | kafka-up | kafka-down | kafka-kill [NODE…]   one service only
+#   … --cluster 3                     Kafka as a 3-node KRaft cluster (every node broker and
+#                                     controller; topics replicated 3 times, min.insync.replicas 2)
+#                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
+#                                     .stack/kafka-cluster; kafka-kill 2 kill -9s node 2 only
 #   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server (apt) and fetch
 #                                     Kafka's jars (Maven, scripts/kafka/pom.xml) if missing
 #
@@ -28,6 +32,8 @@ KAFKA_CONTROLLER_PORT="${POSTAL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}"
 KAFKA_VERSION="${POSTAL_KAFKA_VERSION:-4.4.0}"
 KAFKA_LIB="${POSTAL_KAFKA_LIB:-$ROOT/.stack/kafka-lib}"
 KAFKA_HEAP="${POSTAL_KAFKA_HEAP:-1g}"
+KAFKA_CLUSTER_PORT="${POSTAL_KAFKA_CLUSTER_PORT:-29092}"
+NODES=0
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
 AMQP_PORT="${POSTAL_AMQP_PORT:-25672}"
 RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
@@ -61,9 +67,9 @@ ensure_kafka() {
   command -v java >/dev/null || die "java is missing: Apache Kafka 4.x needs a JDK 17 or newer (apt-get install openjdk-17-jre-headless)"
   if [ -f "$KAFKA_LIB/.complete-$KAFKA_VERSION" ]; then return; fi
   command -v mvn >/dev/null || die "mvn is missing: Maven fetches Kafka's jars (apt-get install maven), or set POSTAL_KAFKA_LIB to a folder holding them"
-  log "fetching Apache Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIB (about 55 MB, once per machine):"
+  log "fetching Apache Kafka $KAFKA_VERSION jars into $KAFKA_LIB (about 55 MB from Maven Central; Maven's ~/.m2 keeps them for later clones):"
   rm -rf "$KAFKA_LIB.partial"
-  mvn -B -q -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+  mvn -B -q -Dstyle.color=never -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
     org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
     -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial" >&2 \
     || die "Maven could not fetch Kafka's jars (is Maven Central reachable? see the output above)"
@@ -139,57 +145,94 @@ pg_down() {
   fi
 }
 
+# Kafka nodes. Single mode (the default): one combined broker and controller in $STACK/kafka on
+# $KAFKA_PORT. Cluster mode (--cluster N): N combined nodes in $STACK/kafka-cluster/node-<i>,
+# node i on $KAFKA_CLUSTER_PORT + 2(i-1) (controller on the next port), one cluster id for all.
+# kafka_node I sets the globals the functions below use: KNODE, KDIR, KPORT, KCPORT.
+kafka_node() {
+  KNODE="$1"
+  if [ "$NODES" = "0" ]; then
+    KDIR="$STACK/kafka"; KPORT="$KAFKA_PORT"; KCPORT="$KAFKA_CONTROLLER_PORT"
+  else
+    KDIR="$STACK/kafka-cluster/node-$KNODE"
+    KPORT=$((KAFKA_CLUSTER_PORT + 2 * (KNODE - 1))); KCPORT=$((KPORT + 1))
+  fi
+}
+
+# All nodes of the current mode.
+kafka_nodes() { if [ "$NODES" = "0" ]; then echo 1; else seq 1 "$NODES"; fi; }
+
 kafka_pid() {
-  local f="$STACK/kafka/kafka.pid"
+  local f="$KDIR/kafka.pid"
   [ -f "$f" ] || return 1
   local pid; pid="$(cat "$f")"
   # Only a live process that is still our broker counts.
-  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "kafka.Kafka $STACK/kafka/server.properties" && echo "$pid"
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "kafka.Kafka $KDIR/server.properties" && echo "$pid"
 }
 
-# server.properties of a single-node KRaft cluster (combined broker and controller) on loopback,
-# written on every start so that port settings apply to existing storage too.
+# server.properties of the current node, written on every start so that port settings apply to
+# existing storage too.
 kafka_config() {
-  local d="$STACK/kafka"
-  cat > "$d/server.properties" <<CONF
-# Written by scripts/stack.sh on each start; edit the script, not this file.
-process.roles=broker,controller
-node.id=1
-controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
-inter.broker.listener.name=PLAINTEXT
-controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
-log.dirs=$d/data
-# As production clusters do: Postal (or postal topics create) creates topics, not the broker.
-auto.create.topics.enable=false
-# One node: internal topics cannot have more replicas than that.
+  local voters replication
+  if [ "$NODES" = "0" ]; then
+    voters="1@127.0.0.1:$KCPORT"
+    replication="# One node: internal topics cannot have more replicas than that.
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+share.coordinator.state.topic.min.isr=1"
+  else
+    voters="$(for i in $(seq 1 "$NODES"); do printf '%s@127.0.0.1:%s,' "$i" $((KAFKA_CLUSTER_PORT + 2 * (i - 1) + 1)); done)"
+    voters="${voters%,}"
+    replication="# A replicated cluster as in production: internal topics keep Kafka's defaults
+# (3 replicas, 2 in sync); new topics get 3 replicas, and acks=all needs 2 of them in sync.
+default.replication.factor=3
+min.insync.replicas=2
+unclean.leader.election.enable=false"
+  fi
+  cat > "$KDIR/server.properties" <<CONF
+# Written by scripts/stack.sh on each start; edit the script, not this file.
+process.roles=broker,controller
+node.id=$KNODE
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://127.0.0.1:$KPORT,CONTROLLER://127.0.0.1:$KCPORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KPORT
+inter.broker.listener.name=PLAINTEXT
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KDIR/data
+# As production clusters do: Postal (or an operator) creates topics, not the broker.
+auto.create.topics.enable=false
+$replication
 # Tests and the demo start groups often; the default waits 3 s for more members first.
 group.initial.rebalance.delay.ms=0
 CONF
 }
 
-kafka_up() {
-  ensure_kafka
-  local d="$STACK/kafka"
+# Formats the current node's storage if needed, starts it in the background; does not wait.
+kafka_start() {
+  local d="$KDIR"
   mkdir -p "$d/logs" "$d/data" "$d/tmp"
-  if pid="$(kafka_pid)"; then log "kafka already running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; return; fi
+  if pid="$(kafka_pid)"; then log "kafka node $KNODE already running (pid $pid) on 127.0.0.1:$KPORT"; return; fi
   kafka_config
   if [ ! -f "$d/data/meta.properties" ]; then
-    local id; id="$(java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid)"
+    local id idfile="$STACK/kafka-cluster/cluster-id"
+    if [ "$NODES" != "0" ] && [ -f "$idfile" ]; then
+      id="$(cat "$idfile")"
+    else
+      id="$(java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool random-uuid)"
+      [ "$NODES" != "0" ] && echo "$id" > "$idfile"
+    fi
     log "formatting Kafka storage $d/data (cluster id $id)"
     java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool format -t "$id" -c "$d/server.properties" >>"$d/logs/format.log" 2>&1 \
       || { tail -5 "$d/logs/format.log" >&2; die "formatting Kafka storage failed"; }
   fi
+  # Readiness is a "Kafka Server started" line written after this offset.
   local offset=0
   [ -f "$d/logs/server.log" ] && offset="$(stat -c %s "$d/logs/server.log")"
-  log "starting Apache Kafka $KAFKA_VERSION on 127.0.0.1:$KAFKA_PORT (controller $KAFKA_CONTROLLER_PORT, heap $KAFKA_HEAP)"
+  echo "$offset" > "$d/start-offset"
+  log "starting Apache Kafka $KAFKA_VERSION node $KNODE on 127.0.0.1:$KPORT (controller $KCPORT, heap $KAFKA_HEAP)"
   (
     cd "$d"
     # A private temp folder: a noexec /tmp would break the compression codecs' native libraries.
@@ -199,30 +242,57 @@ kafka_up() {
       -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$d/logs" \
       -cp "$KAFKA_LIB/*" kafka.Kafka "$d/server.properties" >>"$d/logs/broker.log" 2>&1 </dev/null
   ) &
-  local pid=$!
-  echo "$pid" > "$d/kafka.pid"
+  echo $! > "$d/kafka.pid"
+}
+
+# Waits until the current node (started by kafka_start) says it has started.
+kafka_wait() {
+  local d="$KDIR" pid offset
+  pid="$(kafka_pid)" || die "kafka node $KNODE is not running (logs: $d/logs)"
+  offset="$(cat "$d/start-offset" 2>/dev/null || echo 0)"
   for _ in $(seq 1 1200); do
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
       return 0
     fi
-    kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka exited during start-up (logs: $d/logs)"; }
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE exited during start-up (logs: $d/logs)"; }
     sleep 0.1
   done
-  tail -20 "$d/logs/broker.log" >&2; die "kafka did not start within 120 s (logs: $d/logs)"
+  tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE did not start within 120 s (logs: $d/logs)"
 }
 
-# stop: SIGTERM, a clean shutdown; kill: SIGKILL, as a crash (the data stays).
+# Starts the given nodes (all by default) and waits for them: a cluster's nodes start together,
+# since a node becomes ready only once a majority of controllers runs.
+kafka_up() {
+  ensure_kafka
+  local nodes="${*:-$(kafka_nodes)}" i
+  [ "$NODES" != "0" ] && mkdir -p "$STACK/kafka-cluster"
+  for i in $nodes; do kafka_node "$i"; kafka_start; done
+  for i in $nodes; do kafka_node "$i"; kafka_wait; done
+}
+
+# kafka_down SIG [NODE…]: SIGTERM, a clean shutdown; SIGKILL, as a crash (the data stays).
 kafka_down() {
-  local sig="${1:-TERM}"
-  if pid="$(kafka_pid)"; then
-    log "stopping kafka (pid $pid, SIG$sig)"
-    kill -"$sig" "$pid"
-    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-    # Reap nothing: the broker is not our child; wait until its ports are free.
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  fi
-  rm -f "$STACK/kafka/kafka.pid"
+  local sig="${1:-TERM}"; shift || true
+  local nodes="${*:-$(kafka_nodes)}" i pid
+  for i in $nodes; do
+    kafka_node "$i"
+    if pid="$(kafka_pid)"; then
+      log "stopping kafka node $i (pid $pid, SIG$sig)"
+      kill -"$sig" "$pid"
+      for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+      # Reap nothing: the broker is not our child; wait until its ports are free.
+      for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    rm -f "$KDIR/kafka.pid"
+  done
+}
+
+# Bootstrap servers of the current mode.
+kafka_bootstrap() {
+  local out="" i
+  for i in $(kafka_nodes); do kafka_node "$i"; out="$out,127.0.0.1:$KPORT"; done
+  echo "${out#,}"
 }
 
 rabbit_pid() {
@@ -274,26 +344,38 @@ rabbit_down() {
 
 print_env() {
   echo "export DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
-  echo "export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$KAFKA_PORT"
+  echo "export KAFKA_BOOTSTRAP_SERVERS=$(kafka_bootstrap)"
   if [ "$WITH_RABBITMQ" = "1" ]; then echo "export AMQP_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"; fi
 }
 
 cmd="${1:-}"; shift || true
-[ $# -eq 0 ] || die "unknown argument $1"
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cluster) NODES="$2"; shift 2 ;;
+    --cluster=*) NODES="${1#*=}"; shift ;;
+    [0-9]*) ARGS+=("$1"); shift ;;
+    *) die "unknown argument $1" ;;
+  esac
+done
+case "$NODES" in 0|3|5) ;; *) die "--cluster takes 3 or 5 nodes (a KRaft quorum needs a majority)" ;; esac
 
 case "$cmd" in
   up) pg_up; kafka_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
   pg-up) pg_up; print_env ;;
-  kafka-up) kafka_up; print_env ;;
-  kafka-down) kafka_down TERM ;;
-  kafka-kill) kafka_down KILL ;;
+  kafka-up) kafka_up "${ARGS[@]}"; print_env ;;
+  kafka-down) kafka_down TERM "${ARGS[@]}" ;;
+  kafka-kill) kafka_down KILL "${ARGS[@]}" ;;
   restart-broker) kafka_down KILL; kafka_up; print_env ;;
   down) rabbit_down; kafka_down TERM; pg_down ;;
   env) print_env ;;
   ensure-tools) ensure_postgres; ensure_kafka; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
     if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
-    if pid="$(kafka_pid)"; then echo "kafka: running (pid $pid) on 127.0.0.1:$KAFKA_PORT"; else echo "kafka: stopped"; fi
+    for i in $(kafka_nodes); do
+      kafka_node "$i"
+      if pid="$(kafka_pid)"; then echo "kafka node $i: running (pid $pid) on 127.0.0.1:$KPORT"; else echo "kafka node $i: stopped"; fi
+    done
     if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

@@ -167,6 +167,9 @@ async fn drain_and_read(e: &Env, topic: &str) -> Vec<String> {
         .unwrap()
 }
 
+/// Relay flags that park any record of more than 1,000 bytes as too large.
+const TOO_SMALL: &[&str] = &["--kafka", "message.max.bytes=1000"];
+
 fn relay(e: &Env, extra: &[&str]) -> Child {
     postal(&e.url)
         .args([
@@ -264,12 +267,16 @@ async fn relay_routes_topics_to_rabbitmq_and_kafka() {
 async fn requeued_parked_event_is_published_once() {
     let Some(e) = env().await else { return };
     let topic = unique("parked");
-    let id: uuid::Uuid = sqlx::query_scalar("SELECT postal.enqueue($1, 'k', 'job', '{}'::jsonb)")
-        .bind(&topic)
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
-    let mut r = relay(&e, &["--no-create-topics"]);
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "SELECT postal.enqueue($1, 'k', 'job', jsonb_build_object('pad', repeat('x', 2000)))",
+    )
+    .bind(&topic)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    create_topic(&e.bootstrap, &topic).await;
+    // A relay whose producer takes records of at most 1,000 bytes parks the 2 kB event.
+    let mut r = relay(&e, TOO_SMALL);
     until("the event to be parked", || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox WHERE status = 'failed'")
             .fetch_one(&e.pool)
@@ -288,12 +295,11 @@ async fn requeued_parked_event_is_published_once() {
     assert!(listed[0]["last_error"]
         .as_str()
         .unwrap()
-        .contains("does not exist"));
+        .contains("exceeds the producer's message.max.bytes"));
     let mut show = postal(&e.url);
     show.args(["failed", "show", &id.to_string()]);
     assert!(ok(show).contains("status:       failed"));
 
-    create_topic(&e.bootstrap, &topic).await;
     let mut requeue = postal(&e.url);
     requeue.args(["failed", "requeue", "--id", &id.to_string()]);
     assert!(ok(requeue).contains("requeued 1 event(s)"));
@@ -314,8 +320,10 @@ async fn discarded_parked_event_releases_its_key() {
     let topic = unique("discard");
     let mut ids = Vec::new();
     for n in 1..=2 {
+        // The first is 2 kB, too large for the first relay below; the second is small.
         let id: uuid::Uuid = sqlx::query_scalar(
-            "SELECT postal.enqueue($1, 'k', 'job', jsonb_build_object('n', $2))",
+            "SELECT postal.enqueue($1, 'k', 'job',
+                    jsonb_build_object('n', $2, 'pad', repeat('x', CASE WHEN $2 = 1 THEN 2000 ELSE 0 END)))",
         )
         .bind(&topic)
         .bind(n)
@@ -324,7 +332,8 @@ async fn discarded_parked_event_releases_its_key() {
         .unwrap();
         ids.push(id);
     }
-    let mut r = relay(&e, &["--no-create-topics"]);
+    create_topic(&e.bootstrap, &topic).await;
+    let mut r = relay(&e, TOO_SMALL);
     until("the first event to be parked", || async {
         sqlx::query_scalar::<_, Option<String>>(
             "SELECT status FROM postal.outbox WHERE event_id = $1",
@@ -361,9 +370,8 @@ async fn discarded_parked_event_releases_its_key() {
     assert!(lines[0]["last_error"]
         .as_str()
         .unwrap()
-        .contains("does not exist"));
+        .contains("exceeds the producer's message.max.bytes"));
 
-    create_topic(&e.bootstrap, &topic).await;
     let published = drain_and_read(&e, &topic).await;
     assert_eq!(
         published,
@@ -754,7 +762,6 @@ async fn cleanup_deletes_only_expired_rows() {
 async fn produce_at(bootstrap: &str, topic: &str, timestamps: &[i64]) {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
-        .set("batch.num.messages", "1")
         .create()
         .unwrap();
     for ts in timestamps {
