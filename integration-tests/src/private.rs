@@ -253,3 +253,151 @@ impl Drop for PrivateBroker {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A 3-node Apache Kafka cluster (every node a broker and a KRaft controller; topics replicated
+/// 3 times, `min.insync.replicas=2`) owned by one test, started by `scripts/stack.sh --cluster 3`
+/// in a folder of its own; each node can be killed with SIGKILL and started again on its data.
+pub struct PrivateCluster {
+    dir: PathBuf,
+    base: u16,
+    running: [bool; 3],
+}
+
+impl PrivateCluster {
+    /// Starts the three nodes on six consecutive free ports and waits until they serve.
+    pub async fn start() -> PrivateCluster {
+        let dir =
+            std::env::temp_dir().join(format!("postal-cluster-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        let base = loop {
+            let first = free_port();
+            if (1..6).all(|i| free_port() == first + i) {
+                break first;
+            }
+        };
+        let mut c = PrivateCluster {
+            dir,
+            base,
+            running: [false; 3],
+        };
+        c.run_stack("kafka-up", None);
+        c.running = [true; 3];
+        crate::kafka::wait_ready(&c.bootstrap(), Duration::from_secs(60))
+            .await
+            .expect("cluster ready");
+        c
+    }
+
+    /// Bootstrap servers: all three nodes.
+    pub fn bootstrap(&self) -> String {
+        (1..=3)
+            .map(|n| format!("127.0.0.1:{}", self.port(n)))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Client port of node `node` (1–3).
+    pub fn port(&self, node: u8) -> u16 {
+        self.base + 2 * (u16::from(node) - 1)
+    }
+
+    fn stack(&self, command: &'static str, node: Option<u8>) -> Command {
+        let root = repo_root();
+        let mut c = Command::new("bash");
+        c.arg(root.join("scripts/stack.sh"))
+            .arg(command)
+            .args(["--cluster", "3"])
+            .args(node.map(|n| n.to_string()))
+            .env("POSTAL_STACK_DIR", &self.dir)
+            .env("POSTAL_KAFKA_CLUSTER_PORT", self.base.to_string())
+            .env(
+                "POSTAL_KAFKA_HEAP",
+                std::env::var("POSTAL_TEST_KAFKA_HEAP").unwrap_or_else(|_| "512m".into()),
+            )
+            .stdout(Stdio::null());
+        if std::env::var_os("POSTAL_KAFKA_LIB").is_none() {
+            c.env("POSTAL_KAFKA_LIB", root.join(".stack/kafka-lib"));
+        }
+        c
+    }
+
+    fn run_stack(&self, command: &'static str, node: Option<u8>) {
+        let status = self
+            .stack(command, node)
+            .status()
+            .expect("run scripts/stack.sh");
+        assert!(
+            status.success(),
+            "scripts/stack.sh {command} --cluster 3 {node:?} failed (logs: {})",
+            self.dir.display()
+        );
+    }
+
+    /// Kills node `node` with SIGKILL (its data stays).
+    pub fn kill(&mut self, node: u8) {
+        self.run_stack("kafka-kill", Some(node));
+        self.running[usize::from(node) - 1] = false;
+    }
+
+    /// Starts node `node` again on its data; waits until it says it has started. A node
+    /// starts only while a majority of the controllers runs (it may be the majority itself).
+    pub async fn restart(&mut self, node: u8) {
+        let mut c = self.stack("kafka-up", Some(node));
+        let status = tokio::task::spawn_blocking(move || c.status())
+            .await
+            .expect("join")
+            .expect("run scripts/stack.sh");
+        assert!(
+            status.success(),
+            "node {node} did not start (logs: {})",
+            self.dir.display()
+        );
+        self.running[usize::from(node) - 1] = true;
+    }
+
+    /// Nodes running now (as far as this handle started and killed them).
+    pub fn running(&self) -> Vec<u8> {
+        (1..=3)
+            .filter(|&n| self.running[usize::from(n) - 1])
+            .collect()
+    }
+
+    /// The node that leads the KRaft controller quorum, from Kafka's own
+    /// `MetadataQuorumCommand` (`None` if it cannot say).
+    pub fn quorum_leader(&self) -> Option<u8> {
+        let lib = std::env::var_os("POSTAL_KAFKA_LIB")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| repo_root().join(".stack/kafka-lib"));
+        let servers = self
+            .running()
+            .iter()
+            .map(|&n| format!("127.0.0.1:{}", self.port(n)))
+            .collect::<Vec<_>>()
+            .join(",");
+        let out = Command::new("java")
+            .arg("-Xmx256M")
+            .arg("-cp")
+            .arg(format!("{}/*", lib.display()))
+            .arg("org.apache.kafka.tools.MetadataQuorumCommand")
+            .args(["--bootstrap-server", &servers, "describe", "--status"])
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| l.strip_prefix("LeaderId:")?.trim().parse().ok())
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        if self.running.iter().any(|&r| r) {
+            self.run_stack("kafka-kill", None);
+        }
+        if std::env::var_os("POSTAL_TEST_KEEP").is_some() {
+            eprintln!("keeping cluster directory {}", self.dir.display());
+            return;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

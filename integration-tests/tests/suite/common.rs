@@ -276,6 +276,16 @@ pub fn consumer_config(
 
 /// Creates `topic` with `partitions` partitions.
 pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) {
+    create_topic_replicated(bootstrap, topic, partitions, 1).await;
+}
+
+/// Creates `topic` with `partitions` partitions of `replication` replicas each.
+pub async fn create_topic_replicated(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    replication: i32,
+) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -286,7 +296,7 @@ pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) {
             [&NewTopic::new(
                 topic,
                 partitions,
-                TopicReplication::Fixed(1),
+                TopicReplication::Fixed(replication),
             )],
             &AdminOptions::new(),
         )

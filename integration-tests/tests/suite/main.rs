@@ -7,6 +7,7 @@
 mod cancel;
 mod chain;
 mod chaos;
+mod cluster;
 mod common;
 mod consume;
 mod consumer_crash;
@@ -18,6 +19,7 @@ mod hostile;
 mod key_order;
 mod migrations;
 mod order;
+mod procs;
 mod protocol;
 mod rabbitmq;
 mod rebalance;
