@@ -484,7 +484,10 @@ macro_rules! publishable {
                    OR NOT EXISTS (
                   SELECT 1 FROM postal.outbox b
                   WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
-                    AND (b.status = 'failed' OR b.available_at > now())
+                    AND (b.status = 'failed' OR b.available_at > now()
+                         -- due, but for another relay group to publish: still ahead
+                         OR ($3::text[] IS NOT NULL AND b.topic <> ALL($3))
+                         OR ($4::text[] IS NOT NULL AND b.topic = ANY($4)))
               ))
             ORDER BY o.seq, o.key_partition
             LIMIT $2

@@ -231,26 +231,29 @@ impl KafkaTransport {
         };
         let state = match &outcome {
             Ok(()) => TopicState::Ready,
-            Err(e) if e.kind == FailureKind::Waiting => {
-                let first = !matches!(cached, Some(TopicState::Missing { .. }));
-                if first {
-                    tracing::warn!(topic, "{}", e.reason);
-                }
-                TopicState::Missing {
-                    reason: e.reason.clone(),
-                    since: std::time::Instant::now(),
-                }
-            }
+            Err(e) if e.kind == FailureKind::Waiting => TopicState::Missing {
+                reason: e.reason.clone(),
+                since: std::time::Instant::now(),
+            },
             Err(_) => return outcome,
         };
-        if matches!(state, TopicState::Ready) && matches!(cached, Some(TopicState::Missing { .. }))
-        {
-            tracing::info!(topic, "topic now exists: its waiting events go out");
+        // Lanes look topics up concurrently: say it once, when the state changes.
+        let was_missing = matches!(
+            self.topics
+                .lock()
+                .expect("topic cache")
+                .insert(topic.to_owned(), state.clone()),
+            Some(TopicState::Missing { .. })
+        );
+        match (&state, &outcome) {
+            (TopicState::Missing { .. }, Err(e)) if !was_missing => {
+                tracing::warn!(topic, "{}", e.reason);
+            }
+            (TopicState::Ready, _) if was_missing => {
+                tracing::info!(topic, "topic now exists: its waiting events go out");
+            }
+            _ => {}
         }
-        self.topics
-            .lock()
-            .expect("topic cache")
-            .insert(topic.to_owned(), state);
         outcome
     }
 
@@ -316,7 +319,11 @@ impl KafkaTransport {
                     _,
                     code @ (RDKafkaErrorCode::TopicAuthorizationFailed
                     | RDKafkaErrorCode::ClusterAuthorizationFailed
-                    | RDKafkaErrorCode::PolicyViolation),
+                    | RDKafkaErrorCode::PolicyViolation
+                    | RDKafkaErrorCode::InvalidReplicationFactor
+                    | RDKafkaErrorCode::InvalidPartitions
+                    | RDKafkaErrorCode::InvalidConfig
+                    | RDKafkaErrorCode::InvalidReplicaAssignment),
                 )) => {
                     return Err(PublishError::new(
                         FailureKind::Waiting,
@@ -750,10 +757,24 @@ impl Transport for KafkaTransport {
         }
         // The hand-over is done: from here the count reaches zero with the last callback.
         acks.count_down();
+        // A topic deleted after it was found (or whose records time out) is looked up again
+        // by the next batch, which then waits for it or creates it again.
+        let cache = Arc::clone(&self.topics);
+        let batch_topics: Vec<String> = topic_ok.keys().map(|t| (*t).to_owned()).collect();
         async move {
             acks.settled().await;
+            let mut recheck = false;
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
+                recheck |= failure.kind == FailureKind::Unavailable;
                 outcomes[index] = Err(failure);
+            }
+            if recheck {
+                let mut cache = cache.lock().expect("topic cache");
+                for t in &batch_topics {
+                    if matches!(cache.get(t), Some(TopicState::Ready)) {
+                        cache.remove(t);
+                    }
+                }
             }
             outcomes
         }

@@ -24,8 +24,10 @@ use crate::Error;
 /// `backoff.max`, so a relay resumes within seconds of the broker coming back.
 const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
 
-/// When an event that waits for its destination (e.g. a missing topic) is claimed again.
-const WAITING_RETRY: Duration = Duration::from_secs(5);
+/// When an event that waits for its destination (e.g. a missing topic) is claimed again. Long:
+/// each retry rewrites the row, and a backlog of waiting events rewritten faster than this
+/// comes due again before the relay gets past it to other topics' events.
+const WAITING_RETRY: Duration = Duration::from_secs(60);
 
 /// Why a batch in flight was given up (logged).
 #[derive(Debug)]
@@ -962,8 +964,10 @@ impl CompleteCtx {
                     let counts =
                         !matches!(err.kind, FailureKind::Unavailable | FailureKind::Waiting);
                     let attempts = event.attempts + i32::from(counts);
-                    let park =
-                        err.kind == FailureKind::Permanent || attempts >= self.config.max_attempts;
+                    // Only a failure that counts can use up the attempts (an event whose count
+                    // is already at a lowered `max_attempts` is not parked for an outage).
+                    let park = err.kind == FailureKind::Permanent
+                        || (counts && attempts >= self.config.max_attempts);
                     let retry_in = match err.kind {
                         FailureKind::Unavailable => {
                             any_unavailable = true;

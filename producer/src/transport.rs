@@ -41,6 +41,7 @@ pub struct OutboundEvent {
 
 /// How a failed publish is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FailureKind {
     /// The destination is unreachable or not ready (connection refused, timeouts, no leader).
     /// Retried with backoff for as long as it takes; never uses up the event's attempts.
@@ -57,7 +58,7 @@ pub enum FailureKind {
     HeldBack,
     /// The destination cannot take it until an operator acts, for reasons of the destination
     /// and not of the event (a topic that does not exist and that Postal may not create).
-    /// Retried every few seconds for as long as it takes, never using up attempts; unlike
+    /// Retried every minute for as long as it takes, never using up attempts; unlike
     /// [`FailureKind::Unavailable`] it does not pause the relay, so other topics flow.
     Waiting,
 }

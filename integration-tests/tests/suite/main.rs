@@ -18,6 +18,7 @@ mod handlers;
 mod hostile;
 mod key_order;
 mod migrations;
+mod missing_topic;
 mod order;
 mod procs;
 mod protocol;

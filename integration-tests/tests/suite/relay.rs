@@ -347,7 +347,8 @@ async fn missing_topic_waits_until_created_and_other_topics_flow() {
         "{err}"
     );
     crate::common::create_topic(&svc.bootstrap, &missing, 1).await;
-    let read = kafka::read_all(&svc.bootstrap, &missing, 20, Duration::from_secs(60)).await;
+    // Waiting events are retried every minute.
+    let read = kafka::read_all(&svc.bootstrap, &missing, 20, Duration::from_secs(120)).await;
     relay.stop().await;
     let order: Vec<String> = read
         .iter()
