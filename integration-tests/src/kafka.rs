@@ -67,6 +67,64 @@ pub async fn wait_ready(bootstrap: &str, timeout: Duration) -> Result<(), String
     .map_err(|e| e.to_string())?
 }
 
+/// Waits until a fresh broker takes writes from an idempotent producer: a metadata answer
+/// comes first, while the broker may still be loading its coordinators and refuse producer
+/// ids ("coordinator load in progress"), which on a busy machine can outlast a test's wait.
+/// Creates a throwaway topic, writes one record with `acks=all` and deletes the topic.
+pub async fn wait_writable(bootstrap: &str, timeout: Duration) -> Result<(), String> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let topic = crate::unique("postal-ready");
+    let deadline = Instant::now() + timeout;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    loop {
+        let created = admin
+            .create_topics(
+                [&NewTopic::new(&topic, 1, TopicReplication::Fixed(1))],
+                &opts,
+            )
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| match r.first() {
+                Some(Ok(_))
+                | Some(Err((_, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists))) => Ok(()),
+                Some(Err((_, code))) => Err(code.to_string()),
+                None => Err("no answer".into()),
+            });
+        match created {
+            Ok(()) => break,
+            Err(e) if Instant::now() > deadline => {
+                return Err(format!(
+                    "broker at {bootstrap} did not create a topic within {timeout:?}: {e}"
+                ))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("log_level", "3")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_secs(5));
+    let sent = producer
+        .send(FutureRecord::to(&topic).key("k").payload("ready"), left)
+        .await
+        .map_err(|(e, _)| {
+            format!("broker at {bootstrap} did not take a record within {timeout:?}: {e}")
+        });
+    let _ = admin.delete_topics(&[&topic], &AdminOptions::new()).await;
+    sent.map(|_| ())
+}
+
 /// Number of partitions of `topic` (waits until it exists).
 pub fn partitions(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<i32> {
     let producer: BaseProducer = ClientConfig::new()

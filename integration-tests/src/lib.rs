@@ -98,7 +98,12 @@ fn init_services() -> Result<Services, String> {
         .map_err(|e| e.to_string())?;
     rt.block_on(async {
         wait::ready_postgres(&services.database_url, Duration::from_secs(60)).await?;
-        kafka::wait_ready(&services.bootstrap, Duration::from_secs(60)).await
+        kafka::wait_ready(&services.bootstrap, Duration::from_secs(60)).await?;
+        if services.mode == Mode::Testcontainers {
+            // A broker container just started: wait until it takes writes, not only answers.
+            kafka::wait_writable(&services.bootstrap, Duration::from_secs(120)).await?;
+        }
+        Ok::<(), String>(())
     })?;
     tracing::info!(mode = ?services.mode, bootstrap = %services.bootstrap, "test services ready");
     Ok(services)
