@@ -136,9 +136,12 @@ impl Worker {
                     }
                     fenced = fenced.saturating_add(1);
                     // What was fetched for the lost ownership is read again after the seek.
+                    // With no stored offset the seek goes to `floor`, so it must cover what
+                    // arrived during the wait too (else those records are gone for good).
                     let mut dropped = 0;
-                    while self.rx.try_recv().is_ok() {
+                    while let Ok(r) = self.rx.try_recv() {
                         dropped += 1;
+                        floor = Some(floor.map_or(r.offset, |f| f.min(r.offset)));
                     }
                     self.dequeued(dropped);
                 }

@@ -757,15 +757,17 @@ impl Transport for KafkaTransport {
         }
         // The hand-over is done: from here the count reaches zero with the last callback.
         acks.count_down();
-        // A topic deleted after it was found (or whose records time out) is looked up again
-        // by the next batch, which then waits for it or creates it again.
+        // A topic the broker no longer knows (deleted after it was found) is looked up again by
+        // the next batch, which then waits for it or creates it again. (librdkafka often
+        // reports a deleted topic's records only as timed out; those are not rechecked, since
+        // during an outage every lookup would wait for its timeout.)
         let cache = Arc::clone(&self.topics);
         let batch_topics: Vec<String> = topic_ok.keys().map(|t| (*t).to_owned()).collect();
         async move {
             acks.settled().await;
             let mut recheck = false;
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
-                recheck |= failure.kind == FailureKind::Unavailable;
+                recheck |= failure.reason.contains("UnknownTopic");
                 outcomes[index] = Err(failure);
             }
             if recheck {

@@ -26,6 +26,7 @@ mod rabbitmq;
 mod rebalance;
 mod relay;
 mod relay_random;
+mod review_consumer;
 mod smoke;
 mod takeover;
 mod tasks;
