@@ -153,6 +153,25 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// `bash scripts/stack.sh <command>` on a stack folder of its own (`dir`), with the test heap
+/// (`POSTAL_TEST_KAFKA_HEAP`, 512m) and the repository's Kafka jars unless `POSTAL_KAFKA_LIB`
+/// names others.
+fn stack_command(dir: &Path, command: &str) -> Command {
+    let root = repo_root();
+    let mut c = Command::new("bash");
+    c.arg(root.join("scripts/stack.sh"))
+        .arg(command)
+        .env("POSTAL_STACK_DIR", dir)
+        .env(
+            "POSTAL_KAFKA_HEAP",
+            std::env::var("POSTAL_TEST_KAFKA_HEAP").unwrap_or_else(|_| "512m".into()),
+        );
+    if std::env::var_os("POSTAL_KAFKA_LIB").is_none() {
+        c.env("POSTAL_KAFKA_LIB", root.join(".stack/kafka-lib"));
+    }
+    c
+}
+
 /// An Apache Kafka broker (single-node KRaft) owned by one test, started by `scripts/stack.sh`
 /// in a folder of its own, so it can be killed with SIGKILL and restarted on the same data.
 pub struct PrivateBroker {
@@ -184,24 +203,13 @@ impl PrivateBroker {
     }
 
     fn stack(&self, command: &'static str) -> Command {
-        let root = repo_root();
-        let mut c = Command::new("bash");
-        c.arg(root.join("scripts/stack.sh"))
-            .arg(command)
-            .env("POSTAL_STACK_DIR", &self.dir)
-            .env("POSTAL_KAFKA_PORT", self.port.to_string())
+        let mut c = stack_command(&self.dir, command);
+        c.env("POSTAL_KAFKA_PORT", self.port.to_string())
             .env(
                 "POSTAL_KAFKA_CONTROLLER_PORT",
                 self.controller_port.to_string(),
             )
-            .env(
-                "POSTAL_KAFKA_HEAP",
-                std::env::var("POSTAL_TEST_KAFKA_HEAP").unwrap_or_else(|_| "512m".into()),
-            )
             .stdout(Stdio::null());
-        if std::env::var_os("POSTAL_KAFKA_LIB").is_none() {
-            c.env("POSTAL_KAFKA_LIB", root.join(".stack/kafka-lib"));
-        }
         c
     }
 
@@ -302,22 +310,11 @@ impl PrivateCluster {
     }
 
     fn stack(&self, command: &'static str, node: Option<u8>) -> Command {
-        let root = repo_root();
-        let mut c = Command::new("bash");
-        c.arg(root.join("scripts/stack.sh"))
-            .arg(command)
-            .args(["--cluster", "3"])
+        let mut c = stack_command(&self.dir, command);
+        c.args(["--cluster", "3"])
             .args(node.map(|n| n.to_string()))
-            .env("POSTAL_STACK_DIR", &self.dir)
             .env("POSTAL_KAFKA_CLUSTER_PORT", self.base.to_string())
-            .env(
-                "POSTAL_KAFKA_HEAP",
-                std::env::var("POSTAL_TEST_KAFKA_HEAP").unwrap_or_else(|_| "512m".into()),
-            )
             .stdout(Stdio::null());
-        if std::env::var_os("POSTAL_KAFKA_LIB").is_none() {
-            c.env("POSTAL_KAFKA_LIB", root.join(".stack/kafka-lib"));
-        }
         c
     }
 
