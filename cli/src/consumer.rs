@@ -21,8 +21,10 @@ pub enum ConsumerCommand {
     /// dedup rows (within the dedup retention) make the replay apply nothing twice.
     ///
     /// Refused when the target reaches records older than a consumer's dedup retention horizon
-    /// (their dedup rows were deleted, so they would apply twice) unless
-    /// `--force-past-retention`. The group's Kafka offsets are committed too, in an order that
+    /// (judged by the records' timestamps) unless `--force-past-retention`. Whatever the
+    /// clocks, a replay never applies a record the group processed before the reset: one whose
+    /// dedup row retention deleted is skipped (the stored `replay_until` offset says which);
+    /// `--force-past-retention` applies those again. The group's Kafka offsets are committed too, in an order that
     /// never leaves them ahead of the stored ones (a restarted consumer would otherwise fetch
     /// past the replay); the command fails, naming what to do, when that cannot be done.
     Reset {
@@ -47,8 +49,9 @@ pub enum ConsumerCommand {
         /// record which consumer names a group uses.
         #[arg(long = "consumer")]
         consumers: Vec<String>,
-        /// Move back past the dedup retention horizon anyway: events older than it whose dedup
-        /// rows were deleted are applied again (only for handlers that tolerate that).
+        /// Move back past the dedup retention horizon anyway, and apply again every replayed
+        /// event whose dedup row is gone (deleted by retention, or by you to rebuild a
+        /// projection). Only for handlers that tolerate that.
         #[arg(long)]
         force_past_retention: bool,
         /// Kafka bootstrap servers (for the topic's partitions, watermarks and group members).
@@ -127,8 +130,13 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         stored.clone(),
     );
     let horizon_us = horizon.as_ref().map(|(_, h)| h.timestamp_micros());
-    let (positions, past) = tokio::task::spawn_blocking(move || {
+    let (positions, past, recreated) = tokio::task::spawn_blocking(move || {
         let positions = positions(&b, &g, &t, partitions, target, force)?;
+        let moved: HashMap<i32, i64> = positions
+            .iter()
+            .filter_map(|(p, _)| stored_.get(p).map(|s| (*p, *s)))
+            .collect();
+        let recreated = recreated(&b, &t, &moved)?;
         let mut past = None;
         if let Some(h) = horizon_us {
             for &(p, o) in &positions {
@@ -142,12 +150,12 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        anyhow::Ok((positions, past))
+        anyhow::Ok((positions, past, recreated))
     })
     .await??;
     if let (Some((consumer, h)), Some((partition, offset, safe))) = (&horizon, past) {
         anyhow::bail!(
-            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
+            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so the replay would skip them unseen; reset to offset {safe} or later, or pass --force-past-retention to apply them again",
             h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
         );
     }
@@ -173,7 +181,22 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             "nothing changed: cannot commit group {group:?}'s offsets to Kafka ({e:#}); make sure the broker is reachable and the group has no live members, then re-run"
         );
     }
-    if let Err(e) = store(pool, &group, &topic, &positions).await {
+    for p in &recreated {
+        eprintln!(
+            "note: {topic}[{p}] ends below the group's stored offset {}: the topic was recreated or truncated, so its records are all taken as new",
+            stored[p]
+        );
+    }
+    if let Err(e) = store(
+        pool,
+        &group,
+        &topic,
+        &positions,
+        force_past_retention,
+        &recreated,
+    )
+    .await
+    {
         anyhow::bail!(
             "Kafka's offsets of group {group:?} were moved back, but the stored offsets were not written ({e}): re-run this command before starting the group (until then it resumes from its old stored offsets)"
         );
@@ -196,23 +219,27 @@ async fn store(
     group: &str,
     topic: &str,
     positions: &[(i32, i64)],
+    force_past_retention: bool,
+    recreated: &[i32],
 ) -> Result<(), sqlx::Error> {
+    use postal_consumer::offsets::Replay;
+    let positions: Vec<(i32, i64, Replay)> = positions
+        .iter()
+        .map(|&(p, o)| {
+            let reapply = force_past_retention || recreated.contains(&p);
+            (
+                p,
+                o,
+                if reapply {
+                    Replay::Reapply
+                } else {
+                    Replay::Skip
+                },
+            )
+        })
+        .collect();
     let mut tx = pool.begin().await?;
-    for (partition, offset) in positions {
-        sqlx::query(
-            "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset, owner)
-             VALUES ($1, $2, $3, $4, 'postal consumer reset')
-             ON CONFLICT (group_id, topic, partition) DO UPDATE
-                SET next_offset = EXCLUDED.next_offset, epoch = postal.consumer_offsets.epoch + 1,
-                    owner = EXCLUDED.owner, updated_at = now()",
-        )
-        .bind(group)
-        .bind(topic)
-        .bind(partition)
-        .bind(offset)
-        .execute(&mut *tx)
-        .await?;
-    }
+    postal_consumer::offsets::move_to(&mut tx, group, topic, &positions).await?;
     tx.commit().await
 }
 
@@ -388,5 +415,26 @@ fn positions(
         };
         out.push((p, offset));
     }
+    Ok(out)
+}
+
+/// The partitions whose high watermark is below `stored` (the group's stored offset): the
+/// topic was deleted and created again (or truncated), so the stored offsets do not belong to
+/// this log and say nothing about which of its records were processed.
+fn recreated(bootstrap: &str, topic: &str, stored: &HashMap<i32, i64>) -> anyhow::Result<Vec<i32>> {
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()?;
+    let mut out = Vec::new();
+    for (&p, &s) in stored {
+        let high = client
+            .fetch_watermarks(topic, p, Duration::from_secs(10))?
+            .1;
+        if high < s {
+            out.push(p);
+        }
+    }
+    out.sort_unstable();
     Ok(out)
 }

@@ -198,8 +198,9 @@ impl Worker {
                         // The second seek has not shown yet (lost?): issue it again.
                         (Some(seen), Some(n)) => {
                             landing_since = std::time::Instant::now();
-                            if !self.seek_stored(n, seen).await {
-                                return Owned::Ended;
+                            match self.seek_stored(n, seen).await {
+                                Some(bound) => landing = Some(bound),
+                                None => return Owned::Ended,
                             }
                         }
                         _ => self.check_stall(next, &mut last_stall).await,
@@ -232,8 +233,9 @@ impl Worker {
                             landing_since.elapsed() >= self.shared.config.stall_check,
                         ) {
                             landing_since = std::time::Instant::now();
-                            if !self.seek_stored(n, seen).await {
-                                return Owned::Ended;
+                            match self.seek_stored(n, seen).await {
+                                Some(bound) => landing = Some(bound),
+                                None => return Owned::Ended,
                             }
                         }
                         continue;
@@ -252,10 +254,10 @@ impl Worker {
                     // in between. Processing it could skip records: seek again and drop what
                     // comes until the seek shows.
                     verified = true;
-                    landing = Some(records[0].offset);
                     landing_since = std::time::Instant::now();
-                    if !self.seek_stored(n, records[0].offset).await {
-                        return Owned::Ended;
+                    match self.seek_stored(n, records[0].offset).await {
+                        Some(bound) => landing = Some(bound),
+                        None => return Owned::Ended,
                     }
                     continue;
                 }
@@ -315,13 +317,39 @@ impl Worker {
         }
     }
 
-    /// Seeks to `n`, waiting for librdkafka to take the seek (retried a few times if it fails).
-    /// `false` if cancelled meanwhile.
-    async fn seek_stored(&mut self, n: i64, seen: i64) -> bool {
+    /// Seeks to the stored offset `n` after records arrived from `seen` (above `n`), waiting
+    /// for librdkafka to take the seek (retried a few times if it fails). Returns the landing
+    /// bound: the seek has taken effect once a record at or below it arrives. `None` if
+    /// cancelled meanwhile.
+    ///
+    /// If retention (or delete-records) moved the partition's log start past `n`, the records
+    /// in between are gone: the seek goes to the log start instead, and when that is above
+    /// `seen` the bound is the log start (every record from `n` to `seen` is gone, so a record
+    /// of the earlier fetch at or below it is as good a start as the seek's).
+    async fn seek_stored(&mut self, n: i64, seen: i64) -> Option<i64> {
         // A partition paused meanwhile (its buffer was full) would never deliver the record
         // that shows the seek took effect.
         self.resume_fetching();
-        tracing::info!(topic = %self.topic, partition = self.partition, stored = n, first = seen,
+        let low = {
+            let consumer = self.shared.consumer.clone();
+            let (topic, partition) = (self.topic.clone(), self.partition);
+            tokio::task::spawn_blocking(move || {
+                consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+            })
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|(low, _)| low)
+        };
+        let target = match low {
+            Some(low) if low > n => {
+                tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, log_start = low,
+                    "records from the stored offset to the partition's log start were removed (retention or delete-records) before this group processed them; resuming from the log start");
+                low
+            }
+            _ => n,
+        };
+        tracing::info!(topic = %self.topic, partition = self.partition, stored = n, target, first = seen,
             "records arrived from above the stored offset; seeking to the stored offset again");
         let mut failures = 0u32;
         loop {
@@ -331,7 +359,7 @@ impl Worker {
                 consumer.seek(
                     &topic,
                     partition,
-                    Offset::Offset(n),
+                    Offset::Offset(target),
                     Duration::from_secs(10),
                 )
             })
@@ -347,14 +375,14 @@ impl Worker {
                     tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset keeps failing; trying again after the stall check");
                     break;
                 }
-                Err(_) => return false,
+                Err(_) => return None,
             }
             if !self.wait(failures).await {
-                return false;
+                return None;
             }
             failures += 1;
         }
-        !self.cancel.is_cancelled()
+        (!self.cancel.is_cancelled()).then_some(seen.max(target))
     }
 
     /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
@@ -603,6 +631,9 @@ impl Worker {
                 crate::Error::Database(d) => Attempt::db(d),
                 other => Attempt::Retryable(other.to_string()),
             })?;
+        // Replayed after a reset and processed before, its dedup row deleted by retention:
+        // not applied again (the new row stays: the event was processed).
+        let fresh = fresh && !self.expired_replay(own, record.offset, 1);
         if fresh {
             run_body(route, &mut tx, record, meta)
                 .await
@@ -627,6 +658,22 @@ impl Worker {
         }
         tx.commit().await.map_err(Attempt::db)?;
         Ok(fresh)
+    }
+
+    /// Whether the record at `offset`, with no dedup row, is a replay of one this group
+    /// processed before a `postal consumer reset` moved its stored offset back: its dedup row
+    /// was deleted by retention, so it is skipped, not applied a second time. Counted as
+    /// `n` records skipped and logged.
+    pub(crate) fn expired_replay(&self, own: &Ownership, offset: i64, n: u64) -> bool {
+        if !own.processed_before(offset) {
+            return false;
+        }
+        tracing::warn!(topic = %self.topic, partition = self.partition, offset, records = n,
+            "replayed record(s) processed before the reset whose dedup rows were deleted by dedup retention: skipped, not applied again (`postal consumer reset --force-past-retention` applies them)");
+        self.shared
+            .stats
+            .expired_replays(&self.shared.config.consumer, &self.topic, n);
+        true
     }
 
     /// Advances past a record of an unknown type.

@@ -1,7 +1,6 @@
 //! An adversarial review of the consumer's takeover, idle epoch check and strictly increasing
-//! offsets (402a26d). The loss it found is fixed and its test runs; two older problems it found
-//! are kept as ignored tests until they are fixed, and its randomized reset test runs with
-//! `--ignored` (it takes minutes).
+//! offsets (402a26d). The loss and the two older problems it found are fixed and their tests
+//! run; its randomized reset test runs with `--ignored` (it takes minutes).
 
 use std::time::Duration;
 
@@ -70,11 +69,11 @@ async fn delete_records(bootstrap: &str, topic: &str, before: i64) {
 /// out of range, the fetch restarts at the log start (> `seen`), and every record from then
 /// on is dropped as "from before the seek" — forever, re-seeking every `stall_check`.
 ///
-/// Expected: the records still on the broker (25..) and every new one are applied (with a
-/// warning that the records in between were not seen). Observed: nothing is applied, ever.
+/// Guarantee: the records still on the broker (25..) and every new one are applied (with a
+/// warning that the records in between were removed). The second seek goes to the log start
+/// and lands at or below it. (Failed before: nothing was applied, ever.)
 #[tokio::test]
-#[ignore = "known, not yet fixed: a second seek that lands above the first record seen (log start moved by retention) stalls the partition"]
-async fn a_second_seek_landing_above_the_first_record_seen_stalls_the_partition() {
+async fn a_second_seek_landing_above_the_first_record_seen_does_not_stall_the_partition() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -327,22 +326,20 @@ async fn random_resets_back_racing_batches_and_a_rebalance() {
 /// timestamps (CreateTime: the relay host's clock; Postal's Kafka transport sets none), but
 /// the horizon is `max(processed_at)` of the deleted dedup rows (the database's clock). With
 /// the relay host's clock a few seconds ahead of the database's, records whose dedup rows were
-/// deleted carry timestamps newer than the horizon: the reset is accepted without
-/// `--force-past-retention` and the replay applies them twice.
+/// deleted carry timestamps newer than the horizon, and the reset is accepted without
+/// `--force-past-retention`.
 ///
-/// Needs the CLI binary: `cargo build -p postal-cli` (path: `REVIEW_POSTAL_BIN`, default
-/// `$CARGO_TARGET_DIR/debug/postal`).
+/// Guarantee: the replay still applies nothing twice. The reset stores the offset the group
+/// had reached (`replay_until`); a replayed record below it whose dedup row is gone was
+/// processed before and is skipped — offsets decide, no clock does. (Failed before 0011: the
+/// ten events were applied twice.)
+///
+/// Needs the CLI binary: `cargo build -p postal-cli` (`scripts/test.sh` builds it).
 #[tokio::test]
-#[ignore = "known, not yet fixed: the reset's horizon check compares relay-clock record timestamps with database-clock dedup times"]
-async fn a_relay_clock_ahead_of_the_database_defeats_the_reset_horizon_check() {
+async fn a_relay_clock_ahead_of_the_database_does_not_make_a_replay_apply_twice() {
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
-    let bin = std::env::var("REVIEW_POSTAL_BIN").unwrap_or_else(|_| {
-        format!(
-            "{}/debug/postal",
-            std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into())
-        )
-    });
+    let bin = crate::procs::bin_dir().join("postal");
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -425,20 +422,26 @@ async fn a_relay_clock_ahead_of_the_database_defeats_the_reset_horizon_check() {
         "reset: status {:?}\nstdout: {stdout}\nstderr: {stderr}",
         out.status
     );
-    if out.status.success() {
-        let running = start_apply(&db.pool, &topic, config());
-        let _ = try_until(Duration::from_secs(20), || {
-            let pool = pool.clone();
-            async move { effects(&pool).await.0 >= 20 }
-        })
-        .await;
-        running.stop().await;
-    }
-    let (rows, distinct) = effects(&db.pool).await;
     assert!(
-        !out.status.success(),
-        "the reset past the dedup horizon was accepted without --force-past-retention; effects: {rows} rows for {distinct} events"
+        out.status.success(),
+        "the skewed timestamps pass the CLI's horizon check (else this test proves nothing)"
     );
+    let running = start_apply(&db.pool, &topic, config());
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the 10 replayed records handled", || {
+        let s = stats.snapshot();
+        async move { s.expired_replays + s.applied >= 10 }
+    })
+    .await;
+    let snapshot = stats.snapshot();
+    running.stop().await;
+    let (rows, distinct) = effects(&db.pool).await;
+    assert_eq!(
+        (rows, distinct),
+        (10, 10),
+        "the replay applied events a second time (stats {snapshot:?})"
+    );
+    assert_eq!(snapshot.expired_replays, 10, "{snapshot:?}");
 }
 
 /// New in 402a26d: an idle worker fenced at its stall check returns `Fenced(lowest)` with
