@@ -20,12 +20,16 @@
 # on POSTAL_KAFKA_CONTROLLER_PORT, default the next port), POSTAL_AMQP_PORT (default 25672; Erlang
 # distribution on the next port). All below Linux's ephemeral range (32768+), so that no client
 # socket can hold them while a server boots. POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
+# POSTAL_STACK_HOST (127.0.0.1): the address PostgreSQL and Kafka listen on and advertise.
 # Kafka: POSTAL_KAFKA_VERSION (4.4.0), POSTAL_KAFKA_HEAP (1g), POSTAL_KAFKA_LIB (jar folder,
 # .stack/kafka-lib). Broker logs: .stack/kafka/logs (server.log; broker.log has warnings).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${POSTAL_STACK_DIR:-$ROOT/.stack}"
+# The address every service listens on and advertises (tests that put the stack on a test
+# host's network namespace pass that host's address).
+HOST="${POSTAL_STACK_HOST:-127.0.0.1}"
 PG_PORT="${POSTAL_PG_PORT:-15432}"
 KAFKA_PORT="${POSTAL_KAFKA_PORT:-19092}"
 KAFKA_CONTROLLER_PORT="${POSTAL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}"
@@ -116,7 +120,7 @@ pg_up() {
     chown postgres "$STACK/pg"
     open_path_for_postgres "$STACK/pg"
   fi
-  if pg_running; then log "postgres already running on 127.0.0.1:$PG_PORT"; return; fi
+  if pg_running; then log "postgres already running on $HOST:$PG_PORT"; return; fi
   if [ ! -f "$STACK/pg/data/PG_VERSION" ]; then
     log "initdb $STACK/pg/data"
     as_postgres "$PG_BIN/initdb" -D "$STACK/pg/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >/dev/null
@@ -131,10 +135,13 @@ max_wal_size = 2GB
 track_commit_timestamp = on
 CONF
   fi
-  log "starting postgres on 127.0.0.1:$PG_PORT"
-  # The port on the command line wins over the one initdb wrote, so POSTAL_PG_PORT also
-  # applies to an existing cluster.
-  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
+  if [ "$HOST" != "127.0.0.1" ] && ! grep -q "^host all all 0.0.0.0/0 trust" "$STACK/pg/data/pg_hba.conf"; then
+    echo "host all all 0.0.0.0/0 trust" >> "$STACK/pg/data/pg_hba.conf"
+  fi
+  log "starting postgres on $HOST:$PG_PORT"
+  # The port and address on the command line win over the ones initdb wrote, so POSTAL_PG_PORT
+  # and POSTAL_STACK_HOST also apply to an existing cluster.
+  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT -h $HOST" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$STACK/pg/postgres.log" >&2; die "postgres did not start"; }
 }
 
@@ -175,7 +182,7 @@ kafka_pid() {
 kafka_config() {
   local voters replication
   if [ "$NODES" = "0" ]; then
-    voters="1@127.0.0.1:$KCPORT"
+    voters="1@$HOST:$KCPORT"
     replication="# One node: internal topics cannot have more replicas than that.
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
@@ -183,7 +190,7 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1"
   else
-    voters="$(for i in $(seq 1 "$NODES"); do printf '%s@127.0.0.1:%s,' "$i" $((KAFKA_CLUSTER_PORT + 2 * (i - 1) + 1)); done)"
+    voters="$(for i in $(seq 1 "$NODES"); do printf '%s@%s:%s,' "$i" "$HOST" $((KAFKA_CLUSTER_PORT + 2 * (i - 1) + 1)); done)"
     voters="${voters%,}"
     replication="# A replicated cluster as in production: internal topics keep Kafka's defaults
 # (3 replicas, 2 in sync); new topics get 3 replicas, and acks=all needs 2 of them in sync.
@@ -196,8 +203,8 @@ unclean.leader.election.enable=false"
 process.roles=broker,controller
 node.id=$KNODE
 controller.quorum.voters=$voters
-listeners=PLAINTEXT://127.0.0.1:$KPORT,CONTROLLER://127.0.0.1:$KCPORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KPORT
+listeners=PLAINTEXT://$HOST:$KPORT,CONTROLLER://$HOST:$KCPORT
+advertised.listeners=PLAINTEXT://$HOST:$KPORT
 inter.broker.listener.name=PLAINTEXT
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
@@ -214,7 +221,7 @@ CONF
 kafka_start() {
   local d="$KDIR"
   mkdir -p "$d/logs" "$d/data" "$d/tmp"
-  if pid="$(kafka_pid)"; then log "kafka node $KNODE already running (pid $pid) on 127.0.0.1:$KPORT"; return; fi
+  if pid="$(kafka_pid)"; then log "kafka node $KNODE already running (pid $pid) on $HOST:$KPORT"; return; fi
   kafka_config
   if [ ! -f "$d/data/meta.properties" ]; then
     local id idfile="$STACK/kafka-cluster/cluster-id"
@@ -232,7 +239,7 @@ kafka_start() {
   local offset=0
   [ -f "$d/logs/server.log" ] && offset="$(stat -c %s "$d/logs/server.log")"
   echo "$offset" > "$d/start-offset"
-  log "starting Apache Kafka $KAFKA_VERSION node $KNODE on 127.0.0.1:$KPORT (controller $KCPORT, heap $KAFKA_HEAP)"
+  log "starting Apache Kafka $KAFKA_VERSION node $KNODE on $HOST:$KPORT (controller $KCPORT, heap $KAFKA_HEAP)"
   (
     cd "$d"
     # A private temp folder: a noexec /tmp would break the compression codecs' native libraries.
@@ -291,7 +298,7 @@ kafka_down() {
 # Bootstrap servers of the current mode.
 kafka_bootstrap() {
   local out="" i
-  for i in $(kafka_nodes); do kafka_node "$i"; out="$out,127.0.0.1:$KPORT"; done
+  for i in $(kafka_nodes); do kafka_node "$i"; out="$out,$HOST:$KPORT"; done
   echo "${out#,}"
 }
 
@@ -343,7 +350,7 @@ rabbit_down() {
 }
 
 print_env() {
-  echo "export DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+  echo "export DATABASE_URL=postgres://postgres@$HOST:$PG_PORT/postgres"
   echo "export KAFKA_BOOTSTRAP_SERVERS=$(kafka_bootstrap)"
   if [ "$WITH_RABBITMQ" = "1" ]; then echo "export AMQP_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"; fi
 }
@@ -371,10 +378,10 @@ case "$cmd" in
   env) print_env ;;
   ensure-tools) ensure_postgres; ensure_kafka; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
-    if pg_running; then echo "postgres: running on 127.0.0.1:$PG_PORT"; else echo "postgres: stopped"; fi
+    if pg_running; then echo "postgres: running on $HOST:$PG_PORT"; else echo "postgres: stopped"; fi
     for i in $(kafka_nodes); do
       kafka_node "$i"
-      if pid="$(kafka_pid)"; then echo "kafka node $i: running (pid $pid) on 127.0.0.1:$KPORT"; else echo "kafka node $i: stopped"; fi
+      if pid="$(kafka_pid)"; then echo "kafka node $i: running (pid $pid) on $HOST:$KPORT"; else echo "kafka node $i: stopped"; fi
     done
     if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
   *) sed -n '2,25p' "$0"; exit 2 ;;

@@ -127,9 +127,7 @@ impl Worker {
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool)
-            .await
-            .map_err(Attempt::db)?;
+        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
         let ids: Vec<EventId> = metas
             .iter()

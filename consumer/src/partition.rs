@@ -36,6 +36,15 @@ pub(crate) struct Shared {
     pub owner: String,
 }
 
+impl Shared {
+    /// Opens a processing transaction, with the limits of `transaction_idle_timeout`.
+    pub(crate) async fn begin(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        postal_shared::cancel_safe::begin_with(&self.pool, self.config.begin_statement()).await
+    }
+}
+
 /// The runtime's side of a worker.
 pub(crate) struct Inbox {
     pub tx: mpsc::UnboundedSender<Record>,
@@ -622,9 +631,7 @@ impl Worker {
         meta: &Meta,
         route: &dyn Route,
     ) -> Result<bool, Attempt> {
-        let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool)
-            .await
-            .map_err(Attempt::db)?;
+        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
         let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
             .await
             .map_err(|e| match e {
@@ -744,7 +751,7 @@ impl Worker {
         let mut failures = 0u32;
         loop {
             let result: Result<(bool, Written), sqlx::Error> = async {
-                let mut tx = postal_shared::cancel_safe::begin(&self.shared.pool).await?;
+                let mut tx = self.shared.begin().await?;
                 let mut written = Written::Offset;
                 if let Some(d) = dead {
                     let fresh = match d.meta {

@@ -157,8 +157,20 @@ fn repo_root() -> PathBuf {
 /// (`POSTAL_TEST_KAFKA_HEAP`, 512m) and the repository's Kafka jars unless `POSTAL_KAFKA_LIB`
 /// names others.
 fn stack_command(dir: &Path, command: &str) -> Command {
+    stack_command_on(None, dir, command)
+}
+
+/// [`stack_command`] run on a test host (`ip netns exec <netns>`) when `netns` is given.
+pub(crate) fn stack_command_on(netns: Option<&str>, dir: &Path, command: &str) -> Command {
     let root = repo_root();
-    let mut c = Command::new("bash");
+    let mut c = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "bash"]);
+            c
+        }
+        None => Command::new("bash"),
+    };
     c.arg(root.join("scripts/stack.sh"))
         .arg(command)
         .env("POSTAL_STACK_DIR", dir)
@@ -395,6 +407,69 @@ impl Drop for PrivateCluster {
             eprintln!("keeping cluster directory {}", self.dir.display());
             return;
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// PostgreSQL and a single-node Apache Kafka broker on a test host (a network namespace of
+/// [`crate::hosts::TestHosts`]), listening on the host's address (PostgreSQL on 5432, Kafka on
+/// 9092), started by `scripts/stack.sh` in a folder of its own; stopped on drop.
+pub struct HostStack {
+    dir: PathBuf,
+    netns: String,
+    addr: String,
+}
+
+impl HostStack {
+    /// Starts both and waits until they accept connections.
+    pub fn start(netns: &str, addr: &str) -> HostStack {
+        let dir = std::env::temp_dir().join(format!(
+            "postal-host-stack-{}",
+            uuid::Uuid::now_v7().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("stack dir");
+        let s = HostStack {
+            dir,
+            netns: netns.to_owned(),
+            addr: addr.to_owned(),
+        };
+        let out = s
+            .command("up")
+            .env("POSTAL_NO_RABBITMQ", "1")
+            .output()
+            .expect("run scripts/stack.sh up");
+        assert!(
+            out.status.success(),
+            "stack on {netns} did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        s
+    }
+
+    fn command(&self, command: &str) -> Command {
+        let mut c = stack_command_on(Some(&self.netns), &self.dir, command);
+        c.env("POSTAL_STACK_HOST", &self.addr)
+            .env("POSTAL_PG_PORT", "5432")
+            .env("POSTAL_KAFKA_PORT", "9092")
+            .env("POSTAL_KAFKA_CONTROLLER_PORT", "9093")
+            .env("POSTAL_NO_RABBITMQ", "1");
+        c
+    }
+
+    /// The server's admin URL (database `postgres`).
+    pub fn database_url(&self) -> String {
+        format!("postgres://postgres@{}:5432/postgres", self.addr)
+    }
+
+    /// The broker's bootstrap address.
+    pub fn bootstrap(&self) -> String {
+        format!("{}:9092", self.addr)
+    }
+}
+
+impl Drop for HostStack {
+    fn drop(&mut self) {
+        let _ = self.command("down").output();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -29,6 +29,21 @@ pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx
     }
 }
 
+/// [`begin`] with a custom opening statement (`BEGIN` followed by `SET LOCAL`s, sent as one
+/// simple query).
+pub async fn begin_with(
+    pool: &PgPool,
+    statement: String,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    use tracing::Instrument as _;
+    let pool = pool.clone();
+    match tokio::spawn(async move { pool.begin_with(statement).await }.in_current_span()).await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(sqlx::Error::PoolClosed),
+    }
+}
+
 /// A pooled connection that is closed rather than returned to the pool unless [`finish`] was
 /// called: for session state (an advisory lock) that must not outlive a cancelled job.
 ///

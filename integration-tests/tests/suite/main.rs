@@ -19,6 +19,7 @@ mod hostile;
 mod key_order;
 mod migrations;
 mod missing_topic;
+mod netsplit;
 mod order;
 mod procs;
 mod protocol;

@@ -38,6 +38,8 @@ pub(crate) struct Proc {
     args: Vec<String>,
     env: Vec<(String, String)>,
     pub(crate) log: PathBuf,
+    /// The test host (network namespace) it runs on, if not this one.
+    netns: Option<String>,
     metrics_port: Option<u16>,
     child: Option<Child>,
     pub(crate) kills: u32,
@@ -68,6 +70,7 @@ impl Proc {
             // Errors returned from `main` print without a backtrace (panics keep theirs).
             env: vec![("RUST_LIB_BACKTRACE".into(), "0".into())],
             log: logs.join(format!("{name}.log")),
+            netns: None,
             metrics_port: None,
             child: None,
             kills: 0,
@@ -82,6 +85,13 @@ impl Proc {
     pub(crate) fn env(mut self, pairs: &[(&str, String)]) -> Proc {
         self.env
             .extend(pairs.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        self
+    }
+
+    /// Runs the process on a test host (`ip netns exec <netns>`, which execs it: the pid is
+    /// the service's).
+    pub(crate) fn on_host(mut self, netns: &str) -> Proc {
+        self.netns = Some(netns.to_owned());
         self
     }
 
@@ -100,7 +110,15 @@ impl Proc {
             .append(true)
             .open(&self.log)
             .expect("log file");
-        let child = Command::new(&self.program)
+        let mut command = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.program);
+                c
+            }
+            None => Command::new(&self.program),
+        };
+        let child = command
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(log.try_clone().expect("log handle"))
