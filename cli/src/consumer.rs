@@ -21,10 +21,9 @@ pub enum ConsumerCommand {
     /// dedup rows (within the dedup retention) make the replay apply nothing twice.
     ///
     /// Refused when the target reaches records older than a consumer's dedup retention horizon
-    /// (judged by the records' timestamps) unless `--force-past-retention`. Whatever the
-    /// clocks, a replay never applies a record the group processed before the reset: one whose
-    /// dedup row retention deleted is skipped (the stored `replay_until` offset says which);
-    /// `--force-past-retention` applies those again. The group's Kafka offsets are committed too, in an order that
+    /// (their dedup rows were deleted, so they would apply twice) unless
+    /// `--force-past-retention`. Records' timestamps come from the producing hosts' clocks:
+    /// those up to `--clock-tolerance` newer than the horizon count as older. The group's Kafka offsets are committed too, in an order that
     /// never leaves them ahead of the stored ones (a restarted consumer would otherwise fetch
     /// past the replay); the command fails, naming what to do, when that cannot be done.
     Reset {
@@ -49,11 +48,15 @@ pub enum ConsumerCommand {
         /// record which consumer names a group uses.
         #[arg(long = "consumer")]
         consumers: Vec<String>,
-        /// Move back past the dedup retention horizon anyway, and apply again every replayed
-        /// event whose dedup row is gone (deleted by retention, or by you to rebuild a
-        /// projection). Only for handlers that tolerate that.
+        /// Move back past the dedup retention horizon anyway: events older than it whose dedup
+        /// rows were deleted are applied again (only for handlers that tolerate that).
         #[arg(long)]
         force_past_retention: bool,
+        /// How far the clocks of the hosts that produced the records (their Kafka timestamps)
+        /// may be ahead of the database's: records up to this much newer than the dedup
+        /// horizon count as older than it.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        clock_tolerance: Duration,
         /// Kafka bootstrap servers (for the topic's partitions, watermarks and group members).
         #[arg(
             long,
@@ -97,6 +100,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         force,
         consumers,
         force_past_retention,
+        clock_tolerance,
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
@@ -129,14 +133,14 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         topic.clone(),
         stored.clone(),
     );
-    let horizon_us = horizon.as_ref().map(|(_, h)| h.timestamp_micros());
-    let (positions, past, recreated) = tokio::task::spawn_blocking(move || {
+    // Records' timestamps come from the producing hosts' clocks, the horizon from the
+    // database's: a record a little newer than the horizon may still be older than it.
+    let tolerance_us = i64::try_from(clock_tolerance.as_micros()).unwrap_or(i64::MAX);
+    let horizon_us = horizon
+        .as_ref()
+        .map(|(_, h)| h.timestamp_micros().saturating_add(tolerance_us));
+    let (positions, past) = tokio::task::spawn_blocking(move || {
         let positions = positions(&b, &g, &t, partitions, target, force)?;
-        let moved: HashMap<i32, i64> = positions
-            .iter()
-            .filter_map(|(p, _)| stored_.get(p).map(|s| (*p, *s)))
-            .collect();
-        let recreated = recreated(&b, &t, &moved)?;
         let mut past = None;
         if let Some(h) = horizon_us {
             for &(p, o) in &positions {
@@ -150,13 +154,14 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        anyhow::Ok((positions, past, recreated))
+        anyhow::Ok((positions, past))
     })
     .await??;
     if let (Some((consumer, h)), Some((partition, offset, safe))) = (&horizon, past) {
         anyhow::bail!(
-            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}): their dedup rows were deleted, so the replay would skip them unseen; reset to offset {safe} or later, or pass --force-past-retention to apply them again",
-            h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}, plus --clock-tolerance {}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
+            h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            humantime::format_duration(clock_tolerance)
         );
     }
     // Kafka's group offsets must never be ahead of the stored ones: a restarted consumer
@@ -181,22 +186,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             "nothing changed: cannot commit group {group:?}'s offsets to Kafka ({e:#}); make sure the broker is reachable and the group has no live members, then re-run"
         );
     }
-    for p in &recreated {
-        eprintln!(
-            "note: {topic}[{p}] ends below the group's stored offset {}: the topic was recreated or truncated, so its records are all taken as new",
-            stored[p]
-        );
-    }
-    if let Err(e) = store(
-        pool,
-        &group,
-        &topic,
-        &positions,
-        force_past_retention,
-        &recreated,
-    )
-    .await
-    {
+    if let Err(e) = store(pool, &group, &topic, &positions).await {
         anyhow::bail!(
             "Kafka's offsets of group {group:?} were moved back, but the stored offsets were not written ({e}): re-run this command before starting the group (until then it resumes from its old stored offsets)"
         );
@@ -219,27 +209,23 @@ async fn store(
     group: &str,
     topic: &str,
     positions: &[(i32, i64)],
-    force_past_retention: bool,
-    recreated: &[i32],
 ) -> Result<(), sqlx::Error> {
-    use postal_consumer::offsets::Replay;
-    let positions: Vec<(i32, i64, Replay)> = positions
-        .iter()
-        .map(|&(p, o)| {
-            let reapply = force_past_retention || recreated.contains(&p);
-            (
-                p,
-                o,
-                if reapply {
-                    Replay::Reapply
-                } else {
-                    Replay::Skip
-                },
-            )
-        })
-        .collect();
     let mut tx = pool.begin().await?;
-    postal_consumer::offsets::move_to(&mut tx, group, topic, &positions).await?;
+    for (partition, offset) in positions {
+        sqlx::query(
+            "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset, owner)
+             VALUES ($1, $2, $3, $4, 'postal consumer reset')
+             ON CONFLICT (group_id, topic, partition) DO UPDATE
+                SET next_offset = EXCLUDED.next_offset, epoch = postal.consumer_offsets.epoch + 1,
+                    owner = EXCLUDED.owner, updated_at = now()",
+        )
+        .bind(group)
+        .bind(topic)
+        .bind(partition)
+        .bind(offset)
+        .execute(&mut *tx)
+        .await?;
+    }
     tx.commit().await
 }
 
@@ -415,26 +401,5 @@ fn positions(
         };
         out.push((p, offset));
     }
-    Ok(out)
-}
-
-/// The partitions whose high watermark is below `stored` (the group's stored offset): the
-/// topic was deleted and created again (or truncated), so the stored offsets do not belong to
-/// this log and say nothing about which of its records were processed.
-fn recreated(bootstrap: &str, topic: &str, stored: &HashMap<i32, i64>) -> anyhow::Result<Vec<i32>> {
-    let client: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("log_level", "0")
-        .create()?;
-    let mut out = Vec::new();
-    for (&p, &s) in stored {
-        let high = client
-            .fetch_watermarks(topic, p, Duration::from_secs(10))?
-            .1;
-        if high < s {
-            out.push(p);
-        }
-    }
-    out.sort_unstable();
     Ok(out)
 }

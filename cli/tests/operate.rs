@@ -505,82 +505,6 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     assert_eq!(effects(&e.pool).await, (20, 20), "nothing applied twice");
 }
 
-/// Guarantee: a reset back keeps the replay from applying anything twice by the offset the
-/// group had reached (`replay_until`), but only while that offset belongs to the topic's log:
-/// after the topic was deleted and created again (it now ends below the stored offset), `postal
-/// consumer reset --to earliest` says so and the new records are all applied — none is taken for
-/// one processed before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_reset_after_the_topic_was_recreated_applies_its_records() {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let Some(e) = env().await else { return };
-    let (topic, group) = (unique("recreated"), unique("g"));
-    create_topic(&e.bootstrap, &topic).await;
-    produce(&e.bootstrap, &topic, &["{}"; 5]).await;
-    let (stop, task, stats) = start_consumer(&e, &group, &topic);
-    until("5 events applied", || async {
-        stats.snapshot().applied == 5
-    })
-    .await;
-    stop.send(()).unwrap();
-    task.await.unwrap();
-
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &e.bootstrap)
-        .create()
-        .unwrap();
-    admin
-        .delete_topics(&[&topic], &AdminOptions::new())
-        .await
-        .unwrap()[0]
-        .as_ref()
-        .unwrap();
-    // Deletion completes asynchronously: creating again is refused until it has.
-    until("the topic to be created again", || async {
-        let r = admin
-            .create_topics(
-                [&NewTopic::new(&topic, 1, TopicReplication::Fixed(1))],
-                &AdminOptions::new(),
-            )
-            .await
-            .unwrap();
-        r[0].is_ok()
-    })
-    .await;
-    produce(&e.bootstrap, &topic, &["{}"; 2]).await;
-
-    let mut reset = postal(&e.url);
-    reset
-        .args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
-        ])
-        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
-    let out = reset.output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("the topic was recreated or truncated"),
-        "{stderr}"
-    );
-    let replay_until: Option<i64> = sqlx::query_scalar(
-        "SELECT replay_until FROM postal.consumer_offsets WHERE group_id = $1 AND topic = $2",
-    )
-    .bind(&group)
-    .bind(&topic)
-    .fetch_one(&e.pool)
-    .await
-    .unwrap();
-    assert_eq!(replay_until, None);
-    let (stop, task, stats) = start_consumer(&e, &group, &topic);
-    until("the 2 new events applied", || async {
-        stats.snapshot().applied == 2
-    })
-    .await;
-    stop.send(()).unwrap();
-    task.await.unwrap();
-    assert_eq!(effects(&e.pool).await, (7, 7));
-}
-
 /// Guarantee: a dead letter shows up in `postal dead-letters list/show`, and `postal
 /// dead-letters replay` sends it back to its topic, where the (fixed) handler applies it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -881,9 +805,8 @@ async fn stored_offset(pool: &PgPool, group: &str, topic: &str) -> Option<i64> {
 
 /// Guarantee: once `postal cleanup --dedup-retention 7d` deleted dedup rows, `postal consumer
 /// reset` refuses (exit non-zero, one line saying why and what to do, stored offset unchanged)
-/// a target whose records are older than the deleted rows (their replay would skip them
-/// unseen); a target inside the horizon is accepted, and `--force-past-retention` overrides.
-/// Moving back records the offset reached (`replay_until`), which the force clears.
+/// a target whose records are older than the deleted rows, since their replay would apply
+/// twice; a target inside the horizon is accepted, and `--force-past-retention` overrides.
 /// `postal status` shows the horizon.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
@@ -947,28 +870,10 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
         "unchanged"
     );
 
-    let replay_until = || async {
-        sqlx::query_scalar::<_, Option<i64>>(
-            "SELECT replay_until FROM postal.consumer_offsets WHERE group_id = $1 AND topic = $2",
-        )
-        .bind(&group)
-        .bind(&topic)
-        .fetch_one(&e.pool)
-        .await
-        .unwrap()
-    };
-    assert_eq!(
-        replay_until().await,
-        None,
-        "a first position replays nothing"
-    );
-    // Naming only a consumer whose rows were never deleted: nothing to protect. Moving back
-    // keeps the offset reached: the consumer never applies a record below it twice.
+    // Naming only a consumer whose rows were never deleted: nothing to protect.
     assert!(ok(reset("1", &["--consumer", "other"])).contains("-> next offset 1"));
-    assert_eq!(replay_until().await, Some(3));
     assert!(ok(reset("earliest", &["--force-past-retention"])).contains("-> next offset 0"));
     assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(0));
-    assert_eq!(replay_until().await, None, "forced: applied again");
 }
 
 /// Guarantee: a running consumer exports the age of its oldest dedup row as

@@ -133,28 +133,11 @@ impl Worker {
             .iter()
             .filter_map(|m| m.as_ref().ok().map(|m| m.id))
             .collect();
-        let mut fresh: HashSet<EventId> =
-            crate::dedup::record_many(&mut tx, &config.consumer, &ids)
-                .await
-                .map_err(Attempt::db)?
-                .into_iter()
-                .collect();
-        // Replayed after a reset and processed before, their dedup rows deleted by retention:
-        // not applied again, nor any copy of them in this batch (their new rows stay).
-        let expired: Vec<EventId> = queue
-            .iter()
-            .zip(&metas)
-            .filter_map(|(r, m)| m.as_ref().ok().map(|m| (r.offset, m.id)))
-            .filter(|(o, id)| fresh.contains(id) && own.processed_before(*o))
-            .map(|(_, id)| id)
+        let fresh: HashSet<EventId> = crate::dedup::record_many(&mut tx, &config.consumer, &ids)
+            .await
+            .map_err(Attempt::db)?
+            .into_iter()
             .collect();
-        if !expired.is_empty() {
-            let first = queue.front().map_or(0, |r| r.offset);
-            self.expired_replay(own, first, expired.len() as u64);
-            for id in &expired {
-                fresh.remove(id);
-            }
-        }
         // The ids whose first record in this batch was handled: later copies are duplicates.
         let mut claimed: HashSet<EventId> = HashSet::new();
         // The ids whose dedup row stays: applied, or dead-lettered (a later copy of a dead

@@ -15,18 +15,6 @@ pub struct Ownership {
     pub epoch: i64,
     /// The next offset to process, if the group ever committed one for this partition.
     pub next_offset: Option<i64>,
-    /// While a replay (`postal consumer reset` back) is in progress: the offset the group had
-    /// reached before it. Every record below it was processed before.
-    pub replay_until: Option<i64>,
-}
-
-impl Ownership {
-    /// Whether the record at `offset` was processed before a reset moved the stored offset
-    /// back. Such a record with no dedup row had it deleted by dedup retention: it is skipped,
-    /// never applied again.
-    pub fn processed_before(&self, offset: i64) -> bool {
-        self.replay_until.is_some_and(|until| offset < until)
-    }
 }
 
 /// Takes `(group, topic, partition)` over for `owner`, fencing any previous owner.
@@ -37,13 +25,13 @@ pub async fn claim(
     partition: i32,
     owner: &str,
 ) -> Result<Ownership, sqlx::Error> {
-    let (next_offset, epoch, replay_until): (Option<i64>, i64, Option<i64>) = sqlx::query_as(
+    let (next_offset, epoch): (Option<i64>, i64) = sqlx::query_as(
         "INSERT INTO postal.consumer_offsets (group_id, topic, partition, owner)
          VALUES ($1, $2, $3, $4)
          ON CONFLICT (group_id, topic, partition) DO UPDATE
             SET epoch = postal.consumer_offsets.epoch + 1, owner = EXCLUDED.owner,
                 updated_at = now()
-         RETURNING next_offset, epoch, replay_until",
+         RETURNING next_offset, epoch",
     )
     .bind(group)
     .bind(topic)
@@ -51,11 +39,7 @@ pub async fn claim(
     .bind(owner)
     .fetch_one(pool)
     .await?;
-    Ok(Ownership {
-        epoch,
-        next_offset,
-        replay_until,
-    })
+    Ok(Ownership { epoch, next_offset })
 }
 
 /// Sets the next offset in the caller's transaction. Returns `false` when the epoch moved on
@@ -81,54 +65,6 @@ pub async fn advance(
     .await?
     .rows_affected();
     Ok(n == 1)
-}
-
-/// What a move of the stored offsets (`postal consumer reset`) does to records processed
-/// before it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Replay {
-    /// A replay applies nothing processed before: moving back keeps the offset reached
-    /// (`replay_until`), and a replayed record below it whose dedup row is gone (deleted by
-    /// retention) is skipped.
-    Skip,
-    /// Replayed records whose dedup rows are gone are applied again (`--force-past-retention`,
-    /// rebuilding a projection, or a topic that was recreated: its offsets are not the ones the
-    /// group processed).
-    Reapply,
-}
-
-/// Moves the stored next offsets of `(group, topic)` to `positions` (partition, offset) in the
-/// caller's transaction, fencing any owner (the epoch moves on). See [`Replay`].
-pub async fn move_to(
-    conn: &mut PgConnection,
-    group: &str,
-    topic: &str,
-    positions: &[(i32, i64, Replay)],
-) -> Result<(), sqlx::Error> {
-    for &(partition, offset, replay) in positions {
-        sqlx::query(
-            "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset, owner)
-             VALUES ($1, $2, $3, $4, 'postal consumer reset')
-             ON CONFLICT (group_id, topic, partition) DO UPDATE
-                SET next_offset = EXCLUDED.next_offset, epoch = postal.consumer_offsets.epoch + 1,
-                    owner = EXCLUDED.owner, updated_at = now(),
-                    replay_until = CASE
-                        WHEN $5 THEN NULL
-                        WHEN EXCLUDED.next_offset < postal.consumer_offsets.next_offset
-                            THEN greatest(postal.consumer_offsets.replay_until,
-                                          postal.consumer_offsets.next_offset)
-                        ELSE postal.consumer_offsets.replay_until
-                    END",
-        )
-        .bind(group)
-        .bind(topic)
-        .bind(partition)
-        .bind(offset)
-        .bind(replay == Replay::Reapply)
-        .execute(&mut *conn)
-        .await?;
-    }
-    Ok(())
 }
 
 /// The stored next offsets of a group on a topic, by partition.

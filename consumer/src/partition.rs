@@ -638,9 +638,6 @@ impl Worker {
                 crate::Error::Database(d) => Attempt::db(d),
                 other => Attempt::Retryable(other.to_string()),
             })?;
-        // Replayed after a reset and processed before, its dedup row deleted by retention:
-        // not applied again (the new row stays: the event was processed).
-        let fresh = fresh && !self.expired_replay(own, record.offset, 1);
         if fresh {
             run_body(route, &mut tx, record, meta)
                 .await
@@ -665,22 +662,6 @@ impl Worker {
         }
         tx.commit().await.map_err(Attempt::db)?;
         Ok(fresh)
-    }
-
-    /// Whether the record at `offset`, with no dedup row, is a replay of one this group
-    /// processed before a `postal consumer reset` moved its stored offset back: its dedup row
-    /// was deleted by retention, so it is skipped, not applied a second time. Counted as
-    /// `n` records skipped and logged.
-    pub(crate) fn expired_replay(&self, own: &Ownership, offset: i64, n: u64) -> bool {
-        if !own.processed_before(offset) {
-            return false;
-        }
-        tracing::warn!(topic = %self.topic, partition = self.partition, offset, records = n,
-            "replayed record(s) processed before the reset whose dedup rows were deleted by dedup retention: skipped, not applied again (`postal consumer reset --force-past-retention` applies them)");
-        self.shared
-            .stats
-            .expired_replays(&self.shared.config.consumer, &self.topic, n);
-        true
     }
 
     /// Advances past a record of an unknown type.

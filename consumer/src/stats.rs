@@ -10,7 +10,6 @@ pub struct Stats {
     dead_letters: AtomicU64,
     skipped: AtomicU64,
     replays_skipped: AtomicU64,
-    expired_replays: AtomicU64,
     retries: AtomicU64,
     fenced: AtomicU64,
     stalls_recovered: AtomicU64,
@@ -30,10 +29,6 @@ pub struct StatsSnapshot {
     pub skipped: u64,
     /// Records below the stored offset (already processed), skipped without a transaction.
     pub replays_skipped: u64,
-    /// Records replayed after `postal consumer reset` moved the stored offset back that were
-    /// processed before and whose dedup rows dedup retention had deleted: not applied again
-    /// (also counted in `duplicates`).
-    pub expired_replays: u64,
     /// Handler retries after retryable failures.
     pub retries: u64,
     /// Transactions rolled back because another consumer took the partition over.
@@ -61,7 +56,6 @@ impl Stats {
     bump!(dead_letters, "postal_consumer_events_total", "outcome" => "dead_letter");
     bump!(skipped, "postal_consumer_skipped_total", "reason" => "unknown_type");
     bump!(replays_skipped, "postal_consumer_skipped_total", "reason" => "below_stored_offset");
-    bump!(expired_replays, "postal_consumer_skipped_total", "reason" => "dedup_expired_replay");
     bump!(retries, "postal_consumer_retries_total",);
     bump!(fenced, "postal_consumer_fenced_total",);
     bump!(stalls_recovered, "postal_consumer_stalls_recovered_total",);
@@ -75,7 +69,6 @@ impl Stats {
             dead_letters: l(&self.dead_letters),
             skipped: l(&self.skipped),
             replays_skipped: l(&self.replays_skipped),
-            expired_replays: l(&self.expired_replays),
             retries: l(&self.retries),
             fenced: l(&self.fenced),
             stalls_recovered: l(&self.stalls_recovered),
