@@ -13,7 +13,7 @@
 #                                     controller; topics replicated 3 times, min.insync.replicas 2)
 #                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
 #                                     .stack/kafka-cluster; kafka-kill 2 kill -9s node 2 only
-#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server (apt) and fetch
+#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server / iproute2 (apt) and fetch
 #                                     Kafka's jars (Maven, scripts/kafka/pom.xml) if missing
 #
 # Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092; its KRaft controller
@@ -63,6 +63,12 @@ apt_install() {
 ensure_postgres() {
   if [ -x "$PG_BIN/initdb" ]; then return; fi
   apt_install postgresql-15 "$PG_BIN/initdb"
+}
+
+# iproute2 (`ip netns`, `tc`): the network-partition tests make their own test hosts with it.
+ensure_iproute() {
+  if command -v ip >/dev/null && command -v tc >/dev/null; then return; fi
+  apt_install iproute2 /usr/sbin/ip
 }
 
 # The broker's jars: scripts/kafka/pom.xml names them, Maven fetches them into $KAFKA_LIB once
@@ -254,8 +260,11 @@ kafka_start() {
 
 # Waits until the current node (started by kafka_start) says it has started.
 kafka_wait() {
-  local d="$KDIR" pid offset
-  pid="$(kafka_pid)" || die "kafka node $KNODE is not running (logs: $d/logs)"
+  local d="$KDIR" pid="" offset
+  # The background subshell becomes the broker when it execs java: until then its command line
+  # is still this script's.
+  for _ in $(seq 1 50); do pid="$(kafka_pid)" && break; sleep 0.1; done
+  [ -n "$pid" ] || die "kafka node $KNODE is not running (logs: $d/logs)"
   offset="$(cat "$d/start-offset" 2>/dev/null || echo 0)"
   for _ in $(seq 1 1200); do
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
@@ -376,7 +385,7 @@ case "$cmd" in
   restart-broker) kafka_down KILL; kafka_up; print_env ;;
   down) rabbit_down; kafka_down TERM; pg_down ;;
   env) print_env ;;
-  ensure-tools) ensure_postgres; ensure_kafka; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
+  ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
     if pg_running; then echo "postgres: running on $HOST:$PG_PORT"; else echo "postgres: stopped"; fi
     for i in $(kafka_nodes); do

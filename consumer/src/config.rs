@@ -71,14 +71,15 @@ pub struct ConsumerConfig {
     /// How long shutdown waits for in-flight transactions before abandoning (rolling back)
     /// them (default 10 s).
     pub shutdown_timeout: Duration,
-    /// How long a processing transaction may wait on this consumer — on its handler between
-    /// statements, or on its network — before PostgreSQL ends it (the transaction's
-    /// `idle_in_transaction_session_timeout` and `tcp_user_timeout`; default 30 s, `None`: no
-    /// limit). A consumer cut off from the database or frozen mid-transaction keeps its
-    /// partition's offset row locked, and the partition's next owner waits for it: this
-    /// bounds the wait. A handler that leaves its transaction idle longer (a slow call made
-    /// inside it) is ended too, and its event retried.
-    pub transaction_idle_timeout: Option<Duration>,
+    /// How long PostgreSQL keeps a processing transaction open once this consumer's host
+    /// stops answering (a network cut, a crashed host): TCP keepalives probe the idle
+    /// connection (first probe after half of it, then three more within the rest) and
+    /// `tcp_user_timeout` bounds unacknowledged sends, set for the transaction's session only
+    /// (default 30 s, `None`: the server's settings). A consumer cut off mid-transaction keeps
+    /// its partition's offset row locked and the partition's next owner waits for it: this
+    /// bounds the wait. A slow handler on a live host is not affected (its host answers the
+    /// probes). Whole seconds.
+    pub lost_connection_timeout: Option<Duration>,
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (the database answers) on this
     /// address while the consumer runs (default: off). One per process.
     pub ops_addr: Option<std::net::SocketAddr>,
@@ -111,7 +112,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("partition_buffer", &self.partition_buffer)
             .field("stall_check", &self.stall_check)
             .field("shutdown_timeout", &self.shutdown_timeout)
-            .field("transaction_idle_timeout", &self.transaction_idle_timeout)
+            .field("lost_connection_timeout", &self.lost_connection_timeout)
             .field("ops_addr", &self.ops_addr)
             .field("kafka", &kafka)
             .finish_non_exhaustive()
@@ -185,7 +186,7 @@ impl ConsumerConfig {
             partition_buffer: 1000,
             stall_check: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(10),
-            transaction_idle_timeout: Some(Duration::from_secs(30)),
+            lost_connection_timeout: Some(Duration::from_secs(30)),
             ops_addr: None,
             kafka: BTreeMap::new(),
         }
@@ -210,7 +211,7 @@ impl ConsumerConfig {
     /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
     /// | `POSTAL_DEDUP_RETENTION_SECS` | [`dedup_retention`](Self::dedup_retention) (`0` = keep forever) |
     /// | `POSTAL_CLEANUP_INTERVAL_SECS` | [`cleanup_interval`](Self::cleanup_interval) |
-    /// | `POSTAL_TRANSACTION_IDLE_TIMEOUT` | [`transaction_idle_timeout`](Self::transaction_idle_timeout) (`30s`, `500ms`; `0s` = no limit) |
+    /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `0s` = the server's settings) |
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
         fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, Error> {
             v.trim()
@@ -247,27 +248,29 @@ impl ConsumerConfig {
         if let Some(v) = var("POSTAL_CLEANUP_INTERVAL_SECS") {
             self.cleanup_interval = Duration::from_secs(parse("POSTAL_CLEANUP_INTERVAL_SECS", &v)?);
         }
-        if let Some(v) = var("POSTAL_TRANSACTION_IDLE_TIMEOUT") {
+        if let Some(v) = var("POSTAL_LOST_CONNECTION_TIMEOUT") {
             let d = humantime::parse_duration(v.trim()).map_err(|e| {
                 Error::Config(format!(
-                    "POSTAL_TRANSACTION_IDLE_TIMEOUT={v:?} is not valid: {e}"
+                    "POSTAL_LOST_CONNECTION_TIMEOUT={v:?} is not valid: {e}"
                 ))
             })?;
-            self.transaction_idle_timeout = (!d.is_zero()).then_some(d);
+            self.lost_connection_timeout = (!d.is_zero()).then_some(d);
         }
         self.validate()?;
         Ok(self)
     }
 
-    /// The statement that opens a processing transaction: `BEGIN`, plus the transaction's
-    /// limits from [`transaction_idle_timeout`](Self::transaction_idle_timeout), in one round
-    /// trip.
+    /// The statement that opens a processing transaction: `BEGIN`, plus the session settings
+    /// of [`lost_connection_timeout`](Self::lost_connection_timeout) for the transaction, in
+    /// one round trip.
     pub(crate) fn begin_statement(&self) -> String {
-        match self.transaction_idle_timeout {
+        match self.lost_connection_timeout {
             Some(d) => {
-                let ms = d.as_millis().clamp(1, i32::MAX as u128);
+                let secs = d.as_secs().clamp(3, i32::MAX as u64 / 1000);
+                let (idle, interval) = (secs / 2, (secs / 2 / 3).max(1));
                 format!(
-                    "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL tcp_user_timeout = {ms}"
+                    "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3; SET LOCAL tcp_user_timeout = {}",
+                    secs * 1000
                 )
             }
             None => "BEGIN".into(),
@@ -410,33 +413,30 @@ mod tests {
             .to_string();
         assert!(err.contains("managed by Postal"), "{err}");
         assert_eq!(
-            c.transaction_idle_timeout,
+            c.lost_connection_timeout,
             Some(Duration::from_secs(30)),
             "default"
         );
-        let c = ConsumerConfig::new("b:9092", "g", "billing")
-            .with_vars(vars(&[("POSTAL_TRANSACTION_IDLE_TIMEOUT", "1500ms")]))
-            .unwrap();
-        assert_eq!(
-            c.transaction_idle_timeout,
-            Some(Duration::from_millis(1500))
-        );
         assert_eq!(
             c.begin_statement(),
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = 1500; SET LOCAL tcp_user_timeout = 1500"
+            "BEGIN; SET LOCAL tcp_keepalives_idle = 15; SET LOCAL tcp_keepalives_interval = 5; SET LOCAL tcp_keepalives_count = 3; SET LOCAL tcp_user_timeout = 30000"
         );
         let c = ConsumerConfig::new("b:9092", "g", "billing")
-            .with_vars(vars(&[("POSTAL_TRANSACTION_IDLE_TIMEOUT", "0s")]))
+            .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "2m")]))
+            .unwrap();
+        assert_eq!(c.lost_connection_timeout, Some(Duration::from_secs(120)));
+        let c = ConsumerConfig::new("b:9092", "g", "billing")
+            .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "0s")]))
             .unwrap();
         assert_eq!(
-            (c.transaction_idle_timeout, c.begin_statement().as_str()),
+            (c.lost_connection_timeout, c.begin_statement().as_str()),
             (None, "BEGIN")
         );
         let err = ConsumerConfig::new("b:9092", "g", "billing")
-            .with_vars(vars(&[("POSTAL_TRANSACTION_IDLE_TIMEOUT", "soon")]))
+            .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "soon")]))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("POSTAL_TRANSACTION_IDLE_TIMEOUT"), "{err}");
+        assert!(err.contains("POSTAL_LOST_CONNECTION_TIMEOUT"), "{err}");
     }
 
     /// Guarantee: consumer overrides that would skip records, process aborted ones, or store

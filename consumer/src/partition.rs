@@ -37,7 +37,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Opens a processing transaction, with the limits of `transaction_idle_timeout`.
+    /// Opens a processing transaction, with the session settings of `lost_connection_timeout`.
     pub(crate) async fn begin(
         &self,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {

@@ -440,8 +440,9 @@ impl HostStack {
             .expect("run scripts/stack.sh up");
         assert!(
             out.status.success(),
-            "stack on {netns} did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "stack on {netns} did not start: {}\nbroker.log: {}",
+            String::from_utf8_lossy(&out.stderr),
+            std::fs::read_to_string(s.dir.join("kafka/logs/broker.log")).unwrap_or_default()
         );
         s
     }

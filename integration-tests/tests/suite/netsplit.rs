@@ -3,23 +3,24 @@
 //! hosts of their own (network namespaces joined by a bridge; see
 //! `postal_integration_tests::hosts`), the order service on the server host. While orders flow:
 //!
-//! 1. a relay host is cut off (its link leaves the bridge: silence, no reset) while it holds
-//!    key-partition leases and claimed rows; the other relay must take its partitions over once
-//!    the leases run out, and when the link comes back the cut-off relay must neither publish
-//!    a key's events out of order nor make anything apply twice;
-//! 2. a consumer host is cut off while its consumers hold partitions and transactions; the
-//!    group moves on without it and its late commits are fenced;
-//! 3. the other relay and consumer host get a slow link (1 Mbit/s token bucket with a deep
+//! 1. a relay host and a consumer host get a slow link (1 Mbit/s token bucket with a deep
 //!    queue, so latency grows with the traffic: this kernel has no netem) for 30 s: no lease
 //!    or partition changes hands. (At 512 kbit/s the link saturates and drops; with the 6 s
 //!    session timeout used here each consumer group then rebalanced once, losing nothing.)
+//! 2. the other relay host is cut off (its link leaves the bridge: silence, no reset) while it
+//!    holds key-partition leases and claimed rows; the first relay must take its partitions
+//!    over once the leases run out, and when the link comes back the cut-off relay must
+//!    neither publish a key's events out of order nor make anything apply twice;
+//! 3. the other consumer host is cut off while its consumers hold partitions and transactions;
+//!    the group moves on without it (every partition advances again within
+//!    `lost_connection_timeout`) and its late commits are fenced.
 //!
 //! Guarantee proved: every order has exactly one ledger row and one invoice, per-customer order
 //! holds in both tables and on both topics (independent reader), nothing is parked or
 //! dead-lettered; plus the recovery times and the number of ownership changes while slow.
 //!
 //! Needs root and iproute2 (it says so and does nothing otherwise), and the binaries
-//! `scripts/test.sh` builds. Knobs: `POSTAL_NETSPLIT_ORDERS` (default 9,000),
+//! `scripts/test.sh` builds. Knobs: `POSTAL_NETSPLIT_ORDERS` (default 15,000),
 //! `POSTAL_NETSPLIT_RATE` (orders/s, default 100).
 
 use std::time::{Duration, Instant};
@@ -61,6 +62,23 @@ async fn lease_map(pool: &PgPool) -> Vec<(i16, Option<uuid::Uuid>)> {
         .fetch_all(pool)
         .await
         .unwrap_or_default()
+}
+
+/// Waits (up to 120 s) until no consumer partition changed hands for 15 s; how long it took.
+async fn settle(pool: &PgPool) -> Option<Duration> {
+    let start = Instant::now();
+    let mut last = (epochs(pool).await, Instant::now());
+    while start.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let e = epochs(pool).await;
+        if e != last.0 {
+            last = (e, Instant::now());
+        }
+        if last.1.elapsed() >= Duration::from_secs(15) {
+            return Some(start.elapsed());
+        }
+    }
+    None
 }
 
 /// Every consumer partition's stored offset, by "group topic[partition]".
@@ -137,7 +155,7 @@ fn cut_and_slow_links_between_hosts_lose_and_double_nothing() {
 }
 
 async fn run(hosts: &TestHosts, stack: &HostStack) {
-    let orders = env_u64("POSTAL_NETSPLIT_ORDERS", 9_000);
+    let orders = env_u64("POSTAL_NETSPLIT_ORDERS", 15_000);
     let rate = env_u64("POSTAL_NETSPLIT_RATE", 100);
     let db = create_db(&stack.database_url()).await;
     let bootstrap = stack.bootstrap();
@@ -220,7 +238,41 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
         "both relays leasing and invoices flowing within 120 s"
     );
 
-    // 1. Relay host cut off with claims in flight.
+    // 1. Slow links that do not cut: no ownership changes hands.
+    // Both groups settled first (their members' joins done): no partition changing hands
+    // for 15 s.
+    let settled = settle(pool).await;
+    eprintln!("  {:>6.1}s groups settled after {settled:?}", at());
+    assert!(settled.is_some(), "consumer groups settled");
+    let (leases_before, epochs_slow) = (lease_map(pool).await, epochs(pool).await);
+    let ledger_slow = count(pool, "ledger").await;
+    let psql_url = format!("postgres://postgres@{}:5432/{}", hosts.addr("srv"), db.name);
+    let fast_rtt = psql_time(hosts, "relay2", &psql_url);
+    hosts.slow("relay2", "1mbit");
+    hosts.slow("cons2", "1mbit");
+    eprintln!(
+        "  {:>6.1}s relay2 and cons2 on 1 Mbit/s links for 30 s",
+        at()
+    );
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let slow_rtt = psql_time(hosts, "relay2", &psql_url);
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let leases_moved = lease_map(pool)
+        .await
+        .iter()
+        .zip(&leases_before)
+        .filter(|(a, b)| a.1 != b.1)
+        .count();
+    let takeovers = epochs(pool).await - epochs_slow;
+    let applied_slow = count(pool, "ledger").await - ledger_slow;
+    hosts.fast("relay2");
+    hosts.fast("cons2");
+    eprintln!(
+        "  {:>6.1}s links fast again: {leases_moved} key partitions and {takeovers} consumer partitions changed hands while slow; {applied_slow} orders billed meanwhile; psql SELECT 1 from relay2 {fast_rtt:?} fast, {slow_rtt:?} slow",
+        at()
+    );
+
+    // 2. Relay host cut off with claims in flight.
     let claimed_before = lease_map(pool).await;
     let in_flight = crate::procs::wait_for_claims_in_flight(pool).await;
     hosts.cut("relay1");
@@ -263,9 +315,36 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
         rejoined
     );
 
-    // 2. Consumer host cut off while its consumers hold partitions and transactions.
+    // 3. Consumer host cut off while its consumers hold partitions and transactions: catch
+    // cons1's services with a transaction open (freeze them, check, cut, thaw), so the cut
+    // always leaves a transaction behind on the server.
     let epochs_before = epochs(pool).await;
+    let open_from_cons1 = format!(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE client_addr = '{}' AND state LIKE 'idle in transaction%'",
+        hosts.addr("cons1")
+    );
+    let cons1 = [2usize, 4];
+    let mut caught = false;
+    for _ in 0..200 {
+        for &i in &cons1 {
+            procs[i].signal("STOP");
+        }
+        if scalar(pool, &open_from_cons1).await.unwrap_or(0) > 0 {
+            caught = true;
+            break;
+        }
+        for &i in &cons1 {
+            procs[i].signal("CONT");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(caught, "cons1 never had a transaction open");
     hosts.cut("cons1");
+    let stuck = scalar(pool, &open_from_cons1).await;
+    for &i in &cons1 {
+        procs[i].signal("CONT");
+    }
     let cut_at = Instant::now();
     eprintln!("  {:>6.1}s cons1 cut off", at());
     // The group moves on: cons2 takes the partitions over (epochs move), and then every
@@ -274,15 +353,6 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
     let moved_on = time_until(Duration::from_secs(60), || async {
         epochs(pool).await > epochs_before
     })
-    .await;
-    let stuck = scalar(
-        pool,
-        &format!(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE client_addr = '{}' AND state LIKE 'idle in transaction%'",
-            hosts.addr("cons1")
-        ),
-    )
     .await;
     let positions_then = positions(pool).await;
     let all_moving = time_until(Duration::from_secs(40), || async {
@@ -321,37 +391,6 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
     assert!(
         all_moving.is_some(),
         "partitions stalled while cons1 was cut off: {lagging:?}"
-    );
-
-    // 3. Slow links that do not cut: no ownership changes hands.
-    // Let the group settle after cons1's return first.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let (leases_before, epochs_slow) = (lease_map(pool).await, epochs(pool).await);
-    let ledger_slow = count(pool, "ledger").await;
-    let psql_url = format!("postgres://postgres@{}:5432/{}", hosts.addr("srv"), db.name);
-    let fast_rtt = psql_time(hosts, "relay2", &psql_url);
-    hosts.slow("relay2", "1mbit");
-    hosts.slow("cons2", "1mbit");
-    eprintln!(
-        "  {:>6.1}s relay2 and cons2 on 1 Mbit/s links for 30 s",
-        at()
-    );
-    tokio::time::sleep(Duration::from_secs(15)).await;
-    let slow_rtt = psql_time(hosts, "relay2", &psql_url);
-    tokio::time::sleep(Duration::from_secs(15)).await;
-    let leases_moved = lease_map(pool)
-        .await
-        .iter()
-        .zip(&leases_before)
-        .filter(|(a, b)| a.1 != b.1)
-        .count();
-    let takeovers = epochs(pool).await - epochs_slow;
-    let applied_slow = count(pool, "ledger").await - ledger_slow;
-    hosts.fast("relay2");
-    hosts.fast("cons2");
-    eprintln!(
-        "  {:>6.1}s links fast again: {leases_moved} key partitions and {takeovers} consumer partitions changed hands while slow; {applied_slow} orders billed meanwhile; psql SELECT 1 from relay2 {fast_rtt:?} fast, {slow_rtt:?} slow",
-        at()
     );
 
     // Drain.

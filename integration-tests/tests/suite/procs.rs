@@ -216,6 +216,16 @@ impl Proc {
         self.child.is_some() && self.started_at.elapsed() >= self.min_uptime
     }
 
+    /// Sends `signal` (`STOP`, `CONT`, …) to the running process.
+    pub(crate) fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("running");
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {}", self.name);
+    }
+
     /// kill -9 (after reading its counters); it starts again after its restart delay.
     pub(crate) fn kill(&mut self) {
         self.assert_alive();
