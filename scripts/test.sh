@@ -21,11 +21,12 @@ step "service binaries the chaos suite runs (postal, order_service, billing_serv
 cargo build -p postal-cli -p postal-examples
 
 step "workspace tests against the local stack (external-services mode)"
-cargo test --workspace --all-targets --no-fail-fast -- --skip chaos::
+cargo test --workspace --all-targets --no-fail-fast -- --skip chaos:: --skip netsplit:: --skip cluster::
 
-step "chaos suite: real binaries, kill -9, broker and PostgreSQL restarts (shown on its own)"
-# POSTAL_CHAOS_SOAK=1 for the long soak (200,000 orders, 60 kills each).
-cargo test -p postal-integration-tests --test suite -- --nocapture chaos::
+step "fault suites, one at a time: kill -9 and restarts (chaos), network partitions between test hosts (netsplit), a 3-node Kafka cluster losing brokers (cluster, short)"
+# POSTAL_CHAOS_SOAK=1 for the long chaos soak (200,000 orders, 60 kills each); the full
+# cluster run is `-- --ignored cluster::`.
+cargo test -p postal-integration-tests --test suite -- --nocapture --test-threads=1 chaos:: netsplit:: cluster::
 
 step "smoke test, external-services mode (shown on its own)"
 POSTAL_EXPECT_MODE=external cargo test -p postal-integration-tests --test suite -- --nocapture smoke
