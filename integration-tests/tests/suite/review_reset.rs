@@ -141,7 +141,7 @@ async fn scenario(max_batch: usize, slow_payload: serde_json::Value, observe: Du
                 .fetch_one(&mut fresh)
                 .await
                 .unwrap(),
-            sqlx::query_scalar("SHOW tcp_user_timeout")
+            sqlx::query_scalar("SHOW client_connection_check_interval")
                 .fetch_one(&mut fresh)
                 .await
                 .unwrap(),
@@ -154,7 +154,7 @@ async fn scenario(max_batch: usize, slow_payload: serde_json::Value, observe: Du
             .fetch_one(&mut *conn)
             .await
             .expect("pool connection usable");
-        let t: String = sqlx::query_scalar("SHOW tcp_user_timeout")
+        let t: String = sqlx::query_scalar("SHOW client_connection_check_interval")
             .fetch_one(&mut *conn)
             .await
             .unwrap();
