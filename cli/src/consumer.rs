@@ -22,8 +22,10 @@ pub enum ConsumerCommand {
     ///
     /// Refused when the target reaches records older than a consumer's dedup retention horizon
     /// (their dedup rows were deleted, so they would apply twice) unless
-    /// `--force-past-retention`. Records' timestamps come from the producing hosts' clocks:
-    /// those up to `--clock-tolerance` newer than the horizon count as older. The group's Kafka offsets are committed too, in an order that
+    /// `--force-past-retention`. Two checks: the group's offset marks (`postal.offset_marks`,
+    /// recorded every 10 minutes by its running consumers: offsets processed before the
+    /// horizon, by the database's clock), and the records' timestamps (the producing hosts'
+    /// clocks: those up to `--clock-tolerance` newer than the horizon count as older). The group's Kafka offsets are committed too, in an order that
     /// never leaves them ahead of the stored ones (a restarted consumer would otherwise fetch
     /// past the replay); the command fails, naming what to do, when that cannot be done.
     Reset {
@@ -157,9 +159,63 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         anyhow::Ok((positions, past))
     })
     .await??;
+    // The group's own record of where it stood (database clock). Records processed before
+    // the horizon lie below the highest position the group had reached by then; marks are
+    // taken every 10 minutes and by every reset before it moves (the position it leaves), so
+    // that is the highest mark up to the first one at least 10 minutes after the horizon
+    // (transactions longer than that are not expected). With no mark after the horizon (the
+    // group has not run since) or none before it (its history began after it): everything
+    // below the highest mark or its stored offset may be that old. A target below it may reach records whose
+    // dedup rows were deleted, whatever their timestamps. (Only consulted with a horizon.)
+    let marked: HashMap<i32, i64> = match &horizon {
+        Some((_, h)) => {
+            let marks: Vec<(i32, i64, DateTime<Utc>)> = sqlx::query_as(
+                "SELECT partition, next_offset, marked_at FROM postal.offset_marks
+                 WHERE group_id = $1 AND topic = $2 ORDER BY partition, marked_at",
+            )
+            .bind(&group)
+            .bind(&topic)
+            .fetch_all(pool)
+            .await?;
+            let after = *h + chrono::Duration::minutes(10);
+            let mut out = HashMap::new();
+            for &(p, _) in &positions {
+                let of_p: Vec<&(i32, i64, DateTime<Utc>)> =
+                    marks.iter().filter(|m| m.0 == p).collect();
+                let until = of_p.iter().find(|m| m.2 >= after).map(|m| m.2);
+                // Marks that begin after the horizon (a Postal without marks ran before) tell
+                // nothing about how far the group had got by then.
+                let covered = of_p.iter().any(|m| m.2 <= *h);
+                let bound = match until {
+                    Some(u) if covered => of_p.iter().filter(|m| m.2 <= u).map(|m| m.1).max(),
+                    _ => of_p.iter().map(|m| m.1).max().max(stored.get(&p).copied()),
+                };
+                if let Some(n) = bound {
+                    out.insert(p, n);
+                }
+            }
+            out
+        }
+        None => HashMap::new(),
+    };
+    let past = positions
+        .iter()
+        .filter(|(p, o)| stored.get(p).is_none_or(|s| o < s))
+        .find_map(|&(p, o)| {
+            let n = *marked.get(&p)?;
+            (o < n).then(|| {
+                // With both checks refusing, the later safe offset.
+                let safe = match past {
+                    Some((pp, _, s)) if pp == p => s.max(n),
+                    _ => n,
+                };
+                (p, o, safe)
+            })
+        })
+        .or(past);
     if let (Some((consumer, h)), Some((partition, offset, safe))) = (&horizon, past) {
         anyhow::bail!(
-            "{topic}[{partition}] offset {offset} holds records older than consumer {consumer:?}'s dedup retention horizon ({}, plus --clock-tolerance {}): their dedup rows were deleted, so a replay would apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
+            "{topic}[{partition}] offset {offset} may hold records processed before consumer {consumer:?}'s dedup retention horizon ({}; by the group's offset marks, or record timestamps within --clock-tolerance {}): their dedup rows may be deleted, so a replay could apply them twice; reset to offset {safe} or later, or pass --force-past-retention if applying them twice is acceptable",
             h.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             humantime::format_duration(clock_tolerance)
         );
@@ -211,6 +267,20 @@ async fn store(
     positions: &[(i32, i64)],
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
+    // The position the group leaves, as an offset mark: a later reset must know how far it had
+    // got, even if it moved back before the next periodic mark.
+    let partitions: Vec<i32> = positions.iter().map(|(p, _)| *p).collect();
+    sqlx::query(
+        "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset)
+         SELECT group_id, topic, partition, next_offset FROM postal.consumer_offsets
+         WHERE group_id = $1 AND topic = $2 AND partition = ANY($3) AND next_offset IS NOT NULL
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(&partitions)
+    .execute(&mut *tx)
+    .await?;
     for (partition, offset) in positions {
         sqlx::query(
             "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset, owner)

@@ -857,7 +857,7 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line: {stderr}");
     assert!(
-        lines[0].starts_with(&format!("error: {topic}[0] offset 0 holds records older than consumer \"cli-test\"'s dedup retention horizon")),
+        lines[0].starts_with(&format!("error: {topic}[0] offset 0 may hold records processed before consumer \"cli-test\"'s dedup retention horizon")),
         "{stderr}"
     );
     assert!(
@@ -872,8 +872,121 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
 
     // Naming only a consumer whose rows were never deleted: nothing to protect.
     assert!(ok(reset("1", &["--consumer", "other"])).contains("-> next offset 1"));
+    // The move back left a mark of the position it left (3).
+    let left: Vec<i64> = sqlx::query_scalar(
+        "SELECT next_offset FROM postal.offset_marks WHERE group_id = $1 AND topic = $2",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, vec![3], "the reset marked the position it left");
     assert!(ok(reset("earliest", &["--force-past-retention"])).contains("-> next offset 0"));
     assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(0));
+}
+
+/// Guarantee: `postal consumer reset` refuses a target below the highest position the group's
+/// offset marks (`postal.offset_marks`, database clock) show it had reached by the first mark
+/// after the dedup horizon, even when every record's timestamp is newer than the horizon (a
+/// producer clock far ahead) and when the group had moved back meanwhile, and names the offset
+/// to reset to; a target at or above it is accepted. (Failed before the marks: only
+/// timestamps were checked and `--to 2` was accepted, so the replay would apply records whose
+/// dedup rows were deleted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reset_refuses_targets_below_the_groups_offset_marks() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("marks"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    produce_at(&e.bootstrap, &topic, &[now; 8]).await;
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         VALUES ('cli-test', gen_random_uuid(), now() - interval '8 days')",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let mut cleanup = postal(&e.url);
+    cleanup.args(["cleanup", "--dedup-retention", "7d"]);
+    assert!(ok(cleanup).contains("dedup cli-test: deleted 1 row(s)"));
+    // The group had reached 5 an hour before the horizon; a move back to 1 (a reset whose own
+    // mark was lost, or an older Postal's) was marked twenty minutes after it; it stood at 8
+    // later and now. Records 1..5 were processed before the horizon although the first mark
+    // after it says 1 (a review found the first version trusting that mark: `--to 3`
+    // accepted).
+    sqlx::query(
+        "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset, marked_at)
+         VALUES ($1, $2, 0, 5, now() - interval '8 days' - interval '1 hour'),
+                ($1, $2, 0, 1, now() - interval '8 days' + interval '20 minutes'),
+                ($1, $2, 0, 8, now() - interval '8 days' + interval '40 minutes'),
+                ($1, $2, 0, 8, now() - interval '1 minute');
+         ",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset)
+         VALUES ($1, $2, 0, 8)",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let reset = |to: &str| {
+        let mut c = postal(&e.url);
+        c.args([
+            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", to,
+        ])
+        .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        c
+    };
+    for to in ["2", "3"] {
+        let refused = reset(to).output().unwrap();
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success(), "--to {to}: {stderr}");
+        assert!(stderr.contains("reset to offset 5 or later"), "{stderr}");
+    }
+    assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(8));
+    assert!(ok(reset("5")).contains("-> next offset 5"));
+}
+
+/// Guarantee: a running consumer records where its group stands in `postal.offset_marks`
+/// (what `postal consumer reset` reads), at most every 10 minutes per partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_consumer_marks_its_offsets() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("marking"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    produce(&e.bootstrap, &topic, &["{}"; 3]).await;
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group.clone(), "cli-test");
+    config.cleanup_interval = Duration::from_millis(200);
+    let consumer = Consumer::builder(e.pool.clone(), config)
+        .on(&topic, "job", record)
+        .build()
+        .unwrap();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run(async move {
+        let _ = rx.await;
+    }));
+    let pool = e.pool.clone();
+    until("a mark of the group's offset", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.offset_marks WHERE group_id = $1 AND next_offset > 0",
+        )
+        .bind(&group)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
 }
 
 /// Guarantee: a running consumer exports the age of its oldest dedup row as

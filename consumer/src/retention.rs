@@ -90,6 +90,40 @@ pub async fn oldest_dedup_age(pool: &PgPool, consumer: &str) -> Result<Option<f6
     .await
 }
 
+/// How often a running consumer records where its group stands (`postal.offset_marks`).
+pub const MARK_EVERY: Duration = Duration::from_secs(600);
+
+/// Records where `group` stands on each partition (`postal.offset_marks`) unless it was
+/// recorded less than [`MARK_EVERY`] ago, and deletes the group's marks older than `keep`.
+/// `postal consumer reset` reads them to tell which offsets were processed before a dedup
+/// horizon. Returns the number of marks written.
+pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<u64, sqlx::Error> {
+    let written = sqlx::query(
+        "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset)
+         SELECT c.group_id, c.topic, c.partition, c.next_offset FROM postal.consumer_offsets c
+         WHERE c.group_id = $1 AND c.next_offset IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM postal.offset_marks m
+                           WHERE m.group_id = c.group_id AND m.topic = c.topic
+                             AND m.partition = c.partition
+                             AND m.marked_at > now() - $2 * interval '1 millisecond')
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(group)
+    .bind(MARK_EVERY.as_millis() as i64)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    sqlx::query(
+        "DELETE FROM postal.offset_marks
+         WHERE group_id = $1 AND marked_at < now() - $2 * interval '1 millisecond'",
+    )
+    .bind(group)
+    .bind(keep.as_millis() as i64)
+    .execute(pool)
+    .await?;
+    Ok(written)
+}
+
 /// Name of the gauge of the age of a consumer's oldest dedup row, label `consumer`.
 pub const DEDUP_OLDEST_GAUGE: &str = "postal_consumer_dedup_oldest_seconds";
 

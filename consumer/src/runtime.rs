@@ -250,6 +250,7 @@ impl Consumer {
         let mut dlq = AbortOnDropHandle::new(tokio::spawn(dlq.run(stop.clone())));
         let housekeeping = AbortOnDropHandle::new(tokio::spawn(housekeeping(
             shared.pool.clone(),
+            config.group.clone(),
             config.consumer.clone(),
             config.dedup_retention,
             config.cleanup_interval,
@@ -438,15 +439,23 @@ fn apply(
 
 /// Deletes expired dedup rows every `interval` (one instance at a time) and reports the age of
 /// the oldest dedup row left (`postal_consumer_dedup_oldest_seconds`), at start and after every
-/// round (also when retention is off: the gauge then shows how far back dedup reaches).
+/// round (also when retention is off: the gauge then shows how far back dedup reaches). Also
+/// records where the group stands every 10 minutes (`retention::mark_offsets`), kept for the
+/// dedup retention (30 days without one) plus a day.
 async fn housekeeping(
     pool: PgPool,
+    group: String,
     consumer: String,
     retention: Option<Duration>,
     interval: Duration,
     stop: CancellationToken,
 ) {
+    let keep =
+        retention.unwrap_or(Duration::from_secs(30 * 24 * 3600)) + Duration::from_secs(24 * 3600);
     loop {
+        if let Err(e) = crate::retention::mark_offsets(&pool, &group, keep).await {
+            tracing::debug!(error = %e, "cannot record the group's offsets");
+        }
         match crate::retention::oldest_dedup_age(&pool, &consumer).await {
             Ok(age) => crate::retention::report_oldest_dedup_age(&consumer, age),
             Err(e) => tracing::debug!(error = %e, "cannot read the oldest dedup row's age"),

@@ -28,6 +28,7 @@ mod rebalance;
 mod relay;
 mod relay_random;
 mod review_consumer;
+mod review_marks;
 mod review_reset;
 mod smoke;
 mod takeover;
