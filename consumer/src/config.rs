@@ -73,13 +73,15 @@ pub struct ConsumerConfig {
     pub shutdown_timeout: Duration,
     /// How long PostgreSQL keeps a processing transaction open once this consumer's host
     /// stops answering (a network cut, a crashed host): TCP keepalives probe the connection
-    /// (first probe after half of it, then three more within the rest) and
-    /// `client_connection_check_interval` makes a running statement notice the dead
-    /// connection too, set for the transaction's session only (default 30 s, `None`: the
-    /// server's settings). A consumer cut off mid-transaction keeps its partition's offset row
+    /// (first probe after half of it, then three more within the rest), `tcp_user_timeout`
+    /// bounds data sent and not acknowledged, and `client_connection_check_interval` makes a
+    /// running statement notice the dead connection too, set for the transaction's session
+    /// only (default 30 s, `None`: the server's settings). A consumer cut off mid-transaction keeps its partition's offset row
     /// locked and the partition's next owner waits for it: this bounds the wait. A slow
     /// handler on a live host is not affected (its host answers the probes), nor is a frozen
-    /// process (its kernel answers them): that one holds its partitions until it thaws. Whole
+    /// process (its kernel answers them): that one holds its partitions until it thaws. One
+    /// exception: a handler that stops reading a query result larger than both socket
+    /// buffers (tens of MB) for longer than this is cut, and retried as an outage. Whole
     /// seconds, 3 s to 18 h.
     pub lost_connection_timeout: Option<Duration>,
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (the database answers) on this
@@ -271,10 +273,14 @@ impl ConsumerConfig {
                 // Linux takes keepalive times up to 32,767 s.
                 let secs = d.as_secs().clamp(3, 65_534);
                 let (idle, interval) = (secs / 2, (secs / 2 / 3).max(1));
-                // No `tcp_user_timeout`: it also aborts a live client that reads a large result
-                // slowly (a zero receive window), on every attempt.
+                // Keepalives cover an idle connection, `tcp_user_timeout` one with data the
+                // server sent unacknowledged (no keepalive is sent then: without it the kernel
+                // retransmits for ~15 min), `client_connection_check_interval` a running
+                // statement. Known cost: `tcp_user_timeout` also aborts a live client that
+                // stops reading a result larger than both socket buffers for that long.
                 format!(
-                    "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3; SET LOCAL client_connection_check_interval = {}",
+                    "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3; SET LOCAL tcp_user_timeout = {}; SET LOCAL client_connection_check_interval = {}",
+                    secs * 1000,
                     interval * 1000
                 )
             }
@@ -424,7 +430,7 @@ mod tests {
         );
         assert_eq!(
             c.begin_statement(),
-            "BEGIN; SET LOCAL tcp_keepalives_idle = 15; SET LOCAL tcp_keepalives_interval = 5; SET LOCAL tcp_keepalives_count = 3; SET LOCAL client_connection_check_interval = 5000"
+            "BEGIN; SET LOCAL tcp_keepalives_idle = 15; SET LOCAL tcp_keepalives_interval = 5; SET LOCAL tcp_keepalives_count = 3; SET LOCAL tcp_user_timeout = 30000; SET LOCAL client_connection_check_interval = 5000"
         );
         let c = ConsumerConfig::new("b:9092", "g", "billing")
             .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "2m")]))
