@@ -94,7 +94,8 @@ pub async fn oldest_dedup_age(pool: &PgPool, consumer: &str) -> Result<Option<f6
 pub const MARK_EVERY: Duration = Duration::from_secs(600);
 
 /// Records where `group` stands on each partition (`postal.offset_marks`) unless it was
-/// recorded less than [`MARK_EVERY`] ago, and deletes the group's marks older than `keep`.
+/// recorded less than [`MARK_EVERY`] ago, and folds the group's marks older than `keep` into
+/// one per partition (their highest position, at the latest of their times).
 /// `postal consumer reset` reads them to tell which offsets were processed before a dedup
 /// horizon. Returns the number of marks written.
 pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<u64, sqlx::Error> {
@@ -113,14 +114,44 @@ pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<
     .execute(pool)
     .await?
     .rows_affected();
-    sqlx::query(
-        "DELETE FROM postal.offset_marks
-         WHERE group_id = $1 AND marked_at < now() - $2 * interval '1 millisecond'",
+    // Pruning folds the marks older than `keep` into one per partition: the highest position
+    // among them, at the latest of their times. A reset's bound is the highest position marked
+    // up to a point in time, so dropping old marks outright could drop the one high mark (a
+    // reset's pre-move mark) that a lagging horizon still needs (found by a review).
+    let mut tx = pool.begin().await?;
+    let folded: Vec<(String, i32, i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT topic, partition, max(next_offset), max(marked_at) FROM postal.offset_marks
+         WHERE group_id = $1 AND marked_at < now() - $2 * interval '1 millisecond'
+         GROUP BY topic, partition HAVING count(*) > 1",
     )
     .bind(group)
     .bind(keep.as_millis() as i64)
-    .execute(pool)
+    .fetch_all(&mut *tx)
     .await?;
+    for (topic, partition, next_offset, marked_at) in folded {
+        sqlx::query(
+            "DELETE FROM postal.offset_marks
+             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND marked_at <= $4",
+        )
+        .bind(group)
+        .bind(&topic)
+        .bind(partition)
+        .bind(marked_at)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset, marked_at)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(group)
+        .bind(&topic)
+        .bind(partition)
+        .bind(next_offset)
+        .bind(marked_at)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
     Ok(written)
 }
 
