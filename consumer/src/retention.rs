@@ -122,7 +122,7 @@ pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<
     let folded: Vec<(String, i32, i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
         "SELECT topic, partition, max(next_offset), max(marked_at) FROM postal.offset_marks
          WHERE group_id = $1 AND marked_at < now() - $2 * interval '1 millisecond'
-         GROUP BY topic, partition HAVING count(*) > 1",
+         GROUP BY topic, partition HAVING count(*) > 1 ORDER BY topic, partition",
     )
     .bind(group)
     .bind(keep.as_millis() as i64)
@@ -141,7 +141,7 @@ pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<
         .await?;
         sqlx::query(
             "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset, marked_at)
-             VALUES ($1, $2, $3, $4, $5)",
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
         )
         .bind(group)
         .bind(&topic)
