@@ -20,13 +20,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 /// `BEGIN` round trip runs in a task of its own, so a cancelled caller leaves a transaction
 /// that is then dropped whole (and rolled back) instead of a connection stuck inside one.
 pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-    use tracing::Instrument as _;
-    let pool = pool.clone();
-    match tokio::spawn(async move { pool.begin().await }.in_current_span()).await {
-        Ok(result) => result,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => Err(sqlx::Error::PoolClosed),
-    }
+    begin_with(pool, "BEGIN".into()).await
 }
 
 /// [`begin`] with a custom opening statement (`BEGIN` followed by `SET LOCAL`s, sent as one

@@ -29,7 +29,6 @@ mod relay;
 mod relay_random;
 mod review_consumer;
 mod review_marks;
-mod review_marks2;
 mod review_reset;
 mod smoke;
 mod takeover;

@@ -198,7 +198,7 @@ async fn a_slow_handler_on_a_live_host_is_not_cut_off() {
 // ---------------------------------------------------------------------------------------
 
 /// Produces job events n in `ns` to `topic[0]`, each with an explicit CreateTime.
-async fn produce_jobs_at(bootstrap: &str, topic: &str, jobs: &[(i64, i64)]) {
+pub(crate) async fn produce_jobs_at(bootstrap: &str, topic: &str, jobs: &[(i64, i64)]) {
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = rdkafka::ClientConfig::new()
