@@ -27,6 +27,7 @@
 //! ```
 
 pub mod backlog;
+mod checkout;
 pub mod claim;
 pub mod complete;
 mod config;
@@ -39,6 +40,7 @@ mod kafka_overrides;
 mod key_chain;
 pub mod lease;
 #[cfg(feature = "rabbitmq")]
+mod outcome;
 mod rabbitmq;
 mod relay;
 pub mod retention;

@@ -11,23 +11,15 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::checkout;
 use crate::claim;
-use crate::complete::Failure;
 use crate::config::RelayConfig;
 use crate::enqueue::NOTIFY_CHANNEL;
 use crate::key_chain::{self, KeyChain};
 use crate::lease;
+use crate::outcome;
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 use crate::Error;
-
-/// Longest pause while the destination is unreachable: the backoff grows up to here, not to
-/// `backoff.max`, so a relay resumes within seconds of the broker coming back.
-const MAX_UNAVAILABLE_PAUSE: Duration = Duration::from_secs(10);
-
-/// When an event that waits for its destination (e.g. a missing topic) is claimed again. Long:
-/// each retry rewrites the row, and a backlog of waiting events rewritten faster than this
-/// comes due again before the relay gets past it to other topics' events.
-const WAITING_RETRY: Duration = Duration::from_secs(60);
 
 /// Why a batch in flight was given up (logged).
 #[derive(Debug)]
@@ -68,13 +60,6 @@ pub struct RelayStats {
     pub parked: u64,
     /// Failed publishes rescheduled for a retry.
     pub retried: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    published: std::sync::atomic::AtomicU64,
-    parked: std::sync::atomic::AtomicU64,
-    retried: std::sync::atomic::AtomicU64,
 }
 
 /// A relay instance. Several may run against one database; each claims with its own id.
@@ -133,7 +118,7 @@ impl<T: Transport> Relay<T> {
             pool: self.pool.clone(),
             transport: self.transport.clone(),
             config: self.config.clone(),
-            counters: Arc::new(Counters::default()),
+            counters: Arc::new(outcome::Counters::default()),
             unavailable_streak: Arc::new(AtomicU32::new(0)),
             paused_until: Arc::new(std::sync::Mutex::new(None::<Instant>)),
             slots: Arc::new(Semaphore::new(self.config.max_in_flight_batches)),
@@ -146,7 +131,14 @@ impl<T: Transport> Relay<T> {
             id: self.id,
             record_gate: tokio::sync::RwLock::new(()),
             key_chain: KeyChain::default(),
-            chained: self.transport.chains_keys_across_batches(),
+            // Checked-out rows hold back their keys in the database: no chain needed.
+            chained: self.transport.chains_keys_across_batches()
+                || self.transport.checks_out().is_some(),
+            checkout: self
+                .transport
+                .checks_out()
+                .map(|n| Arc::new(Semaphore::new(n.max(1)))),
+            wake: wake_tx.clone(),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
         // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
@@ -202,9 +194,17 @@ impl<T: Transport> Relay<T> {
             }
         }
         let all = self.config.max_in_flight_batches as u32;
-        let drained =
-            tokio::time::timeout(self.config.shutdown_timeout, shared.slots.acquire_many(all))
-                .await;
+        // Checked-out events hold no slot but a permit of their own: wait for those too.
+        let checked_out = self.transport.checks_out().map_or(0, |n| n.max(1) as u32);
+        let drained = tokio::time::timeout(self.config.shutdown_timeout, async {
+            let slots = shared.slots.acquire_many(all).await;
+            let events = match &shared.checkout {
+                Some(room) => Some(room.acquire_many(checked_out).await),
+                None => None,
+            };
+            (slots, events)
+        })
+        .await;
         if drained.is_err() {
             tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
         }
@@ -239,7 +239,7 @@ struct Shared<T: Transport> {
     pool: PgPool,
     transport: Arc<T>,
     config: RelayConfig,
-    counters: Arc<Counters>,
+    counters: Arc<outcome::Counters>,
     unavailable_streak: Arc<AtomicU32>,
     paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
     slots: Arc<Semaphore>,
@@ -268,8 +268,14 @@ struct Shared<T: Transport> {
     /// later events) then hands them over before the transport hears of that commit, and the
     /// transport chains them behind the failure.
     record_gate: tokio::sync::RwLock<()>,
-    /// [`Transport::chains_keys_across_batches`], asked once.
+    /// [`Transport::chains_keys_across_batches`], asked once (or [`Transport::checks_out`]).
     chained: bool,
+    /// With a transport that [`Transport::checks_out`]: claims check their rows out
+    /// ([`checkout`]), and this bounds the events in flight (a permit each).
+    checkout: Option<Arc<Semaphore>>,
+    /// Wakes the claim loops (a checked-out event's outcome was recorded: its key's next
+    /// event may be claimable).
+    wake: tokio::sync::watch::Sender<u64>,
     /// For every other transport: the relay's own chain of keys across its batches in flight
     /// ([`crate::key_chain`]), behind the same record gate.
     key_chain: KeyChain,
@@ -536,6 +542,99 @@ impl<T: Transport> Shared<T> {
 
     /// One claim loop over its share ([`lane_share`]) of the owned key partitions.
     /// Returns its outstanding completions on shutdown.
+    /// Checks out the first row of each key in a claimed batch ([`checkout`]), commits the
+    /// claim and hands each checked-out event to the transport on its own; a task of the
+    /// lane's batches in flight then renews their run leases and records each outcome when it
+    /// is known.
+    async fn check_out(
+        self: &Arc<Self>,
+        claim: claim::Claim,
+        batch: Vec<OutboundEvent>,
+        claim_started: Instant,
+        gate: tokio::sync::RwLockReadGuard<'_, ()>,
+        permits: CheckOutPermits,
+        completions: &mut tokio::task::JoinSet<()>,
+    ) -> bool {
+        let CheckOutPermits {
+            slots,
+            events: mut events_permit,
+        } = permits;
+        use futures::FutureExt as _;
+        let lease = self.config.lease;
+        // The run leases end `lease` after the claim's start by the database's clock, which
+        // read it after this process's clock read `claim_started`.
+        let renewed_at = tokio::time::Instant::from_std(claim_started);
+        let (heads, writes) = checkout::plan(&batch, lease);
+        match tokio::time::timeout(lease / 4, claim.complete(&batch, &[], &writes)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, events = batch.len(), "could not check out claimed events; they are claimed again");
+                return false;
+            }
+            Err(_) => {
+                tracing::warn!(events = batch.len(), "checking out claimed events took longer than a quarter of the lease; given up (they run when their run leases end, if it committed)");
+                return false;
+            }
+        }
+        drop(gate);
+        if tokio::time::Instant::now() >= renewed_at + lease - lease / 4 {
+            tracing::warn!(events = heads.len(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over: they run again when their run leases end");
+            return true;
+        }
+        let events: Vec<OutboundEvent> = heads.into_iter().map(|i| batch[i].clone()).collect();
+        let mut in_flight: Vec<checkout::InFlight> = Vec::with_capacity(events.len());
+        for e in &events {
+            let acks = self.transport.send(std::slice::from_ref(e)).await;
+            in_flight.push(
+                async move {
+                    acks.await.into_iter().next().unwrap_or_else(|| {
+                        Err(PublishError::new(
+                            FailureKind::Unavailable,
+                            "the destination returned no outcome",
+                        ))
+                    })
+                }
+                .boxed(),
+            );
+        }
+        // The claim slots are free again: the checked-out rows hold their keys in the
+        // database, so claims (and changes of the lanes' split) need not wait for them.
+        drop(slots);
+        // One permit per event in flight.
+        if let Some(unused) = events_permit.num_permits().checked_sub(events.len()) {
+            drop(events_permit.split(unused));
+        }
+        let shared = self.clone();
+        completions.spawn(async move {
+            let judge = outcome::Judge {
+                config: shared.config.clone(),
+                counters: shared.counters.clone(),
+                unavailable_streak: shared.unavailable_streak.clone(),
+                paused_until: shared.paused_until.clone(),
+            };
+            let events_permit = std::sync::Mutex::new(events_permit);
+            let notify = |e: &OutboundEvent, ok: bool| {
+                drop(events_permit.lock().expect("permit lock").split(1));
+                shared.transport.recorded(std::slice::from_ref(e), ok);
+                if ok {
+                    shared.wake.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            };
+            let driver = checkout::Driver {
+                pool: &shared.pool,
+                lease,
+                keeping: checkout::Keeping {
+                    delete: shared.config.delete_on_publish,
+                    history: shared.config.history.is_some(),
+                },
+                judge: &judge,
+                recorded: &notify,
+            };
+            checkout::drive(driver, events, in_flight, renewed_at).await;
+        });
+        true
+    }
+
     async fn lane(
         self: Arc<Self>,
         lane: usize,
@@ -582,6 +681,22 @@ impl<T: Transport> Shared<T> {
             // claim their own shares with up to `max_in_flight_batches` batches in flight, and
             // so do they always for a transport that chains each key's events across batches
             // (the task runner: one long task must not stop the claims of every other key).
+            // Checking out: no more events than the transport takes at once (one permit each,
+            // released as their outcomes are recorded).
+            let mut limit = self.config.batch_size;
+            let mut events_permit = None;
+            if let Some(room) = &self.checkout {
+                let mut p = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    p = room.clone().acquire_owned() => p.expect("semaphore never closed"),
+                };
+                let more = room.available_permits().min(limit.saturating_sub(1));
+                if let Ok(extra) = room.clone().try_acquire_many_owned(more as u32) {
+                    p.merge(extra);
+                }
+                limit = p.num_permits();
+                events_permit = Some(p);
+            }
             let light = !chained && !self.backlogged.load(Ordering::Relaxed);
             let all = self.config.max_in_flight_batches as u32;
             let own = tokio::select! {
@@ -624,9 +739,10 @@ impl<T: Transport> Shared<T> {
                 &self.pool,
                 self.id,
                 &partitions,
-                self.config.batch_size,
+                limit,
                 self.config.lease,
-                self.config.delete_on_publish,
+                // Checked-out rows stay in the outbox while they are in flight.
+                self.config.delete_on_publish && self.checkout.is_none(),
                 &self.config.topics,
             )
             .await;
@@ -669,8 +785,35 @@ impl<T: Transport> Shared<T> {
                 claim.keep_history();
             }
             let batch = claim.take_events();
-            let full = batch.len() == self.config.batch_size;
+            let full = batch.len() == limit;
             self.backlogged.store(full, Ordering::Relaxed);
+            if let Some(events_permit) = events_permit.take() {
+                if self
+                    .check_out(
+                        claim,
+                        batch,
+                        claim_started,
+                        gate,
+                        CheckOutPermits {
+                            slots: [permit, own],
+                            events: events_permit,
+                        },
+                        &mut completions,
+                    )
+                    .await
+                {
+                    db_failures = 0;
+                } else {
+                    // As after a failed claim: back off.
+                    let wait = self.config.backoff.delay(db_failures);
+                    db_failures = db_failures.saturating_add(1);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(wait.max(Duration::from_millis(100))) => {}
+                    }
+                }
+                continue;
+            }
             let started = Instant::now();
             let claim_time = started - claim_started;
             // How long the oldest event of the batch had existed when the claim started
@@ -748,7 +891,7 @@ impl<T: Transport> Shared<T> {
                 // Handed over in order: other lanes may claim again (keep one slot).
                 drop(permit.split(all as usize - 1));
             }
-            let ctx = CompleteCtx {
+            let ctx = outcome::Judge {
                 config: self.config.clone(),
                 counters: self.counters.clone(),
                 unavailable_streak: self.unavailable_streak.clone(),
@@ -890,6 +1033,15 @@ where
     .boxed()
 }
 
+/// What a lane holds while it checks out a claim.
+struct CheckOutPermits {
+    /// The lane's claim slots (the relay's and its own), freed once the events are handed
+    /// over.
+    slots: [tokio::sync::OwnedSemaphorePermit; 2],
+    /// A permit per claimed event, each freed when its outcome is recorded.
+    events: tokio::sync::OwnedSemaphorePermit,
+}
+
 /// Waits for the claim loops to return, collecting their sets of batches in flight.
 async fn join_lanes(
     lanes: &mut tokio::task::JoinSet<tokio::task::JoinSet<()>>,
@@ -919,14 +1071,7 @@ fn lane_share(owned: &[i16], lanes: usize, lane: usize) -> Vec<i16> {
     owned[lane * n / lanes..(lane + 1) * n / lanes].to_vec()
 }
 
-struct CompleteCtx {
-    config: RelayConfig,
-    counters: Arc<Counters>,
-    unavailable_streak: Arc<AtomicU32>,
-    paused_until: Arc<std::sync::Mutex<Option<Instant>>>,
-}
-
-impl CompleteCtx {
+impl outcome::Judge {
     /// Records the batch's outcomes on its claim; `false` when that failed (the claim rolled
     /// back).
     async fn record(
@@ -935,78 +1080,10 @@ impl CompleteCtx {
         batch: &[OutboundEvent],
         outcomes: Vec<Result<(), PublishError>>,
     ) -> bool {
-        let mut published = Vec::with_capacity(batch.len());
-        let mut failures = Vec::new();
-        let mut any_unavailable = false;
-        let streak = self.unavailable_streak.load(Ordering::Relaxed);
-        // Keys with a failed event earlier in this batch: their later failures were caused by
-        // (or queued behind) it and do not count as attempts of their own.
-        let mut failed_keys: std::collections::HashSet<&str> = std::collections::HashSet::new();
-        for (event, outcome) in batch.iter().zip(outcomes) {
-            let outcome = match outcome {
-                Err(_) if !failed_keys.insert(event.key.as_str()) => Err(PublishError::new(
-                    FailureKind::HeldBack,
-                    "an earlier event of this key failed",
-                )),
-                other => other,
-            };
-            match outcome {
-                Ok(()) => published.push(event.seq),
-                Err(err) if err.kind == FailureKind::HeldBack => failures.push(Failure {
-                    seq: event.seq,
-                    counts: false,
-                    park: false,
-                    hold: false,
-                    retry_in: Duration::ZERO,
-                    reason: None,
-                }),
-                Err(err) => {
-                    let counts =
-                        !matches!(err.kind, FailureKind::Unavailable | FailureKind::Waiting);
-                    let attempts = event.attempts + i32::from(counts);
-                    // Only a failure that counts can use up the attempts (an event whose count
-                    // is already at a lowered `max_attempts` is not parked for an outage).
-                    let park = err.kind == FailureKind::Permanent
-                        || (counts && attempts >= self.config.max_attempts);
-                    let retry_in = match err.kind {
-                        FailureKind::Unavailable => {
-                            any_unavailable = true;
-                            self.config.backoff.delay(streak).min(MAX_UNAVAILABLE_PAUSE)
-                        }
-                        FailureKind::Waiting => WAITING_RETRY,
-                        _ => self.config.backoff.delay(attempts.max(0) as u32),
-                    };
-                    if park {
-                        tracing::warn!(event_id = %event.id, topic = %event.topic, key = %event.key, attempts, reason = %err.reason, "event parked as failed");
-                    } else if err.kind == FailureKind::Waiting {
-                        tracing::debug!(event_id = %event.id, reason = %err.reason, "event waits for its destination");
-                    } else {
-                        tracing::debug!(event_id = %event.id, reason = %err.reason, "publish failed; will retry");
-                    }
-                    failures.push(Failure {
-                        seq: event.seq,
-                        counts,
-                        park,
-                        hold: true,
-                        retry_in,
-                        reason: Some(err.reason),
-                    });
-                }
-            }
-        }
-        if any_unavailable {
-            let n = self.unavailable_streak.fetch_add(1, Ordering::Relaxed);
-            let wait = self
-                .config
-                .backoff
-                .delay(n)
-                .clamp(Duration::from_millis(200), MAX_UNAVAILABLE_PAUSE);
-            tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().find(|f| !f.counts).and_then(|f| f.reason.as_deref()).unwrap_or(""), "destination unavailable; pausing the relay");
-            *self.paused_until.lock().expect("pause lock") = Some(Instant::now() + wait);
-        } else if !published.is_empty() {
-            self.unavailable_streak.store(0, Ordering::Relaxed);
-        }
-
+        let outcome::Verdict {
+            published,
+            failures,
+        } = self.verdict(batch, outcomes);
         // Record the outcome on the claim's transaction. If that fails (database gone), the
         // transaction rolls back and the rows are republished later: duplicates, never loss.
         match claim.complete(batch, &published, &failures).await {
@@ -1020,16 +1097,7 @@ impl CompleteCtx {
                 return false;
             }
         }
-        let parked = failures.iter().filter(|f| f.park).count() as u64;
-        let retried = failures.len() as u64 - parked;
-        self.counters
-            .published
-            .fetch_add(published.len() as u64, Ordering::Relaxed);
-        self.counters.parked.fetch_add(parked, Ordering::Relaxed);
-        self.counters.retried.fetch_add(retried, Ordering::Relaxed);
-        metrics::counter!("postal_relay_published_total").increment(published.len() as u64);
-        metrics::counter!("postal_relay_failed_total").increment(parked);
-        metrics::counter!("postal_relay_retried_total").increment(retried);
+        self.count(published.len(), &failures);
         true
     }
 }

@@ -24,6 +24,8 @@ pub trait DynTransport: Send + Sync + 'static {
     fn chains_keys_across_batches_dyn(&self) -> bool;
     /// [`Transport::recorded`].
     fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool);
+    /// [`Transport::checks_out`].
+    fn checks_out_dyn(&self) -> Option<usize>;
 }
 
 impl<T: Transport> DynTransport for T {
@@ -45,6 +47,10 @@ impl<T: Transport> DynTransport for T {
 
     fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool) {
         self.recorded(batch, committed)
+    }
+
+    fn checks_out_dyn(&self) -> Option<usize> {
+        self.checks_out()
     }
 }
 
@@ -229,6 +235,17 @@ impl Transport for Router {
         for (_, t) in &self.destinations {
             t.recorded_dyn(batch, committed);
         }
+    }
+
+    /// When any destination does, with the sum of their limits: the relay then checks out
+    /// every row it claims, also those for the other destinations (route task topics through
+    /// a relay group of their own, [`crate::TopicFilter`], to keep the others on the faster
+    /// claim).
+    fn checks_out(&self) -> Option<usize> {
+        self.destinations
+            .iter()
+            .filter_map(|(_, t)| t.checks_out_dyn())
+            .reduce(|a, b| a.saturating_add(b))
     }
 
     /// Only when every destination does.

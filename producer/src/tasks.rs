@@ -1,16 +1,28 @@
 //! In-process task handlers: the relay runs a registered async handler per event type instead
 //! of publishing the event to a broker (a task outbox: report generation, e-mail sending).
 //!
-//! The outbox row is the task. It is claimed like any event, so everything the relay does for
-//! broker events holds for tasks: one owner per key at a time (two relays never run the same
-//! task, and tasks of one key run one after another in outbox order), retries with backoff,
-//! parking after `max_attempts` or on a permanent error, retention and metrics. While a handler
-//! runs, the relay keeps its claim alive for as long as it renews its partition leases (if its
-//! heartbeats fail, it aborts the handler before they run out); if the process dies, the claim
-//! rolls back and the task runs again once the key partition's lease has passed to a live
-//! relay. A handler can
-//! therefore run more than once for one task (after a crash between its side effect and the
-//! commit): it gets the event id as its idempotency key.
+//! The outbox row is the task. The relay checks it out ([`crate::Transport::checks_out`]):
+//! the claim commits at once, marking the row with its run number and a run lease that the
+//! relay renews while the handler runs, so no transaction stays open however long a handler
+//! takes. What that gives a task:
+//!
+//! - **One run at a time, in key order.** A key's next task is claimable only once the outcome
+//!   of the one before is recorded (success, retry scheduled, or parked); tasks of different
+//!   keys run concurrently, up to [`TaskConfig::concurrency`].
+//! - **A run number that survives restarts** ([`Task::attempt`]): it goes up by one at every
+//!   run, whichever relay runs it, also after a crash. A handler that sees `attempt > 1` knows
+//!   an earlier run started and may have done part of its work.
+//! - **Fencing.** If the relay cannot renew the run lease (database unreachable, the process
+//!   was frozen), it aborts the handler, at its next await, before a quarter of the lease is
+//!   left; the task then runs again, with the next run number, once the lease has ended. A
+//!   stale run's outcome is never recorded. A handler whose side effects must never come from
+//!   a stale run passes `attempt` on as a fencing token (a downstream that keeps the highest
+//!   number it saw per task id refuses the older).
+//! - Retries with backoff, parking after `max_attempts` or on a permanent error, retention and
+//!   metrics, as for any event.
+//!
+//! A handler can therefore run more than once for one task (after a crash between its side
+//! effect and the record): it gets the event id as its idempotency key.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -49,7 +61,9 @@ pub struct Task {
     pub payload: Vec<u8>,
     /// User headers (including `traceparent` when captured).
     pub headers: Vec<(String, String)>,
-    /// This run's number: 1 on the first run, higher after failed attempts.
+    /// This run's number: 1 on the first run; one more at every later run, also when the one
+    /// before was cut off by a crash or a lost run lease (it then may have done part of its
+    /// work). Strictly increasing across the runs of a task: a fencing token.
     pub attempt: i32,
 }
 
@@ -115,9 +129,10 @@ impl Default for TaskConfig {
 
 /// Runs outbox events as in-process tasks, one handler per event type.
 ///
-/// It needs to hear from the relay when a batch was recorded ([`Transport::recorded`]): a
-/// transport that wraps it must pass that call (and `chains_keys_across_batches`) on. Register
-/// it under one destination of a [`crate::Router`] only.
+/// The relay checks its rows out ([`Transport::checks_out`]; a transport that wraps it must
+/// pass that on) and hands it one task at a time. Run it in a relay group of its own
+/// ([`crate::TopicFilter`]): a [`crate::Router`] with a task destination makes the relay check
+/// out the rows of every destination.
 ///
 /// ```
 /// use postal_producer::{Task, TaskError, TaskTransport};
@@ -138,27 +153,7 @@ pub struct TaskTransport {
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
     running: Arc<Semaphore>,
-    /// Per key, the end of its latest chain of tasks: `true` as soon as all its tasks
-    /// succeeded, `false` once the relay recorded the chain's batch if one failed (or the
-    /// batch could not be recorded). Batches in flight at once run a key's tasks one after
-    /// another, in claim order; after a failure the key's later tasks wait until the failure
-    /// is in the database, where it holds them back until its retry ran.
-    tails: Arc<std::sync::Mutex<HashMap<String, (u64, Tail)>>>,
-    chains: Arc<std::sync::atomic::AtomicU64>,
-    /// The chains whose batch the relay has not recorded yet, by the event id of each chain's
-    /// first task (several after a task was handed out again before its batch was recorded).
-    unrecorded: Arc<std::sync::Mutex<HashMap<EventId, std::collections::VecDeque<Unrecorded>>>>,
 }
-
-/// A chain of one key's tasks in a batch, until the relay recorded the batch.
-struct Unrecorded {
-    key: String,
-    chain_no: u64,
-    /// Resolves the chain's tail; taken by the chain itself when all its tasks succeeded.
-    done: Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<bool>>>>,
-}
-
-type Tail = futures::future::Shared<BoxFuture<'static, bool>>;
 
 impl std::fmt::Debug for TaskTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -179,9 +174,6 @@ impl TaskTransport {
             handlers: HashMap::new(),
             config,
             running,
-            tails: Arc::default(),
-            chains: Arc::default(),
-            unrecorded: Arc::default(),
         }
     }
 
@@ -253,81 +245,28 @@ fn panic_message(join: tokio::task::JoinError) -> String {
 impl Transport for TaskTransport {
     type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
-    /// A key's tasks wait for those of earlier batches (see `send`).
-    fn chains_keys_across_batches(&self) -> bool {
-        true
+    /// Handlers may run for minutes: the relay must not hold a claim open meanwhile, and
+    /// checks out no more tasks than can run at once (`concurrency`), so that a task's run
+    /// number goes up only when it is about to start.
+    fn checks_out(&self) -> Option<usize> {
+        Some(self.config.concurrency.max(1))
     }
 
-    /// Ends the batch's chains: a key's tasks in later batches go on if these all succeeded
-    /// and were recorded, else they are held back.
-    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
-        let mut ended = Vec::new();
-        {
-            let mut unrecorded = self.unrecorded.lock().expect("unrecorded lock");
-            for e in batch {
-                if let Some(queue) = unrecorded.get_mut(&e.id) {
-                    if let Some(chain) = queue.pop_front() {
-                        ended.push(chain);
-                    }
-                    if queue.is_empty() {
-                        unrecorded.remove(&e.id);
-                    }
-                }
-            }
-        }
-        let _ = committed; // a chain that succeeded went on already, recorded or not
-        let mut tails = self.tails.lock().expect("tails lock");
-        for chain in ended {
-            if tails
-                .get(&chain.key)
-                .is_some_and(|(n, _)| *n == chain.chain_no)
-            {
-                tails.remove(&chain.key);
-            }
-            // Still here: a task of the chain failed, or the chain never ended.
-            if let Some(done) = chain.done.lock().expect("chain end").take() {
-                let _ = done.send(false);
-            }
-        }
-    }
-
-    /// Starts the batch's tasks: keys run concurrently (up to `concurrency` handlers), the
-    /// tasks of one key one after another in outbox order, also across batches in flight at
-    /// once. After a failure, the key's later tasks are held back, not run.
+    /// Starts the batch's tasks (the relay hands over one at a time): keys run concurrently
+    /// (up to `concurrency` handlers), the tasks of one key one after another; after a
+    /// failure, the key's later tasks in the batch are held back, not run.
     async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
-        let mut by_key: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut by_key: Vec<Vec<usize>> = Vec::new();
         let mut index: HashMap<&str, usize> = HashMap::new();
         for (i, e) in batch.iter().enumerate() {
             let slot = *index.entry(e.key.as_str()).or_insert_with(|| {
-                by_key.push((e.key.clone(), Vec::new()));
+                by_key.push(Vec::new());
                 by_key.len() - 1
             });
-            by_key[slot].1.push(i);
+            by_key[slot].push(i);
         }
         let mut chains = Vec::with_capacity(by_key.len());
-        for (key, positions) in by_key {
-            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<bool>();
-            let tail: Tail = done_rx.map(|r| r.unwrap_or(false)).boxed().shared();
-            let chain_no = self
-                .chains
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let previous = self
-                .tails
-                .lock()
-                .expect("tails lock")
-                .insert(key.clone(), (chain_no, tail))
-                .map(|(_, t)| t);
-            let done = Arc::new(std::sync::Mutex::new(Some(done_tx)));
-            self.unrecorded
-                .lock()
-                .expect("unrecorded lock")
-                .entry(batch[positions[0]].id)
-                .or_default()
-                .push_back(Unrecorded {
-                    key: key.clone(),
-                    chain_no,
-                    done: done.clone(),
-                });
+        for positions in by_key {
             let jobs: Vec<(usize, Option<Handler>, OutboundEvent)> = positions
                 .into_iter()
                 .map(|i| {
@@ -339,12 +278,7 @@ impl Transport for TaskTransport {
             let timeout = self.config.timeout;
             chains.push(AbortOnDropHandle::new(tokio::spawn(async move {
                 let mut out = Vec::with_capacity(jobs.len());
-                // Wait until the key's tasks of earlier batches are recorded; if one failed (or
-                // its batch could not be recorded), hold back.
-                let mut failed = match previous {
-                    Some(p) => !p.await,
-                    None => false,
-                };
+                let mut failed = false;
                 for (i, handler, e) in jobs {
                     let outcome = if failed {
                         Err(PublishError::new(
@@ -376,12 +310,6 @@ impl Transport for TaskTransport {
                     };
                     failed |= outcome.is_err();
                     out.push((i, outcome));
-                }
-                if !failed {
-                    // The key's later tasks need not wait for the record: these ran.
-                    if let Some(done) = done.lock().expect("chain end").take() {
-                        let _ = done.send(true);
-                    }
                 }
                 out
             })));
@@ -417,76 +345,56 @@ mod tests {
     use super::*;
     use crate::transport::sample_event;
 
-    fn runner() -> TaskTransport {
-        TaskTransport::new(TaskConfig::default()).on("job", |task: Task| async move {
-            if task.payload == b"fail" {
-                Err(TaskError::retryable("fails"))
-            } else {
-                Ok(())
+    /// Guarantee: within one batch, a key's tasks run in order and stop at the first failure
+    /// (the later ones are held back, not run), while another key's task still runs.
+    #[tokio::test]
+    async fn a_failed_task_holds_back_its_keys_later_tasks_in_the_batch() {
+        let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = ran.clone();
+        let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(task.payload.clone());
+                if task.payload == b"fail" {
+                    Err(TaskError::retryable("fails"))
+                } else {
+                    Ok(())
+                }
             }
-        })
-    }
-
-    /// Sends `failed` (a batch whose task fails), then `later` (a later task of the same key):
-    /// `later` waits until `failed`'s batch is reported with `committed`, and is then held back.
-    async fn held_back_until_recorded(
-        tasks: &TaskTransport,
-        failed: &OutboundEvent,
-        later: &OutboundEvent,
-        committed: bool,
-    ) {
-        let outcomes = tasks.send(std::slice::from_ref(failed)).await.await;
+        });
+        let mut first = sample_event("t", 1);
+        first.payload = b"fail".to_vec();
+        let second = sample_event("t", 2);
+        let mut other = sample_event("t", 3);
+        other.key = "other".into();
+        let outcomes = tasks.send(&[first, second, other]).await.await;
         assert_eq!(
             outcomes[0].as_ref().unwrap_err().kind,
             FailureKind::Transient
         );
-        let mut waiting = std::pin::pin!(tasks.send(std::slice::from_ref(later)).await);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(200), &mut waiting)
-                .await
-                .is_err(),
-            "the later task must wait for the failed one's batch"
-        );
-        tasks.recorded(std::slice::from_ref(failed), committed);
-        let outcomes = tokio::time::timeout(Duration::from_secs(5), waiting)
-            .await
-            .expect("released once the batch is reported");
         assert_eq!(
-            outcomes[0].as_ref().unwrap_err().kind,
+            outcomes[1].as_ref().unwrap_err().kind,
             FailureKind::HeldBack
         );
+        assert!(outcomes[2].is_ok());
+        assert_eq!(ran.lock().unwrap().len(), 2, "the held-back task never ran");
     }
 
-    /// Guarantee: after a key's task failed in one batch, its task in a later batch does not
-    /// run (nor finish) before the relay recorded the first batch, and is then held back.
+    /// Guarantee: the handler sees the run number (one more than the attempts before) and a
+    /// panicking handler fails its task instead of the relay.
     #[tokio::test]
-    async fn after_a_failure_the_key_waits_for_the_record_and_is_held_back() {
-        let tasks = runner();
-        let mut first = sample_event("t", 1);
-        first.payload = b"fail".to_vec();
-        let second = sample_event("t", 2);
-        held_back_until_recorded(&tasks, &first, &second, true).await;
-    }
-
-    /// Guarantee: after a key's tasks succeeded, its task in a later batch runs at once, without
-    /// waiting for the first batch's record (whose other tasks may still be running).
-    #[tokio::test]
-    async fn after_a_success_the_key_goes_on_before_the_record() {
-        let tasks = runner();
-        let first = sample_event("t", 1);
-        let second = sample_event("t", 2);
-        assert!(tasks.send(std::slice::from_ref(&first)).await.await[0].is_ok());
-        let outcomes = tokio::time::timeout(
-            Duration::from_secs(5),
-            tasks.send(std::slice::from_ref(&second)).await,
-        )
-        .await
-        .expect("no wait for the record");
-        assert!(outcomes[0].is_ok());
-        // A batch given up without a record releases the key as failed.
-        let mut third = sample_event("t", 3);
-        third.payload = b"fail".to_vec();
-        let fourth = sample_event("t", 4);
-        held_back_until_recorded(&tasks, &third, &fourth, false).await;
+    async fn the_run_number_reaches_the_handler_and_a_panic_is_a_failure() {
+        let tasks = TaskTransport::new(TaskConfig::default()).on("job", |task: Task| async move {
+            if task.attempt == 3 {
+                panic!("boom");
+            }
+            Ok(())
+        });
+        let mut e = sample_event("t", 1);
+        e.attempts = 2;
+        let outcomes = tasks.send(std::slice::from_ref(&e)).await.await;
+        let err = outcomes[0].as_ref().unwrap_err();
+        assert_eq!(err.kind, FailureKind::Transient);
+        assert!(err.reason.contains("boom"), "{}", err.reason);
     }
 }

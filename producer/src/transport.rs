@@ -115,6 +115,17 @@ pub trait Transport: Send + Sync + 'static {
         false
     }
 
+    /// `Some(n)` when the relay checks rows out to this transport instead of holding its claim
+    /// open while the transport works (the task runner, whose handlers may run for minutes),
+    /// with at most `n` events in flight at once. A checked-out row is the first pending row
+    /// of its key; it stays in the outbox, marked with its run number and a run lease that
+    /// the relay renews while the event is in flight, and holds back its key's later rows
+    /// until its outcome is recorded. Each event is handed over on its own, and its outcome
+    /// is recorded as soon as it is known (see [`crate::TaskTransport`]). Default `None`.
+    fn checks_out(&self) -> Option<usize> {
+        None
+    }
+
     /// Called once the relay recorded the outcomes of a batch this transport was handed
     /// (`committed`), or failed to (the claim rolled back and its events are handed out
     /// again), or gave the batch up (shutdown). Default: nothing. The Kafka transport holds

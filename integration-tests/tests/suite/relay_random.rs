@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use postal_integration_tests::{fresh_postgres_db, TestDb};
 use postal_producer::{
-    enqueue_batch, FailureKind, NewEvent, OutboundEvent, PublishError, RelayConfig, Transport,
+    enqueue_batch, FailureKind, NewEvent, OutboundEvent, PublishError, RelayConfig, Task,
+    TaskConfig, TaskError, TaskTransport, Transport,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -57,6 +58,8 @@ struct Landing {
     relay: usize,
     /// Milliseconds since the case started.
     at_ms: u128,
+    /// The run number (tasks: [`postal_producer::Task::attempt`]; 0 for publishes).
+    run: i32,
 }
 
 /// How often the destination fails (changed by the case's actions).
@@ -71,6 +74,13 @@ enum Faults {
 /// outcomes.
 struct World {
     log: Mutex<Vec<Landing>>,
+    /// Tasks: the highest run number that started, per task — the fence a task's downstream
+    /// keeps with [`postal_producer::Task::attempt`] — and the runs it refused: older than one
+    /// that started (`stale`) or the same number again (`repeated`, which the run numbers'
+    /// promise to strictly increase rules out).
+    fence: Mutex<HashMap<Uuid, i32>>,
+    stale: std::sync::atomic::AtomicUsize,
+    repeated: std::sync::atomic::AtomicUsize,
     rng: Mutex<StdRng>,
     faults: AtomicU8,
     started: Instant,
@@ -93,6 +103,63 @@ struct Destination {
     /// While `true`, nothing is handed over and no acknowledgement is returned (a frozen
     /// process, a stalled broker connection).
     frozen: watch::Receiver<bool>,
+    /// Tasks mode: the real task runner, whose handler lands the task when it starts.
+    tasks: Option<TaskTransport>,
+}
+
+/// The task runner of relay `relay`: a run lands when its handler starts (unless the fence
+/// refuses it), then takes a random time and ends with a random outcome.
+fn task_runner(world: Arc<World>, relay: usize) -> TaskTransport {
+    TaskTransport::new(TaskConfig {
+        concurrency: 4,
+        ..TaskConfig::default()
+    })
+    .on("e", move |task: Task| {
+        let world = world.clone();
+        async move {
+            let id = task.id.as_uuid();
+            let faults = world.faults();
+            let (outcome, delay) = {
+                let mut rng = world.rng.lock().unwrap();
+                let outcome = match draw(&mut rng, faults) {
+                    Err(e) if e.kind == FailureKind::Permanent => {
+                        Err(TaskError::permanent(e.reason))
+                    }
+                    Err(e) => Err(TaskError::retryable(e.reason)),
+                    Ok(()) => Ok(()),
+                };
+                let max_delay = if faults == Faults::Heavy { 600 } else { 150 };
+                (
+                    outcome,
+                    Duration::from_millis(rng.random_range(0..=max_delay)),
+                )
+            };
+            {
+                let mut fence = world.fence.lock().unwrap();
+                let seen = fence.entry(id).or_insert(0);
+                if task.attempt <= *seen {
+                    let counter = if task.attempt == *seen {
+                        &world.repeated
+                    } else {
+                        &world.stale
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    return Err(TaskError::retryable("refused by the fence"));
+                }
+                *seen = task.attempt;
+                world.log.lock().unwrap().push(Landing {
+                    id,
+                    key: task.key.clone(),
+                    seq: 0,
+                    relay,
+                    at_ms: world.started.elapsed().as_millis(),
+                    run: task.attempt,
+                });
+            }
+            tokio::time::sleep(delay).await;
+            outcome
+        }
+    })
 }
 
 fn draw(rng: &mut StdRng, faults: Faults) -> Result<(), PublishError> {
@@ -119,10 +186,22 @@ fn draw(rng: &mut StdRng, faults: Faults) -> Result<(), PublishError> {
 impl Transport for Destination {
     type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
+    fn checks_out(&self) -> Option<usize> {
+        self.tasks.as_ref().and_then(Transport::checks_out)
+    }
+
     async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
         // A frozen process hands nothing over until it thaws.
         let mut frozen = self.frozen.clone();
         let _ = frozen.wait_for(|f| !*f).await;
+        if let Some(tasks) = &self.tasks {
+            let acks = tasks.send(batch).await;
+            return Box::pin(async move {
+                let outcomes = acks.await;
+                let _ = frozen.wait_for(|f| !*f).await;
+                outcomes
+            });
+        }
         let faults = self.world.faults();
         let (outcomes, delay) = {
             let mut rng = self.world.rng.lock().unwrap();
@@ -151,6 +230,7 @@ impl Transport for Destination {
                         seq: e.seq,
                         relay: self.relay,
                         at_ms: self.world.started.elapsed().as_millis(),
+                        run: 0,
                     }),
                     Err(_) => {
                         blocked.insert(e.key.as_str());
@@ -268,6 +348,8 @@ struct Instance {
 /// Case parameters drawn from the seed.
 #[derive(Clone, Debug)]
 struct Params {
+    /// Run the events as tasks (the relay checks them out) instead of publishing them.
+    tasks: bool,
     keys: usize,
     batch_size: usize,
     max_in_flight_batches: usize,
@@ -315,6 +397,7 @@ async fn start_instance(
         world: world.clone(),
         relay: n,
         frozen: dest_rx,
+        tasks: params.tasks.then(|| task_runner(world.clone(), n)),
     };
     let relay = RunningRelay::start(&pool, dest, relay_config(params));
     Ok(Instance {
@@ -369,9 +452,10 @@ impl Log {
     }
 }
 
-async fn run_case(seed: u64) -> Result<String, String> {
+async fn run_case(seed: u64, tasks: bool) -> Result<String, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let params = Params {
+        tasks,
         keys: rng.random_range(2..=6),
         batch_size: rng.random_range(1..=6),
         max_in_flight_batches: rng.random_range(1..=4),
@@ -383,6 +467,9 @@ async fn run_case(seed: u64) -> Result<String, String> {
     let started = Instant::now();
     let world = Arc::new(World {
         log: Mutex::new(Vec::new()),
+        fence: Mutex::new(HashMap::new()),
+        stale: Default::default(),
+        repeated: Default::default(),
         rng: Mutex::new(StdRng::seed_from_u64(seed ^ 0x5eed)),
         faults: AtomicU8::new(Faults::None as u8),
         started,
@@ -530,9 +617,53 @@ async fn run_case(seed: u64) -> Result<String, String> {
         ));
     }
     let landed = world.log.lock().unwrap().clone();
-    check(&db.pool, &enqueued, &landed)
+    let summary = check(&db.pool, &enqueued, &landed)
         .await
-        .map_err(|e| format!("{e}\n{}", dump(&log)))
+        .map_err(|e| format!("{e}\n{}", dump(&log)))?;
+    if !tasks {
+        return Ok(summary);
+    }
+    let repeated = world.repeated.load(Ordering::Relaxed);
+    if repeated > 0 {
+        return Err(format!(
+            "RUN NUMBER: {repeated} runs started with a run number their task had started with before\n{}",
+            dump(&log)
+        ));
+    }
+    check_task_order(&enqueued, &landed).map_err(|e| format!("{e}\n{}", dump(&log)))?;
+    Ok(format!(
+        "{summary}, {} stale runs refused by the fence",
+        world.stale.load(Ordering::Relaxed)
+    ))
+}
+
+/// Tasks: per key, every run that started (and passed the fence) is of the key's task
+/// that started last or a later one: a task never starts again once a later task of its key
+/// has started (no "1, 2, 1").
+fn check_task_order(
+    enqueued: &BTreeMap<String, Vec<Uuid>>,
+    landed: &[Landing],
+) -> Result<(), String> {
+    for (key, ids) in enqueued {
+        let index: HashMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut highest = 0usize;
+        let mut seen = Vec::new();
+        for l in landed.iter().filter(|l| &l.key == key) {
+            let idx = index[&l.id];
+            seen.push(format!(
+                "#{idx}(run {} relay {} @{}ms)",
+                l.run, l.relay, l.at_ms
+            ));
+            if idx < highest {
+                return Err(format!(
+                    "TASK ORDER: key {key}: task #{idx} started again after task #{highest}\n  starts of {key}: {}",
+                    seen.join(" ")
+                ));
+            }
+            highest = idx;
+        }
+    }
+    Ok(())
 }
 
 fn random_faults(rng: &mut StdRng) -> Faults {
@@ -686,13 +817,43 @@ async fn random_relay_interleavings_keep_order_and_lose_nothing() {
         .unwrap_or_else(rand::random);
     for seed in first..first.wrapping_add(cases) {
         let t = Instant::now();
-        match run_case(seed).await {
+        match run_case(seed, false).await {
             Ok(summary) => eprintln!(
                 "relay_random seed {seed}: ok in {:.1} s: {summary}",
                 t.elapsed().as_secs_f64()
             ),
             Err(e) => panic!(
                 "relay protocol invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random --nocapture"
+            ),
+        }
+    }
+}
+
+/// Guarantee: the same random interleavings with the events run as tasks by the real task
+/// runner (the relay checks them out; handlers take random times and fail at random,
+/// retryably or for good): nothing is lost, each key's tasks first start in enqueue order, a
+/// task never starts again once a later task of its key started, and run numbers strictly
+/// increase per task — the fence a downstream keeps with them refuses every stale run (a
+/// relay frozen past its run lease) and never sees a run number twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_task_interleavings_keep_order_and_lose_nothing() {
+    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    for seed in first..first.wrapping_add(cases) {
+        let t = Instant::now();
+        match run_case(seed, true).await {
+            Ok(summary) => eprintln!(
+                "relay_random tasks seed {seed}: ok in {:.1} s: {summary}",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => panic!(
+                "task protocol invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_task --nocapture"
             ),
         }
     }

@@ -134,8 +134,9 @@ async fn failing_twice_then_succeeding_completes_once() {
 }
 
 /// Guarantee: a task whose worker dies mid-run is not lost: it runs again on another relay once
-/// the dead relay's lease has run out (not before), and the dead worker's handler is stopped with
-/// it. A handler running longer than the lease keeps its claim alive meanwhile.
+/// its run lease has ended (not before), with the next run number, and the dead worker's
+/// handler is stopped with it. While a handler runs — longer than the lease — the relay keeps
+/// no transaction open: the row is checked out (run number 1, held, its run lease renewed).
 #[tokio::test]
 async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     let svc = services().await;
@@ -146,7 +147,7 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
         lease,
         ..fast_config()
     };
-    // Worker A: its handler outlives the lease (the claim must stay alive), then hangs.
+    // Worker A: its handler outlives the lease, then hangs.
     let started = Arc::new(tokio::sync::Notify::new());
     let a_alive = Arc::new(AtomicU64::new(0));
     let (s, alive) = (started.clone(), a_alive.clone());
@@ -173,38 +174,52 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     )
     .await
     .unwrap();
+    drop(conn);
     let a_pool = db.process_pool().await;
     let a = RunningRelay::start(&a_pool, slow, cfg.clone()).owning(a_pool);
     started.notified().await;
-    // Past the claim's idle limit (half the lease): the claim is still held.
     tokio::time::sleep(lease).await;
-    let free: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM postal.outbox WHERE event_id = $1
-           FOR UPDATE SKIP LOCKED) free",
+    // A lease later: no transaction of the relay is open, and the row is checked out to run 1
+    // with its run lease renewed (it comes due more than half a lease from now).
+    let open: Vec<(Option<String>, String)> = sqlx::query_as(
+        "SELECT state, coalesce(query, '') FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid()
+           AND xact_start IS NOT NULL",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        open.is_empty(),
+        "no transaction stays open while a task runs: {open:?}"
+    );
+    let (attempts, held, due_in): (i32, bool, f64) = sqlx::query_as(
+        "SELECT attempts, held, extract(epoch FROM available_at - now())::float8
+         FROM postal.outbox WHERE event_id = $1",
     )
     .bind(id.as_uuid())
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(
-        free, 0,
-        "the long-running task's claim is alive (its row stays locked)"
+    assert_eq!((attempts, held), (1, true), "checked out to run 1");
+    assert!(
+        due_in > lease.as_secs_f64() / 2.0,
+        "the run lease is renewed while the handler runs (due in {due_in} s)"
     );
 
     a.kill().await;
     // Counted from the moment A is gone (its pool closed), so a slow kill cannot make B's
     // wait look longer than it was.
     let killed_at = Instant::now();
-    let ran_at = Arc::new(Mutex::new(None::<Instant>));
-    let r = ran_at.clone();
-    let quick =
-        TaskTransport::new(TaskConfig::default()).on("report.requested", move |_t: Task| {
-            let r = r.clone();
-            async move {
-                r.lock().unwrap().get_or_insert_with(Instant::now);
-                Ok(())
-            }
-        });
+    let ran = Arc::new(Mutex::new(None::<(Instant, i32)>));
+    let r = ran.clone();
+    let quick = TaskTransport::new(TaskConfig::default()).on("report.requested", move |t: Task| {
+        let r = r.clone();
+        async move {
+            r.lock().unwrap().get_or_insert((Instant::now(), t.attempt));
+            Ok(())
+        }
+    });
     let b = RunningRelay::start(&db.pool, quick, cfg);
     wait::until(Duration::from_secs(30), "task done by B", || async {
         status_of(&db.pool, id).await.is_none()
@@ -216,11 +231,13 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
         0,
         "the killed worker's handler was stopped"
     );
-    let waited = ran_at.lock().unwrap().expect("B ran the task") - killed_at;
+    let (ran_at, attempt) = ran.lock().unwrap().expect("B ran the task");
+    let waited = ran_at - killed_at;
     assert!(
-        waited >= lease - Duration::from_millis(1500),
-        "B waited for A's lease to run out first (ran after {waited:?})"
+        waited >= lease / 2,
+        "B waited for A's run lease to end first (ran after {waited:?})"
     );
+    assert_eq!(attempt, 2, "B's run knows it is the second");
 }
 
 /// Guarantee: with two relays (and a third joining midway, so partitions move), no task ever
@@ -632,13 +649,13 @@ async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_
     );
 }
 
-/// Guarantee: a relay that is alive but can no longer renew its partition leases stops its
-/// running tasks before another relay may take their keys over. Relay A's heartbeats start
-/// failing (a trigger rejects them) while its handler for the key's first task runs; A aborts
-/// that handler and gives the claim back well before its leases run out in the database, and
-/// relay B, once they have, runs the key's two tasks in order.
+/// Guarantee: a relay that is alive but can no longer renew the run lease of a running task
+/// stops that task before the lease ends, and another relay runs the key's tasks, in order,
+/// only after it has ended, the first with run number 2. Relay A's writes to the outbox and
+/// its heartbeats start failing (triggers reject them) while its handler for the key's first
+/// task runs.
 #[tokio::test]
-async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over() {
+async fn a_relay_that_cannot_renew_a_run_lease_stops_its_task_before_another_runs_it() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("tasks-fence");
@@ -685,16 +702,18 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
             Ok(())
         }
     });
-    let b_started_at: When = Arc::default();
-    let (l, bs) = (log.clone(), b_started_at.clone());
+    // B's first start: when, and its run number.
+    type First = Arc<Mutex<Option<(chrono::DateTime<chrono::Utc>, i32)>>>;
+    let b_first: First = Arc::default();
+    let (l, bs) = (log.clone(), b_first.clone());
     let on_b = TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
-        let (log, b_started_at) = (l.clone(), bs.clone());
+        let (log, b_first) = (l.clone(), bs.clone());
         async move {
             let n: u32 = task.json()?;
-            b_started_at
+            b_first
                 .lock()
                 .unwrap()
-                .get_or_insert_with(chrono::Utc::now);
+                .get_or_insert_with(|| (chrono::Utc::now(), task.attempt));
             log.lock().unwrap().push(("B", n, "start"));
             tokio::task::yield_now().await;
             log.lock().unwrap().push(("B", n, "end"));
@@ -714,6 +733,7 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     )
     .await
     .unwrap();
+    drop(conn);
     let a_pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(8)
         .connect_with(
@@ -728,25 +748,29 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
     tokio::time::timeout(Duration::from_secs(30), started.notified())
         .await
         .expect("A starts the first task");
-    // From now on every heartbeat of A fails; its claim's connection keeps working.
+    // From now on every write of A to the outbox fails (its run lease renewals among them),
+    // and so do its heartbeats: its partitions pass to B once their leases end.
     sqlx::raw_sql(
         "CREATE FUNCTION public.reject_relay_a() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
            IF current_setting('application_name') = 'relay-a' THEN
-             RAISE EXCEPTION 'heartbeat rejected by the test';
+             RAISE EXCEPTION 'outbox write rejected by the test';
            END IF;
-           RETURN NEW;
+           RETURN coalesce(NEW, OLD);
          END $$;
+         CREATE TRIGGER reject_relay_a BEFORE UPDATE OR DELETE ON postal.outbox
+           FOR EACH ROW EXECUTE FUNCTION public.reject_relay_a();
          CREATE TRIGGER reject_relay_a BEFORE INSERT OR UPDATE ON postal.relay_instances
            FOR EACH ROW EXECUTE FUNCTION public.reject_relay_a();",
     )
     .execute(&db.pool)
     .await
     .unwrap();
-    // Creating the trigger waited for any heartbeat in progress: A's leases end here for good
-    // (the database's clock; the test runs on the same host).
+    // Creating the trigger waited for any renewal in progress: the first task's run lease
+    // ends here for good (the database's clock; the test runs on the same host).
     let lease_end: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT min(lease_until) FROM postal.relay_partitions")
+        sqlx::query_scalar("SELECT available_at FROM postal.outbox WHERE event_id = $1")
+            .bind(first.as_uuid())
             .fetch_one(&db.pool)
             .await
             .unwrap();
@@ -764,15 +788,16 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
             .unwrap_or_else(|| panic!("{entry:?} missing from {log:?}"))
     };
     let stopped = stopped_at.lock().unwrap().expect("A's handler was stopped");
-    let b_started = b_started_at.lock().unwrap().expect("B ran a task");
+    let (b_started, b_attempt) = b_first.lock().unwrap().expect("B ran a task");
     assert!(
         stopped + cfg_lease / 8 < lease_end,
-        "A stopped its handler at {stopped}, well before its leases ran out at {lease_end}"
+        "A stopped its handler at {stopped}, well before its run lease ran out at {lease_end}"
     );
     assert!(
         b_started >= lease_end,
-        "B started the key's tasks at {b_started}, after A's leases ran out at {lease_end}"
+        "B started the key's tasks at {b_started}, after A's run lease ran out at {lease_end}"
     );
+    assert_eq!(b_attempt, 2, "B's run of the first task is its second");
     assert!(
         at(("A", 1, "stopped")) < at(("B", 1, "start")),
         "A's run of the first task was stopped before B started it: {log:?}"
@@ -785,4 +810,246 @@ async fn a_relay_whose_heartbeats_fail_stops_its_tasks_before_another_takes_over
         !log.contains(&("A", 2, "start")),
         "A never started the second task: {log:?}"
     );
+}
+
+/// Guarantee: a key's next task starts only after the outcome of the one before is recorded,
+/// even when both came in one claim with a long task of another key. Killed while that long
+/// task runs, the relay leaves nothing to run twice: on the next relay, the key's run log reads
+/// 1, 2 (each once), and the long task runs again with run number 2. (Before check-out, the
+/// second task started as soon as the first succeeded, its batch unrecorded behind the long
+/// task, and the log read 1, 2, 1 with run number 1 both times.)
+#[tokio::test]
+async fn a_keys_next_task_waits_for_the_record_of_the_one_before() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-record");
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(3),
+        ..fast_config()
+    };
+    // (relay, key, task number, run number, whether task n's row was still in the outbox).
+    type Log = Arc<Mutex<Vec<(&'static str, String, u32, i32, bool)>>>;
+    let log: Log = Arc::default();
+    let long_started = Arc::new(tokio::sync::Notify::new());
+    let handler =
+        |relay: &'static str, log: Log, pool: PgPool, long: Option<Arc<tokio::sync::Notify>>| {
+            TaskTransport::new(TaskConfig::default()).on("job", move |task: Task| {
+                let (log, pool, long) = (log.clone(), pool.clone(), long.clone());
+                async move {
+                    let n: u32 = task.json()?;
+                    let earlier_pending: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM postal.outbox
+                                    WHERE event_key = $1 AND payload = $2::text::bytea)",
+                    )
+                    .bind(&task.key)
+                    .bind((n.saturating_sub(1)).to_string())
+                    .fetch_one(&pool)
+                    .await
+                    .map_err(TaskError::retryable)?;
+                    log.lock().unwrap().push((
+                        relay,
+                        task.key.clone(),
+                        n,
+                        task.attempt,
+                        n > 1 && earlier_pending,
+                    ));
+                    if task.key == "long" {
+                        if let Some(long) = long {
+                            long.notify_one();
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+        };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut events = vec![NewEvent::json(topic.as_str(), "long", "job", &1).unwrap()];
+    for n in 1..=2u32 {
+        events.push(NewEvent::json(topic.as_str(), "k", "job", &n).unwrap());
+    }
+    enqueue_batch(&mut conn, events).await.unwrap();
+    drop(conn);
+    let a_pool = db.process_pool().await;
+    let a = RunningRelay::start(
+        &a_pool,
+        handler(
+            "A",
+            log.clone(),
+            db.pool.clone(),
+            Some(long_started.clone()),
+        ),
+        cfg.clone(),
+    )
+    .owning(a_pool);
+    tokio::time::timeout(Duration::from_secs(30), long_started.notified())
+        .await
+        .expect("A starts the long task");
+    wait::until(
+        Duration::from_secs(30),
+        "A to run the key's two tasks",
+        || async { log.lock().unwrap().iter().filter(|e| e.1 == "k").count() == 2 },
+    )
+    .await;
+    a.kill().await;
+    let b = RunningRelay::start(
+        &db.pool,
+        handler("B", log.clone(), db.pool.clone(), None),
+        cfg,
+    );
+    wait::until(Duration::from_secs(30), "the outbox to drain", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    b.stop().await;
+    let log = log.lock().unwrap().clone();
+    let k: Vec<(u32, i32)> = log
+        .iter()
+        .filter(|e| e.1 == "k")
+        .map(|e| (e.2, e.3))
+        .collect();
+    assert_eq!(
+        k,
+        vec![(1, 1), (2, 1)],
+        "the key's tasks ran once each, in order: {log:?}"
+    );
+    assert!(
+        log.iter().all(|e| !e.4),
+        "no task started while its predecessor's row was still in the outbox: {log:?}"
+    );
+    let long: Vec<(&str, i32)> = log
+        .iter()
+        .filter(|e| e.1 == "long")
+        .map(|e| (e.0, e.3))
+        .collect();
+    assert_eq!(
+        long,
+        vec![("A", 1), ("B", 2)],
+        "the long task ran again as run 2: {log:?}"
+    );
+}
+
+/// Guarantee: the outcome of a stale run is never recorded. A relay runs a task; its run lease
+/// is ended from outside (as when the relay was frozen past it), so the task is checked out
+/// again and runs as run 2, which lets run 1 finish and then fails permanently. Run 1's
+/// success, arriving while run 2 holds the row, is refused: the row ends parked by run 2
+/// (attempts 2), and the relay counts nothing published.
+#[tokio::test]
+async fn the_outcome_of_a_stale_run_is_refused() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-stale");
+    // Long enough that run 1's renewal (every quarter of the lease) does not notice run 2
+    // before run 1 finishes: its outcome must meet the fence of the record itself.
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(8),
+        ..fast_config()
+    };
+    let run1_started = Arc::new(tokio::sync::Notify::new());
+    let run1_release = Arc::new(tokio::sync::Notify::new());
+    let run1_done = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let (st, rel, done, r) = (
+        run1_started.clone(),
+        run1_release.clone(),
+        run1_done.clone(),
+        runs.clone(),
+    );
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+        let (st, rel, done, r) = (st.clone(), rel.clone(), done.clone(), r.clone());
+        async move {
+            r.lock().unwrap().push(t.attempt);
+            if t.attempt == 1 {
+                st.notify_one();
+                rel.notified().await;
+                done.notify_one();
+                Ok(())
+            } else {
+                rel.notify_one();
+                done.notified().await;
+                // Run 1's outcome is on its way to the database: give it the lead (an
+                // ordering aid only; the assertions hold in either order if the fence works).
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Err(TaskError::permanent("run 2 parks it"))
+            }
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = RunningRelay::start(&db.pool, tasks, cfg);
+    tokio::time::timeout(Duration::from_secs(30), run1_started.notified())
+        .await
+        .expect("run 1 starts");
+    sqlx::query("UPDATE postal.outbox SET available_at = now() WHERE event_id = $1")
+        .bind(id.as_uuid())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    wait::until(
+        Duration::from_secs(30),
+        "run 2 to park the task",
+        || async {
+            status_of(&db.pool, id)
+                .await
+                .is_some_and(|(s, _)| s == "failed")
+        },
+    )
+    .await;
+    let stats = relay.stop().await;
+    let (status, attempts): (String, i32) =
+        sqlx::query_as("SELECT status, attempts FROM postal.outbox WHERE event_id = $1")
+            .bind(id.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), attempts),
+        ("failed", 2),
+        "parked by run 2, untouched by run 1"
+    );
+    assert_eq!(*runs.lock().unwrap(), vec![1, 2]);
+    assert_eq!(stats.published, 0, "run 1's success was not recorded");
+}
+
+/// Guarantee: a graceful stop lets a running task finish (within the shutdown timeout) and
+/// records its outcome before the relay returns: the task ran once and its row is gone.
+#[tokio::test]
+async fn a_graceful_stop_waits_for_a_running_task_and_records_it() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("tasks-stop");
+    let started = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(AtomicU64::new(0));
+    let (st, r) = (started.clone(), runs.clone());
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |_t: Task| {
+        let (st, r) = (st.clone(), r.clone());
+        async move {
+            st.notify_one();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config());
+    tokio::time::timeout(Duration::from_secs(30), started.notified())
+        .await
+        .expect("the task starts");
+    let stats = relay.stop().await;
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran to its end");
+    assert_eq!(stats.published, 1, "its outcome was recorded");
+    assert!(status_of(&db.pool, id).await.is_none(), "its row is gone");
 }

@@ -1,0 +1,327 @@
+//! Checking rows out to a transport whose work may take long (the task runner).
+//!
+//! A claim holds its transaction open until its batch is recorded, which suits a broker that
+//! acknowledges within seconds, not a task handler that runs for minutes: an open transaction
+//! holds back vacuum for the whole database, and a batch recorded as one cannot record its
+//! quick tasks before its slow one. For a transport that [`crate::Transport::checks_out`], the
+//! claim instead checks out the first claimed row of each key and commits at once:
+//!
+//! - the row's `attempts` goes up by one — its **run number**, which survives restarts, tells a
+//!   handler that an earlier run started (and may have done part of its work), and fences
+//!   stale outcomes: every change the relay later makes to the row requires the run number it
+//!   checked out;
+//! - its `available_at` becomes the end of its **run lease** (the relay's lease, counted from
+//!   the claim's start by the database's clock), and `held` is set, so the row holds back its
+//!   key's later rows, whichever relay owns the key's partition, until its outcome is recorded;
+//! - the claim's other rows of the same key are left as they were.
+//!
+//! While the event is in flight the relay renews its run lease every quarter of the lease. If
+//! it cannot (database unreachable, or the row was checked out again by someone else), it
+//! abandons the event — a task handler is aborted at its next await — before the lease it last
+//! renewed has a quarter left by its own clock. If the process dies or freezes, the row comes
+//! due when its run lease ends and runs again with the next run number; the frozen run's
+//! outcome, should it ever arrive, is refused. Each outcome is recorded in a statement of its
+//! own as soon as it is known (outcomes ready together share one), so a key's next task is
+//! claimable right after its predecessor's outcome is in the database, never before.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
+use sqlx::PgPool;
+
+use crate::complete::Failure;
+use crate::transport::{OutboundEvent, PublishError};
+
+/// The claimed rows to check out: the first row of each key in the batch (by position), and
+/// the check-out of each as a [`Failure`] that counts an attempt, holds its key and comes due
+/// again after `lease` — which is what [`crate::claim::Claim::complete`] writes.
+pub(crate) fn plan(batch: &[OutboundEvent], lease: Duration) -> (Vec<usize>, Vec<Failure>) {
+    let mut seen = std::collections::HashSet::new();
+    let heads: Vec<usize> = (0..batch.len())
+        .filter(|&i| seen.insert(batch[i].key.as_str()))
+        .collect();
+    let writes = heads
+        .iter()
+        .map(|&i| Failure {
+            seq: batch[i].seq,
+            counts: true,
+            park: false,
+            hold: true,
+            retry_in: lease,
+            reason: None,
+        })
+        .collect();
+    (heads, writes)
+}
+
+/// Renews the run lease of the checked-out rows `runs` (sequence number, run number): they
+/// come due `lease` from now (the database's clock). Returns the rows renewed; a row missing
+/// from the answer is no longer this run's (recorded, or checked out again by another relay).
+pub(crate) async fn renew(
+    pool: &PgPool,
+    runs: &[(i64, i32)],
+    lease: Duration,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let (seqs, nums): (Vec<i64>, Vec<i32>) = runs.iter().copied().unzip();
+    sqlx::query_scalar(
+        "UPDATE postal.outbox o SET available_at = now() + $3 * interval '1 millisecond'
+         FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
+         WHERE o.seq = r.seq AND o.attempts = r.run AND o.status = 'pending' AND o.held
+         RETURNING o.seq",
+    )
+    .bind(&seqs)
+    .bind(&nums)
+    .bind(lease.as_millis() as i64)
+    .fetch_all(pool)
+    .await
+}
+
+/// How the outbox keeps published rows (from the relay's configuration).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Keeping {
+    /// Delete published rows (else mark them published).
+    pub(crate) delete: bool,
+    /// Also write deleted published rows into `postal.outbox_history`.
+    pub(crate) history: bool,
+}
+
+/// Records the outcomes of checked-out rows in one statement: acknowledged rows are deleted
+/// (and archived in history mode) or marked published, failed ones rescheduled or parked as
+/// the [`Failure`]s say, each only if it still carries its run number (`run`, per sequence
+/// number). The failures' `counts` is relative to the attempts before the run, as
+/// [`crate::outcome::Judge::verdict`] computed them from the handed-over events. Returns
+/// the sequence numbers recorded; the others were no longer this run's.
+pub(crate) async fn settle(
+    pool: &PgPool,
+    keeping: Keeping,
+    runs: &HashMap<i64, i32>,
+    published: &[i64],
+    failures: &[Failure],
+) -> Result<Vec<i64>, sqlx::Error> {
+    let run_of = |seq: &i64| runs.get(seq).copied().unwrap_or(-1);
+    let done_runs: Vec<i32> = published.iter().map(run_of).collect();
+    let seqs: Vec<i64> = failures.iter().map(|f| f.seq).collect();
+    let fail_runs: Vec<i32> = seqs.iter().map(run_of).collect();
+    let incs: Vec<i32> = failures.iter().map(|f| i32::from(f.counts)).collect();
+    let delays: Vec<i64> = failures
+        .iter()
+        .map(|f| f.retry_in.as_millis() as i64)
+        .collect();
+    let parks: Vec<bool> = failures.iter().map(|f| f.park).collect();
+    let reasons: Vec<Option<&str>> = failures.iter().map(|f| f.reason.as_deref()).collect();
+    let holds: Vec<bool> = failures.iter().map(|f| f.hold).collect();
+    let done = if keeping.delete {
+        "DELETE FROM postal.outbox o USING unnest($1::int8[], $2::int4[]) AS p(seq, run)
+         WHERE o.seq = p.seq AND o.attempts = p.run AND o.status = 'pending'
+         RETURNING o.*"
+    } else {
+        "UPDATE postal.outbox o
+         SET status = 'published', published_at = statement_timestamp(), held = false
+         FROM unnest($1::int8[], $2::int4[]) AS p(seq, run)
+         WHERE o.seq = p.seq AND o.attempts = p.run AND o.status = 'pending'
+         RETURNING o.*"
+    };
+    let sql = format!(
+        r#"
+        WITH done AS ({done}),
+        archived AS (
+            INSERT INTO postal.outbox_history (seq, event_id, topic, event_key, event_type,
+                                               schema_version, occurred_at, content_type,
+                                               payload, headers, attempts, created_at,
+                                               published_at)
+            SELECT seq, event_id, topic, event_key, event_type, schema_version, occurred_at,
+                   content_type, payload, headers, attempts - 1, created_at,
+                   statement_timestamp()
+            FROM done WHERE $10
+        ), failed AS (
+            UPDATE postal.outbox o
+            SET attempts = u.run - 1 + u.inc,
+                status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
+                available_at = now() + u.delay_ms * interval '1 millisecond',
+                held = u.hold,
+                last_error = coalesce(u.reason, o.last_error)
+            FROM unnest($3::int8[], $4::int4[], $5::int4[], $6::int8[], $7::bool[],
+                        $8::text[], $9::bool[])
+                 AS u(seq, run, inc, delay_ms, park, reason, hold)
+            WHERE o.seq = u.seq AND o.attempts = u.run AND o.status = 'pending'
+            RETURNING o.seq
+        )
+        SELECT seq FROM done UNION ALL SELECT seq FROM failed
+        "#
+    );
+    sqlx::query_scalar(&sql)
+        .bind(published)
+        .bind(&done_runs)
+        .bind(&seqs)
+        .bind(&fail_runs)
+        .bind(&incs)
+        .bind(&delays)
+        .bind(&parks)
+        .bind(&reasons)
+        .bind(&holds)
+        .bind(keeping.history && keeping.delete)
+        .fetch_all(pool)
+        .await
+}
+
+/// One checked-out event in flight: its outcome, abortable (dropping it aborts a task handler).
+pub(crate) type InFlight = futures::future::BoxFuture<'static, Result<(), PublishError>>;
+
+/// What [`drive`] needs from the relay.
+pub(crate) struct Driver<'a> {
+    pub(crate) pool: &'a PgPool,
+    pub(crate) lease: Duration,
+    pub(crate) keeping: Keeping,
+    pub(crate) judge: &'a crate::outcome::Judge,
+    /// Called with each event whose outcome was recorded (`true`) or given up (`false`).
+    pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
+}
+
+/// Awaits the checked-out `events` (their outcomes `in_flight`, in the same order), renewing
+/// their run leases and recording each outcome as soon as it is known. `renewed_at` is when
+/// the run leases were last set, by this process's clock (before the claim began): the
+/// events are abandoned once a quarter of the lease is left since the last renewal.
+pub(crate) async fn drive(
+    d: Driver<'_>,
+    events: Vec<OutboundEvent>,
+    in_flight: Vec<InFlight>,
+    renewed_at: tokio::time::Instant,
+) {
+    let runs: HashMap<i64, i32> = events.iter().map(|e| (e.seq, e.attempts + 1)).collect();
+    let mut aborts: HashMap<usize, futures::future::AbortHandle> = HashMap::new();
+    let mut pending = FuturesUnordered::new();
+    for (i, f) in in_flight.into_iter().enumerate() {
+        let (f, handle) = futures::future::abortable(f);
+        aborts.insert(i, handle);
+        pending.push(f.map(move |r| (i, r)));
+    }
+    let usable = d.lease - d.lease / 4;
+    let mut deadline = renewed_at + usable;
+    let every = d.lease / 4;
+    let mut tick = tokio::time::interval_at(renewed_at + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !aborts.is_empty() {
+        tokio::select! {
+            biased;
+            Some((i, outcome)) = pending.next() => {
+                let mut ready = vec![(i, outcome)];
+                while let Some(Some(next)) = pending.next().now_or_never() {
+                    ready.push(next);
+                }
+                let mut batch = Vec::new();
+                let mut outcomes = Vec::new();
+                for (i, outcome) in ready {
+                    aborts.remove(&i);
+                    // Aborted: its run lease was lost, and it was reported then.
+                    if let Ok(outcome) = outcome {
+                        batch.push(events[i].clone());
+                        outcomes.push(outcome);
+                    }
+                }
+                if !batch.is_empty() {
+                    record(&d, &runs, &batch, outcomes, deadline).await;
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                tracing::warn!(events = aborts.len(), "could not renew the run leases of events in flight in time (database unreachable?); abandoning them: they run again when their leases end");
+                for (i, h) in aborts.drain() {
+                    h.abort();
+                    (d.recorded)(&events[i], false);
+                }
+            }
+            _ = tick.tick() => {
+                let started = tokio::time::Instant::now();
+                let live: Vec<(i64, i32)> =
+                    aborts.keys().map(|&i| (events[i].seq, runs[&events[i].seq])).collect();
+                match tokio::time::timeout_at(deadline, renew(d.pool, &live, d.lease)).await {
+                    Ok(Ok(kept)) => {
+                        deadline = started + usable;
+                        let kept: std::collections::HashSet<i64> = kept.into_iter().collect();
+                        let lost: Vec<usize> = aborts
+                            .keys()
+                            .copied()
+                            .filter(|&i| !kept.contains(&events[i].seq))
+                            .collect();
+                        for i in lost {
+                            if let Some(h) = aborts.remove(&i) {
+                                h.abort();
+                            }
+                            let e = &events[i];
+                            tracing::warn!(event_id = %e.id, key = %e.key, run = runs[&e.seq], "an event in flight was checked out again or changed meanwhile (its run lease had ended?); abandoning this run");
+                            (d.recorded)(e, false);
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, events = aborts.len(), "could not renew the run leases of events in flight; retrying");
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Records the outcomes of `batch`, retrying while the database does not answer, until
+/// `deadline` (the run leases end soon after; the events then run again).
+async fn record(
+    d: &Driver<'_>,
+    runs: &HashMap<i64, i32>,
+    batch: &[OutboundEvent],
+    outcomes: Vec<Result<(), PublishError>>,
+    deadline: tokio::time::Instant,
+) {
+    let verdict = d.judge.verdict(batch, outcomes);
+    let mut wait = Duration::from_millis(100);
+    loop {
+        let result = tokio::time::timeout_at(
+            deadline,
+            settle(
+                d.pool,
+                d.keeping,
+                runs,
+                &verdict.published,
+                &verdict.failures,
+            ),
+        )
+        .await;
+        match result {
+            Ok(Ok(recorded)) => {
+                let recorded: std::collections::HashSet<i64> = recorded.into_iter().collect();
+                for e in batch {
+                    let ok = recorded.contains(&e.seq);
+                    if !ok {
+                        tracing::warn!(event_id = %e.id, key = %e.key, run = runs[&e.seq], "the outcome of an event was not recorded: it was checked out again meanwhile (its run lease had ended?)");
+                    }
+                    (d.recorded)(e, ok);
+                }
+                let published = verdict
+                    .published
+                    .iter()
+                    .filter(|s| recorded.contains(s))
+                    .count();
+                let failures: Vec<Failure> = verdict
+                    .failures
+                    .iter()
+                    .filter(|f| recorded.contains(&f.seq))
+                    .cloned()
+                    .collect();
+                d.judge.count(published, &failures);
+                return;
+            }
+            Ok(Err(e)) if tokio::time::Instant::now() + wait < deadline => {
+                tracing::warn!(error = %e, events = batch.len(), retry_in_ms = wait.as_millis() as u64, "could not record the outcomes of checked-out events; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            _ => {
+                tracing::warn!(events = batch.len(), "could not record the outcomes of checked-out events before their run leases end; they run again then");
+                for e in batch {
+                    (d.recorded)(e, false);
+                }
+                return;
+            }
+        }
+    }
+}
