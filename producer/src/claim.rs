@@ -227,15 +227,14 @@ impl Claim {
 
     /// Keeps the claim's transaction from counting as idle (PostgreSQL ends a claim idle for
     /// half the lease) while the relay still holds the leases of the claim's key partitions.
-    /// The relay calls it while a transport is still working on the batch, e.g. a
-    /// long-running task handler.
+    /// The relay calls it while a transport is still working on the batch (a slow broker).
     ///
     /// The statement reads the leases with the server's clock and shortens the transaction's
     /// idle limit to what they have left, less a twentieth of the lease: however late it
     /// arrives, it never lets the claim outlive them. Returns `false` when a lease was lost or
     /// has less than that left: the claim can then not be kept idle at all, and the relay must
     /// give the batch up. (The relay gives up earlier by its own clock, with a quarter of the
-    /// lease left, so that a task handler has stopped well before; this is the hard limit.)
+    /// lease left, so that its work on the batch has stopped well before; this is the hard limit.)
     pub async fn keep_alive(&mut self) -> Result<bool, sqlx::Error> {
         let margin = self.lease / 20;
         let (held, left_ms): (i64, Option<f64>) = sqlx::query_as(

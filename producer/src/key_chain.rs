@@ -4,8 +4,8 @@
 //! that claim commits, a failed row of it is not yet written back as holding its key. So a
 //! later claim can take a key's later events while its earlier ones are in flight in another
 //! batch: if the earlier one then fails (refused, nacked, timed out), the later one must not be
-//! published ahead of it. The chain makes that impossible for every transport that does not
-//! chain keys itself ([`crate::Transport::chains_keys_across_batches`]):
+//! published ahead of it. The chain makes that impossible for every transport whose rows are
+//! not checked out ([`crate::Transport::checks_out`]):
 //!
 //! - each batch registers its keys when it is handed over, in claim order, and depends on the
 //!   batches before it that hold any of its keys and have not been recorded yet;

@@ -19,7 +19,7 @@
 //! transaction can outlive its relay by at most half a lease while idle (the claim sets
 //! `idle_in_transaction_session_timeout` to half the lease), and a relay claims only while
 //! its lease has more than that left ([`crate::claim::lease_reserve`]). A live relay keeps a
-//! claim alive (a long task handler) only within its leases (each keep-alive shortens the
+//! claim alive (a slow broker) only within its leases (each keep-alive shortens the
 //! claim's idle limit to what they have left) and gives the batch up when a quarter of the
 //! lease is left without a renewal.
 

@@ -132,8 +132,7 @@ impl<T: Transport> Relay<T> {
             record_gate: tokio::sync::RwLock::new(()),
             key_chain: KeyChain::default(),
             // Checked-out rows hold back their keys in the database: no chain needed.
-            chained: self.transport.chains_keys_across_batches()
-                || self.transport.checks_out().is_some(),
+            chained: self.transport.checks_out().is_some(),
             checkout: self
                 .transport
                 .checks_out()
@@ -268,7 +267,8 @@ struct Shared<T: Transport> {
     /// later events) then hands them over before the transport hears of that commit, and the
     /// transport chains them behind the failure.
     record_gate: tokio::sync::RwLock<()>,
-    /// [`Transport::chains_keys_across_batches`], asked once (or [`Transport::checks_out`]).
+    /// Whether the transport [`Transport::checks_out`] (asked once): its rows hold their keys
+    /// in the database while in flight, so batches need no key chain and lanes use every slot.
     chained: bool,
     /// With a transport that [`Transport::checks_out`]: claims check their rows out
     /// ([`checkout`]), and this bounds the events in flight (a permit each).
@@ -646,9 +646,8 @@ impl<T: Transport> Shared<T> {
         // This lane's own share of the in-flight batches. A lane's next claim walks past the
         // rows of its own batches still in flight (they stay in the index, locked, until their
         // commit); with several lanes each holding few batches, the relay keeps as many
-        // batches in flight while each claim steps over fewer of them. A transport that keeps
-        // each key's order across batches itself (the task runner) lets a lane use every slot:
-        // a long-running batch then holds back only its own keys, not its lane's share.
+        // batches in flight while each claim steps over fewer of them. With checked-out rows
+        // (the task runner) a lane uses every slot: a long task holds back only its own key.
         let chained = self.chained;
         let per_lane = if chained {
             self.config.max_in_flight_batches.max(1)
@@ -679,8 +678,8 @@ impl<T: Transport> Shared<T> {
             // (BENCHMARKS.md): the claims and requests saved are work the database and the
             // broker no longer queue. With a backlog (the last claim came back full) the lanes
             // claim their own shares with up to `max_in_flight_batches` batches in flight, and
-            // so do they always for a transport that chains each key's events across batches
-            // (the task runner: one long task must not stop the claims of every other key).
+            // so do they always when rows are checked out (the task runner: one long task must
+            // not stop the claims of every other key).
             // Checking out: no more events than the transport takes at once (one permit each,
             // released as their outcomes are recorded).
             let mut limit = self.config.batch_size;

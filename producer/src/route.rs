@@ -20,8 +20,6 @@ pub trait DynTransport: Send + Sync + 'static {
     fn delivery_timeout_dyn(&self) -> Option<Duration>;
     /// [`Transport::flush`], boxed.
     fn flush_dyn(&self, timeout: Duration) -> BoxFuture<'_, ()>;
-    /// [`Transport::chains_keys_across_batches`].
-    fn chains_keys_across_batches_dyn(&self) -> bool;
     /// [`Transport::recorded`].
     fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool);
     /// [`Transport::checks_out`].
@@ -39,10 +37,6 @@ impl<T: Transport> DynTransport for T {
 
     fn flush_dyn(&self, timeout: Duration) -> BoxFuture<'_, ()> {
         self.flush(timeout).boxed()
-    }
-
-    fn chains_keys_across_batches_dyn(&self) -> bool {
-        self.chains_keys_across_batches()
     }
 
     fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool) {
@@ -229,8 +223,7 @@ impl Transport for Router {
         join_all(self.destinations.iter().map(|(_, t)| t.flush_dyn(timeout))).await;
     }
 
-    /// The whole batch goes to every destination: each knows the events it was handed (the
-    /// task runner finds its own by event id).
+    /// The whole batch goes to every destination: each knows the events it was handed.
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
         for (_, t) in &self.destinations {
             t.recorded_dyn(batch, committed);
@@ -246,15 +239,6 @@ impl Transport for Router {
             .iter()
             .filter_map(|(_, t)| t.checks_out_dyn())
             .reduce(|a, b| a.saturating_add(b))
-    }
-
-    /// Only when every destination does.
-    fn chains_keys_across_batches(&self) -> bool {
-        !self.destinations.is_empty()
-            && self
-                .destinations
-                .iter()
-                .all(|(_, t)| t.chains_keys_across_batches_dyn())
     }
 }
 

@@ -104,17 +104,6 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
-    /// Whether the transport itself keeps each key's events in order across batches in flight
-    /// at once. The task runner does: a key's tasks in a batch wait for its tasks in earlier
-    /// batches, and if one of those failed, until the relay recorded that batch (see
-    /// [`Transport::recorded`]); they are then held back. The relay then claims new batches
-    /// while earlier ones are still in flight, also without a backlog, so that a long-running
-    /// batch (a slow task) holds back only its own keys. Default `false`: without a backlog
-    /// the relay hands over one batch at a time.
-    fn chains_keys_across_batches(&self) -> bool {
-        false
-    }
-
     /// `Some(n)` when the relay checks rows out to this transport instead of holding its claim
     /// open while the transport works (the task runner, whose handlers may run for minutes),
     /// with at most `n` events in flight at once. A checked-out row is the first pending row
@@ -131,8 +120,7 @@ pub trait Transport: Send + Sync + 'static {
     /// again), or gave the batch up (shutdown). Default: nothing. The Kafka transport holds
     /// back the keys of records that a replaced producer had no outcome for until their batch
     /// is recorded, so a caller other than the relay must call this too. A transport that wraps
-    /// another must pass this on, and [`Transport::chains_keys_across_batches`] too: the task
-    /// runner waits for it after a failure, and without it keeps its bookkeeping for good.
+    /// another must pass this on, and [`Transport::checks_out`] too.
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
         let _ = (batch, committed);
     }

@@ -168,9 +168,9 @@ impl<T: Transport> Transport for Counting<T> {
         })
     }
 
-    // A decorator passes these on, or the task runner would wait for records it never hears of.
-    fn chains_keys_across_batches(&self) -> bool {
-        self.inner.chains_keys_across_batches()
+    // A decorator passes these on: a wrapped task runner must still be checked out to.
+    fn checks_out(&self) -> Option<usize> {
+        self.inner.checks_out()
     }
 
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
