@@ -278,7 +278,7 @@ impl RabbitTransport {
         match cached {
             Some(ExchangeState::Ready) => return Ok(()),
             Some(ExchangeState::Refused(reason, at)) if at.elapsed() < REFUSED_RECHECK => {
-                return Err(PublishError::new(FailureKind::Permanent, reason));
+                return Err(PublishError::new(FailureKind::Waiting, reason));
             }
             // Not known yet, or refused a while ago: the operator may have fixed it since.
             _ => {}
@@ -308,14 +308,14 @@ impl RabbitTransport {
             }
             Err(e) => match soft_error(&e) {
                 Some(AMQPSoftError::NOTFOUND) => refused(format!(
-                    "exchange {topic:?} does not exist and exchange declaration is disabled"
+                    "exchange {topic:?} does not exist and exchange declaration is disabled: create it (a durable topic exchange: rabbitmqadmin declare exchange name={topic} type=topic durable=true); its events wait until it exists"
                 )),
                 Some(AMQPSoftError::PRECONDITIONFAILED) => refused(format!(
-                    "exchange {topic:?} exists with other settings (Postal needs a durable topic exchange): {e}"
+                    "exchange {topic:?} exists with other settings (Postal needs a durable topic exchange; {e}): recreate it as one; its events wait until then"
                 )),
-                Some(AMQPSoftError::ACCESSREFUSED) => {
-                    refused(format!("not allowed to use exchange {topic:?}: {e}"))
-                }
+                Some(AMQPSoftError::ACCESSREFUSED) => refused(format!(
+                    "not allowed to use exchange {topic:?} ({e}): grant the relay's user configure/write permission on it; its events wait until then"
+                )),
                 _ => return Err(unavailable(&format!("declaring exchange {topic:?}"), &e)),
             },
         };
@@ -328,8 +328,11 @@ impl RabbitTransport {
             .insert(topic.to_owned(), state.clone());
         match state {
             ExchangeState::Ready => Ok(()),
+            // The exchange's problem, not the event's: its events wait (retried every minute,
+            // without using attempts), as for a missing Kafka topic.
             ExchangeState::Refused(reason, _) => {
-                Err(PublishError::new(FailureKind::Permanent, reason))
+                tracing::warn!(exchange = topic, "{reason}");
+                Err(PublishError::new(FailureKind::Waiting, reason))
             }
         }
     }
