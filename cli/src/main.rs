@@ -222,6 +222,11 @@ impl Destination {
     }
 }
 
+/// The log filter without `POSTAL_LOG`. lapin logs each returned (unroutable) message and
+/// each closed channel at WARN/ERROR with the whole message; the relay records and logs those
+/// outcomes itself, in one line per event.
+const DEFAULT_LOG: &str = "info,sqlx=warn,lapin=off";
+
 fn parse_route(s: &str) -> Result<(String, Destination), String> {
     let (topic, dest) = s
         .split_once('=')
@@ -236,7 +241,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("POSTAL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG)),
         )
         .with_writer(std::io::stderr)
         .init();

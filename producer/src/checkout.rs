@@ -6,14 +6,21 @@
 //! quick tasks before its slow one. For a transport that [`crate::Transport::checks_out`], the
 //! claim instead checks out the first claimed row of each key and commits at once:
 //!
-//! - the row's `attempts` goes up by one — its **run number**, which survives restarts, tells a
-//!   handler that an earlier run started (and may have done part of its work), and fences
-//!   stale outcomes: every change the relay later makes to the row requires the run number it
-//!   checked out;
+//! - the row's `runs` goes up by one — its **run number**, which survives restarts and is never
+//!   reset, tells a handler that an earlier run started (and may have done part of its work),
+//!   and fences stale outcomes: every change the relay later makes to the row requires the run
+//!   number it checked out;
+//! - its `attempts` goes up by one too, until the outcome says otherwise: a run cut off without
+//!   an outcome (the relay died or lost the run lease) counts as a failed attempt, and a row
+//!   whose attempts are used up that way is parked at its next check-out instead of run again
+//!   (a task that kills its process does not run forever);
 //! - its `available_at` becomes the end of its **run lease** (the relay's lease, counted from
 //!   the claim's start by the database's clock), and `held` is set, so the row holds back its
 //!   key's later rows, whichever relay owns the key's partition, until its outcome is recorded;
 //! - the claim's other rows of the same key are left as they were.
+//!
+//! The check-out commits before the relay claims again, or rolls back: were it left open, a
+//! next claim would skip its locked rows and take the key's later rows.
 //!
 //! While the event is in flight the relay renews its run lease every quarter of the lease. If
 //! it cannot (database unreachable, or the row was checked out again by someone else), it
@@ -34,26 +41,15 @@ use sqlx::PgPool;
 use crate::complete::Failure;
 use crate::transport::{OutboundEvent, PublishError};
 
-/// The claimed rows to check out: the first row of each key in the batch (by position), and
-/// the check-out of each as a [`Failure`] that counts an attempt, holds its key and comes due
-/// again after `lease` — which is what [`crate::claim::Claim::complete`] writes.
-pub(crate) fn plan(batch: &[OutboundEvent], lease: Duration) -> (Vec<usize>, Vec<Failure>) {
+/// The run number of each checked-out row, by sequence number.
+pub(crate) type Runs = HashMap<i64, i32>;
+
+/// The claimed rows to check out: the first row of each key in the batch (by position).
+pub(crate) fn heads(batch: &[OutboundEvent]) -> Vec<usize> {
     let mut seen = std::collections::HashSet::new();
-    let heads: Vec<usize> = (0..batch.len())
+    (0..batch.len())
         .filter(|&i| seen.insert(batch[i].key.as_str()))
-        .collect();
-    let writes = heads
-        .iter()
-        .map(|&i| Failure {
-            seq: batch[i].seq,
-            counts: true,
-            park: false,
-            hold: true,
-            retry_in: lease,
-            reason: None,
-        })
-        .collect();
-    (heads, writes)
+        .collect()
 }
 
 /// Renews the run lease of the checked-out rows `runs` (sequence number, run number): they
@@ -68,7 +64,7 @@ pub(crate) async fn renew(
     sqlx::query_scalar(
         "UPDATE postal.outbox o SET available_at = now() + $3 * interval '1 millisecond'
          FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
-         WHERE o.seq = r.seq AND o.attempts = r.run AND o.status = 'pending' AND o.held
+         WHERE o.seq = r.seq AND o.runs = r.run AND o.status = 'pending' AND o.held
          RETURNING o.seq",
     )
     .bind(&seqs)
@@ -89,14 +85,14 @@ pub(crate) struct Keeping {
 
 /// Records the outcomes of checked-out rows in one statement: acknowledged rows are deleted
 /// (and archived in history mode) or marked published, failed ones rescheduled or parked as
-/// the [`Failure`]s say, each only if it still carries its run number (`run`, per sequence
-/// number). The failures' `counts` is relative to the attempts before the run, as
-/// [`crate::outcome::Judge::verdict`] computed them from the handed-over events. Returns
+/// the [`Failure`]s say, each only if it still carries its run number (`runs`). The check-out
+/// counted an attempt; the record takes it back and adds what the outcome counts, as
+/// [`crate::outcome::Judge::verdict`] computed it from the attempts before the run. Returns
 /// the sequence numbers recorded; the others were no longer this run's.
 pub(crate) async fn settle(
     pool: &PgPool,
     keeping: Keeping,
-    runs: &HashMap<i64, i32>,
+    runs: &Runs,
     published: &[i64],
     failures: &[Failure],
 ) -> Result<Vec<i64>, sqlx::Error> {
@@ -114,13 +110,14 @@ pub(crate) async fn settle(
     let holds: Vec<bool> = failures.iter().map(|f| f.hold).collect();
     let done = if keeping.delete {
         "DELETE FROM postal.outbox o USING unnest($1::int8[], $2::int4[]) AS p(seq, run)
-         WHERE o.seq = p.seq AND o.attempts = p.run AND o.status = 'pending'
+         WHERE o.seq = p.seq AND o.runs = p.run AND o.status = 'pending'
          RETURNING o.*"
     } else {
         "UPDATE postal.outbox o
-         SET status = 'published', published_at = statement_timestamp(), held = false
+         SET status = 'published', published_at = statement_timestamp(), held = false,
+             attempts = o.attempts - 1
          FROM unnest($1::int8[], $2::int4[]) AS p(seq, run)
-         WHERE o.seq = p.seq AND o.attempts = p.run AND o.status = 'pending'
+         WHERE o.seq = p.seq AND o.runs = p.run AND o.status = 'pending'
          RETURNING o.*"
     };
     let sql = format!(
@@ -137,7 +134,7 @@ pub(crate) async fn settle(
             FROM done WHERE $10
         ), failed AS (
             UPDATE postal.outbox o
-            SET attempts = u.run - 1 + u.inc,
+            SET attempts = o.attempts - 1 + u.inc,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
                 held = u.hold,
@@ -145,7 +142,7 @@ pub(crate) async fn settle(
             FROM unnest($3::int8[], $4::int4[], $5::int4[], $6::int8[], $7::bool[],
                         $8::text[], $9::bool[])
                  AS u(seq, run, inc, delay_ms, park, reason, hold)
-            WHERE o.seq = u.seq AND o.attempts = u.run AND o.status = 'pending'
+            WHERE o.seq = u.seq AND o.runs = u.run AND o.status = 'pending'
             RETURNING o.seq
         )
         SELECT seq FROM done UNION ALL SELECT seq FROM failed
@@ -179,17 +176,18 @@ pub(crate) struct Driver<'a> {
     pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
 }
 
-/// Awaits the checked-out `events` (their outcomes `in_flight`, in the same order), renewing
+/// Awaits the checked-out `events` (with the attempts before their runs, their run numbers
+/// `runs`, their outcomes `in_flight` in the same order), renewing
 /// their run leases and recording each outcome as soon as it is known. `renewed_at` is when
 /// the run leases were last set, by this process's clock (before the claim began): the
 /// events are abandoned once a quarter of the lease is left since the last renewal.
 pub(crate) async fn drive(
     d: Driver<'_>,
     events: Vec<OutboundEvent>,
+    runs: Runs,
     in_flight: Vec<InFlight>,
     renewed_at: tokio::time::Instant,
 ) {
-    let runs: HashMap<i64, i32> = events.iter().map(|e| (e.seq, e.attempts + 1)).collect();
     let mut aborts: HashMap<usize, futures::future::AbortHandle> = HashMap::new();
     let mut pending = FuturesUnordered::new();
     for (i, f) in in_flight.into_iter().enumerate() {
@@ -267,7 +265,7 @@ pub(crate) async fn drive(
 /// `deadline` (the run leases end soon after; the events then run again).
 async fn record(
     d: &Driver<'_>,
-    runs: &HashMap<i64, i32>,
+    runs: &Runs,
     batch: &[OutboundEvent],
     outcomes: Vec<Result<(), PublishError>>,
     deadline: tokio::time::Instant,

@@ -178,21 +178,34 @@ impl Claim {
         published: &[i64],
         failures: &[Failure],
     ) -> Result<(), crate::Error> {
-        match &self.deleted {
+        let written = match &self.deleted {
             Some(kept) => {
+                let mut r = Ok(());
                 if !failures.is_empty() {
-                    complete::restore(&mut self.tx, batch, kept_view(kept), failures).await?;
+                    r = complete::restore(&mut self.tx, batch, kept_view(kept), failures).await;
                 }
-                if self.history {
-                    complete::archive(&mut self.tx, batch, kept_view(kept), published).await?;
+                if r.is_ok() && self.history {
+                    r = complete::archive(&mut self.tx, batch, kept_view(kept), published).await;
                 }
+                r
             }
-            None => complete::mark(&mut self.tx, published, failures).await?,
+            None => complete::mark(&mut self.tx, published, failures).await,
+        };
+        if let Err(e) = written {
+            // Rolled back before this returns: the rows are free again for the next claim.
+            let _ = self.tx.rollback().await;
+            return Err(e.into());
         }
-        // Last, so that the check is as close to the commit as it can be. (With the claim's
-        // partition locks, no relay can take them over meanwhile; this fences a takeover that
-        // bypassed them, e.g. a relay of an earlier version during a rolling upgrade.)
-        let lost: Vec<i16> = sqlx::query_scalar(
+        self.fence_and_commit().await
+    }
+
+    /// The fence check, then the commit: the relay must still own every partition of the
+    /// claim, else the transaction rolls back ([`crate::Error::LeaseLost`]). Last, so that the
+    /// check is as close to the commit as it can be. (With the claim's partition locks, no
+    /// relay can take them over meanwhile; this fences a takeover that bypassed them, e.g. a
+    /// relay of an earlier version during a rolling upgrade.)
+    async fn fence_and_commit(mut self) -> Result<(), crate::Error> {
+        let lost: Result<Vec<i16>, sqlx::Error> = sqlx::query_scalar(
             "SELECT ARRAY(SELECT p FROM unnest($2::int2[]) p
                  WHERE NOT EXISTS (SELECT 1 FROM postal.relay_partitions r
                                    WHERE r.owner = $1 AND r.key_partition = p))",
@@ -200,12 +213,64 @@ impl Claim {
         .bind(self.relay)
         .bind(&self.partitions)
         .fetch_one(&mut *self.tx)
-        .await?;
+        .await;
+        let lost = match lost {
+            Ok(lost) => lost,
+            Err(e) => {
+                let _ = self.tx.rollback().await;
+                return Err(e.into());
+            }
+        };
         if !lost.is_empty() {
             self.tx.rollback().await?;
             return Err(crate::Error::LeaseLost { partitions: lost });
         }
         Ok(self.tx.commit().await?)
+    }
+
+    /// Checks out the rows `seqs` of this claim (keep-published claims only, see
+    /// [`crate::Transport::checks_out`]) and commits: each gets the next run number (`runs`),
+    /// counts an attempt until its outcome says otherwise, holds its key and comes due again
+    /// `lease` after the claim's start. A row whose attempts were already used up — its last
+    /// runs ended without an outcome (the relay died, or lost the run lease) — is parked
+    /// instead, with that reason. Returns `(seq, run, parked)` per row. On any error the
+    /// transaction is rolled back before this returns, so that no later claim of the relay
+    /// can run while it still holds the rows.
+    pub(crate) async fn check_out(
+        mut self,
+        seqs: &[i64],
+        lease: Duration,
+        max_attempts: i32,
+    ) -> Result<Vec<(i64, i32, bool)>, crate::Error> {
+        let marked: Result<Vec<(i64, i32, bool)>, sqlx::Error> = sqlx::query_as(
+            "UPDATE postal.outbox o
+             SET runs = o.runs + CASE WHEN o.attempts >= $3 THEN 0 ELSE 1 END,
+                 attempts = o.attempts + CASE WHEN o.attempts >= $3 THEN 0 ELSE 1 END,
+                 status = CASE WHEN o.attempts >= $3 THEN 'failed' ELSE 'pending' END,
+                 available_at = now() + $2 * interval '1 millisecond',
+                 held = true,
+                 last_error = CASE WHEN o.attempts >= $3
+                     THEN format('parked: %s attempts used, the last ended without an outcome (the relay died or lost its run lease); last error before: %s',
+                                 o.attempts, coalesce(o.last_error, 'none'))
+                     ELSE o.last_error END
+             WHERE o.seq = ANY($1) AND o.status = 'pending'
+             RETURNING o.seq, o.runs, o.status = 'failed'",
+        )
+        .bind(seqs)
+        .bind(lease.as_millis() as i64)
+        .bind(max_attempts)
+        .fetch_all(&mut *self.tx)
+        .await;
+        match marked {
+            Ok(rows) => {
+                self.fence_and_commit().await?;
+                Ok(rows)
+            }
+            Err(e) => {
+                let _ = self.tx.rollback().await;
+                Err(e.into())
+            }
+        }
     }
 
     /// Whether the claim's send deadline has passed by this process's monotonic clock: the

@@ -564,27 +564,53 @@ impl<T: Transport> Shared<T> {
         // The run leases end `lease` after the claim's start by the database's clock, which
         // read it after this process's clock read `claim_started`.
         let renewed_at = tokio::time::Instant::from_std(claim_started);
-        let (heads, writes) = checkout::plan(&batch, lease);
-        match tokio::time::timeout(lease / 4, claim.complete(&batch, &[], &writes)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
+        let heads = checkout::heads(&batch);
+        let seqs: Vec<i64> = heads.iter().map(|&i| batch[i].seq).collect();
+        // Not raced against a timeout: it commits or rolls back before the lane claims again.
+        let marked = match claim
+            .check_out(&seqs, lease, self.config.max_attempts)
+            .await
+        {
+            Ok(marked) => marked,
+            Err(e) => {
                 tracing::warn!(error = %e, events = batch.len(), "could not check out claimed events; they are claimed again");
                 return false;
             }
-            Err(_) => {
-                tracing::warn!(events = batch.len(), "checking out claimed events took longer than a quarter of the lease; given up (they run when their run leases end, if it committed)");
-                return false;
+        };
+        drop(gate);
+        let mut runs = checkout::Runs::new();
+        let mut parked = 0u64;
+        for (seq, run, was_parked) in marked {
+            if was_parked {
+                parked += 1;
+                if let Some(e) = batch.iter().find(|e| e.seq == seq) {
+                    tracing::warn!(event_id = %e.id, topic = %e.topic, key = %e.key, "event parked as failed: its attempts were used up by runs that ended without an outcome (the relay died or lost its run lease)");
+                }
+            } else {
+                runs.insert(seq, run);
             }
         }
-        drop(gate);
+        if parked > 0 {
+            self.counters.parked.fetch_add(parked, Ordering::Relaxed);
+            metrics::counter!("postal_relay_failed_total").increment(parked);
+        }
         if tokio::time::Instant::now() >= renewed_at + lease - lease / 4 {
-            tracing::warn!(events = heads.len(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over: they run again when their run leases end");
+            tracing::warn!(events = runs.len(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over: they run again when their run leases end");
             return true;
         }
-        let events: Vec<OutboundEvent> = heads.into_iter().map(|i| batch[i].clone()).collect();
+        // The events with the attempts before their runs (for the verdict on their outcome);
+        // the transport gets them with the runs before this one as their attempts, so that a
+        // task sees its run number.
+        let events: Vec<OutboundEvent> = heads
+            .into_iter()
+            .map(|i| batch[i].clone())
+            .filter(|e| runs.contains_key(&e.seq))
+            .collect();
         let mut in_flight: Vec<checkout::InFlight> = Vec::with_capacity(events.len());
         for e in &events {
-            let acks = self.transport.send(std::slice::from_ref(e)).await;
+            let mut handed = e.clone();
+            handed.attempts = runs[&e.seq] - 1;
+            let acks = self.transport.send(std::slice::from_ref(&handed)).await;
             in_flight.push(
                 async move {
                     acks.await.into_iter().next().unwrap_or_else(|| {
@@ -630,7 +656,7 @@ impl<T: Transport> Shared<T> {
                 judge: &judge,
                 recorded: &notify,
             };
-            checkout::drive(driver, events, in_flight, renewed_at).await;
+            checkout::drive(driver, events, runs, in_flight, renewed_at).await;
         });
         true
     }

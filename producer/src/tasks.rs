@@ -10,8 +10,10 @@
 //!   of the one before is recorded (success, retry scheduled, or parked); tasks of different
 //!   keys run concurrently, up to [`TaskConfig::concurrency`].
 //! - **A run number that survives restarts** ([`Task::attempt`]): it goes up by one at every
-//!   run, whichever relay runs it, also after a crash. A handler that sees `attempt > 1` knows
-//!   an earlier run started and may have done part of its work.
+//!   run, whichever relay runs it, also after a crash, and is never reset. A handler that sees
+//!   `attempt > 1` knows an earlier run started and may have done part of its work. A run cut
+//!   off without an outcome counts as a failed attempt: a task whose runs keep killing their
+//!   process is parked once its `max_attempts` are used up.
 //! - **Fencing.** If the relay cannot renew the run lease (database unreachable, the process
 //!   was frozen), it aborts the handler, at its next await, before a quarter of the lease is
 //!   left; the task then runs again, with the next run number, once the lease has ended. A
@@ -63,7 +65,8 @@ pub struct Task {
     pub headers: Vec<(String, String)>,
     /// This run's number: 1 on the first run; one more at every later run, also when the one
     /// before was cut off by a crash or a lost run lease (it then may have done part of its
-    /// work). Strictly increasing across the runs of a task: a fencing token.
+    /// work), and never reset (not by `postal failed requeue` either). Strictly increasing
+    /// across the runs of a task: a fencing token.
     pub attempt: i32,
 }
 

@@ -35,7 +35,8 @@ pub struct OutboundEvent {
     pub payload: Vec<u8>,
     /// User headers (including `traceparent` when captured).
     pub headers: Vec<(String, String)>,
-    /// Failed attempts so far.
+    /// Failed attempts so far. For a row checked out to the transport
+    /// ([`Transport::checks_out`]): the runs before this one (its run number less one).
     pub attempts: i32,
 }
 

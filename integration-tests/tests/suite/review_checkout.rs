@@ -1,0 +1,404 @@
+//! The review of task check-out (8e05d1c): its reproductions, each of which failed before its
+//! fix — a given-up check-out let the next claim run a key's tasks out of order and at once;
+//! `postal failed requeue` and outcomes that do not count repeated run numbers; runs cut off
+//! by crashes were never parked — and the modes it found to hold.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt;
+use postal_integration_tests::{fresh_postgres_db, unique, wait};
+use postal_producer::{
+    enqueue_batch, NewEvent, RelayConfig, Task, TaskConfig, TaskError, TaskTransport,
+};
+use sqlx::{Connection, Executor};
+
+use crate::common::{fast_config, RunningRelay};
+
+/// Finding 1. Guarantee: a check-out that takes long (here its UPDATE waits 2.6 s behind a
+/// `SHARE` lock on `postal.outbox`, what a plain `CREATE INDEX` takes, with a 4 s lease) is
+/// waited for, never given up while its transaction still holds the claimed rows: a key's
+/// tasks run one at a time, in order. (Before: the lane gave the check-out up after a quarter
+/// of the lease, its next claim skipped the key's locked first rows, read them as not held and
+/// ran a later task first, then the first one beside it.)
+#[tokio::test]
+async fn a_slow_checkout_never_lets_the_next_claim_skip_a_keys_first_tasks() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev-stuck");
+    let n = 12usize;
+    let log = Arc::new(Mutex::new(Vec::<(i64, &'static str)>::new()));
+    let running = Arc::new(AtomicI64::new(0));
+    let max_running = Arc::new(AtomicI64::new(0));
+    let (l, r, m) = (log.clone(), running.clone(), max_running.clone());
+    let tasks = TaskTransport::new(TaskConfig {
+        concurrency: 2,
+        ..TaskConfig::default()
+    })
+    .on("job", move |t: Task| {
+        let (l, r, m) = (l.clone(), r.clone(), m.clone());
+        async move {
+            let i: i64 = t.json()?;
+            let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now, Ordering::SeqCst);
+            l.lock().unwrap().push((i, "start"));
+            tokio::time::sleep(Duration::from_millis(if i == 2 { 2500 } else { 300 })).await;
+            l.lock().unwrap().push((i, "end"));
+            r.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, TaskError>(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let events = (0..n as i64)
+        .map(|i| NewEvent::json(topic.as_str(), "one-key", "job", &i).unwrap())
+        .collect();
+    enqueue_batch(&mut conn, events).await.unwrap();
+    drop(conn);
+
+    // Something else holds a SHARE lock on the outbox for a while (a CREATE INDEX, a LOCK
+    // TABLE in a migration): UPDATEs of the outbox wait, SELECT … FOR UPDATE does not.
+    let mut blocker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    blocker.execute("BEGIN").await.unwrap();
+    blocker
+        .execute("LOCK TABLE postal.outbox IN SHARE MODE")
+        .await
+        .unwrap();
+
+    let relay_pool = db.pool_of(16).await;
+    let relay = RunningRelay::start(
+        &relay_pool,
+        tasks,
+        RelayConfig {
+            lease: Duration::from_secs(4),
+            ..fast_config()
+        },
+    )
+    .owning(relay_pool.clone());
+    // Let the first check-out block and be given up (after 1 s), and the next claim run.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let locks: Vec<(i32, String)> = sqlx::query_as(
+        "SELECT count(*)::int4, coalesce(max(left(query, 60)), '') FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    eprintln!("backends waiting on a lock before the release: {locks:?}");
+    blocker.execute("COMMIT").await.unwrap();
+
+    wait::until(Duration::from_secs(60), "all tasks done", || async {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| *s == "end")
+            .count()
+            >= n
+    })
+    .await;
+    relay.stop().await;
+    let log = log.lock().unwrap().clone();
+    eprintln!("run log: {log:?}");
+    let starts: Vec<i64> = log
+        .iter()
+        .filter(|(_, s)| *s == "start")
+        .map(|(i, _)| *i)
+        .collect();
+    assert_eq!(
+        max_running.load(Ordering::SeqCst),
+        1,
+        "a key's tasks ran concurrently: {log:?}"
+    );
+    assert_eq!(
+        starts,
+        (0..n as i64).collect::<Vec<_>>(),
+        "a key's tasks ran out of order"
+    );
+}
+
+/// Finding 2. Guarantee: `postal failed requeue` (its statement, from cli/src/failed.rs) resets
+/// a parked task's attempts, not its run number: `Task::attempt` keeps strictly increasing
+/// across its runs, so a downstream fencing by it never refuses the requeued runs. (Before:
+/// 1, 2, 1.)
+#[tokio::test]
+async fn a_requeued_task_keeps_raising_its_run_number() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev-requeue");
+    let seen = Arc::new(Mutex::new(Vec::<i32>::new()));
+    let succeed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s, ok) = (seen.clone(), succeed.clone());
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+        let (s, ok) = (s.clone(), ok.clone());
+        async move {
+            s.lock().unwrap().push(t.attempt);
+            if ok.load(Ordering::SeqCst) {
+                Ok(())
+            } else {
+                Err(TaskError::retryable("downstream busy"))
+            }
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            max_attempts: 2,
+            ..fast_config()
+        },
+    );
+    wait::until(Duration::from_secs(30), "parked", || async {
+        sqlx::query_scalar::<_, String>("SELECT status FROM postal.outbox WHERE event_id = $1")
+            .bind(id.as_uuid())
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+            .as_deref()
+            == Some("failed")
+    })
+    .await;
+    succeed.store(true, Ordering::SeqCst);
+    // `postal failed requeue --id <id>`.
+    sqlx::query(
+        "WITH batch AS (
+             SELECT seq FROM postal.outbox WHERE status = 'failed'
+             AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
+             AND ($2::text IS NULL OR topic = $2)
+             ORDER BY seq LIMIT 1000 FOR UPDATE)
+         UPDATE postal.outbox o
+            SET status = 'pending', attempts = 0, held = false,
+                available_at = now(),
+                last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
+           FROM batch WHERE o.seq = batch.seq",
+    )
+    .bind(vec![id.as_uuid()])
+    .bind(None::<String>)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    wait::until(Duration::from_secs(30), "done", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    relay.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "Task::attempt is not strictly increasing across the runs of one task: {seen:?}"
+    );
+}
+
+/// Finding 3. Guarantee: an outcome that does not count as an attempt (`Unavailable` from a
+/// broker behind a `Router` that also holds a task runner) does not repeat the run number of
+/// the row's next check-out. (Before: 1, 1, 1, 1.)
+#[tokio::test]
+async fn a_non_counting_outcome_still_raises_the_run_number() {
+    use futures::future::BoxFuture;
+    use futures::FutureExt;
+    use postal_producer::{FailureKind, OutboundEvent, PublishError, Router, Transport};
+
+    #[derive(Clone)]
+    struct Flaky(Arc<Mutex<Vec<i32>>>);
+    impl Transport for Flaky {
+        type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+        async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+            let mut seen = self.0.lock().unwrap();
+            let out = batch
+                .iter()
+                .map(|e| {
+                    seen.push(e.attempts + 1);
+                    if seen.len() < 4 {
+                        Err(PublishError::new(FailureKind::Unavailable, "broker down"))
+                    } else {
+                        Ok(())
+                    }
+                })
+                .collect();
+            async move { out }.boxed()
+        }
+    }
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev-router");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let router = Router::new()
+        .destination("tasks", TaskTransport::new(TaskConfig::default()))
+        .destination("broker", Flaky(seen.clone()))
+        .route("tasks.*", "tasks")
+        .unwrap()
+        .fallback("broker")
+        .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "order.placed", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = RunningRelay::start(&db.pool, router, fast_config());
+    wait::until(Duration::from_secs(60), "published", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    relay.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "run numbers of one checked-out row repeat: {seen:?}"
+    );
+}
+
+/// Finding 4. A run that ends without an outcome (process killed, run lease lost) counts as a
+/// failed attempt: a task whose runs keep "killing the process" is parked once its
+/// `max_attempts` are used up, with a reason that says so, instead of running forever (and
+/// taking down every task beside it each time). (Before: run numbers 1, 2, 3, 4, … and the
+/// row pending for good.)
+#[tokio::test]
+async fn runs_cut_off_by_crashes_are_counted_and_parked() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev-poison");
+    let seen = Arc::new(Mutex::new(Vec::<i32>::new()));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let cfg = RelayConfig {
+        max_attempts: 2,
+        lease: Duration::from_secs(2),
+        ..fast_config()
+    };
+    let status = |pool: sqlx::PgPool| async move {
+        sqlx::query_as::<_, (String, i32, Option<String>)>(
+            "SELECT status, attempts, last_error FROM postal.outbox WHERE event_id = $1",
+        )
+        .bind(id.as_uuid())
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    for _crash in 0..4 {
+        let (s, st) = (seen.clone(), started.clone());
+        let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+            let (s, st) = (s.clone(), st.clone());
+            async move {
+                s.lock().unwrap().push(t.attempt);
+                st.notify_one();
+                // The handler "kills the process" (the test kills the relay).
+                std::future::pending::<()>().await;
+                Ok::<_, TaskError>(())
+            }
+        });
+        let pool = db.process_pool().await;
+        let relay = RunningRelay::start(&pool, tasks, cfg.clone()).owning(pool);
+        let ran = started.notified();
+        tokio::pin!(ran);
+        wait::until(
+            Duration::from_secs(20),
+            "the task to run again or be parked",
+            || {
+                let ran = ran.as_mut().now_or_never().is_some();
+                let pool = db.pool.clone();
+                async move { ran || status(pool).await.0 == "failed" }
+            },
+        )
+        .await;
+        relay.kill().await;
+        if status(db.pool.clone()).await.0 == "failed" {
+            break;
+        }
+    }
+    let (row_status, attempts, reason) = status(db.pool.clone()).await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen, vec![1, 2], "two runs, then no more");
+    assert_eq!(
+        row_status, "failed",
+        "parked (attempts {attempts}, {reason:?})"
+    );
+    assert!(
+        reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("without an outcome"),
+        "{reason:?}"
+    );
+}
+
+/// Held: history mode and keep-published mode record checked-out tasks once, with the failed
+/// attempts before the success in history, and the published row unheld.
+#[tokio::test]
+async fn history_and_keep_published_modes_record_tasks_once() {
+    for keep in [false, true] {
+        let db = fresh_postgres_db().await;
+        let topic = unique("rev-modes");
+        let tasks = TaskTransport::new(TaskConfig::default()).on("job", |t: Task| async move {
+            if t.attempt == 1 {
+                Err(TaskError::retryable("first run fails"))
+            } else {
+                Ok(())
+            }
+        });
+        let mut conn = db.pool.acquire().await.unwrap();
+        let events = (0..5i64)
+            .map(|i| NewEvent::json(topic.as_str(), format!("k{}", i % 2), "job", &i).unwrap())
+            .collect();
+        enqueue_batch(&mut conn, events).await.unwrap();
+        drop(conn);
+        let cfg = if keep {
+            RelayConfig {
+                delete_on_publish: false,
+                retention: Some(Duration::from_secs(3600)),
+                ..fast_config()
+            }
+        } else {
+            RelayConfig {
+                history: Some(Duration::from_secs(3 * 86400)),
+                ..fast_config()
+            }
+        };
+        let relay = RunningRelay::start(&db.pool, tasks, cfg);
+        wait::until(Duration::from_secs(30), "all recorded", || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM postal.outbox WHERE status = 'pending'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+                == 0
+        })
+        .await;
+        relay.stop().await;
+        let rows: Vec<(i32, bool)> = if keep {
+            sqlx::query_as("SELECT attempts, held FROM postal.outbox WHERE status = 'published'")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap()
+        } else {
+            sqlx::query_as("SELECT attempts, false FROM postal.outbox_history")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap()
+        };
+        eprintln!("keep={keep}: {rows:?}");
+        assert_eq!(rows.len(), 5);
+        assert!(rows.iter().all(|(_, held)| !held));
+    }
+}
