@@ -169,10 +169,7 @@ impl TestHosts {
     /// it starts afterwards, such as a current-thread runtime's or a Kafka client's) opens
     /// from then on are on that host. Use from a `current_thread` test.
     pub fn enter(&self, name: &str) {
-        let path = format!("/var/run/netns/{}", self.netns(name));
-        let f = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET)
-            .unwrap_or_else(|e| panic!("setns {path}: {e}"));
+        enter_netns(self.netns(name));
     }
 
     /// `program` to be run on the host (`ip netns exec`).
@@ -181,6 +178,14 @@ impl TestHosts {
         c.args(["netns", "exec", self.netns(name), program]);
         c
     }
+}
+
+/// Moves the calling thread into network namespace `netns` (a name under `/var/run/netns`).
+pub fn enter_netns(netns: &str) {
+    let path = format!("/var/run/netns/{netns}");
+    let f = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET)
+        .unwrap_or_else(|e| panic!("setns {path}: {e}"));
 }
 
 fn tc(netns: &str, args: &[&str]) {

@@ -7,6 +7,7 @@
 //! database ([`Services::fresh_db`]) and unique topic and group names ([`unique`]). Tests that
 //! kill or restart a server start a private one ([`private`]) in every mode.
 
+pub mod delay;
 pub mod hosts;
 pub mod kafka;
 pub mod private;

@@ -7,6 +7,8 @@
 //!    queue, so latency grows with the traffic: this kernel has no netem) for 30 s: no lease
 //!    or partition changes hands. (At 512 kbit/s the link saturates and drops; with the 6 s
 //!    session timeout used here each consumer group then rebalanced once, losing nothing.)
+//!    1b. then the same two hosts' database links get 200 ms added each way (a delaying proxy
+//!    on each host: real latency, no bandwidth limit) for 30 s: nothing changes hands either.
 //! 2. the other relay host is cut off (its link leaves the bridge: silence, no reset) while it
 //!    holds key-partition leases and claimed rows; the first relay must take its partitions
 //!    over once the leases run out, and when the link comes back the cut-off relay must
@@ -25,6 +27,7 @@
 
 use std::time::{Duration, Instant};
 
+use postal_integration_tests::delay::DelayProxy;
 use postal_integration_tests::hosts::TestHosts;
 use postal_integration_tests::private::HostStack;
 use postal_integration_tests::{create_db, unique};
@@ -34,6 +37,9 @@ use crate::common::create_topic;
 use crate::procs::{bin_dir, check_wire, env_u64, records_in, scalar, Proc};
 
 /// Key partitions (of 256) by lease owner, and whether every lease is current.
+/// The delay phase 1b adds each way on a database link.
+const LONG_LINK: Duration = Duration::from_millis(200);
+
 async fn lease_owners(pool: &PgPool) -> (Vec<(String, i64)>, bool) {
     let owners: Vec<(String, i64)> = sqlx::query_as(
         "SELECT coalesce(owner::text, '-'), count(*) FROM postal.relay_partitions
@@ -203,13 +209,25 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
             .on_host(hosts.netns(host))
     };
     let batch = [("POSTAL_MAX_BATCH", "50".to_string())];
+    // relay2 and cons2 reach the database through a delaying proxy on their own host (no
+    // delay until phase 1b); their links are never cut.
+    let upstream = format!("{}:5432", hosts.addr("srv"));
+    let relay2_db = DelayProxy::start(hosts.netns("relay2"), &upstream);
+    let cons2_db = DelayProxy::start(hosts.netns("cons2"), &upstream);
+    let via = |proxy: &DelayProxy| {
+        let url = format!("postgres://postgres@127.0.0.1:{}/{}", proxy.port, db.name);
+        [("DATABASE_URL", url)]
+    };
+    let (relay2_url, cons2_url) = (via(&relay2_db), via(&cons2_db));
+    let mut batch2 = batch.to_vec();
+    batch2.extend(cons2_url.iter().cloned());
     let mut procs = vec![
         relay("relay1"),
-        relay("relay2"),
+        relay("relay2").env(&relay2_url),
         consumer("cons1", "billing_service", &[]),
-        consumer("cons2", "billing_service", &[]),
+        consumer("cons2", "billing_service", &cons2_url),
         consumer("cons1", "invoice_recorder", &batch),
-        consumer("cons2", "invoice_recorder", &batch),
+        consumer("cons2", "invoice_recorder", &batch2),
     ];
     let mut generator = Proc::new(&dir, &logs, "order_service", "order_service", &[])
         .env(&common)
@@ -269,6 +287,36 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
     hosts.fast("cons2");
     eprintln!(
         "  {:>6.1}s links fast again: {leases_moved} key partitions and {takeovers} consumer partitions changed hands while slow; {applied_slow} orders billed meanwhile; psql SELECT 1 from relay2 {fast_rtt:?} fast, {slow_rtt:?} slow",
+        at()
+    );
+
+    // 1b. A long link that does not cut: 200 ms added each way between relay2 (and cons2) and
+    // the database, for 30 s. Nothing changes hands.
+    let (leases_before, epochs_long) = (lease_map(pool).await, epochs(pool).await);
+    let ledger_long = count(pool, "ledger").await;
+    let proxied_url = &relay2_url[0].1;
+    let near_rtt = psql_time(hosts, "relay2", proxied_url);
+    relay2_db.set_delay(LONG_LINK);
+    cons2_db.set_delay(LONG_LINK);
+    eprintln!(
+        "  {:>6.1}s relay2 and cons2 {LONG_LINK:?} each way from the database for 30 s",
+        at()
+    );
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let far_rtt = psql_time(hosts, "relay2", proxied_url);
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let leases_moved_long = lease_map(pool)
+        .await
+        .iter()
+        .zip(&leases_before)
+        .filter(|(a, b)| a.1 != b.1)
+        .count();
+    let takeovers_long = epochs(pool).await - epochs_long;
+    let applied_long = count(pool, "ledger").await - ledger_long;
+    relay2_db.set_delay(Duration::ZERO);
+    cons2_db.set_delay(Duration::ZERO);
+    eprintln!(
+        "  {:>6.1}s database links near again: {leases_moved_long} key partitions and {takeovers_long} consumer partitions changed hands while far; {applied_long} orders billed meanwhile; psql SELECT 1 from relay2 {near_rtt:?} near, {far_rtt:?} far",
         at()
     );
 
@@ -475,4 +523,11 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
     }
     assert_eq!(leases_moved, 0, "a slow link moved key partitions");
     assert_eq!(takeovers, 0, "a slow link moved consumer partitions");
+    assert_eq!(leases_moved_long, 0, "a long link moved key partitions");
+    assert_eq!(takeovers_long, 0, "a long link moved consumer partitions");
+    assert!(
+        far_rtt >= near_rtt + LONG_LINK * 2,
+        "the proxy added its delay ({near_rtt:?} near, {far_rtt:?} far)"
+    );
+    drop((relay2_db, cons2_db));
 }
