@@ -93,6 +93,14 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
             format!("header #{i} has a name that is not valid UTF-8"),
         ));
     }
+    // Postal writes each of its headers once: a record with one twice (written around
+    // Postal, or a row whose stored headers spoofed it) could make the event pass for another.
+    if let Some((name, n)) = repeated_reserved(&record.headers) {
+        return Err((
+            Reason::Undecodable,
+            format!("header {name} appears {n} times (Postal writes it once)"),
+        ));
+    }
     let id = match record.headers.get(headers::CE_ID) {
         None => {
             return Err((
@@ -138,6 +146,18 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
         id,
         event_type,
         schema_version,
+    })
+}
+
+/// The first of Postal's reserved headers that the record carries more than once (names
+/// compared without case), with how often.
+fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
+    headers::RESERVED.iter().find_map(|&name| {
+        let n = h
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+            .count();
+        (n > 1).then_some((name, n))
     })
 }
 
@@ -191,6 +211,22 @@ mod tests {
             42,
             Some(headers),
         )
+    }
+
+    /// A record carrying one of Postal's headers twice (here `ce_type`, the second spelled in
+    /// other case) is refused as undecodable, naming the header: the consumer never picks one.
+    #[test]
+    fn a_reserved_header_twice_is_refused() {
+        let m = message(Timestamp::NotAvailable);
+        let mut record = Record::from_message(&m);
+        record.headers.push("CE_TYPE", "invoice.created");
+        let (reason, error) = meta(&record).expect_err("refused");
+        assert_eq!(reason, Reason::Undecodable);
+        assert_eq!(
+            error,
+            "header ce_type appears 2 times (Postal writes it once)"
+        );
+        assert!(meta(&Record::from_message(&m)).is_ok());
     }
 
     /// The handler sees the record's Kafka timestamp (create or log-append time), and none

@@ -643,6 +643,12 @@ impl Transport for KafkaTransport {
                     continue;
                 }
             }
+            if let Some(err) = crate::transport::reserved_header(e) {
+                outcomes[index] = Err(err);
+                blocked.insert(e.key.as_str());
+                fence.hold_key(&tracked, index);
+                continue;
+            }
             let size = Self::record_size(e);
             if size > self.max_message_bytes {
                 outcomes[index] = Err(PublishError::new(

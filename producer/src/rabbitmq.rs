@@ -792,6 +792,8 @@ impl Transport for RabbitTransport {
                 ))
             } else if let Err(err) = &exchange_ok[e.topic.as_str()] {
                 Some(err.clone())
+            } else if let Some(err) = crate::transport::reserved_header(e) {
+                Some(err)
             } else if e.payload.len() > self.config.max_message_bytes {
                 Some(PublishError::new(
                     FailureKind::Permanent,

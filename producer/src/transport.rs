@@ -133,6 +133,28 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
+/// The refusal of an event whose stored headers use a name Postal sets itself (`ce_id`,
+/// `ce_type`, …): published, it would carry two values, and a consumer could take the event
+/// for another. `enqueue` refuses such headers; a row written around it is parked with this
+/// (permanent) reason.
+pub(crate) fn reserved_header(e: &OutboundEvent) -> Option<PublishError> {
+    let (name, _) = e
+        .headers
+        .iter()
+        .find(|(k, _)| postal_shared::headers::is_reserved(k))?;
+    let shown: String = name
+        .chars()
+        .take(64)
+        .flat_map(char::escape_default)
+        .collect();
+    Some(PublishError::new(
+        FailureKind::Permanent,
+        format!(
+            "stored header \"{shown}\" is reserved: Postal sets it (the row was written around postal.enqueue)"
+        ),
+    ))
+}
+
 /// An event for the transports' unit tests: key `k`, type `job`, an empty JSON object.
 #[cfg(test)]
 pub(crate) fn sample_event(topic: &str, seq: i64) -> OutboundEvent {
@@ -148,5 +170,27 @@ pub(crate) fn sample_event(topic: &str, seq: i64) -> OutboundEvent {
         payload: b"{}".to_vec(),
         headers: Vec::new(),
         attempts: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stored header with a reserved name, in any case, is refused permanently, naming it;
+    /// other headers pass.
+    #[test]
+    fn a_stored_reserved_header_is_refused() {
+        let mut e = sample_event("t", 1);
+        e.headers = vec![("traceparent".into(), "00-x".into())];
+        assert!(reserved_header(&e).is_none());
+        e.headers.push(("CE_Type".into(), "invoice.created".into()));
+        let err = reserved_header(&e).expect("refused");
+        assert_eq!(err.kind, FailureKind::Permanent);
+        assert!(
+            err.reason.contains("\"CE_Type\" is reserved"),
+            "{}",
+            err.reason
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! Hostile input on the consumer's decode path: records no Kafka client library would write,
-//! sent byte by byte.
+//! Hostile input: records no Kafka client library would write, sent byte by byte, on the
+//! consumer's decode path; outbox rows written around `postal.enqueue` on the relay's.
 
 use std::time::Duration;
 
@@ -81,4 +81,154 @@ async fn a_header_name_that_is_not_utf8_is_dead_lettered_and_the_partition_moves
             .unwrap();
     assert_eq!(reason, "undecodable");
     assert_eq!(error, "header #3 has a name that is not valid UTF-8");
+}
+
+/// Guarantee: a record carrying one of Postal's headers twice (here `ce_type`: a spoofed type
+/// after the real one) is not handled as either: it is dead-lettered as undecodable with a
+/// one-line reason naming the header, and the records after it are applied. Before, the
+/// consumer read the last value and ran the spoofed type's handler.
+#[tokio::test]
+async fn a_record_with_a_reserved_header_twice_is_dead_lettered() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("hostile-dup");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let bad = Uuid::now_v7().to_string();
+    let (b, t) = (svc.bootstrap.clone(), topic.clone());
+    let code = tokio::task::spawn_blocking(move || {
+        produce_raw(
+            &b,
+            &t,
+            0,
+            b"k",
+            br#"{"n": 0}"#,
+            &[
+                (b"ce_id", bad.as_bytes()),
+                (b"ce_type", b"audit.noop"),
+                (b"content-type", b"application/json"),
+                (b"ce_type", b"job"),
+            ],
+        )
+    })
+    .await
+    .unwrap()
+    .expect("raw produce");
+    assert_eq!(code, 0, "the broker stored the raw record");
+    let good = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        Some(0),
+        &[RawRecord::event(good, "k", "job", json!({"n": 1}))],
+    )
+    .await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    wait::until(
+        WAIT,
+        "the spoofed record dead-lettered and the good one applied",
+        || {
+            let s = stats.snapshot();
+            async move { s.dead_letters == 1 && s.applied == 1 }
+        },
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(
+        effects(&db.pool).await,
+        (1, 1),
+        "only the good record applied"
+    );
+    let (reason, error): (String, String) =
+        sqlx::query_as("SELECT reason, error FROM postal.dead_letters WHERE topic = $1")
+            .bind(&topic)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "undecodable");
+    assert_eq!(
+        error,
+        "header ce_type appears 2 times (Postal writes it once)"
+    );
+}
+
+/// Guarantee: an outbox row written around `postal.enqueue` with a stored header that Postal
+/// sets itself (`ce_id` naming another event) is never published with two ids: the relay parks
+/// it with a one-line reason naming the header, and the other events flow. Before, it went
+/// out carrying both ids, and the consumer took it for the other event (a duplicate, dropped).
+#[tokio::test]
+async fn a_stored_row_with_a_reserved_header_is_parked_not_published() {
+    use postal_producer::NewEvent;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("hostile-row");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let other = Uuid::now_v7();
+    let spoofer = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, headers)
+         VALUES ($1, $2, 'k1', 'audit.noop', '{}'::bytea, jsonb_build_object('ce_id', $3::text))",
+    )
+    .bind(spoofer)
+    .bind(&topic)
+    .bind(other.to_string())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let fine = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k2", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = crate::common::RunningRelay::start(
+        &db.pool,
+        crate::common::kafka_transport(&svc.bootstrap),
+        crate::common::fast_config(),
+    );
+    wait::until(
+        WAIT,
+        "the spoofing row parked and the other published",
+        || async {
+            let left: Vec<(Uuid, String)> =
+                sqlx::query_as("SELECT event_id, status FROM postal.outbox")
+                    .fetch_all(&db.pool)
+                    .await
+                    .unwrap();
+            left == vec![(spoofer, "failed".to_string())]
+        },
+    )
+    .await;
+    relay.stop().await;
+    let reason: String =
+        sqlx::query_scalar("SELECT last_error FROM postal.outbox WHERE event_id = $1")
+            .bind(spoofer)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(reason.contains("\"ce_id\" is reserved"), "{reason}");
+    assert_eq!(reason.lines().count(), 1);
+    let records = postal_integration_tests::kafka::read_all(
+        &svc.bootstrap,
+        &topic,
+        1,
+        Duration::from_secs(30),
+    )
+    .await;
+    let ids: Vec<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![fine.to_string()],
+        "only the other event on the topic"
+    );
 }
