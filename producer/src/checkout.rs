@@ -10,10 +10,11 @@
 //!   reset, tells a handler that an earlier run started (and may have done part of its work),
 //!   and fences stale outcomes: every change the relay later makes to the row requires the run
 //!   number it checked out;
-//! - its `attempts` goes up by one too, until the outcome says otherwise: a run cut off without
-//!   an outcome (the relay died or lost the run lease) counts as a failed attempt, and a row
-//!   whose attempts are used up that way is parked at its next check-out instead of run again
-//!   (a task that kills its process does not run forever);
+//! - it is marked `running` until its outcome is recorded: a check-out that finds the mark
+//!   still set counts the cut-off run (the relay died or lost the run lease) as a failed
+//!   attempt, and parks a row whose attempts that uses up instead of running it again (a task
+//!   that kills its process does not run forever). Runs given back without an outcome — not
+//!   handed over in time, or aborted by a graceful stop — count nothing;
 //! - its `available_at` becomes the end of its **run lease** (the relay's lease, counted from
 //!   the claim's start by the database's clock), and `held` is set, so the row holds back its
 //!   key's later rows, whichever relay owns the key's partition, until its outcome is recorded;
@@ -64,7 +65,7 @@ pub(crate) async fn renew(
     sqlx::query_scalar(
         "UPDATE postal.outbox o SET available_at = now() + $3 * interval '1 millisecond'
          FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
-         WHERE o.seq = r.seq AND o.runs = r.run AND o.status = 'pending' AND o.held
+         WHERE o.seq = r.seq AND o.runs = r.run AND o.running AND o.status = 'pending'
          RETURNING o.seq",
     )
     .bind(&seqs)
@@ -72,6 +73,23 @@ pub(crate) async fn renew(
     .bind(lease.as_millis() as i64)
     .fetch_all(pool)
     .await
+}
+
+/// Gives checked-out rows back without an outcome, counting nothing (their handlers never
+/// ran, or a graceful stop aborted them): they are due again at once, still holding their
+/// keys, and run next with the next run number. Only rows still this run's are changed.
+pub(crate) async fn release(pool: &PgPool, runs: &[(i64, i32)]) -> Result<u64, sqlx::Error> {
+    let (seqs, nums): (Vec<i64>, Vec<i32>) = runs.iter().copied().unzip();
+    Ok(sqlx::query(
+        "UPDATE postal.outbox o SET running = false, available_at = now()
+         FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
+         WHERE o.seq = r.seq AND o.runs = r.run AND o.running AND o.status = 'pending'",
+    )
+    .bind(&seqs)
+    .bind(&nums)
+    .execute(pool)
+    .await?
+    .rows_affected())
 }
 
 /// How the outbox keeps published rows (from the relay's configuration).
@@ -85,10 +103,9 @@ pub(crate) struct Keeping {
 
 /// Records the outcomes of checked-out rows in one statement: acknowledged rows are deleted
 /// (and archived in history mode) or marked published, failed ones rescheduled or parked as
-/// the [`Failure`]s say, each only if it still carries its run number (`runs`). The check-out
-/// counted an attempt; the record takes it back and adds what the outcome counts, as
-/// [`crate::outcome::Judge::verdict`] computed it from the attempts before the run. Returns
-/// the sequence numbers recorded; the others were no longer this run's.
+/// the [`Failure`]s say (computed by [`crate::outcome::Judge::verdict`]), each only if it is
+/// still this run's (`runs`, `running`). Returns the sequence numbers recorded; the others
+/// were no longer this run's.
 pub(crate) async fn settle(
     pool: &PgPool,
     keeping: Keeping,
@@ -110,14 +127,14 @@ pub(crate) async fn settle(
     let holds: Vec<bool> = failures.iter().map(|f| f.hold).collect();
     let done = if keeping.delete {
         "DELETE FROM postal.outbox o USING unnest($1::int8[], $2::int4[]) AS p(seq, run)
-         WHERE o.seq = p.seq AND o.runs = p.run AND o.status = 'pending'
+         WHERE o.seq = p.seq AND o.runs = p.run AND o.running AND o.status = 'pending'
          RETURNING o.*"
     } else {
         "UPDATE postal.outbox o
          SET status = 'published', published_at = statement_timestamp(), held = false,
-             attempts = o.attempts - 1
+             running = false
          FROM unnest($1::int8[], $2::int4[]) AS p(seq, run)
-         WHERE o.seq = p.seq AND o.runs = p.run AND o.status = 'pending'
+         WHERE o.seq = p.seq AND o.runs = p.run AND o.running AND o.status = 'pending'
          RETURNING o.*"
     };
     let sql = format!(
@@ -129,12 +146,13 @@ pub(crate) async fn settle(
                                                payload, headers, attempts, created_at,
                                                published_at)
             SELECT seq, event_id, topic, event_key, event_type, schema_version, occurred_at,
-                   content_type, payload, headers, attempts - 1, created_at,
+                   content_type, payload, headers, attempts, created_at,
                    statement_timestamp()
             FROM done WHERE $10
         ), failed AS (
             UPDATE postal.outbox o
-            SET attempts = o.attempts - 1 + u.inc,
+            SET attempts = o.attempts + u.inc,
+                running = false,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
                 held = u.hold,
@@ -142,7 +160,7 @@ pub(crate) async fn settle(
             FROM unnest($3::int8[], $4::int4[], $5::int4[], $6::int8[], $7::bool[],
                         $8::text[], $9::bool[])
                  AS u(seq, run, inc, delay_ms, park, reason, hold)
-            WHERE o.seq = u.seq AND o.runs = u.run AND o.status = 'pending'
+            WHERE o.seq = u.seq AND o.runs = u.run AND o.running AND o.status = 'pending'
             RETURNING o.seq
         )
         SELECT seq FROM done UNION ALL SELECT seq FROM failed
@@ -174,6 +192,9 @@ pub(crate) struct Driver<'a> {
     pub(crate) judge: &'a crate::outcome::Judge,
     /// Called with each event whose outcome was recorded (`true`) or given up (`false`).
     pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
+    /// Cancelled when the relay stops waiting (shutdown): the events still in flight are
+    /// aborted and given back ([`release`]).
+    pub(crate) release: &'a tokio_util::sync::CancellationToken,
 }
 
 /// Awaits the checked-out `events` (with the attempts before their runs, their run numbers
@@ -220,6 +241,22 @@ pub(crate) async fn drive(
                 }
                 if !batch.is_empty() {
                     record(&d, &runs, &batch, outcomes, deadline).await;
+                }
+            }
+            _ = d.release.cancelled() => {
+                let back: Vec<(i64, i32)> =
+                    aborts.keys().map(|&i| (events[i].seq, runs[&events[i].seq])).collect();
+                for h in aborts.values() {
+                    h.abort();
+                }
+                let released = tokio::time::timeout(
+                    Duration::from_secs(4),
+                    release(d.pool, &back),
+                )
+                .await;
+                tracing::warn!(events = back.len(), released = ?released.ok().and_then(Result::ok), "stopping: aborted the handlers still running and gave their events back (they run again at once elsewhere, counting no attempt)");
+                for (i, _) in aborts.drain() {
+                    (d.recorded)(&events[i], false);
                 }
             }
             _ = tokio::time::sleep_until(deadline) => {

@@ -230,31 +230,37 @@ impl Claim {
 
     /// Checks out the rows `seqs` of this claim (keep-published claims only, see
     /// [`crate::Transport::checks_out`]) and commits: each gets the next run number (`runs`),
-    /// counts an attempt until its outcome says otherwise, holds its key and comes due again
-    /// `lease` after the claim's start. A row whose attempts were already used up — its last
-    /// runs ended without an outcome (the relay died, or lost the run lease) — is parked
-    /// instead, with that reason. Returns `(seq, run, parked)` per row. On any error the
-    /// transaction is rolled back before this returns, so that no later claim of the relay
-    /// can run while it still holds the rows.
+    /// is marked `running`, holds its key and comes due again `lease` after the claim's start.
+    /// A row still marked `running` had its previous run cut off without an outcome (the relay
+    /// died, or lost the run lease): that run counts as a failed attempt now, and a row whose
+    /// attempts that uses up is parked instead, with that reason (its run number still goes
+    /// up, so that the cut-off run can never match it again). Returns `(seq, run, attempts,
+    /// parked)` per row. On any error the transaction is rolled back before this returns, so that no later
+    /// claim of the relay can run while it still holds the rows.
     pub(crate) async fn check_out(
         mut self,
         seqs: &[i64],
         lease: Duration,
         max_attempts: i32,
-    ) -> Result<Vec<(i64, i32, bool)>, crate::Error> {
-        let marked: Result<Vec<(i64, i32, bool)>, sqlx::Error> = sqlx::query_as(
-            "UPDATE postal.outbox o
-             SET runs = o.runs + CASE WHEN o.attempts >= $3 THEN 0 ELSE 1 END,
-                 attempts = o.attempts + CASE WHEN o.attempts >= $3 THEN 0 ELSE 1 END,
-                 status = CASE WHEN o.attempts >= $3 THEN 'failed' ELSE 'pending' END,
+    ) -> Result<Vec<(i64, i32, i32, bool)>, crate::Error> {
+        let marked: Result<Vec<(i64, i32, i32, bool)>, sqlx::Error> = sqlx::query_as(
+            "WITH r AS (
+                 SELECT seq, attempts + (running::int) AS attempts,
+                        running AND attempts + 1 >= $3 AS park
+                 FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending')
+             UPDATE postal.outbox o
+             SET runs = o.runs + 1,
+                 attempts = r.attempts,
+                 running = NOT r.park,
+                 status = CASE WHEN r.park THEN 'failed' ELSE 'pending' END,
                  available_at = now() + $2 * interval '1 millisecond',
                  held = true,
-                 last_error = CASE WHEN o.attempts >= $3
-                     THEN format('parked: %s attempts used, the last ended without an outcome (the relay died or lost its run lease); last error before: %s',
-                                 o.attempts, coalesce(o.last_error, 'none'))
+                 last_error = CASE WHEN r.park
+                     THEN format('parked: %s attempts used, the last ended without an outcome (the relay died or lost its run lease); error before: %s',
+                                 r.attempts, coalesce(o.last_error, 'none'))
                      ELSE o.last_error END
-             WHERE o.seq = ANY($1) AND o.status = 'pending'
-             RETURNING o.seq, o.runs, o.status = 'failed'",
+             FROM r WHERE o.seq = r.seq
+             RETURNING o.seq, o.runs, o.attempts, r.park",
         )
         .bind(seqs)
         .bind(lease.as_millis() as i64)

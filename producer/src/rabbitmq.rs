@@ -388,6 +388,35 @@ fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
     PublishError::new(FailureKind::Unavailable, format!("{what}: {e}"))
 }
 
+/// What a channel closed while publishing to `exchange` means for that message. The broker
+/// closes the channel with ACCESS_REFUSED or NOT_FOUND when the relay may not publish to an
+/// exchange (it may declare it but not write to it) or the exchange is gone: that exchange's
+/// events wait, like a missing Kafka topic, instead of pausing the relay as an outage; the
+/// other messages on the channel are released for the next claim without an attempt.
+/// Anything else is the broker being unavailable.
+fn lost(what: &str, e: &lapin::Error, exchange: &str) -> PublishError {
+    match soft_error(e) {
+        Some(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::NOTFOUND) => {
+            if e.to_string().contains(&format!("'{exchange}'")) {
+                PublishError::new(
+                    FailureKind::Waiting,
+                    format!(
+                        "RabbitMQ refused publishing to exchange {exchange:?} ({e}): grant the relay's user write permission on it, or create it; its events wait until then"
+                    ),
+                )
+            } else {
+                PublishError::new(
+                    FailureKind::HeldBack,
+                    format!(
+                        "not confirmed: RabbitMQ closed the channel over another exchange ({e})"
+                    ),
+                )
+            }
+        }
+        _ => unavailable(what, e),
+    }
+}
+
 /// Opens a connection and reports the outcome through `done`.
 /// Runs to the end in a task of its own (see [`RabbitConfig::connect_timeout`]); an outcome
 /// nobody waits for any more is dropped, which closes its connection.
@@ -541,7 +570,7 @@ impl BatchRun {
                 match published {
                     Ok(Ok(confirm)) => confirms.push((p, confirm)),
                     Ok(Err(e)) => {
-                        failure = Some(unavailable("publishing", &e));
+                        failure = Some(lost("publishing", &e, &m.exchange));
                         unsent.push(p);
                     }
                     Err(_) => {
@@ -552,6 +581,7 @@ impl BatchRun {
                 }
             }
             // Every confirm of the round, each until the round's deadline.
+            let prepared = &self.prepared;
             let heard = join_all(confirms.into_iter().map(|(p, confirm)| async move {
                 match tokio::time::timeout_at(deadline, confirm).await {
                     Ok(Ok(Confirmation::Ack(r))) => (p, Heard::Ack, r),
@@ -566,7 +596,11 @@ impl BatchRun {
                     ),
                     Ok(Err(e)) => (
                         p,
-                        Heard::Lost(unavailable("awaiting the publisher confirm", &e)),
+                        Heard::Lost(lost(
+                            "awaiting the publisher confirm",
+                            &e,
+                            &prepared[p].exchange,
+                        )),
                         None,
                     ),
                     Err(_) => (p, Heard::TimedOut, None),
@@ -649,7 +683,18 @@ impl BatchRun {
                 self.outcomes[index] = Some(outcome);
             }
             for p in unsent {
-                let err = failure.clone().expect("unsent only after a failure");
+                let mut err = failure.clone().expect("unsent only after a failure");
+                if err.kind == FailureKind::Waiting
+                    && !err
+                        .reason
+                        .contains(&format!("{:?}", self.prepared[p].exchange))
+                {
+                    // Another exchange's refusal closed the channel: not this one's problem.
+                    err = PublishError::new(
+                        FailureKind::HeldBack,
+                        "not sent: RabbitMQ closed the channel over another exchange",
+                    );
+                }
                 self.clear_key_of(p);
                 self.outcomes[self.prepared[p].index] = Some(Err(err));
             }

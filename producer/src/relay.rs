@@ -1,5 +1,6 @@
 //! The relay loop: claim → hand to the transport → await acknowledgements → record outcomes.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -126,6 +127,7 @@ impl<T: Transport> Relay<T> {
             active_lanes: AtomicUsize::new(self.config.lanes.max(1)),
             stop: CancellationToken::new(),
             abandon: CancellationToken::new(),
+            release: CancellationToken::new(),
             owned: std::sync::RwLock::new(Vec::new()),
             lease_until: std::sync::Mutex::new(None),
             id: self.id,
@@ -207,6 +209,14 @@ impl<T: Transport> Relay<T> {
         if drained.is_err() {
             tracing::warn!("shutdown timeout reached with acknowledgements outstanding");
         }
+        // Checked-out events still running are given back (their handlers aborted) without
+        // counting an attempt: a stop is not the task's failure.
+        shared.release.cancel();
+        let release_within = tokio::time::Instant::now() + Duration::from_secs(5);
+        for set in &mut completions {
+            while let Ok(Some(_)) = tokio::time::timeout_at(release_within, set.join_next()).await {
+            }
+        }
         self.transport.flush(Duration::from_secs(1)).await;
         drop(coordinator);
         background.abort_all();
@@ -254,6 +264,9 @@ struct Shared<T: Transport> {
     /// Cancelled when shutdown stops waiting for hand-overs: a lane still handing a batch
     /// over gives it up (its claim rolls back) and returns its batches in flight.
     abandon: CancellationToken,
+    /// Cancelled when shutdown stops waiting for checked-out events: their handlers are
+    /// aborted and their rows given back ([`checkout::release`]).
+    release: CancellationToken,
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
     /// Until when those leases hold at least: the start of the last successful heartbeat
@@ -579,8 +592,10 @@ impl<T: Transport> Shared<T> {
         };
         drop(gate);
         let mut runs = checkout::Runs::new();
+        let mut attempts = HashMap::new();
         let mut parked = 0u64;
-        for (seq, run, was_parked) in marked {
+        for (seq, run, failed, was_parked) in marked {
+            attempts.insert(seq, failed);
             if was_parked {
                 parked += 1;
                 if let Some(e) = batch.iter().find(|e| e.seq == seq) {
@@ -595,16 +610,24 @@ impl<T: Transport> Shared<T> {
             metrics::counter!("postal_relay_failed_total").increment(parked);
         }
         if tokio::time::Instant::now() >= renewed_at + lease - lease / 4 {
-            tracing::warn!(events = runs.len(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over: they run again when their run leases end");
+            // Never handed over: given back without counting anything (else, when the
+            // database does not answer, they run again when their run leases end).
+            let back: Vec<(i64, i32)> = runs.iter().map(|(s, r)| (*s, *r)).collect();
+            let released = checkout::release(&self.pool, &back).await;
+            tracing::warn!(events = runs.len(), released = ?released.as_ref().ok(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over but giving them back");
             return true;
         }
-        // The events with the attempts before their runs (for the verdict on their outcome);
+        // The events with their attempts as checked out (for the verdict on their outcome);
         // the transport gets them with the runs before this one as their attempts, so that a
         // task sees its run number.
         let events: Vec<OutboundEvent> = heads
             .into_iter()
-            .map(|i| batch[i].clone())
-            .filter(|e| runs.contains_key(&e.seq))
+            .filter(|&i| runs.contains_key(&batch[i].seq))
+            .map(|i| {
+                let mut e = batch[i].clone();
+                e.attempts = attempts[&e.seq];
+                e
+            })
             .collect();
         let mut in_flight: Vec<checkout::InFlight> = Vec::with_capacity(events.len());
         for e in &events {
@@ -655,6 +678,7 @@ impl<T: Transport> Shared<T> {
                 },
                 judge: &judge,
                 recorded: &notify,
+                release: &shared.release,
             };
             checkout::drive(driver, events, runs, in_flight, renewed_at).await;
         });

@@ -84,9 +84,9 @@ fn params(rng: &mut StdRng) -> Params {
     }
 }
 
-/// The outbox rows left: (event id, status, last error).
-async fn rows(pool: &PgPool) -> Vec<(uuid::Uuid, String, Option<String>)> {
-    sqlx::query_as("SELECT event_id, status, last_error FROM postal.outbox")
+/// The outbox rows left: (event id, status, last error, key, sequence number).
+async fn rows(pool: &PgPool) -> Vec<(uuid::Uuid, String, Option<String>, String, i64)> {
+    sqlx::query_as("SELECT event_id, status, last_error, event_key, seq FROM postal.outbox")
         .fetch_all(pool)
         .await
         .expect("outbox rows")
@@ -248,6 +248,33 @@ async fn run_case(mq_url: &str, seed: u64) -> Result<String, String> {
     {
         return Err(format!(
             "RETURN: routable event {id} parked as unroutable: {reason:?} ({p:?})"
+        ));
+    }
+    // (3b) A routable event is parked only for back-pressure (nacks from the length-limited
+    // queue), never without it: a relay that parked what it should publish fails here.
+    if let Some((id, reason)) = parked.iter().find(|(id, r)| {
+        routable.contains(*id)
+            && (p.max_length.is_none() || !r.as_deref().unwrap_or("").contains("nacked"))
+    }) {
+        return Err(format!(
+            "PARKED: routable event {id} parked: {reason:?} ({p:?})"
+        ));
+    }
+    // (4a) Nothing is delivered after an earlier event of its key was parked: a parked event
+    // holds its key's later events back for good.
+    let mut first_parked: BTreeMap<&str, i64> = BTreeMap::new();
+    for r in left.iter().filter(|r| r.1 == "failed") {
+        let e = first_parked.entry(r.3.as_str()).or_insert(r.4);
+        *e = (*e).min(r.4);
+    }
+    if let Some(m) = messages.iter().find(|m| {
+        let key = m.header("ce_subject").unwrap_or_default();
+        let seq: i64 = m.header("ce_postalseq").unwrap_or("0").parse().unwrap_or(0);
+        first_parked.get(key).is_some_and(|&parked| seq > parked)
+    }) {
+        return Err(format!(
+            "ORDER: {:?} delivered after an earlier event of its key was parked ({p:?})",
+            m.message_id
         ));
     }
     // (4) Each key's first deliveries in outbox order.

@@ -1,9 +1,11 @@
-//! The review of task check-out (8e05d1c): its reproductions, each of which failed before its
-//! fix — a given-up check-out let the next claim run a key's tasks out of order and at once;
+//! The reviews of task check-out: their reproductions, each of which failed before its fix —
+//! a given-up check-out let the next claim run a key's tasks out of order and at once;
 //! `postal failed requeue` and outcomes that do not count repeated run numbers; runs cut off
-//! by crashes were never parked — and the modes it found to hold.
+//! by crashes were never parked; a late check-out, a graceful stop and a lowered
+//! `max_attempts` used up or parked tasks whose handlers never failed; a stale run could
+//! record over a requeued task — and the modes they found to hold.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -401,4 +403,282 @@ async fn history_and_keep_published_modes_record_tasks_once() {
         assert_eq!(rows.len(), 5);
         assert!(rows.iter().all(|(_, held)| !held));
     }
+}
+
+async fn only_row(pool: &sqlx::PgPool) -> Option<(String, i32, i32, Option<String>)> {
+    sqlx::query_as("SELECT status, attempts, runs, last_error FROM postal.outbox")
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// Second review, R1. Guarantee: a check-out that commits after its hand-over deadline (its
+/// UPDATE waited 3.4 s behind a `SHARE` lock, what a plain `CREATE INDEX` takes, with a 4 s
+/// lease) is not handed over but given back without counting an attempt: the task runs (here
+/// with `max_attempts = 1`). (Before: parked at its next check-out, "ended without an outcome",
+/// its handler never run.)
+#[tokio::test]
+async fn a_late_checkout_is_given_back_and_runs() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev2-late");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |_t: Task| {
+        let r = r.clone();
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TaskError>(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let mut blocker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    blocker.execute("BEGIN").await.unwrap();
+    blocker
+        .execute("LOCK TABLE postal.outbox IN SHARE MODE")
+        .await
+        .unwrap();
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            lease: Duration::from_secs(4),
+            max_attempts: 1,
+            ..fast_config()
+        },
+    );
+    // Wait until the check-out's UPDATE waits on the lock, then hold it 3.4 s more.
+    wait::until(Duration::from_secs(20), "check-out blocked", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+             AND wait_event_type = 'Lock' AND query LIKE '%SET runs%'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(3400)).await;
+    blocker.execute("COMMIT").await.unwrap();
+    // The run lease (4 s) ends; the task is claimed again.
+    let _ = tokio::time::timeout(Duration::from_secs(12), async {
+        loop {
+            if only_row(&db.pool).await.is_none() || only_row(&db.pool).await.unwrap().0 == "failed"
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let r = only_row(&db.pool).await;
+    relay.stop().await;
+    eprintln!("handler runs: {}, row: {r:?}", ran.load(Ordering::SeqCst));
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "the task never ran, and its row is {r:?}"
+    );
+}
+
+/// Second review, R2. Guarantee: a graceful stop that outlasts `shutdown_timeout` aborts the
+/// running handler and gives its task back without counting an attempt: graceful restarts
+/// (deploys) during one long task never park it. (Before: each counted as a failed attempt.)
+#[tokio::test]
+async fn graceful_stops_never_use_up_a_long_tasks_attempts() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev2-stop");
+    let mut conn = db.pool.acquire().await.unwrap();
+    postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let seen = Arc::new(Mutex::new(Vec::<i32>::new()));
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(2),
+        max_attempts: 2,
+        shutdown_timeout: Duration::from_millis(500),
+        ..fast_config()
+    };
+    for _deploy in 0..3 {
+        let s = seen.clone();
+        let started = Arc::new(tokio::sync::Notify::new());
+        let st = started.clone();
+        let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+            let (s, st) = (s.clone(), st.clone());
+            async move {
+                s.lock().unwrap().push(t.attempt);
+                st.notify_one();
+                tokio::time::sleep(Duration::from_secs(30)).await; // a long task
+                Ok::<_, TaskError>(())
+            }
+        });
+        let relay = RunningRelay::start(&db.pool, tasks, cfg.clone());
+        let ok = tokio::time::timeout(Duration::from_secs(8), started.notified()).await;
+        relay.stop().await; // graceful
+        if ok.is_err() {
+            break;
+        }
+    }
+    let r = only_row(&db.pool).await;
+    let seen = seen.lock().unwrap().clone();
+    eprintln!("runs seen: {seen:?}, row: {r:?}");
+    assert_ne!(
+        r.as_ref().map(|r| r.0.as_str()),
+        Some("failed"),
+        "parked after graceful stops only: {r:?} (runs {seen:?})"
+    );
+}
+
+/// Second review, R3. Guarantee: a task waiting for its retry with 3 attempts used, whose runs
+/// all ended with an outcome, still runs when `max_attempts` is lowered to 3 (as a broker event
+/// does): only a run cut off without an outcome is counted at check-out. (Before: parked unrun,
+/// with a reason saying its last run ended without an outcome.)
+#[tokio::test]
+async fn a_lowered_max_attempts_still_runs_a_waiting_task() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev2-lowered");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let tasks = TaskTransport::new(TaskConfig::default()).on("job", move |_t: Task| {
+        let r = r.clone();
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TaskError>(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    // Three earlier runs failed with an outcome (as settle leaves such a row).
+    sqlx::query(
+        "UPDATE postal.outbox SET attempts = 3, runs = 3, held = true,
+         last_error = 'downstream busy'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            max_attempts: 3,
+            ..fast_config()
+        },
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        while only_row(&db.pool).await.is_some_and(|r| r.0 == "pending") {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let r = only_row(&db.pool).await;
+    relay.stop().await;
+    eprintln!("handler runs: {}, row: {r:?}", ran.load(Ordering::SeqCst));
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "never ran; row {r:?}");
+}
+
+/// Second review, R4. Guarantee: a run cut off and then parked at another check-out (its
+/// attempts used up) can never record its outcome over the task once `postal failed requeue`
+/// made it pending again: parking at check-out raises the run number too. Emulated: while run
+/// 1's handler is still going, the row is set as another relay's check-out parks it, then
+/// requeued with the CLI's statement; run 1 then finishes (a relay whose settle was delayed),
+/// and its outcome is refused: the requeued task runs again. (Before: run 1's outcome deleted
+/// the requeued row, which never ran again.)
+#[tokio::test]
+async fn a_stale_run_never_records_over_a_requeued_task() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev2-stale");
+    let seen = Arc::new(Mutex::new(Vec::<i32>::new()));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let (s, g, st) = (seen.clone(), go.clone(), started.clone());
+    let tasks = TaskTransport::new(TaskConfig {
+        concurrency: 1,
+        ..TaskConfig::default()
+    })
+    .on("job", move |t: Task| {
+        let (s, g, st) = (s.clone(), g.clone(), st.clone());
+        async move {
+            s.lock().unwrap().push(t.attempt);
+            st.notify_one();
+            if t.attempt == 1 {
+                g.notified().await;
+            }
+            Ok::<_, TaskError>(())
+        }
+    });
+    let mut conn = db.pool.acquire().await.unwrap();
+    let id = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = RunningRelay::start(
+        &db.pool,
+        tasks,
+        RelayConfig {
+            max_attempts: 1,
+            lease: Duration::from_secs(20),
+            ..fast_config()
+        },
+    );
+    tokio::time::timeout(Duration::from_secs(10), started.notified())
+        .await
+        .unwrap();
+    // What the other relay's check-out does to the row (its run 1 cut off, attempts used up).
+    sqlx::query(
+        "UPDATE postal.outbox SET status = 'failed', held = true, runs = runs + 1,
+         running = false, attempts = 1,
+         last_error = 'parked: 1 attempts used, the last ended without an outcome'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // `postal failed requeue --id <id>` (cli/src/failed.rs).
+    sqlx::query(
+        "WITH batch AS (SELECT seq FROM postal.outbox WHERE status = 'failed'
+             AND event_id = ANY($1) ORDER BY seq LIMIT 1000 FOR UPDATE)
+         UPDATE postal.outbox o SET status = 'pending', attempts = 0, held = false,
+             available_at = now(),
+             last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
+           FROM batch WHERE o.seq = batch.seq",
+    )
+    .bind(vec![id.as_uuid()])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let before = only_row(&db.pool).await;
+    go.notify_one(); // the stale run 1 delivers its outcome
+    wait::until(
+        Duration::from_secs(20),
+        "the requeued task to run and finish",
+        || async { only_row(&db.pool).await.is_none() },
+    )
+    .await;
+    let after = only_row(&db.pool).await;
+    relay.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    eprintln!("requeued row: {before:?}; after the stale outcome: {after:?}; runs: {seen:?}");
+    assert!(
+        seen.len() >= 2,
+        "the requeued task never ran: run 1's stale outcome was recorded over it (row now {after:?})"
+    );
 }

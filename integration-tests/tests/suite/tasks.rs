@@ -136,7 +136,7 @@ async fn failing_twice_then_succeeding_completes_once() {
 /// Guarantee: a task whose worker dies mid-run is not lost: it runs again on another relay once
 /// its run lease has ended (not before), with the next run number, and the dead worker's
 /// handler is stopped with it. While a handler runs — longer than the lease — the relay keeps
-/// no transaction open: the row is checked out (run number 1, held, its run lease renewed).
+/// no transaction open: the row is checked out (run 1, running, held, its run lease renewed).
 #[tokio::test]
 async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     let svc = services().await;
@@ -193,15 +193,19 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
         open.is_empty(),
         "no transaction stays open while a task runs: {open:?}"
     );
-    let (attempts, held, due_in): (i32, bool, f64) = sqlx::query_as(
-        "SELECT attempts, held, extract(epoch FROM available_at - now())::float8
+    let (runs, running, held, due_in): (i32, bool, bool, f64) = sqlx::query_as(
+        "SELECT runs, running, held, extract(epoch FROM available_at - now())::float8
          FROM postal.outbox WHERE event_id = $1",
     )
     .bind(id.as_uuid())
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!((attempts, held), (1, true), "checked out to run 1");
+    assert_eq!(
+        (runs, running, held),
+        (1, true, true),
+        "checked out to run 1"
+    );
     assert!(
         due_in > lease.as_secs_f64() / 2.0,
         "the run lease is renewed while the handler runs (due in {due_in} s)"
