@@ -75,18 +75,26 @@ pub(crate) async fn renew(
     .await
 }
 
-/// Gives checked-out rows back without an outcome, counting nothing (their handlers never
-/// ran, or a graceful stop aborted them): they are due again at once, still holding their
-/// keys, and run next with the next run number. Only rows still this run's are changed.
-pub(crate) async fn release(pool: &PgPool, runs: &[(i64, i32)]) -> Result<u64, sqlx::Error> {
+/// Gives checked-out rows back without an outcome, counting nothing, still holding their
+/// keys; they run next with the next run number. `now`: their handlers never started, so they
+/// are due at once; else (a graceful stop aborted them) they stay due at the end of their run
+/// leases, so that a handler still running to its next `.await` ends before another run of
+/// its task may start. Only rows still this run's are changed.
+pub(crate) async fn release(
+    pool: &PgPool,
+    runs: &[(i64, i32)],
+    now: bool,
+) -> Result<u64, sqlx::Error> {
     let (seqs, nums): (Vec<i64>, Vec<i32>) = runs.iter().copied().unzip();
     Ok(sqlx::query(
-        "UPDATE postal.outbox o SET running = false, available_at = now()
+        "UPDATE postal.outbox o
+         SET running = false, available_at = CASE WHEN $3 THEN now() ELSE o.available_at END
          FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
          WHERE o.seq = r.seq AND o.runs = r.run AND o.running AND o.status = 'pending'",
     )
     .bind(&seqs)
     .bind(&nums)
+    .bind(now)
     .execute(pool)
     .await?
     .rows_affected())
@@ -251,10 +259,10 @@ pub(crate) async fn drive(
                 }
                 let released = tokio::time::timeout(
                     Duration::from_secs(4),
-                    release(d.pool, &back),
+                    release(d.pool, &back, false),
                 )
                 .await;
-                tracing::warn!(events = back.len(), released = ?released.ok().and_then(Result::ok), "stopping: aborted the handlers still running and gave their events back (they run again at once elsewhere, counting no attempt)");
+                tracing::warn!(events = back.len(), released = ?released.ok().and_then(Result::ok), "stopping: aborted the handlers still running and gave their events back (they run again, counting no attempt, once their run leases end)");
                 for (i, _) in aborts.drain() {
                     (d.recorded)(&events[i], false);
                 }

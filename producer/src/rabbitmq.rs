@@ -397,7 +397,9 @@ fn unavailable(what: &str, e: &lapin::Error) -> PublishError {
 fn lost(what: &str, e: &lapin::Error, exchange: &str) -> PublishError {
     match soft_error(e) {
         Some(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::NOTFOUND) => {
-            if e.to_string().contains(&format!("'{exchange}'")) {
+            // The broker names the exchange as `exchange 'X'` (its text also quotes the vhost
+            // and the user, which may be named like another exchange).
+            if e.to_string().contains(&format!("exchange '{exchange}'")) {
                 PublishError::new(
                     FailureKind::Waiting,
                     format!(
@@ -527,6 +529,8 @@ struct BatchRun {
 impl BatchRun {
     async fn run(mut self) -> Vec<Result<(), PublishError>> {
         let mut failure: Option<PublishError> = None;
+        // The exchange whose refusal `failure` is, when it is one (its events wait).
+        let mut refused_exchange: Option<String> = None;
         let mut timed_out = false;
         loop {
             let round: Vec<usize> = self
@@ -570,7 +574,11 @@ impl BatchRun {
                 match published {
                     Ok(Ok(confirm)) => confirms.push((p, confirm)),
                     Ok(Err(e)) => {
-                        failure = Some(lost("publishing", &e, &m.exchange));
+                        let err = lost("publishing", &e, &m.exchange);
+                        if err.kind == FailureKind::Waiting {
+                            refused_exchange = Some(m.exchange.clone());
+                        }
+                        failure = Some(err);
                         unsent.push(p);
                     }
                     Err(_) => {
@@ -671,6 +679,9 @@ impl BatchRun {
                     }
                     Heard::Lost(err) => {
                         if failure.is_none() {
+                            if err.kind == FailureKind::Waiting {
+                                refused_exchange = Some(m.exchange.clone());
+                            }
                             failure = Some(err.clone());
                         }
                         Err(err)
@@ -685,9 +696,7 @@ impl BatchRun {
             for p in unsent {
                 let mut err = failure.clone().expect("unsent only after a failure");
                 if err.kind == FailureKind::Waiting
-                    && !err
-                        .reason
-                        .contains(&format!("{:?}", self.prepared[p].exchange))
+                    && refused_exchange.as_deref() != Some(self.prepared[p].exchange.as_str())
                 {
                     // Another exchange's refusal closed the channel: not this one's problem.
                     err = PublishError::new(

@@ -31,6 +31,7 @@ mod relay_random;
 mod review_checkout;
 mod review_consumer;
 mod review_marks;
+mod review_rabbit;
 mod review_reset;
 mod smoke;
 mod takeover;

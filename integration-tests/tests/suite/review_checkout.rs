@@ -3,8 +3,10 @@
 //! `postal failed requeue` and outcomes that do not count repeated run numbers; runs cut off
 //! by crashes were never parked; a late check-out, a graceful stop and a lowered
 //! `max_attempts` used up or parked tasks whose handlers never failed; a stale run could
-//! record over a requeued task — and the modes they found to hold.
+//! record over a requeued task; a graceful stop let a task run twice at once — and the modes
+//! they found to hold.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -680,5 +682,146 @@ async fn a_stale_run_never_records_over_a_requeued_task() {
     assert!(
         seen.len() >= 2,
         "the requeued task never ran: run 1's stale outcome was recorded over it (row now {after:?})"
+    );
+}
+
+#[derive(Default)]
+struct Seen {
+    active: HashMap<String, usize>,
+    overlaps: Vec<(String, i32)>,
+    runs: Vec<(String, i32, &'static str)>,
+}
+
+fn stop_transport(
+    seen: Arc<Mutex<Seen>>,
+    go: tokio::sync::watch::Receiver<bool>,
+    who: &'static str,
+) -> TaskTransport {
+    TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+        let (seen, mut go) = (seen.clone(), go.clone());
+        async move {
+            {
+                let mut s = seen.lock().unwrap();
+                let n = s.active.entry(t.key.clone()).or_default();
+                *n += 1;
+                if *n > 1 {
+                    s.overlaps.push((t.key.clone(), t.attempt));
+                }
+                s.runs.push((t.key.clone(), t.attempt, who));
+            }
+            // Leave the count on abort too.
+            struct Out(Arc<Mutex<Seen>>, String);
+            impl Drop for Out {
+                fn drop(&mut self) {
+                    *self.0.lock().unwrap().active.get_mut(&self.1).unwrap() -= 1;
+                }
+            }
+            let _out = Out(seen.clone(), t.key.clone());
+            if who == "B" {
+                return Ok::<_, TaskError>(());
+            }
+            let _ = go.wait_for(|g| *g).await;
+            // A synchronous stretch of work (CPU-bound report generation): no await inside.
+            std::thread::sleep(Duration::from_secs(2));
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<_, TaskError>(())
+        }
+    })
+}
+
+/// Third review, finding 1. Guarantee: a graceful stop that aborts handlers in the middle of
+/// a synchronous stretch (2 s without an `.await`) never lets another relay start the same
+/// task while they still run: their rows are given back counting nothing but stay due at the
+/// end of their run leases. Relay A runs tasks on 4 keys, B joins and takes half the
+/// partitions, A stops; B then runs each task once, as run 2, never beside A's run 1.
+/// (Before: the rows were due at once, and B ran all four while A's were still running.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 12)]
+async fn a_graceful_stop_never_lets_a_task_run_twice_at_once() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("rev3-rel");
+    let mut conn = db.pool.acquire().await.unwrap();
+    for k in 0..4 {
+        postal_producer::enqueue(
+            &mut conn,
+            NewEvent::json(topic.as_str(), format!("k{k}"), "job", &k).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    drop(conn);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let (go_tx, go) = tokio::sync::watch::channel(false);
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(6),
+        shutdown_timeout: Duration::from_millis(300),
+        ..fast_config()
+    };
+    let a = RunningRelay::start(
+        &db.pool,
+        stop_transport(seen.clone(), go.clone(), "A"),
+        cfg.clone(),
+    );
+    // All four started under A.
+    let t0 = std::time::Instant::now();
+    while seen.lock().unwrap().runs.len() < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "A never started its tasks"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b = RunningRelay::start(
+        &db.pool,
+        stop_transport(seen.clone(), go.clone(), "B"),
+        cfg.clone(),
+    );
+    // Wait until both relays own partitions.
+    let t0 = std::time::Instant::now();
+    loop {
+        let owners: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE owner IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if owners >= 2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "B never got partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    go_tx.send(true).unwrap(); // A's handlers enter their synchronous stretch
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a.stop().await;
+    wait::until(
+        Duration::from_secs(60),
+        "B to run the four tasks",
+        || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap()
+                == 0
+        },
+    )
+    .await;
+    b.stop().await;
+    let s = seen.lock().unwrap();
+    let (overlaps, runs) = (s.overlaps.clone(), s.runs.clone());
+    drop(s);
+    let by_b: Vec<i32> = runs.iter().filter(|r| r.2 == "B").map(|r| r.1).collect();
+    assert_eq!(
+        by_b,
+        vec![2, 2, 2, 2],
+        "B ran each task once, as run 2: {runs:?}"
+    );
+    eprintln!("runs: {runs:?}\noverlaps: {overlaps:?}");
+    assert!(
+        overlaps.is_empty(),
+        "two runs of one task at once: {overlaps:?} (runs {runs:?})"
     );
 }
