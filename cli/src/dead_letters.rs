@@ -1,5 +1,6 @@
 //! `postal dead-letters`: records consumers gave up on — list, show, replay.
 
+use crate::shown::{shown, shown_bytes};
 use std::time::Duration;
 
 use clap::Subcommand;
@@ -27,11 +28,18 @@ pub enum DeadLetterCommand {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Print errors as stored, control characters included (else escaped).
+        #[arg(long)]
+        raw: bool,
     },
     /// Show one dead letter with its error, headers and payload.
     Show {
         /// The dead letter's id (first column of `list`).
         id: i64,
+        /// Print key, headers, payload and error as stored, control characters included
+        /// (else escaped).
+        #[arg(long)]
+        raw: bool,
     },
     /// Send dead letters back to the topic they came from, with their original key, value and
     /// headers (so their original event id), for the consumer's handler to process again: by
@@ -105,6 +113,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             limit,
             include_replayed,
             json,
+            raw,
         } => {
             let rows: Vec<Row> = sqlx::query_as(
                 "SELECT id, consumer_name, topic, partition, kafka_offset, event_id, reason, error,
@@ -130,11 +139,11 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 println!(
                     "{:>6}  {:<12} {:<24} {:>9}  {:<18} {}",
                     r.id,
-                    r.consumer_name,
-                    r.topic,
+                    shown(&r.consumer_name, raw),
+                    shown(&r.topic, raw),
                     format!("{}/{}", r.partition, r.kafka_offset),
                     r.reason,
-                    r.error
+                    shown(&r.error, raw)
                 );
             }
             if rows.is_empty() {
@@ -142,7 +151,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        DeadLetterCommand::Show { id } => {
+        DeadLetterCommand::Show { id, raw } => {
             let row: Option<Shown> = sqlx::query_as(
                 "SELECT consumer_name, topic, partition, kafka_offset, event_id, reason, error,
                         attempts, record_key, payload, header_names, header_values
@@ -168,9 +177,12 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             else {
                 anyhow::bail!("no dead letter {id}");
             };
-            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-            println!("dead letter:  {id} (consumer {consumer})");
-            println!("from:         {topic} partition {partition} offset {offset}");
+            let text = |b: &[u8]| shown_bytes(b, raw);
+            println!("dead letter:  {id} (consumer {})", shown(&consumer, raw));
+            println!(
+                "from:         {} partition {partition} offset {offset}",
+                shown(&topic, raw)
+            );
             println!(
                 "event id:     {}",
                 event_id
@@ -178,13 +190,13 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .unwrap_or_else(|| "-".into())
             );
             println!("reason:       {reason} after {attempts} attempt(s)");
-            println!("error:        {error}");
+            println!("error:        {}", shown(&error, raw));
             println!(
                 "key:          {}",
                 key.as_deref().map(text).unwrap_or_else(|| "-".into())
             );
             for (n, v) in names.iter().zip(&values) {
-                println!("header:       {n} = {}", text(v));
+                println!("header:       {} = {}", shown(n, raw), text(v));
             }
             println!(
                 "payload:      {}",

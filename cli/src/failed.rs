@@ -8,6 +8,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::progress::Progress;
+use crate::shown::shown;
 
 /// Parked (failed) outbox events.
 #[derive(Subcommand, Debug)]
@@ -23,11 +24,18 @@ pub enum FailedCommand {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Print keys and errors as stored, control characters included (else escaped).
+        #[arg(long)]
+        raw: bool,
     },
     /// Show one parked event with its error, headers and payload.
     Show {
         /// The event id.
         event_id: Uuid,
+        /// Print key, headers, payload and error as stored, control characters included
+        /// (else escaped).
+        #[arg(long)]
+        raw: bool,
     },
     /// Make parked events pending again (attempts reset, event ids unchanged): by id, by topic,
     /// or all. The relay publishes them in their original order.
@@ -108,7 +116,12 @@ struct Shown {
 
 pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
     match cmd {
-        FailedCommand::List { topic, limit, json } => {
+        FailedCommand::List {
+            topic,
+            limit,
+            json,
+            raw,
+        } => {
             let rows: Vec<Row> = sqlx::query_as(
                 "SELECT event_id, topic, event_key, event_type, attempts, last_error,
                         extract(epoch FROM now() - created_at)::float8 AS age_s
@@ -131,10 +144,10 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 println!(
                     "{:<36}  {:<24} {:<16} {:>8}  {}",
                     r.event_id,
-                    r.topic,
-                    r.event_key,
+                    shown(&r.topic, raw),
+                    shown(&r.event_key, raw),
                     r.attempts,
-                    r.last_error.as_deref().unwrap_or("-")
+                    shown(r.last_error.as_deref().unwrap_or("-"), raw)
                 );
             }
             if rows.is_empty() {
@@ -142,7 +155,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        FailedCommand::Show { event_id } => {
+        FailedCommand::Show { event_id, raw } => {
             let row: Option<Shown> = sqlx::query_as(
                 "SELECT event_id, topic, event_key, event_type, schema_version, content_type, payload,
                         headers, attempts, last_error, status
@@ -169,14 +182,25 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             };
             println!("event id:     {id}");
             println!("status:       {status}");
-            println!("topic / key:  {topic} / {key}");
-            println!("type:         {ty} (schema version {version})");
+            println!(
+                "topic / key:  {} / {}",
+                shown(&topic, raw),
+                shown(&key, raw)
+            );
+            println!(
+                "type:         {} (schema version {version})",
+                shown(&ty, raw)
+            );
             println!("attempts:     {attempts}");
-            println!("last error:   {}", err.as_deref().unwrap_or("-"));
-            println!("headers:      {headers}");
-            println!("content type: {ct}");
+            println!(
+                "last error:   {}",
+                shown(err.as_deref().unwrap_or("-"), raw)
+            );
+            // JSON text escapes control characters itself; bidi overrides it keeps.
+            println!("headers:      {}", shown(&headers.to_string(), raw));
+            println!("content type: {}", shown(&ct, raw));
             match std::str::from_utf8(&payload) {
-                Ok(text) => println!("payload:      {text}"),
+                Ok(text) => println!("payload:      {}", shown(text, raw)),
                 Err(_) => println!("payload:      {} bytes (binary)", payload.len()),
             }
             Ok(())

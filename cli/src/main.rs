@@ -20,6 +20,7 @@ mod consumer;
 mod dead_letters;
 mod failed;
 mod progress;
+mod shown;
 mod status;
 
 /// Postal: effectively-once event delivery between services over PostgreSQL and Kafka.

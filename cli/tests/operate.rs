@@ -1091,3 +1091,77 @@ async fn consumer_reset_whose_kafka_commit_fails_changes_nothing() {
     assert!(lines[0].ends_with("then re-run"), "{stderr}");
     assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(5));
 }
+
+/// Guarantee: bytes an attacker wrote into the outbox or a topic never reach the operator's
+/// terminal raw. A parked event and a dead letter whose key, headers, payload and error carry
+/// an escape sequence (setting the window title), a line break that fakes an output line and
+/// a bidirectional override are printed by `failed list/show` and `dead-letters list/show`
+/// with those characters escaped; `--raw` prints them as stored; `--json` stays valid JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_output_escapes_control_characters() {
+    let Some(e) = env().await else { return };
+    let hostile = "k\u{1b}]0;pwned\u{7}\nstatus:       published\u{202e}";
+    let id = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                    held, last_error)
+         VALUES ($1, 'hostile', $2, 'job', convert_to($2, 'UTF8'), 'failed', true, $2)",
+    )
+    .bind(id)
+    .bind(hostile)
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let dead: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                          kafka_offset, reason, error, dlq_topic, record_key,
+                                          payload, header_names, header_values)
+         VALUES ('billing', 'g', 'hostile', 0, 7, 'undecodable', $1, 'hostile.dlq',
+                 convert_to($1, 'UTF8'), convert_to($1, 'UTF8'), ARRAY[$1],
+                 ARRAY[convert_to($1, 'UTF8')])
+         RETURNING id",
+    )
+    .bind(hostile)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args);
+        ok(c)
+    };
+    let (id, dead) = (id.to_string(), dead.to_string());
+    for args in [
+        vec!["failed", "list"],
+        vec!["failed", "show", &id],
+        vec!["dead-letters", "list"],
+        vec!["dead-letters", "show", &dead],
+    ] {
+        let out = run(&args);
+        assert!(
+            !out.contains('\u{1b}') && !out.contains('\u{7}') && !out.contains('\u{202e}'),
+            "{args:?} printed a control character raw: {out:?}"
+        );
+        assert!(out.contains("\\u{1b}]0;pwned\\u{7}\\n"), "{args:?}: {out}");
+        assert!(
+            !out.lines()
+                .any(|l| l.starts_with("status:       published")),
+            "{args:?} let the payload fake an output line: {out}"
+        );
+        let mut raw = args.clone();
+        raw.push("--raw");
+        assert!(
+            run(&raw).contains('\u{1b}'),
+            "{raw:?} prints the bytes as stored"
+        );
+    }
+    for args in [
+        ["failed", "list", "--json"],
+        ["dead-letters", "list", "--json"],
+    ] {
+        let out = run(&args);
+        let parsed: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+        assert!(parsed.to_string().contains("pwned"), "{args:?}");
+        assert!(!out.contains('\u{1b}'), "{args:?}: JSON escapes it");
+    }
+}
