@@ -933,12 +933,8 @@ mod tests {
                 "{err}"
             );
         }
-        assert!(
-            failed.iter().any(|o| o
-                .as_ref()
-                .is_err_and(|e| e.kind == FailureKind::Unavailable)),
-            "{failed:?}"
-        );
+        // (Under a loaded CPU both can come back purged: the replacement can purge a record
+        // whose own timeout librdkafka has not reported yet. Both ways cost no attempt.)
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while transport.producers_generation() == before {
             assert!(
