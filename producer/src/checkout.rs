@@ -75,26 +75,20 @@ pub(crate) async fn renew(
     .await
 }
 
-/// Gives checked-out rows back without an outcome, counting nothing, still holding their
-/// keys; they run next with the next run number. `now`: their handlers never started, so they
-/// are due at once; else (a graceful stop aborted them) they stay due at the end of their run
-/// leases, so that a handler still running to its next `.await` ends before another run of
-/// its task may start. Only rows still this run's are changed.
-pub(crate) async fn release(
-    pool: &PgPool,
-    runs: &[(i64, i32)],
-    now: bool,
-) -> Result<u64, sqlx::Error> {
+/// Gives checked-out rows back without an outcome, counting nothing: their handlers never
+/// started (the check-out committed too late to hand them over). They are due again at once,
+/// still holding their keys, and run next with the next run number. Only rows still this
+/// run's are changed. (A graceful stop gives rows back through their outcomes instead:
+/// [`crate::Transport::abort_running`] makes them "held back" once their handlers ended.)
+pub(crate) async fn release(pool: &PgPool, runs: &[(i64, i32)]) -> Result<u64, sqlx::Error> {
     let (seqs, nums): (Vec<i64>, Vec<i32>) = runs.iter().copied().unzip();
     Ok(sqlx::query(
-        "UPDATE postal.outbox o
-         SET running = false, available_at = CASE WHEN $3 THEN now() ELSE o.available_at END
+        "UPDATE postal.outbox o SET running = false, available_at = now()
          FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
          WHERE o.seq = r.seq AND o.runs = r.run AND o.running AND o.status = 'pending'",
     )
     .bind(&seqs)
     .bind(&nums)
-    .bind(now)
     .execute(pool)
     .await?
     .rows_affected())
@@ -200,10 +194,17 @@ pub(crate) struct Driver<'a> {
     pub(crate) judge: &'a crate::outcome::Judge,
     /// Called with each event whose outcome was recorded (`true`) or given up (`false`).
     pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
-    /// Cancelled when the relay stops waiting (shutdown): the events still in flight are
-    /// aborted and given back ([`release`]).
+    /// Cancelled when the relay stops waiting (shutdown): `abort_running` is called, and the
+    /// events still in flight are recorded as their work ends (an aborted task comes back
+    /// "held back": given back without an attempt), for at most [`STOP_GRACE`]; what is still
+    /// running then is left to its run lease.
     pub(crate) release: &'a tokio_util::sync::CancellationToken,
+    /// [`crate::Transport::abort_running`] of the relay's transport.
+    pub(crate) abort_running: &'a (dyn Fn() + Send + Sync),
 }
+
+/// How long a stopping relay waits for aborted work to end and be recorded.
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(4);
 
 /// Awaits the checked-out `events` (with the attempts before their runs, their run numbers
 /// `runs`, their outcomes `in_flight` in the same order), renewing
@@ -228,6 +229,7 @@ pub(crate) async fn drive(
     let mut deadline = renewed_at + usable;
     let every = d.lease / 4;
     let mut tick = tokio::time::interval_at(renewed_at + every, every);
+    let mut stopping_until: Option<tokio::time::Instant> = None;
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !aborts.is_empty() {
         tokio::select! {
@@ -251,19 +253,15 @@ pub(crate) async fn drive(
                     record(&d, &runs, &batch, outcomes, deadline).await;
                 }
             }
-            _ = d.release.cancelled() => {
-                let back: Vec<(i64, i32)> =
-                    aborts.keys().map(|&i| (events[i].seq, runs[&events[i].seq])).collect();
-                for h in aborts.values() {
+            _ = d.release.cancelled(), if stopping_until.is_none() => {
+                (d.abort_running)();
+                stopping_until = Some(tokio::time::Instant::now() + STOP_GRACE);
+                tracing::info!(events = aborts.len(), "stopping: aborting the handlers still running; their events are given back once they have ended");
+            }
+            _ = tokio::time::sleep_until(stopping_until.unwrap_or(deadline)), if stopping_until.is_some() => {
+                tracing::warn!(events = aborts.len(), "stopping: handlers still running after the grace; their events run again when their run leases end");
+                for (i, h) in aborts.drain() {
                     h.abort();
-                }
-                let released = tokio::time::timeout(
-                    Duration::from_secs(4),
-                    release(d.pool, &back, false),
-                )
-                .await;
-                tracing::warn!(events = back.len(), released = ?released.ok().and_then(Result::ok), "stopping: aborted the handlers still running and gave their events back (they run again, counting no attempt, once their run leases end)");
-                for (i, _) in aborts.drain() {
                     (d.recorded)(&events[i], false);
                 }
             }

@@ -120,7 +120,7 @@ impl Judge {
                 .backoff
                 .delay(n)
                 .clamp(Duration::from_millis(200), MAX_UNAVAILABLE_PAUSE);
-            tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().find(|f| !f.counts).and_then(|f| f.reason.as_deref()).unwrap_or(""), "destination unavailable; pausing the relay");
+            tracing::warn!(retry_in_ms = wait.as_millis() as u64, reason = %failures.iter().filter(|f| !f.counts).find_map(|f| f.reason.as_deref()).unwrap_or(""), "destination unavailable; pausing the relay");
             *self.paused_until.lock().expect("pause lock") = Some(Instant::now() + wait);
         } else if !published.is_empty() {
             self.unavailable_streak.store(0, Ordering::Relaxed);

@@ -112,8 +112,10 @@ impl RabbitConfig {
 #[derive(Clone, Debug)]
 enum ExchangeState {
     Ready,
-    /// Refused, with when it was found out: checked again after [`REFUSED_RECHECK`].
-    Refused(String, std::time::Instant),
+    /// Refused, with when it was found out and how long the verdict holds: a refused
+    /// declaration is checked again after [`REFUSED_RECHECK`]; a refused publish (the
+    /// declaration passes, so only a publish can tell) after [`PUBLISH_REFUSED_RECHECK`].
+    Refused(String, std::time::Instant, Duration),
 }
 
 /// The open connection (each batch publishes on a confirm-mode channel of its own).
@@ -277,7 +279,7 @@ impl RabbitTransport {
             .cloned();
         match cached {
             Some(ExchangeState::Ready) => return Ok(()),
-            Some(ExchangeState::Refused(reason, at)) if at.elapsed() < REFUSED_RECHECK => {
+            Some(ExchangeState::Refused(reason, at, holds)) if at.elapsed() < holds => {
                 return Err(PublishError::new(FailureKind::Waiting, reason));
             }
             // Not known yet, or refused a while ago: the operator may have fixed it since.
@@ -330,7 +332,7 @@ impl RabbitTransport {
             ExchangeState::Ready => Ok(()),
             // The exchange's problem, not the event's: its events wait (retried every minute,
             // without using attempts), as for a missing Kafka topic.
-            ExchangeState::Refused(reason, _) => {
+            ExchangeState::Refused(reason, _, _) => {
                 tracing::warn!(exchange = topic, "{reason}");
                 Err(PublishError::new(FailureKind::Waiting, reason))
             }
@@ -371,7 +373,7 @@ impl RabbitTransport {
 }
 
 fn refused(reason: String) -> ExchangeState {
-    ExchangeState::Refused(reason, std::time::Instant::now())
+    ExchangeState::Refused(reason, std::time::Instant::now(), REFUSED_RECHECK)
 }
 
 fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
@@ -415,6 +417,12 @@ fn lost(what: &str, e: &lapin::Error, exchange: &str) -> PublishError {
                 )
             }
         }
+        // The broker is closing the channel (its reason reaches the message that caused it):
+        // not sent, to be claimed again without an attempt.
+        _ if matches!(e.kind(), lapin::ErrorKind::InvalidChannelState(..)) => PublishError::new(
+            FailureKind::HeldBack,
+            format!("not sent: the channel was closing ({e})"),
+        ),
         _ => unavailable(what, e),
     }
 }
@@ -473,6 +481,11 @@ type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 /// settings, access refused) is taken as refused before it is checked again: fixing the broker
 /// un-sticks its events within this time.
 const REFUSED_RECHECK: Duration = Duration::from_secs(1);
+
+/// How long a refused publish keeps its exchange's events from being published at all (they
+/// wait, as the refused event does, instead of closing the channel under every batch beside
+/// them).
+const PUBLISH_REFUSED_RECHECK: Duration = Duration::from_secs(60);
 
 /// One event of a batch, ready to publish (owned: the publishing runs in the acks future).
 struct Prepared {
@@ -577,6 +590,7 @@ impl BatchRun {
                         let err = lost("publishing", &e, &m.exchange);
                         if err.kind == FailureKind::Waiting {
                             refused_exchange = Some(m.exchange.clone());
+                            self.publish_refused(&m.exchange, &err.reason);
                         }
                         failure = Some(err);
                         unsent.push(p);
@@ -678,6 +692,9 @@ impl BatchRun {
                         Err(err)
                     }
                     Heard::Lost(err) => {
+                        if err.kind == FailureKind::Waiting {
+                            self.publish_refused(&m.exchange, &err.reason);
+                        }
                         if failure.is_none() {
                             if err.kind == FailureKind::Waiting {
                                 refused_exchange = Some(m.exchange.clone());
@@ -734,6 +751,19 @@ impl BatchRun {
     }
 
     /// The event `p` failed: the later events of its key in the batch are held back.
+    /// Notes that the broker refused a publish to `exchange`: its later events wait without
+    /// being published for [`PUBLISH_REFUSED_RECHECK`].
+    fn publish_refused(&self, exchange: &str, reason: &str) {
+        self.exchanges.lock().expect("exchange cache").insert(
+            exchange.to_owned(),
+            ExchangeState::Refused(
+                reason.to_owned(),
+                std::time::Instant::now(),
+                PUBLISH_REFUSED_RECHECK,
+            ),
+        );
+    }
+
     fn clear_key_of(&mut self, p: usize) {
         let slot = self.prepared[p].slot;
         for later in std::mem::take(&mut self.keys[slot]) {
@@ -753,7 +783,11 @@ impl BatchRun {
     async fn finish(&self, failed: bool, timed_out: bool) {
         let blocked = self.link.connection.status().blocked();
         if failed && !self.channel.status().connected() {
-            self.exchanges.lock().expect("exchange cache").clear();
+            // Ready exchanges are checked again; refusals keep their own time.
+            self.exchanges
+                .lock()
+                .expect("exchange cache")
+                .retain(|_, state| matches!(state, ExchangeState::Refused(..)));
         }
         if blocked {
             // Closes once the broker unblocks the connection (or the connection ends).

@@ -128,6 +128,7 @@ impl<T: Transport> Relay<T> {
             stop: CancellationToken::new(),
             abandon: CancellationToken::new(),
             release: CancellationToken::new(),
+            drives: std::sync::Mutex::new(tokio::task::JoinSet::new()),
             owned: std::sync::RwLock::new(Vec::new()),
             lease_until: std::sync::Mutex::new(None),
             id: self.id,
@@ -212,11 +213,12 @@ impl<T: Transport> Relay<T> {
         // Checked-out events still running are given back (their handlers aborted) without
         // counting an attempt: a stop is not the task's failure.
         shared.release.cancel();
-        let release_within = tokio::time::Instant::now() + Duration::from_secs(5);
-        for set in &mut completions {
-            while let Ok(Some(_)) = tokio::time::timeout_at(release_within, set.join_next()).await {
-            }
-        }
+        let release_within =
+            tokio::time::Instant::now() + checkout::STOP_GRACE + Duration::from_secs(2);
+        let mut drives = std::mem::take(&mut *shared.drives.lock().expect("drives lock"));
+        while let Ok(Some(_)) = tokio::time::timeout_at(release_within, drives.join_next()).await {}
+        drives.abort_all();
+        while drives.join_next().await.is_some() {}
         self.transport.flush(Duration::from_secs(1)).await;
         drop(coordinator);
         background.abort_all();
@@ -264,9 +266,11 @@ struct Shared<T: Transport> {
     /// Cancelled when shutdown stops waiting for hand-overs: a lane still handing a batch
     /// over gives it up (its claim rolls back) and returns its batches in flight.
     abandon: CancellationToken,
-    /// Cancelled when shutdown stops waiting for checked-out events: their handlers are
-    /// aborted and their rows given back ([`checkout::release`]).
+    /// Cancelled when shutdown stops waiting for checked-out events: their work is aborted
+    /// and they are given back as it ends ([`checkout::Driver::release`]).
     release: CancellationToken,
+    /// The tasks driving checked-out events ([`checkout::drive`]).
+    drives: std::sync::Mutex<tokio::task::JoinSet<()>>,
     /// Key partitions this relay holds a lease on.
     owned: std::sync::RwLock<Vec<i16>>,
     /// Until when those leases hold at least: the start of the last successful heartbeat
@@ -566,7 +570,6 @@ impl<T: Transport> Shared<T> {
         claim_started: Instant,
         gate: tokio::sync::RwLockReadGuard<'_, ()>,
         permits: CheckOutPermits,
-        completions: &mut tokio::task::JoinSet<()>,
     ) -> bool {
         let CheckOutPermits {
             slots,
@@ -613,7 +616,7 @@ impl<T: Transport> Shared<T> {
             // Never handed over: given back without counting anything (else, when the
             // database does not answer, they run again when their run leases end).
             let back: Vec<(i64, i32)> = runs.iter().map(|(s, r)| (*s, *r)).collect();
-            let released = checkout::release(&self.pool, &back, true).await;
+            let released = checkout::release(&self.pool, &back).await;
             tracing::warn!(events = runs.len(), released = ?released.as_ref().ok(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over but giving them back");
             return true;
         }
@@ -654,7 +657,11 @@ impl<T: Transport> Shared<T> {
             drop(events_permit.split(unused));
         }
         let shared = self.clone();
-        completions.spawn(async move {
+        // In the relay's set, not the lane's: a lane aborted at shutdown (stuck in a claim)
+        // must not take running tasks with it before they are given back.
+        let mut drives = self.drives.lock().expect("drives lock");
+        while drives.try_join_next().is_some() {}
+        drives.spawn(async move {
             let judge = outcome::Judge {
                 config: shared.config.clone(),
                 counters: shared.counters.clone(),
@@ -679,6 +686,7 @@ impl<T: Transport> Shared<T> {
                 judge: &judge,
                 recorded: &notify,
                 release: &shared.release,
+                abort_running: &|| shared.transport.abort_running(),
             };
             checkout::drive(driver, events, runs, in_flight, renewed_at).await;
         });
@@ -847,7 +855,6 @@ impl<T: Transport> Shared<T> {
                             slots: [permit, own],
                             events: events_permit,
                         },
-                        &mut completions,
                     )
                     .await
                 {

@@ -24,6 +24,8 @@ pub trait DynTransport: Send + Sync + 'static {
     fn recorded_dyn(&self, batch: &[OutboundEvent], committed: bool);
     /// [`Transport::checks_out`].
     fn checks_out_dyn(&self) -> Option<usize>;
+    /// [`Transport::abort_running`].
+    fn abort_running_dyn(&self);
 }
 
 impl<T: Transport> DynTransport for T {
@@ -45,6 +47,10 @@ impl<T: Transport> DynTransport for T {
 
     fn checks_out_dyn(&self) -> Option<usize> {
         self.checks_out()
+    }
+
+    fn abort_running_dyn(&self) {
+        self.abort_running()
     }
 }
 
@@ -234,6 +240,12 @@ impl Transport for Router {
     /// every row it claims, also those for the other destinations (route task topics through
     /// a relay group of their own, [`crate::TopicFilter`], to keep the others on the faster
     /// claim).
+    fn abort_running(&self) {
+        for (_, t) in &self.destinations {
+            t.abort_running_dyn();
+        }
+    }
+
     fn checks_out(&self) -> Option<usize> {
         self.destinations
             .iter()

@@ -35,6 +35,7 @@ use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use postal_shared::EventId;
@@ -156,6 +157,9 @@ pub struct TaskTransport {
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
     running: Arc<Semaphore>,
+    /// Cancelled by [`Transport::abort_running`] (then replaced by a fresh one): the handlers
+    /// running or waiting at that moment stop.
+    stop: Arc<std::sync::Mutex<CancellationToken>>,
 }
 
 impl std::fmt::Debug for TaskTransport {
@@ -177,6 +181,7 @@ impl TaskTransport {
             handlers: HashMap::new(),
             config,
             running,
+            stop: Arc::default(),
         }
     }
 
@@ -198,17 +203,38 @@ impl TaskTransport {
         task: Task,
         running: Arc<Semaphore>,
         timeout: Duration,
+        stop: CancellationToken,
     ) -> Result<(), PublishError> {
-        let _permit = running.acquire_owned().await.expect("never closed");
+        let stopped = || {
+            Err(PublishError::new(
+                FailureKind::HeldBack,
+                "the relay stopped before the task finished (not counted as an attempt)",
+            ))
+        };
+        let _permit = tokio::select! {
+            p = running.acquire_owned() => p.expect("never closed"),
+            _ = stop.cancelled() => return stopped(),
+        };
         let id = task.id;
         let event_type = task.event_type.clone();
         // Spawned, so that a panicking handler fails its task instead of the relay.
         // Aborted with its claim (at the handler's next await, with what it spawned left
         // running): a handler does not run on after the relay gave up its task.
-        let run =
+        let mut run =
             AbortOnDropHandle::new(tokio::spawn(tokio::time::timeout(timeout, handler(task))));
         let started = std::time::Instant::now();
-        let outcome = match run.await {
+        let joined = tokio::select! {
+            j = &mut run => j,
+            _ = stop.cancelled() => {
+                // Stopping: abort the handler, and report only once it has really ended
+                // (blocking code runs on until its next `.await`), so that its task is not
+                // handed out again while it still runs.
+                run.abort();
+                let _ = (&mut run).await;
+                return stopped();
+            }
+        };
+        let outcome = match joined {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(TaskError::Retryable(r)))) => {
                 Err(PublishError::new(FailureKind::Transient, r))
@@ -255,6 +281,14 @@ impl Transport for TaskTransport {
         Some(self.config.concurrency.max(1))
     }
 
+    /// Aborts every handler running or waiting for its turn: each task's outcome becomes
+    /// "held back" (claimed again, no attempt used) once its handler has really ended.
+    fn abort_running(&self) {
+        let mut stop = self.stop.lock().expect("stop lock");
+        stop.cancel();
+        *stop = CancellationToken::new();
+    }
+
     /// Starts the batch's tasks (the relay hands over one at a time): keys run concurrently
     /// (up to `concurrency` handlers), the tasks of one key one after another; after a
     /// failure, the key's later tasks in the batch are held back, not run.
@@ -278,6 +312,7 @@ impl Transport for TaskTransport {
                 })
                 .collect();
             let running = self.running.clone();
+            let stop = self.stop.lock().expect("stop lock").clone();
             let timeout = self.config.timeout;
             chains.push(AbortOnDropHandle::new(tokio::spawn(async move {
                 let mut out = Vec::with_capacity(jobs.len());
@@ -301,7 +336,7 @@ impl Transport for TaskTransport {
                             headers: e.headers,
                             attempt: e.attempts + 1,
                         };
-                        Self::run_one(handler, task, running.clone(), timeout).await
+                        Self::run_one(handler, task, running.clone(), timeout, stop.clone()).await
                     } else {
                         Err(PublishError::new(
                             FailureKind::Permanent,

@@ -116,6 +116,12 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// Stops the work on everything handed over that can be stopped (the task runner aborts
+    /// its handlers); each event's outcome then resolves once its work has really ended. The
+    /// relay calls it when a graceful stop stops waiting for checked-out events. Default:
+    /// nothing.
+    fn abort_running(&self) {}
+
     /// Called once the relay recorded the outcomes of a batch this transport was handed
     /// (`committed`), or failed to (the claim rolled back and its events are handed out
     /// again), or gave the batch up (shutdown). Default: nothing. The Kafka transport holds

@@ -173,6 +173,10 @@ impl<T: Transport> Transport for Counting<T> {
         self.inner.checks_out()
     }
 
+    fn abort_running(&self) {
+        self.inner.abort_running()
+    }
+
     fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
         self.inner.recorded(batch, committed)
     }

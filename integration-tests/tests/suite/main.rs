@@ -33,6 +33,7 @@ mod review_consumer;
 mod review_marks;
 mod review_rabbit;
 mod review_reset;
+mod review_stops;
 mod smoke;
 mod takeover;
 mod tasks;
