@@ -75,20 +75,27 @@ pub(crate) async fn renew(
     .await
 }
 
-/// Gives checked-out rows back without an outcome, counting nothing: their handlers never
-/// started (the check-out committed too late to hand them over). They are due again at once,
-/// still holding their keys, and run next with the next run number. Only rows still this
-/// run's are changed. (A graceful stop gives rows back through their outcomes instead:
-/// [`crate::Transport::abort_running`] makes them "held back" once their handlers ended.)
-pub(crate) async fn release(pool: &PgPool, runs: &[(i64, i32)]) -> Result<u64, sqlx::Error> {
+/// Gives checked-out rows back without an outcome, counting nothing, still holding their
+/// keys; they run next with the next run number. `now`: their handlers never started (the
+/// check-out committed too late to hand them over), so they are due at once; else (a graceful
+/// stop aborted them) they stay due at the end of their run leases, so that work an aborted
+/// handler left running (`spawn_blocking`, a spawned task) ends before another run of the task
+/// may start. Only rows still this run's are changed.
+pub(crate) async fn release(
+    pool: &PgPool,
+    runs: &[(i64, i32)],
+    now: bool,
+) -> Result<u64, sqlx::Error> {
     let (seqs, nums): (Vec<i64>, Vec<i32>) = runs.iter().copied().unzip();
     Ok(sqlx::query(
-        "UPDATE postal.outbox o SET running = false, available_at = now()
+        "UPDATE postal.outbox o
+         SET running = false, available_at = CASE WHEN $3 THEN now() ELSE o.available_at END
          FROM unnest($1::int8[], $2::int4[]) AS r(seq, run)
          WHERE o.seq = r.seq AND o.runs = r.run AND o.running AND o.status = 'pending'",
     )
     .bind(&seqs)
     .bind(&nums)
+    .bind(now)
     .execute(pool)
     .await?
     .rows_affected())
@@ -195,9 +202,10 @@ pub(crate) struct Driver<'a> {
     /// Called with each event whose outcome was recorded (`true`) or given up (`false`).
     pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
     /// Cancelled when the relay stops waiting (shutdown): `abort_running` is called, and the
-    /// events still in flight are recorded as their work ends (an aborted task comes back
-    /// "held back": given back without an attempt), for at most [`STOP_GRACE`]; what is still
-    /// running then is left to its run lease.
+    /// events still in flight are recorded as their work ends — an aborted task comes back
+    /// "held back" and is given back without an attempt, due at the end of its run lease
+    /// ([`release`]) — for at most [`STOP_GRACE`]; what is still running then is left to its
+    /// run lease.
     pub(crate) release: &'a tokio_util::sync::CancellationToken,
     /// [`crate::Transport::abort_running`] of the relay's transport.
     pub(crate) abort_running: &'a (dyn Fn() + Send + Sync),
@@ -241,16 +249,42 @@ pub(crate) async fn drive(
                 }
                 let mut batch = Vec::new();
                 let mut outcomes = Vec::new();
+                let mut given_back = Vec::new();
                 for (i, outcome) in ready {
                     aborts.remove(&i);
-                    // Aborted: its run lease was lost, and it was reported then.
-                    if let Ok(outcome) = outcome {
-                        batch.push(events[i].clone());
-                        outcomes.push(outcome);
+                    match outcome {
+                        // Aborted: its run lease was lost, and it was reported then.
+                        Err(_) => {}
+                        // Stopped by the relay's stop: given back counting nothing.
+                        Ok(Err(e))
+                            if stopping_until.is_some()
+                                && e.kind == crate::transport::FailureKind::HeldBack =>
+                        {
+                            given_back.push(i);
+                        }
+                        Ok(outcome) => {
+                            batch.push(events[i].clone());
+                            outcomes.push(outcome);
+                        }
                     }
                 }
                 if !batch.is_empty() {
                     record(&d, &runs, &batch, outcomes, deadline).await;
+                }
+                if !given_back.is_empty() {
+                    let back: Vec<(i64, i32)> = given_back
+                        .iter()
+                        .map(|&i| (events[i].seq, runs[&events[i].seq]))
+                        .collect();
+                    let released = tokio::time::timeout_at(
+                        stopping_until.unwrap_or(deadline),
+                        release(d.pool, &back, false),
+                    )
+                    .await;
+                    tracing::info!(events = back.len(), released = ?released.ok().and_then(Result::ok), "stopping: gave back tasks whose handlers were aborted (not counted; they run again when their run leases end)");
+                    for &i in &given_back {
+                        (d.recorded)(&events[i], false);
+                    }
                 }
             }
             _ = d.release.cancelled(), if stopping_until.is_none() => {

@@ -616,7 +616,7 @@ impl<T: Transport> Shared<T> {
             // Never handed over: given back without counting anything (else, when the
             // database does not answer, they run again when their run leases end).
             let back: Vec<(i64, i32)> = runs.iter().map(|(s, r)| (*s, *r)).collect();
-            let released = checkout::release(&self.pool, &back).await;
+            let released = checkout::release(&self.pool, &back, true).await;
             tracing::warn!(events = runs.len(), released = ?released.as_ref().ok(), "checked-out events reached their hand-over deadline (the relay stalled?); not handing them over but giving them back");
             return true;
         }

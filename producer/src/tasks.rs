@@ -152,7 +152,6 @@ impl Default for TaskConfig {
 ///         Ok::<_, TaskError>(())
 ///     });
 /// ```
-#[derive(Clone)]
 pub struct TaskTransport {
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
@@ -160,6 +159,19 @@ pub struct TaskTransport {
     /// Cancelled by [`Transport::abort_running`] (then replaced by a fresh one): the handlers
     /// running or waiting at that moment stop.
     stop: Arc<std::sync::Mutex<CancellationToken>>,
+}
+
+/// A clone shares the handlers and the concurrency limit, not the stop: a relay stopping
+/// aborts the handlers it started, never those of another relay given a clone.
+impl Clone for TaskTransport {
+    fn clone(&self) -> Self {
+        TaskTransport {
+            handlers: self.handlers.clone(),
+            config: self.config.clone(),
+            running: self.running.clone(),
+            stop: Arc::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for TaskTransport {
@@ -224,6 +236,8 @@ impl TaskTransport {
             AbortOnDropHandle::new(tokio::spawn(tokio::time::timeout(timeout, handler(task))));
         let started = std::time::Instant::now();
         let joined = tokio::select! {
+            // An outcome that is there is kept, even when the stop came at the same time.
+            biased;
             j = &mut run => j,
             _ = stop.cancelled() => {
                 // Stopping: abort the handler, and report only once it has really ended
@@ -281,8 +295,10 @@ impl Transport for TaskTransport {
         Some(self.config.concurrency.max(1))
     }
 
-    /// Aborts every handler running or waiting for its turn: each task's outcome becomes
-    /// "held back" (claimed again, no attempt used) once its handler has really ended.
+    /// Aborts every handler of this runner (not of its clones) running or waiting for its
+    /// turn: each task's outcome becomes "held back" (given back, no attempt used) once its
+    /// handler's future has ended. (Work the handler spawned, `spawn_blocking` included, may
+    /// run on: the relay gives such tasks back due only at the end of their run leases.)
     fn abort_running(&self) {
         let mut stop = self.stop.lock().expect("stop lock");
         stop.cancel();

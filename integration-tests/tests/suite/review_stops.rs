@@ -1,9 +1,12 @@
 //! The fourth review's reproductions: a graceful stop that aborted a lane (stuck in a claim)
 //! dropped its running tasks without giving them back, and a RabbitMQ refusal counted as an
 //! outage (pausing the relay) once the channel was closing, republishing stored messages under
-//! steady traffic; plus the stop's documented limit (a handler blocking past the stop grace).
+//! steady traffic; the fifth review's: a stopped `spawn_blocking` handler overlapping the next
+//! run, and clones of one task runner sharing a stop; plus the stop's documented limit (a
+//! handler blocking past the stop grace).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -426,5 +429,153 @@ async fn a_graceful_stop_that_aborts_a_lane_gives_its_tasks_back() {
     assert!(
         !rows.iter().any(|r| r.1 == "failed"),
         "parked after a graceful stop: {rows:?}"
+    );
+}
+
+async fn one_job(pool: &sqlx::PgPool, topic: &str, key: &str) {
+    let mut tx = pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![NewEvent::json(topic, key, "job", &1).unwrap()],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn pending(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox WHERE status='pending'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Fifth review, finding 1. Guarantee: a handler doing its synchronous work the usual way
+/// (`spawn_blocking`, 3 s, within its 6 s run lease) and aborted by a graceful stop is given
+/// back due only at the end of its run lease: the next relay never runs the task while the
+/// first run's blocking work still runs. (Before: aborting ended the handler's future at once, the task came back due at once,
+/// and the next relay ran it beside the blocking work.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn a_stopped_spawn_blocking_handler_never_overlaps_the_next_run() {
+    let db = fresh_postgres_db().await;
+    let topic = unique("r5-sb");
+    one_job(&db.pool, &topic, "k").await;
+    let active = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let log = Arc::new(Mutex::new(Vec::<String>::new()));
+    let t0 = std::time::Instant::now();
+    let mk = |who: &'static str| {
+        let active = active.clone();
+        let overlaps = overlaps.clone();
+        let log = log.clone();
+        TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+            let active = active.clone();
+            let overlaps = overlaps.clone();
+            let log = log.clone();
+            async move {
+                log.lock().unwrap().push(format!(
+                    "{who} start attempt {} at {:.2}",
+                    t.attempt,
+                    t0.elapsed().as_secs_f64()
+                ));
+                let r = tokio::task::spawn_blocking(move || {
+                    if active.fetch_add(1, Ordering::SeqCst) > 0 {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    log.lock().unwrap().push(format!(
+                        "{who} blocking work begins at {:.2}",
+                        t0.elapsed().as_secs_f64()
+                    ));
+                    std::thread::sleep(Duration::from_secs(if who == "A" { 3 } else { 0 }));
+                    log.lock().unwrap().push(format!(
+                        "{who} blocking work ends at {:.2}",
+                        t0.elapsed().as_secs_f64()
+                    ));
+                    active.fetch_sub(1, Ordering::SeqCst);
+                })
+                .await;
+                r.map_err(|e| TaskError::Retryable(e.to_string()))
+            }
+        })
+    };
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(6),
+        shutdown_timeout: Duration::from_millis(300),
+        ..fast_config()
+    };
+    let a = RunningRelay::start(&db.pool, mk("A"), cfg.clone());
+    while log.lock().unwrap().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.stop().await;
+    eprintln!("A stopped at {:.2}", t0.elapsed().as_secs_f64());
+    let b = RunningRelay::start(&db.pool, mk("B"), cfg.clone());
+    wait::until(Duration::from_secs(30), "B ran it", || async {
+        pending(&db.pool).await == 0
+    })
+    .await;
+    b.stop().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    eprintln!("log: {:#?}", log.lock().unwrap());
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two runs of the task's work at once"
+    );
+}
+
+/// Fifth review, finding 2. Guarantee: two relays (separate databases) given clones of one
+/// `TaskTransport`: stopping relay A aborts only A's handlers; B's running task finishes and
+/// runs once. (Before: the clones shared the stop, and A's stop aborted B's handler.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn stopping_one_relay_leaves_another_relays_handlers_running() {
+    let db1 = fresh_postgres_db().await;
+    let db2 = fresh_postgres_db().await;
+    let ta = unique("r5-a");
+    let tb = unique("r5-b");
+    let starts = Arc::new(Mutex::new(Vec::<(String, i32, f64)>::new()));
+    let t0 = std::time::Instant::now();
+    let s2 = starts.clone();
+    let transport = TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+        let s = s2.clone();
+        async move {
+            s.lock()
+                .unwrap()
+                .push((t.topic.clone(), t.attempt, t0.elapsed().as_secs_f64()));
+            tokio::time::sleep(Duration::from_secs(if t.topic.starts_with("r5-a") {
+                60
+            } else {
+                3
+            }))
+            .await;
+            Ok::<_, TaskError>(())
+        }
+    });
+    let cfg = RelayConfig {
+        shutdown_timeout: Duration::from_millis(300),
+        ..fast_config()
+    };
+    one_job(&db1.pool, &ta, "k").await;
+    one_job(&db2.pool, &tb, "k").await;
+    let a = RunningRelay::start(&db1.pool, transport.clone(), cfg.clone());
+    let b = RunningRelay::start(&db2.pool, transport.clone(), cfg.clone());
+    while starts.lock().unwrap().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    a.stop().await;
+    eprintln!("A stopped at {:.2}", t0.elapsed().as_secs_f64());
+    wait::until(Duration::from_secs(30), "B done", || async {
+        pending(&db2.pool).await == 0
+    })
+    .await;
+    b.stop().await;
+    let s = starts.lock().unwrap();
+    eprintln!("starts: {:#?}", s);
+    let b_starts = s.iter().filter(|(t, _, _)| t.starts_with("r5-b")).count();
+    assert_eq!(
+        b_starts, 1,
+        "relay B's task was started {b_starts} times (aborted by relay A's stop)"
     );
 }
