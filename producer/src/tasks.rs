@@ -117,8 +117,8 @@ pub struct TaskConfig {
     /// Handlers running at once across all keys (default 16).
     pub concurrency: usize,
     /// Longest a handler may run; it is then cancelled and the attempt counts as failed
-    /// (default 15 min). The relay keeps the claim alive meanwhile, so this may exceed the lease
-    /// (as long as the relay's heartbeats renew its partition leases).
+    /// (default 15 min). The relay renews the task's run lease meanwhile, so this may exceed
+    /// the lease.
     pub timeout: Duration,
 }
 
@@ -230,7 +230,7 @@ impl TaskTransport {
         let id = task.id;
         let event_type = task.event_type.clone();
         // Spawned, so that a panicking handler fails its task instead of the relay.
-        // Aborted with its claim (at the handler's next await, with what it spawned left
+        // Aborted with its run (at the handler's next await, with what it spawned left
         // running): a handler does not run on after the relay gave up its task.
         let mut run =
             AbortOnDropHandle::new(tokio::spawn(tokio::time::timeout(timeout, handler(task))));
