@@ -255,9 +255,10 @@ pub(crate) async fn drive(
                     match outcome {
                         // Aborted: its run lease was lost, and it was reported then.
                         Err(_) => {}
-                        // Stopped by the relay's stop: given back counting nothing.
+                        // Stopped by the relay's stop (which another drive may have
+                        // started before this one noticed it): given back counting nothing.
                         Ok(Err(e))
-                            if stopping_until.is_some()
+                            if d.release.is_cancelled()
                                 && e.kind == crate::transport::FailureKind::HeldBack =>
                         {
                             given_back.push(i);

@@ -2,8 +2,9 @@
 //! dropped its running tasks without giving them back, and a RabbitMQ refusal counted as an
 //! outage (pausing the relay) once the channel was closing, republishing stored messages under
 //! steady traffic; the fifth review's: a stopped `spawn_blocking` handler overlapping the next
-//! run, and clones of one task runner sharing a stop; plus the stop's documented limit (a
-//! handler blocking past the stop grace).
+//! run, and clones of one task runner sharing a stop; the sixth review's: a busy drive taking
+//! a stopped task for an ordinary one; plus the stop's documented limit (a handler blocking
+//! past the stop grace).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -577,5 +578,98 @@ async fn stopping_one_relay_leaves_another_relays_handlers_running() {
     assert_eq!(
         b_starts, 1,
         "relay B's task was started {b_starts} times (aborted by relay A's stop)"
+    );
+}
+
+/// Sixth review. Guarantee: a task aborted by the stop is given back due at its run lease end
+/// also when its drive was busy (here: recording another task of its batch, whose row a
+/// session holds locked) and met the aborted outcome before it noticed the stop itself.
+/// (Before: that drive recorded it as an ordinary "held back", due at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_noticed_late_by_a_busy_drive_still_gives_tasks_back_at_lease_end() {
+    use sqlx::Connection as _;
+    let db = fresh_postgres_db().await;
+    let topic = unique("adv-race");
+    let started = Arc::new(tokio::sync::Semaphore::new(0));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (s2, g2) = (started.clone(), go.clone());
+    let cfg = RelayConfig {
+        lease: Duration::from_secs(20),
+        shutdown_timeout: Duration::from_millis(500),
+        lanes: 1,
+        ..fast_config()
+    };
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![
+            NewEvent::json(topic.as_str(), "k1", "job", &1).unwrap(),
+            NewEvent::json(topic.as_str(), "k2", "job", &2).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let a = RunningRelay::start(
+        &db.pool,
+        TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
+            let (s, g) = (s2.clone(), g2.clone());
+            async move {
+                s.add_permits(1);
+                if t.key == "k1" {
+                    g.notified().await;
+                    return Ok::<_, TaskError>(());
+                }
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok(())
+            }
+        }),
+        cfg,
+    );
+    tokio::time::timeout(Duration::from_secs(10), started.acquire_many(2))
+        .await
+        .unwrap()
+        .unwrap()
+        .forget();
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![NewEvent::json(topic.as_str(), "k3", "job", &3).unwrap()],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), started.acquire())
+        .await
+        .unwrap()
+        .unwrap()
+        .forget();
+    let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut ltx = locker.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM postal.outbox WHERE event_key='k1' FOR UPDATE")
+        .execute(&mut *ltx)
+        .await
+        .unwrap();
+    go.notify_one();
+    tokio::time::sleep(Duration::from_millis(300)).await; // drive of k1,k2 blocked in settle(k1)
+    let t_stop = std::time::Instant::now();
+    let stopping = tokio::spawn(a.stop());
+    tokio::time::sleep(Duration::from_millis(2000)).await; // release fired; k3's drive aborted all
+    ltx.commit().await.unwrap();
+    stopping.await.unwrap();
+    eprintln!("stop took {:?}", t_stop.elapsed());
+    let rows: Vec<(String, String, i32, i32, bool, bool, f64)> = sqlx::query_as(
+        "SELECT event_key, status, attempts, runs, running, held, extract(epoch from available_at - now())::float8 FROM postal.outbox ORDER BY seq")
+        .fetch_all(&db.pool).await.unwrap();
+    eprintln!("rows (key,status,attempts,runs,running,held,due_in_s): {rows:#?}");
+    let k2 = rows.iter().find(|r| r.0 == "k2").unwrap();
+    let k3 = rows.iter().find(|r| r.0 == "k3").unwrap();
+    assert!(
+        k3.6 > 5.0,
+        "k3 (control) given back due at lease end: {k3:?}"
+    );
+    assert!(
+        k2.6 > 5.0,
+        "k2 stopped by the stop should be due at its run lease end, got {k2:?}"
     );
 }
