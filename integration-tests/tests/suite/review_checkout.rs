@@ -187,11 +187,7 @@ async fn a_requeued_task_keeps_raising_its_run_number() {
     .await
     .unwrap();
     wait::until(Duration::from_secs(30), "done", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
-            == 0
+        crate::common::outbox_count(&db.pool).await == 0
     })
     .await;
     relay.stop().await;
@@ -251,11 +247,7 @@ async fn a_non_counting_outcome_still_raises_the_run_number() {
     drop(conn);
     let relay = RunningRelay::start(&db.pool, router, fast_config());
     wait::until(Duration::from_secs(60), "published", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
-            == 0
+        crate::common::outbox_count(&db.pool).await == 0
     })
     .await;
     relay.stop().await;
@@ -800,13 +792,7 @@ async fn a_graceful_stop_never_lets_a_task_run_twice_at_once() {
     wait::until(
         Duration::from_secs(60),
         "B to run the four tasks",
-        || async {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap()
-                == 0
-        },
+        || async { crate::common::outbox_count(&db.pool).await == 0 },
     )
     .await;
     b.stop().await;
