@@ -84,12 +84,19 @@ struct RelayArgs {
         default_value = "127.0.0.1:9092"
     )]
     bootstrap_servers: String,
-    /// Extra librdkafka property `key=value` (repeatable; comma-separated in the env), e.g.
-    /// `security.protocol=SASL_SSL`. Overrides Postal's producer defaults; values that break
-    /// durability or per-key order (acks other than all, another partitioner, retries=0, more
-    /// than 5 requests in flight, no idempotence with more than 1) are refused.
-    #[arg(long = "kafka", env = "POSTAL_KAFKA", value_delimiter = ',', value_parser = parse_property)]
-    kafka: Vec<(String, String)>,
+    /// Extra librdkafka properties `key=value` (repeatable; several comma-separated, a comma
+    /// splitting only before the next `name=`), e.g. `security.protocol=SASL_SSL`. Overrides
+    /// Postal's producer defaults; values that break durability or per-key order (acks other
+    /// than all, another partitioner, retries=0, more than 5 requests in flight, no
+    /// idempotence with more than 1) are refused. Pass credentials in --kafka-file or the env,
+    /// not as a flag (flags show in process listings).
+    // Parsed in `relay`, not by clap: clap's error would quote the whole value.
+    #[arg(long = "kafka", env = "POSTAL_KAFKA", hide_env_values = true)]
+    kafka: Vec<String>,
+    /// A file of librdkafka properties, one `key=value` per line (`#` comments), read at start,
+    /// e.g. Kafka's `client.properties` with `sasl.password`. --kafka entries override it.
+    #[arg(long = "kafka-file", env = "POSTAL_KAFKA_FILE")]
+    kafka_file: Option<std::path::PathBuf>,
     /// CloudEvents `source` written on every record.
     #[arg(long, env = "POSTAL_SOURCE", default_value = "postal")]
     source: String,
@@ -295,8 +302,7 @@ fn connect_options(db: &DbArgs) -> anyhow::Result<PgConnectOptions> {
         .database_url
         .as_deref()
         .ok_or_else(|| anyhow!("no database given: set DATABASE_URL or pass --database-url"))?;
-    url.parse::<PgConnectOptions>()
-        .map_err(|e| anyhow!("invalid DATABASE_URL {}: {e}", redact(url)))
+    postal_shared::secret::database_url_options(url).map_err(|e| anyhow!(e))
 }
 
 /// Connects for a one-shot command: fails within the connect timeout with one line.
@@ -311,17 +317,9 @@ async fn connect_now(db: &DbArgs) -> anyhow::Result<PgPool> {
         .map_err(|e| anyhow!("cannot reach PostgreSQL at {target}: {e}"))
 }
 
-/// Replaces the password of a URL with `***`.
+/// The URL with its password (user part or query parameter) replaced.
 fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            if u.password().is_some() {
-                let _ = u.set_password(Some("***"));
-            }
-            u.to_string()
-        }
-        Err(_) => "<unparseable url>".to_owned(),
-    }
+    postal_shared::secret::redact_url(url)
 }
 
 async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
@@ -358,7 +356,18 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         kafka.create_topics = !args.no_create_topics;
         kafka.topic_partitions = args.topic_partitions;
         kafka.topic_replication = args.topic_replication;
-        kafka.properties = args.kafka.iter().cloned().collect::<BTreeMap<_, _>>();
+        let mut properties = BTreeMap::new();
+        if let Some(path) = &args.kafka_file {
+            properties
+                .extend(postal_shared::secret::read_properties_file(path).map_err(|e| anyhow!(e))?);
+        }
+        for value in &args.kafka {
+            properties.extend(
+                postal_shared::secret::parse_properties(value)
+                    .map_err(|e| anyhow!("--kafka (or POSTAL_KAFKA): {e}"))?,
+            );
+        }
+        kafka.properties = properties;
         Some(postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?)
     } else {
         None

@@ -53,7 +53,7 @@ fn invalid_relay_settings_are_rejected() {
     );
     relay_rejects(
         &["--kafka", "no-equals-sign"],
-        "is not of the form key=value",
+        "--kafka (or POSTAL_KAFKA): a property of 14 characters has no '='",
     );
     relay_rejects(&["--route", "orders=sqs"], "unknown destination");
     relay_rejects(

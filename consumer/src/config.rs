@@ -93,14 +93,7 @@ pub struct ConsumerConfig {
 
 impl std::fmt::Debug for ConsumerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kafka: BTreeMap<&str, &str> = self
-            .kafka
-            .iter()
-            .map(|(k, v)| {
-                let secret = k.contains("password") || k.contains("secret") || k.contains("key");
-                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
-            })
-            .collect();
+        let kafka = postal_shared::secret::redacted_properties(&self.kafka);
         f.debug_struct("ConsumerConfig")
             .field("brokers", &self.brokers)
             .field("group", &self.group)
@@ -207,7 +200,8 @@ impl ConsumerConfig {
     ///
     /// | variable | setting |
     /// |---|---|
-    /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated |
+    /// | `POSTAL_KAFKA_FILE` | a file of librdkafka properties, one `key=value` per line (`#` comments): the place for credentials |
+    /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated (a comma splits only before the next `name=`); they override the file's |
     /// | `POSTAL_MAX_BATCH` | [`max_batch`](Self::max_batch) |
     /// | `POSTAL_MAX_CONCURRENT_PARTITIONS` | [`max_concurrent_partitions`](Self::max_concurrent_partitions) |
     /// | `POSTAL_MAX_ATTEMPTS` | [`max_attempts`](Self::max_attempts) |
@@ -222,13 +216,19 @@ impl ConsumerConfig {
                 .parse()
                 .map_err(|_| Error::Config(format!("{name}={v:?} is not valid")))
         }
+        if let Some(path) = var("POSTAL_KAFKA_FILE") {
+            let props = postal_shared::secret::read_properties_file(path.as_ref())
+                .map_err(|e| Error::Config(format!("POSTAL_KAFKA_FILE: {e}")))?;
+            self.kafka.extend(props);
+        }
         if let Some(v) = var("POSTAL_KAFKA") {
-            for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                let (k, val) = pair.split_once('=').ok_or_else(|| {
-                    Error::Config(format!("POSTAL_KAFKA: {pair:?} is not key=value"))
-                })?;
-                self.kafka.insert(k.trim().into(), val.trim().into());
-            }
+            let props = postal_shared::secret::parse_properties(&v)
+                .map_err(|e| Error::Config(format!("POSTAL_KAFKA: {e}")))?;
+            self.kafka.extend(
+                props
+                    .into_iter()
+                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())),
+            );
         }
         if let Some(v) = var("POSTAL_MAX_BATCH") {
             self.max_batch = parse("POSTAL_MAX_BATCH", &v)?;

@@ -92,7 +92,8 @@ pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result
     .bind(names)
     .bind(values)
     .bind(d.reason.as_str())
-    .bind(d.error)
+    // Bounded: the copy on `<topic>.dlq` carries it as a header and must stay publishable.
+    .bind(postal_shared::text::bounded(d.error, postal_shared::text::MAX_ERROR_BYTES).as_ref())
     .bind(d.attempts)
     .bind(d.dlq_topic)
     .fetch_one(conn)

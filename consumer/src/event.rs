@@ -146,7 +146,10 @@ impl<T: DeserializeOwned + Send + 'static> Payload for T {
         if let Some(ct) = content_type {
             let essence = ct.split(';').next().unwrap_or("").trim();
             if !(essence == "application/json" || essence.ends_with("+json")) {
-                return Err(format!("content type {ct:?} is not JSON"));
+                return Err(format!(
+                    "content type {} is not JSON",
+                    postal_shared::text::quoted(ct)
+                ));
             }
         }
         serde_json::from_slice(bytes).map_err(|e| format!("payload is not the expected JSON: {e}"))

@@ -889,23 +889,31 @@ pub(crate) async fn run_body(
     record: &Record,
     meta: &Meta,
 ) -> Result<(), BodyFailure> {
+    // Handler errors and panic messages may quote the record (a payload's string in a decode
+    // error): bounded and escaped before they are logged or stored.
+    let bounded = |e: &dyn std::fmt::Display| {
+        postal_shared::text::bounded(&e.to_string(), postal_shared::text::MAX_ERROR_BYTES)
+            .into_owned()
+    };
     match AssertUnwindSafe(route.call(tx, record, meta))
         .catch_unwind()
         .await
     {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(Failure::Undecodable(e))) => Err(BodyFailure::Dead(Reason::Undecodable, e)),
+        Ok(Err(Failure::Undecodable(e))) => {
+            Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))
+        }
         Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
-            Err(BodyFailure::Dead(Reason::Permanent, e.to_string()))
+            Err(BodyFailure::Dead(Reason::Permanent, bounded(&e)))
         }
         Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
-            Err(BodyFailure::Retry(e.to_string(), false))
+            Err(BodyFailure::Retry(bounded(&e), false))
         }
         Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
-            Err(BodyFailure::Retry(e.to_string(), true))
+            Err(BodyFailure::Retry(bounded(&e), true))
         }
         Err(panic) => {
-            let msg = panic_message(panic.as_ref());
+            let msg = bounded(&panic_message(panic.as_ref()));
             tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
             Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
         }

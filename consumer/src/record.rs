@@ -115,7 +115,11 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
             .ok_or_else(|| {
                 (
                     Reason::MissingEventId,
-                    format!("{} header {raw:?} is not a non-nil UUID", headers::CE_ID),
+                    format!(
+                        "{} header {} is not a non-nil UUID",
+                        headers::CE_ID,
+                        postal_shared::text::quoted(raw)
+                    ),
                 )
             })?,
     };
@@ -136,8 +140,9 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
             (
                 Reason::Undecodable,
                 format!(
-                    "{} header {v:?} is not an integer",
-                    headers::CE_SCHEMA_VERSION
+                    "{} header {} is not an integer",
+                    headers::CE_SCHEMA_VERSION,
+                    postal_shared::text::quoted(v)
                 ),
             )
         })?,

@@ -68,7 +68,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// database or a failing statement is an error at once. Instances starting together run
 /// `setup` one at a time (two concurrent `CREATE TABLE IF NOT EXISTS` of one table can fail).
 pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
-    let opts: sqlx::postgres::PgConnectOptions = url.parse().context("DATABASE_URL")?;
+    let opts = postal_shared::secret::database_url_options(url)?;
     // One implicit transaction: the lock is held until `setup` is through.
     let setup =
         format!("SELECT pg_advisory_xact_lock(hashtext('postal_examples.setup'));\n{setup}");

@@ -157,17 +157,3 @@ impl RelayConfig {
         Ok(())
     }
 }
-
-/// A `key=value` pair as given on a command line or in the environment (`postal relay --kafka
-/// security.protocol=SASL_SSL`, `--rabbitmq-routing-key`, `postal-bench relay --kafka`): the key
-/// trimmed and not empty, the value as written (it may contain `=`).
-pub fn parse_property(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| format!("{s:?} is not of the form key=value"))?;
-    let k = k.trim();
-    if k.is_empty() {
-        return Err(format!("{s:?} has an empty key"));
-    }
-    Ok((k.to_owned(), v.to_owned()))
-}

@@ -45,14 +45,7 @@ pub struct KafkaConfig {
 
 impl std::fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let props: BTreeMap<&str, &str> = self
-            .properties
-            .iter()
-            .map(|(k, v)| {
-                let secret = k.contains("password") || k.contains("secret") || k.contains("key");
-                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
-            })
-            .collect();
+        let props = postal_shared::secret::redacted_properties(&self.properties);
         f.debug_struct("KafkaConfig")
             .field("bootstrap_servers", &self.bootstrap_servers)
             .field("source", &self.source)

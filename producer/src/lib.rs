@@ -49,11 +49,14 @@ mod tasks;
 mod trace;
 mod transport;
 
-pub use config::{parse_property, RelayConfig, TopicFilter};
+pub use config::{RelayConfig, TopicFilter};
 pub use enqueue::{enqueue, enqueue_batch, enqueue_once, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};
+/// A `key=value` pair as given on a command line or in the environment (`--kafka`,
+/// `--rabbitmq-routing-key`); errors never quote the value.
+pub use postal_shared::secret::parse_property;
 pub use postal_shared::Backoff;
 pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
 #[cfg(feature = "rabbitmq")]

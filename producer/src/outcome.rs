@@ -95,12 +95,18 @@ impl Judge {
                         FailureKind::Waiting => WAITING_RETRY,
                         _ => self.config.backoff.delay(attempts.max(0) as u32),
                     };
+                    // Bounded and escaped: stored as `last_error`, shown by `postal failed`.
+                    let reason = postal_shared::text::bounded(
+                        &err.reason,
+                        postal_shared::text::MAX_ERROR_BYTES,
+                    )
+                    .into_owned();
                     if park {
-                        tracing::warn!(event_id = %event.id, topic = %event.topic, key = %event.key, attempts, reason = %err.reason, "event parked as failed");
+                        tracing::warn!(event_id = %event.id, topic = %event.topic, key = %postal_shared::text::escaped(&event.key), attempts, reason = %reason, "event parked as failed");
                     } else if err.kind == FailureKind::Waiting {
-                        tracing::debug!(event_id = %event.id, reason = %err.reason, "event waits for its destination");
+                        tracing::debug!(event_id = %event.id, reason = %reason, "event waits for its destination");
                     } else {
-                        tracing::debug!(event_id = %event.id, reason = %err.reason, "publish failed; will retry");
+                        tracing::debug!(event_id = %event.id, reason = %reason, "publish failed; will retry");
                     }
                     failures.push(Failure {
                         seq: event.seq,
@@ -108,7 +114,7 @@ impl Judge {
                         park,
                         hold: true,
                         retry_in,
-                        reason: Some(err.reason),
+                        reason: Some(reason),
                     });
                 }
             }

@@ -69,21 +69,7 @@ impl std::fmt::Debug for RabbitConfig {
 
 /// The URI with its password replaced, for logs.
 fn redact_uri(uri: &str) -> String {
-    match (uri.find("://"), uri.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &uri[scheme + 3..at];
-            match creds.find(':') {
-                Some(colon) => format!(
-                    "{}{}:<redacted>{}",
-                    &uri[..scheme + 3],
-                    &creds[..colon],
-                    &uri[at..]
-                ),
-                None => uri.to_owned(),
-            }
-        }
-        _ => uri.to_owned(),
-    }
+    postal_shared::secret::redact_url(uri)
 }
 
 impl RabbitConfig {

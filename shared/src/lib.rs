@@ -25,6 +25,8 @@ pub mod headers;
 mod ids;
 mod log_throttle;
 mod migrate;
+pub mod secret;
+pub mod text;
 
 pub use availability::database_unavailable;
 pub use backoff::Backoff;

@@ -100,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
 
     let run = uuid::Uuid::now_v7().simple().to_string();
     let name = format!("postal_demo_{run}");
-    let opts: sqlx::postgres::PgConnectOptions = server.parse().context("DATABASE_URL")?;
+    let opts = postal_shared::secret::database_url_options(&server)?;
     let mut admin = opts.connect().await.context("cannot reach PostgreSQL")?;
     admin
         .execute(format!("CREATE DATABASE {name}").as_str())

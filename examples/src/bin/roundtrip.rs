@@ -25,7 +25,7 @@ async fn main() -> anyhow::Result<()> {
 
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(5))
-        .connect(&db)
+        .connect_with(postal_shared::secret::database_url_options(&db)?)
         .await
         .context("cannot reach PostgreSQL")?;
     postal_shared::migrate(&pool).await?;

@@ -232,3 +232,99 @@ async fn a_stored_row_with_a_reserved_header_is_parked_not_published() {
         "only the other event on the topic"
     );
 }
+
+/// Guarantee: an oversized field never becomes an oversized error. A record whose `ce_id` is
+/// 600 KB (with an escape sequence at its start) is dead-lettered with a reason of at most
+/// about 2 KB, control characters written as escapes, and its copy reaches `<topic>.dlq`; a
+/// record whose payload fails to decode with a 600 KB string quoted in the decode error gets a
+/// bounded reason too. Before, the reason was the whole 600 KB field (a 600 KB log line and
+/// `dead_letters.error`, and a copy over the producer's message size limit).
+#[tokio::test]
+async fn oversized_fields_give_bounded_escaped_dead_letter_reasons() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("hostile-big");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let huge_id = format!("\u{1b}]0;pwned\u{7}{}", "a".repeat(600_000));
+    let (b, t) = (svc.bootstrap.clone(), topic.clone());
+    let code = tokio::task::spawn_blocking(move || {
+        produce_raw(
+            &b,
+            &t,
+            0,
+            b"k",
+            br#"{"n": 0}"#,
+            &[
+                (b"ce_id", huge_id.as_bytes()),
+                (b"ce_type", b"job"),
+                (b"content-type", b"application/json"),
+            ],
+        )
+    })
+    .await
+    .unwrap()
+    .expect("raw produce");
+    assert_eq!(code, 0, "the broker stored the raw record");
+    // `job` expects {"n": <integer>}: a 600 KB string there fails decoding, and serde's error
+    // quotes it.
+    let bad_payload = Uuid::now_v7();
+    let good = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        Some(0),
+        &[
+            RawRecord::event(bad_payload, "k", "job", json!({"n": "b".repeat(600_000)})),
+            RawRecord::event(good, "k", "job", json!({"n": 1})),
+        ],
+    )
+    .await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    wait::until(WAIT, "two dead-lettered and the good one applied", || {
+        let s = stats.snapshot();
+        async move { s.dead_letters == 2 && s.applied == 1 }
+    })
+    .await;
+    let pool = db.pool.clone();
+    wait::until(
+        WAIT,
+        "both copies published to the dead-letter topic",
+        || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM postal.dead_letters WHERE published_at IS NOT NULL",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                    == 2
+            }
+        },
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(effects(&db.pool).await, (1, 1));
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT reason, error FROM postal.dead_letters ORDER BY kafka_offset")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows[0].0, "missing_event_id");
+    assert_eq!(rows[1].0, "undecodable");
+    for (_, error) in &rows {
+        assert!(error.len() <= 2_100, "reason of {} bytes", error.len());
+        assert!(
+            !error.contains('\u{1b}') && !error.contains('\u{7}'),
+            "{error:.200}"
+        );
+    }
+    assert!(rows[0].0 == "missing_event_id" && rows[0].1.contains("\\u{1b}]0;pwned\\u{7}aaa"));
+    assert!(rows[0].1.contains("more bytes)"), "{:.300}", rows[0].1);
+}

@@ -34,6 +34,7 @@ mod review_marks;
 mod review_rabbit;
 mod review_reset;
 mod review_stops;
+mod secrets;
 mod smoke;
 mod takeover;
 mod tasks;

@@ -1,0 +1,355 @@
+//! Secrets kept out of logs, errors and `Debug` output: passwords in connection URLs (in the
+//! user part or as a query parameter such as `?password=` or `sslpassword=`), and client
+//! properties that hold credentials (`sasl.password`, `ssl.key.password`,
+//! `sasl.oauthbearer.config`, anything named password, secret, token, key, credential or jaas).
+//! Also the `key=value,key=value` property lists given on command lines and in the
+//! environment, split so that a comma inside a value stays in the value, and property files
+//! (`--kafka-file`), so that a secret need not appear in a process listing at all.
+
+use std::collections::BTreeMap;
+
+/// What a redacted secret is shown as.
+pub const REDACTED: &str = "<redacted>";
+
+/// Whether a property or URL parameter of this name holds a secret (compared without case).
+pub fn is_secret_name(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    [
+        "password",
+        "passwd",
+        "secret",
+        "token",
+        "key",
+        "credential",
+        "jaas",
+        "oauthbearer.config",
+    ]
+    .iter()
+    .any(|s| n.contains(s))
+}
+
+/// `url` with the password of its user part and the value of every secret query parameter
+/// replaced by [`REDACTED`]. Works on malformed URLs too (a password with an unescaped `@`,
+/// `/` or `?` included): everything between the user name and the last `@` is the password.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        // Not a URL (a `key=value` connection string?): redact secret pairs.
+        return redact_pairs(url, &[' ', '\t', ';', '&', ',']);
+    };
+    let mut out = String::with_capacity(url.len());
+    out.push_str(&url[..scheme_end]);
+    let rest = &url[scheme_end..];
+    let rest = match rest.rfind('@') {
+        Some(at) => {
+            let user = &rest[..at];
+            match user.find(':') {
+                Some(colon) => {
+                    out.push_str(&user[..colon + 1]);
+                    out.push_str(REDACTED);
+                }
+                None => out.push_str(user),
+            }
+            &rest[at..]
+        }
+        None => rest,
+    };
+    match rest.find('?') {
+        Some(q) => {
+            out.push_str(&rest[..=q]);
+            out.push_str(&redact_pairs(&rest[q + 1..], &['&']));
+        }
+        None => out.push_str(rest),
+    }
+    out
+}
+
+/// `s` split at `seps` into `name=value` pairs, with the values of secret names redacted.
+fn redact_pairs(s: &str, seps: &[char]) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut start = 0;
+    for (i, c) in s.char_indices().chain(std::iter::once((s.len(), '\0'))) {
+        if i == s.len() || seps.contains(&c) {
+            let part = &s[start..i];
+            match part.split_once('=') {
+                Some((name, _)) if is_secret_name(name) => {
+                    out.push_str(name);
+                    out.push('=');
+                    out.push_str(REDACTED);
+                }
+                _ => out.push_str(part),
+            }
+            if i < s.len() {
+                out.push(c);
+            }
+            start = i + c.len_utf8();
+        }
+    }
+    out
+}
+
+/// The connection parameters sqlx reads from a PostgreSQL URL's query.
+const PG_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// Parses a PostgreSQL URL (`DATABASE_URL`) into connect options. sqlx logs every query
+/// parameter it does not know *with its value*: an unknown one that names a secret (e.g.
+/// `sslpassword`, which sqlx cannot use) is refused here instead, naming the parameter only.
+/// Errors never quote the URL.
+pub fn database_url_options(url: &str) -> Result<sqlx::postgres::PgConnectOptions, crate::Error> {
+    let invalid = |reason: String| crate::Error::Invalid {
+        what: "DATABASE_URL",
+        reason,
+    };
+    let after_user = url.rfind('@').map_or(url, |at| &url[at..]);
+    if let Some((_, query)) = after_user.split_once('?') {
+        for pair in query.split('&') {
+            let name = pair.split_once('=').map_or(pair, |(n, _)| n);
+            let known = PG_PARAMETERS.contains(&name) || name.starts_with("options[");
+            if !known && is_secret_name(name) {
+                return Err(invalid(format!(
+                    "parameter {} is not supported (an encrypted client key cannot be used: \
+                     give an unencrypted `sslkey` file readable only by this service)",
+                    crate::text::quoted(name)
+                )));
+            }
+        }
+    }
+    url.parse()
+        .map_err(|e: sqlx::Error| invalid(format!("{} ({})", e, redact_url(url))))
+}
+
+/// Properties for `Debug` output and logs: secret values replaced by [`REDACTED`].
+pub fn redacted_properties<'a, I>(props: I) -> BTreeMap<&'a str, &'a str>
+where
+    I: IntoIterator<Item = (&'a String, &'a String)>,
+{
+    props
+        .into_iter()
+        .map(|(k, v)| {
+            let shown = if is_secret_name(k) {
+                REDACTED
+            } else {
+                v.as_str()
+            };
+            (k.as_str(), shown)
+        })
+        .collect()
+}
+
+/// Parses one `key=value` property. The error never quotes the value (it may be a secret).
+pub fn parse_property(s: &str) -> Result<(String, String), String> {
+    let Some((k, v)) = s.split_once('=') else {
+        return Err(format!(
+            "a property of {} characters has no '=' (expected key=value)",
+            s.chars().count()
+        ));
+    };
+    let k = k.trim();
+    if k.is_empty() {
+        return Err("a property has an empty key (expected key=value)".to_owned());
+    }
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+fn property_name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+/// Parses a `key=value,key=value` list. A comma splits only where the text after it starts a
+/// new `name=` (a name of letters, digits, `.`, `_` and `-`) or ends the text, so `sasl.password=a,b` keeps
+/// `a,b` whole; a value that itself contains `,name=` belongs in a property file. Empty entries
+/// are skipped. Errors never quote a value.
+pub fn parse_properties(s: &str) -> Result<Vec<(String, String)>, String> {
+    let mut cuts = vec![0];
+    for (i, c) in s.char_indices() {
+        if c == ',' && starts_property(&s[i + 1..]) {
+            cuts.push(i + 1);
+        }
+    }
+    cuts.push(s.len() + 1);
+    let mut out = Vec::new();
+    for w in cuts.windows(2) {
+        let part = &s[w[0]..w[1] - 1];
+        if part.trim().is_empty() {
+            continue;
+        }
+        out.push(parse_property(part.trim_start())?);
+    }
+    Ok(out)
+}
+
+/// Whether `s` starts with `name=` (after blanks), or is blank (a trailing comma).
+fn starts_property(s: &str) -> bool {
+    let s = s.trim_start();
+    if s.is_empty() {
+        return true;
+    }
+    let name_len = s.chars().take_while(|&c| property_name_char(c)).count();
+    name_len > 0 && s[name_len..].starts_with('=')
+}
+
+/// Reads a property file: one `key=value` per line, blank lines and lines starting with `#` or
+/// `!` skipped (the Java `.properties` basics, as Kafka's `client.properties`). Values are
+/// taken after the first `=`, without blanks around them. Errors name the
+/// file and line, never a value.
+pub fn read_properties_file(path: &std::path::Path) -> Result<Vec<(String, String)>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read property file {}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with('!') {
+            continue;
+        }
+        let (k, v) =
+            parse_property(line).map_err(|e| format!("{} line {}: {e}", path.display(), n + 1))?;
+        out.push((k, v.trim().to_owned()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guarantee: a password never survives redaction, wherever the URL carries it.
+    #[test]
+    fn passwords_are_redacted_in_every_form_of_url() {
+        let cases = [
+            (
+                "postgres://app:PLANTED@db:5432/app",
+                "postgres://app:<redacted>@db:5432/app",
+            ),
+            (
+                "postgres://app@db/app?sslmode=require&password=PLANTED",
+                "postgres://app@db/app?sslmode=require&password=<redacted>",
+            ),
+            (
+                "postgres://db/app?sslpassword=PLANTED&application_name=x",
+                "postgres://db/app?sslpassword=<redacted>&application_name=x",
+            ),
+            (
+                "postgres://app:PL@N/TED?x@db/app",
+                "postgres://app:<redacted>@db/app",
+            ),
+            (
+                "amqp://relay:PLANTED@mq:5672/%2f",
+                "amqp://relay:<redacted>@mq:5672/%2f",
+            ),
+            (
+                "host=db user=app password=PLANTED",
+                "host=db user=app password=<redacted>",
+            ),
+            ("postgres://db:5432/app", "postgres://db:5432/app"),
+        ];
+        for (url, want) in cases {
+            let got = redact_url(url);
+            assert_eq!(got, want);
+            assert!(!got.contains("PLANTED"));
+        }
+    }
+
+    /// Guarantee: credential properties are secret, ordinary ones are shown.
+    #[test]
+    fn credential_properties_are_secret() {
+        for name in [
+            "sasl.password",
+            "ssl.key.password",
+            "sasl.oauthbearer.config",
+            "sasl.oauthbearer.client.secret",
+            "sasl.jaas.config",
+            "ssl.keystore.password",
+            "SASL.PASSWORD",
+        ] {
+            assert!(is_secret_name(name), "{name}");
+        }
+        for name in [
+            "bootstrap.servers",
+            "security.protocol",
+            "linger.ms",
+            "sasl.username",
+        ] {
+            assert!(!is_secret_name(name), "{name}");
+        }
+    }
+
+    /// Guarantee: a comma inside a value stays in the value; a comma before `name=` starts a
+    /// new property; errors never quote a value.
+    #[test]
+    fn property_lists_split_only_before_a_new_name() {
+        let got = parse_properties("sasl.password=PL,ANT=ED,linger.ms=5, acks=all,").unwrap();
+        assert_eq!(
+            got,
+            vec![
+                ("sasl.password".into(), "PL".into()),
+                ("ANT".into(), "ED".into()),
+                ("linger.ms".into(), "5".into()),
+                ("acks".into(), "all".into()),
+            ]
+        );
+        let got = parse_properties("sasl.password=a,b c,d,security.protocol=SASL_SSL").unwrap();
+        assert_eq!(got[0].1, "a,b c,d");
+        assert_eq!(got[1].0, "security.protocol");
+        let err = parse_properties("PLANTED,linger.ms=5").unwrap_err();
+        assert!(!err.contains("PLANTED"), "{err}");
+        let err = parse_properties("PLANTED").unwrap_err();
+        assert!(!err.contains("PLANTED"), "{err}");
+    }
+
+    /// Guarantee: a property file's comments and blank lines are skipped, values are kept as
+    /// written (commas and `=` included), and an error names the line, not the value.
+    #[test]
+    fn property_files_are_read_line_by_line() {
+        let dir = std::env::temp_dir().join(format!("postal-props-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("client.properties");
+        std::fs::write(
+            &path,
+            "# credentials\n\nsasl.password=a,b=c  \n! also a comment\nsecurity.protocol = SASL_SSL\n",
+        )
+        .unwrap();
+        let got = read_properties_file(&path).unwrap();
+        assert_eq!(got[0], ("sasl.password".into(), "a,b=c".into()));
+        assert_eq!(got[1], ("security.protocol".into(), "SASL_SSL".into()));
+        std::fs::write(&path, "ok=1\nPLANTED\n").unwrap();
+        let err = read_properties_file(&path).unwrap_err();
+        assert!(err.contains("line 2") && !err.contains("PLANTED"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Guarantee: an unknown secret parameter (which sqlx would log with its value) is
+    /// refused naming only the parameter; a password parameter and an ordinary URL parse.
+    #[test]
+    fn database_urls_with_unusable_secrets_are_refused_without_the_value() {
+        let err = database_url_options("postgres://db/app?sslpassword=PLANTED")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sslpassword") && !err.contains("PLANTED"),
+            "{err}"
+        );
+        assert!(database_url_options("postgres://u@db/app?password=x&sslmode=prefer").is_ok());
+        let err = database_url_options("postgres://u:PLANTED@db:notaport/app")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("PLANTED"), "{err}");
+    }
+}
