@@ -143,6 +143,12 @@ struct RelayArgs {
     /// attempts) until an operator creates the topic; the relay logs which one.
     #[arg(long, env = "POSTAL_NO_CREATE_TOPICS")]
     no_create_topics: bool,
+    /// Publish only to these topics (comma-separated names or `prefix*`; `*` for every
+    /// topic), and create only those. Events for others are parked with the reason. Without
+    /// it every topic is allowed except dead-letter topics (`*.dlq`), which only an exact
+    /// entry allows.
+    #[arg(long, env = "POSTAL_ALLOW_TOPICS", value_delimiter = ',')]
+    allow_topics: Vec<String>,
     /// Partitions of topics the relay creates.
     #[arg(long, env = "POSTAL_TOPIC_PARTITIONS", default_value_t = 12)]
     topic_partitions: i32,
@@ -349,6 +355,11 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         },
     };
     config.validate()?;
+    let allowed = if args.allow_topics.is_empty() {
+        postal_producer::TopicAllowList::any()
+    } else {
+        postal_producer::TopicAllowList::only(args.allow_topics.iter().cloned())?
+    };
     let used = |d: Destination| args.destination == d || args.routes.iter().any(|(_, r)| *r == d);
     let kafka = if used(Destination::Kafka) {
         let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
@@ -356,6 +367,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         kafka.create_topics = !args.no_create_topics;
         kafka.topic_partitions = args.topic_partitions;
         kafka.topic_replication = args.topic_replication;
+        kafka.allowed_topics = allowed.clone();
         let mut properties = BTreeMap::new();
         if let Some(path) = &args.kafka_file {
             properties
@@ -380,6 +392,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         cfg.source = args.source.clone();
         cfg.routing_keys = args.rabbitmq_routing_keys.iter().cloned().collect();
         cfg.declare_exchanges = !args.rabbitmq_no_declare;
+        cfg.allowed_topics = allowed.clone();
         cfg.confirm_timeout = args.rabbitmq_confirm_timeout;
         cfg.connect_timeout = args.rabbitmq_connect_timeout;
         cfg.max_message_bytes = args.rabbitmq_max_message_bytes;
@@ -469,6 +482,9 @@ async fn run_relay<T: postal_producer::Transport>(
 /// serialization failures, deadlocks, lock and statement timeouts (another session held a
 /// lock the migration needs).
 fn worth_retrying(e: &postal_shared::Error) -> bool {
+    if matches!(e, postal_shared::Error::LockBusy { .. }) {
+        return true;
+    }
     let code = e
         .database_error()
         .and_then(sqlx::Error::as_database_error)

@@ -75,7 +75,8 @@ pub async fn connect(url: &str, setup: &str) -> anyhow::Result<PgPool> {
     wait_out(
         "starting up",
         || start(&opts, &setup),
-        postal_shared::Error::is_unavailable,
+        // Another instance migrating for longer than the lock wait: wait on too.
+        |e| e.is_unavailable() || matches!(e, postal_shared::Error::LockBusy { .. }),
     )
     .await
 }

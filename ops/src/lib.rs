@@ -17,6 +17,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -44,14 +45,55 @@ pub enum Error {
 
 type Ready = Arc<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync>;
 
+/// How long a readiness answer is reused: however many clients ask, the check (a query on the
+/// service's own pool) runs at most about once per this interval.
+pub const READY_CACHE: Duration = Duration::from_secs(1);
+
+/// How long one readiness check may take before it counts as not ready.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
 #[derive(Clone)]
 struct AppState {
     metrics: PrometheusHandle,
-    ready: Ready,
+    ready: Arc<Readiness>,
+}
+
+/// The readiness check behind `/readyz`, run by one request at a time and its answer reused
+/// for [`READY_CACHE`]: concurrent requests wait for the running check and share its answer,
+/// so a flood of requests cannot take the pool's connections.
+struct Readiness {
+    check: Ready,
+    cache: Duration,
+    last: tokio::sync::Mutex<Option<(Instant, bool)>>,
+}
+
+impl Readiness {
+    fn new(check: Ready, cache: Duration) -> Self {
+        Readiness {
+            check,
+            cache,
+            last: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn ready(&self) -> bool {
+        let mut last = self.last.lock().await;
+        if let Some((at, answer)) = *last {
+            if at.elapsed() < self.cache {
+                return answer;
+            }
+        }
+        let answer = tokio::time::timeout(READY_TIMEOUT, (self.check)())
+            .await
+            .unwrap_or(false);
+        *last = Some((Instant::now(), answer));
+        answer
+    }
 }
 
 /// Installs the Prometheus recorder for this process and serves the endpoints on `addr` in a
-/// background task (returned; abort it to stop). `ready` answers `/readyz`.
+/// background task (returned; abort it to stop). `ready` answers `/readyz`: one check at a
+/// time, its answer reused for [`READY_CACHE`], a check over [`READY_TIMEOUT`] not ready.
 pub async fn serve<F, Fut>(addr: SocketAddr, ready: F) -> Result<tokio::task::JoinHandle<()>, Error>
 where
     F: Fn() -> Fut + Send + Sync + 'static,
@@ -69,7 +111,10 @@ where
         .map_err(|source| Error::Bind { addr, source })?;
     let state = AppState {
         metrics: metrics.clone(),
-        ready: Arc::new(move || Box::pin(ready())),
+        ready: Arc::new(Readiness::new(
+            Arc::new(move || Box::pin(ready())),
+            READY_CACHE,
+        )),
     };
     let app = Router::new()
         .route("/metrics", get(render))
@@ -102,7 +147,7 @@ async fn render(State(s): State<AppState>) -> String {
 }
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
-    if (s.ready)().await {
+    if s.ready.ready().await {
         (StatusCode::OK, "ready\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
@@ -153,7 +198,62 @@ mod tests {
         assert_eq!(get(addr, "/healthz").await.0, 200);
         assert_eq!(get(addr, "/readyz").await.0, 503);
         ready.store(true, Ordering::SeqCst);
-        assert_eq!(get(addr, "/readyz").await.0, 200);
+        // The answer is reused for READY_CACHE: the change shows once it has passed.
+        let changed = Instant::now();
+        while get(addr, "/readyz").await.0 != 200 {
+            assert!(
+                changed.elapsed() < READY_CACHE * 3,
+                "readiness never changed"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert!(changed.elapsed() >= READY_CACHE / 2);
         server.abort();
+    }
+
+    /// Guarantee: a flood of readiness requests runs the check once per cache interval, one
+    /// at a time, however many clients ask at once (before, 300 concurrent clients ran 300
+    /// queries at once and held every connection of the service's pool).
+    #[tokio::test]
+    async fn concurrent_readiness_requests_share_one_check() {
+        use std::sync::atomic::AtomicUsize;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let (r, g, m) = (runs.clone(), running.clone(), most.clone());
+        let readiness = Arc::new(Readiness::new(
+            Arc::new(move || {
+                let (r, g, m) = (r.clone(), g.clone(), m.clone());
+                Box::pin(async move {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    let now = g.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    g.fetch_sub(1, Ordering::SeqCst);
+                    true
+                })
+            }),
+            Duration::from_secs(60),
+        ));
+        let asks = (0..300).map(|_| {
+            let readiness = readiness.clone();
+            tokio::spawn(async move { readiness.ready().await })
+        });
+        for answer in futures::future::join_all(asks).await {
+            assert!(answer.unwrap());
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(most.load(Ordering::SeqCst), 1);
+    }
+
+    /// Guarantee: a check that hangs answers "not ready" after READY_TIMEOUT instead of
+    /// holding the request (and the next ones) for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_check_is_not_ready_after_the_timeout() {
+        let readiness = Readiness::new(
+            Arc::new(|| Box::pin(futures::future::pending::<bool>())),
+            READY_CACHE,
+        );
+        assert!(!readiness.ready().await);
     }
 }

@@ -41,6 +41,9 @@ pub struct KafkaConfig {
     pub topic_replication: i32,
     /// Extra librdkafka properties (TLS, SASL, tuning); they override Postal's defaults.
     pub properties: BTreeMap<String, String>,
+    /// The topics the relay may publish to and create (default: every topic except
+    /// dead-letter topics). Events for others are parked with the reason.
+    pub allowed_topics: crate::TopicAllowList,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -53,6 +56,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("topic_partitions", &self.topic_partitions)
             .field("topic_replication", &self.topic_replication)
             .field("properties", &props)
+            .field("allowed_topics", &self.allowed_topics)
             .finish()
     }
 }
@@ -67,6 +71,7 @@ impl KafkaConfig {
             topic_partitions: 12,
             topic_replication: 1,
             properties: BTreeMap::new(),
+            allowed_topics: crate::TopicAllowList::any(),
         }
     }
 
@@ -594,7 +599,11 @@ impl Transport for KafkaTransport {
         for e in batch {
             // Batches mostly hold one topic: look it up only when it changes.
             if previous != Some(e.topic.as_str()) && !topic_ok.contains_key(e.topic.as_str()) {
-                let r = self.ensure_topic(&e.topic).await;
+                // A refused topic is never looked up, let alone created.
+                let r = match self.config.allowed_topics.check(&e.topic) {
+                    Ok(()) => self.ensure_topic(&e.topic).await,
+                    Err(refused) => Err(refused),
+                };
                 topic_ok.insert(e.topic.as_str(), r);
             }
             previous = Some(e.topic.as_str());

@@ -26,6 +26,7 @@
 //! # let _ = event_id; Ok(()) }
 //! ```
 
+mod allow;
 pub mod backlog;
 mod checkout;
 pub mod claim;
@@ -49,6 +50,7 @@ mod tasks;
 mod trace;
 mod transport;
 
+pub use allow::TopicAllowList;
 pub use config::{RelayConfig, TopicFilter};
 pub use enqueue::{enqueue, enqueue_batch, enqueue_once, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;

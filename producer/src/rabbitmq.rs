@@ -33,6 +33,9 @@ pub struct RabbitConfig {
     /// are parked with a clear error. A refused exchange (missing, other settings, access
     /// refused) is checked again after a second, so fixing the broker un-sticks new events.
     pub declare_exchanges: bool,
+    /// The topics (exchanges) the relay may publish to and declare (default: every topic
+    /// except dead-letter topics). Events for others are parked with the reason.
+    pub allowed_topics: crate::TopicAllowList,
     /// Largest message body accepted; bigger events are parked as permanent failures instead of
     /// being sent (RabbitMQ closes the channel on them). Default 16 MiB; RabbitMQ's own
     /// `max_message_size` defaults to 128 MiB.
@@ -60,6 +63,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("source", &self.source)
             .field("routing_keys", &self.routing_keys)
             .field("declare_exchanges", &self.declare_exchanges)
+            .field("allowed_topics", &self.allowed_topics)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
@@ -80,6 +84,7 @@ impl RabbitConfig {
             source: "postal".into(),
             routing_keys: BTreeMap::new(),
             declare_exchanges: true,
+            allowed_topics: crate::TopicAllowList::any(),
             max_message_bytes: 16 * 1024 * 1024,
             confirm_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(10),
@@ -840,9 +845,11 @@ impl Transport for RabbitTransport {
         let mut unreachable: Option<PublishError> = None;
         for e in batch {
             if !exchange_ok.contains_key(e.topic.as_str()) {
-                let r = match &unreachable {
-                    Some(err) => Err(err.clone()),
-                    None => self.ensure_exchange(&link, &e.topic).await,
+                // A refused topic's exchange is never checked, let alone declared.
+                let r = match (&unreachable, self.config.allowed_topics.check(&e.topic)) {
+                    (_, Err(refused)) => Err(refused),
+                    (Some(err), _) => Err(err.clone()),
+                    (None, Ok(())) => self.ensure_exchange(&link, &e.topic).await,
                 };
                 if let Err(err) = &r {
                     if err.kind == FailureKind::Unavailable {

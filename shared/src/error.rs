@@ -16,6 +16,16 @@ pub enum Error {
     /// A database call failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// An advisory lock stayed taken for longer than Postal waits for it.
+    #[error("{what} is still held by {holder} after {}s; wait for it to finish, or end that session (pg_terminate_backend) if it is stuck", waited.as_secs())]
+    LockBusy {
+        /// Which lock.
+        what: &'static str,
+        /// How long Postal waited.
+        waited: std::time::Duration,
+        /// Who holds it (backend pid and application name), as far as `pg_locks` tells.
+        holder: String,
+    },
 }
 
 impl Error {

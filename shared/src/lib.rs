@@ -35,4 +35,4 @@ pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
 pub use error::Error;
 pub use ids::EventId;
 pub use log_throttle::LogThrottle;
-pub use migrate::{migrate, migrator, POSTAL_SCHEMA};
+pub use migrate::{migrate, migrate_within, migrator, MIGRATE_LOCK_WAIT, POSTAL_SCHEMA};

@@ -1,6 +1,8 @@
 //! The embedded migrator. Postal's migrations live in the workspace's `migrations/` directory and
 //! are compiled into this crate.
 
+use std::time::{Duration, Instant};
+
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
@@ -36,6 +38,15 @@ pub fn migrator() -> &'static Migrator {
 /// bookkeeping table is `postal._sqlx_migrations`, separate from the application's
 /// `public._sqlx_migrations`.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    migrate_within(pool, MIGRATE_LOCK_WAIT).await
+}
+
+/// How long [`migrate`] waits for the migration lock, held by another migrator (or by any
+/// session that took the same advisory lock key), before it fails with [`Error::LockBusy`].
+pub const MIGRATE_LOCK_WAIT: Duration = Duration::from_secs(60);
+
+/// [`migrate`], waiting at most `lock_wait` for the migration lock.
+pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Error> {
     let options = pool
         .connect_options()
         .as_ref()
@@ -44,10 +55,46 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     // Serialise concurrent migrators from the very first statement (CREATE SCHEMA IF NOT
     // EXISTS races otherwise); the session lock goes away with its connection.
     let mut lock = PgConnection::connect_with(&options).await?;
-    sqlx::query("SELECT pg_advisory_lock($1)")
+    let started = Instant::now();
+    let mut logged = false;
+    loop {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .fetch_one(&mut lock)
+            .await?;
+        if got {
+            break;
+        }
+        // Who holds it: a session lock on a bigint key is (classid, objid) = its high and
+        // low 32 bits, objsubid 1.
+        let holder: Option<(i32, String)> = sqlx::query_as(
+            "SELECT l.pid, coalesce(a.application_name, '') FROM pg_locks l
+             LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+               AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid
+             LIMIT 1",
+        )
         .bind(MIGRATE_LOCK)
-        .execute(&mut lock)
+        .fetch_optional(&mut lock)
         .await?;
+        let holder = holder.map_or_else(
+            || "a session that has just let it go".to_owned(),
+            |(pid, app)| format!("backend pid {pid} ({})", crate::text::quoted(&app)),
+        );
+        if started.elapsed() >= lock_wait {
+            lock.close().await.ok();
+            return Err(Error::LockBusy {
+                what: "Postal's migration lock",
+                waited: lock_wait,
+                holder,
+            });
+        }
+        if !logged {
+            tracing::info!(%holder, "waiting for Postal's migration lock (another migrator is running)");
+            logged = true;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     let result = async {
         sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
             .execute(&mut lock)

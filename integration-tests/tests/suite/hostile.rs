@@ -328,3 +328,87 @@ async fn oversized_fields_give_bounded_escaped_dead_letter_reasons() {
     assert!(rows[0].0 == "missing_event_id" && rows[0].1.contains("\\u{1b}]0;pwned\\u{7}aaa"));
     assert!(rows[0].1.contains("more bytes)"), "{:.300}", rows[0].1);
 }
+
+/// Guarantee: a relay publishes only to topics its allow-list names, and creates no other:
+/// rows naming another topic, or a dead-letter topic (`….dlq`, which even a matching prefix
+/// does not allow), are parked with a one-line reason, their keys' later events wait behind
+/// them, and neither topic comes to exist. Before, the relay created and published to
+/// whatever topic a row named.
+#[tokio::test]
+async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created() {
+    use crate::missing_topic::topic_exists;
+    use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, TopicAllowList};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let allowed = unique("allow-ok");
+    let other = unique("allow-no");
+    let dlq = format!("{allowed}.dlq");
+    let mut conn = db.pool.acquire().await.unwrap();
+    for (topic, key) in [(&allowed, "a"), (&other, "b"), (&dlq, "c"), (&allowed, "b")] {
+        enqueue(
+            &mut conn,
+            NewEvent::json(topic.as_str(), key, "e", &1).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    drop(conn);
+    let mut cfg = KafkaConfig::new(&svc.bootstrap);
+    cfg.topic_partitions = 4;
+    cfg.properties
+        .insert("message.timeout.ms".into(), "1000".into());
+    cfg.allowed_topics = TopicAllowList::only([format!("{allowed}*")]).unwrap();
+    let relay = crate::common::RunningRelay::start(
+        &db.pool,
+        KafkaTransport::new(cfg).unwrap(),
+        crate::common::fast_config(),
+    );
+    let pool = db.pool.clone();
+    wait::until(WAIT, "one published, two parked", || {
+        let pool = pool.clone();
+        async move {
+            let (left, parked): (i64, i64) = sqlx::query_as(
+                "SELECT count(*), count(*) FILTER (WHERE status = 'failed') FROM postal.outbox",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            left == 3 && parked == 2
+        }
+    })
+    .await;
+    relay.stop().await;
+    let rows: Vec<(String, String, Option<String>)> =
+        sqlx::query_as("SELECT topic, status, last_error FROM postal.outbox ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(
+        (rows[0].0.as_str(), rows[0].1.as_str()),
+        (other.as_str(), "failed")
+    );
+    assert!(rows[0]
+        .2
+        .as_deref()
+        .unwrap()
+        .contains("not in this relay's topic allow-list"));
+    assert_eq!(
+        (rows[1].0.as_str(), rows[1].1.as_str()),
+        (dlq.as_str(), "failed")
+    );
+    assert!(rows[1]
+        .2
+        .as_deref()
+        .unwrap()
+        .contains("is a dead-letter topic"));
+    // Key `b`'s later event waits behind its parked one.
+    assert_eq!(
+        (rows[2].0.as_str(), rows[2].1.as_str()),
+        (allowed.as_str(), "pending")
+    );
+    let read = postal_integration_tests::kafka::read_all(&svc.bootstrap, &allowed, 1, WAIT).await;
+    assert_eq!(read.len(), 1);
+    assert!(!topic_exists(&svc.bootstrap, &other), "{other} was created");
+    assert!(!topic_exists(&svc.bootstrap, &dlq), "{dlq} was created");
+}

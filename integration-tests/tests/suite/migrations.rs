@@ -99,3 +99,39 @@ async fn older_postal_starts_on_a_newer_schema() {
         .await
         .expect("an older migrator accepts a newer schema");
 }
+
+/// Guarantee: a session that holds Postal's migration lock (any login can take an advisory
+/// lock) stalls a migrator only for a bounded time: it then fails with one line naming the
+/// holder's backend pid, and succeeds once the lock is free. Before, it waited without end.
+#[tokio::test]
+async fn a_held_migration_lock_is_waited_for_a_bounded_time_naming_the_holder() {
+    let db = services().await.fresh_db().await;
+    let mut squatter = db.pool.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *squatter)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock(x'706f7374616c6d67'::bigint)")
+        .execute(&mut *squatter)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err = postal_shared::migrate_within(&db.pool, std::time::Duration::from_secs(1))
+        .await
+        .expect_err("the lock is held");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    let shown = err.to_string();
+    assert!(
+        matches!(err, postal_shared::Error::LockBusy { .. }),
+        "{shown}"
+    );
+    assert!(shown.contains(&format!("backend pid {pid}")), "{shown}");
+    assert!(!shown.contains('\n'), "{shown}");
+    sqlx::query("SELECT pg_advisory_unlock(x'706f7374616c6d67'::bigint)")
+        .execute(&mut *squatter)
+        .await
+        .unwrap();
+    postal_shared::migrate_within(&db.pool, std::time::Duration::from_secs(1))
+        .await
+        .expect("migrates once the lock is free");
+}

@@ -26,7 +26,7 @@ async fn delete_topic(bootstrap: &str, topic: &str) {
     }
 }
 
-fn topic_exists(bootstrap: &str, topic: &str) -> bool {
+pub(crate) fn topic_exists(bootstrap: &str, topic: &str) -> bool {
     use rdkafka::producer::{BaseProducer, Producer};
     let p: BaseProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
