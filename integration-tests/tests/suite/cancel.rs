@@ -18,12 +18,23 @@ async fn a_begin_dropped_midway_leaves_no_connection_inside_a_transaction() {
     let pool = db.pool_of(1).await;
     let mut cancelled = 0;
     for step in 0..400u64 {
+        // Even steps: dropped after its first poll (it has sent `BEGIN` or is waiting for the
+        // connection, and cannot have its answer yet). Odd steps: dropped at a deadline that
+        // grows from 0 to 2 ms, so that every later point of the round trip is hit too.
         let after = Duration::from_micros(step * 5);
-        let begun = tokio::time::timeout(after, postal_shared::cancel_safe::begin(&pool)).await;
-        if begun.is_err() {
-            cancelled += 1;
+        if step % 2 == 0 {
+            let mut begin = Box::pin(postal_shared::cancel_safe::begin(&pool));
+            if futures::poll!(begin.as_mut()).is_pending() {
+                cancelled += 1;
+            }
+            drop(begin);
+        } else {
+            let begun = tokio::time::timeout(after, postal_shared::cancel_safe::begin(&pool)).await;
+            if begun.is_err() {
+                cancelled += 1;
+            }
+            drop(begun);
         }
-        drop(begun);
         // Outside a transaction block each statement is a transaction of its own, with a
         // later start time; inside one, `now()` is the block's start both times.
         let now = || async {
