@@ -99,6 +99,9 @@ mod trace;
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 
 pub use config::{ConsumerConfig, UnknownTypes};
 pub use dead_letter::Reason as DeadLetterReason;

@@ -167,9 +167,13 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
 }
 
 /// Decodes the full event for a handler.
+/// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
     let content_type = record.headers.get(headers::CONTENT_TYPE);
-    let payload = T::decode(content_type, record.payload.as_deref().unwrap_or_default())?;
+    let payload = T::decode(content_type, record.payload.as_deref().unwrap_or_default())
+        .map_err(|e| {
+            postal_shared::text::bounded(&e, postal_shared::text::MAX_ERROR_BYTES).into_owned()
+        })?;
     let occurred_at = record
         .headers
         .get(headers::CE_TIME)

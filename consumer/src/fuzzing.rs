@@ -1,0 +1,135 @@
+//! The record decode path as a function of raw bytes, for the fuzz target in `fuzz/` (feature
+//! `fuzzing`; not part of the API). It runs what the runtime runs on every consumed record —
+//! reading the headers (a name that is not UTF-8 marks the record undecodable, as the
+//! Kafka client's accessor would panic on it), the envelope check, and the payload decode —
+//! and checks what the runtime relies on: no panic, and a dead-letter reason that is bounded
+//! and free of control characters.
+
+use crate::record::{decode, meta, Record};
+use crate::Headers;
+
+/// A record as raw bytes.
+#[derive(Debug)]
+pub struct RawRecord<'a> {
+    /// The record key.
+    pub key: Option<&'a [u8]>,
+    /// The record value.
+    pub payload: Option<&'a [u8]>,
+    /// Header names and values, in order, as bytes.
+    pub headers: Vec<(&'a [u8], Option<&'a [u8]>)>,
+}
+
+/// A payload type with fields of several kinds, so that typed decoding is exercised too.
+#[derive(Debug, serde::Deserialize)]
+#[allow(dead_code)]
+struct Typed {
+    n: i64,
+    name: String,
+    tags: Vec<String>,
+    nested: Option<Box<Typed>>,
+}
+
+/// Runs the decode path on `raw`. `Ok` when the record would reach a handler of both payload
+/// types, else the dead-letter reason and error the runtime would record. Panics when an
+/// error breaks the bounds (over [`postal_shared::text::MAX_ERROR_BYTES`] plus the cut-off
+/// note, or holding a control character).
+pub fn decode_record(raw: &RawRecord<'_>) -> Result<(), (&'static str, String)> {
+    let mut unreadable_header = None;
+    let mut pairs = Vec::with_capacity(raw.headers.len());
+    for (i, (name, value)) in raw.headers.iter().enumerate() {
+        match std::str::from_utf8(name) {
+            Ok(n) => pairs.push((n.to_owned(), value.map(<[u8]>::to_vec))),
+            Err(_) => {
+                unreadable_header.get_or_insert(i);
+            }
+        }
+    }
+    let record = Record {
+        topic: "fuzz".into(),
+        partition: 0,
+        offset: 0,
+        key: raw.key.map(<[u8]>::to_vec),
+        payload: raw.payload.map(<[u8]>::to_vec),
+        headers: Headers::new(pairs),
+        timestamp: None,
+        unreadable_header,
+    };
+    let outcome = meta(&record)
+        .map_err(|(reason, e)| (reason.as_str(), e))
+        .and_then(|m| {
+            decode::<serde_json::Value>(&record, &m)
+                .and_then(|_| decode::<Typed>(&record, &m))
+                .map(|_| ())
+                .map_err(|e| (crate::dead_letter::Reason::Undecodable.as_str(), e))
+        });
+    if let Err((_, e)) = &outcome {
+        assert!(
+            e.len() <= postal_shared::text::MAX_ERROR_BYTES + 40,
+            "a dead-letter error of {} bytes",
+            e.len()
+        );
+        assert!(
+            !e.chars().any(postal_shared::text::unsafe_char),
+            "a dead-letter error with a control character: {e:?}"
+        );
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guarantee: the hostile records of issue 31 decode to bounded, escaped refusals, and a
+    /// well-formed record decodes.
+    #[test]
+    fn hostile_records_are_refused_with_bounded_reasons() {
+        let id = postal_shared::EventId::new().to_string();
+        let good = RawRecord {
+            key: Some(b"k"),
+            payload: Some(br#"{"n": 1, "name": "a", "tags": []}"#),
+            headers: vec![(b"ce_id", Some(id.as_bytes())), (b"ce_type", Some(b"t"))],
+        };
+        assert_eq!(decode_record(&good), Ok(()));
+        let huge = format!("\u{1b}]0;x{}", "a".repeat(600_000));
+        let long_string = format!(r#"{{"n": "{}"}}"#, "b".repeat(600_000));
+        let cases: Vec<RawRecord<'_>> = vec![
+            RawRecord {
+                key: None,
+                payload: None,
+                headers: vec![(&[0xff, 0xfe], Some(b"v"))],
+            },
+            RawRecord {
+                key: None,
+                payload: None,
+                headers: vec![(b"ce_id", Some(huge.as_bytes()))],
+            },
+            RawRecord {
+                key: None,
+                payload: Some(long_string.as_bytes()),
+                headers: vec![(b"ce_id", Some(id.as_bytes())), (b"ce_type", Some(b"t"))],
+            },
+            RawRecord {
+                key: None,
+                payload: Some(b"{}"),
+                headers: vec![
+                    (b"ce_id", Some(id.as_bytes())),
+                    (b"ce_type", Some(b"t")),
+                    (b"content-type", Some(huge.as_bytes())),
+                ],
+            },
+            RawRecord {
+                key: None,
+                payload: Some(b"{}"),
+                headers: vec![
+                    (b"ce_id", Some(id.as_bytes())),
+                    (b"ce_type", Some(b"a")),
+                    (b"CE_TYPE", Some(b"b")),
+                ],
+            },
+        ];
+        for case in &cases {
+            assert!(decode_record(case).is_err(), "{:.200?}", case.headers);
+        }
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Fuzzes the consumer's record decode path (fuzz/fuzz_targets/decode.rs) for a bounded time:
+#   bash scripts/fuzz.sh [SECONDS]     (default 60)
+# Installs cargo-fuzz when missing. cargo-fuzz asks rustc for flags only nightly accepts;
+# RUSTC_BOOTSTRAP=1 lets the stable toolchain here take them (no sanitizer: libFuzzer's
+# coverage-guided search and Rust's own panics and bounds checks). A crash leaves its input in
+# fuzz/artifacts/decode/ and the command that replays it in the output; the run fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+seconds="${1:-60}"
+# The regression cases (issue 31's hostile records) through the same entry point first.
+cargo test -q -p postal-consumer --features fuzzing --lib fuzzing
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "fuzz: installing cargo-fuzz 0.13.2"
+  cargo install cargo-fuzz --version 0.13.2 --locked
+fi
+RUSTC_BOOTSTRAP=1 cargo fuzz run decode --sanitizer none -- \
+  -max_total_time="$seconds" -rss_limit_mb=2048 -print_final_stats=1 2>&1 |
+  grep -vE '^#[0-9]+\s+(NEW|REDUCE|pulse)' || { echo "fuzz: the decode target failed"; exit 1; }
