@@ -31,7 +31,7 @@ use sqlx::{Executor, PgPool};
 #[command(about = "Postal benchmarks")]
 struct Cli {
     /// Server URL; each run creates its own database on it.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
@@ -164,7 +164,7 @@ enum Command {
     /// Postal's relay next to a raw lapin publisher with confirms.
     Rabbitmq {
         /// AMQP URI of RabbitMQ.
-        #[arg(long, env = "AMQP_URL")]
+        #[arg(long, env = "AMQP_URL", hide_env_values = true)]
         amqp_url: String,
         /// Backlog size.
         #[arg(long, default_value_t = 100_000)]
@@ -321,9 +321,12 @@ async fn drop_databases(admin_url: &str) {
     if names.is_empty() {
         return;
     }
+    let Ok(opts) = postal_shared::secret::database_url_options(admin_url) else {
+        return;
+    };
     let Ok(admin) = PgPoolOptions::new()
         .max_connections(1)
-        .connect(admin_url)
+        .connect_with(opts)
         .await
     else {
         return;
@@ -340,9 +343,10 @@ async fn drop_databases(admin_url: &str) {
 }
 
 async fn fresh_db(admin_url: &str, max: u32) -> anyhow::Result<PgPool> {
+    let opts = postal_shared::secret::database_url_options(admin_url)?;
     let admin = PgPoolOptions::new()
         .max_connections(1)
-        .connect(admin_url)
+        .connect_with(opts.clone())
         .await
         .context("connect")?;
     let name = format!("postal_bench_{}", uuid::Uuid::now_v7().simple());
@@ -351,7 +355,6 @@ async fn fresh_db(admin_url: &str, max: u32) -> anyhow::Result<PgPool> {
         .await?;
     CREATED.lock().expect("created lock").push(name.clone());
     admin.close().await;
-    let opts: sqlx::postgres::PgConnectOptions = admin_url.parse()?;
     // As `postal relay` configures its pool: no test query before each checkout.
     let pool = PgPoolOptions::new()
         .max_connections(max)

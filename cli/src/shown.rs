@@ -7,27 +7,13 @@
 
 use std::borrow::Cow;
 
-/// Whether `c` must not reach a terminal as it is.
-fn unsafe_char(c: char) -> bool {
-    c.is_control()
-        || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
-}
-
 /// `s` with every control character and bidirectional control written as an escape (`\n`,
 /// `\u{1b}`), unless `raw`.
 pub fn shown(s: &str, raw: bool) -> Cow<'_, str> {
-    if raw || !s.chars().any(unsafe_char) {
+    if raw {
         return Cow::Borrowed(s);
     }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        if unsafe_char(c) {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
+    postal_shared::text::escaped(s)
 }
 
 /// Bytes as text for a terminal: UTF-8 (invalid sequences replaced), escaped unless `raw`.

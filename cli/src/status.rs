@@ -135,7 +135,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     for t in &status.topics {
         println!(
             "{:<40} {:>10} {:>10} {:>8} {:>14}",
-            t.topic,
+            crate::shown::shown(&t.topic, false),
             t.pending,
             t.scheduled,
             t.failed,
@@ -166,7 +166,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         println!(
             "  {:<24} {:<32} [{:>3}] next offset {:>10}  lag {:>8}  updated {:>8.1}s ago",
             c.group_id,
-            c.topic,
+            crate::shown::shown(&c.topic, false),
             c.partition,
             c.next_offset
                 .map(|o| o.to_string())

@@ -1130,6 +1130,21 @@ async fn operator_output_escapes_control_characters() {
         c.args(args);
         ok(c)
     };
+    // A row written around `postal.enqueue` may name any topic: `postal status` lists it.
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload)
+         VALUES ($1, $2, 'k', 'job', '{}')",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .bind(hostile)
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let status = run(&["status"]);
+    assert!(
+        !status.contains('\u{1b}') && !status.contains('\u{7}') && !status.contains('\u{202e}'),
+        "status printed a control character raw: {status:?}"
+    );
     let (id, dead) = (id.to_string(), dead.to_string());
     for args in [
         vec!["failed", "list"],

@@ -172,8 +172,10 @@ impl Worker {
                     c.skipped += 1;
                 } else {
                     let error = format!(
-                        "no handler for event type {:?} (schema version {}) on topic {:?}",
-                        m.event_type, m.schema_version, record.topic
+                        "no handler for event type {} (schema version {}) on topic {}",
+                        postal_shared::text::quoted(&m.event_type),
+                        m.schema_version,
+                        postal_shared::text::quoted(&record.topic)
                     );
                     self.dead_in(&mut tx, record, Some(m), Reason::UnknownType, &error, 0)
                         .await?;

@@ -62,6 +62,16 @@ pub struct ConsumerConfig {
     pub kafka_commit_interval: Duration,
     /// Records buffered per partition before fetching from it pauses (default 1000).
     pub partition_buffer: usize,
+    /// Bytes buffered per partition before fetching from it pauses (default 16 MiB; a record
+    /// counts its key, value, and header names and values plus a per-header overhead). Postal
+    /// also bounds librdkafka's own prefetch queue to this (`queued.max.messages.kbytes`), so
+    /// a consumer holds at most about twice this per assigned partition, whatever the records'
+    /// sizes.
+    pub partition_buffer_bytes: usize,
+    /// Most headers a record may carry (default 256). A record with more is dead-lettered as
+    /// undecodable without its headers being copied (each costs about 48 bytes in memory
+    /// however small it is on the wire).
+    pub max_headers: usize,
     /// When an owned partition has delivered nothing for this long while the broker's high
     /// watermark lies beyond the stored offset, the consumer logs a warning, resumes the
     /// partition and seeks to the stored offset again (default 10 s), once per stored offset
@@ -107,6 +117,8 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("dlq_suffix", &self.dlq_suffix)
             .field("kafka_commit_interval", &self.kafka_commit_interval)
             .field("partition_buffer", &self.partition_buffer)
+            .field("partition_buffer_bytes", &self.partition_buffer_bytes)
+            .field("max_headers", &self.max_headers)
             .field("stall_check", &self.stall_check)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("lost_connection_timeout", &self.lost_connection_timeout)
@@ -181,6 +193,8 @@ impl ConsumerConfig {
             dlq_replication: 1,
             kafka_commit_interval: Duration::from_secs(1),
             partition_buffer: 1000,
+            partition_buffer_bytes: 16 * 1024 * 1024,
+            max_headers: 256,
             stall_check: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(10),
             lost_connection_timeout: Some(Duration::from_secs(30)),
@@ -333,6 +347,12 @@ impl ConsumerConfig {
         if self.partition_buffer == 0 {
             return bad("partition buffer must be at least 1");
         }
+        if self.partition_buffer_bytes < 1024 * 1024 {
+            return bad("partition buffer bytes must be at least 1 MiB");
+        }
+        if self.max_headers < 16 {
+            return bad("max headers must be at least 16 (Postal writes up to 11)");
+        }
         check_overrides(&self.kafka)
     }
 
@@ -341,7 +361,8 @@ impl ConsumerConfig {
     /// Defaults: `enable.auto.commit=false` (Postal commits processed offsets itself),
     /// `auto.offset.reset=earliest`, `isolation.level=read_committed`,
     /// `enable.partition.eof=false`, `statistics.interval.ms=15000` (feeds the lag gauge),
-    /// `topic.metadata.refresh.interval.ms=10000` (topics created later are picked up).
+    /// `topic.metadata.refresh.interval.ms=10000` (topics created later are picked up),
+    /// `queued.max.messages.kbytes` = [`partition_buffer_bytes`](Self::partition_buffer_bytes).
     pub fn client_config(&self) -> rdkafka::ClientConfig {
         let mut cfg = rdkafka::ClientConfig::new();
         cfg.set("bootstrap.servers", &self.brokers)
@@ -355,6 +376,12 @@ impl ConsumerConfig {
             // Notice subscribed topics created after start within seconds, not librdkafka's
             // default 5 minutes.
             .set("topic.metadata.refresh.interval.ms", "10000")
+            // librdkafka prefetches up to 64 MiB per partition by default: bounded to the
+            // partition buffer's size, so memory follows `partition_buffer_bytes`.
+            .set(
+                "queued.max.messages.kbytes",
+                (self.partition_buffer_bytes / 1024).to_string(),
+            )
             .set("log_level", "4");
         for (k, v) in &self.kafka {
             cfg.set(k, v);

@@ -8,6 +8,9 @@
 use crate::record::{decode, meta, Record};
 use crate::Headers;
 
+/// The default `max_headers`.
+const MAX_HEADERS: usize = 256;
+
 /// A record as raw bytes.
 #[derive(Debug)]
 pub struct RawRecord<'a> {
@@ -35,8 +38,12 @@ struct Typed {
 /// note, or holding a control character).
 pub fn decode_record(raw: &RawRecord<'_>) -> Result<(), (&'static str, String)> {
     let mut unreadable_header = None;
+    let too_many_headers = (raw.headers.len() > MAX_HEADERS).then_some(raw.headers.len());
     let mut pairs = Vec::with_capacity(raw.headers.len());
     for (i, (name, value)) in raw.headers.iter().enumerate() {
+        if too_many_headers.is_some() {
+            break;
+        }
         match std::str::from_utf8(name) {
             Ok(n) => pairs.push((n.to_owned(), value.map(<[u8]>::to_vec))),
             Err(_) => {
@@ -44,13 +51,16 @@ pub fn decode_record(raw: &RawRecord<'_>) -> Result<(), (&'static str, String)> 
             }
         }
     }
+    let headers = Headers::new(pairs);
     let record = Record {
+        weight: crate::record::weight(raw.key, raw.payload, &headers),
+        too_many_headers,
         topic: "fuzz".into(),
         partition: 0,
         offset: 0,
         key: raw.key.map(<[u8]>::to_vec),
         payload: raw.payload.map(<[u8]>::to_vec),
-        headers: Headers::new(pairs),
+        headers,
         timestamp: None,
         unreadable_header,
     };

@@ -45,29 +45,62 @@ impl Shared {
     }
 }
 
+/// What a partition's buffer holds: records and their bytes (see [`Record::weight`]).
+#[derive(Default)]
+pub(crate) struct Queued {
+    records: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl Queued {
+    fn add(&self, records: usize, bytes: usize) {
+        self.records.fetch_add(records, Ordering::AcqRel);
+        self.bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    fn sub(&self, records: usize, bytes: usize) {
+        self.records.fetch_sub(records, Ordering::AcqRel);
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// Full: fetching pauses.
+    fn full(&self, c: &crate::ConsumerConfig) -> bool {
+        self.records.load(Ordering::Acquire) >= c.partition_buffer
+            || self.bytes.load(Ordering::Acquire) >= c.partition_buffer_bytes
+    }
+
+    /// Down to half on both counts: fetching resumes.
+    fn drained(&self, c: &crate::ConsumerConfig) -> bool {
+        self.records.load(Ordering::Acquire) <= c.partition_buffer / 2
+            && self.bytes.load(Ordering::Acquire) <= c.partition_buffer_bytes / 2
+    }
+}
+
 /// The runtime's side of a worker.
 pub(crate) struct Inbox {
     pub tx: mpsc::UnboundedSender<Record>,
-    pub queued: Arc<AtomicUsize>,
+    pub queued: Arc<Queued>,
     pub paused: Arc<Mutex<bool>>,
 }
 
 impl Inbox {
-    /// Queues a record; pauses fetching from the partition when its buffer is full.
+    /// Queues a record; pauses fetching from the partition when its buffer is full (by
+    /// records or by bytes).
     pub fn push(&self, shared: &Shared, record: Record) {
-        let (topic, partition) = (record.topic.clone(), record.partition);
+        let (topic, partition, weight) = (record.topic.clone(), record.partition, record.weight);
         // Counted before it is sent, so the worker never counts below zero.
-        self.queued.fetch_add(1, Ordering::AcqRel);
+        self.queued.add(1, weight);
         if self.tx.send(record).is_err() {
             // The worker stopped (fenced or revoked): the next owner reads the record.
-            self.queued.fetch_sub(1, Ordering::AcqRel);
+            self.queued.sub(1, weight);
             return;
         }
-        if self.queued.load(Ordering::Acquire) >= shared.config.partition_buffer {
+        shared.stats.buffered(weight as i64);
+        if self.queued.full(&shared.config) {
             // Decided under the lock on a fresh count: the worker resumes under the same lock
             // after draining, so a partition is never left paused with an empty buffer.
             let mut paused = self.paused.lock().expect("pause flag");
-            if !*paused && self.queued.load(Ordering::Acquire) >= shared.config.partition_buffer {
+            if !*paused && self.queued.full(&shared.config) {
                 if let Err(e) = shared.consumer.pause(&tpl(&topic, partition)) {
                     tracing::warn!(error = %e, topic, partition, "pausing the partition failed; its buffer keeps growing");
                 } else {
@@ -108,7 +141,7 @@ pub(crate) struct Worker {
     pub topic: String,
     pub partition: i32,
     pub rx: mpsc::UnboundedReceiver<Record>,
-    pub queued: Arc<AtomicUsize>,
+    pub queued: Arc<Queued>,
     pub paused: Arc<Mutex<bool>>,
     pub cancel: CancellationToken,
     /// The partition's turn: held from before the takeover until the worker returns.
@@ -147,12 +180,13 @@ impl Worker {
                     // What was fetched for the lost ownership is read again after the seek.
                     // With no stored offset the seek goes to `floor`, so it must cover what
                     // arrived during the wait too (else those records are gone for good).
-                    let mut dropped = 0;
+                    let (mut dropped, mut bytes) = (0, 0);
                     while let Ok(r) = self.rx.try_recv() {
                         dropped += 1;
+                        bytes += r.weight;
                         floor = Some(floor.map_or(r.offset, |f| f.min(r.offset)));
                     }
-                    self.dequeued(dropped);
+                    self.dequeued(dropped, bytes);
                 }
             }
         }
@@ -224,7 +258,7 @@ impl Worker {
                     Err(_) => break,
                 }
             }
-            self.dequeued(records.len());
+            self.dequeued(records.len(), records.iter().map(|r| r.weight).sum());
             if own.next_offset.is_none() {
                 let o = records[0].offset;
                 lowest = Some(lowest.map_or(o, |l: i64| l.min(o)));
@@ -470,13 +504,12 @@ impl Worker {
         moved
     }
 
-    fn dequeued(&self, n: usize) {
-        self.queued.fetch_sub(n, Ordering::AcqRel);
-        if self.queued.load(Ordering::Acquire) <= self.shared.config.partition_buffer / 2 {
+    fn dequeued(&self, n: usize, bytes: usize) {
+        self.queued.sub(n, bytes);
+        self.shared.stats.buffered(-(bytes as i64));
+        if self.queued.drained(&self.shared.config) {
             let mut paused = self.paused.lock().expect("pause flag");
-            if *paused
-                && self.queued.load(Ordering::Acquire) <= self.shared.config.partition_buffer / 2
-            {
+            if *paused && self.queued.drained(&self.shared.config) {
                 match self
                     .shared
                     .consumer
@@ -543,8 +576,10 @@ impl Worker {
                 UnknownTypes::Skip => self.skip(own, record).await,
                 _ => {
                     let error = format!(
-                        "no handler for event type {:?} (schema version {}) on topic {:?}",
-                        meta.event_type, meta.schema_version, record.topic
+                        "no handler for event type {} (schema version {}) on topic {}",
+                        postal_shared::text::quoted(&meta.event_type),
+                        meta.schema_version,
+                        postal_shared::text::quoted(&record.topic)
                     );
                     self.dead_letter(own, record, Some(&meta), Reason::UnknownType, &error, 0)
                         .await
@@ -841,7 +876,8 @@ impl Worker {
         .await?;
         tracing::error!(
             topic = %record.topic, partition = record.partition, offset = record.offset,
-            event_id = ?d.meta.map(|m| m.id), reason = d.reason.as_str(), error = d.error,
+            event_id = ?d.meta.map(|m| m.id), reason = d.reason.as_str(),
+            error = %postal_shared::text::bounded(d.error, postal_shared::text::MAX_ERROR_BYTES),
             "dead-lettered; the partition moves on"
         );
         Ok(())

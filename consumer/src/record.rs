@@ -21,14 +21,40 @@ pub(crate) struct Record {
     /// The position of the first header whose name could not be read (not UTF-8): the record
     /// is dead-lettered as undecodable instead of crashing the consumer.
     pub unreadable_header: Option<usize>,
+    /// How many headers the record carried when that was over the limit (`max_headers`):
+    /// none were copied, and the record is dead-lettered as undecodable.
+    pub too_many_headers: Option<usize>,
+    /// About how many bytes this copy holds (see [`weight`]).
+    pub weight: usize,
+}
+
+/// Memory a header costs in the record's copy beyond its name and value (two allocations
+/// and their bookkeeping).
+const HEADER_OVERHEAD: usize = 48;
+
+/// About how many bytes a record's copy holds: key, value, header names and values, and a
+/// fixed cost per header and per record.
+pub(crate) fn weight(key: Option<&[u8]>, payload: Option<&[u8]>, headers: &Headers) -> usize {
+    256 + key.map_or(0, <[u8]>::len)
+        + payload.map_or(0, <[u8]>::len)
+        + headers
+            .iter()
+            .map(|(n, v)| HEADER_OVERHEAD + n.len() + v.map_or(0, <[u8]>::len))
+            .sum::<usize>()
 }
 
 impl Record {
-    pub fn from_message<M: Message>(m: &M) -> Self {
+    /// A copy of `m`. A record with more than `max_headers` headers keeps none of them.
+    pub fn from_message<M: Message>(m: &M, max_headers: usize) -> Self {
         let mut unreadable_header = None;
+        let mut too_many_headers = None;
         let headers = m
             .headers()
             .map(|h| {
+                if h.count() > max_headers {
+                    too_many_headers = Some(h.count());
+                    return Vec::new();
+                }
                 let mut pairs = Vec::with_capacity(h.count());
                 for i in 0..h.count() {
                     // The Kafka client's accessor panics on a header name that is not UTF-8
@@ -50,13 +76,16 @@ impl Record {
                 pairs
             })
             .unwrap_or_default();
+        let headers = Headers::new(headers);
         Record {
+            weight: weight(m.key(), m.payload(), &headers),
+            too_many_headers,
             topic: m.topic().to_owned(),
             partition: m.partition(),
             offset: m.offset(),
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
-            headers: Headers::new(headers),
+            headers,
             timestamp: m
                 .timestamp()
                 .to_millis()
@@ -87,6 +116,12 @@ pub(crate) type Rejection = (Reason, String);
 
 /// Reads the event id, type and version from the headers.
 pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
+    if let Some(n) = record.too_many_headers {
+        return Err((
+            Reason::Undecodable,
+            format!("record has {n} headers, more than the consumer's max_headers"),
+        ));
+    }
     if let Some(i) = record.unreadable_header {
         return Err((
             Reason::Undecodable,
@@ -134,6 +169,17 @@ pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
             )
         })?
         .to_owned();
+    if event_type.len() > postal_shared::MAX_NAME_LEN {
+        return Err((
+            Reason::Undecodable,
+            format!(
+                "{} header of {} bytes is longer than an event type may be ({} bytes)",
+                headers::CE_TYPE,
+                event_type.len(),
+                postal_shared::MAX_NAME_LEN
+            ),
+        ));
+    }
     let schema_version = match record.headers.get(headers::CE_SCHEMA_VERSION) {
         None => 1,
         Some(v) => v.parse().map_err(|_| {
@@ -170,8 +216,8 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
 /// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
     let content_type = record.headers.get(headers::CONTENT_TYPE);
-    let payload = T::decode(content_type, record.payload.as_deref().unwrap_or_default())
-        .map_err(|e| {
+    let payload =
+        T::decode(content_type, record.payload.as_deref().unwrap_or_default()).map_err(|e| {
             postal_shared::text::bounded(&e, postal_shared::text::MAX_ERROR_BYTES).into_owned()
         })?;
     let occurred_at = record
@@ -227,7 +273,7 @@ mod tests {
     #[test]
     fn a_reserved_header_twice_is_refused() {
         let m = message(Timestamp::NotAvailable);
-        let mut record = Record::from_message(&m);
+        let mut record = Record::from_message(&m, 256);
         record.headers.push("CE_TYPE", "invoice.created");
         let (reason, error) = meta(&record).expect_err("refused");
         assert_eq!(reason, Reason::Undecodable);
@@ -235,7 +281,7 @@ mod tests {
             error,
             "header ce_type appears 2 times (Postal writes it once)"
         );
-        assert!(meta(&Record::from_message(&m)).is_ok());
+        assert!(meta(&Record::from_message(&m, 256)).is_ok());
     }
 
     /// The handler sees the record's Kafka timestamp (create or log-append time), and none
@@ -246,7 +292,7 @@ mod tests {
             Timestamp::CreateTime(1_700_000_000_123),
             Timestamp::LogAppendTime(1_700_000_000_456),
         ] {
-            let record = Record::from_message(&message(ts));
+            let record = Record::from_message(&message(ts), 256);
             let event: Event<serde_json::Value> =
                 decode(&record, &meta(&record).expect("envelope")).expect("decodes");
             assert_eq!(
@@ -258,7 +304,7 @@ mod tests {
                 Some((3, 42))
             );
         }
-        let record = Record::from_message(&message(Timestamp::NotAvailable));
+        let record = Record::from_message(&message(Timestamp::NotAvailable), 256);
         let event: Event<serde_json::Value> =
             decode(&record, &meta(&record).expect("envelope")).expect("decodes");
         assert_eq!(event.timestamp, None);

@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -276,7 +275,8 @@ impl Consumer {
                     Some(_) = workers.join_next(), if !workers.is_empty() => {}
                     msg = stream.next() => match msg {
                         Some(Ok(m)) => {
-                            let record = crate::record::Record::from_message(&m);
+                            let record =
+                                crate::record::Record::from_message(&m, shared.config.max_headers);
                             drop(m);
                             let tp = (record.topic.clone(), record.partition);
                             tracing::trace!(topic = %tp.0, partition = tp.1, offset = record.offset, "record received");
@@ -409,7 +409,7 @@ fn apply(
                     .owned
                     .insert(tp.clone(), cancel.clone());
                 let (tx, rx) = mpsc::unbounded_channel();
-                let queued = Arc::new(AtomicUsize::new(0));
+                let queued = Arc::new(crate::partition::Queued::default());
                 let paused = Arc::new(Mutex::new(false));
                 let _ = shared.consumer.resume(&crate::partition::tpl(&tp.0, tp.1));
                 workers.spawn(

@@ -13,6 +13,8 @@ pub struct Stats {
     retries: AtomicU64,
     fenced: AtomicU64,
     stalls_recovered: AtomicU64,
+    buffered_bytes: AtomicU64,
+    buffered_bytes_peak: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -36,6 +38,11 @@ pub struct StatsSnapshot {
     /// Times an owned partition delivered nothing for `stall_check` although the broker had
     /// more, and the consumer sought to the stored offset again.
     pub stalls_recovered: u64,
+    /// Bytes of records fetched and not yet processed, over all partitions (see
+    /// `ConsumerConfig::partition_buffer_bytes`).
+    pub buffered_bytes: u64,
+    /// The most `buffered_bytes` has been.
+    pub buffered_bytes_peak: u64,
 }
 
 macro_rules! bump {
@@ -72,6 +79,23 @@ impl Stats {
             retries: l(&self.retries),
             fenced: l(&self.fenced),
             stalls_recovered: l(&self.stalls_recovered),
+            buffered_bytes: l(&self.buffered_bytes),
+            buffered_bytes_peak: l(&self.buffered_bytes_peak),
         }
+    }
+
+    /// Records of `bytes` entered (positive) or left (negative) a partition buffer.
+    pub(crate) fn buffered(&self, bytes: i64) {
+        let now = if bytes >= 0 {
+            self.buffered_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed)
+                + bytes as u64
+        } else {
+            self.buffered_bytes
+                .fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed)
+                .saturating_sub(bytes.unsigned_abs())
+        };
+        self.buffered_bytes_peak.fetch_max(now, Ordering::Relaxed);
+        metrics::gauge!("postal_consumer_buffered_bytes").set(now as f64);
     }
 }

@@ -199,15 +199,20 @@ impl Protocol {
         };
         let records: Vec<crate::record::Record> = records
             .into_iter()
-            .map(|r| crate::record::Record {
-                topic: r.topic,
-                partition: r.partition,
-                offset: r.offset,
-                key: r.key,
-                payload: r.payload,
-                headers: crate::event::Headers::new(r.headers),
-                timestamp: None,
-                unreadable_header: None,
+            .map(|r| {
+                let headers = crate::event::Headers::new(r.headers);
+                crate::record::Record {
+                    weight: crate::record::weight(r.key.as_deref(), r.payload.as_deref(), &headers),
+                    topic: r.topic,
+                    partition: r.partition,
+                    offset: r.offset,
+                    key: r.key,
+                    payload: r.payload,
+                    headers,
+                    timestamp: None,
+                    unreadable_header: None,
+                    too_many_headers: None,
+                }
             })
             .collect();
         let step = if records.len() == 1 {

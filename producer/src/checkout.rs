@@ -325,7 +325,7 @@ pub(crate) async fn drive(
                                 h.abort();
                             }
                             let e = &events[i];
-                            tracing::warn!(event_id = %e.id, key = %e.key, run = runs[&e.seq], "an event in flight was checked out again or changed meanwhile (its run lease had ended?); abandoning this run");
+                            tracing::warn!(event_id = %e.id, key = %postal_shared::text::field(&e.key), run = runs[&e.seq], "an event in flight was checked out again or changed meanwhile (its run lease had ended?); abandoning this run");
                             (d.recorded)(e, false);
                         }
                     }
@@ -368,7 +368,7 @@ async fn record(
                 for e in batch {
                     let ok = recorded.contains(&e.seq);
                     if !ok {
-                        tracing::warn!(event_id = %e.id, key = %e.key, run = runs[&e.seq], "the outcome of an event was not recorded: it was checked out again meanwhile (its run lease had ended?)");
+                        tracing::warn!(event_id = %e.id, key = %postal_shared::text::field(&e.key), run = runs[&e.seq], "the outcome of an event was not recorded: it was checked out again meanwhile (its run lease had ended?)");
                     }
                     (d.recorded)(e, ok);
                 }

@@ -38,7 +38,14 @@ pub enum Error {
     Database(#[from] sqlx::Error),
     /// The Kafka client could not be created.
     #[error("kafka client error: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    Kafka(rdkafka::error::KafkaError),
+}
+
+impl From<rdkafka::error::KafkaError> for Error {
+    /// Without the value of a configuration property (it may be a secret).
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        Error::Kafka(postal_shared::secret::kafka_error_without_value(e))
+    }
 }
 
 impl Error {

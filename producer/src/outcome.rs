@@ -102,7 +102,7 @@ impl Judge {
                     )
                     .into_owned();
                     if park {
-                        tracing::warn!(event_id = %event.id, topic = %event.topic, key = %postal_shared::text::escaped(&event.key), attempts, reason = %reason, "event parked as failed");
+                        tracing::warn!(event_id = %event.id, topic = %postal_shared::text::field(&event.topic), key = %postal_shared::text::field(&event.key), attempts, reason = %reason, "event parked as failed");
                     } else if err.kind == FailureKind::Waiting {
                         tracing::debug!(event_id = %event.id, reason = %reason, "event waits for its destination");
                     } else {

@@ -177,7 +177,14 @@ impl RabbitTransport {
         config
             .uri
             .parse::<lapin::uri::AMQPUri>()
-            .map_err(|e| Error::Config(format!("invalid AMQP URI: {e}")))?;
+            // lapin's error quotes the whole URI, password included: neither is shown.
+            .map_err(|_| {
+                Error::Config(
+                    "invalid AMQP URI (not shown: it may hold a password); expected \
+                     amqp://user:password@host:port/vhost or amqps://…"
+                        .into(),
+                )
+            })?;
         if config.max_message_bytes == 0
             || config.confirm_timeout.is_zero()
             || config.connect_timeout.is_zero()

@@ -602,7 +602,7 @@ impl<T: Transport> Shared<T> {
             if was_parked {
                 parked += 1;
                 if let Some(e) = batch.iter().find(|e| e.seq == seq) {
-                    tracing::warn!(event_id = %e.id, topic = %e.topic, key = %e.key, "event parked as failed: its attempts were used up by runs that ended without an outcome (the relay died or lost its run lease)");
+                    tracing::warn!(event_id = %e.id, topic = %postal_shared::text::field(&e.topic), key = %postal_shared::text::field(&e.key), "event parked as failed: its attempts were used up by runs that ended without an outcome (the relay died or lost its run lease)");
                 }
             } else {
                 runs.insert(seq, run);

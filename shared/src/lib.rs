@@ -31,7 +31,7 @@ pub mod text;
 pub use availability::database_unavailable;
 pub use backoff::Backoff;
 pub use detached_drop::DetachedDrop;
-pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic};
+pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_NAME_LEN};
 pub use error::Error;
 pub use ids::EventId;
 pub use log_throttle::LogThrottle;

@@ -39,7 +39,7 @@ pub fn redact_url(url: &str) -> String {
     let mut out = String::with_capacity(url.len());
     out.push_str(&url[..scheme_end]);
     let rest = &url[scheme_end..];
-    let rest = match rest.rfind('@') {
+    let rest = match user_part_end(rest) {
         Some(at) => {
             let user = &rest[..at];
             match user.find(':') {
@@ -61,6 +61,19 @@ pub fn redact_url(url: &str) -> String {
         None => out.push_str(rest),
     }
     out
+}
+
+/// Where the user part of a URL (after `scheme://`) ends: its last `@`, unless a query
+/// parameter comes before that `@` (`db/app?password=p@ss`: then the last `@` before the query
+/// is, if any). So a password with an unescaped `@`, `/` or `?` in the user part is all
+/// treated as the password, and an `@` inside a query value never is.
+fn user_part_end(rest: &str) -> Option<usize> {
+    let last = rest.rfind('@')?;
+    if !rest[..last].contains('=') {
+        return Some(last);
+    }
+    let query = rest.find('?').unwrap_or(rest.len());
+    rest[..query].rfind('@')
 }
 
 /// `s` split at `seps` into `name=value` pairs, with the values of secret names redacted.
@@ -118,7 +131,8 @@ pub fn database_url_options(url: &str) -> Result<sqlx::postgres::PgConnectOption
         what: "DATABASE_URL",
         reason,
     };
-    let after_user = url.rfind('@').map_or(url, |at| &url[at..]);
+    let after_scheme = url.find("://").map_or(url, |i| &url[i + 3..]);
+    let after_user = user_part_end(after_scheme).map_or(after_scheme, |at| &after_scheme[at..]);
     if let Some((_, query)) = after_user.split_once('?') {
         for pair in query.split('&') {
             let name = pair.split_once('=').map_or(pair, |(n, _)| n);
@@ -134,6 +148,25 @@ pub fn database_url_options(url: &str) -> Result<sqlx::postgres::PgConnectOption
     }
     url.parse()
         .map_err(|e: sqlx::Error| invalid(format!("{} ({})", e, redact_url(url))))
+}
+
+/// A Kafka client error without the value of the property it is about: librdkafka's
+/// configuration errors quote the value (`Invalid value "…" for configuration property
+/// "sasl.jaas.config"`, and rdkafka appends it again), which may be a password — under a
+/// misspelt name too, so every value is left out, and the property named.
+pub fn kafka_error_without_value(e: rdkafka::error::KafkaError) -> rdkafka::error::KafkaError {
+    use rdkafka::error::KafkaError;
+    match e {
+        KafkaError::ClientConfig(code, desc, key, value) => {
+            let desc = if value.is_empty() {
+                desc
+            } else {
+                desc.replace(&value, "<value not shown>")
+            };
+            KafkaError::ClientConfig(code, desc, key, "(value not shown)".to_owned())
+        }
+        other => other,
+    }
 }
 
 /// Properties for `Debug` output and logs: secret values replaced by [`REDACTED`].
@@ -251,6 +284,18 @@ mod tests {
                 "postgres://app:<redacted>@db/app",
             ),
             (
+                "postgres://relay@db/app?password=PLA@NTED&sslmode=require",
+                "postgres://relay@db/app?password=<redacted>&sslmode=require",
+            ),
+            (
+                "postgres://relay:PLA@NTED@db:5432/app?password=PLA@NTED",
+                "postgres://relay:<redacted>@db:5432/app?password=<redacted>",
+            ),
+            (
+                "postgres://u:PLA=NTED@db/app",
+                "postgres://u:<redacted>@db/app",
+            ),
+            (
                 "amqp://relay:PLANTED@mq:5672/%2f",
                 "amqp://relay:<redacted>@mq:5672/%2f",
             ),
@@ -263,7 +308,7 @@ mod tests {
         for (url, want) in cases {
             let got = redact_url(url);
             assert_eq!(got, want);
-            assert!(!got.contains("PLANTED"));
+            assert!(!got.contains("PLANTED") && !got.contains("NTED"), "{got}");
         }
     }
 
@@ -347,9 +392,30 @@ mod tests {
             "{err}"
         );
         assert!(database_url_options("postgres://u@db/app?password=x&sslmode=prefer").is_ok());
+        let err = database_url_options("postgres://u@db/app?sslpassword=PLA@NTED")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sslpassword") && !err.contains("NTED"),
+            "{err}"
+        );
         let err = database_url_options("postgres://u:PLANTED@db:notaport/app")
             .unwrap_err()
             .to_string();
         assert!(!err.contains("PLANTED"), "{err}");
+    }
+
+    /// Guarantee: a Kafka configuration error names the property but never shows its value.
+    #[test]
+    fn kafka_configuration_errors_leave_the_value_out() {
+        let e = rdkafka::ClientConfig::new()
+            .set("sasl.pasword", "PLANTED")
+            .set("sasl.jaas.config", "x password=\"PLANTED\";")
+            .create::<rdkafka::producer::BaseProducer>()
+            .map(|_| ())
+            .unwrap_err();
+        let shown = kafka_error_without_value(e).to_string();
+        assert!(!shown.contains("PLANTED"), "{shown}");
+        assert!(shown.contains("sasl."), "{shown}");
     }
 }

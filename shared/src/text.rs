@@ -51,6 +51,11 @@ pub fn bounded(s: &str, max: usize) -> Cow<'_, str> {
     Cow::Owned(format!("{}… ({} more bytes)", &e[..cut], e.len() - cut))
 }
 
+/// An outside field (a topic, a key) for a log line: escaped, bounded to 200 bytes.
+pub fn field(s: &str) -> Cow<'_, str> {
+    bounded(s, 200)
+}
+
 /// An outside field quoted for an error message: escaped, bounded to [`MAX_QUOTED_BYTES`], in
 /// double quotes.
 pub fn quoted(s: &str) -> String {

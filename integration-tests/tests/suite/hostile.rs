@@ -412,3 +412,141 @@ async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_cre
     assert!(!topic_exists(&svc.bootstrap, &other), "{other} was created");
     assert!(!topic_exists(&svc.bootstrap, &dlq), "{dlq} was created");
 }
+
+/// The process's resident set size now, in bytes (Linux), for the record only: other tests
+/// share the process, so it is printed, not asserted.
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Guarantee: a record with more headers than `max_headers` (here 30 records of 99,990 empty
+/// headers each, a few bytes apiece on the wire but about 48 bytes each in a copy) is
+/// dead-lettered as undecodable without its headers being copied, and the partition moves on.
+/// Before, the consumer copied them all (30 such records took its RSS from 13 MB to 167 MB).
+#[tokio::test]
+async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("hostile-headers");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let (b, t) = (svc.bootstrap.clone(), topic.clone());
+    tokio::task::spawn_blocking(move || {
+        let id = Uuid::now_v7().to_string();
+        let mut headers: Vec<(&[u8], &[u8])> = vec![
+            (b"ce_id", id.as_bytes()),
+            (b"ce_type", b"job"),
+            (b"content-type", b"application/json"),
+        ];
+        headers.extend(std::iter::repeat_n((&b""[..], &b""[..]), 99_990));
+        for _ in 0..30 {
+            let code = produce_raw(&b, &t, 0, b"k", br#"{"n": 0}"#, &headers).expect("raw produce");
+            assert_eq!(code, 0, "the broker stored the raw record");
+        }
+    })
+    .await
+    .unwrap();
+    let good = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        Some(0),
+        &[RawRecord::event(good, "k", "job", json!({"n": 1}))],
+    )
+    .await;
+    let before = rss_bytes();
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    wait::until(WAIT, "30 dead-lettered and the good one applied", || {
+        let s = stats.snapshot();
+        async move { s.dead_letters == 30 && s.applied == 1 }
+    })
+    .await;
+    let peak = stats.snapshot().buffered_bytes_peak;
+    running.stop().await;
+    eprintln!(
+        "huge header counts: buffered peak {peak} bytes; process RSS {} MB before, {} MB after",
+        before / 1_000_000,
+        rss_bytes() / 1_000_000
+    );
+    // Without their headers, 31 small records: well under a megabyte even all at once.
+    assert!(peak < 1_000_000, "buffered peak {peak} bytes");
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT error FROM postal.dead_letters ORDER BY kafka_offset")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(errors.len(), 30);
+    assert_eq!(
+        errors[0],
+        "record has 99993 headers, more than the consumer's max_headers"
+    );
+}
+
+/// Guarantee: a partition's buffer is bounded in bytes, not only in records: with a handler
+/// blocked on the first of 150 records of about 200 KB each (30 MB in all), the consumer holds
+/// at most `partition_buffer_bytes` (2 MiB here) plus one record, then pauses fetching until
+/// the handler drains it; everything is applied once released. Before, it buffered up to 1,000
+/// records whatever their size (here all 30 MB).
+#[tokio::test]
+async fn a_partition_buffer_is_bounded_in_bytes() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("hostile-bytes");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let first = Uuid::now_v7();
+    let pad = "x".repeat(200_000);
+    let mut records = vec![RawRecord::event(
+        first,
+        "k",
+        "job",
+        json!({"n": 0, "fail": "block"}),
+    )];
+    for n in 1..150 {
+        records.push(RawRecord::event(
+            Uuid::now_v7(),
+            "k",
+            "job",
+            json!({"n": n, "pad": pad}),
+        ));
+    }
+    produce(&svc.bootstrap, &topic, Some(0), &records).await;
+    const LIMIT: usize = 2 * 1024 * 1024;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    config.partition_buffer_bytes = LIMIT;
+    let running = start_apply(&db.pool, &topic, config);
+    let stats = running.stats.clone();
+    // The handler holds the first record until the buffer has filled to its limit.
+    wait::until(WAIT, "the buffer filled while the handler blocks", || {
+        let s = stats.snapshot();
+        async move { handlers::entered(first) && s.buffered_bytes >= LIMIT as u64 }
+    })
+    .await;
+    handlers::release(first);
+    wait::until(WAIT, "all 150 applied", || {
+        let s = stats.snapshot();
+        async move { s.applied == 150 }
+    })
+    .await;
+    let peak = stats.snapshot().buffered_bytes_peak;
+    running.stop().await;
+    eprintln!("byte-bounded buffer: peak {peak} bytes for a limit of {LIMIT}");
+    assert!(
+        peak <= (LIMIT + 210_000) as u64,
+        "buffered peak {peak} bytes, limit {LIMIT}"
+    );
+    assert_eq!(effects(&db.pool).await, (150, 150));
+}

@@ -77,6 +77,9 @@ fn tempfile_dir() -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_binary_prints_a_planted_secret() {
     let bootstrap = services().await.bootstrap.clone();
+    // For the paths that need the database first (the consumer creates its Kafka client
+    // once connected).
+    let reachable = services().await.fresh_db().await;
     let dir = bin_dir();
     let closed = free_port();
     let db = format!(
@@ -139,6 +142,45 @@ async fn no_binary_prints_a_planted_secret() {
             vec!["relay"],
             vec![("POSTAL_KAFKA", format!("{PLANTED},linger.ms=5"))],
             "has no '='",
+        ),
+        (
+            "postal",
+            vec!["relay"],
+            vec![(
+                "DATABASE_URL",
+                format!("postgres://postgres@127.0.0.1:{closed}/x?password={PLANTED}@x"),
+            )],
+            "retrying",
+        ),
+        (
+            "postal",
+            vec!["relay"],
+            vec![(
+                "POSTAL_KAFKA",
+                format!("sasl.jaas.config=x required password=\"{PLANTED}\";"),
+            )],
+            "kafka configuration",
+        ),
+        (
+            "postal",
+            vec!["relay"],
+            vec![("POSTAL_KAFKA", format!("sasl.pasword={PLANTED}"))],
+            "kafka configuration",
+        ),
+        (
+            "postal",
+            vec!["relay", "--route", "mq*=rabbitmq"],
+            vec![("AMQP_URL", format!("amqp:relay:{PLANTED}@mq"))],
+            "invalid AMQP URI",
+        ),
+        (
+            "billing_service",
+            vec![],
+            vec![
+                ("DATABASE_URL", reachable.url.clone()),
+                ("POSTAL_KAFKA", format!("sasl.pasword={PLANTED}")),
+            ],
+            "kafka error",
         ),
         ("billing_service", vec![], vec![], "PostgreSQL unreachable"),
         ("invoice_recorder", vec![], vec![], "PostgreSQL unreachable"),
