@@ -63,11 +63,15 @@ pub struct ConsumerConfig {
     /// Records buffered per partition before fetching from it pauses (default 1000).
     pub partition_buffer: usize,
     /// Bytes buffered per partition before fetching from it pauses (default 16 MiB; a record
-    /// counts its key, value, and header names and values plus a per-header overhead). Postal
-    /// also bounds librdkafka's own prefetch queue to this (`queued.max.messages.kbytes`), so
-    /// a consumer holds at most about twice this per assigned partition, whatever the records'
-    /// sizes.
+    /// counts its key, value, and header names and values plus a per-header overhead). Without
+    /// a [`memory_budget`](Self::memory_budget), librdkafka's prefetch queue (one for the whole
+    /// consumer, `queued.max.messages.kbytes`) is bounded to this too.
     pub partition_buffer_bytes: usize,
+    /// The most bytes of fetched, unprocessed records the whole consumer holds (default:
+    /// none beyond the per-partition bound). Half goes to librdkafka's prefetch queue, half is
+    /// split evenly among the assigned partitions' buffers (each at most
+    /// `partition_buffer_bytes`); a partition's buffer may exceed its share by one record.
+    pub memory_budget: Option<usize>,
     /// Most headers a record may carry (default 256). A record with more is dead-lettered as
     /// undecodable without its headers being copied (each costs about 48 bytes in memory
     /// however small it is on the wire).
@@ -118,6 +122,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("kafka_commit_interval", &self.kafka_commit_interval)
             .field("partition_buffer", &self.partition_buffer)
             .field("partition_buffer_bytes", &self.partition_buffer_bytes)
+            .field("memory_budget", &self.memory_budget)
             .field("max_headers", &self.max_headers)
             .field("stall_check", &self.stall_check)
             .field("shutdown_timeout", &self.shutdown_timeout)
@@ -194,6 +199,7 @@ impl ConsumerConfig {
             kafka_commit_interval: Duration::from_secs(1),
             partition_buffer: 1000,
             partition_buffer_bytes: 16 * 1024 * 1024,
+            memory_budget: None,
             max_headers: 256,
             stall_check: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(10),
@@ -216,6 +222,7 @@ impl ConsumerConfig {
     /// |---|---|
     /// | `POSTAL_KAFKA_FILE` | a file of librdkafka properties, one `key=value` per line (`#` comments): the place for credentials |
     /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated (a comma splits only before the next `name=`); they override the file's |
+    /// | `POSTAL_MEMORY_BUDGET_BYTES` | [`memory_budget`](Self::memory_budget) |
     /// | `POSTAL_MAX_BATCH` | [`max_batch`](Self::max_batch) |
     /// | `POSTAL_MAX_CONCURRENT_PARTITIONS` | [`max_concurrent_partitions`](Self::max_concurrent_partitions) |
     /// | `POSTAL_MAX_ATTEMPTS` | [`max_attempts`](Self::max_attempts) |
@@ -243,6 +250,9 @@ impl ConsumerConfig {
                     .into_iter()
                     .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())),
             );
+        }
+        if let Some(v) = var("POSTAL_MEMORY_BUDGET_BYTES") {
+            self.memory_budget = Some(parse("POSTAL_MEMORY_BUDGET_BYTES", &v)?);
         }
         if let Some(v) = var("POSTAL_MAX_BATCH") {
             self.max_batch = parse("POSTAL_MAX_BATCH", &v)?;
@@ -350,6 +360,9 @@ impl ConsumerConfig {
         if self.partition_buffer_bytes < 1024 * 1024 {
             return bad("partition buffer bytes must be at least 1 MiB");
         }
+        if self.memory_budget.is_some_and(|b| b < 4 * 1024 * 1024) {
+            return bad("memory budget must be at least 4 MiB");
+        }
         if self.max_headers < 16 {
             return bad("max headers must be at least 16 (Postal writes up to 11)");
         }
@@ -362,7 +375,8 @@ impl ConsumerConfig {
     /// `auto.offset.reset=earliest`, `isolation.level=read_committed`,
     /// `enable.partition.eof=false`, `statistics.interval.ms=15000` (feeds the lag gauge),
     /// `topic.metadata.refresh.interval.ms=10000` (topics created later are picked up),
-    /// `queued.max.messages.kbytes` = [`partition_buffer_bytes`](Self::partition_buffer_bytes).
+    /// `queued.max.messages.kbytes` = half the [`memory_budget`](Self::memory_budget), else
+    /// [`partition_buffer_bytes`](Self::partition_buffer_bytes).
     pub fn client_config(&self) -> rdkafka::ClientConfig {
         let mut cfg = rdkafka::ClientConfig::new();
         cfg.set("bootstrap.servers", &self.brokers)
@@ -376,11 +390,15 @@ impl ConsumerConfig {
             // Notice subscribed topics created after start within seconds, not librdkafka's
             // default 5 minutes.
             .set("topic.metadata.refresh.interval.ms", "10000")
-            // librdkafka prefetches up to 64 MiB per partition by default: bounded to the
-            // partition buffer's size, so memory follows `partition_buffer_bytes`.
+            // librdkafka prefetches up to 64 MiB by default: bounded to half the memory
+            // budget, or to one partition buffer's size.
             .set(
                 "queued.max.messages.kbytes",
-                (self.partition_buffer_bytes / 1024).to_string(),
+                (self
+                    .memory_budget
+                    .map_or(self.partition_buffer_bytes, |b| b / 2)
+                    / 1024)
+                    .to_string(),
             )
             .set("log_level", "4");
         for (k, v) in &self.kafka {

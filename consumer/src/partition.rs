@@ -34,9 +34,23 @@ pub(crate) struct Shared {
     pub dlq_wake: Arc<Notify>,
     pub permits: Semaphore,
     pub owner: String,
+    /// Partitions assigned now (their buffers share the memory budget).
+    pub assigned: AtomicUsize,
 }
 
 impl Shared {
+    /// Bytes one partition's buffer may hold before its fetching pauses: its share of the
+    /// memory budget, at most `partition_buffer_bytes`.
+    fn partition_bytes(&self) -> usize {
+        let c = &self.config;
+        match c.memory_budget {
+            None => c.partition_buffer_bytes,
+            Some(b) => {
+                (b / 2 / self.assigned.load(Ordering::Relaxed).max(1)).min(c.partition_buffer_bytes)
+            }
+        }
+    }
+
     /// Opens a processing transaction, with the session settings of `lost_connection_timeout`.
     pub(crate) async fn begin(
         &self,
@@ -64,15 +78,15 @@ impl Queued {
     }
 
     /// Full: fetching pauses.
-    fn full(&self, c: &crate::ConsumerConfig) -> bool {
-        self.records.load(Ordering::Acquire) >= c.partition_buffer
-            || self.bytes.load(Ordering::Acquire) >= c.partition_buffer_bytes
+    fn full(&self, s: &Shared) -> bool {
+        self.records.load(Ordering::Acquire) >= s.config.partition_buffer
+            || self.bytes.load(Ordering::Acquire) >= s.partition_bytes()
     }
 
     /// Down to half on both counts: fetching resumes.
-    fn drained(&self, c: &crate::ConsumerConfig) -> bool {
-        self.records.load(Ordering::Acquire) <= c.partition_buffer / 2
-            && self.bytes.load(Ordering::Acquire) <= c.partition_buffer_bytes / 2
+    fn drained(&self, s: &Shared) -> bool {
+        self.records.load(Ordering::Acquire) <= s.config.partition_buffer / 2
+            && self.bytes.load(Ordering::Acquire) <= s.partition_bytes() / 2
     }
 }
 
@@ -96,11 +110,11 @@ impl Inbox {
             return;
         }
         shared.stats.buffered(weight as i64);
-        if self.queued.full(&shared.config) {
+        if self.queued.full(shared) {
             // Decided under the lock on a fresh count: the worker resumes under the same lock
             // after draining, so a partition is never left paused with an empty buffer.
             let mut paused = self.paused.lock().expect("pause flag");
-            if !*paused && self.queued.full(&shared.config) {
+            if !*paused && self.queued.full(shared) {
                 if let Err(e) = shared.consumer.pause(&tpl(&topic, partition)) {
                     tracing::warn!(error = %e, topic, partition, "pausing the partition failed; its buffer keeps growing");
                 } else {
@@ -507,9 +521,9 @@ impl Worker {
     fn dequeued(&self, n: usize, bytes: usize) {
         self.queued.sub(n, bytes);
         self.shared.stats.buffered(-(bytes as i64));
-        if self.queued.drained(&self.shared.config) {
+        if self.queued.drained(&self.shared) {
             let mut paused = self.paused.lock().expect("pause flag");
-            if *paused && self.queued.drained(&self.shared.config) {
+            if *paused && self.queued.drained(&self.shared) {
                 match self
                     .shared
                     .consumer

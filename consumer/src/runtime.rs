@@ -131,6 +131,7 @@ impl ConsumerBuilder {
                 dlq_wake: dlq.wake.clone(),
                 permits,
                 owner,
+                assigned: Default::default(),
             }),
             events: events_rx,
             dlq,
@@ -435,6 +436,9 @@ fn apply(
             }
         }
     }
+    shared
+        .assigned
+        .store(partitions.len(), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Deletes expired dedup rows every `interval` (one instance at a time) and reports the age of

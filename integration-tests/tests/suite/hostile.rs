@@ -495,58 +495,102 @@ async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them(
     );
 }
 
-/// Guarantee: a partition's buffer is bounded in bytes, not only in records: with a handler
-/// blocked on the first of 150 records of about 200 KB each (30 MB in all), the consumer holds
-/// at most `partition_buffer_bytes` (2 MiB here) plus one record, then pauses fetching until
-/// the handler drains it; everything is applied once released. Before, it buffered up to 1,000
-/// records whatever their size (here all 30 MB).
-#[tokio::test]
-async fn a_partition_buffer_is_bounded_in_bytes() {
+/// Fills `partitions` partitions with 1 blocking record and `behind` records of about 200 KB
+/// each, runs a consumer with `config` until each blocked handler has `fill` buffered bytes
+/// behind it in total, releases them, waits until all are applied once, and returns the
+/// consumer's peak of buffered bytes.
+async fn peak_behind_blocked_handlers(
+    partitions: i32,
+    behind: usize,
+    fill: u64,
+    tweak: impl FnOnce(&mut postal_consumer::ConsumerConfig),
+) -> u64 {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
     let topic = unique("hostile-bytes");
-    create_topic(&svc.bootstrap, &topic, 1).await;
-    let first = Uuid::now_v7();
+    create_topic(&svc.bootstrap, &topic, partitions).await;
     let pad = "x".repeat(200_000);
-    let mut records = vec![RawRecord::event(
-        first,
-        "k",
-        "job",
-        json!({"n": 0, "fail": "block"}),
-    )];
-    for n in 1..150 {
-        records.push(RawRecord::event(
-            Uuid::now_v7(),
+    let mut blocked = Vec::new();
+    for p in 0..partitions {
+        let first = Uuid::now_v7();
+        blocked.push(first);
+        let mut records = vec![RawRecord::event(
+            first,
             "k",
             "job",
-            json!({"n": n, "pad": pad}),
-        ));
+            json!({"n": 0, "fail": "block"}),
+        )];
+        for n in 0..behind {
+            records.push(RawRecord::event(
+                Uuid::now_v7(),
+                "k",
+                "job",
+                json!({"n": n, "pad": pad}),
+            ));
+        }
+        produce(&svc.bootstrap, &topic, Some(p), &records).await;
     }
-    produce(&svc.bootstrap, &topic, Some(0), &records).await;
-    const LIMIT: usize = 2 * 1024 * 1024;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
-    config.partition_buffer_bytes = LIMIT;
+    tweak(&mut config);
     let running = start_apply(&db.pool, &topic, config);
     let stats = running.stats.clone();
-    // The handler holds the first record until the buffer has filled to its limit.
-    wait::until(WAIT, "the buffer filled while the handler blocks", || {
+    // The handlers hold their first records until the buffers have filled.
+    wait::until(WAIT, "the buffers filled while the handlers block", || {
         let s = stats.snapshot();
-        async move { handlers::entered(first) && s.buffered_bytes >= LIMIT as u64 }
+        let all_entered = blocked.iter().all(|id| handlers::entered(*id));
+        async move { all_entered && s.buffered_bytes >= fill }
     })
     .await;
-    handlers::release(first);
-    wait::until(WAIT, "all 150 applied", || {
+    for id in &blocked {
+        handlers::release(*id);
+    }
+    let total = partitions as u64 * (behind as u64 + 1);
+    wait::until(WAIT, "all applied", || {
         let s = stats.snapshot();
-        async move { s.applied == 150 }
+        async move { s.applied == total }
     })
     .await;
     let peak = stats.snapshot().buffered_bytes_peak;
     running.stop().await;
+    assert_eq!(effects(&db.pool).await, (total as i64, total as i64));
+    peak
+}
+
+/// Guarantee: a partition's buffer is bounded in bytes, not only in records: with a handler
+/// blocked on the first of 150 records of about 200 KB each (30 MB in all), the consumer holds
+/// at most `partition_buffer_bytes` (2 MiB here) plus one record, then pauses fetching until
+/// the handler drains it; everything is applied once released. Before, it buffered up to 1,000
+/// records whatever their size (here 28 MB of the 30).
+#[tokio::test]
+async fn a_partition_buffer_is_bounded_in_bytes() {
+    const LIMIT: usize = 2 * 1024 * 1024;
+    let peak = peak_behind_blocked_handlers(1, 149, LIMIT as u64, |c| {
+        c.partition_buffer_bytes = LIMIT;
+    })
+    .await;
     eprintln!("byte-bounded buffer: peak {peak} bytes for a limit of {LIMIT}");
     assert!(
         peak <= (LIMIT + 210_000) as u64,
         "buffered peak {peak} bytes, limit {LIMIT}"
     );
-    assert_eq!(effects(&db.pool).await, (150, 150));
+}
+
+/// Guarantee: `memory_budget` bounds the whole consumer: with two partitions, each with a
+/// handler blocked in front of 100 records of about 200 KB, a budget of 4 MiB gives each
+/// partition's buffer a 1 MiB share (the other half is librdkafka's prefetch queue), so the
+/// consumer buffers at most 2 MiB plus one record per partition, where the per-partition
+/// default alone would let it hold 16 MiB each.
+#[tokio::test]
+async fn a_memory_budget_bounds_the_whole_consumer() {
+    const BUDGET: usize = 4 * 1024 * 1024;
+    let peak = peak_behind_blocked_handlers(2, 100, (BUDGET / 2) as u64, |c| {
+        c.memory_budget = Some(BUDGET);
+    })
+    .await;
+    eprintln!("memory budget: peak {peak} bytes buffered for a budget of {BUDGET}");
+    assert!(
+        peak <= (BUDGET / 2 + 2 * 210_000) as u64,
+        "buffered peak {peak} bytes, budget {BUDGET}"
+    );
 }
