@@ -222,6 +222,7 @@ impl ConsumerConfig {
     /// |---|---|
     /// | `POSTAL_KAFKA_FILE` | a file of librdkafka properties, one `key=value` per line (`#` comments): the place for credentials |
     /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated (a comma splits only before the next `name=`); they override the file's |
+    /// | `POSTAL_CONSUMER_GROUP` | [`group`](Self::group) (the Kafka consumer group) |
     /// | `POSTAL_MEMORY_BUDGET_BYTES` | [`memory_budget`](Self::memory_budget) |
     /// | `POSTAL_MAX_BATCH` | [`max_batch`](Self::max_batch) |
     /// | `POSTAL_MAX_CONCURRENT_PARTITIONS` | [`max_concurrent_partitions`](Self::max_concurrent_partitions) |
@@ -250,6 +251,9 @@ impl ConsumerConfig {
                     .into_iter()
                     .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())),
             );
+        }
+        if let Some(v) = var("POSTAL_CONSUMER_GROUP") {
+            self.group = v.trim().to_owned();
         }
         if let Some(v) = var("POSTAL_MEMORY_BUDGET_BYTES") {
             self.memory_budget = Some(parse("POSTAL_MEMORY_BUDGET_BYTES", &v)?);

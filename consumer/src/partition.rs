@@ -104,12 +104,13 @@ impl Inbox {
         let (topic, partition, weight) = (record.topic.clone(), record.partition, record.weight);
         // Counted before it is sent, so the worker never counts below zero.
         self.queued.add(1, weight);
+        shared.stats.buffered(weight as i64);
         if self.tx.send(record).is_err() {
             // The worker stopped (fenced or revoked): the next owner reads the record.
             self.queued.sub(1, weight);
+            shared.stats.buffered(-(weight as i64));
             return;
         }
-        shared.stats.buffered(weight as i64);
         if self.queued.full(shared) {
             // Decided under the lock on a fresh count: the worker resumes under the same lock
             // after draining, so a partition is never left paused with an empty buffer.

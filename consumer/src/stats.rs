@@ -84,12 +84,13 @@ impl Stats {
         }
     }
 
-    /// Records of `bytes` entered (positive) or left (negative) a partition buffer.
+    /// Records of `bytes` entered (positive) or left (negative) a partition buffer. Entries
+    /// are counted before the records reach their worker, so the count never goes below zero.
     pub(crate) fn buffered(&self, bytes: i64) {
         let now = if bytes >= 0 {
             self.buffered_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed)
-                + bytes as u64
+                .saturating_add(bytes as u64)
         } else {
             self.buffered_bytes
                 .fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed)
