@@ -163,6 +163,22 @@ pub(crate) struct Worker {
     pub turn: Arc<tokio::sync::Mutex<()>>,
 }
 
+impl Drop for Worker {
+    /// Records left in the buffer (revoked, shutting down) leave the buffered-bytes count.
+    fn drop(&mut self) {
+        self.rx.close();
+        let (mut n, mut bytes) = (0, 0);
+        while let Ok(r) = self.rx.try_recv() {
+            n += 1;
+            bytes += r.weight;
+        }
+        if n > 0 {
+            self.queued.sub(n, bytes);
+            self.shared.stats.buffered(-(bytes as i64));
+        }
+    }
+}
+
 impl Worker {
     pub async fn run(mut self) {
         let _turn = tokio::select! {
