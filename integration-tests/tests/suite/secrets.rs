@@ -182,6 +182,8 @@ async fn no_binary_prints_a_planted_secret() {
             ],
             "kafka error",
         ),
+        ("roundtrip", vec![], vec![], "cannot reach PostgreSQL"),
+        ("demo", vec![], vec![], "cannot reach PostgreSQL"),
         ("billing_service", vec![], vec![], "PostgreSQL unreachable"),
         ("invoice_recorder", vec![], vec![], "PostgreSQL unreachable"),
         ("order_service", vec![], vec![], "PostgreSQL unreachable"),
