@@ -70,7 +70,8 @@ pub struct ConsumerConfig {
     /// The most bytes of fetched, unprocessed records the whole consumer holds (default:
     /// none beyond the per-partition bound). Half goes to librdkafka's prefetch queue, half is
     /// split evenly among the assigned partitions' buffers (each at most
-    /// `partition_buffer_bytes`); a partition's buffer may exceed its share by one record.
+    /// `partition_buffer_bytes`, at least 1 MiB: with more than budget/2 MiB partitions the
+    /// budget is exceeded); a partition's buffer may exceed its share by one record.
     pub memory_budget: Option<usize>,
     /// Most headers a record may carry (default 256). A record with more is dead-lettered as
     /// undecodable without its headers being copied (each costs about 48 bytes in memory

@@ -41,10 +41,9 @@ pub fn decode_record(raw: &RawRecord<'_>) -> Result<(), (&'static str, String)> 
     let too_many_headers = (raw.headers.len() > MAX_HEADERS).then_some(raw.headers.len());
     let mut pairs = Vec::with_capacity(raw.headers.len());
     for (i, (name, value)) in raw.headers.iter().enumerate() {
-        if too_many_headers.is_some() {
-            break;
-        }
         match std::str::from_utf8(name) {
+            // Over the limit, only Postal's own headers are kept (as `Record::from_message`).
+            Ok(n) if too_many_headers.is_some() && !postal_shared::headers::is_reserved(n) => {}
             Ok(n) => pairs.push((n.to_owned(), value.map(<[u8]>::to_vec))),
             Err(_) => {
                 unreadable_header.get_or_insert(i);

@@ -45,9 +45,12 @@ impl Shared {
         let c = &self.config;
         match c.memory_budget {
             None => c.partition_buffer_bytes,
-            Some(b) => {
-                (b / 2 / self.assigned.load(Ordering::Relaxed).max(1)).min(c.partition_buffer_bytes)
-            }
+            // At least 1 MiB (a fetch's worth, librdkafka's `max.partition.fetch.bytes`): a
+            // smaller share would pause and resume the partition on every record.
+            Some(b) => (b / 2 / self.assigned.load(Ordering::Relaxed).max(1)).clamp(
+                MIN_PARTITION_SHARE,
+                c.partition_buffer_bytes.max(MIN_PARTITION_SHARE),
+            ),
         }
     }
 
@@ -89,6 +92,9 @@ impl Queued {
             && self.bytes.load(Ordering::Acquire) <= s.partition_bytes() / 2
     }
 }
+
+/// The least share of the memory budget a partition's buffer gets.
+const MIN_PARTITION_SHARE: usize = 1024 * 1024;
 
 /// The runtime's side of a worker.
 pub(crate) struct Inbox {

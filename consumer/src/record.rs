@@ -22,7 +22,7 @@ pub(crate) struct Record {
     /// is dead-lettered as undecodable instead of crashing the consumer.
     pub unreadable_header: Option<usize>,
     /// How many headers the record carried when that was over the limit (`max_headers`):
-    /// none were copied, and the record is dead-lettered as undecodable.
+    /// only Postal's own were copied, and the event is dead-lettered as undecodable.
     pub too_many_headers: Option<usize>,
     /// About how many bytes this copy holds (see [`weight`]).
     pub weight: usize,
@@ -44,30 +44,34 @@ pub(crate) fn weight(key: Option<&[u8]>, payload: Option<&[u8]>, headers: &Heade
 }
 
 impl Record {
-    /// A copy of `m`. A record with more than `max_headers` headers keeps none of them.
+    /// A copy of `m`. A record with more than `max_headers` headers keeps only Postal's own
+    /// (its envelope: the event is still identified, deduplicated and dead-lettered as
+    /// itself); [`decode`] refuses it.
     pub fn from_message<M: Message>(m: &M, max_headers: usize) -> Self {
         let mut unreadable_header = None;
         let mut too_many_headers = None;
         let headers = m
             .headers()
             .map(|h| {
-                if h.count() > max_headers {
+                let over = h.count() > max_headers;
+                if over {
                     too_many_headers = Some(h.count());
-                    return Vec::new();
                 }
-                let mut pairs = Vec::with_capacity(h.count());
+                let mut pairs = Vec::with_capacity(if over { 16 } else { h.count() });
                 for i in 0..h.count() {
                     // The Kafka client's accessor panics on a header name that is not UTF-8
                     // (it unwraps the conversion): one such record from anyone with produce
                     // rights would end the consumer, and again after every restart. Caught
                     // here, per header, so the record can be dead-lettered by position.
                     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        h.try_get(i)
-                            .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                        h.try_get(i).map(|h| {
+                            (!over || headers::is_reserved(h.key))
+                                .then(|| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                        })
                     }));
                     match read {
-                        Ok(Some(pair)) => pairs.push(pair),
-                        Ok(None) => {}
+                        Ok(Some(Some(pair))) => pairs.push(pair),
+                        Ok(Some(None) | None) => {}
                         Err(_) => {
                             unreadable_header.get_or_insert(i);
                         }
@@ -116,12 +120,6 @@ pub(crate) type Rejection = (Reason, String);
 
 /// Reads the event id, type and version from the headers.
 pub(crate) fn meta(record: &Record) -> Result<Meta, Rejection> {
-    if let Some(n) = record.too_many_headers {
-        return Err((
-            Reason::Undecodable,
-            format!("record has {n} headers, more than the consumer's max_headers"),
-        ));
-    }
     if let Some(i) = record.unreadable_header {
         return Err((
             Reason::Undecodable,
@@ -215,6 +213,12 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
 /// Decodes the full event for a handler.
 /// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
+    if let Some(n) = record.too_many_headers {
+        return Err(format!(
+            "record has {n} headers, more than the consumer's max_headers (only Postal's own \
+             were kept)"
+        ));
+    }
     let content_type = record.headers.get(headers::CONTENT_TYPE);
     let payload =
         T::decode(content_type, record.payload.as_deref().unwrap_or_default()).map_err(|e| {

@@ -12,6 +12,10 @@ use crate::Error;
 /// relay checks the destination's own limit again and parks what does not fit.
 pub const MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
 
+/// Most user headers an event may carry: with Postal's own (up to 11) well under the 256 a
+/// consumer accepts by default (`ConsumerConfig::max_headers`).
+pub const MAX_USER_HEADERS: usize = 128;
+
 /// An event to enqueue: what it is, where it goes and its payload.
 ///
 /// Build one with [`NewEvent::json`] (typed payload, serialised with serde) or
@@ -103,7 +107,8 @@ impl NewEvent {
     }
 
     /// Adds a user header, copied to the Kafka record. Names Postal sets itself
-    /// (`ce_*` attributes, `content-type`) are rejected.
+    /// (`ce_*` attributes, `content-type`) are rejected, as is a header beyond the
+    /// [`MAX_USER_HEADERS`]th.
     pub fn with_header(
         mut self,
         name: impl Into<String>,
@@ -112,6 +117,15 @@ impl NewEvent {
         let name = name.into();
         if name.is_empty() || headers::is_reserved(&name) {
             return Err(Error::ReservedHeader(name));
+        }
+        if self.headers.len() >= MAX_USER_HEADERS && !self.headers.contains_key(&name) {
+            return Err(Error::Invalid(postal_shared::Error::Invalid {
+                what: "headers",
+                reason: format!(
+                    "at most {MAX_USER_HEADERS} user headers (consumers refuse records with more \
+                     than 256 headers by default)"
+                ),
+            }));
         }
         self.headers.insert(name, value.into());
         Ok(self)
@@ -135,5 +149,23 @@ impl NewEvent {
     /// The encoded payload.
     pub fn payload(&self) -> &[u8] {
         &self.payload
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guarantee: an event carries at most MAX_USER_HEADERS user headers (so that with
+    /// Postal's own it stays under what consumers accept); replacing one is not adding one.
+    #[test]
+    fn user_headers_are_capped() {
+        let mut e = NewEvent::json("orders", "k", "t", &1).unwrap();
+        for i in 0..MAX_USER_HEADERS {
+            e = e.with_header(format!("h{i}"), "v").unwrap();
+        }
+        let e = e.with_header("h0", "again").expect("replacing is fine");
+        let err = e.with_header("one-more", "v").unwrap_err().to_string();
+        assert!(err.contains("at most 128 user headers"), "{err}");
     }
 }

@@ -54,7 +54,7 @@ pub use allow::TopicAllowList;
 pub use config::{RelayConfig, TopicFilter};
 pub use enqueue::{enqueue, enqueue_batch, enqueue_once, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
-pub use event::{NewEvent, MAX_PAYLOAD_BYTES};
+pub use event::{NewEvent, MAX_PAYLOAD_BYTES, MAX_USER_HEADERS};
 pub use kafka::{classify, KafkaConfig, KafkaTransport};
 /// A `key=value` pair as given on a command line or in the environment (`--kafka`,
 /// `--rabbitmq-routing-key`); errors never quote the value.

@@ -440,14 +440,14 @@ async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them(
     create_topic(&svc.bootstrap, &topic, 1).await;
     let (b, t) = (svc.bootstrap.clone(), topic.clone());
     tokio::task::spawn_blocking(move || {
-        let id = Uuid::now_v7().to_string();
-        let mut headers: Vec<(&[u8], &[u8])> = vec![
-            (b"ce_id", id.as_bytes()),
-            (b"ce_type", b"job"),
-            (b"content-type", b"application/json"),
-        ];
-        headers.extend(std::iter::repeat_n((&b""[..], &b""[..]), 99_990));
         for _ in 0..30 {
+            let id = Uuid::now_v7().to_string();
+            let mut headers: Vec<(&[u8], &[u8])> = vec![
+                (b"ce_id", id.as_bytes()),
+                (b"ce_type", b"job"),
+                (b"content-type", b"application/json"),
+            ];
+            headers.extend(std::iter::repeat_n((&b""[..], &b""[..]), 99_990));
             let code = produce_raw(&b, &t, 0, b"k", br#"{"n": 0}"#, &headers).expect("raw produce");
             assert_eq!(code, 0, "the broker stored the raw record");
         }
@@ -483,15 +483,28 @@ async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them(
     );
     // Without their headers, 31 small records: well under a megabyte even all at once.
     assert!(peak < 1_000_000, "buffered peak {peak} bytes");
-    let errors: Vec<String> =
-        sqlx::query_scalar("SELECT error FROM postal.dead_letters ORDER BY kafka_offset")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(errors.len(), 30);
+    let rows: Vec<(String, Option<Uuid>, Vec<String>)> = sqlx::query_as(
+        "SELECT error, event_id, header_names FROM postal.dead_letters ORDER BY kafka_offset",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 30);
     assert_eq!(
-        errors[0],
-        "record has 99993 headers, more than the consumer's max_headers"
+        rows[0].0,
+        "record has 99993 headers, more than the consumer's max_headers (only Postal's own were kept)"
+    );
+    // Dead-lettered as itself: its id (and dedup row, so no later copy is applied) and
+    // Postal's headers, from which `postal dead-letters replay` republishes it.
+    assert!(rows.iter().all(|r| r.1.is_some()));
+    assert_eq!(rows[0].2, vec!["ce_id", "ce_type", "content-type"]);
+    let dedup: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        dedup, 31,
+        "30 dead letters and the applied event keep dedup rows"
     );
 }
 
