@@ -409,3 +409,21 @@ mod containers {
         Ok((services, (pg, broker)))
     }
 }
+
+/// A child process killed (and reaped) when dropped: a test that fails while its child runs
+/// does not leave it behind.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl KillOnDrop {
+    /// The child's process id.
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

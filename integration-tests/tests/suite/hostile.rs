@@ -641,19 +641,21 @@ async fn a_consumer_process_stays_small_on_records_with_huge_header_counts() {
         "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-examples)",
         program.display()
     );
-    let mut child = std::process::Command::new(&program)
-        .env("DATABASE_URL", &db.url)
-        .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
-        .env("ORDERS_TOPIC", &topic)
-        .env("INVOICES_TOPIC", unique("hostile-rss-out"))
-        // A group of its own: members of killed processes in the shared `billing` group
-        // would hold up its join for their session timeout.
-        .env("POSTAL_CONSUMER_GROUP", unique("hostile-rss-g"))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("billing_service");
+    let child = postal_integration_tests::KillOnDrop(
+        std::process::Command::new(&program)
+            .env("DATABASE_URL", &db.url)
+            .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
+            .env("ORDERS_TOPIC", &topic)
+            .env("INVOICES_TOPIC", unique("hostile-rss-out"))
+            // A group of its own: members of killed processes in the shared `billing` group
+            // would hold up its join for their session timeout.
+            .env("POSTAL_CONSUMER_GROUP", unique("hostile-rss-g"))
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("billing_service"),
+    );
     let pid = child.id();
     let pool = db.pool.clone();
     wait::until(WAIT, "all 30 records processed", || {
@@ -671,8 +673,7 @@ async fn a_consumer_process_stays_small_on_records_with_huge_header_counts() {
     })
     .await;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     let peak_kb: u64 = status
         .lines()
         .find(|l| l.starts_with("VmHWM:"))

@@ -30,14 +30,16 @@ fn output_of(program: &Path, args: &[&str], env: &[(&str, String)], marker: &str
     let dir = tempfile_dir();
     let log = dir.join("out.log");
     let file = std::fs::File::create(&log).expect("log file");
-    let mut child = Command::new(program)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .env("RUST_LIB_BACKTRACE", "0")
-        .stdout(Stdio::from(file.try_clone().expect("log file")))
-        .stderr(Stdio::from(file))
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    let mut child = postal_integration_tests::KillOnDrop(
+        Command::new(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LIB_BACKTRACE", "0")
+            .stdout(Stdio::from(file.try_clone().expect("log file")))
+            .stderr(Stdio::from(file))
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e}", program.display())),
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut text = String::new();
     loop {
@@ -45,7 +47,7 @@ fn output_of(program: &Path, args: &[&str], env: &[(&str, String)], marker: &str
         std::fs::File::open(&log)
             .and_then(|mut f| f.read_to_string(&mut text))
             .expect("read log");
-        if text.contains(marker) || child.try_wait().expect("wait").is_some() {
+        if text.contains(marker) || child.0.try_wait().expect("wait").is_some() {
             break;
         }
         assert!(
@@ -55,8 +57,8 @@ fn output_of(program: &Path, args: &[&str], env: &[(&str, String)], marker: &str
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
+    text.clear();
     std::fs::File::open(&log)
         .and_then(|mut f| f.read_to_string(&mut text))
         .expect("read log");
