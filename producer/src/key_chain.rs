@@ -20,13 +20,22 @@
 //! Batches without a key in common wait for nothing, so unrelated keys keep their pipelining;
 //! a key with events in two batches at once hands the later ones over only after the earlier
 //! ones' acknowledgements.
+//!
+//! A held-back batch holds its keys back in turn, in the batches registered while it was
+//! unrecorded: under a steady backlog, with a claim made while each batch is in flight, one
+//! failure would hold its keys back in every later batch, for good (a batch given up in full
+//! held every key of a small key set back and the relay published nothing more). So a failure
+//! asks the relay to *settle*: its next claim waits until the chain is empty
+//! ([`KeyChain::settled`]), every batch of it recorded and every held-back row back in the
+//! outbox, and takes each key from its earliest unpublished event again.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use crate::transport::{OutboundEvent, PublishError};
 
@@ -66,6 +75,14 @@ impl Link {
 pub(crate) struct KeyChain {
     /// Key → every batch registered with it and not yet removed.
     batches: Mutex<HashMap<u64, Vec<Arc<Link>>>>,
+    settle: Arc<Settle>,
+}
+
+/// Whether a batch failed since the chain was last empty, and the wake-up when it empties.
+#[derive(Default)]
+struct Settle {
+    wanted: AtomicBool,
+    emptied: Notify,
 }
 
 /// A batch's place in the chain, from hand-over until it is recorded.
@@ -76,6 +93,7 @@ pub(crate) struct Entry {
     deps: Vec<Arc<Link>>,
     resolved: bool,
     failed_any: bool,
+    settle: Arc<Settle>,
 }
 
 impl KeyChain {
@@ -105,6 +123,26 @@ impl KeyChain {
             deps,
             resolved: false,
             failed_any: false,
+            settle: self.settle.clone(),
+        }
+    }
+
+    /// Returns at once unless a batch failed since the chain was last empty; then waits until
+    /// every batch registered is removed (recorded), so that the next claim registers behind
+    /// none of them. Called by a lane before it claims, holding no claim of its own.
+    pub(crate) async fn settled(&self) {
+        loop {
+            let emptied = self.settle.emptied.notified();
+            tokio::pin!(emptied);
+            emptied.as_mut().enable();
+            if !self.settle.wanted.load(Ordering::SeqCst) {
+                return;
+            }
+            if self.batches.lock().expect("key chain").is_empty() {
+                self.settle.wanted.store(false, Ordering::SeqCst);
+                return;
+            }
+            emptied.await;
         }
     }
 
@@ -118,6 +156,9 @@ impl KeyChain {
                     last.remove(k);
                 }
             }
+        }
+        if last.is_empty() {
+            self.settle.emptied.notify_waiters();
         }
     }
 }
@@ -150,6 +191,9 @@ impl Entry {
             .collect();
         self.failed_any = !failed.is_empty();
         self.resolved = true;
+        if self.failed_any {
+            self.settle.wanted.store(true, Ordering::SeqCst);
+        }
         self.link.outcome.send_replace(Some(Arc::new(failed)));
     }
 
@@ -158,6 +202,9 @@ impl Entry {
         let failed: HashSet<u64> = self.keys.iter().copied().collect();
         self.failed_any = !failed.is_empty();
         self.resolved = true;
+        if self.failed_any {
+            self.settle.wanted.store(true, Ordering::SeqCst);
+        }
         self.link.outcome.send_replace(Some(Arc::new(failed)));
     }
 

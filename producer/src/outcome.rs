@@ -25,6 +25,7 @@ pub(crate) struct Counters {
     pub(crate) published: AtomicU64,
     pub(crate) parked: AtomicU64,
     pub(crate) retried: AtomicU64,
+    pub(crate) held_back: AtomicU64,
 }
 
 /// A batch's outcomes as row changes.
@@ -140,14 +141,20 @@ impl Judge {
     /// Counts a recorded verdict (`published` of its rows were recorded published).
     pub(crate) fn count(&self, published: usize, failures: &[Failure]) {
         let parked = failures.iter().filter(|f| f.park).count() as u64;
-        let retried = failures.len() as u64 - parked;
+        // Released unsent (no attempt used) behind an earlier failure of their key.
+        let held_back = failures.iter().filter(|f| !f.hold && !f.counts).count() as u64;
+        let retried = failures.len() as u64 - parked - held_back;
         self.counters
             .published
             .fetch_add(published as u64, Ordering::Relaxed);
         self.counters.parked.fetch_add(parked, Ordering::Relaxed);
         self.counters.retried.fetch_add(retried, Ordering::Relaxed);
+        self.counters
+            .held_back
+            .fetch_add(held_back, Ordering::Relaxed);
         metrics::counter!("postal_relay_published_total").increment(published as u64);
         metrics::counter!("postal_relay_failed_total").increment(parked);
         metrics::counter!("postal_relay_retried_total").increment(retried);
+        metrics::counter!("postal_relay_held_back_total").increment(held_back);
     }
 }

@@ -61,6 +61,9 @@ pub struct RelayStats {
     pub parked: u64,
     /// Failed publishes rescheduled for a retry.
     pub retried: u64,
+    /// Events released unsent, without using an attempt, because an earlier event of their key
+    /// failed (or was itself held back) in the same or an earlier batch: claimed again later.
+    pub held_back: u64,
 }
 
 /// A relay instance. Several may run against one database; each claims with its own id.
@@ -240,6 +243,7 @@ impl<T: Transport> Relay<T> {
             published: c.published.load(Ordering::Relaxed),
             parked: c.parked.load(Ordering::Relaxed),
             retried: c.retried.load(Ordering::Relaxed),
+            held_back: c.held_back.load(Ordering::Relaxed),
         };
         tracing::info!(relay = %self.id, published = stats.published, parked = stats.parked, "relay stopped");
         Ok(stats)
@@ -765,6 +769,14 @@ impl<T: Transport> Shared<T> {
                 p = self.slots.clone().acquire_many_owned(if light { all } else { 1 }) =>
                     p.expect("semaphore never closed"),
             };
+            // After a failure, the batches in flight settle first (see `key_chain`): claimed
+            // behind them, this batch would hold their failed keys back in turn.
+            if !chained {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    () = self.key_chain.settled() => {}
+                }
+            }
             // Read only while holding a slot: the split changes only while the coordinator
             // holds all of them. Lanes beyond this relay's part of the group's budget idle.
             let partitions = {
