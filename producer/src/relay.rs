@@ -538,11 +538,30 @@ impl<T: Transport> Shared<T> {
             }
             if let Some(retention) = self.config.history {
                 match crate::retention::maintain_history(&self.pool, retention).await {
-                    Ok(Some(m)) if !m.dropped.is_empty() || m.default_rows_deleted > 0 => {
-                        tracing::info!(dropped = ?m.dropped, default_rows_deleted = m.default_rows_deleted, "history retention dropped old partitions")
+                    Ok(Some(m)) => {
+                        if !m.created.is_empty() || m.moved_rows > 0 {
+                            tracing::info!(created = ?m.created, moved_rows = m.moved_rows, "history partitions created");
+                        }
+                        if !m.dropped.is_empty() || m.default_rows_deleted > 0 {
+                            tracing::info!(dropped = ?m.dropped, default_rows_deleted = m.default_rows_deleted, "history retention dropped old partitions");
+                        }
+                        for step in &m.failed {
+                            tracing::warn!(step = %postal_shared::text::bounded(step, postal_shared::text::MAX_ERROR_BYTES), "history maintenance step failed; will retry");
+                        }
+                        metrics::counter!("postal_relay_history_maintenance_failures_total")
+                            .increment(m.failed.len() as u64);
+                        metrics::gauge!("postal_relay_history_maintenance_ok").set(if m.ok() {
+                            1.0
+                        } else {
+                            0.0
+                        });
                     }
-                    Ok(_) => {}
+                    // Another instance maintains the history now.
+                    Ok(None) => {}
                     Err(e) => {
+                        metrics::counter!("postal_relay_history_maintenance_failures_total")
+                            .increment(1);
+                        metrics::gauge!("postal_relay_history_maintenance_ok").set(0.0);
                         tracing::warn!(error = %e, "history partition maintenance failed; will retry")
                     }
                 }

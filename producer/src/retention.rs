@@ -36,55 +36,183 @@ pub async fn cleanup_published(
 /// Advisory lock held while maintaining the history partitions (`'posthist'`).
 pub const HISTORY_LOCK: i64 = 0x706f_7374_6869_7374;
 
+/// The longest a maintenance statement waits for a lock (`lock_timeout`): behind a long reader
+/// (a `pg_dump`, a report) it gives up and runs again at the next maintenance, instead of
+/// queueing an exclusive lock that every relay's archive insert would then queue behind.
+pub const MAINTENANCE_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The most days of the default partition given partitions of their own in one run.
+const MAX_DAYS_PER_RUN: i64 = 64;
+
 /// What one run of [`maintain_history`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HistoryMaintenance {
+    /// Daily partitions created.
+    pub created: Vec<String>,
+    /// Rows moved out of the default partition into the partitions of their days.
+    pub moved_rows: u64,
     /// Daily partitions dropped (their whole day lies before now − retention).
     pub dropped: Vec<String>,
-    /// Rows deleted from the default partition (days that had no partition of their own).
+    /// Rows deleted from the default partition (expired, without a partition of their own).
     pub default_rows_deleted: u64,
+    /// The steps that failed (one line each: which step, and why); the others still ran. The
+    /// run is retried at the next maintenance.
+    pub failed: Vec<String>,
 }
 
-/// History mode (see [`crate::RelayConfig::history`]): creates the daily partitions of
-/// `postal.outbox_history` for today and tomorrow (UTC), drops those whose day ended more than
-/// `retention` ago, and deletes expired rows from the default partition. One instance at a
-/// time: returns `None` (doing nothing) when another instance holds the lock.
+impl HistoryMaintenance {
+    /// Whether tomorrow's partition exists and every step succeeded.
+    pub fn ok(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+/// History mode (see [`crate::RelayConfig::history`]): gives today, tomorrow (UTC) and every
+/// unexpired day with rows in the default partition a partition of its own (moving the
+/// default partition's rows of that day into it), drops the partitions whose day ended more
+/// than `retention` ago, and deletes expired rows from the default partition.
+///
+/// Each day is its own transaction and every statement waits at most
+/// [`MAINTENANCE_LOCK_TIMEOUT`] for a lock: a step that fails (a lock not granted in time, a
+/// constraint) is reported in [`HistoryMaintenance::failed`] and the other steps still run. One
+/// instance at a time: returns `None` (doing nothing) when another instance holds the lock.
+/// `Err` only when the database cannot be reached.
 pub async fn maintain_history(
     pool: &PgPool,
     retention: Duration,
 ) -> Result<Option<HistoryMaintenance>, sqlx::Error> {
-    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+    // Closed instead of returned to the pool if this job is dropped while it holds the lock.
+    let mut conn = postal_shared::cancel_safe::CloseUnlessFinished::new(pool.acquire().await?);
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(HISTORY_LOCK)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut *conn)
         .await?;
     if !locked {
+        conn.finish();
         return Ok(None);
     }
-    sqlx::query(
-        "SELECT postal.history_partition_ensure((now() AT TIME ZONE 'UTC')::date),
-                postal.history_partition_ensure((now() AT TIME ZONE 'UTC')::date + 1)",
-    )
-    .execute(&mut *tx)
-    .await?;
+    let result = maintain_locked(&mut conn, retention).await;
+    let unlocked: Result<bool, _> = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+        .bind(HISTORY_LOCK)
+        .fetch_one(&mut *conn)
+        .await;
+    if let Ok(true) = unlocked {
+        conn.finish();
+    }
+    result.map(Some)
+}
+
+async fn maintain_locked(
+    conn: &mut sqlx::PgConnection,
+    retention: Duration,
+) -> Result<HistoryMaintenance, sqlx::Error> {
     let retention_ms = retention.as_millis() as i64;
-    let dropped: Vec<String> = sqlx::query_scalar(
-        "SELECT postal.history_drop_before(now() - $1 * interval '1 millisecond')",
+    let timeout = format!("{}ms", MAINTENANCE_LOCK_TIMEOUT.as_millis());
+    let mut done = HistoryMaintenance::default();
+    // Today, tomorrow, and the unexpired days that have rows in the default partition.
+    let days: Vec<chrono::NaiveDate> = sqlx::query_scalar(
+        "SELECT d FROM (
+             SELECT (now() AT TIME ZONE 'UTC')::date AS d
+             UNION SELECT (now() AT TIME ZONE 'UTC')::date + 1
+             UNION (SELECT DISTINCT (published_at AT TIME ZONE 'UTC')::date
+                    FROM postal.outbox_history_default
+                    WHERE published_at >= now() - $1 * interval '1 millisecond'
+                    ORDER BY 1 DESC LIMIT $2)) days
+         ORDER BY d",
     )
     .bind(retention_ms)
-    .fetch_all(&mut *tx)
+    .bind(MAX_DAYS_PER_RUN)
+    .fetch_all(&mut *conn)
     .await?;
-    let default_rows_deleted = sqlx::query(
-        "DELETE FROM postal.outbox_history_default
-         WHERE published_at < now() - $1 * interval '1 millisecond'",
+    for day in days {
+        let step = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&timeout)
+                .execute(&mut *tx)
+                .await?;
+            let (created, moved): (bool, i64) =
+                sqlx::query_as("SELECT created, moved FROM postal.history_partition_ensure($1)")
+                    .bind(day)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            tx.commit().await?;
+            Ok::<_, sqlx::Error>((created, moved))
+        }
+        .await;
+        match step {
+            Ok((created, moved)) => {
+                if created {
+                    done.created
+                        .push(format!("outbox_history_{}", day.format("%Y%m%d")));
+                }
+                done.moved_rows += moved as u64;
+            }
+            Err(e) if postal_shared::database_unavailable(&e) => return Err(e),
+            Err(e) => done
+                .failed
+                .push(format!("creating the history partition of {day}: {e}")),
+        }
+    }
+    // Old days: one partition per transaction.
+    let expired: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i
+         JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'postal.outbox_history'::regclass
+           AND c.relname ~ '^outbox_history_[0-9]{8}$'
+           AND (to_date(substr(c.relname, 16), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC'
+               <= now() - $1 * interval '1 millisecond'
+         ORDER BY 1",
     )
     .bind(retention_ms)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    tx.commit().await?;
-    Ok(Some(HistoryMaintenance {
-        dropped,
-        default_rows_deleted,
-    }))
+    .fetch_all(&mut *conn)
+    .await?;
+    for name in expired {
+        let step = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&timeout)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(&format!("DROP TABLE IF EXISTS postal.\"{name}\""))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        }
+        .await;
+        match step {
+            Ok(()) => done.dropped.push(name),
+            Err(e) if postal_shared::database_unavailable(&e) => return Err(e),
+            Err(e) => done
+                .failed
+                .push(format!("dropping history partition {name}: {e}")),
+        }
+    }
+    let deleted = async {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(&timeout)
+            .execute(&mut *tx)
+            .await?;
+        let n = sqlx::query(
+            "DELETE FROM postal.outbox_history_default
+             WHERE published_at < now() - $1 * interval '1 millisecond'",
+        )
+        .bind(retention_ms)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(n)
+    }
+    .await;
+    match deleted {
+        Ok(n) => done.default_rows_deleted = n,
+        Err(e) if postal_shared::database_unavailable(&e) => return Err(e),
+        Err(e) => done.failed.push(format!(
+            "deleting expired rows of the default history partition: {e}"
+        )),
+    }
+    Ok(done)
 }

@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+/// The longest one batch of a cleanup job waits for a lock (`lock_timeout`).
+pub const CLEANUP_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The session advisory lock that makes a cleanup job run in one instance at a time.
 #[derive(Clone, Copy, Debug)]
 pub enum CleanupLock<'a> {
@@ -48,6 +51,12 @@ pub async fn delete_in_batches(
         return Ok(None);
     }
     let result = async {
+        // A batch waits at most this long for a row or table lock, then the job ends with an
+        // error and runs again next time, instead of queueing behind a long transaction.
+        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+            .bind(format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis()))
+            .execute(&mut *conn)
+            .await?;
         let mut total = 0u64;
         loop {
             let mut q = sqlx::query(delete)
@@ -65,7 +74,9 @@ pub async fn delete_in_batches(
         }
     }
     .await;
-    if let Ok(true) = bind_lock(unlock).fetch_one(&mut *conn).await {
+    // Returned to the pool only as it was taken: lock released, no lock timeout of ours.
+    let reset = sqlx::query("RESET lock_timeout").execute(&mut *conn).await;
+    if let (Ok(true), Ok(_)) = (bind_lock(unlock).fetch_one(&mut *conn).await, reset) {
         conn.finish();
     }
     result.map(Some)

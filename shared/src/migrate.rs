@@ -45,13 +45,30 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 /// session that took the same advisory lock key), before it fails with [`Error::LockBusy`].
 pub const MIGRATE_LOCK_WAIT: Duration = Duration::from_secs(60);
 
-/// [`migrate`], waiting at most `lock_wait` for the migration lock.
+/// The longest one migration statement waits for a table lock (`lock_timeout`) before the
+/// migration is rolled back and tried again (within [`MIGRATE_LOCK_WAIT`] in all).
+pub const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether a migration failed because a lock was not granted within its `lock_timeout`.
+fn lock_timed_out(e: &sqlx::migrate::MigrateError) -> bool {
+    use sqlx::migrate::MigrateError;
+    let (MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _)) = e else {
+        return false;
+    };
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "55P03")
+}
+
+/// [`migrate`], waiting at most `lock_wait` for the migration lock (and for table locks).
 pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Error> {
-    let options = pool
-        .connect_options()
-        .as_ref()
-        .clone()
-        .options([("search_path", POSTAL_SCHEMA)]);
+    let options = pool.connect_options().as_ref().clone().options([
+        ("search_path", POSTAL_SCHEMA.to_owned()),
+        (
+            "lock_timeout",
+            format!("{}ms", MIGRATION_LOCK_TIMEOUT.as_millis()),
+        ),
+    ]);
     // Serialise concurrent migrators from the very first statement (CREATE SCHEMA IF NOT
     // EXISTS races otherwise); the session lock goes away with its connection.
     let mut lock = PgConnection::connect_with(&options).await?;
@@ -71,6 +88,7 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
             "SELECT l.pid, coalesce(a.application_name, '') FROM pg_locks l
              LEFT JOIN pg_stat_activity a ON a.pid = l.pid
              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND l.classid = ($1 >> 32)::oid AND l.objid = ($1 & 4294967295)::oid
              LIMIT 1",
         )
@@ -105,8 +123,28 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
             .max_connections(1)
             .connect_with(options.clone())
             .await?;
-        let run = MIGRATOR.run(&pool).await;
+        // A migration that needs a lock held by a long transaction (an open claim, a
+        // `pg_dump`) gives up after `MIGRATION_LOCK_TIMEOUT` and is tried again, instead of
+        // queueing its exclusive lock in front of every enqueue and claim meanwhile.
+        let run = loop {
+            match MIGRATOR.run(&pool).await {
+                Err(e) if lock_timed_out(&e) && started.elapsed() < lock_wait => {
+                    tracing::warn!(error = %e, "a migration waited {MIGRATION_LOCK_TIMEOUT:?} for a table lock (a long transaction holds it); trying again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                other => break other,
+            }
+        };
         pool.close().await;
+        if let Err(e) = &run {
+            if lock_timed_out(e) {
+                return Err(Error::LockBusy {
+                    what: "a table lock a migration needs",
+                    waited: lock_wait,
+                    holder: "a long transaction on Postal's tables (see pg_stat_activity)".into(),
+                });
+            }
+        }
         run?;
         Ok::<(), Error>(())
     }

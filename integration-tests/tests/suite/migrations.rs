@@ -135,3 +135,35 @@ async fn a_held_migration_lock_is_waited_for_a_bounded_time_naming_the_holder() 
         .await
         .expect("migrates once the lock is free");
 }
+
+/// Guarantee: a long transaction holding a table a migration needs (here sqlx's bookkeeping
+/// table, locked exclusively) makes the migrator give up each try after its `lock_timeout`
+/// and fail after its wait with one line, instead of waiting behind the transaction for as
+/// long as it runs (with its own exclusive lock queued in front of every enqueue and claim
+/// meanwhile); once the transaction ends, migrating succeeds.
+#[tokio::test]
+async fn a_migration_behind_a_long_transaction_gives_up_after_its_lock_timeout() {
+    let db = services().await.fresh_db().await;
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE postal._sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        postal_shared::migrate_within(&db.pool, std::time::Duration::from_secs(1)),
+    )
+    .await
+    .expect("the migrator returns while the transaction still runs")
+    .expect_err("the table is locked");
+    let shown = err.to_string();
+    assert!(
+        matches!(err, postal_shared::Error::LockBusy { .. }),
+        "{shown}"
+    );
+    assert!(!shown.contains('\n'), "{shown}");
+    holder.rollback().await.unwrap();
+    postal_shared::migrate_within(&db.pool, std::time::Duration::from_secs(1))
+        .await
+        .expect("migrates once the transaction ended");
+}
