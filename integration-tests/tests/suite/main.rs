@@ -17,6 +17,7 @@ mod fence;
 mod handlers;
 mod hostile;
 mod key_order;
+mod maintenance;
 mod migrations;
 mod missing_topic;
 mod netsplit;
