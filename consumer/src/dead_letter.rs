@@ -141,9 +141,26 @@ impl Publisher {
                     failures = 0;
                     continue;
                 }
-                Ok(false) => failures = 0,
+                Ok(false) => {
+                    failures = 0;
+                    metrics::gauge!("postal_consumer_dead_letters_unpublished", "consumer" => self.consumer.clone())
+                        .set(0.0);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "publishing dead letters failed; retrying");
+                    // How many wait (alert `PostalDeadLettersUnpublished`), when the
+                    // database answers.
+                    if let Ok(n) = sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM postal.dead_letters
+                         WHERE consumer_name = $1 AND published_at IS NULL",
+                    )
+                    .bind(&self.consumer)
+                    .fetch_one(&self.pool)
+                    .await
+                    {
+                        metrics::gauge!("postal_consumer_dead_letters_unpublished", "consumer" => self.consumer.clone())
+                            .set(n as f64);
+                    }
                     let wait = self.backoff.delay(failures);
                     failures = failures.saturating_add(1);
                     tokio::select! {

@@ -485,12 +485,18 @@ impl<T: Transport> Shared<T> {
                             tracing::warn!(relay = %self.id, "key partitions changed but batches are still in flight; rebalancing lanes at the next heartbeat");
                         }
                     }
-                    metrics::gauge!("postal_relay_partitions_owned")
+                    metrics::gauge!("postal_relay_partitions_owned", "group" => self.config.group.clone())
                         .set(self.owned.read().expect("owned lock").len() as f64);
                 }
                 Err(e) => {
                     failures += 1;
                     tracing::warn!(error = %e, "cannot renew partition leases (database unreachable?); retrying");
+                    // Once the leases as last renewed have run out, this relay owns nothing
+                    // (another relay may hold them now): the gauge says so.
+                    if self.lease_until() <= tokio::time::Instant::now() {
+                        metrics::gauge!("postal_relay_partitions_owned", "group" => self.config.group.clone())
+                            .set(0.0);
+                    }
                 }
             }
             // Lanes claim again while this waits (also after a failed release heartbeat, which
@@ -512,29 +518,51 @@ impl<T: Transport> Shared<T> {
         let summary = crate::backlog::summary_sql(false);
         loop {
             tick.tick().await;
-            match sqlx::query_as::<_, (i64, i64, i64, Option<f64>)>(&summary)
-                .fetch_one(&self.pool)
-                .await
-            {
-                Ok((pending, scheduled, failed, oldest)) => {
+            // Each check in a transaction of its own whose statements end after
+            // `CHECK_TIMEOUT`: a check stuck behind a lock fails (and says so) instead of
+            // leaving every gauge at its last value without a sign.
+            let checks = async {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+                    .bind(format!("{}ms", CHECK_TIMEOUT.as_millis()))
+                    .execute(&mut *tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(tx)
+            };
+            let backlog = async {
+                let mut tx = checks.await?;
+                let row = sqlx::query_as::<_, (i64, i64, i64, Option<f64>)>(&summary)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                // The oldest transaction of this database that holds back the visibility
+                // horizon (and the keys it wrote), and how far a replication slot holds it.
+                let (oldest_tx, slot_age) = sqlx::query_as::<_, (Option<f64>, Option<f64>)>(
+                    "SELECT (SELECT extract(epoch FROM now() - min(xact_start))::float8
+                             FROM pg_stat_activity
+                             WHERE datname = current_database()
+                               AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)),
+                            (SELECT max(age(xmin))::float8 FROM pg_replication_slots
+                             WHERE xmin IS NOT NULL
+                               AND (database IS NULL OR database = current_database()))",
+                )
+                .fetch_one(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>((row, oldest_tx, slot_age))
+            };
+            match backlog.await {
+                Ok(((pending, scheduled, failed, oldest), oldest_tx, slot_age)) => {
                     metrics::gauge!("postal_relay_backlog").set(pending as f64);
                     metrics::gauge!("postal_relay_oldest_pending_seconds")
                         .set(oldest.unwrap_or(0.0));
                     metrics::gauge!("postal_relay_parked").set(failed as f64);
                     metrics::gauge!("postal_relay_scheduled").set(scheduled as f64);
+                    metrics::gauge!("postal_relay_oldest_transaction_seconds")
+                        .set(oldest_tx.unwrap_or(0.0));
+                    metrics::gauge!("postal_relay_replication_slot_xmin_age")
+                        .set(slot_age.unwrap_or(0.0));
                 }
-                Err(e) => tracing::debug!(error = %e, "backlog check failed"),
-            }
-            match sqlx::query_scalar::<_, Option<f64>>(
-                "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
-                 WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL",
-            )
-            .fetch_one(&self.pool)
-            .await
-            {
-                Ok(age) => metrics::gauge!("postal_relay_oldest_transaction_seconds")
-                    .set(age.unwrap_or(0.0)),
-                Err(e) => tracing::debug!(error = %e, "oldest-transaction check failed"),
+                Err(e) => check_failed("backlog", &e),
             }
             if let Some(retention) = self.config.history {
                 match crate::retention::maintain_history(&self.pool, retention).await {
@@ -548,7 +576,7 @@ impl<T: Transport> Shared<T> {
                         for step in &m.failed {
                             tracing::warn!(step = %postal_shared::text::bounded(step, postal_shared::text::MAX_ERROR_BYTES), "history maintenance step failed; will retry");
                         }
-                        metrics::counter!("postal_relay_history_maintenance_failures_total")
+                        metrics::counter!("postal_relay_check_failures_total", "check" => "history")
                             .increment(m.failed.len() as u64);
                         metrics::gauge!("postal_relay_history_maintenance_ok").set(if m.ok() {
                             1.0
@@ -559,10 +587,8 @@ impl<T: Transport> Shared<T> {
                     // Another instance maintains the history now.
                     Ok(None) => {}
                     Err(e) => {
-                        metrics::counter!("postal_relay_history_maintenance_failures_total")
-                            .increment(1);
                         metrics::gauge!("postal_relay_history_maintenance_ok").set(0.0);
-                        tracing::warn!(error = %e, "history partition maintenance failed; will retry")
+                        check_failed("history", &e);
                     }
                 }
             }
@@ -574,7 +600,7 @@ impl<T: Transport> Shared<T> {
                         tracing::info!(rows = n, "retention cleanup deleted published rows")
                     }
                     Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "retention cleanup failed; will retry"),
+                    Err(e) => check_failed("retention", &e),
                 }
             }
         }
@@ -1035,6 +1061,7 @@ impl<T: Transport> Shared<T> {
                         // leases), so its events are handed out again in order.
                         drop(acks);
                         notice.resolve_failed();
+                        metrics::counter!("postal_relay_batches_given_up_total").increment(1);
                         tracing::warn!(
                             events = notice.batch.len(),
                             %reason,
@@ -1077,6 +1104,17 @@ impl<T: Transport> Shared<T> {
         }
         completions
     }
+}
+
+/// How long a housekeeping check's statement may run (`statement_timeout`).
+const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A housekeeping check or job that failed: counted by kind (`postal_relay_check_failures_total`,
+/// alert `PostalRelayChecksFailing`) and logged; it runs again at the next round, and the
+/// gauges it sets keep their last value meanwhile.
+fn check_failed(check: &'static str, e: &sqlx::Error) {
+    metrics::counter!("postal_relay_check_failures_total", "check" => check).increment(1);
+    tracing::warn!(check, error = %e, "relay housekeeping failed; will retry");
 }
 
 /// The outcomes of a claimed batch of which the key chain held some events back (`held`, per
@@ -1180,6 +1218,7 @@ impl outcome::Judge {
                 return false;
             }
             Err(e) => {
+                metrics::counter!("postal_relay_record_failures_total").increment(1);
                 tracing::warn!(error = %e, events = batch.len(), "could not record a published batch; its events will be published again");
                 return false;
             }
