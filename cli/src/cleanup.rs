@@ -24,6 +24,10 @@ pub struct CleanupArgs {
     /// Only these consumers' dedup rows (repeatable; default every consumer).
     #[arg(long = "consumer")]
     consumers: Vec<String>,
+    /// Delete dedup rows by --dedup-retention even where a consumer declares a longer
+    /// retention (or none: keep for good). Without it, the longer one applies.
+    #[arg(long)]
+    ignore_declared: bool,
     /// Rows per delete statement.
     #[arg(long, default_value_t = 5000)]
     batch: usize,
@@ -53,8 +57,8 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
     }
     if let Some(r) = args.dedup_retention {
         anyhow::ensure!(
-            r >= Duration::from_secs(60),
-            "--dedup-retention must be at least 60s"
+            r >= postal_shared::cleanup::MIN_DEDUP_RETENTION,
+            "--dedup-retention must be at least 1h: a shorter one lets a copy that arrives after an outage apply twice"
         );
         let consumers: Vec<String> = if args.consumers.is_empty() {
             sqlx::query_scalar(
@@ -66,6 +70,22 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             args.consumers
         };
         for c in consumers {
+            let declared = postal_consumer::retention::declared_retention(pool, &c).await?;
+            let r = match declared {
+                Some(None) if !args.ignore_declared => {
+                    println!("dedup {c}: the consumer keeps its dedup rows for good (it declares no retention); nothing done (--ignore-declared deletes them anyway)");
+                    continue;
+                }
+                Some(Some(d)) if d > r && !args.ignore_declared => {
+                    println!(
+                        "dedup {c}: the consumer declares a retention of {}; keeping rows that young (--ignore-declared uses {} anyway)",
+                        humantime::format_duration(d),
+                        humantime::format_duration(r)
+                    );
+                    d
+                }
+                _ => r,
+            };
             match postal_consumer::retention::cleanup_processed(pool, &c, r, args.batch).await? {
                 Some(n) => println!(
                     "dedup {c}: deleted {n} row(s) older than {}",

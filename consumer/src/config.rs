@@ -337,9 +337,9 @@ impl ConsumerConfig {
         }
         if self
             .dedup_retention
-            .is_some_and(|r| r < Duration::from_secs(60))
+            .is_some_and(|r| r < postal_shared::cleanup::MIN_DEDUP_RETENTION)
         {
-            return bad("dedup retention must be at least 60s (or disabled)");
+            return bad("dedup retention must be at least 1h (or disabled): a shorter one lets a copy that arrives after an outage apply twice");
         }
         if self.cleanup_interval.is_zero() {
             return bad("cleanup interval must be positive");

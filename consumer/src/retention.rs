@@ -67,6 +67,41 @@ pub async fn cleanup_processed(
     .await
 }
 
+/// Records `consumer`'s dedup retention (`None`: keeps its rows for good) in
+/// `postal.consumer_settings`, where `postal cleanup` reads it.
+pub async fn declare_retention(
+    pool: &PgPool,
+    consumer: &str,
+    retention: Option<Duration>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO postal.consumer_settings (consumer_name, dedup_retention_ms)
+         VALUES ($1, $2)
+         ON CONFLICT (consumer_name) DO UPDATE
+            SET dedup_retention_ms = EXCLUDED.dedup_retention_ms, updated_at = now()",
+    )
+    .bind(consumer)
+    .bind(retention.map(|r| r.as_millis() as i64))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// What `consumer` declared about its dedup retention: `None` if it never did (an older
+/// consumer, or one that never started), `Some(None)` if it keeps its rows for good.
+pub async fn declared_retention(
+    pool: &PgPool,
+    consumer: &str,
+) -> Result<Option<Option<Duration>>, sqlx::Error> {
+    let row: Option<Option<i64>> = sqlx::query_scalar(
+        "SELECT dedup_retention_ms FROM postal.consumer_settings WHERE consumer_name = $1",
+    )
+    .bind(consumer)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|ms| ms.map(|ms| Duration::from_millis(ms as u64))))
+}
+
 /// `consumer`'s dedup horizon: every dedup row retention deleted was processed at or before
 /// it, and none processed after it was deleted. `None`: retention never deleted any.
 pub async fn dedup_horizon(

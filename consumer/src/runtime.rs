@@ -456,7 +456,17 @@ async fn housekeeping(
 ) {
     let keep =
         retention.unwrap_or(Duration::from_secs(30 * 24 * 3600)) + Duration::from_secs(24 * 3600);
+    let mut declared = false;
     loop {
+        if !declared {
+            // What `postal cleanup --dedup-retention` must respect.
+            match crate::retention::declare_retention(&pool, &consumer, retention).await {
+                Ok(()) => declared = true,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot record the consumer's dedup retention")
+                }
+            }
+        }
         if let Err(e) = crate::retention::mark_offsets(&pool, &group, keep).await {
             tracing::debug!(error = %e, "cannot record the group's offsets");
         }

@@ -24,10 +24,12 @@
 //! A held-back batch holds its keys back in turn, in the batches registered while it was
 //! unrecorded: under a steady backlog, with a claim made while each batch is in flight, one
 //! failure would hold its keys back in every later batch, for good (a batch given up in full
-//! held every key of a small key set back and the relay published nothing more). So a failure
-//! asks the relay to *settle*: its next claim waits until the chain is empty
-//! ([`KeyChain::settled`]), every batch of it recorded and every held-back row back in the
-//! outbox, and takes each key from its earliest unpublished event again.
+//! held every key of a small key set back and the relay published nothing more). So a batch
+//! that the chain holds back (and a batch given up) asks the relay to *settle*: its next claim
+//! waits until the chain is empty ([`KeyChain::settled`]), every batch of it recorded and every
+//! held-back row back in the outbox, and takes each key from its earliest unpublished event
+//! again. A failure that holds nothing back in a later batch (its key in no other batch in
+//! flight) does not: unrelated keys keep their pipelining.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
@@ -171,7 +173,12 @@ impl Entry {
         for dep in &self.deps {
             failed.extend(dep.failed().await.iter().copied());
         }
-        self.keys.iter().map(|k| failed.contains(k)).collect()
+        let held: Vec<bool> = self.keys.iter().map(|k| failed.contains(k)).collect();
+        if held.iter().any(|h| *h) {
+            // A link of a hold that would pass from batch to batch: settle.
+            self.settle.wanted.store(true, Ordering::SeqCst);
+        }
+        held
     }
 
     /// Whether the batch waits for another one.
@@ -191,9 +198,6 @@ impl Entry {
             .collect();
         self.failed_any = !failed.is_empty();
         self.resolved = true;
-        if self.failed_any {
-            self.settle.wanted.store(true, Ordering::SeqCst);
-        }
         self.link.outcome.send_replace(Some(Arc::new(failed)));
     }
 

@@ -5,6 +5,16 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+/// The shortest dedup retention Postal accepts (consumer configuration and `postal cleanup`).
+///
+/// A copy of an event can arrive as long as a relay may publish it again — until its batch is
+/// recorded, which an outage of the database or the broker delays for as long as it lasts — and
+/// as long as a consumer may re-read it (a rebalance re-reads from the last committed offset, a
+/// `postal consumer reset` from wherever it is told). Dedup rows deleted before that let the copy
+/// apply twice. An hour is the floor, for tests and demos; keep production retention above the
+/// longest outage you plan for (the default is 7 days).
+pub const MIN_DEDUP_RETENTION: Duration = Duration::from_secs(3600);
+
 /// The longest one batch of a cleanup job waits for a lock (`lock_timeout`).
 pub const CLEANUP_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
