@@ -64,6 +64,62 @@ pub struct Selection {
     /// Every parked event.
     #[arg(long)]
     all: bool,
+    /// Show what would be acted on (one line per event, and the count) and change nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+/// The parked events `select` matches now, by sequence number in outbox order: a command acts
+/// on these only (still parked when their turn comes), never on events parked while it runs.
+async fn matched_at_start(
+    pool: &PgPool,
+    ids: &[Uuid],
+    topic: &Option<String>,
+) -> anyhow::Result<Vec<i64>> {
+    Ok(sqlx::query_scalar(
+        "SELECT seq FROM postal.outbox WHERE status = 'failed'
+         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
+         AND ($2::text IS NULL OR topic = $2)
+         ORDER BY seq",
+    )
+    .bind(ids)
+    .bind(topic)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// `--dry-run`: prints the matched events (id, topic, key, type, attempts, last error), one
+/// per line, and their count.
+async fn show_matched(pool: &PgPool, seqs: &[i64], verb: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    for chunk in seqs.chunks(1000) {
+        let rows: Vec<(Uuid, String, String, String, i32, Option<String>)> = sqlx::query_as(
+            "SELECT event_id, topic, event_key, event_type, attempts, last_error
+             FROM postal.outbox WHERE seq = ANY($1) ORDER BY seq",
+        )
+        .bind(chunk)
+        .fetch_all(pool)
+        .await?;
+        for (id, topic, key, ty, attempts, err) in rows {
+            writeln!(
+                out,
+                "{id}  {}  {}  {}  attempts {attempts}  {}",
+                shown(&topic, false),
+                shown(&key, false),
+                shown(&ty, false),
+                shown(
+                    &postal_shared::text::bounded(err.as_deref().unwrap_or("-"), 200),
+                    false
+                )
+            )?;
+        }
+    }
+    out.flush()?;
+    eprintln!(
+        "dry run: would {verb} {} parked event(s); nothing changed",
+        seqs.len()
+    );
+    Ok(())
 }
 
 /// A discarded event, as printed: everything needed to enqueue it again.
@@ -206,30 +262,38 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             Ok(())
         }
         FailedCommand::Discard {
-            select: Selection { ids, topic, all },
+            select:
+                Selection {
+                    ids,
+                    topic,
+                    all,
+                    dry_run,
+                },
         } => {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
             }
+            let matched = matched_at_start(pool, &ids, &topic).await?;
+            if dry_run {
+                return show_matched(pool, &matched, "discard").await;
+            }
             let mut done = 0usize;
-            loop {
+            for chunk in matched.chunks(1000) {
                 // Each batch is printed (and stdout flushed) before its deletion commits: an
                 // interrupted run loses nothing it did not print.
                 let mut tx = pool.begin().await?;
                 let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
                     "WITH batch AS (
                          SELECT seq FROM postal.outbox WHERE status = 'failed'
-                         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
-                         AND ($2::text IS NULL OR topic = $2)
-                         ORDER BY seq LIMIT 1000 FOR UPDATE)
+                         AND seq = ANY($1)
+                         ORDER BY seq FOR UPDATE)
                      DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
                      RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
                                o.schema_version, o.occurred_at, o.content_type, o.headers,
                                o.attempts, o.last_error, o.payload,
                                translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
                 )
-                .bind(&ids)
-                .bind(&topic)
+                .bind(chunk)
                 .try_map(|row: sqlx::postgres::PgRow| {
                     use sqlx::{FromRow, Row};
                     Ok((Discarded::from_row(&row)?, row.try_get("payload")?))
@@ -252,60 +316,56 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                     eprintln!("deleted the {n} event(s) printed above this line");
                 }
                 done += n;
-                if n < 1000 {
-                    break;
-                }
             }
             sqlx::query("SELECT pg_notify($1, '')")
                 .bind(postal_producer::NOTIFY_CHANNEL)
                 .execute(pool)
                 .await?;
             eprintln!("discarded {done} parked event(s); later events of their keys are released");
+            if done < matched.len() {
+                eprintln!(
+                    "({} of the {} matched at the start were no longer parked)",
+                    matched.len() - done,
+                    matched.len()
+                );
+            }
             if !ids.is_empty() && done < ids.len() {
                 eprintln!("({} of the given ids were not parked)", ids.len() - done);
             }
             Ok(())
         }
         FailedCommand::Requeue {
-            select: Selection { ids, topic, all },
+            select:
+                Selection {
+                    ids,
+                    topic,
+                    all,
+                    dry_run,
+                },
         } => {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
             }
-            let total: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM postal.outbox WHERE status = 'failed'
-                 AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
-                 AND ($2::text IS NULL OR topic = $2)",
-            )
-            .bind(&ids)
-            .bind(&topic)
-            .fetch_one(pool)
-            .await?;
-            let progress = Progress::new(total as u64, "requeued");
+            let matched = matched_at_start(pool, &ids, &topic).await?;
+            if dry_run {
+                return show_matched(pool, &matched, "requeue").await;
+            }
+            let progress = Progress::new(matched.len() as u64, "requeued");
             let mut done = 0u64;
-            loop {
+            for chunk in matched.chunks(1000) {
                 let n = sqlx::query(
-                    "WITH batch AS (
-                         SELECT seq FROM postal.outbox WHERE status = 'failed'
-                         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
-                         AND ($2::text IS NULL OR topic = $2)
-                         ORDER BY seq LIMIT 1000 FOR UPDATE)
-                     UPDATE postal.outbox o
+                    "UPDATE postal.outbox o
                         SET status = 'pending', attempts = 0, held = false,
                             available_at = now(),
                             last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
-                       FROM batch WHERE o.seq = batch.seq",
+                      WHERE o.status = 'failed' AND o.seq = ANY($1)",
                 )
-                .bind(&ids)
-                .bind(&topic)
+                .bind(chunk)
                 .execute(pool)
                 .await?
                 .rows_affected();
                 done += n;
                 progress.set(done);
-                if n < 1000 {
-                    break;
-                }
             }
             progress.finish();
             sqlx::query("SELECT pg_notify($1, '')")

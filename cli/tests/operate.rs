@@ -27,6 +27,17 @@ fn ok(mut c: Command) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs `c`, which must fail; returns its stderr.
+fn fails(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stderr).unwrap()
+}
+
 struct Env {
     url: String,
     pool: PgPool,
@@ -1047,6 +1058,94 @@ async fn consumer_reports_the_age_of_its_oldest_dedup_row() {
         (9.9..10.1).contains(&horizon_age_days),
         "{horizon_age_days}"
     );
+    let declared: Option<i64> = sqlx::query_scalar(
+        "SELECT dedup_retention_ms FROM postal.consumer_settings WHERE consumer_name = 'cli-test'",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        declared,
+        Some(24 * 3600 * 1000),
+        "the consumer declares its retention"
+    );
+}
+
+/// Guarantee: `postal cleanup --dedup-retention` never deletes dedup rows a consumer declares
+/// it keeps — a shorter retention than the consumer's own, or any for a consumer that keeps
+/// its rows for good — unless told to with `--ignore-declared`; and it refuses a retention
+/// below an hour. (Before, `--dedup-retention 60s` was accepted and applied to every consumer,
+/// whatever retention each was configured with.)
+#[tokio::test]
+async fn cleanup_respects_the_retention_consumers_declare() {
+    let Some(e) = env().await else { return };
+    let (long, forever) = (unique("declares-long"), unique("declares-forever"));
+    for c in [&long, &forever] {
+        sqlx::query(
+            "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+             VALUES ($1, gen_random_uuid(), now() - interval '3 days'),
+                    ($1, gen_random_uuid(), now() - interval '10 days')",
+        )
+        .bind(c.as_str())
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    }
+    postal_consumer::retention::declare_retention(
+        &e.pool,
+        &long,
+        Some(Duration::from_secs(7 * 86_400)),
+    )
+    .await
+    .unwrap();
+    postal_consumer::retention::declare_retention(&e.pool, &forever, None)
+        .await
+        .unwrap();
+    let left = |c: String| {
+        let pool = e.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM postal.processed_events WHERE consumer_name = $1",
+            )
+            .bind(c)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let mut short = postal(&e.url);
+    short.args(["cleanup", "--dedup-retention", "60s", "--consumer", &long]);
+    let err = fails(short);
+    assert!(err.contains("at least 1h"), "{err}");
+    let mut c = postal(&e.url);
+    c.args([
+        "cleanup",
+        "--dedup-retention",
+        "1day",
+        "--consumer",
+        &long,
+        "--consumer",
+        &forever,
+    ]);
+    let out = ok(c);
+    assert!(out.contains("declares a retention of 7days"), "{out}");
+    assert!(out.contains("keeps its dedup rows for good"), "{out}");
+    assert_eq!(left(long.clone()).await, 1, "the 10-day-old row only");
+    assert_eq!(left(forever.clone()).await, 2, "nothing");
+    let mut c = postal(&e.url);
+    c.args([
+        "cleanup",
+        "--dedup-retention",
+        "1day",
+        "--consumer",
+        &long,
+        "--consumer",
+        &forever,
+        "--ignore-declared",
+    ]);
+    ok(c);
+    assert_eq!(left(long).await, 0);
+    assert_eq!(left(forever).await, 0);
 }
 
 /// Guarantee: when the group's Kafka offsets cannot be moved (here: `--force` while a member
@@ -1179,4 +1278,85 @@ async fn operator_output_escapes_control_characters() {
         assert!(parsed.to_string().contains("pwned"), "{args:?}");
         assert!(!out.contains('\u{1b}'), "{args:?}: JSON escapes it");
     }
+}
+
+/// Guarantee: `postal failed discard --all` acts only on the events parked when it started —
+/// one parked while it runs (here by a trigger, as a relay would park it between two batches)
+/// stays — and `--dry-run` lists what would be acted on and changes nothing. (Before, the
+/// command re-read "every parked event" batch after batch, and deleted events parked after it
+/// started.)
+#[tokio::test]
+async fn discard_by_filter_acts_only_on_what_matched_at_the_start() {
+    let Some(e) = env().await else { return };
+    let topic = unique("discard-bound");
+    sqlx::query(
+        "SELECT postal.enqueue($1, CASE WHEN n = 0 THEN 'late' ELSE 'k' || n END, 'job',
+                               jsonb_build_object('n', n))
+         FROM generate_series(0, 1500) AS n",
+    )
+    .bind(&topic)
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE postal.outbox SET status = 'failed', last_error = 'poison'
+         WHERE event_key <> 'late'",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE FUNCTION postal.park_late() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             UPDATE postal.outbox SET status = 'failed', last_error = 'parked meanwhile'
+              WHERE event_key = 'late' AND status = 'pending';
+             RETURN NULL;
+         END $$",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER park_late AFTER DELETE ON postal.outbox
+         FOR EACH STATEMENT EXECUTE FUNCTION postal.park_late()",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let count = |status: &'static str| {
+        let pool = e.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox WHERE status = $1")
+                .bind(status)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let mut dry = postal(&e.url);
+    dry.args(["failed", "discard", "--all", "--dry-run"]);
+    let out = dry.output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1500);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("would discard 1500 parked event(s)"));
+    assert_eq!(count("failed").await, 1500, "a dry run changes nothing");
+    let mut discard = postal(&e.url);
+    discard.args(["failed", "discard", "--all"]);
+    let out = discard.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1500);
+    let late: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT status, last_error FROM postal.outbox WHERE event_key = 'late'")
+            .fetch_all(&e.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        late,
+        [("failed".to_owned(), Some("parked meanwhile".to_owned()))],
+        "the event parked while the command ran is still there"
+    );
 }

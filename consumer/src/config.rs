@@ -41,6 +41,11 @@ pub struct ConsumerConfig {
     /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
     /// window in which a relay can republish an event (README: "Dedup retention").
     pub dedup_retention: Option<Duration>,
+    /// Delete this consumer's dead letters older than this (default 30 days) once they reached
+    /// their dead-letter topic (unpublished ones are kept: the table is their only copy), in
+    /// batches, every `cleanup_interval`; `None` keeps them. A deleted dead letter can no longer
+    /// be replayed with `postal dead-letters replay` (its copy on the `.dlq` topic remains).
+    pub dead_letter_retention: Option<Duration>,
     /// How often retention runs and `postal_consumer_dedup_oldest_seconds` is refreshed
     /// (default 60 s).
     pub cleanup_interval: Duration,
@@ -115,6 +120,7 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("consumer", &self.consumer)
             .field("max_batch", &self.max_batch)
             .field("dedup_retention", &self.dedup_retention)
+            .field("dead_letter_retention", &self.dead_letter_retention)
             .field("max_concurrent_partitions", &self.max_concurrent_partitions)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
@@ -187,6 +193,7 @@ impl ConsumerConfig {
             max_concurrent_partitions: 8,
             max_batch: 1,
             dedup_retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            dead_letter_retention: Some(Duration::from_secs(30 * 24 * 3600)),
             cleanup_interval: Duration::from_secs(60),
             max_attempts: 10,
             backoff: Backoff {
@@ -231,6 +238,7 @@ impl ConsumerConfig {
     /// | `POSTAL_SHUTDOWN_TIMEOUT_MS` | [`shutdown_timeout`](Self::shutdown_timeout) |
     /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
     /// | `POSTAL_DEDUP_RETENTION_SECS` | [`dedup_retention`](Self::dedup_retention) (`0` = keep forever) |
+    /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `0s` = keep forever) |
     /// | `POSTAL_CLEANUP_INTERVAL_SECS` | [`cleanup_interval`](Self::cleanup_interval) |
     /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `0s` = the server's settings) |
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
@@ -277,6 +285,14 @@ impl ConsumerConfig {
         if let Some(v) = var("POSTAL_DEDUP_RETENTION_SECS") {
             let secs: u64 = parse("POSTAL_DEDUP_RETENTION_SECS", &v)?;
             self.dedup_retention = (secs > 0).then(|| Duration::from_secs(secs));
+        }
+        if let Some(v) = var("POSTAL_DEAD_LETTER_RETENTION") {
+            let d = humantime::parse_duration(v.trim()).map_err(|e| {
+                Error::Config(format!(
+                    "POSTAL_DEAD_LETTER_RETENTION={v:?} is not valid: {e}"
+                ))
+            })?;
+            self.dead_letter_retention = (!d.is_zero()).then_some(d);
         }
         if let Some(v) = var("POSTAL_CLEANUP_INTERVAL_SECS") {
             self.cleanup_interval = Duration::from_secs(parse("POSTAL_CLEANUP_INTERVAL_SECS", &v)?);
@@ -340,6 +356,12 @@ impl ConsumerConfig {
             .is_some_and(|r| r < postal_shared::cleanup::MIN_DEDUP_RETENTION)
         {
             return bad("dedup retention must be at least 1h (or disabled): a shorter one lets a copy that arrives after an outage apply twice");
+        }
+        if self
+            .dead_letter_retention
+            .is_some_and(|r| r < Duration::from_secs(3600))
+        {
+            return bad("dead-letter retention must be at least 1h (or disabled)");
         }
         if self.cleanup_interval.is_zero() {
             return bad("cleanup interval must be positive");

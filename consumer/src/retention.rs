@@ -201,6 +201,33 @@ pub fn report_oldest_dedup_age(consumer: &str, age: Option<f64>) {
 /// Advisory lock held while cleaning up dead letters (`'postdlqc'`).
 pub const DEAD_LETTER_CLEANUP_LOCK: i64 = 0x706f_7374_646c_7163;
 
+/// [`cleanup_dead_letters`] for one consumer's dead letters (its own lock per name): what the
+/// consumer runtime runs with [`crate::ConsumerConfig::dead_letter_retention`].
+pub async fn cleanup_dead_letters_of(
+    pool: &PgPool,
+    consumer: &str,
+    retention: Duration,
+    batch: usize,
+) -> Result<Option<u64>, sqlx::Error> {
+    delete_in_batches(
+        pool,
+        CleanupLock::Named(DEAD_LETTER_CONSUMER_LOCK, consumer),
+        "DELETE FROM postal.dead_letters WHERE id IN (
+             SELECT id FROM postal.dead_letters
+             WHERE consumer_name = $3 AND published_at IS NOT NULL
+               AND created_at < now() - $1 * interval '1 millisecond'
+             ORDER BY id LIMIT $2)",
+        retention,
+        batch,
+        |_| {},
+    )
+    .await
+}
+
+/// Advisory lock (with the consumer's name) held while one consumer's dead letters are cleaned
+/// up (`'pdlq'`).
+pub const DEAD_LETTER_CONSUMER_LOCK: i32 = 0x7064_6c71;
+
 /// Deletes dead letters created more than `retention` ago whose record was published to their
 /// dead-letter topic (a dead letter not published yet is never deleted: the table is its only
 /// copy), `batch` rows per statement, until none are left. Replayed ones go the same way.

@@ -253,6 +253,7 @@ impl Consumer {
             config.group.clone(),
             config.consumer.clone(),
             config.dedup_retention,
+            config.dead_letter_retention,
             config.cleanup_interval,
             stop.clone(),
         )));
@@ -451,6 +452,7 @@ async fn housekeeping(
     group: String,
     consumer: String,
     retention: Option<Duration>,
+    dead_letter_retention: Option<Duration>,
     interval: Duration,
     stop: CancellationToken,
 ) {
@@ -477,6 +479,21 @@ async fn housekeeping(
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = stop.cancelled() => return,
+        }
+        if let Some(keep) = dead_letter_retention {
+            match crate::retention::cleanup_dead_letters_of(&pool, &consumer, keep, 5000).await {
+                Ok(Some(n)) if n > 0 => {
+                    tracing::info!(
+                        deleted = n,
+                        consumer,
+                        "deleted expired dead letters (published to their dead-letter topic)"
+                    )
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "dead-letter retention failed; retrying next round")
+                }
+            }
         }
         let Some(retention) = retention else { continue };
         match crate::retention::cleanup_processed(&pool, &consumer, retention, 5000).await {

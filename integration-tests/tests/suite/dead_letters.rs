@@ -150,3 +150,89 @@ async fn unknown_types_can_be_skipped() {
             .unwrap();
     assert_eq!(next, Some(2));
 }
+
+/// Guarantee (dead-letter retention): a running consumer deletes its own dead letters older
+/// than `dead_letter_retention` once they reached their dead-letter topic; it keeps the ones
+/// not published yet (the table is their only copy), younger ones, and other consumers'.
+/// (Before, nothing expired dead letters but a manual `postal cleanup`.)
+#[tokio::test]
+async fn a_consumer_expires_its_own_published_dead_letters() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dlq-retention");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    for (consumer, age_days, published) in [
+        (handlers::CONSUMER, 40, true),
+        (handlers::CONSUMER, 40, false),
+        (handlers::CONSUMER, 1, true),
+        ("someone-else", 40, true),
+    ] {
+        sqlx::query(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                              kafka_offset, reason, error, dlq_topic,
+                                              created_at, published_at)
+             VALUES ($1, 'g', $2, 0, 0, 'permanent', 'bad', $2 || '.dlq',
+                     now() - $3 * interval '1 day',
+                     CASE WHEN $4 THEN now() - $3 * interval '1 day' END)",
+        )
+        .bind(consumer)
+        .bind(&topic)
+        .bind(age_days as f64)
+        .bind(published)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    config.dead_letter_retention = Some(Duration::from_secs(30 * 86_400));
+    config.cleanup_interval = Duration::from_millis(200);
+    // The consumer publishes its unpublished dead letters: a lock keeps it from this one (its
+    // publisher skips locked rows), so that it stays unpublished while retention runs.
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM postal.dead_letters WHERE published_at IS NULL FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let running = start_apply(&db.pool, &topic, config);
+    wait::until(
+        WAIT,
+        "the expired published dead letter deleted",
+        || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.dead_letters")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap()
+                == 3
+        },
+    )
+    .await;
+    running.stop().await;
+    lock.rollback().await.unwrap();
+    let left: Vec<(String, bool, i64)> = sqlx::query_as(
+        "SELECT consumer_name, published_at IS NOT NULL,
+                extract(day FROM now() - created_at)::bigint
+         FROM postal.dead_letters ORDER BY 1, 2, 3",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        !left
+            .iter()
+            .any(|(c, p, age)| c == handlers::CONSUMER && *p && *age >= 30),
+        "{left:?}"
+    );
+    assert_eq!(
+        left,
+        [
+            ("someone-else".to_owned(), true, 40),
+            (handlers::CONSUMER.to_owned(), false, 40),
+            (handlers::CONSUMER.to_owned(), true, 1),
+        ]
+        .into_iter()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect::<Vec<_>>(),
+        "the unpublished, the young and the other consumer's stay"
+    );
+}
