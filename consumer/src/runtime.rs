@@ -529,16 +529,10 @@ async fn wait_for_schema(
         max: Duration::from_secs(10),
     };
     loop {
-        let r = sqlx::query("SELECT 1 FROM postal.consumer_offsets LIMIT 0")
-            .execute(pool)
-            .await;
-        match r {
-            Ok(_) => return Ok(true),
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => {
-                return Err(Error::Config(
-                    "Postal's schema is missing or out of date in this database: run `postal migrate` (or postal_shared::migrate)".into(),
-                ))
-            }
+        match postal_shared::check_schema(pool).await {
+            Ok(()) => return Ok(true),
+            // Missing, behind, or for newer binaries only: one line saying what to do.
+            Err(e) if !e.is_unavailable() => return Err(e.into()),
             Err(e) => {
                 tracing::warn!(error = %e, "database unreachable; waiting");
                 let wait = backoff.ceiling(failures);

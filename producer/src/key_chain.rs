@@ -26,10 +26,11 @@
 //! failure would hold its keys back in every later batch, for good (a batch given up in full
 //! held every key of a small key set back and the relay published nothing more). So a batch
 //! that the chain holds back (and a batch given up) asks the relay to *settle*: its next claim
-//! waits until the chain is empty ([`KeyChain::settled`]), every batch of it recorded and every
-//! held-back row back in the outbox, and takes each key from its earliest unpublished event
-//! again. A failure that holds nothing back in a later batch (its key in no other batch in
-//! flight) does not: unrelated keys keep their pipelining.
+//! waits until no batch that holds a key back is left in the chain ([`KeyChain::settled`]),
+//! each of them recorded and its failed and held-back rows back in the outbox, and takes each
+//! key from its earliest unpublished event again. Batches without a failure stay in flight
+//! meanwhile, and a failure that holds nothing back in a later batch (its key in no other batch
+//! in flight) does not settle at all: unrelated keys keep their pipelining.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
@@ -54,6 +55,9 @@ fn key_of(event: &OutboundEvent) -> u64 {
 pub(crate) struct Link {
     /// `Some(keys with a failure)` once the batch's outcome is known.
     outcome: watch::Sender<Option<Arc<HashSet<u64>>>>,
+    /// The batch holds a key back from later batches: one of its events failed, or the chain
+    /// held some back in it (known before its outcome is).
+    holds: AtomicBool,
 }
 
 impl Link {
@@ -80,11 +84,20 @@ pub(crate) struct KeyChain {
     settle: Arc<Settle>,
 }
 
-/// Whether a batch failed since the chain was last empty, and the wake-up when it empties.
+/// Whether a hold was passed on since the relay last settled, and the wake-up when a batch
+/// leaves the chain.
 #[derive(Default)]
 struct Settle {
-    wanted: AtomicBool,
-    emptied: Notify,
+    wanted: Mutex<bool>,
+    left: Notify,
+}
+
+impl Settle {
+    /// `link` holds a key back: the relay settles before its next claim.
+    fn hold(&self, link: &Link) {
+        link.holds.store(true, Ordering::SeqCst);
+        *self.wanted.lock().expect("settle") = true;
+    }
 }
 
 /// A batch's place in the chain, from hand-over until it is recorded.
@@ -102,7 +115,10 @@ impl KeyChain {
     /// Registers `batch` (called in claim order, before any later claim can register).
     pub(crate) fn register(&self, batch: &[OutboundEvent]) -> Entry {
         let (tx, _) = watch::channel(None);
-        let link = Arc::new(Link { outcome: tx });
+        let link = Arc::new(Link {
+            outcome: tx,
+            holds: AtomicBool::new(false),
+        });
         let keys: Vec<u64> = batch.iter().map(key_of).collect();
         let mut deps: Vec<Arc<Link>> = Vec::new();
         let mut last = self.batches.lock().expect("key chain");
@@ -129,39 +145,66 @@ impl KeyChain {
         }
     }
 
-    /// Returns at once unless a batch failed since the chain was last empty; then waits until
-    /// every batch registered is removed (recorded), so that the next claim registers behind
-    /// none of them. Called by a lane before it claims, holding no claim of its own.
+    /// Returns at once unless a hold was passed on to a later batch since the relay last
+    /// settled; then waits until no batch that holds a key back (one with a failure, or with
+    /// events the chain held back) is left in the chain, so that the next claim registers
+    /// behind none of them and takes their keys from the earliest unpublished event. Batches
+    /// without a failure stay in flight meanwhile (a slow one does not stop the relay). Called
+    /// by a lane before it claims, holding no claim of its own.
     pub(crate) async fn settled(&self) {
         loop {
-            let emptied = self.settle.emptied.notified();
-            tokio::pin!(emptied);
-            emptied.as_mut().enable();
-            if !self.settle.wanted.load(Ordering::SeqCst) {
-                return;
+            let left = self.settle.left.notified();
+            tokio::pin!(left);
+            left.as_mut().enable();
+            {
+                let mut wanted = self.settle.wanted.lock().expect("settle");
+                if !*wanted {
+                    return;
+                }
+                let holding = self
+                    .batches
+                    .lock()
+                    .expect("key chain")
+                    .values()
+                    .flatten()
+                    .any(|l| l.holds.load(Ordering::SeqCst));
+                if !holding {
+                    *wanted = false;
+                    return;
+                }
             }
-            if self.batches.lock().expect("key chain").is_empty() {
-                self.settle.wanted.store(false, Ordering::SeqCst);
-                return;
-            }
-            emptied.await;
+            left.await;
         }
     }
 
     /// Takes the batch out of the chain: its keys no longer make later batches wait.
     pub(crate) fn remove(&self, entry: &Entry) {
+        // The keys this batch failed: the batches registered behind it with one of them are
+        // held back there (marked now, before their own `wait` may have seen it).
+        let failed = entry.link.outcome.borrow().clone();
+        let mut passed_on = false;
         let mut last = self.batches.lock().expect("key chain");
         for k in &entry.keys {
             if let Some(links) = last.get_mut(k) {
-                links.retain(|l| !Arc::ptr_eq(l, &entry.link));
+                if let Some(pos) = links.iter().position(|l| Arc::ptr_eq(l, &entry.link)) {
+                    if failed.as_ref().is_some_and(|f| f.contains(k)) {
+                        for later in &links[pos + 1..] {
+                            later.holds.store(true, Ordering::SeqCst);
+                            passed_on = true;
+                        }
+                    }
+                    links.remove(pos);
+                }
                 if links.is_empty() {
                     last.remove(k);
                 }
             }
         }
-        if last.is_empty() {
-            self.settle.emptied.notify_waiters();
+        drop(last);
+        if passed_on {
+            *self.settle.wanted.lock().expect("settle") = true;
         }
+        self.settle.left.notify_waiters();
     }
 }
 
@@ -175,8 +218,8 @@ impl Entry {
         }
         let held: Vec<bool> = self.keys.iter().map(|k| failed.contains(k)).collect();
         if held.iter().any(|h| *h) {
-            // A link of a hold that would pass from batch to batch: settle.
-            self.settle.wanted.store(true, Ordering::SeqCst);
+            // A hold passed on to this batch, which passes it on in turn: settle.
+            self.settle.hold(&self.link);
         }
         held
     }
@@ -198,6 +241,11 @@ impl Entry {
             .collect();
         self.failed_any = !failed.is_empty();
         self.resolved = true;
+        if self.failed_any {
+            // Marked, not settled for: it holds keys back only from batches registered behind
+            // it, whose `wait` asks for the settle.
+            self.link.holds.store(true, Ordering::SeqCst);
+        }
         self.link.outcome.send_replace(Some(Arc::new(failed)));
     }
 
@@ -207,7 +255,7 @@ impl Entry {
         self.failed_any = !failed.is_empty();
         self.resolved = true;
         if self.failed_any {
-            self.settle.wanted.store(true, Ordering::SeqCst);
+            self.settle.hold(&self.link);
         }
         self.link.outcome.send_replace(Some(Arc::new(failed)));
     }

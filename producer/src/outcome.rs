@@ -62,12 +62,20 @@ impl Judge {
         // Keys with a failed event earlier in this batch: their later failures were caused by
         // (or queued behind) it and do not count as attempts of their own.
         let mut failed_keys: HashSet<&str> = HashSet::new();
+        let mut overtaken = 0usize;
         for (event, outcome) in batch.iter().zip(outcomes) {
             let outcome = match outcome {
                 Err(_) if !failed_keys.insert(event.key.as_str()) => Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
                 )),
+                Ok(()) if failed_keys.contains(event.key.as_str()) => {
+                    // The transport broke its contract (`Transport::send`): published after
+                    // an earlier event of its key failed. Recorded as published (it is), and
+                    // said loudly: the key's order is broken at the destination.
+                    overtaken += 1;
+                    Ok(())
+                }
                 other => other,
             };
             match outcome {
@@ -119,6 +127,12 @@ impl Judge {
                     });
                 }
             }
+        }
+        if overtaken > 0 {
+            tracing::error!(
+                events = overtaken,
+                "the transport published events after an earlier event of their key failed in the same batch: their key's order is broken at the destination (a transport must hold them back)"
+            );
         }
         if any_unavailable {
             let n = self.unavailable_streak.fetch_add(1, Ordering::Relaxed);

@@ -117,6 +117,29 @@ impl<T: Transport> Relay<T> {
     /// Database or broker outages never end the loop: it logs one line per failed attempt and
     /// retries with backoff.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<RelayStats, Error> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        // The upgrade contract: a schema this relay must not run on (missing, behind, or for
+        // newer binaries only) stops it with one line; an unreachable database is waited for.
+        let mut failures = 0u32;
+        loop {
+            match postal_shared::check_schema(&self.pool).await {
+                Ok(()) => break,
+                Err(e) if e.is_unavailable() => {
+                    let wait = self
+                        .config
+                        .backoff
+                        .delay(failures)
+                        .max(Duration::from_millis(200));
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "database unreachable; the relay waits for it to start");
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = &mut shutdown => return Ok(RelayStats::default()),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         let (wake_tx, wake_rx) = tokio::sync::watch::channel(0u64);
         let shared = Arc::new(Shared {
             pool: self.pool.clone(),

@@ -96,6 +96,10 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Hands the whole batch to the destination, in order, without waiting for
     /// acknowledgements; returns the future of the acknowledgements.
+    ///
+    /// Per key, order is the transport's to keep within a batch: once an event fails, no later
+    /// event of its key in the batch may be published — return [`FailureKind::HeldBack`] for
+    /// them (the built-in transports do). Across batches the relay keeps it.
     fn send(&self, batch: &[OutboundEvent]) -> impl Future<Output = Self::Acks> + Send;
 
     /// The longest the transport may take to acknowledge or fail an event, if bounded. The

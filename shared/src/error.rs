@@ -26,6 +26,27 @@ pub enum Error {
         /// Who holds it (backend pid and application name), as far as `pg_locks` tells.
         holder: String,
     },
+    /// The database has no Postal schema.
+    #[error("this database has no Postal schema: run `postal migrate` (or postal_shared::migrate) first")]
+    SchemaMissing,
+    /// The database's schema lacks migrations this binary needs.
+    #[error("this database's Postal schema is at migration {applied}, and this binary needs migration {known}: run `postal migrate` with this version first")]
+    SchemaBehind {
+        /// The newest migration applied.
+        applied: i64,
+        /// The newest migration this binary knows.
+        known: i64,
+    },
+    /// The database's schema no longer admits binaries as old as this one.
+    #[error("this database's Postal schema (migration {applied}) needs binaries that know migration {oldest} or later, and this one knows up to {known}: upgrade it")]
+    SchemaTooNew {
+        /// The newest migration applied.
+        applied: i64,
+        /// The oldest migration a binary must know (`postal.schema_contract`).
+        oldest: i64,
+        /// The newest migration this binary knows.
+        known: i64,
+    },
 }
 
 impl Error {

@@ -18,6 +18,7 @@ mod availability;
 mod backoff;
 pub mod cancel_safe;
 pub mod cleanup;
+mod contract;
 mod detached_drop;
 mod envelope;
 mod error;
@@ -30,6 +31,7 @@ pub mod text;
 
 pub use availability::database_unavailable;
 pub use backoff::Backoff;
+pub use contract::{check_schema, known_version};
 pub use detached_drop::DetachedDrop;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_NAME_LEN};
 pub use error::Error;

@@ -40,6 +40,8 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     let mut pg = PrivatePostgres::start().await;
     let mut broker = PrivateBroker::start().await;
     let db = create_db(&pg.url()).await;
+    // As an operator would: the schema first (a relay refuses to start without it).
+    postal_shared::migrate(&db.pool).await.expect("migrate");
     let bootstrap = broker.bootstrap();
     let (orders_topic, invoices_topic) = (unique("chaos-orders"), unique("chaos-invoices"));
     create_topic(&bootstrap, &orders_topic, 6).await;

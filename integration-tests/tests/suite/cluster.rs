@@ -131,6 +131,8 @@ async fn broker_faults(orders: u64, rate: u64) {
     let pg = PrivatePostgres::start().await;
     let mut cluster = PrivateCluster::start().await;
     let db = create_db(&pg.url()).await;
+    // As an operator would: the schema first (a relay refuses to start without it).
+    postal_shared::migrate(&db.pool).await.expect("migrate");
     let bootstrap = cluster.bootstrap();
     let (orders_topic, invoices_topic) = (unique("cluster-orders"), unique("cluster-invoices"));
     for t in [&orders_topic, &invoices_topic] {

@@ -167,3 +167,78 @@ async fn a_migration_behind_a_long_transaction_gives_up_after_its_lock_timeout()
         .await
         .expect("migrates once the transaction ended");
 }
+
+/// Runs a relay (a transport that is never reached) on `pool` until it stops by itself; the
+/// error it stopped with.
+async fn relay_refusal(pool: &sqlx::PgPool) -> String {
+    let transport = crate::common::kafka_transport("127.0.0.1:9");
+    let relay =
+        postal_producer::Relay::new(pool.clone(), transport, crate::common::fast_config()).unwrap();
+    let stopped = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        relay.run(std::future::pending()),
+    )
+    .await
+    .expect("the relay stops by itself");
+    stopped.expect_err("the relay refuses to run").to_string()
+}
+
+/// Guarantee (the upgrade contract, checked at start): a relay refuses, with one line saying
+/// what to do, a database without Postal's schema, a schema that lacks a migration it needs,
+/// and a schema whose contract admits only newer binaries; it runs on a schema with a newer
+/// additive migration it does not know. (Before, a relay on a database without the schema
+/// logged "cannot renew partition leases (database unreachable?)" every two seconds, for
+/// good, and nothing checked versions.)
+#[tokio::test]
+async fn a_relay_checks_the_schema_against_the_upgrade_contract_at_start() {
+    let svc = services().await;
+    let bare = postal_integration_tests::create_db(&svc.database_url).await;
+    let missing = relay_refusal(&bare.pool).await;
+    assert!(
+        missing.contains("no Postal schema") && missing.contains("postal migrate"),
+        "{missing}"
+    );
+    assert!(!missing.contains('\n'), "{missing}");
+
+    let db = svc.fresh_db().await;
+    let known = postal_shared::known_version();
+    sqlx::query("DELETE FROM postal._sqlx_migrations WHERE version = $1")
+        .bind(known)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let behind = relay_refusal(&db.pool).await;
+    assert!(
+        behind.contains(&format!("at migration {}", known - 1))
+            && behind.contains(&format!("needs migration {known}"))
+            && behind.contains("postal migrate"),
+        "{behind}"
+    );
+
+    // A newer additive migration this binary does not know: fine.
+    let db = svc.fresh_db().await;
+    sqlx::query(
+        "INSERT INTO postal._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'a newer additive migration', true, '\\x00', 0)",
+    )
+    .bind(known + 1)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    postal_shared::check_schema(&db.pool)
+        .await
+        .expect("a newer additive schema admits this binary");
+
+    // A newer migration that older binaries must not run on.
+    sqlx::query("UPDATE postal.schema_contract SET oldest_compatible = $1")
+        .bind(known + 1)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let too_new = relay_refusal(&db.pool).await;
+    assert!(
+        too_new.contains(&format!("know migration {} or later", known + 1))
+            && too_new.contains("upgrade it"),
+        "{too_new}"
+    );
+}

@@ -164,6 +164,8 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
     let orders = env_u64("POSTAL_NETSPLIT_ORDERS", 15_000);
     let rate = env_u64("POSTAL_NETSPLIT_RATE", 100);
     let db = create_db(&stack.database_url()).await;
+    // As an operator would: the schema first (a relay refuses to start without it).
+    postal_shared::migrate(&db.pool).await.expect("migrate");
     let bootstrap = stack.bootstrap();
     let (orders_topic, invoices_topic) = (unique("split-orders"), unique("split-invoices"));
     create_topic(&bootstrap, &orders_topic, 6).await;
