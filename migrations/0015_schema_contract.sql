@@ -1,5 +1,5 @@
 -- The upgrade contract, checked by every Postal binary when it starts
--- (`postal_shared::check_schema`; README, "Upgrades").
+-- (`postal_shared::check_schema`; README, "Schema and upgrades").
 --
 -- `oldest_compatible`: the oldest migration a binary must know to run on this schema. A binary
 -- that knows an older one only refuses to start, with one line saying to upgrade it. Additive
