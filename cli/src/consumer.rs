@@ -456,7 +456,16 @@ fn positions(
     let mut out = Vec::new();
     for p in chosen {
         let offset = match target {
-            Target::Offset(n) => n,
+            Target::Offset(n) => {
+                // Outside the partition's offsets, the consumer would fall back to its
+                // `auto.offset.reset` and then skip what lies below the stored offset.
+                let (low, high) = client.fetch_watermarks(topic, p, timeout)?;
+                anyhow::ensure!(
+                    (low..=high).contains(&n),
+                    "--to {n} is outside partition {p}'s offsets ({low} to {high}): pick one in that range, or earliest, latest or a time"
+                );
+                n
+            }
             Target::Earliest => client.fetch_watermarks(topic, p, timeout)?.0,
             Target::Latest => client.fetch_watermarks(topic, p, timeout)?.1,
             Target::Time(ms) => {

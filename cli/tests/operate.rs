@@ -1360,3 +1360,39 @@ async fn discard_by_filter_acts_only_on_what_matched_at_the_start() {
         "the event parked while the command ran is still there"
     );
 }
+
+/// Guarantee: `postal consumer reset --to <offset>` refuses an offset outside a partition's
+/// offsets (here past its end) with one line naming the range, and changes nothing. (Before,
+/// it stored the offset: the consumer then fell back to its `auto.offset.reset` and skipped
+/// every record below the stored offset — a silent loss.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reset_refuses_an_offset_outside_the_partition() {
+    let Some(e) = env().await else { return };
+    let (topic, group) = (unique("reset-range"), unique("g"));
+    create_topic(&e.bootstrap, &topic).await;
+    produce(&e.bootstrap, &topic, &["{}"; 5]).await;
+    let mut c = postal(&e.url);
+    c.args([
+        "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "999999",
+    ])
+    .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    let err = fails(c);
+    assert!(
+        err.contains("is outside partition 0's offsets (0 to 5)"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let stored: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.consumer_offsets WHERE group_id = $1")
+            .bind(&group)
+            .fetch_one(&e.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, 0, "nothing stored");
+    let mut c = postal(&e.url);
+    c.args([
+        "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "5",
+    ])
+    .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    assert!(ok(c).contains("-> next offset 5"));
+}
