@@ -129,9 +129,9 @@ impl<T: Transport> Relay<T> {
                         .config
                         .backoff
                         .delay(failures)
-                        .max(Duration::from_millis(200));
+                        .clamp(Duration::from_millis(200), Duration::from_secs(10));
                     failures = failures.saturating_add(1);
-                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "database unreachable; the relay waits for it to start");
+                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "database unreachable; retrying before the relay starts");
                     tokio::select! {
                         () = tokio::time::sleep(wait) => {}
                         () = &mut shutdown => return Ok(RelayStats::default()),
