@@ -21,6 +21,9 @@ BEGIN
     IF to_regclass('postal.' || v_name) IS NOT NULL THEN
         RETURN;
     END IF;
+    -- No row of the day may reach the default partition between the move and the attach (the
+    -- attach would then fail): relays' archive inserts into it wait for this transaction.
+    LOCK TABLE postal.outbox_history_default IN SHARE ROW EXCLUSIVE MODE;
     EXECUTE format(
         'CREATE TABLE postal.%I (LIKE postal.outbox_history INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
         v_name);

@@ -41,10 +41,12 @@ pub struct ConsumerConfig {
     /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
     /// window in which a relay can republish an event (README: "Dedup retention").
     pub dedup_retention: Option<Duration>,
-    /// Delete this consumer's dead letters older than this (default 30 days) once they reached
-    /// their dead-letter topic (unpublished ones are kept: the table is their only copy), in
-    /// batches, every `cleanup_interval`; `None` keeps them. A deleted dead letter can no longer
-    /// be replayed with `postal dead-letters replay` (its copy on the `.dlq` topic remains).
+    /// Delete this consumer's dead letters published to their dead-letter topic more than this
+    /// long ago (unpublished ones are kept: the table is their only copy), in batches, every
+    /// `cleanup_interval`; `None` (the default) keeps them. A deleted dead letter can no longer
+    /// be replayed with `postal dead-letters replay`, and its copy on the `.dlq` topic lasts only
+    /// as long as that topic's retention (the broker's default, 7 days on stock Kafka): set it
+    /// only if losing unreplayed dead letters after that long is acceptable.
     pub dead_letter_retention: Option<Duration>,
     /// How often retention runs and `postal_consumer_dedup_oldest_seconds` is refreshed
     /// (default 60 s).
@@ -193,7 +195,7 @@ impl ConsumerConfig {
             max_concurrent_partitions: 8,
             max_batch: 1,
             dedup_retention: Some(Duration::from_secs(7 * 24 * 3600)),
-            dead_letter_retention: Some(Duration::from_secs(30 * 24 * 3600)),
+            dead_letter_retention: None,
             cleanup_interval: Duration::from_secs(60),
             max_attempts: 10,
             backoff: Backoff {
@@ -238,7 +240,7 @@ impl ConsumerConfig {
     /// | `POSTAL_SHUTDOWN_TIMEOUT_MS` | [`shutdown_timeout`](Self::shutdown_timeout) |
     /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
     /// | `POSTAL_DEDUP_RETENTION_SECS` | [`dedup_retention`](Self::dedup_retention) (`0` = keep forever) |
-    /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `0s` = keep forever) |
+    /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `0s` or unset = keep forever) |
     /// | `POSTAL_CLEANUP_INTERVAL_SECS` | [`cleanup_interval`](Self::cleanup_interval) |
     /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `0s` = the server's settings) |
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {

@@ -214,8 +214,8 @@ pub async fn cleanup_dead_letters_of(
         CleanupLock::Named(DEAD_LETTER_CONSUMER_LOCK, consumer),
         "DELETE FROM postal.dead_letters WHERE id IN (
              SELECT id FROM postal.dead_letters
-             WHERE consumer_name = $3 AND published_at IS NOT NULL
-               AND created_at < now() - $1 * interval '1 millisecond'
+             WHERE consumer_name = $3
+               AND published_at < now() - $1 * interval '1 millisecond'
              ORDER BY id LIMIT $2)",
         retention,
         batch,
