@@ -15,6 +15,8 @@ use sqlx::PgPool;
 pub enum ConsumerCommand {
     /// Move a consumer group's stored offsets on a topic while the group is stopped.
     ///
+    /// Prints the plan and changes nothing unless `--execute` is given.
+    ///
     /// Postal consumers resume from the offsets stored in the database beside their effects,
     /// not from Kafka's group offsets: Kafka's own reset tool (`kafka-consumer-groups
     /// --reset-offsets`) would be ignored. Use this instead. Moving back replays events: their
@@ -44,6 +46,11 @@ pub enum ConsumerCommand {
         /// Reset even if the group has live members (they would overwrite the reset).
         #[arg(long)]
         force: bool,
+        /// Apply the plan. Without it the command only prints the plan (each partition's stored
+        /// offset, its target, and how many offsets are replayed or skipped) and changes
+        /// nothing.
+        #[arg(long)]
+        execute: bool,
         /// The group's dedup scopes (`ConsumerConfig::consumer`, `#[idempotent(consumer = ..)]`)
         /// whose dedup retention horizon the target must not reach past (repeatable). Default:
         /// every consumer whose dedup rows retention ever deleted, since the database does not
@@ -100,6 +107,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         partitions,
         to,
         force,
+        execute,
         consumers,
         force_past_retention,
         clock_tolerance,
@@ -220,6 +228,16 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             humantime::format_duration(clock_tolerance)
         );
     }
+    for (partition, offset) in &positions {
+        println!(
+            "plan: {group} {topic}[{partition}]: {}",
+            plan_line(stored.get(partition).copied(), *offset)
+        );
+    }
+    if !execute {
+        println!("dry run: nothing changed; add --execute to apply this plan");
+        return Ok(());
+    }
     // Kafka's group offsets must never be ahead of the stored ones: a restarted consumer
     // fetches from Kafka's offset until its seek to the stored one lands, and would take a
     // later record as its start, skipping the replay. So: move Kafka's offsets back first
@@ -258,6 +276,22 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// What moving a partition's stored next offset from `stored` to `target` does.
+fn plan_line(stored: Option<i64>, target: i64) -> String {
+    match stored {
+        None => format!("no stored offset -> next offset {target} (the group starts there)"),
+        Some(s) if s == target => format!("next offset {s} -> {target} (unchanged)"),
+        Some(s) if target < s => format!(
+            "next offset {s} -> {target} (moves back {} offsets: replayed, each event applied at most once while its dedup row lasts)",
+            s - target
+        ),
+        Some(s) => format!(
+            "next offset {s} -> {target} (moves forward {} offsets: those records are skipped, never applied)",
+            target - s
+        ),
+    }
 }
 
 async fn store(

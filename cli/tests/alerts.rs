@@ -26,8 +26,19 @@ fn alert_rules_parse_and_use_real_metrics() {
         "PostalPublishErrorRate",
         "PostalEventsParked",
         "PostalSlowProcessing",
+        "PostalConsumerSlow",
         "PostalRelayStuck",
         "PostalHorizonStalled",
+        "PostalDeadLetters",
+        "PostalHistoryMaintenanceFailing",
+        "PostalRelayAbsent",
+        "PostalPartitionsUnowned",
+        "PostalRelayChecksFailing",
+        "PostalBatchesGivenUp",
+        "PostalBatchRecordFailures",
+        "PostalReplicationSlotHoldsHorizon",
+        "PostalConsumerLagHigh",
+        "PostalDeadLettersUnpublished",
     ] {
         assert!(names.contains(wanted), "missing alert {wanted}");
     }

@@ -471,7 +471,7 @@ async fn effects(pool: &PgPool) -> (i64, i64) {
 }
 
 /// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members,
-/// moves the stored offsets once it is stopped, and the replay that follows applies nothing
+/// only prints its plan without `--execute`, moves the stored offsets once it is stopped, and the replay that follows applies nothing
 /// twice (every replayed event is recognised as a duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_reset_then_replay_applies_nothing_twice() {
@@ -488,7 +488,15 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     let reset = || {
         let mut c = postal(&e.url);
         c.args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
+            "earliest",
         ])
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
         c
@@ -504,6 +512,20 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     stop.send(()).unwrap();
     task.await.unwrap();
 
+    // Without --execute: the plan, and nothing changed.
+    let mut dry = postal(&e.url);
+    dry.args([
+        "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+    ])
+    .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+    let plan = ok(dry);
+    assert!(
+        plan.contains(&format!(
+            "plan: {group} {topic}[0]: next offset 20 -> 0 (moves back 20 offsets"
+        )) && plan.contains("dry run: nothing changed; add --execute"),
+        "{plan}"
+    );
+    assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(20));
     assert!(ok(reset()).contains("-> next offset 0"));
     let (stop, task, stats) = start_consumer(&e, &group, &topic);
     until("the replay of 20 events", || async {
@@ -853,7 +875,15 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
     let reset = |to: &str, extra: &[&str]| {
         let mut c = postal(&e.url);
         c.args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", to,
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
+            to,
         ])
         .args(extra)
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
@@ -951,7 +981,15 @@ async fn consumer_reset_refuses_targets_below_the_groups_offset_marks() {
     let reset = |to: &str| {
         let mut c = postal(&e.url);
         c.args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", to,
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
+            to,
         ])
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
         c
@@ -1170,7 +1208,15 @@ async fn consumer_reset_whose_kafka_commit_fails_changes_nothing() {
     let mut reset = postal(&e.url);
     reset
         .args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
+            "earliest",
             "--force",
         ])
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
@@ -1373,7 +1419,15 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
     produce(&e.bootstrap, &topic, &["{}"; 5]).await;
     let mut c = postal(&e.url);
     c.args([
-        "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "999999",
+        "consumer",
+        "reset",
+        "--execute",
+        "--group",
+        &group,
+        "--topic",
+        &topic,
+        "--to",
+        "999999",
     ])
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     let err = fails(c);
@@ -1391,7 +1445,15 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
     assert_eq!(stored, 0, "nothing stored");
     let mut c = postal(&e.url);
     c.args([
-        "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "5",
+        "consumer",
+        "reset",
+        "--execute",
+        "--group",
+        &group,
+        "--topic",
+        &topic,
+        "--to",
+        "5",
     ])
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     assert!(ok(c).contains("-> next offset 5"));

@@ -45,9 +45,26 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 /// session that took the same advisory lock key), before it fails with [`Error::LockBusy`].
 pub const MIGRATE_LOCK_WAIT: Duration = Duration::from_secs(60);
 
-/// The longest one migration statement waits for a table lock (`lock_timeout`) before the
-/// migration is rolled back and tried again (within [`MIGRATE_LOCK_WAIT`] in all).
-pub const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest one statement of a transactional migration waits for a table lock
+/// (`lock_timeout`) before the migration is rolled back and tried again (within
+/// [`MIGRATE_LOCK_WAIT`] in all). While it waits, the outbox's writers queue behind its
+/// request: short, so that enqueue and claims are held up at most this long per attempt.
+pub const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The pauses between attempts of a migration that timed out on a lock grow up to this, so
+/// that a long transaction (a claim open for seconds) is outlasted without holding the
+/// outbox's writers up for more than [`MIGRATION_LOCK_TIMEOUT`] at a time.
+const MIGRATION_RETRY_PAUSE_MAX: Duration = Duration::from_secs(8);
+
+/// Checksums of earlier forms of migrations, replaced by a form that does the same with less
+/// locking: a database where the earlier form ran is accepted (its recorded checksum is
+/// updated) instead of failing as "modified".
+/// - 9: built `outbox_pending_seq_partition` and dropped `outbox_pending_seq` in one
+///   transaction that blocked outbox writes; now built CONCURRENTLY, the drop in 0016.
+const EARLIER_CHECKSUMS: &[(i64, &str)] = &[(
+    9,
+    "3bf1f5b4163184149feda832e7ef1c31fc0ea0185be7eeb9b7854d8b7892aff8c859e71ea868ffdf0e973ffdec236c9a",
+)];
 
 /// Whether a migration failed because a lock was not granted within its `lock_timeout`.
 fn lock_timed_out(e: &sqlx::migrate::MigrateError) -> bool {
@@ -58,6 +75,109 @@ fn lock_timed_out(e: &sqlx::migrate::MigrateError) -> bool {
     e.as_database_error()
         .and_then(|d| d.code())
         .is_some_and(|c| c == "55P03")
+}
+
+/// Versions applied (successfully) so far; empty before the first migration.
+async fn applied(conn: &mut PgConnection) -> Result<Vec<i64>, sqlx::Error> {
+    let exists: bool =
+        sqlx::query_scalar("SELECT to_regclass('postal._sqlx_migrations') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !exists {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT version FROM postal._sqlx_migrations WHERE success")
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// Accepts databases where an earlier form of a migration ran (see [`EARLIER_CHECKSUMS`]), and
+/// drops what an interrupted concurrent index build left behind (an invalid index that
+/// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` would otherwise keep).
+async fn prepare(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let done = applied(conn).await?;
+    for &(version, earlier) in EARLIER_CHECKSUMS {
+        let Some(current) = MIGRATOR.iter().find(|m| m.version == version) else {
+            continue;
+        };
+        if done.contains(&version) {
+            sqlx::query(
+                "UPDATE postal._sqlx_migrations SET checksum = $1
+                 WHERE version = $2 AND encode(checksum, 'hex') = $3",
+            )
+            .bind(current.checksum.as_ref())
+            .bind(version)
+            .bind(earlier)
+            .execute(&mut *conn)
+            .await?;
+        }
+    }
+    if !done.contains(&9) {
+        let invalid: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_index
+             WHERE indexrelid = to_regclass('postal.outbox_pending_seq_partition')
+               AND NOT indisvalid)",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if invalid {
+            tracing::info!("dropping the invalid index an interrupted build of migration 9 left");
+            sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS postal.outbox_pending_seq_partition")
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// The embedded migrations up to and including `last`, as a migrator of their own.
+fn up_to(last: i64) -> Migrator {
+    let mut m = Migrator::DEFAULT;
+    m.migrations = MIGRATOR
+        .iter()
+        .filter(|m| m.version <= last)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    m.set_ignore_missing(true);
+    // Migrators are serialised by Postal's own lock (held on a connection of its own). sqlx's
+    // lock is a session lock it does not release when a migration fails: the connection of
+    // the transactional runs would keep it and the concurrent run on the other would wait on
+    // it forever.
+    m.locking = false;
+    m
+}
+
+/// Applies the pending migrations in runs: the transactional migrations up to the next
+/// `-- no-transaction` one on `pool` (short `lock_timeout`), then that one alone on `wait`
+/// (no `lock_timeout`: a concurrent index build blocks nobody while it waits for open
+/// transactions to end). Returns when none is pending.
+async fn apply(
+    lock: &mut PgConnection,
+    pool: &PgPool,
+    wait: &PgPool,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    loop {
+        prepare(lock).await?;
+        let done = applied(lock).await?;
+        let pending: Vec<&sqlx::migrate::Migration> = MIGRATOR
+            .iter()
+            .filter(|m| !done.contains(&m.version))
+            .collect();
+        let Some(first) = pending.first() else {
+            return Ok(());
+        };
+        if first.no_tx {
+            up_to(first.version).run(wait).await?;
+        } else {
+            let last = pending
+                .iter()
+                .take_while(|m| !m.no_tx)
+                .last()
+                .map_or(first.version, |m| m.version);
+            up_to(last).run(pool).await?;
+        }
+    }
 }
 
 /// [`migrate`], waiting at most `lock_wait` for the migration lock (and for table locks).
@@ -117,24 +237,32 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
         sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
             .execute(&mut lock)
             .await?;
-        // A one-connection pool whose search_path is `postal`: sqlx's bookkeeping table
-        // lands in the `postal` schema.
+        // One-connection pools whose search_path is `postal`: sqlx's bookkeeping table lands
+        // in the `postal` schema. `wait` has no lock timeout (concurrent index builds).
         let pool = PgPoolOptions::new()
             .max_connections(1)
             .connect_with(options.clone())
             .await?;
+        let wait = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone().options([("lock_timeout", "0")]))
+            .await?;
         // A migration that needs a lock held by a long transaction (an open claim, a
-        // `pg_dump`) gives up after `MIGRATION_LOCK_TIMEOUT` and is tried again, instead of
-        // queueing its exclusive lock in front of every enqueue and claim meanwhile.
+        // `pg_dump`) gives up after `MIGRATION_LOCK_TIMEOUT` and is tried again after a
+        // growing pause, instead of queueing its exclusive lock in front of every enqueue and
+        // claim meanwhile.
+        let mut pause = Duration::from_secs(1);
         let run = loop {
-            match MIGRATOR.run(&pool).await {
+            match apply(&mut lock, &pool, &wait).await {
                 Err(e) if lock_timed_out(&e) && started.elapsed() < lock_wait => {
-                    tracing::warn!(error = %e, "a migration waited {MIGRATION_LOCK_TIMEOUT:?} for a table lock (a long transaction holds it); trying again");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    tracing::warn!(error = %e, "a migration waited {MIGRATION_LOCK_TIMEOUT:?} for a table lock (a long transaction holds it); trying again in {pause:?}");
+                    tokio::time::sleep(pause.min(lock_wait.saturating_sub(started.elapsed()))).await;
+                    pause = (pause * 2).min(MIGRATION_RETRY_PAUSE_MAX);
                 }
                 other => break other,
             }
         };
+        wait.close().await;
         pool.close().await;
         if let Err(e) = &run {
             if lock_timed_out(e) {

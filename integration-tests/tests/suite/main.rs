@@ -41,3 +41,4 @@ mod takeover;
 mod tasks;
 mod throughput;
 mod trace;
+mod upgrade;

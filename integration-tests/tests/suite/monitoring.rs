@@ -1,6 +1,6 @@
 //! What an operator's monitoring sees: each test makes the condition an alert of
-//! `deploy/prometheus-alerts.yml` is about, on a running `postal relay`, and watches the
-//! metric the alert reads change on its `/metrics`.
+//! `deploy/prometheus-alerts.yml` is about, on a running `postal relay` (or consumer process),
+//! and watches the metric the alert reads change on its `/metrics`.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -234,4 +234,378 @@ async fn failed_batch_commits_are_counted() {
     })
     .await;
     relay.stop();
+}
+
+/// An admin client on `bootstrap`.
+fn kafka_admin(
+    bootstrap: &str,
+) -> rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client")
+}
+
+/// Creates `topic` (one partition, one replica) with the topic settings `config`.
+async fn create_topic_with(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+    let mut new = NewTopic::new(topic, 1, TopicReplication::Fixed(1));
+    for (k, v) in config {
+        new = new.set(k, v);
+    }
+    for r in kafka_admin(bootstrap)
+        .create_topics([&new], &AdminOptions::new())
+        .await
+        .expect("create topic")
+    {
+        r.expect("topic created");
+    }
+}
+
+/// Sets the topic settings of `topic` to `config` (the others back to the broker's defaults).
+async fn alter_topic(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
+    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic));
+    for (k, v) in config {
+        alter = alter.set(k, v);
+    }
+    for r in kafka_admin(bootstrap)
+        .alter_configs([&alter], &AdminOptions::new())
+        .await
+        .expect("alter topic")
+    {
+        r.expect("topic altered");
+    }
+}
+
+/// Guarantee (alert `PostalBatchesGivenUp`): a relay whose claim's keep-alive fails while the
+/// batch is still in flight (here its producer lingers 8 s before it sends, `linger.ms`, and
+/// the test ends the claim's database session with `pg_terminate_backend` meanwhile) gives the
+/// batch up, counts it (`postal_relay_batches_given_up_total`), keeps running, and publishes the
+/// events with a later claim.
+#[tokio::test]
+async fn batches_given_up_mid_flight_are_counted() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = postal_integration_tests::unique("given-up");
+    {
+        let mut tx = db.pool.begin().await.unwrap();
+        let e = postal_producer::NewEvent::json(topic.as_str(), "k", "e", &1).unwrap();
+        postal_producer::enqueue(&mut tx, e).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let dir = bin_dir();
+    let logs = dir.join(format!("monitoring-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let (mut relay, port) = relay(
+        &dir,
+        &logs,
+        &db.url,
+        &svc.bootstrap,
+        &[
+            "--lease",
+            "20s",
+            "--kafka",
+            "message.timeout.ms=9000",
+            "--kafka",
+            "linger.ms=8000",
+        ],
+    );
+    relay.start();
+    let within = Duration::from_secs(60);
+    // The batch is in flight: its claim's transaction stays open, unacknowledged (the keep-alive
+    // comes every 5 s).
+    let claims = "SELECT pid FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()
+                    AND state LIKE 'idle in transaction%' AND xact_start < now() - interval '1 s'";
+    let deadline = Instant::now() + within;
+    let claim: Vec<i32> = loop {
+        let pids: Vec<i32> = sqlx::query_scalar(claims)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        if !pids.is_empty() {
+            break pids;
+        }
+        relay.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "no batch in flight within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for pid in claim {
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    until_metric(
+        &mut relay,
+        port,
+        "postal_relay_batches_given_up_total",
+        within,
+        |v| v >= 1.0,
+    )
+    .await;
+    assert!(relay.logged("giving up a batch still in flight"));
+    postal_integration_tests::wait::until(within, "outbox drained", || async {
+        crate::common::outbox_count(&db.pool).await == 0
+    })
+    .await;
+    relay.stop();
+}
+
+/// A physical replication slot that a standby's connection holds: its hot-standby feedback
+/// sets the slot's `xmin`, as a standby with `hot_standby_feedback = on` does. Dropped (its
+/// connection ended first) when the guard is dropped, also when the test fails: slots are the
+/// server's, not the test database's.
+struct HeldSlot {
+    name: String,
+    admin_url: String,
+    conn: Option<tokio::net::TcpStream>,
+}
+
+impl HeldSlot {
+    /// Creates slot `name` on the server of `admin_url` and sends feedback with the xmin of a
+    /// transaction that has just ended.
+    async fn hold(admin_url: &str, name: &str) -> HeldSlot {
+        use sqlx::postgres::PgConnectOptions;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut slot = HeldSlot {
+            name: name.to_owned(),
+            admin_url: admin_url.to_owned(),
+            conn: None,
+        };
+        let opts: PgConnectOptions = admin_url.parse().expect("valid DATABASE_URL");
+        let admin = sqlx::PgPool::connect_with(opts.clone()).await.unwrap();
+        sqlx::query("SELECT pg_create_physical_replication_slot($1, true)")
+            .bind(name)
+            .execute(&admin)
+            .await
+            .unwrap();
+        let xid: i64 = sqlx::query_scalar("SELECT txid_current()")
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_flush_lsn()::text")
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        // The replication protocol (trust authentication, as the test servers have).
+        let mut s = tokio::net::TcpStream::connect((opts.get_host(), opts.get_port()))
+            .await
+            .expect("connect for replication");
+        let mut params = Vec::new();
+        for p in ["user", opts.get_username(), "replication", "true", ""] {
+            params.extend_from_slice(p.as_bytes());
+            params.push(0);
+        }
+        let mut startup = ((params.len() + 8) as i32).to_be_bytes().to_vec();
+        startup.extend_from_slice(&196_608i32.to_be_bytes());
+        startup.extend_from_slice(&params);
+        s.write_all(&startup).await.unwrap();
+        async fn until(s: &mut tokio::net::TcpStream, wanted: u8) {
+            loop {
+                let kind = s.read_u8().await.expect("replication connection");
+                let len = s.read_i32().await.unwrap() as usize;
+                let mut body = vec![0; len - 4];
+                s.read_exact(&mut body).await.unwrap();
+                match kind {
+                    b'E' => panic!("replication: {}", String::from_utf8_lossy(&body)),
+                    b'R' => assert_eq!(body[..4], [0, 0, 0, 0], "needs trust authentication"),
+                    k if k == wanted => return,
+                    _ => {}
+                }
+            }
+        }
+        until(&mut s, b'Z').await;
+        let start = format!("START_REPLICATION SLOT {name} PHYSICAL {lsn}\0");
+        let mut query = vec![b'Q'];
+        query.extend_from_slice(&((start.len() + 4) as i32).to_be_bytes());
+        query.extend_from_slice(start.as_bytes());
+        s.write_all(&query).await.unwrap();
+        until(&mut s, b'W').await;
+        // Hot standby feedback: send time, xmin and its epoch, no catalog xmin.
+        let mut feedback = vec![b'h'];
+        feedback.extend_from_slice(&0i64.to_be_bytes());
+        feedback.extend_from_slice(&(xid as u32).to_be_bytes());
+        feedback.extend_from_slice(&((xid >> 32) as u32).to_be_bytes());
+        feedback.extend_from_slice(&[0; 8]);
+        let mut copy = vec![b'd'];
+        copy.extend_from_slice(&((feedback.len() + 4) as i32).to_be_bytes());
+        copy.extend_from_slice(&feedback);
+        s.write_all(&copy).await.unwrap();
+        slot.conn = Some(s);
+        slot
+    }
+
+    /// Ends the standby's connection and drops the slot.
+    fn drop_slot(&mut self) {
+        drop(self.conn.take());
+        let (url, name) = (self.admin_url.clone(), self.name.clone());
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let admin = sqlx::PgPool::connect(&url)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    // Its walsender may still be on its way out.
+                    sqlx::query(
+                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                         WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                    )
+                    .bind(&name)
+                    .execute(&admin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    let r = sqlx::query(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                         WHERE slot_name = $1",
+                    )
+                    .bind(&name)
+                    .execute(&admin)
+                    .await;
+                    match r {
+                        Ok(_) => return Ok(()),
+                        Err(e) if Instant::now() > deadline => return Err(e.to_string()),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop replication slot {}: {dropped:?}", self.name);
+        }
+        self.admin_url.clear();
+    }
+}
+
+impl Drop for HeldSlot {
+    fn drop(&mut self) {
+        if !self.admin_url.is_empty() {
+            self.drop_slot();
+        }
+    }
+}
+
+/// Guarantee (alert `PostalReplicationSlotHoldsHorizon`): a physical replication slot whose
+/// standby sent hot-standby feedback holds the server's visibility horizon (the slot's
+/// `xmin`); the relay reports how many transactions back
+/// (`postal_relay_replication_slot_xmin_age` above 0), and 0 again once the slot is dropped.
+#[tokio::test]
+async fn a_replication_slot_holding_the_horizon_shows_its_age() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let dir = bin_dir();
+    let logs = dir.join(format!("monitoring-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let (mut relay, port) = relay(
+        &dir,
+        &logs,
+        &db.url,
+        &svc.bootstrap,
+        // Housekeeping every 2 s (every lease, at most 15 s).
+        &["--lease", "2s", "--kafka", "message.timeout.ms=900"],
+    );
+    relay.start();
+    let age = "postal_relay_replication_slot_xmin_age";
+    let within = Duration::from_secs(60);
+    until_metric(&mut relay, port, age, within, |v| v == 0.0).await;
+    let name = format!("postal_test_{}", uuid::Uuid::now_v7().simple());
+    let mut slot = HeldSlot::hold(&svc.database_url, &name).await;
+    // Transactions go on: the slot holds the horizon further and further back.
+    let deadline = Instant::now() + within;
+    loop {
+        sqlx::query("SELECT txid_current()")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        if metric(port, age).is_some_and(|v| v >= 5.0) {
+            break;
+        }
+        relay.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "{age} did not rise within {within:?} (last: {:?})",
+            metric(port, age)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    slot.drop_slot();
+    until_metric(&mut relay, port, age, within, |v| v == 0.0).await;
+    relay.stop();
+}
+
+/// Guarantee (alert `PostalDeadLettersUnpublished`): a consumer whose dead letter cannot be
+/// published to its `.dlq` topic (here the topic takes no record: `max.message.bytes=1`)
+/// keeps it in `postal.dead_letters` and reports it
+/// (`postal_consumer_dead_letters_unpublished` above 0), and 0 once the topic takes it and the
+/// dead letter is published.
+#[tokio::test]
+async fn dead_letters_that_cannot_be_published_show_on_metrics() {
+    use crate::common::{create_topic, produce, RawRecord};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let orders = postal_integration_tests::unique("orders-unpublished");
+    let dlq = format!("{orders}.dlq");
+    create_topic(&svc.bootstrap, &orders, 1).await;
+    create_topic_with(&svc.bootstrap, &dlq, &[("max.message.bytes", "1")]).await;
+    let mut garbage = RawRecord::event(
+        uuid::Uuid::now_v7(),
+        "k",
+        "order.created",
+        serde_json::json!({}),
+    );
+    garbage.payload = b"\x00 not json".to_vec();
+    produce(&svc.bootstrap, &orders, None, &[garbage]).await;
+    let dir = bin_dir();
+    let logs = dir.join(format!("monitoring-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let port = postal_integration_tests::free_port();
+    let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[]).env(&[
+        ("DATABASE_URL", db.url.clone()),
+        ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+        ("ORDERS_TOPIC", orders.clone()),
+        (
+            "INVOICES_TOPIC",
+            postal_integration_tests::unique("invoices"),
+        ),
+        (
+            "POSTAL_CONSUMER_GROUP",
+            postal_integration_tests::unique("billing"),
+        ),
+        ("POSTAL_METRICS_ADDR", format!("127.0.0.1:{port}")),
+        ("RUST_LOG", "info,rdkafka=warn".into()),
+    ]);
+    billing.start();
+    let unpublished = "postal_consumer_dead_letters_unpublished{consumer=\"billing\"}";
+    let within = Duration::from_secs(60);
+    until_metric(&mut billing, port, unpublished, within, |v| v >= 1.0).await;
+    let waiting: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(waiting, 1, "the dead letter is kept");
+    alter_topic(&svc.bootstrap, &dlq, &[("max.message.bytes", "1048588")]).await;
+    until_metric(&mut billing, port, unpublished, within, |v| v == 0.0).await;
+    let published =
+        postal_integration_tests::kafka::read_all(&svc.bootstrap, &dlq, 1, within).await;
+    assert_eq!(published.len(), 1);
+    let waiting: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(waiting, 0);
+    billing.stop();
 }

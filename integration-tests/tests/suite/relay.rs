@@ -847,6 +847,160 @@ async fn history_maintenance_moves_default_rows_into_partitions_of_their_days() 
     assert!(again.ok() && again.created.is_empty() && again.moved_rows == 0);
 }
 
+/// Guarantee (history maintenance beside live archive inserts): while tasks keep inserting
+/// archive rows of today and of two earlier unexpired days into `postal.outbox_history` (as
+/// the relay's archive insert does), some of them waiting in the default partition,
+/// maintenance gives those days and tomorrow partitions of their own within a bounded number
+/// of runs without a failed step; no insert fails; every inserted row is in the history
+/// exactly once; and the default partition keeps no row of the days that got partitions.
+#[tokio::test]
+async fn history_maintenance_beside_live_archive_inserts_loses_and_fails_no_insert() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::{Arc, Mutex};
+    let db = services().await.fresh_db().await;
+    // Rows of three unexpired days wait in the default partition.
+    for days in [0.0, 1.0, 2.0] {
+        history_row(&db.pool, days).await;
+    }
+    let retention = Duration::from_secs(5 * 86_400);
+    let stop = Arc::new(AtomicBool::new(false));
+    let inserted: Arc<Mutex<Vec<uuid::Uuid>>> = Default::default();
+    let failures: Arc<Mutex<Vec<String>>> = Default::default();
+    let slowest: Arc<Mutex<Duration>> = Default::default();
+    let inserters: Vec<_> = (0..4)
+        .map(|task| {
+            let (pool, stop) = (db.pool.clone(), stop.clone());
+            let (inserted, failures) = (inserted.clone(), failures.clone());
+            let slowest = slowest.clone();
+            tokio::spawn(async move {
+                let mut n = 0u32;
+                while !stop.load(Ordering::SeqCst) {
+                    let id = uuid::Uuid::now_v7();
+                    let t = std::time::Instant::now();
+                    let days_ago = f64::from((n + task) % 3);
+                    n += 1;
+                    let res = sqlx::query(
+                        "INSERT INTO postal.outbox_history (seq, event_id, topic, event_key,
+                             event_type, schema_version, occurred_at, content_type, payload,
+                             headers, attempts, created_at, published_at)
+                         VALUES (0, $1, 't', 'k', 'e', 1, now(), 'application/json', '', '{}',
+                                 0, now(), now() - $2 * interval '1 day')",
+                    )
+                    .bind(id)
+                    .bind(days_ago)
+                    .execute(&pool)
+                    .await;
+                    {
+                        let mut m = slowest.lock().unwrap();
+                        *m = (*m).max(t.elapsed());
+                    }
+                    match res {
+                        Ok(_) => inserted.lock().unwrap().push(id),
+                        Err(e) => failures.lock().unwrap().push(e.to_string()),
+                    }
+                }
+            })
+        })
+        .collect();
+    let inserted_now = || inserted.lock().unwrap().len();
+    wait::until(Duration::from_secs(30), "inserts under way", || {
+        let n = inserted_now();
+        async move { n >= 50 }
+    })
+    .await;
+    let day = |offset: i32| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT 'outbox_history_' || to_char((now() AT TIME ZONE 'UTC')::date + $1, 'YYYYMMDD')",
+            )
+            .bind(offset)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let mut wanted = vec![day(-2).await, day(-1).await, day(0).await, day(1).await];
+    wanted.sort();
+    let mut created = Vec::new();
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let done = postal_producer::retention::maintain_history(&db.pool, retention)
+            .await
+            .unwrap()
+            .expect("lock free");
+        created.extend(done.created.iter().cloned());
+        runs.push(done.failed.clone());
+        if done.ok() {
+            break;
+        }
+    }
+    assert!(
+        runs.last().is_some_and(|f| f.is_empty()),
+        "maintenance failed steps in each of {} runs: {runs:?}",
+        runs.len()
+    );
+    created.sort();
+    assert_eq!(created, wanted, "each day got its partition once");
+    // Inserts go on after the partitions exist.
+    let after = inserted_now() + 50;
+    wait::until(Duration::from_secs(30), "inserts after maintenance", || {
+        let n = inserted_now();
+        async move { n >= after }
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for t in inserters {
+        t.await.unwrap();
+    }
+    eprintln!(
+        "archive inserts beside history maintenance: {} inserted, slowest {:?}",
+        inserted.lock().unwrap().len(),
+        *slowest.lock().unwrap()
+    );
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} archive inserts failed beside maintenance, first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    let ids = inserted.lock().unwrap().clone();
+    let copies: Vec<i64> = sqlx::query_scalar(
+        "SELECT count(h.event_id) FROM unnest($1::uuid[]) AS i(id)
+         LEFT JOIN postal.outbox_history h ON h.event_id = i.id GROUP BY i.id",
+    )
+    .bind(&ids)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(copies.len(), ids.len());
+    let lost = copies.iter().filter(|&&c| c == 0).count();
+    let doubled = copies.iter().filter(|&&c| c > 1).count();
+    assert_eq!(
+        (lost, doubled),
+        (0, 0),
+        "of {} inserted rows: (missing, present more than once)",
+        ids.len()
+    );
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox_history")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(total as usize, ids.len() + 3, "no other row appeared");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM postal.outbox_history_default
+         WHERE published_at >= ((now() AT TIME ZONE 'UTC')::date - 2)::timestamp AT TIME ZONE 'UTC'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        left, 0,
+        "rows of partitioned days left in the default partition"
+    );
+}
+
 /// Guarantee (maintenance never queues behind a long reader): with a reader holding the
 /// history open (as `pg_dump` does) and a row of today in the default partition, maintenance
 /// gives up the step that needs the exclusive lock after its `lock_timeout` and reports it,

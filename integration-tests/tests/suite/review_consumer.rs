@@ -408,7 +408,15 @@ async fn a_relay_clock_ahead_of_the_database_does_not_defeat_the_reset_horizon_c
     // The operator replays from the start without --force-past-retention: must be refused.
     let out = std::process::Command::new(&bin)
         .args([
-            "consumer", "reset", "--group", &group, "--topic", &topic, "--to", "earliest",
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
+            "earliest",
         ])
         .env("DATABASE_URL", &db.url)
         .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)

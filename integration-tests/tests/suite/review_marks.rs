@@ -40,7 +40,15 @@ fn reset(url: &str, bootstrap: &str, group: &str, topic: &str, to: &str) -> (boo
     let bin = crate::procs::bin_dir().join("postal");
     let out = std::process::Command::new(&bin)
         .args([
-            "consumer", "reset", "--group", group, "--topic", topic, "--to", to,
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            group,
+            "--topic",
+            topic,
+            "--to",
+            to,
         ])
         .env("DATABASE_URL", url)
         .env("KAFKA_BOOTSTRAP_SERVERS", bootstrap)

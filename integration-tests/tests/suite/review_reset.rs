@@ -291,7 +291,15 @@ fn reset(a: &Applied, to: &str) -> (bool, String) {
     let bin = crate::procs::bin_dir().join("postal");
     let out = std::process::Command::new(&bin)
         .args([
-            "consumer", "reset", "--group", &a.group, "--topic", &a.topic, "--to", to,
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &a.group,
+            "--topic",
+            &a.topic,
+            "--to",
+            to,
         ])
         .env("DATABASE_URL", &a.db.url)
         .env("KAFKA_BOOTSTRAP_SERVERS", &a.bootstrap)
