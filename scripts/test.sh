@@ -17,6 +17,10 @@ eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"
 
+step "the previous release's relay (for the upgrade-contract test; scripts/previous-release)"
+eval "$(bash scripts/previous-release.sh)"
+export POSTAL_PREVIOUS_BIN POSTAL_REQUIRE_PREVIOUS=1
+
 step "service binaries the chaos suite runs (postal, order_service, billing_service, invoice_recorder)"
 cargo build -p postal-cli -p postal-examples
 

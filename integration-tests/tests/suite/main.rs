@@ -22,6 +22,7 @@ mod missing_topic;
 mod monitoring;
 mod netsplit;
 mod order;
+mod previous_release;
 mod procs;
 mod protocol;
 mod rabbit_random;

@@ -103,6 +103,11 @@ impl Proc {
         self
     }
 
+    /// The port of its `/metrics`, with [`Proc::with_metrics`].
+    pub(crate) fn metrics_port(&self) -> Option<u16> {
+        self.metrics_port
+    }
+
     pub(crate) fn start(&mut self) {
         assert!(self.child.is_none(), "{} already running", self.name);
         let log = std::fs::OpenOptions::new()

@@ -1,0 +1,190 @@
+//! The previous release's relay on the current schema: what the upgrade contract promises
+//! (README, "Schema and upgrades": migrate, then upgrade services one at a time, old and new
+//! side by side meanwhile). `scripts/previous-release.sh` builds that relay (the release named
+//! in `scripts/previous-release`); `scripts/test.sh` runs it and requires this test to run.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use postal_integration_tests::{services, unique};
+use postal_producer::{enqueue, NewEvent};
+
+use crate::common::create_topic;
+use crate::procs::{bin_dir, check_wire, http_get, Proc};
+
+/// The previous release's `postal` binary, or `None` (with a line saying why) when it was not
+/// built; `POSTAL_REQUIRE_PREVIOUS=1` (set by `scripts/test.sh`) makes that a failure.
+fn previous_bin() -> Option<PathBuf> {
+    match std::env::var_os("POSTAL_PREVIOUS_BIN") {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            assert!(
+                p.is_file(),
+                "POSTAL_PREVIOUS_BIN={} is not a file",
+                p.display()
+            );
+            Some(p)
+        }
+        None if std::env::var("POSTAL_REQUIRE_PREVIOUS").as_deref() == Ok("1") => {
+            panic!("POSTAL_PREVIOUS_BIN is not set: run scripts/previous-release.sh")
+        }
+        None => {
+            eprintln!("previous-release test NOT RUN: POSTAL_PREVIOUS_BIN is not set (scripts/test.sh builds it with scripts/previous-release.sh)");
+            None
+        }
+    }
+}
+
+fn relay(
+    program: &std::path::Path,
+    logs: &std::path::Path,
+    name: &str,
+    url: &str,
+    bootstrap: &str,
+) -> Proc {
+    let dir = program.parent().expect("binary directory");
+    let file = program
+        .file_name()
+        .and_then(|f| f.to_str())
+        .expect("binary name");
+    Proc::new(dir, logs, name, file, &["relay"])
+        .env(&[
+            ("DATABASE_URL", url.to_owned()),
+            ("KAFKA_BOOTSTRAP_SERVERS", bootstrap.to_owned()),
+            ("RUST_LOG", "info,rdkafka=warn".into()),
+        ])
+        .with_metrics()
+}
+
+fn published(port: Option<u16>) -> f64 {
+    port.and_then(|p| http_get(p, "/metrics"))
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                l.strip_prefix("postal_relay_published_total ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        })
+        .unwrap_or(0.0)
+}
+
+/// Guarantee (upgrade contract): on a schema migrated by this release, the previous release's
+/// relay runs beside this release's relay in one relay group: they share the key partitions,
+/// both publish, and every event reaches the topic, each key's events first delivered in
+/// order (read back by an independent client). When the schema's contract no longer admits
+/// the previous release, its relay refuses to start with one line saying to upgrade it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
+    let Some(previous) = previous_bin() else {
+        return;
+    };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("previous");
+    create_topic(&svc.bootstrap, &topic, 4).await;
+    let logs = bin_dir().join(format!("previous-release-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let mut old = relay(&previous, &logs, "previous-relay", &db.url, &svc.bootstrap);
+    let mut new = relay(
+        &bin_dir().join("postal"),
+        &logs,
+        "relay",
+        &db.url,
+        &svc.bootstrap,
+    );
+    old.start();
+    new.start();
+    // Both hold key partitions before the events come.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let owners: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE lease_until > now()",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if owners == 2 {
+            break;
+        }
+        old.assert_alive();
+        new.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "the two relays never shared the partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (keys, per_key) = (64, 40);
+    let mut want = BTreeSet::new();
+    for round in 0..per_key {
+        let mut tx = db.pool.begin().await.unwrap();
+        for k in 0..keys {
+            let order = round * keys + k;
+            want.insert(order.to_string());
+            let payload =
+                serde_json::json!({"order_id": order, "customer": format!("c{k}"), "seq": round});
+            let event = NewEvent::json(
+                topic.as_str(),
+                format!("c{k}").as_str(),
+                "order.created",
+                &payload,
+            )
+            .unwrap();
+            enqueue(&mut tx, event).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status <> 'published'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        if left == 0 {
+            break;
+        }
+        old.assert_alive();
+        new.assert_alive();
+        assert!(Instant::now() < deadline, "{left} events never published");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (by_old, by_new) = (published(old.metrics_port()), published(new.metrics_port()));
+    old.stop();
+    new.stop();
+    let wire = check_wire(&svc.bootstrap, &topic, want.len() as i64, &want).await;
+    assert_eq!(wire.missing, 0, "events missing from the topic");
+    assert!(
+        wire.out_of_order.is_empty(),
+        "{:?}",
+        &wire.out_of_order[..wire.out_of_order.len().min(5)]
+    );
+    assert!(
+        by_old > 0.0 && by_new > 0.0,
+        "both relays published (previous {by_old}, this {by_new})"
+    );
+    eprintln!(
+        "previous release beside this one: {} events, {} records, published by the previous relay {by_old}, by this one {by_new}",
+        want.len(),
+        wire.records
+    );
+
+    // A contract that admits only this release's binaries.
+    sqlx::query("UPDATE postal.schema_contract SET oldest_compatible = $1")
+        .bind(postal_shared::known_version())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let out = std::process::Command::new(&previous)
+        .arg("relay")
+        .env("DATABASE_URL", &db.url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("upgrade it"), "{stderr}");
+}
