@@ -60,7 +60,7 @@ enum Command {
         #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
         bootstrap_servers: Option<String>,
     },
-    /// Parked outbox events: list, show, requeue.
+    /// Parked outbox events: list, show, requeue, discard.
     #[command(subcommand)]
     Failed(failed::FailedCommand),
     /// Consumer dead letters: list, show, replay.
@@ -252,13 +252,10 @@ fn parse_route(s: &str) -> Result<(String, Destination), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("POSTAL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) = postal_shared::init_logging(DEFAULT_LOG) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -272,10 +269,27 @@ fn main() -> ExitCode {
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each said once: a cause whose text the line already
+/// holds (sqlx repeats the database's message in its own) is left out.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(text.as_str()) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line.replace('\n', " ")
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -292,13 +306,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             bootstrap_servers,
         } => {
-            let pool = connect_now(&cli.db).await?;
+            let pool = connect_migrated(&cli.db).await?;
             status::print(&pool, json, bootstrap_servers.as_deref()).await
         }
-        Command::Failed(cmd) => failed::run(&connect_now(&cli.db).await?, cmd).await,
-        Command::DeadLetters(cmd) => dead_letters::run(&connect_now(&cli.db).await?, cmd).await,
-        Command::Consumer(cmd) => consumer::run(&connect_now(&cli.db).await?, cmd).await,
-        Command::Cleanup(args) => cleanup::run(&connect_now(&cli.db).await?, args).await,
+        Command::Failed(cmd) => failed::run(&connect_migrated(&cli.db).await?, cmd).await,
+        Command::DeadLetters(cmd) => {
+            dead_letters::run(&connect_migrated(&cli.db).await?, cmd).await
+        }
+        Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
+        Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, *args).await,
     }
 }
@@ -311,16 +327,54 @@ fn connect_options(db: &DbArgs) -> anyhow::Result<PgConnectOptions> {
     postal_shared::secret::database_url_options(url).map_err(|e| anyhow!(e))
 }
 
-/// Connects for a one-shot command: fails within the connect timeout with one line.
+/// Connects for a one-shot command: fails within the connect timeout with one line naming
+/// the cause (a refused connection, a refused login, a missing database).
 async fn connect_now(db: &DbArgs) -> anyhow::Result<PgPool> {
+    use sqlx::Connection as _;
     let opts = connect_options(db)?;
     let target = format!("{}:{}", opts.get_host(), opts.get_port());
+    // One connection first: a pool that cannot connect only says it timed out.
+    let first = tokio::time::timeout(db.connect_timeout, sqlx::PgConnection::connect_with(&opts))
+        .await
+        .map_err(|_| {
+            anyhow!(
+                "cannot reach PostgreSQL at {target}: no answer within {}; check DATABASE_URL and that the server runs",
+                humantime::format_duration(db.connect_timeout)
+            )
+        })?;
+    if let Err(e) = first {
+        return Err(match e.as_database_error().and_then(|d| d.code()).as_deref() {
+            Some("28P01" | "28000") => anyhow!(
+                "PostgreSQL at {target} refused the login: {}; check the user and password in DATABASE_URL",
+                e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default()
+            ),
+            Some("3D000") => anyhow!(
+                "PostgreSQL at {target}: {}; check the database name in DATABASE_URL",
+                e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default()
+            ),
+            _ => anyhow!(
+                "cannot reach PostgreSQL at {target}: {}; check DATABASE_URL and that the server runs",
+                e
+            ),
+        });
+    }
+    if let Ok(c) = first {
+        c.close().await.ok();
+    }
     PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(db.connect_timeout)
         .connect_with(opts)
         .await
         .map_err(|e| anyhow!("cannot reach PostgreSQL at {target}: {e}"))
+}
+
+/// [`connect_now`], for a command that works on Postal's tables: refuses, with one line saying
+/// what to do, a database without Postal's schema or with one this binary cannot use.
+async fn connect_migrated(db: &DbArgs) -> anyhow::Result<PgPool> {
+    let pool = connect_now(db).await?;
+    postal_shared::check_schema(&pool).await?;
+    Ok(pool)
 }
 
 /// The URL with its password (user part or query parameter) replaced.

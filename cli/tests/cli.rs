@@ -203,3 +203,93 @@ fn relay_with_migrate_stops_on_a_modified_migration() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// The single stderr line of a command expected to fail (asserts there is exactly one).
+fn one_error_line(mut c: Command) -> String {
+    let out = c.env("POSTAL_LOG", "error").output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "no colour codes in a pipe: {stderr:?}"
+    );
+    lines[0].to_owned()
+}
+
+/// Guarantee (errors said once, with what to do): every command that works on Postal's tables
+/// says, on a database without Postal's schema, exactly "Postal's schema is missing in database
+/// "<name>": run `postal migrate` …" (before: "error returned from database: relation
+/// "postal.outbox" does not exist: relation "postal.outbox" does not exist"); a connection the
+/// server refuses names the cause instead of "pool timed out"; a missing database is named; an
+/// invalid log format is refused in one line.
+#[test]
+fn errors_are_one_line_said_once_with_what_to_do() {
+    let Some((_rt, db)) = fresh_db() else {
+        return;
+    };
+    // fresh_db() has no Postal schema.
+    let (bare, bare_url) = (db.name.clone(), db.url.clone());
+    let admin = std::env::var("DATABASE_URL").unwrap();
+    let expected = format!(
+        "error: Postal's schema is missing in database \"{bare}\": run `postal migrate` (or postal_shared::migrate) first"
+    );
+    for args in [
+        &["status"][..],
+        &["failed", "list"],
+        &["dead-letters", "list"],
+        &["cleanup", "--dedup-retention", "7d"],
+        &[
+            "consumer", "reset", "--group", "g", "--topic", "t", "--to", "earliest",
+        ],
+    ] {
+        let mut c = postal();
+        c.args(args).env("DATABASE_URL", &bare_url);
+        assert_eq!(one_error_line(c), expected, "postal {args:?}");
+    }
+    let mut c = postal();
+    c.args(["status"]).env(
+        "DATABASE_URL",
+        format!("{}/{bare}_nonexistent", admin.rsplit_once('/').unwrap().0),
+    );
+    let line = one_error_line(c);
+    assert!(
+        line.contains(&format!("database \"{bare}_nonexistent\" does not exist"))
+            && line.ends_with("check the database name in DATABASE_URL"),
+        "{line}"
+    );
+    let mut c = postal();
+    c.args(["status", "--connect-timeout", "2s"])
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x");
+    let line = one_error_line(c);
+    assert!(
+        line.starts_with("error: cannot reach PostgreSQL at 127.0.0.1:1: ")
+            && line.contains("Connection refused")
+            && !line.contains("pool timed out"),
+        "{line}"
+    );
+    let mut c = postal();
+    c.args(["status"])
+        .env("DATABASE_URL", &bare_url)
+        .env("POSTAL_LOG_FORMAT", "yaml");
+    assert_eq!(
+        one_error_line(c),
+        "error: invalid POSTAL_LOG_FORMAT: \"yaml\" is not `text` or `json`"
+    );
+}
+
+/// Guarantee: every subcommand of `postal failed` is named in its help's first line.
+#[test]
+fn failed_help_names_every_subcommand() {
+    let out = postal().args(["failed", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.lines()
+            .next()
+            .is_some_and(|l| ["list", "show", "requeue", "discard"]
+                .iter()
+                .all(|s| l.contains(s))),
+        "{help}"
+    );
+}

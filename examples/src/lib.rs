@@ -8,14 +8,14 @@ use std::time::Duration;
 use anyhow::Context;
 use sqlx::{Connection, PgConnection, PgPool};
 
-/// Logs through `tracing`, filtered by `RUST_LOG` (else `default`).
+/// Logs through `tracing` as every Postal binary does (`postal_shared::init_logging`: filtered
+/// by `POSTAL_LOG`, else `RUST_LOG`, else `default`; `POSTAL_LOG_FORMAT=json` for JSON lines).
+/// An invalid `POSTAL_LOG_FORMAT` stops the service with its one-line error.
 pub fn init_tracing(default: &str) {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default.into()),
-        )
-        .init();
+    if let Err(e) = postal_shared::init_logging(default) {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
 }
 
 /// A required environment variable, with a one-line error naming it.

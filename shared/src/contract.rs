@@ -20,6 +20,17 @@ pub fn known_version() -> i64 {
         .unwrap_or(0)
 }
 
+/// [`Error::SchemaMissing`], naming the database (or the query's error if that fails too).
+async fn missing(pool: &PgPool) -> Error {
+    match sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(pool)
+        .await
+    {
+        Ok(database) => Error::SchemaMissing { database },
+        Err(e) => e.into(),
+    }
+}
+
 /// Checks that this binary may run on the database's Postal schema (see the module docs).
 /// An unreachable database is an `Err` whose [`Error::is_unavailable`] is true: wait and
 /// check again.
@@ -34,12 +45,12 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), Error> {
             Err(sqlx::Error::Database(d))
                 if matches!(d.code().as_deref(), Some("42P01" | "3F000")) =>
             {
-                return Err(Error::SchemaMissing)
+                return Err(missing(pool).await)
             }
             Err(e) => return Err(e.into()),
         };
     let Some(applied) = applied else {
-        return Err(Error::SchemaMissing);
+        return Err(missing(pool).await);
     };
     if applied < known {
         return Err(Error::SchemaBehind { applied, known });

@@ -27,8 +27,11 @@ pub enum Error {
         holder: String,
     },
     /// The database has no Postal schema.
-    #[error("this database has no Postal schema: run `postal migrate` (or postal_shared::migrate) first")]
-    SchemaMissing,
+    #[error("Postal's schema is missing in database {database:?}: run `postal migrate` (or postal_shared::migrate) first")]
+    SchemaMissing {
+        /// The database's name.
+        database: String,
+    },
     /// The database's schema lacks migrations this binary needs.
     #[error("this database's Postal schema is at migration {applied}, and this binary needs migration {known}: run `postal migrate` with this version first")]
     SchemaBehind {

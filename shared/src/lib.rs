@@ -25,6 +25,8 @@ mod error;
 pub mod headers;
 mod ids;
 mod log_throttle;
+#[cfg(feature = "logging")]
+mod logging;
 mod migrate;
 pub mod secret;
 pub mod text;
@@ -37,4 +39,6 @@ pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_N
 pub use error::Error;
 pub use ids::EventId;
 pub use log_throttle::LogThrottle;
+#[cfg(feature = "logging")]
+pub use logging::{init_logging, LogFormat};
 pub use migrate::{migrate, migrate_within, migrator, MIGRATE_LOCK_WAIT, POSTAL_SCHEMA};

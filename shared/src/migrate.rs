@@ -165,7 +165,9 @@ async fn apply(
             .filter(|m| !done.contains(&m.version))
             .collect();
         let Some(first) = pending.first() else {
-            return Ok(());
+            // Nothing to apply: sqlx's run still checks the applied migrations (a modified
+            // one, a failed one) and applies nothing.
+            return up_to(i64::MAX).run(pool).await;
         };
         if first.no_tx {
             up_to(first.version).run(wait).await?;

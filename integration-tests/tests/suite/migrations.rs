@@ -195,7 +195,8 @@ async fn a_relay_checks_the_schema_against_the_upgrade_contract_at_start() {
     let bare = postal_integration_tests::create_db(&svc.database_url).await;
     let missing = relay_refusal(&bare.pool).await;
     assert!(
-        missing.contains("no Postal schema") && missing.contains("postal migrate"),
+        missing.contains("Postal's schema is missing in database")
+            && missing.contains("postal migrate"),
         "{missing}"
     );
     assert!(!missing.contains('\n'), "{missing}");
