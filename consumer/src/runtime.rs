@@ -221,7 +221,7 @@ impl Consumer {
         } = self;
         let config = &shared.config;
         tokio::pin!(shutdown);
-        if !wait_for_schema(&shared.pool, &mut shutdown).await? {
+        if !postal_shared::wait_for_schema(&shared.pool, &mut shutdown).await? {
             return Ok(());
         }
         let ops = match config.ops_addr {
@@ -514,35 +514,6 @@ fn commit(shared: &Shared, mode: CommitMode) {
     }
     if let Err(e) = shared.consumer.commit(&tpl, mode) {
         tracing::debug!(error = %e, "kafka offset commit failed (the database holds the offsets)");
-    }
-}
-
-/// Waits until the database answers and checks Postal's schema. `Ok(false)` if shutdown came
-/// first.
-async fn wait_for_schema(
-    pool: &PgPool,
-    shutdown: &mut (impl Future<Output = ()> + Unpin),
-) -> Result<bool, Error> {
-    let mut failures = 0u32;
-    let backoff = postal_shared::Backoff {
-        base: Duration::from_millis(200),
-        max: Duration::from_secs(10),
-    };
-    loop {
-        match postal_shared::check_schema(pool).await {
-            Ok(()) => return Ok(true),
-            // Missing, behind, or for newer binaries only: one line saying what to do.
-            Err(e) if !e.is_unavailable() => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!(error = %e, "database unreachable; waiting");
-                let wait = backoff.ceiling(failures);
-                failures = failures.saturating_add(1);
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = &mut *shutdown => return Ok(false),
-                }
-            }
-        }
     }
 }
 

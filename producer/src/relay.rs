@@ -120,25 +120,8 @@ impl<T: Transport> Relay<T> {
         let mut shutdown = std::pin::pin!(shutdown);
         // The upgrade contract: a schema this relay must not run on (missing, behind, or for
         // newer binaries only) stops it with one line; an unreachable database is waited for.
-        let mut failures = 0u32;
-        loop {
-            match postal_shared::check_schema(&self.pool).await {
-                Ok(()) => break,
-                Err(e) if e.is_unavailable() => {
-                    let wait = self
-                        .config
-                        .backoff
-                        .delay(failures)
-                        .clamp(Duration::from_millis(200), Duration::from_secs(10));
-                    failures = failures.saturating_add(1);
-                    tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "database unreachable; retrying before the relay starts");
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = &mut shutdown => return Ok(RelayStats::default()),
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
+        if !postal_shared::wait_for_schema(&self.pool, &mut shutdown).await? {
+            return Ok(RelayStats::default());
         }
         let (wake_tx, wake_rx) = tokio::sync::watch::channel(0u64);
         let shared = Arc::new(Shared {

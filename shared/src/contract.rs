@@ -73,3 +73,53 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), Error> {
         _ => Ok(()),
     }
 }
+
+/// Why the database cannot be reached, in a few words: a pool only says it timed out, so one
+/// connection of its own (bounded by `probe`) names the cause (connection refused, no route,
+/// the server shutting down, …).
+pub async fn unreachable_cause(pool: &PgPool, e: &Error, probe: std::time::Duration) -> String {
+    use sqlx::Connection as _;
+    if !matches!(e.database_error(), Some(sqlx::Error::PoolTimedOut)) {
+        return e.to_string();
+    }
+    let options = pool.connect_options().as_ref().clone();
+    match tokio::time::timeout(probe, sqlx::PgConnection::connect_with(&options)).await {
+        Err(_) => format!("no answer within {}s", probe.as_secs()),
+        Ok(Err(cause)) => cause.to_string(),
+        // It answers now: the pool was busy or the server just came back.
+        Ok(Ok(c)) => {
+            c.close().await.ok();
+            e.to_string()
+        }
+    }
+}
+
+/// [`check_schema`], waiting while the database is unreachable (one warning per attempt naming
+/// the cause, attempts up to 10 s apart) until it answers or `shutdown` resolves. `Ok(false)`:
+/// shut down while waiting. A schema this binary must not run on is an `Err` at once.
+pub async fn wait_for_schema(
+    pool: &PgPool,
+    mut shutdown: impl std::future::Future<Output = ()> + Unpin,
+) -> Result<bool, Error> {
+    let backoff = crate::Backoff {
+        base: std::time::Duration::from_millis(200),
+        max: std::time::Duration::from_secs(10),
+    };
+    let mut failures = 0u32;
+    loop {
+        match check_schema(pool).await {
+            Ok(()) => return Ok(true),
+            Err(e) if e.is_unavailable() => {
+                let wait = backoff.delay(failures);
+                failures = failures.saturating_add(1);
+                let cause = unreachable_cause(pool, &e, std::time::Duration::from_secs(5)).await;
+                tracing::warn!(retry_in_ms = wait.as_millis() as u64, "database unreachable, retrying: {cause}");
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = &mut shutdown => return Ok(false),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
