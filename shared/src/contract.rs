@@ -113,7 +113,10 @@ pub async fn wait_for_schema(
                 let wait = backoff.delay(failures);
                 failures = failures.saturating_add(1);
                 let cause = unreachable_cause(pool, &e, std::time::Duration::from_secs(5)).await;
-                tracing::warn!(retry_in_ms = wait.as_millis() as u64, "database unreachable, retrying: {cause}");
+                tracing::warn!(
+                    retry_in_ms = wait.as_millis() as u64,
+                    "database unreachable, retrying: {cause}"
+                );
                 tokio::select! {
                     () = tokio::time::sleep(wait) => {}
                     () = &mut shutdown => return Ok(false),

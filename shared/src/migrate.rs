@@ -56,15 +56,11 @@ pub const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// outbox's writers up for more than [`MIGRATION_LOCK_TIMEOUT`] at a time.
 const MIGRATION_RETRY_PAUSE_MAX: Duration = Duration::from_secs(8);
 
-/// Checksums of earlier forms of migrations, replaced by a form that does the same with less
-/// locking: a database where the earlier form ran is accepted (its recorded checksum is
-/// updated) instead of failing as "modified".
-/// - 9: built `outbox_pending_seq_partition` and dropped `outbox_pending_seq` in one
-///   transaction that blocked outbox writes; now built CONCURRENTLY, the drop in 0016.
-const EARLIER_CHECKSUMS: &[(i64, &str)] = &[(
-    9,
-    "3bf1f5b4163184149feda832e7ef1c31fc0ea0185be7eeb9b7854d8b7892aff8c859e71ea868ffdf0e973ffdec236c9a",
-)];
+/// Migration 9 (`outbox_pending_seq_partition`) as its SQL file has it builds the index and
+/// drops the old one in one transaction, blocking every outbox write for the whole build. This
+/// migrator does the same CONCURRENTLY instead (see [`concurrent_9`]) and records migration 9
+/// with the file's checksum, so binaries of every release (which embed that file) accept it.
+const CONCURRENT_VERSION: i64 = 9;
 
 /// Whether a migration failed because a lock was not granted within its `lock_timeout`.
 fn lock_timed_out(e: &sqlx::migrate::MigrateError) -> bool {
@@ -91,42 +87,67 @@ async fn applied(conn: &mut PgConnection) -> Result<Vec<i64>, sqlx::Error> {
         .await
 }
 
-/// Accepts databases where an earlier form of a migration ran (see [`EARLIER_CHECKSUMS`]), and
-/// drops what an interrupted concurrent index build left behind (an invalid index that
-/// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` would otherwise keep).
-async fn prepare(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-    let done = applied(conn).await?;
-    for &(version, earlier) in EARLIER_CHECKSUMS {
-        let Some(current) = MIGRATOR.iter().find(|m| m.version == version) else {
-            continue;
-        };
-        if done.contains(&version) {
-            sqlx::query(
-                "UPDATE postal._sqlx_migrations SET checksum = $1
-                 WHERE version = $2 AND encode(checksum, 'hex') = $3",
-            )
-            .bind(current.checksum.as_ref())
-            .bind(version)
-            .bind(earlier)
-            .execute(&mut *conn)
-            .await?;
-        }
-    }
-    if !done.contains(&9) {
-        let invalid: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_index
-             WHERE indexrelid = to_regclass('postal.outbox_pending_seq_partition')
-               AND NOT indisvalid)",
+/// Migration 9 without blocking writers: waits for an index build on the outbox that another
+/// session still runs (a killed migrator's backend goes on building), drops the invalid index
+/// an interrupted build left (`IF NOT EXISTS` would keep it), builds the index and drops the
+/// old one CONCURRENTLY (each waits for open claims to end without blocking anyone), then
+/// records migration 9 as sqlx would. Runs on a connection without `lock_timeout`.
+async fn concurrent_9(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    let started = Instant::now();
+    let mut logged = false;
+    loop {
+        let building: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_progress_create_index
+             WHERE relid = 'postal.outbox'::regclass AND pid <> pg_backend_pid())",
         )
         .fetch_one(&mut *conn)
         .await?;
-        if invalid {
-            tracing::info!("dropping the invalid index an interrupted build of migration 9 left");
-            sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS postal.outbox_pending_seq_partition")
-                .execute(&mut *conn)
-                .await?;
+        if !building {
+            break;
         }
+        if !logged {
+            tracing::info!("waiting for an index build on postal.outbox that another session runs");
+            logged = true;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let invalid: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_index
+         WHERE indexrelid = to_regclass('postal.outbox_pending_seq_partition')
+           AND NOT indisvalid)",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if invalid {
+        tracing::info!("dropping the invalid index an interrupted build of migration 9 left");
+        sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS postal.outbox_pending_seq_partition")
+            .execute(&mut *conn)
+            .await?;
+    }
+    sqlx::query(
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_pending_seq_partition
+         ON postal.outbox (seq, key_partition) WHERE status = 'pending'",
+    )
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("DROP INDEX CONCURRENTLY IF EXISTS postal.outbox_pending_seq")
+        .execute(&mut *conn)
+        .await?;
+    let m = MIGRATOR
+        .iter()
+        .find(|m| m.version == CONCURRENT_VERSION)
+        .expect("migration 9 is embedded");
+    sqlx::query(
+        "INSERT INTO postal._sqlx_migrations
+             (version, description, success, checksum, execution_time)
+         VALUES ($1, $2, true, $3, $4) ON CONFLICT (version) DO NOTHING",
+    )
+    .bind(m.version)
+    .bind(&*m.description)
+    .bind(m.checksum.as_ref())
+    .bind(i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX))
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -148,33 +169,30 @@ fn up_to(last: i64) -> Migrator {
     m
 }
 
-/// Applies the pending migrations in runs: the transactional migrations up to the next
-/// `-- no-transaction` one on `pool` (short `lock_timeout`), then that one alone on `wait`
-/// (no `lock_timeout`: a concurrent index build blocks nobody while it waits for open
-/// transactions to end). Returns when none is pending.
+/// Applies the pending migrations: the transactional ones on `pool` (short `lock_timeout`), in
+/// runs up to migration 9, which [`concurrent_9`] applies on `wait` (no `lock_timeout`: a
+/// concurrent index build blocks nobody while it waits for open transactions to end). With
+/// nothing pending, sqlx still checks the applied migrations (a modified or failed one).
 async fn apply(
     lock: &mut PgConnection,
     pool: &PgPool,
     wait: &PgPool,
 ) -> Result<(), sqlx::migrate::MigrateError> {
     loop {
-        prepare(lock).await?;
         let done = applied(lock).await?;
         let pending: Vec<&sqlx::migrate::Migration> = MIGRATOR
             .iter()
             .filter(|m| !done.contains(&m.version))
             .collect();
         let Some(first) = pending.first() else {
-            // Nothing to apply: sqlx's run still checks the applied migrations (a modified
-            // one, a failed one) and applies nothing.
             return up_to(i64::MAX).run(pool).await;
         };
-        if first.no_tx {
-            up_to(first.version).run(wait).await?;
+        if first.version == CONCURRENT_VERSION {
+            concurrent_9(&mut *wait.acquire().await?).await?;
         } else {
             let last = pending
                 .iter()
-                .take_while(|m| !m.no_tx)
+                .take_while(|m| m.version != CONCURRENT_VERSION)
                 .last()
                 .map_or(first.version, |m| m.version);
             up_to(last).run(pool).await?;

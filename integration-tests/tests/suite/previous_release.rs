@@ -73,7 +73,8 @@ fn published(port: Option<u16>) -> f64 {
 /// Guarantee (upgrade contract): on a schema migrated by this release, the previous release's
 /// relay runs beside this release's relay in one relay group: they share the key partitions,
 /// both publish, and every event reaches the topic, each key's events first delivered in
-/// order (read back by an independent client). When the schema's contract no longer admits
+/// order (read back by an independent client). Its migrator accepts the schema (before:
+/// "migration 9 was previously applied but has been modified"). When the contract no longer admits
 /// the previous release, its relay refuses to start with one line saying to upgrade it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
@@ -169,6 +170,19 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
         "previous release beside this one: {} events, {} records, published by the previous relay {by_old}, by this one {by_new}",
         want.len(),
         wire.records
+    );
+
+    // The previous release's migrator accepts this schema (a service that migrates at start,
+    // as the examples do, restarts during the upgrade): nothing to apply, nothing refused.
+    let migrate = std::process::Command::new(&previous)
+        .arg("migrate")
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        migrate.status.success(),
+        "the previous release's migrator refused this schema: {}",
+        String::from_utf8_lossy(&migrate.stderr)
     );
 
     // A contract that admits only this release's binaries.

@@ -1,5 +1,5 @@
 //! Upgrades while the outbox is in use: every migration applied under enqueues and open claims,
-//! and the upgrade paths from earlier forms of a migration.
+//! and the ways migration 9's concurrent index build can meet an earlier or unfinished one.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -177,7 +177,7 @@ async fn every_migration_applied_under_load_keeps_enqueue_and_claims_moving() {
     let known = postal_shared::known_version();
     let mut report = Vec::new();
     // From the first migration (every later one applied under load), from before the outbox
-    // ALTER of 0012 and the concurrent index drop of 0016, and from the previous release (15).
+    // ALTER of 0012, and from the previous release (15).
     for from in [1, 11, 15] {
         assert!(from < known);
         let db = svc.empty_db().await;
@@ -233,15 +233,18 @@ async fn pending_indexes(pool: &PgPool) -> Vec<(String, bool)> {
     .unwrap()
 }
 
-/// Guarantee: a database where the earlier, transactional form of migration 0009 ran (it built
-/// the index and dropped the old one in one transaction) upgrades without a "migration was
-/// modified" error; one where a concurrent build of 0009 was interrupted (an INVALID index
-/// left behind) ends with a valid index, not the invalid one kept by `IF NOT EXISTS`.
-#[tokio::test]
-async fn databases_from_earlier_or_interrupted_forms_of_migration_9_upgrade() {
+/// Guarantee: migration 9, which this migrator applies CONCURRENTLY, meets every earlier state:
+/// a database where an earlier release ran its file (one transaction) upgrades; the concurrent
+/// form records the file's checksum (earlier releases' migrators, which embed that file,
+/// accept the schema: `previous_release` runs one); an interrupted build's INVALID index is
+/// replaced by a valid one (not kept by `IF NOT EXISTS`); and a build another session still
+/// runs (a killed migrator's backend goes on) is waited for, not dropped under it (before:
+/// "tuple concurrently updated", and `postal relay --migrate` exited).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_9_meets_earlier_interrupted_and_unfinished_builds() {
     let svc = services().await;
 
-    // The earlier form, as it ran: its statements and its checksum in the bookkeeping.
+    // The file's form, as an earlier release ran it: its statements and its checksum.
     let db = svc.empty_db().await;
     migrate_until(&db.pool, 8).await;
     sqlx::query(
@@ -265,7 +268,7 @@ async fn databases_from_earlier_or_interrupted_forms_of_migration_9_upgrade() {
     .unwrap();
     postal_shared::migrate(&db.pool)
         .await
-        .expect("a database where the earlier form of 0009 ran upgrades");
+        .expect("a database where an earlier release ran 0009 upgrades");
     assert_eq!(
         pending_indexes(&db.pool).await,
         vec![("outbox_pending_seq_partition".to_owned(), true)]
@@ -308,6 +311,73 @@ async fn databases_from_earlier_or_interrupted_forms_of_migration_9_upgrade() {
     postal_shared::migrate(&db.pool)
         .await
         .expect("upgrades after an interrupted build");
+    assert_eq!(
+        pending_indexes(&db.pool).await,
+        vec![("outbox_pending_seq_partition".to_owned(), true)]
+    );
+    let recorded: String = sqlx::query_scalar(
+        "SELECT encode(checksum, 'hex') FROM postal._sqlx_migrations WHERE version = 9",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let file = postal_shared::migrator()
+        .iter()
+        .find(|m| m.version == 9)
+        .unwrap()
+        .checksum
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>();
+    assert_eq!(
+        recorded, file,
+        "migration 9 recorded with its file's checksum"
+    );
+
+    // A build another session still runs: it waits on an open claim while the migrator starts.
+    let db = svc.empty_db().await;
+    migrate_until(&db.pool, 8).await;
+    let mut claim = db.pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload)
+         VALUES ($1, 't', 'k', 'e', '\\x00')",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .execute(&mut *claim)
+    .await
+    .unwrap();
+    let pool = db.pool.clone();
+    let other = tokio::spawn(async move {
+        sqlx::query(
+            "CREATE INDEX CONCURRENTLY outbox_pending_seq_partition ON postal.outbox (seq, key_partition)
+             WHERE status = 'pending'",
+        )
+        .execute(&pool)
+        .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_progress_create_index WHERE relid = 'postal.outbox'::regclass")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the other build never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pool = db.pool.clone();
+    let migrating = tokio::spawn(async move { postal_shared::migrate(&pool).await });
+    // The migrator waits for the other build, which waits for the claim.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    claim.commit().await.unwrap();
+    other
+        .await
+        .unwrap()
+        .expect("the other session's build completes");
+    migrating
+        .await
+        .unwrap()
+        .expect("the migrator waits for the other build instead of dropping its index");
     assert_eq!(
         pending_indexes(&db.pool).await,
         vec![("outbox_pending_seq_partition".to_owned(), true)]
