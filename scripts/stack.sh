@@ -9,6 +9,10 @@
 #   scripts/stack.sh status           say what runs
 #   scripts/stack.sh restart-broker   kill -9 Kafka and start it again on the same data
 #   scripts/stack.sh pg-up | kafka-up | kafka-down | kafka-kill [NODE…]   one service only
+#   … --secure                        Kafka as one node with a SASL_SSL listener (SCRAM-SHA-512,
+#                                     certificates from a local CA made on first start) and
+#                                     the standard authorizer with ACLs, in .stack/kafka-secure;
+#                                     `--secure acl ARGS…` runs Kafka's AclCommand as its admin
 #   … --cluster 3                     Kafka as a 3-node KRaft cluster (every node broker and
 #                                     controller; topics replicated 3 times, min.insync.replicas 2)
 #                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
@@ -38,6 +42,8 @@ KAFKA_LIB="${POSTAL_KAFKA_LIB:-$ROOT/.stack/kafka-lib}"
 KAFKA_HEAP="${POSTAL_KAFKA_HEAP:-1g}"
 KAFKA_CLUSTER_PORT="${POSTAL_KAFKA_CLUSTER_PORT:-29092}"
 NODES=0
+SECURE=0
+KAFKA_SECURE_PORT="${POSTAL_KAFKA_SECURE_PORT:-$((KAFKA_PORT + 10))}"
 PG_BIN="${POSTAL_PG_BIN:-/usr/lib/postgresql/15/bin}"
 AMQP_PORT="${POSTAL_AMQP_PORT:-25672}"
 RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
@@ -164,7 +170,9 @@ pg_down() {
 # kafka_node I sets the globals the functions below use: KNODE, KDIR, KPORT, KCPORT.
 kafka_node() {
   KNODE="$1"
-  if [ "$NODES" = "0" ]; then
+  if [ "$SECURE" = "1" ]; then
+    KDIR="$STACK/kafka-secure"; KPORT="$KAFKA_SECURE_PORT"; KCPORT=$((KPORT + 1))
+  elif [ "$NODES" = "0" ]; then
     KDIR="$STACK/kafka"; KPORT="$KAFKA_PORT"; KCPORT="$KAFKA_CONTROLLER_PORT"
   else
     KDIR="$STACK/kafka-cluster/node-$KNODE"
@@ -183,9 +191,86 @@ kafka_pid() {
   [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "kafka.Kafka $KDIR/server.properties" && echo "$pid"
 }
 
+# The secure node's local CA, its broker certificate (for $HOST and localhost) and SCRAM users'
+# passwords (admin, relay, consumer), made once in $KDIR/tls. The passwords are random: tests
+# read them from `--secure env`.
+secure_material() {
+  local t="$KDIR/tls"
+  [ -f "$t/credentials" ] && return
+  command -v openssl >/dev/null || die "openssl is missing (apt-get install openssl)"
+  mkdir -p "$t"
+  log "making a local CA and the SASL_SSL broker's certificate in $t"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=Postal test CA" \
+    -keyout "$t/ca.key" -out "$t/ca.pem" >/dev/null 2>&1 || die "openssl could not make the CA"
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=$HOST" -keyout "$t/broker.key" -out "$t/broker.csr" >/dev/null 2>&1
+  printf 'subjectAltName=IP:%s,DNS:localhost\n' "$HOST" > "$t/san.ext"
+  openssl x509 -req -in "$t/broker.csr" -CA "$t/ca.pem" -CAkey "$t/ca.key" -CAcreateserial -days 3650 \
+    -extfile "$t/san.ext" -out "$t/broker.crt" >/dev/null 2>&1 || die "openssl could not sign the broker certificate"
+  # Kafka's PEM key store: the PKCS#8 key, then the certificate chain.
+  { openssl pkcs8 -topk8 -nocrypt -in "$t/broker.key"; cat "$t/broker.crt" "$t/ca.pem"; } > "$t/broker.pem"
+  {
+    for u in admin relay consumer; do
+      echo "$u=$(openssl rand -hex 16)"
+    done
+  } > "$t/credentials"
+  chmod 600 "$t/credentials" "$t/ca.key" "$t/broker.key" "$t/broker.pem"
+}
+
+secret_of() { grep "^$1=" "$KDIR/tls/credentials" | cut -d= -f2; }
+
+# Kafka's own tools as the secure node's admin (client properties in $KDIR/tls/admin.properties).
+secure_admin_config() {
+  cat > "$KDIR/tls/admin.properties" <<CONF
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$(secret_of admin)";
+ssl.truststore.type=PEM
+ssl.truststore.location=$KDIR/tls/ca.pem
+CONF
+  chmod 600 "$KDIR/tls/admin.properties"
+}
+
+secure_config() {
+  secure_material
+  secure_admin_config
+  cat > "$KDIR/server.properties" <<CONF
+# Written by scripts/stack.sh on each start; edit the script, not this file.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$HOST:$KCPORT
+listeners=SASL_SSL://$HOST:$KPORT,CONTROLLER://$HOST:$KCPORT
+advertised.listeners=SASL_SSL://$HOST:$KPORT
+inter.broker.listener.name=SASL_SSL
+controller.listener.names=CONTROLLER
+# The controller listener stays on plain text on this host; its principal (ANONYMOUS) is the
+# node itself and must be a super user. Clients only reach the SASL_SSL listener.
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL
+sasl.enabled.mechanisms=SCRAM-SHA-512
+sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$(secret_of admin)";
+ssl.keystore.type=PEM
+ssl.keystore.location=$KDIR/tls/broker.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$KDIR/tls/ca.pem
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:admin;User:ANONYMOUS
+allow.everyone.if.no.acl.found=false
+log.dirs=$KDIR/data
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+CONF
+  chmod 600 "$KDIR/server.properties"
+}
+
 # server.properties of the current node, written on every start so that port settings apply to
 # existing storage too.
 kafka_config() {
+  if [ "$SECURE" = "1" ]; then secure_config; return; fi
   local voters replication
   if [ "$NODES" = "0" ]; then
     voters="1@$HOST:$KCPORT"
@@ -238,7 +323,11 @@ kafka_start() {
       [ "$NODES" != "0" ] && echo "$id" > "$idfile"
     fi
     log "formatting Kafka storage $d/data (cluster id $id)"
-    java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool format -t "$id" -c "$d/server.properties" >>"$d/logs/format.log" 2>&1 \
+    local scram=()
+    if [ "$SECURE" = "1" ]; then
+      for u in admin relay consumer; do scram+=(--add-scram "SCRAM-SHA-512=[name=$u,password=$(secret_of "$u")]"); done
+    fi
+    java -Xmx256M -cp "$KAFKA_LIB/*" kafka.tools.StorageTool format -t "$id" -c "$d/server.properties" "${scram[@]}" >>"$d/logs/format.log" 2>&1 \
       || { tail -5 "$d/logs/format.log" >&2; die "formatting Kafka storage failed"; }
   fi
   # Readiness is a "Kafka Server started" line written after this offset.
@@ -359,6 +448,15 @@ rabbit_down() {
 }
 
 print_env() {
+  if [ "$SECURE" = "1" ]; then
+    kafka_node 1
+    echo "export KAFKA_SASL_SSL_BOOTSTRAP=$HOST:$KPORT"
+    echo "export KAFKA_SASL_SSL_CA=$KDIR/tls/ca.pem"
+    echo "export KAFKA_SASL_SSL_RELAY_PASSWORD=$(secret_of relay)"
+    echo "export KAFKA_SASL_SSL_CONSUMER_PASSWORD=$(secret_of consumer)"
+    echo "export KAFKA_SASL_SSL_ADMIN_PASSWORD=$(secret_of admin)"
+    return
+  fi
   echo "export DATABASE_URL=postgres://postgres@$HOST:$PG_PORT/postgres"
   echo "export KAFKA_BOOTSTRAP_SERVERS=$(kafka_bootstrap)"
   if [ "$WITH_RABBITMQ" = "1" ]; then echo "export AMQP_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"; fi
@@ -368,10 +466,11 @@ cmd="${1:-}"; shift || true
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --secure) SECURE=1; shift ;;
     --cluster) NODES="$2"; shift 2 ;;
     --cluster=*) NODES="${1#*=}"; shift ;;
     [0-9]*) ARGS+=("$1"); shift ;;
-    *) die "unknown argument $1" ;;
+    *) if [ "$cmd" = "acl" ]; then ARGS+=("$1"); shift; else die "unknown argument $1"; fi ;;
   esac
 done
 case "$NODES" in 0|3|5) ;; *) die "--cluster takes 3 or 5 nodes (a KRaft quorum needs a majority)" ;; esac
@@ -383,8 +482,14 @@ case "$cmd" in
   kafka-down) kafka_down TERM "${ARGS[@]}" ;;
   kafka-kill) kafka_down KILL "${ARGS[@]}" ;;
   restart-broker) kafka_down KILL; kafka_up; print_env ;;
-  down) rabbit_down; kafka_down TERM; pg_down ;;
+  down) rabbit_down; kafka_down TERM; (SECURE=1; kafka_down TERM); pg_down ;;
   env) print_env ;;
+  acl)
+    [ "$SECURE" = "1" ] || die "acl is for the --secure node"
+    kafka_node 1
+    java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" \
+      org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$KPORT" \
+      --command-config "$KDIR/tls/admin.properties" "${ARGS[@]}" ;;
   ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
   status)
     if pg_running; then echo "postgres: running on $HOST:$PG_PORT"; else echo "postgres: stopped"; fi

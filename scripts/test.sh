@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: brings the local stack up (installing PostgreSQL 15 and RabbitMQ
-# and fetching Apache Kafka's jars if missing),
+# and fetching Apache Kafka's jars if missing; a second, SASL_SSL Kafka node for the security
+# tests),
 # runs the workspace's unit, integration and doc tests against it, then the testcontainers smoke
 # step when a Docker engine can run here.
 #
@@ -16,6 +17,12 @@ step "local stack (PostgreSQL 15 + Apache Kafka + RabbitMQ, no Docker)"
 eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"
+
+step "a second Kafka node with SASL_SSL, SCRAM and ACLs (the security tests)"
+eval "$(bash scripts/stack.sh kafka-up --secure)"
+export KAFKA_SASL_SSL_BOOTSTRAP KAFKA_SASL_SSL_CA KAFKA_SASL_SSL_RELAY_PASSWORD \
+  KAFKA_SASL_SSL_CONSUMER_PASSWORD KAFKA_SASL_SSL_ADMIN_PASSWORD POSTAL_REQUIRE_SECURE=1
+echo "KAFKA_SASL_SSL_BOOTSTRAP=$KAFKA_SASL_SSL_BOOTSTRAP"
 
 step "the previous release's relay (for the upgrade-contract test; scripts/previous-release)"
 eval "$(bash scripts/previous-release.sh)"

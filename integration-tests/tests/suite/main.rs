@@ -37,6 +37,7 @@ mod review_rabbit;
 mod review_reset;
 mod review_stops;
 mod secrets;
+mod security;
 mod smoke;
 mod takeover;
 mod tasks;
