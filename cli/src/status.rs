@@ -13,6 +13,10 @@ struct TopicRow {
     failed: i64,
     /// Age of the oldest due event (a scheduled one counts from its delivery time).
     oldest_pending_age_s: Option<f64>,
+    /// Why the oldest pending event that failed to publish is still waiting (its last error:
+    /// e.g. a missing topic or a missing ACL), if one did.
+    #[sqlx(default)]
+    waiting: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -65,9 +69,21 @@ struct RelayRow {
 }
 
 pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow::Result<()> {
-    let topics: Vec<TopicRow> = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
+    let mut topics: Vec<TopicRow> = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
         .fetch_all(pool)
         .await?;
+    for t in &mut topics {
+        if t.pending > 0 {
+            t.waiting = sqlx::query_scalar(
+                "SELECT last_error FROM postal.outbox
+                 WHERE topic = $1 AND status = 'pending' AND last_error IS NOT NULL
+                 ORDER BY seq LIMIT 1",
+            )
+            .bind(&t.topic)
+            .fetch_optional(pool)
+            .await?;
+        }
+    }
     let oldest_transaction_s: Option<f64> = sqlx::query_scalar(
         "SELECT extract(epoch FROM now() - min(xact_start))::float8 FROM pg_stat_activity
          WHERE (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL) AND pid <> pg_backend_pid()",
@@ -143,6 +159,9 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
                 .map(|a| format!("{a:.1}"))
                 .unwrap_or_else(|| "-".into())
         );
+        if let Some(w) = &t.waiting {
+            println!("  waiting: {}", crate::shown::shown(w, false));
+        }
     }
     if status.topics.is_empty() {
         println!("(outbox empty)");

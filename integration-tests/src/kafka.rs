@@ -127,11 +127,23 @@ pub async fn wait_writable(bootstrap: &str, timeout: Duration) -> Result<(), Str
 
 /// Number of partitions of `topic` (waits until it exists).
 pub fn partitions(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<i32> {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("log_level", "0")
-        .create()
-        .expect("metadata client");
+    partitions_with(bootstrap, topic, timeout, &[])
+}
+
+/// [`partitions`] with extra client properties (security settings).
+fn partitions_with(
+    bootstrap: &str,
+    topic: &str,
+    timeout: Duration,
+    extra: &[(String, String)],
+) -> Vec<i32> {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", bootstrap)
+        .set("log_level", "0");
+    for (k, v) in extra {
+        cfg.set(k, v);
+    }
+    let producer: BaseProducer = cfg.create().expect("metadata client");
     let deadline = Instant::now() + timeout;
     loop {
         if let Ok(md) = producer
@@ -155,22 +167,42 @@ pub fn partitions(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<i32> {
 /// Reads `topic` from the beginning until at least `min` records arrived (then drains what
 /// is immediately available) or `timeout` passes; returns records in (partition, offset) order.
 pub async fn read_all(bootstrap: &str, topic: &str, min: usize, timeout: Duration) -> Vec<Record> {
+    read_all_with(bootstrap, topic, min, timeout, &[]).await
+}
+
+/// [`read_all`] with extra client properties (security settings).
+pub async fn read_all_with(
+    bootstrap: &str,
+    topic: &str,
+    min: usize,
+    timeout: Duration,
+    extra: &[(String, String)],
+) -> Vec<Record> {
     let bootstrap = bootstrap.to_owned();
     let topic = topic.to_owned();
-    tokio::task::spawn_blocking(move || read_all_blocking(&bootstrap, &topic, min, timeout))
+    let extra = extra.to_vec();
+    tokio::task::spawn_blocking(move || read_all_blocking(&bootstrap, &topic, min, timeout, &extra))
         .await
         .expect("reader thread")
 }
 
-fn read_all_blocking(bootstrap: &str, topic: &str, min: usize, timeout: Duration) -> Vec<Record> {
-    let parts = partitions(bootstrap, topic, timeout);
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+fn read_all_blocking(
+    bootstrap: &str,
+    topic: &str,
+    min: usize,
+    timeout: Duration,
+    extra: &[(String, String)],
+) -> Vec<Record> {
+    let parts = partitions_with(bootstrap, topic, timeout, extra);
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", bootstrap)
         .set("group.id", crate::unique("reader"))
         .set("enable.auto.commit", "false")
-        .set("log_level", "0")
-        .create()
-        .expect("reader consumer");
+        .set("log_level", "0");
+    for (k, v) in extra {
+        cfg.set(k, v);
+    }
+    let consumer: BaseConsumer = cfg.create().expect("reader consumer");
     let mut tpl = TopicPartitionList::new();
     for p in parts {
         tpl.add_partition_offset(topic, p, Offset::Beginning)

@@ -130,6 +130,12 @@ enum TopicState {
 const MISSING_TOPIC_RECHECK: Duration = Duration::from_secs(5);
 
 /// One line saying which topic is missing, why Postal did not create it and what to do.
+fn not_authorised(topic: &str) -> String {
+    format!(
+        "the relay is not authorised for topic {topic:?}: grant its Kafka principal WRITE and DESCRIBE on the topic (Kafka ACLs); its events wait until then"
+    )
+}
+
 fn missing_topic(topic: &str, why: &str) -> String {
     format!(
         "topic {topic:?} does not exist and {why}: create it (kafka-topics.sh --bootstrap-server <broker> --create --topic {topic}); its events wait until it exists"
@@ -217,15 +223,16 @@ impl KafkaTransport {
             }
             _ => {}
         }
-        let outcome = if self.topic_exists(topic).await? {
-            Ok(())
-        } else if self.config.create_topics {
-            self.create_topic(topic).await
-        } else {
-            Err(PublishError::new(
+        let outcome = match self.topic_exists(topic).await {
+            Ok(true) => Ok(()),
+            Ok(false) if self.config.create_topics => self.create_topic(topic).await,
+            Ok(false) => Err(PublishError::new(
                 FailureKind::Waiting,
                 missing_topic(topic, "topic creation is off (--no-create-topics)"),
-            ))
+            )),
+            // Not the events' fault (a missing ACL): cached and said once, as a missing topic.
+            Err(e) if e.kind == FailureKind::Waiting => Err(e),
+            Err(e) => return Err(e),
         };
         let state = match &outcome {
             Ok(()) => TopicState::Ready,
@@ -248,7 +255,7 @@ impl KafkaTransport {
                 tracing::warn!(topic, "{}", e.reason);
             }
             (TopicState::Ready, _) if was_missing => {
-                tracing::info!(topic, "topic now exists: its waiting events go out");
+                tracing::info!(topic, "topic now ready: its waiting events go out");
             }
             _ => {}
         }
@@ -281,9 +288,11 @@ impl KafkaTransport {
                         FailureKind::Permanent,
                         format!("invalid topic {topic:?}: {code}"),
                     )),
+                    // An ACL missing for this topic is the cluster's set-up, not the events'
+                    // fault: they wait (in key order) until it is granted.
                     RDKafkaErrorCode::TopicAuthorizationFailed => Err(PublishError::new(
-                        FailureKind::Permanent,
-                        format!("not authorised for topic {topic:?}"),
+                        FailureKind::Waiting,
+                        not_authorised(topic),
                     )),
                     other => Err(PublishError::new(
                         FailureKind::Unavailable,
@@ -775,7 +784,8 @@ impl Transport for KafkaTransport {
             acks.settled().await;
             let mut recheck = false;
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
-                recheck |= failure.reason.contains("UnknownTopic");
+                recheck |= failure.reason.contains("UnknownTopic")
+                    || failure.reason.contains("TopicAuthorization");
                 outcomes[index] = Err(failure);
             }
             if recheck {
@@ -849,7 +859,6 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         | InvalidMessageSize
         | InvalidMessage
         | InvalidTopic
-        | TopicAuthorizationFailed
         | InvalidRecord
         | UnsupportedForMessageFormat => FailureKind::Permanent,
         MessageTimedOut
@@ -874,6 +883,9 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         | QueueFull
         | KafkaStorageError
         | ThrottlingQuotaExceeded => FailureKind::Unavailable,
+        // An ACL revoked after the topic was found: the topic is looked up again (see
+        // `send`), and its events wait until the ACL is back.
+        TopicAuthorizationFailed => FailureKind::Waiting,
         // Purged by the relay itself: the producer the record went through was replaced
         // (after another record's failure) or shut down. Not the record's fault, nor a sign
         // that the broker is down: released for the next claim like a held-back record.

@@ -98,7 +98,8 @@ async fn concurrent_9(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
     loop {
         let building: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_progress_create_index
-             WHERE relid = 'postal.outbox'::regclass AND pid <> pg_backend_pid())",
+             WHERE relid = 'postal.outbox'::regclass AND pid <> pg_backend_pid()
+               AND datid = (SELECT oid FROM pg_database WHERE datname = current_database()))",
         )
         .fetch_one(&mut *conn)
         .await?;

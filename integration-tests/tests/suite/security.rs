@@ -136,12 +136,14 @@ fn relay(
     (proc, log)
 }
 
+/// `n` job events on `topic`, keys `<topic>-k0` … `<topic>-k7`: a key's order holds across
+/// topics, so keys of their own keep one topic's waiting events from holding another's back.
 async fn enqueue_jobs(pool: &sqlx::PgPool, topic: &str, n: i64) {
     let mut tx = pool.begin().await.unwrap();
     for i in 0..n {
         let event = NewEvent::json(
             topic,
-            format!("k{}", i % 8).as_str(),
+            format!("{topic}-k{}", i % 8).as_str(),
             "job",
             &serde_json::json!({"n": i}),
         )
@@ -367,4 +369,138 @@ async fn a_wrong_password_or_an_untrusted_broker_is_said_plainly_and_loses_nothi
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     relay.stop();
+}
+
+/// Guarantee (issue: Kafka security): a relay whose principal lacks WRITE on one topic keeps
+/// that topic's events waiting — not parked, attempts not used up — with the reason in its log
+/// and in `postal status` (the missing ACL and what to grant), while another topic's events
+/// flow; once the ACL is granted they are published, each key's events in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_without_write_acl_waits_and_others_flow() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let (open, closed) = (unique("secure-open"), unique("secure-closed"));
+    create_topic(&s, &open, 1).await;
+    create_topic(&s, &closed, 1).await;
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:relay",
+        "--operation",
+        "Write",
+        "--operation",
+        "Describe",
+        "--topic",
+        &open,
+    ]);
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let (mut relay, log) = relay(
+        &dir,
+        &logs,
+        "relay",
+        &db.url,
+        &s,
+        &client_properties("relay", &s.relay_password, &s.ca),
+    );
+    relay.start();
+    enqueue_jobs(&db.pool, &closed, 30).await;
+    enqueue_jobs(&db.pool, &open, 30).await;
+    let left = |topic: String| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_as::<_, (i64, i64, i64)>(
+                "SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'failed'),
+                        coalesce(max(attempts), 0)::int8
+                 FROM postal.outbox WHERE topic = $1",
+            )
+            .bind(topic)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while left(open.clone()).await.0 > 0 {
+        relay.assert_alive();
+        assert!(Instant::now() < deadline, "the open topic did not flow");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let said = format!("the relay is not authorised for topic \"{closed}\"");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains(&said)
+    {
+        relay.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "the log never named the missing ACL"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        left(closed.clone()).await,
+        (30, 0, 0),
+        "waiting, not parked, no attempt used"
+    );
+    let status = std::process::Command::new(dir.join("postal"))
+        .arg("status")
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        shown.contains(&format!("waiting: {said}"))
+            && shown.contains("grant its Kafka principal WRITE"),
+        "{shown}"
+    );
+
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:relay",
+        "--operation",
+        "Write",
+        "--operation",
+        "Describe",
+        "--topic",
+        &closed,
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while left(closed.clone()).await.0 > 0 {
+        relay.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "granting the ACL did not let the events through: {:?}",
+            left(closed.clone()).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    relay.stop();
+    // Each key's events first reached the topic in enqueue order.
+    let records = postal_integration_tests::kafka::read_all_with(
+        &s.bootstrap,
+        &closed,
+        30,
+        Duration::from_secs(60),
+        &client_properties("admin", &s.admin_password, &s.ca),
+    )
+    .await;
+    let mut next: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut seen = std::collections::BTreeSet::new();
+    for r in &records {
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        let n = v["n"].as_i64().unwrap();
+        if !seen.insert(n) {
+            continue;
+        }
+        let key = format!("{closed}-k{}", n % 8);
+        let due = next.entry(key.clone()).or_insert(n % 8);
+        assert_eq!(n, *due, "key {key}: {n} first seen where {due} was due");
+        *due += 8;
+    }
+    assert_eq!(seen.len(), 30, "every event on the topic");
 }
