@@ -504,3 +504,90 @@ async fn a_topic_without_write_acl_waits_and_others_flow() {
     }
     assert_eq!(seen.len(), 30, "every event on the topic");
 }
+
+/// Guarantee (issue: Kafka security): a consumer whose principal may not read its group says
+/// so plainly (the group authorisation failure, in its log) and applies nothing; once READ on
+/// the group is granted it applies every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let (topic, group) = (unique("secure-read"), unique("g"));
+    create_topic(&s, &topic, 1).await;
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:relay",
+        "--operation",
+        "Write",
+        "--operation",
+        "Describe",
+        "--topic",
+        &topic,
+    ]);
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--operation",
+        "Describe",
+        "--topic",
+        &topic,
+    ]);
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let (mut relay, _) = relay(
+        &dir,
+        &logs,
+        "relay",
+        &db.url,
+        &s,
+        &client_properties("relay", &s.relay_password, &s.ca),
+    );
+    relay.start();
+    enqueue_jobs(&db.pool, &topic, 20).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while outbox_left(&db.pool).await != (0, 0) {
+        relay.assert_alive();
+        assert!(Instant::now() < deadline, "not published");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    relay.stop();
+    let mut config = consumer_config(&s.bootstrap, &group, crate::handlers::CONSUMER);
+    config
+        .kafka
+        .extend(client_properties("consumer", &s.consumer_password, &s.ca));
+    let consumer = start_apply(&db.pool, &topic, config);
+    // Long enough for the group join to be refused and retried a few times.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(
+        effects(&db.pool).await,
+        (0, 0),
+        "nothing applied without READ on the group"
+    );
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--group",
+        &group,
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while effects(&db.pool).await.1 < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "granting READ on the group did not start the consumer: {:?}",
+            effects(&db.pool).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    consumer.stop().await;
+    assert_eq!(effects(&db.pool).await, (20, 20));
+}
