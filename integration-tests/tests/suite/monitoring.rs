@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use postal_integration_tests::services;
+use postal_integration_tests::{services, unique};
 
 use crate::procs::{bin_dir, http_get, Proc};
 
@@ -590,6 +590,19 @@ async fn dead_letters_that_cannot_be_published_show_on_metrics() {
     let unpublished = "postal_consumer_dead_letters_unpublished{consumer=\"billing\"}";
     let within = Duration::from_secs(60);
     until_metric(&mut billing, port, unpublished, within, |v| v >= 1.0).await;
+    // Alert `PostalDeadLetters`: the dead letter counts as an event with outcome dead_letter.
+    let dead_lettered: f64 = http_get(port, "/metrics")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            l.starts_with("postal_consumer_events_total{") && l.contains("outcome=\"dead_letter\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        dead_lettered >= 1.0,
+        "postal_consumer_events_total{{outcome=\"dead_letter\"}} is {dead_lettered}"
+    );
     let waiting: i64 =
         sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters WHERE published_at IS NULL")
             .fetch_one(&db.pool)
@@ -608,4 +621,97 @@ async fn dead_letters_that_cannot_be_published_show_on_metrics() {
             .unwrap();
     assert_eq!(waiting, 0);
     billing.stop();
+}
+
+/// Guarantee (alerts `PostalEventsParked`, `PostalPublishErrorRate`, `PostalOutboxBacklogHigh`,
+/// `PostalSlowProcessing`, `PostalRelayStuck`, `PostalHorizonStalled`): on a running relay, a
+/// parked event (a stored row carrying one of Postal's envelope headers) shows as
+/// `postal_relay_parked` 1 and counts in `postal_relay_failed_total`; an event that cannot go
+/// out (its topic missing, creation off) shows as `postal_relay_backlog` 1 with a growing
+/// `postal_relay_oldest_pending_seconds` while `postal_relay_published_total` stays at 0; a
+/// transaction left open shows as `postal_relay_oldest_transaction_seconds`.
+#[tokio::test]
+async fn parked_stuck_and_long_transactions_show_on_relay_metrics() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let (exists, missing) = (unique("mon-parked"), unique("mon-missing"));
+    crate::common::create_topic(&svc.bootstrap, &exists, 1).await;
+    for (topic, headers) in [(&exists, r#"{"ce_id": "forged"}"#), (&missing, "{}")] {
+        sqlx::query(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, headers)
+             VALUES ($1, $2, 'k', 'e', '\\x00', $3::jsonb)",
+        )
+        .bind(uuid::Uuid::now_v7())
+        .bind(topic)
+        .bind(headers)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // A transaction left open (it holds an xid).
+    let mut open = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT txid_current()")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let dir = bin_dir();
+    let logs = dir.join(format!("monitoring-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let (mut relay, port) = relay(
+        &dir,
+        &logs,
+        &db.url,
+        &svc.bootstrap,
+        &[
+            "--lease",
+            "8s",
+            "--kafka",
+            "message.timeout.ms=3000",
+            "--no-create-topics",
+        ],
+    );
+    relay.start();
+    let within = Duration::from_secs(60);
+    until_metric(&mut relay, port, "postal_relay_parked", within, |v| {
+        v == 1.0
+    })
+    .await;
+    until_metric(&mut relay, port, "postal_relay_failed_total", within, |v| {
+        v >= 1.0
+    })
+    .await;
+    until_metric(&mut relay, port, "postal_relay_backlog", within, |v| {
+        v == 1.0
+    })
+    .await;
+    until_metric(
+        &mut relay,
+        port,
+        "postal_relay_oldest_pending_seconds",
+        within,
+        |v| v >= 2.0,
+    )
+    .await;
+    until_metric(
+        &mut relay,
+        port,
+        "postal_relay_oldest_transaction_seconds",
+        within,
+        |v| v >= 2.0,
+    )
+    .await;
+    assert!(
+        metric(port, "postal_relay_published_total").unwrap_or(0.0) == 0.0,
+        "nothing was published"
+    );
+    open.rollback().await.unwrap();
+    until_metric(
+        &mut relay,
+        port,
+        "postal_relay_oldest_transaction_seconds",
+        within,
+        |v| v < 2.0,
+    )
+    .await;
+    relay.stop();
 }
