@@ -70,8 +70,9 @@ fn published(port: Option<u16>) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Guarantee (upgrade contract): on a schema migrated by this release, the previous release's
-/// relay runs beside this release's relay in one relay group: they share the key partitions,
+/// Guarantee (upgrade contract): the previous release's relay keeps publishing while this
+/// release's migrations run under it (enqueue transactions meanwhile stay under 2 s), then runs
+/// beside this release's relay in one relay group: they share the key partitions,
 /// both publish, and every event reaches the topic, each key's events first delivered in
 /// order (read back by an independent client). Its migrator accepts the schema (before:
 /// "migration 9 was previously applied but has been modified"). When the contract no longer admits
@@ -82,7 +83,9 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
         return;
     };
     let svc = services().await;
-    let db = svc.fresh_db().await;
+    // The previous release's schema (migration 15), as before the upgrade.
+    let db = svc.empty_db().await;
+    crate::upgrade::migrate_until(&db.pool, 15).await;
     let topic = unique("previous");
     create_topic(&svc.bootstrap, &topic, 4).await;
     let logs = bin_dir().join(format!("previous-release-{}", db.name));
@@ -95,31 +98,33 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
         &db.url,
         &svc.bootstrap,
     );
+    // The previous release's relay runs on its schema; the upgrade migrates under it while
+    // events are enqueued, then this release's relay joins.
     old.start();
-    new.start();
-    // Both hold key partitions before the events come.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let owners: i64 = sqlx::query_scalar(
-            "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE lease_until > now()",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if owners == 2 {
-            break;
-        }
-        old.assert_alive();
-        new.assert_alive();
-        assert!(
-            Instant::now() < deadline,
-            "the two relays never shared the partitions"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    until_owners(&db.pool, 1, &mut old, None).await;
     let (keys, per_key) = (64, 40);
     let mut want = BTreeSet::new();
+    let mut migrating = Some({
+        let pool = db.pool.clone();
+        tokio::spawn(async move {
+            let t = Instant::now();
+            postal_shared::migrate(&pool).await.map(|()| t.elapsed())
+        })
+    });
+    let mut slowest = Duration::ZERO;
     for round in 0..per_key {
+        if round == per_key / 2 {
+            let took = migrating
+                .take()
+                .expect("once")
+                .await
+                .unwrap()
+                .expect("the upgrade migrates under the previous release's relay");
+            eprintln!("upgrade under the previous release's relay: {took:?}, slowest enqueue transaction so far {slowest:?}");
+            new.start();
+            until_owners(&db.pool, 2, &mut old, Some(&mut new)).await;
+        }
+        let t = Instant::now();
         let mut tx = db.pool.begin().await.unwrap();
         for k in 0..keys {
             let order = round * keys + k;
@@ -136,7 +141,12 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
             enqueue(&mut tx, event).await.unwrap();
         }
         tx.commit().await.unwrap();
+        slowest = slowest.max(t.elapsed());
     }
+    assert!(
+        slowest < Duration::from_secs(2),
+        "an enqueue transaction took {slowest:?} during the upgrade"
+    );
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let left: i64 =
@@ -201,4 +211,29 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("upgrade it"), "{stderr}");
+}
+
+/// Waits until `n` relays hold key partitions.
+async fn until_owners(pool: &sqlx::PgPool, n: i64, a: &mut Proc, mut b: Option<&mut Proc>) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let owners: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT owner) FROM postal.relay_partitions WHERE lease_until > now()",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if owners == n {
+            return;
+        }
+        a.assert_alive();
+        if let Some(b) = b.as_deref_mut() {
+            b.assert_alive();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} relays never shared the partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

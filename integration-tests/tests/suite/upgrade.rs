@@ -11,7 +11,7 @@ use sqlx::PgPool;
 
 /// Applies Postal's migrations up to and including `last` (as an older release would have),
 /// with the bookkeeping in the `postal` schema as `postal_shared::migrate` keeps it.
-async fn migrate_until(pool: &PgPool, last: i64) {
+pub(crate) async fn migrate_until(pool: &PgPool, last: i64) {
     sqlx::query("CREATE SCHEMA IF NOT EXISTS postal")
         .execute(pool)
         .await
