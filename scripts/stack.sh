@@ -487,7 +487,7 @@ case "$cmd" in
   acl)
     [ "$SECURE" = "1" ] || die "acl is for the --secure node"
     kafka_node 1
-    java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" \
+    java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$KDIR/logs" \
       org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$KPORT" \
       --command-config "$KDIR/tls/admin.properties" "${ARGS[@]}" ;;
   ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;

@@ -465,7 +465,11 @@ impl ProducerContext for AckContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, mut ack: Box<Ack>) {
         ack.delivered = true;
-        if let Err((err, _)) = result {
+        if let Err((err, msg)) = result {
+            if err.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAuthorizationFailed) {
+                use rdkafka::Message as _;
+                ack.denied_topic = Some(msg.topic().to_owned());
+            }
             ack.failure = Some(err.clone());
         }
         // Dropping the ack records it (see `Drop for Ack`).
@@ -479,6 +483,8 @@ struct BatchAcks {
     remaining: AtomicUsize,
     /// Records that failed after they were handed over: (index in the batch, error).
     failures: Mutex<Vec<(usize, PublishError)>>,
+    /// Topics the broker refused records of for a missing ACL, with the reason.
+    denied: Mutex<Vec<(String, String)>>,
     /// Set once a failure asked for a fresh producer (see [`needs_reset`]).
     reset: AtomicBool,
     /// The producer the batch went through (weak: the records queued in a producer hold their
@@ -502,6 +508,7 @@ impl BatchAcks {
         Arc::new(BatchAcks {
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
+            denied: Mutex::new(Vec::new()),
             reset: AtomicBool::new(false),
             tracked,
             slot,
@@ -552,6 +559,8 @@ struct Ack {
     index: usize,
     delivered: bool,
     failure: Option<KafkaError>,
+    /// The record's topic, when the broker refused it for a missing ACL.
+    denied_topic: Option<String>,
 }
 
 impl Drop for Ack {
@@ -562,7 +571,19 @@ impl Drop for Ack {
                 if needs_reset(&err) {
                     self.batch.reset_producer();
                 }
-                Some(PublishError::new(classify(&err), err.to_string()))
+                if let Some(topic) = self.denied_topic.take() {
+                    let reason = not_authorised(&topic);
+                    self.batch
+                        .denied
+                        .lock()
+                        .expect("denied topics")
+                        .push((topic, reason.clone()));
+                    Some(PublishError::new(FailureKind::Waiting, reason))
+                } else if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+                    Some(PublishError::new(classify(&err), format!("{err}: the Kafka producer stopped for good and is replaced (its cause is logged just before: e.g. \"Cluster authorization failed\" when the relay's principal may write no topic at all)")))
+                } else {
+                    Some(PublishError::new(classify(&err), err.to_string()))
+                }
             }
             (false, _) => Some(PublishError::new(
                 FailureKind::Unavailable,
@@ -728,6 +749,7 @@ impl Transport for KafkaTransport {
                 index,
                 delivered: false,
                 failure: None,
+                denied_topic: None,
             });
             let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
                 .key(e.key.as_bytes())
@@ -784,8 +806,7 @@ impl Transport for KafkaTransport {
             acks.settled().await;
             let mut recheck = false;
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
-                recheck |= failure.reason.contains("UnknownTopic")
-                    || failure.reason.contains("TopicAuthorization");
+                recheck |= failure.reason.contains("UnknownTopic");
                 outcomes[index] = Err(failure);
             }
             if recheck {
@@ -793,6 +814,24 @@ impl Transport for KafkaTransport {
                 for t in &batch_topics {
                     if matches!(cache.get(t), Some(TopicState::Ready)) {
                         cache.remove(t);
+                    }
+                }
+            }
+            // A topic refused for a missing ACL waits like a missing one: later batches hold
+            // its events back until the next look-up, and the cause is said once.
+            let denied = std::mem::take(&mut *acks.denied.lock().expect("denied topics"));
+            if !denied.is_empty() {
+                let mut cache = cache.lock().expect("topic cache");
+                for (topic, reason) in denied {
+                    let was = cache.insert(
+                        topic.clone(),
+                        TopicState::Missing {
+                            reason: reason.clone(),
+                            since: std::time::Instant::now(),
+                        },
+                    );
+                    if !matches!(was, Some(TopicState::Missing { .. })) {
+                        tracing::warn!(topic, "{reason}");
                     }
                 }
             }
@@ -886,6 +925,10 @@ fn classify_code(code: RDKafkaErrorCode) -> FailureKind {
         // An ACL revoked after the topic was found: the topic is looked up again (see
         // `send`), and its events wait until the ACL is back.
         TopicAuthorizationFailed => FailureKind::Waiting,
+        // The producer stopped for good (an idempotence failure, or no principal allowed to
+        // write at all: "Cluster authorization failed") and is replaced: not the event's
+        // fault, so no attempt is used, and the relay pauses as for an outage meanwhile.
+        Fatal | ClusterAuthorizationFailed => FailureKind::Unavailable,
         // Purged by the relay itself: the producer the record went through was replaced
         // (after another record's failure) or shut down. Not the record's fault, nor a sign
         // that the broker is down: released for the next claim like a held-back record.
@@ -1111,13 +1154,11 @@ mod tests {
         assert_eq!(read_back(&mock, "jobs", 2), vec!["{}", r#"{"n":2}"#]);
     }
 
-    /// Guarantee: a topic this producer may not write to fails its events as `Permanent` with
-    /// the broker's reason (they are parked, to be requeued once the ACL is fixed), while
-    /// other topics keep flowing. librdkafka keeps reporting the topic as unauthorized until
-    /// its next metadata refresh, so the refused topic's later events are parked too
-    /// (README, *Failures*).
+    /// Guarantee: a topic this producer may not write to makes its events wait (`Waiting`: no
+    /// attempt used, not parked) with a reason naming the ACL to grant, while other topics keep
+    /// flowing (README, *Security*).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_unauthorized_topic_fails_permanently_and_other_topics_flow() {
+    async fn an_unauthorized_topic_waits_and_other_topics_flow() {
         let (mock, transport) = mock_transport(&[]).await;
         mock.create_topic("other", 1, 1).expect("topic");
         let err = refused(
@@ -1126,8 +1167,8 @@ mod tests {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
         )
         .await;
-        assert_eq!(err.kind, FailureKind::Permanent, "{err}");
-        assert!(err.reason.to_lowercase().contains("authoriz"), "{err}");
+        assert_eq!(err.kind, FailureKind::Waiting, "{err}");
+        assert!(err.reason.contains("not authorised for topic"), "{err}");
         assert!(
             publish_with_retries(&transport, numbered("other", 2)).await,
             "other topics stopped"

@@ -591,3 +591,330 @@ async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
     consumer.stop().await;
     assert_eq!(effects(&db.pool).await, (20, 20));
 }
+// ---------------------------------------------------------------------------------------
+// Adversarial review (branch review-acl): ACL revoked while the relay publishes.
+// ---------------------------------------------------------------------------------------
+
+fn acl_topic(op: &str, topic: &str, ops: &[&str]) {
+    let mut args: Vec<&str> = vec![op, "--force", "--allow-principal", "User:relay"];
+    for o in ops {
+        args.push("--operation");
+        args.push(o);
+    }
+    args.push("--topic");
+    args.push(topic);
+    acl(&args);
+}
+
+async fn counts(pool: &sqlx::PgPool, topic: &str) -> (i64, i64, i64) {
+    sqlx::query_as::<_, (i64, i64, i64)>(
+        "SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'failed'),
+                coalesce(max(attempts), 0)::int8
+         FROM postal.outbox WHERE topic = $1",
+    )
+    .bind(topic)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Enqueues one event per tick on each topic; key = `{prefix}k{i%8}`; n = global counter.
+fn spawn_enqueuer(
+    pool: sqlx::PgPool,
+    topics: Vec<(String, String)>, // (topic, key prefix)
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<i64> {
+    tokio::spawn(async move {
+        let mut i = 0i64;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let mut tx = pool.begin().await.unwrap();
+            for (t, p) in &topics {
+                let event = NewEvent::json(
+                    t.as_str(),
+                    format!("{p}k{}", i % 8).as_str(),
+                    "job",
+                    &serde_json::json!({"n": i}),
+                )
+                .unwrap();
+                enqueue(&mut tx, event).await.unwrap();
+            }
+            tx.commit().await.unwrap();
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        i
+    })
+}
+
+/// Checks per-key first-occurrence order and completeness of topic `t` (n in 0..total).
+async fn check_topic(s: &Secure, t: &str, total: i64) -> Result<(), String> {
+    let records = postal_integration_tests::kafka::read_all_with(
+        &s.bootstrap,
+        t,
+        total as usize,
+        Duration::from_secs(60),
+        &client_properties("admin", &s.admin_password, &s.ca),
+    )
+    .await;
+    let mut next: std::collections::BTreeMap<i64, i64> = Default::default();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut errs = vec![];
+    for r in &records {
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        let n = v["n"].as_i64().unwrap();
+        if !seen.insert(n) {
+            continue;
+        }
+        let due = next.entry(n % 8).or_insert(n % 8);
+        if n != *due {
+            errs.push(format!(
+                "key k{}: {n} first seen where {due} was due",
+                n % 8
+            ));
+        }
+        *due = n + 8;
+    }
+    let missing: Vec<i64> = (0..total).filter(|n| !seen.contains(n)).collect();
+    eprintln!(
+        "topic {t}: {} records, {} distinct, {} dups, missing {:?}",
+        records.len(),
+        seen.len(),
+        records.len() - seen.len(),
+        &missing[..missing.len().min(20)]
+    );
+    if !missing.is_empty() {
+        errs.push(format!("{} missing", missing.len()));
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("; "))
+    }
+}
+
+/// Revoke `revoke` on T while records flow on T and U, wait, grant back. Shared keys if
+/// `shared`.
+async fn revoke_mid_publish(revoke: &[&str], shared: bool) {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let (t, u) = (unique("rev-t"), unique("rev-u"));
+    create_topic(&s, &t, 3).await;
+    create_topic(&s, &u, 3).await;
+    acl_topic("--add", &t, &["Write", "Describe"]);
+    acl_topic("--add", &u, &["Write", "Describe"]);
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let (mut relay, log) = relay(
+        &dir,
+        &logs,
+        "relay",
+        &db.url,
+        &s,
+        &client_properties("relay", &s.relay_password, &s.ca),
+    );
+    relay.start();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (pt, pu) = if shared {
+        ("s-".to_string(), "s-".to_string())
+    } else {
+        ("t-".to_string(), "u-".to_string())
+    };
+    let enq = spawn_enqueuer(
+        db.pool.clone(),
+        vec![(t.clone(), pt), (u.clone(), pu)],
+        stop.clone(),
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    eprintln!(
+        "before revoke: T {:?} U {:?}",
+        counts(&db.pool, &t).await,
+        counts(&db.pool, &u).await
+    );
+    acl_topic("--remove", &t, revoke);
+    eprintln!("revoked {revoke:?} on T");
+    let mut u_max_pending = 0;
+    for i in 0..25 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        relay.assert_alive();
+        let (ct, cu) = (counts(&db.pool, &t).await, counts(&db.pool, &u).await);
+        if i > 5 {
+            u_max_pending = u_max_pending.max(cu.0);
+        }
+        eprintln!("t+{i}s: T {ct:?} U {cu:?}");
+    }
+    let (ct_rev, cu_rev) = (counts(&db.pool, &t).await, counts(&db.pool, &u).await);
+    let status = std::process::Command::new(dir.join("postal"))
+        .arg("status")
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    eprintln!(
+        "STATUS while revoked:\n{}",
+        String::from_utf8_lossy(&status.stdout)
+    );
+    acl_topic("--add", &t, revoke);
+    eprintln!("granted back");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let total = enq.await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(150);
+    loop {
+        let (ct, cu) = (counts(&db.pool, &t).await, counts(&db.pool, &u).await);
+        if ct.0 == 0 && cu.0 == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            eprintln!("NOT DRAINED: T {ct:?} U {cu:?}");
+            break;
+        }
+        relay.assert_alive();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    relay.stop();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    for l in text
+        .lines()
+        .filter(|l| {
+            l.contains("WARN")
+                || l.contains("ERROR")
+                || l.contains("recreated")
+                || l.contains("atal")
+        })
+        .take(40)
+    {
+        eprintln!("LOG: {l}");
+    }
+    let (ct, cu) = (counts(&db.pool, &t).await, counts(&db.pool, &u).await);
+    eprintln!("final: T {ct:?} U {cu:?} total per topic {total}");
+    let rt = check_topic(&s, &t, total).await;
+    let ru = check_topic(&s, &u, total).await;
+    acl_topic("--remove", &t, &["Write", "Describe"]);
+    acl_topic("--remove", &u, &["Write", "Describe"]);
+    let mut problems = vec![];
+    if ct_rev.1 > 0 || ct.1 > 0 || cu.1 > 0 {
+        problems.push(format!("parked: T {ct:?} U {cu:?}"));
+    }
+    if ct_rev.2 > 0 {
+        problems.push(format!("attempts used on T while revoked: {ct_rev:?}"));
+    }
+    if !shared && u_max_pending > 200 {
+        problems.push(format!(
+            "U stalled while T revoked: max pending {u_max_pending} ({cu_rev:?})"
+        ));
+    }
+    if ct.0 > 0 || cu.0 > 0 {
+        problems.push("not drained".into());
+    }
+    if text.contains("order is broken") {
+        problems.push("relay logged: the key's order is broken at the destination (a later event of a key published on U before its earlier event on T)".into());
+    }
+    if !text.contains("the relay is not authorised for topic") {
+        problems.push("no log line named the missing ACL".into());
+    }
+    if let Err(e) = rt {
+        problems.push(format!("T: {e}"));
+    }
+    if let Err(e) = ru {
+        problems.push(format!("U: {e}"));
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+/// Guarantee (from a review): WRITE revoked on a topic mid-publish (DESCRIBE kept, so its
+/// metadata still looks fine) loses, parks and reorders nothing, uses no attempt, another topic
+/// keeps flowing, and one log line names the missing ACL (before: the raw broker error only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn revoking_write_mid_publish_waits_and_says_why() {
+    revoke_mid_publish(&["Write"], false).await;
+}
+
+/// Guarantee (from a review): WRITE and DESCRIBE revoked mid-publish: the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn revoking_write_and_describe_mid_publish_waits_and_says_why() {
+    revoke_mid_publish(&["Write", "Describe"], false).await;
+}
+
+/// Wanted, not met: keys shared by two topics, WRITE revoked on one mid-publish. A batch sends
+/// a key's events to both topics at once; the one refused is published after the grant, after
+/// the key's later event on the other topic (the relay logs "order is broken"). The same
+/// happens for any delivery failure of one topic in such a batch (an unavailable partition).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "known: a key's events on two topics in one batch are ordered only if both deliveries succeed"]
+async fn revoking_write_with_keys_shared_across_topics() {
+    revoke_mid_publish(&["Write"], true).await;
+}
+
+/// Wanted, not met: as above, WRITE and DESCRIBE revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "known: a key's events on two topics in one batch are ordered only if both deliveries succeed"]
+async fn revoking_write_and_describe_with_keys_shared_across_topics() {
+    revoke_mid_publish(&["Write", "Describe"], true).await;
+}
+
+/// Guarantee (from a review): a relay principal that may write no topic at all (DESCRIBE
+/// only): the idempotent producer's InitProducerId is refused (CLUSTER_AUTHORIZATION_FAILED, a
+/// fatal producer error). Its events wait: no attempt used, nothing parked (before: each
+/// producer replacement used an attempt, and the events were parked within about 90 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_principal_that_may_write_nothing_parks_nothing() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let t = unique("clu-t");
+    create_topic(&s, &t, 1).await;
+    acl(&[
+        "--add",
+        "--force",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Describe",
+        "--topic",
+        &t,
+    ]);
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let (mut relay, log) = relay(
+        &dir,
+        &logs,
+        "relay",
+        &db.url,
+        &s,
+        &client_properties("consumer", &s.consumer_password, &s.ca),
+    );
+    relay.start();
+    enqueue_jobs(&db.pool, &t, 5).await;
+    for i in 0..30 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        relay.assert_alive();
+        if i % 5 == 0 {
+            eprintln!("t+{i}s: {:?}", counts(&db.pool, &t).await);
+        }
+    }
+    let c = counts(&db.pool, &t).await;
+    let status = std::process::Command::new(dir.join("postal"))
+        .arg("status")
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    eprintln!("STATUS:\n{}", String::from_utf8_lossy(&status.stdout));
+    relay.stop();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    for l in text.lines().filter(|l| !l.contains(" INFO ")).take(30) {
+        eprintln!("LOG: {}", &l[..l.len().min(300)]);
+    }
+    acl(&[
+        "--remove",
+        "--force",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Describe",
+        "--topic",
+        &t,
+    ]);
+    assert_eq!((c.1, c.2), (0, 0), "parked / attempts used: {c:?}");
+}
