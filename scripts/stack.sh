@@ -197,7 +197,7 @@ kafka_pid() {
 secure_material() {
   local t="$KDIR/tls"
   [ -f "$t/credentials" ] && return
-  command -v openssl >/dev/null || die "openssl is missing (apt-get install openssl)"
+  command -v openssl >/dev/null || apt_install openssl /usr/bin/openssl
   mkdir -p "$t"
   log "making a local CA and the SASL_SSL broker's certificate in $t"
   openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=Postal test CA" \
