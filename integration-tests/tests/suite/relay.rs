@@ -1,7 +1,8 @@
 //! The relay against a real broker: claims, crashes, parking, outages, shutdown.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use postal_integration_tests::private::PrivateBroker;
@@ -1017,6 +1018,21 @@ async fn history_maintenance_gives_up_a_step_behind_a_long_reader_and_does_it_la
         .execute(&mut *reader)
         .await
         .unwrap();
+    // Archive inserts go on meanwhile (one every 20 ms); the slowest one is reported.
+    let stop = Arc::new(AtomicBool::new(false));
+    let inserter = tokio::spawn({
+        let (pool, stop) = (db.pool.clone(), stop.clone());
+        async move {
+            let mut slowest = Duration::ZERO;
+            while !stop.load(Ordering::SeqCst) {
+                let started = std::time::Instant::now();
+                history_row(&pool, 0.0).await;
+                slowest = slowest.max(started.elapsed());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            slowest
+        }
+    });
     let blocked = tokio::time::timeout(
         Duration::from_secs(60),
         postal_producer::retention::maintain_history(&db.pool, retention),
@@ -1025,6 +1041,13 @@ async fn history_maintenance_gives_up_a_step_behind_a_long_reader_and_does_it_la
     .expect("maintenance returns while the reader still runs")
     .unwrap()
     .expect("lock free");
+    stop.store(true, Ordering::SeqCst);
+    let slowest = inserter.await.unwrap();
+    eprintln!("archive inserts while maintenance waited behind a reader: slowest {slowest:?}");
+    assert!(
+        slowest < Duration::from_secs(5),
+        "an archive insert waited {slowest:?} behind maintenance"
+    );
     assert!(!blocked.ok(), "the step behind the reader is reported");
     assert!(
         blocked.failed.iter().any(|f| f.contains("lock timeout")),
