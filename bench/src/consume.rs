@@ -107,7 +107,7 @@ async fn postal_run(
 ) -> anyhow::Result<(f64, Duration)> {
     let pool = effects_db(url, concurrency as u32 + 4).await?;
     let group = format!("bench-{}", uuid::Uuid::now_v7().simple());
-    let mut config = ConsumerConfig::new(bootstrap, group, "bench");
+    let mut config = ConsumerConfig::new(bootstrap, group);
     config.max_batch = max_batch;
     config.max_concurrent_partitions = concurrency;
     config

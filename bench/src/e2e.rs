@@ -255,7 +255,7 @@ async fn postal_run(
         let _ = rx.await;
     }));
 
-    let mut config = ConsumerConfig::new(bootstrap, format!("ledger-{topic}"), "ledger");
+    let mut config = ConsumerConfig::new(bootstrap, format!("ledger-{topic}"));
     config.max_batch = opts.max_batch;
     for (k, v) in [
         ("fetch.wait.max.ms", opts.fetch_wait_ms.to_string()),

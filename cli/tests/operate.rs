@@ -419,7 +419,7 @@ fn start_consumer(
     tokio::task::JoinHandle<()>,
     std::sync::Arc<Stats>,
 ) {
-    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group, "cli-test");
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group);
     config.kafka_commit_interval = Duration::from_millis(200);
     config
         .kafka
@@ -1012,7 +1012,7 @@ async fn a_running_consumer_marks_its_offsets() {
     let (topic, group) = (unique("marking"), unique("g"));
     create_topic(&e.bootstrap, &topic).await;
     produce(&e.bootstrap, &topic, &["{}"; 3]).await;
-    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group.clone(), "cli-test");
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), group.clone());
     config.cleanup_interval = Duration::from_millis(200);
     let consumer = Consumer::builder(e.pool.clone(), config)
         .on(&topic, "job", record)
@@ -1055,7 +1055,7 @@ async fn consumer_reports_the_age_of_its_oldest_dedup_row() {
     .await
     .unwrap();
     let addr = format!("127.0.0.1:{}", postal_integration_tests::free_port());
-    let mut config = ConsumerConfig::new(e.bootstrap.clone(), unique("g"), "cli-test");
+    let mut config = ConsumerConfig::new(e.bootstrap.clone(), unique("g"));
     config.dedup_retention = Some(Duration::from_secs(24 * 3600));
     config.cleanup_interval = Duration::from_millis(200);
     config.ops_addr = Some(addr.parse().unwrap());

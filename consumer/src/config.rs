@@ -29,6 +29,8 @@ pub struct ConsumerConfig {
     /// Kafka consumer group; also the key of the stored offsets.
     pub group: String,
     /// The dedup scope: `processed_events.consumer_name` of every handler of this runtime.
+    /// Empty by default: the handlers name it (`#[idempotent(consumer = "...")]`), and
+    /// [`ConsumerBuilder::on`](crate::ConsumerBuilder::on) refuses handlers that disagree.
     pub consumer: String,
     /// Partitions processed at the same time (default 8). Messages of one partition are
     /// always processed one after another, in offset order.
@@ -182,16 +184,13 @@ fn check_overrides(kafka: &BTreeMap<String, String>) -> Result<(), Error> {
 }
 
 impl ConsumerConfig {
-    /// Defaults for the given brokers, group and consumer name.
-    pub fn new(
-        brokers: impl Into<String>,
-        group: impl Into<String>,
-        consumer: impl Into<String>,
-    ) -> Self {
+    /// Defaults for the given brokers and consumer group (the dedup scope comes from the
+    /// handlers).
+    pub fn new(brokers: impl Into<String>, group: impl Into<String>) -> Self {
         ConsumerConfig {
             brokers: brokers.into(),
             group: group.into(),
-            consumer: consumer.into(),
+            consumer: String::new(),
             max_concurrent_partitions: 8,
             max_batch: 1,
             dedup_retention: Some(Duration::from_secs(7 * 24 * 3600)),
@@ -344,8 +343,8 @@ impl ConsumerConfig {
         if self.group.trim().is_empty() {
             return bad("group must not be empty");
         }
-        if self.consumer.trim().is_empty() {
-            return bad("consumer name must not be empty");
+        if !self.consumer.is_empty() && self.consumer.trim().is_empty() {
+            return bad("consumer name must not be blank");
         }
         if self.max_concurrent_partitions == 0 || self.max_concurrent_partitions > 1024 {
             return bad("max concurrent partitions must be between 1 and 1024");
@@ -470,7 +469,7 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        let c = ConsumerConfig::new("b:9092", "g", "billing")
+        let c = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[
                 (
                     "POSTAL_KAFKA",
@@ -487,12 +486,12 @@ mod tests {
         assert_eq!(c.ops_addr, Some("127.0.0.1:9464".parse().unwrap()));
         assert_eq!(c.max_attempts, 10);
         assert_eq!(c.dedup_retention, None);
-        let err = ConsumerConfig::new("b:9092", "g", "billing")
+        let err = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_MAX_BATCH", "lots")]))
             .unwrap_err()
             .to_string();
         assert!(err.contains("POSTAL_MAX_BATCH"), "{err}");
-        let err = ConsumerConfig::new("b:9092", "g", "billing")
+        let err = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_KAFKA", "enable.auto.commit=true")]))
             .unwrap_err()
             .to_string();
@@ -506,18 +505,18 @@ mod tests {
             c.begin_statement(),
             "BEGIN; SET LOCAL tcp_keepalives_idle = 15; SET LOCAL tcp_keepalives_interval = 5; SET LOCAL tcp_keepalives_count = 3; SET LOCAL tcp_user_timeout = 30000; SET LOCAL client_connection_check_interval = 5000"
         );
-        let c = ConsumerConfig::new("b:9092", "g", "billing")
+        let c = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "2m")]))
             .unwrap();
         assert_eq!(c.lost_connection_timeout, Some(Duration::from_secs(120)));
-        let c = ConsumerConfig::new("b:9092", "g", "billing")
+        let c = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "0s")]))
             .unwrap();
         assert_eq!(
             (c.lost_connection_timeout, c.begin_statement().as_str()),
             (None, "BEGIN")
         );
-        let err = ConsumerConfig::new("b:9092", "g", "billing")
+        let err = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_LOST_CONNECTION_TIMEOUT", "soon")]))
             .unwrap_err()
             .to_string();
@@ -538,7 +537,7 @@ mod tests {
             ("auto.offset.reset", "largest"),
             ("auto.offset.reset", "end"),
         ] {
-            let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+            let mut c = ConsumerConfig::new("b:9092", "g");
             c.kafka.insert(k.into(), v.into());
             let err = c.validate().unwrap_err().to_string();
             assert!(
@@ -554,7 +553,7 @@ mod tests {
             ("session.timeout.ms", "6000"),
             ("security.protocol", "SASL_SSL"),
         ] {
-            let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+            let mut c = ConsumerConfig::new("b:9092", "g");
             c.kafka.insert(k.into(), v.into());
             c.validate()
                 .unwrap_or_else(|e| panic!("{k}={v} must be accepted: {e}"));
@@ -565,7 +564,7 @@ mod tests {
     /// the setting named.
     #[test]
     fn debug_redacts_secrets_and_validate_names_the_setting() {
-        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        let mut c = ConsumerConfig::new("b:9092", "g");
         c.kafka.insert("sasl.password".into(), "hunter2".into());
         c.kafka.insert("ssl.key.password".into(), "s3cret".into());
         let shown = format!("{c:?}");
@@ -577,14 +576,14 @@ mod tests {
         c.validate().unwrap();
         c.max_batch = 0;
         assert!(c.validate().unwrap_err().to_string().contains("max batch"));
-        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        let mut c = ConsumerConfig::new("b:9092", "g");
         c.stall_check = Duration::from_millis(10);
         assert!(c
             .validate()
             .unwrap_err()
             .to_string()
             .contains("stall check"));
-        let mut c = ConsumerConfig::new("b:9092", "g", "billing");
+        let mut c = ConsumerConfig::new("b:9092", "g");
         c.kafka.insert("enable.auto.commit".into(), "true".into());
         assert!(c
             .validate()

@@ -32,7 +32,7 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:5432/billing").await?;
 //! postal_shared::migrate(&pool).await?;
-//! let consumer = Consumer::builder(pool, ConsumerConfig::new("127.0.0.1:9092", "billing", "billing"))
+//! let consumer = Consumer::builder(pool, ConsumerConfig::new("127.0.0.1:9092", "billing"))
 //!     .on("orders", "order.created", on_order)
 //!     .build()?;
 //! consumer.run_until_signal().await?; // SIGINT / SIGTERM: graceful shutdown
@@ -99,6 +99,7 @@ mod trace;
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
+use __private as private;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -107,12 +108,15 @@ pub use config::{ConsumerConfig, UnknownTypes};
 pub use dead_letter::Reason as DeadLetterReason;
 pub use error::Error;
 pub use event::{Event, Headers, Payload, Position, Raw};
-pub use handler::{BoxError, Handler, HandlerError, Outcome};
+pub use futures::future::BoxFuture;
+pub use handler::{BoxError, FromRef, Handler, HandlerError, IntoHandler, Outcome, State};
 pub use postal_shared::{Backoff, EventId};
+pub use private::apply;
 pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
 pub use stats::{Stats, StatsSnapshot};
 
-/// Turns a plain `async fn(tx, event) -> Result<(), HandlerError>` into an idempotent handler.
+/// Turns a plain `async fn([state,] tx, event) -> Result<(), HandlerError>` into an idempotent
+/// handler.
 ///
 /// ```ignore
 /// #[idempotent(consumer = "billing")]
@@ -121,9 +125,8 @@ pub use stats::{Stats, StatsSnapshot};
 /// ```
 ///
 /// The function becomes a unit struct of the same name that
-/// - implements [`Handler`], so the runtime can route to it (`.on(topic, type, on_order)`):
-///   the runtime opens the transaction, records the dedup row, runs the body, stores the next
-///   offset and commits — all or nothing;
+/// - can be routed (`.on(topic, type, on_order)`): the runtime opens the transaction, records
+///   the dedup row, runs the body, stores the next offset and commits — all or nothing;
 /// - has `on_order::call(&mut tx, event)`, for use inside a transaction you own: records the
 ///   dedup row with `ON CONFLICT DO NOTHING` under a savepoint, returns
 ///   [`Outcome::Duplicate`] without running the body if it existed, otherwise runs the body
@@ -131,7 +134,8 @@ pub use stats::{Stats, StatsSnapshot};
 ///   together; you commit;
 /// - has `on_order::CONSUMER`, the dedup scope.
 ///
-/// The first parameter is `&mut Transaction<'_, Postgres>` (or `&mut PgConnection`); the
-/// second `Event<T>` where `T` is any `serde` type (decoded from JSON) or [`Raw`]. Other
-/// signatures fail to compile with an error at the offending part.
+/// The parameters are, in this order: optionally [`State<T>`](State) (the consumer's state, or
+/// a part of it by [`FromRef`]; `call` then takes it first too); `&mut Transaction<'_, Postgres>`
+/// (or `&mut PgConnection`); `Event<T>` where `T` is any `serde` type (decoded from JSON) or
+/// [`Raw`]. Other signatures fail to compile with an error at the offending part.
 pub use postal_macros::idempotent;

@@ -17,8 +17,8 @@ pub(crate) enum Failure {
 
 /// A handler with its payload type erased.
 pub(crate) trait Route: Send + Sync {
-    fn name(&self) -> &'static str;
-    fn consumer(&self) -> &'static str;
+    fn name(&self) -> &str;
+    fn consumer(&self) -> &str;
     fn call<'a, 'c>(
         &'a self,
         tx: &'a mut Transaction<'c, Postgres>,
@@ -30,11 +30,11 @@ pub(crate) trait Route: Send + Sync {
 struct Routed<H>(H);
 
 impl<H: Handler> Route for Routed<H> {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         self.0.name()
     }
 
-    fn consumer(&self) -> &'static str {
+    fn consumer(&self) -> &str {
         self.0.consumer()
     }
 
@@ -111,10 +111,10 @@ mod tests {
 
     impl Handler for Named {
         type Payload = serde_json::Value;
-        fn consumer(&self) -> &'static str {
+        fn consumer(&self) -> &str {
             "c"
         }
-        fn name(&self) -> &'static str {
+        fn name(&self) -> &str {
             self.0
         }
         fn handle<'a, 'c>(

@@ -21,29 +21,44 @@ use crate::client::Client;
 use crate::config::ConsumerConfig;
 use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
 use crate::dead_letter::Publisher;
-use crate::handler::Handler;
+use crate::handler::{Handler, IntoHandler};
 use crate::partition::{Inbox, Shared, Worker};
 use crate::route::Router;
 use crate::stats::Stats;
 use crate::Error;
 
-/// Builds a [`Consumer`]: configuration plus handlers routed by topic and event type.
-pub struct ConsumerBuilder {
+/// Builds a [`Consumer`]: configuration, the application state `S` its handlers take (see
+/// [`State`](crate::State)), and handlers routed by topic and event type.
+pub struct ConsumerBuilder<S = ()> {
     pool: PgPool,
     config: ConsumerConfig,
     router: Router,
     errors: Vec<String>,
+    state: S,
 }
 
-impl ConsumerBuilder {
+impl<S> ConsumerBuilder<S> {
+    /// Gives the handlers routed after this call the application state `state`: a handler
+    /// taking `State<T>` gets `T::from_ref(&state)` ([`FromRef`](crate::FromRef); every
+    /// `Clone` type is its own part). Handlers already routed keep theirs.
+    pub fn state<S2>(self, state: S2) -> ConsumerBuilder<S2> {
+        ConsumerBuilder {
+            pool: self.pool,
+            config: self.config,
+            router: self.router,
+            errors: self.errors,
+            state,
+        }
+    }
+
     /// Routes events of `event_type` on `topic` (any schema version without a more specific
     /// route) to `handler`. The topic is subscribed.
-    pub fn on<H: Handler>(self, topic: &str, event_type: &str, handler: H) -> Self {
+    pub fn on<H: IntoHandler<S>>(self, topic: &str, event_type: &str, handler: H) -> Self {
         self.route(topic, event_type, None, handler)
     }
 
     /// Routes events of `event_type` with exactly `schema_version` on `topic` to `handler`.
-    pub fn on_version<H: Handler>(
+    pub fn on_version<H: IntoHandler<S>>(
         self,
         topic: &str,
         event_type: &str,
@@ -53,28 +68,33 @@ impl ConsumerBuilder {
         self.route(topic, event_type, Some(schema_version), handler)
     }
 
-    fn route<H: Handler>(
+    fn route<H: IntoHandler<S>>(
         mut self,
         topic: &str,
         event_type: &str,
         version: Option<i32>,
         handler: H,
     ) -> Self {
+        let handler = handler.into_handler(&self.state);
         if let Err(e) = postal_shared::Topic::new(topic) {
             self.errors.push(e.to_string());
         }
         if let Err(e) = postal_shared::EventType::new(event_type) {
             self.errors.push(e.to_string());
         }
-        if handler.consumer() != self.config.consumer {
+        // The dedup scope is the handlers' (`#[idempotent(consumer = ...)]`): the first one
+        // names this runtime's consumer unless the configuration did; every other must agree.
+        if self.config.consumer.is_empty() {
+            self.config.consumer = handler.consumer().to_owned();
+        } else if handler.consumer() != self.config.consumer {
             self.errors.push(format!(
-                "handler {} deduplicates as consumer {:?} but this runtime is consumer {:?}",
+                "handler {} deduplicates as consumer {:?} but this runtime is consumer {:?} (one runtime is one consumer)",
                 handler.name(),
                 handler.consumer(),
                 self.config.consumer
             ));
         }
-        let name = handler.name();
+        let name = handler.name().to_owned();
         if !self.router.add(topic, event_type, version, handler) {
             self.errors.push(format!(
                 "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
@@ -167,6 +187,7 @@ impl Consumer {
         ConsumerBuilder {
             pool,
             config,
+            state: (),
             router: Router::default(),
             errors: Vec::new(),
         }
@@ -536,5 +557,75 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::future::BoxFuture;
+    use sqlx::{Postgres, Transaction};
+
+    use super::*;
+    use crate::event::Event;
+    use crate::handler::HandlerError;
+
+    /// A hand-written handler whose names are chosen at run time.
+    struct Scoped {
+        consumer: String,
+        name: String,
+    }
+
+    impl Handler for Scoped {
+        type Payload = serde_json::Value;
+        fn consumer(&self) -> &str {
+            &self.consumer
+        }
+        fn name(&self) -> &str {
+            &self.name
+        }
+        fn handle<'a, 'c>(
+            &'a self,
+            _tx: &'a mut Transaction<'c, Postgres>,
+            _event: Event<serde_json::Value>,
+        ) -> BoxFuture<'a, Result<(), HandlerError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn scoped(consumer: &str, name: &str) -> Scoped {
+        Scoped {
+            consumer: consumer.into(),
+            name: name.into(),
+        }
+    }
+
+    fn builder() -> ConsumerBuilder {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://postal@127.0.0.1:1/none")
+            .expect("lazy pool");
+        Consumer::builder(pool, ConsumerConfig::new("127.0.0.1:1", "g"))
+    }
+
+    /// Guarantee: the dedup scope is stated once, by the handlers — the runtime takes the
+    /// first handler's, and refuses to build with a handler of another scope (its events would
+    /// be deduplicated apart from the others').
+    #[tokio::test]
+    async fn the_handlers_name_the_consumer_once() {
+        let consumer = builder()
+            .on("orders", "created", scoped("billing", "created"))
+            .on("orders", "paid", scoped("billing", "paid"))
+            .build()
+            .expect("one scope");
+        assert_eq!(consumer.shared.config.consumer, "billing");
+        let err = builder()
+            .on("orders", "created", scoped("billing", "created"))
+            .on("orders", "paid", scoped("shipping", "paid"))
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("handler paid deduplicates as consumer \"shipping\" but this runtime is consumer \"billing\""),
+            "{err}"
+        );
     }
 }

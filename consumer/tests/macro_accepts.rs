@@ -1,7 +1,9 @@
 //! `#[idempotent]` accepts the documented handler shapes (the rejected ones are in
 //! `tests/ui/fail`, checked by `macro_ui.rs`).
 
-use postal_consumer::{idempotent, Event, EventId, Handler, HandlerError, Outcome, Raw};
+use postal_consumer::{
+    idempotent, Event, EventId, FromRef, Handler, HandlerError, IntoHandler, Outcome, Raw, State,
+};
 use serde::Deserialize;
 use sqlx::{PgConnection, Postgres, Transaction};
 
@@ -44,6 +46,73 @@ async fn standalone(pool: sqlx::PgPool) -> Result<Outcome, HandlerError> {
     Ok(outcome)
 }
 
+/// The application's state.
+#[derive(Clone)]
+struct App {
+    topics: Topics,
+    greeting: String,
+}
+
+/// A part of it, taken by `FromRef`.
+#[derive(Clone)]
+struct Topics {
+    invoices: String,
+}
+
+impl FromRef<App> for Topics {
+    fn from_ref(app: &App) -> Self {
+        app.topics.clone()
+    }
+}
+
+// ... and optionally the state first: the whole state ...
+#[idempotent(consumer = "billing")]
+async fn on_greeting(
+    State(app): State<App>,
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<OrderCreated>,
+) -> Result<(), HandlerError> {
+    let _ = (app.greeting, tx, event.payload.order_id);
+    Ok(())
+}
+
+// ... or a part of it.
+#[idempotent(consumer = "billing")]
+async fn on_invoice(
+    State(topics): State<Topics>,
+    conn: &mut PgConnection,
+    event: Event<Raw>,
+) -> Result<(), HandlerError> {
+    let _ = (topics.invoices, conn, event);
+    Ok(())
+}
+
+/// A crate re-exporting Postal names it with `crate = "..."`.
+mod reexport {
+    pub use postal_consumer as postal;
+}
+
+#[idempotent(consumer = "billing", crate = "reexport::postal")]
+async fn on_reexported(conn: &mut PgConnection, event: Event<Raw>) -> Result<(), HandlerError> {
+    let _ = (conn, event);
+    Ok(())
+}
+
+async fn standalone_with_state(
+    pool: sqlx::PgPool,
+    topics: Topics,
+) -> Result<Outcome, HandlerError> {
+    let mut tx = pool.begin().await?;
+    let raw = Raw {
+        content_type: None,
+        bytes: Vec::new(),
+    };
+    let event = Event::new(EventId::new(), "invoice", raw);
+    let outcome = on_invoice::call(State(topics), &mut tx, event).await?;
+    tx.commit().await?;
+    Ok(outcome)
+}
+
 /// Guarantee: the documented handler shapes compile (transaction or connection, typed or raw
 /// payload, public or private) and expose the consumer name, handler name and `call`.
 #[test]
@@ -51,5 +120,26 @@ fn accepted_signatures() {
     assert_eq!(on_order::CONSUMER, "billing");
     assert_eq!(Handler::consumer(&on_blob), "billing");
     assert_eq!(Handler::name(&on_order), "on_order");
-    let _ = standalone;
+    assert_eq!(Handler::name(&on_reexported), "on_reexported");
+    let _ = (standalone, standalone_with_state);
+}
+
+/// Guarantee: a handler taking `State<T>` is bound to the consumer's state when routed — the
+/// whole state, or the part `FromRef` takes — and keeps its consumer and handler names.
+#[test]
+fn stateful_handlers_bind_to_the_state() {
+    let app = App {
+        topics: Topics {
+            invoices: "invoices".into(),
+        },
+        greeting: "hello".into(),
+    };
+    let whole = on_greeting.into_handler(&app);
+    let part = on_invoice.into_handler(&app);
+    assert_eq!(Handler::consumer(&whole), "billing");
+    assert_eq!(Handler::name(&part), "on_invoice");
+    assert_eq!(on_invoice::CONSUMER, "billing");
+    // A stateless handler is routed to whatever the state is.
+    let plain = IntoHandler::<App>::into_handler(on_order, &app);
+    assert_eq!(Handler::name(&plain), "on_order");
 }

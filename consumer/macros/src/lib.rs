@@ -29,31 +29,47 @@ pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
 
 struct Args {
     consumer: LitStr,
+    /// `crate = "path"`: where `postal_consumer` is (for a crate that re-exports it).
+    krate: Option<syn::Path>,
 }
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let pairs = Punctuated::<MetaNameValue, Token![,]>::parse_terminated(input)?;
         let mut consumer = None;
+        let mut krate = None;
         for pair in pairs {
-            if !pair.path.is_ident("consumer") {
+            let is_crate = pair.path.is_ident("crate");
+            if !pair.path.is_ident("consumer") && !is_crate {
                 return Err(Error::new(
                     pair.path.span(),
-                    "unknown argument: `#[idempotent]` takes `consumer = \"name\"`",
+                    "unknown argument: `#[idempotent]` takes `consumer = \"name\"` (and optionally `crate = \"path::to::postal_consumer\"`)",
                 ));
             }
-            let lit = match &pair.value {
-                syn::Expr::Lit(syn::ExprLit {
-                    lit: syn::Lit::Str(s),
-                    ..
-                }) => s.clone(),
-                other => {
-                    return Err(Error::new(
+            let lit =
+                match &pair.value {
+                    syn::Expr::Lit(syn::ExprLit {
+                        lit: syn::Lit::Str(s),
+                        ..
+                    }) => s.clone(),
+                    other if is_crate => return Err(Error::new(
                         other.span(),
-                        "the consumer name must be a string literal",
-                    ))
+                        "the crate path must be a string literal: `crate = \"my_crate::postal\"`",
+                    )),
+                    other => {
+                        return Err(Error::new(
+                            other.span(),
+                            "the consumer name must be a string literal",
+                        ))
+                    }
+                };
+            if is_crate {
+                let path: syn::Path = lit.parse()?;
+                if krate.replace(path).is_some() {
+                    return Err(Error::new(pair.path.span(), "`crate` is given twice"));
                 }
-            };
+                continue;
+            }
             if lit.value().trim().is_empty() {
                 return Err(Error::new(
                     lit.span(),
@@ -70,15 +86,25 @@ impl Parse for Args {
                 "missing consumer name: write `#[idempotent(consumer = \"name\")]`",
             )
         })?;
-        Ok(Args { consumer })
+        Ok(Args { consumer, krate })
     }
+}
+
+/// The state type `T` of a parameter typed `State<T>` (any path ending in `State`).
+fn state_type(ty: &Type) -> Option<&Type> {
+    single_argument(ty, "State")
 }
 
 /// The payload type `T` of a parameter typed `Event<T>` (any path ending in `Event`).
 fn event_payload(ty: &Type) -> Option<&Type> {
+    single_argument(ty, "Event")
+}
+
+/// `T` of a type written `<path>::Name<T>`.
+fn single_argument<'a>(ty: &'a Type, name: &str) -> Option<&'a Type> {
     let Type::Path(p) = ty else { return None };
     let last = p.path.segments.last()?;
-    if last.ident != "Event" {
+    if last.ident != name {
         return None;
     }
     let PathArguments::AngleBracketed(args) = &last.arguments else {
@@ -155,31 +181,45 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
             "`#[idempotent]` handlers are free functions, not methods",
         ));
     }
-    if inputs.len() != 2 {
+    if !(2..=3).contains(&inputs.len()) {
         return Err(Error::new(
             sig.paren_token.span.join(),
-            "expected two parameters: `tx: &mut Transaction<'_, Postgres>, event: Event<YourPayload>`",
+            "expected the parameters `[State<YourState>,] tx: &mut Transaction<'_, Postgres>, event: Event<YourPayload>`",
         ));
     }
     let typed = |a: &FnArg| match a {
         FnArg::Typed(t) => Ok(t.clone()),
         FnArg::Receiver(r) => Err(Error::new(r.span(), "unexpected `self`")),
     };
-    let tx_arg = typed(inputs[0])?;
-    let ev_arg = typed(inputs[1])?;
+    let state_arg = if inputs.len() == 3 {
+        Some(typed(inputs[0])?)
+    } else {
+        None
+    };
+    let tx_arg = typed(inputs[inputs.len() - 2])?;
+    let ev_arg = typed(inputs[inputs.len() - 1])?;
+    let state = match &state_arg {
+        Some(arg) => Some(state_type(&arg.ty).ok_or_else(|| {
+            Error::new(
+                arg.ty.span(),
+                "with three parameters the first must be the state: `State<YourState>`",
+            )
+        })?),
+        None => None,
+    };
     match &*tx_arg.ty {
         Type::Reference(r) if r.mutability.is_some() => {}
         other => {
             return Err(Error::new(
                 other.span(),
-                "the first parameter must be the transaction: `&mut Transaction<'_, Postgres>` (or `&mut PgConnection`)",
+                "the transaction parameter must be `&mut Transaction<'_, Postgres>` (or `&mut PgConnection`)",
             ))
         }
     }
     let payload = event_payload(&ev_arg.ty).ok_or_else(|| {
         Error::new(
             ev_arg.ty.span(),
-            "the second parameter must be the event: `Event<YourPayload>`",
+            "the last parameter must be the event: `Event<YourPayload>`",
         )
     })?;
     match &sig.output {
@@ -205,29 +245,87 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
     let ev_ty_span = ev_arg.ty.span();
     let tx_pass = quote_spanned!(tx_ty_span=> tx);
     let ev_pass = quote_spanned!(ev_ty_span=> event);
-    let p = quote!(::postal_consumer::__private);
-    // Spanned at the declared return type, so a wrong one is reported there.
-    Ok(quote! {
+    let krate = match &args.krate {
+        Some(path) => quote!(#path),
+        None => quote!(::postal_consumer),
+    };
+    let p = quote!(#krate::__private);
+    let header = quote! {
         #(#docs)*
         #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug, Default)]
         #vis struct #name;
+    };
+    let Some(state) = state else {
+        return Ok(quote! {
+            #header
+
+            impl #name {
+                /// The dedup scope of this handler (`processed_events.consumer_name`).
+                #vis const CONSUMER: &'static str = #consumer;
+
+                /// Runs the handler inside the caller's transaction, under a savepoint: records
+                /// the dedup row with `ON CONFLICT DO NOTHING`; if it already existed, skips the
+                /// body and returns `Outcome::Duplicate`, otherwise runs the body and returns
+                /// `Outcome::Applied`. On error the savepoint is rolled back (dedup row and
+                /// effects together) and the caller's transaction stays usable. The caller
+                /// commits.
+                #[allow(dead_code)]
+                #vis async fn call<'c>(
+                    tx: &mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                    event: #krate::Event<#payload>,
+                ) -> ::core::result::Result<#krate::Outcome, #krate::HandlerError> {
+                    #p::standalone(&#name, tx, event).await
+                }
+
+                #(#other_attrs)*
+                #[doc(hidden)]
+                #body_sig #block
+            }
+
+            impl #krate::Handler for #name {
+                type Payload = #payload;
+
+                fn consumer(&self) -> &str {
+                    Self::CONSUMER
+                }
+
+                fn name(&self) -> &str {
+                    ::core::stringify!(#name)
+                }
+
+                fn handle<'a, 'c>(
+                    &'a self,
+                    tx: &'a mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                    event: #krate::Event<#payload>,
+                ) -> #p::BoxFuture<'a, ::core::result::Result<(), #krate::HandlerError>> {
+                    ::std::boxed::Box::pin(Self::#body_ident(#tx_pass, #ev_pass))
+                }
+            }
+        });
+    };
+    let state_span = state.span();
+    let bound = quote_spanned!(state_span=> #state: #krate::FromRef<__PostalState>);
+    Ok(quote! {
+        #header
 
         impl #name {
             /// The dedup scope of this handler (`processed_events.consumer_name`).
             #vis const CONSUMER: &'static str = #consumer;
 
-            /// Runs the handler inside the caller's transaction, under a savepoint: records the
-            /// dedup row with `ON CONFLICT DO NOTHING`; if it already existed, skips the body
-            /// and returns `Outcome::Duplicate`, otherwise runs the body and returns
-            /// `Outcome::Applied`. On error the savepoint is rolled back (dedup row and effects
-            /// together) and the caller's transaction stays usable. The caller commits.
+            /// Runs the handler with `state` inside the caller's transaction, under a
+            /// savepoint: records the dedup row with `ON CONFLICT DO NOTHING`; if it already
+            /// existed, skips the body and returns `Outcome::Duplicate`, otherwise runs the body
+            /// and returns `Outcome::Applied`. On error the savepoint is rolled back (dedup row
+            /// and effects together) and the caller's transaction stays usable. The caller
+            /// commits.
             #[allow(dead_code)]
             #vis async fn call<'c>(
+                state: #krate::State<#state>,
                 tx: &mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
-                event: ::postal_consumer::Event<#payload>,
-            ) -> ::core::result::Result<::postal_consumer::Outcome, ::postal_consumer::HandlerError> {
-                #p::standalone(&#name, tx, event).await
+                event: #krate::Event<#payload>,
+            ) -> ::core::result::Result<#krate::Outcome, #krate::HandlerError> {
+                #p::standalone(&#p::WithState::<#name>::new(state.0), tx, event).await
             }
 
             #(#other_attrs)*
@@ -235,23 +333,33 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
             #body_sig #block
         }
 
-        impl ::postal_consumer::Handler for #name {
+        impl #p::StatefulHandler for #name {
+            type State = #state;
             type Payload = #payload;
-
-            fn consumer(&self) -> &'static str {
-                Self::CONSUMER
-            }
-
-            fn name(&self) -> &'static str {
-                ::core::stringify!(#name)
-            }
+            const CONSUMER: &'static str = #consumer;
+            const NAME: &'static str = ::core::stringify!(#name);
 
             fn handle<'a, 'c>(
-                &'a self,
+                state: &'a #state,
                 tx: &'a mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
-                event: ::postal_consumer::Event<#payload>,
-            ) -> #p::BoxFuture<'a, ::core::result::Result<(), ::postal_consumer::HandlerError>> {
-                ::std::boxed::Box::pin(Self::#body_ident(#tx_pass, #ev_pass))
+                event: #krate::Event<#payload>,
+            ) -> #p::BoxFuture<'a, ::core::result::Result<(), #krate::HandlerError>> {
+                ::std::boxed::Box::pin(Self::#body_ident(
+                    #krate::State(::core::clone::Clone::clone(state)),
+                    #tx_pass,
+                    #ev_pass,
+                ))
+            }
+        }
+
+        impl<__PostalState> #krate::IntoHandler<__PostalState> for #name
+        where
+            #bound,
+        {
+            type Handler = #p::WithState<#name>;
+
+            fn into_handler(self, state: &__PostalState) -> Self::Handler {
+                #p::WithState::new(<#state as #krate::FromRef<__PostalState>>::from_ref(state))
             }
         }
     })

@@ -6,9 +6,7 @@
 //! `INVOICES_TOPIC` (default `invoices`), and the consumer settings of
 //! `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, `POSTAL_MAX_BATCH`, `POSTAL_METRICS_ADDR`, …).
 
-use std::sync::OnceLock;
-
-use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError};
+use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
 use postal_examples::{connect, env_required, init_tracing, stop_signal};
 use postal_producer::{enqueue_once, Error, NewEvent};
 use serde::Deserialize;
@@ -25,11 +23,17 @@ pub struct OrderCreated {
     pub seq: i32,
 }
 
-static INVOICES_TOPIC: OnceLock<String> = OnceLock::new();
+/// What the handler needs besides its transaction: the consumer's state.
+#[derive(Clone)]
+struct Billing {
+    /// Where invoice events go.
+    invoices_topic: String,
+}
 
 /// Books the order in the ledger and emits the invoice event, exactly once per event id.
 #[idempotent(consumer = "billing")]
 async fn on_order_created(
+    State(billing): State<Billing>,
     tx: &mut Transaction<'_, Postgres>,
     event: Event<OrderCreated>,
 ) -> Result<(), HandlerError> {
@@ -41,12 +45,8 @@ async fn on_order_created(
         .bind(event.id.as_uuid())
         .execute(&mut **tx)
         .await?;
-    let topic = INVOICES_TOPIC
-        .get()
-        .map(String::as_str)
-        .unwrap_or("invoices");
     let invoice = NewEvent::json(
-        topic,
+        billing.invoices_topic.as_str(),
         order.customer.as_str(),
         "invoice.created",
         &serde_json::json!({"order_id": order.order_id, "customer": order.customer, "seq": order.seq}),
@@ -77,9 +77,10 @@ async fn main() -> anyhow::Result<()> {
     let db = env_required("DATABASE_URL")?;
     let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let orders = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
-    let _ =
-        INVOICES_TOPIC.set(std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()));
-    let config = ConsumerConfig::new(brokers, "billing", "billing").with_env()?;
+    let billing = Billing {
+        invoices_topic: std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into()),
+    };
+    let config = ConsumerConfig::new(brokers, "billing").with_env()?;
     // Listening from here on: a stop while start-up still waits for PostgreSQL is clean too.
     let mut stop = stop_signal()?;
     let pool = tokio::select! {
@@ -87,6 +88,7 @@ async fn main() -> anyhow::Result<()> {
         () = &mut stop => return Ok(()),
     };
     let consumer = Consumer::builder(pool, config)
+        .state(billing)
         .on(&orders, "order.created", on_order_created)
         .build()?;
     consumer.run(stop).await?;

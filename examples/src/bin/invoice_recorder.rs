@@ -48,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
     let db = env_required("DATABASE_URL")?;
     let brokers = env_required("KAFKA_BOOTSTRAP_SERVERS")?;
     let topic = std::env::var("INVOICES_TOPIC").unwrap_or_else(|_| "invoices".into());
-    let config = ConsumerConfig::new(brokers, "invoices", "invoices").with_env()?;
+    let config = ConsumerConfig::new(brokers, "invoices").with_env()?;
     // Listening from here on: a stop while start-up still waits for PostgreSQL is clean too.
     let mut stop = stop_signal()?;
     let pool = tokio::select! {

@@ -85,6 +85,7 @@ async fn two_hop_chain_survives_a_crash_in_the_middle() {
             sink.pool.clone(),
             consumer_config(&svc.bootstrap, &unique("sink"), handlers::CONSUMER),
         )
+        .state(handlers::Probe::default())
         .on(&second, "job", apply)
         .build()
         .unwrap(),
@@ -228,6 +229,7 @@ async fn a_reapplied_input_emits_the_same_output_and_the_next_hop_applies_it_onc
         sink.pool.clone(),
         consumer_config(&bootstrap, &unique("g"), handlers::CONSUMER),
     )
+    .state(handlers::Probe::default())
     .on(&second, "job", apply)
     .build()
     .unwrap();

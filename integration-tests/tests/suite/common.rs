@@ -258,7 +258,9 @@ pub fn consumer_config(
     group: &str,
     consumer: &str,
 ) -> postal_consumer::ConsumerConfig {
-    let mut c = postal_consumer::ConsumerConfig::new(bootstrap, group, consumer);
+    let mut c = postal_consumer::ConsumerConfig::new(bootstrap, group);
+    // Tests name the dedup scope here too, so a handler of another scope is refused.
+    c.consumer = consumer.into();
     c.backoff = postal_producer::Backoff {
         base: Duration::from_millis(20),
         max: Duration::from_millis(200),
@@ -397,7 +399,18 @@ pub fn apply_consumer(
     topic: &str,
     config: postal_consumer::ConsumerConfig,
 ) -> postal_consumer::Consumer {
+    apply_consumer_with(pool, topic, config, crate::handlers::Probe::default())
+}
+
+/// [`apply_consumer`] whose handler reports its runs to `probe`.
+pub fn apply_consumer_with(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+    probe: crate::handlers::Probe,
+) -> postal_consumer::Consumer {
     postal_consumer::Consumer::builder(pool.clone(), config)
+        .state(probe)
         .on(topic, "job", crate::handlers::apply)
         .build()
         .expect("valid consumer")
@@ -410,4 +423,14 @@ pub fn start_apply(
     config: postal_consumer::ConsumerConfig,
 ) -> RunningConsumer {
     RunningConsumer::start(apply_consumer(pool, topic, config))
+}
+
+/// [`start_apply`] whose handler reports its runs to `probe`.
+pub fn start_apply_with(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+    probe: crate::handlers::Probe,
+) -> RunningConsumer {
+    RunningConsumer::start(apply_consumer_with(pool, topic, config, probe))
 }

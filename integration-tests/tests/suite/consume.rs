@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use postal_consumer::{offsets, Consumer, Event, EventId, Outcome};
+use postal_consumer::{offsets, Consumer, Event, EventId, Outcome, State};
 use postal_integration_tests::{services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
     apply_consumer, consumer_config, create_topic, effects, effects_table, produce, start_apply,
-    RawRecord, RunningConsumer,
+    start_apply_with, RawRecord, RunningConsumer,
 };
 use crate::handlers::{self, apply, Job};
 
@@ -53,10 +53,12 @@ async fn same_event_twice_is_applied_once() {
     )
     .await;
     let group = unique("g");
-    let running = start_apply(
+    let probe = handlers::Probe::default();
+    let running = start_apply_with(
         &db.pool,
         &topic,
         consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
+        probe.clone(),
     );
     let stats = running.stats.clone();
     wait::until(WAIT, "three records processed", || {
@@ -72,11 +74,7 @@ async fn same_event_twice_is_applied_once() {
         (2, 2),
         "each event applied exactly once"
     );
-    assert_eq!(
-        handlers::attempts(a),
-        1,
-        "the duplicate did not run the body"
-    );
+    assert_eq!(probe.attempts(a), 1, "the duplicate did not run the body");
     assert_eq!(processed_rows(&db.pool, a).await, 1);
     // Processed offsets also reach Kafka (for lag tools); the database copy is what counts.
     let committed = tokio::task::spawn_blocking({
@@ -131,10 +129,12 @@ async fn handler_errors_leave_no_effect_and_dead_letters_keep_their_dedup_row() 
         ],
     )
     .await;
-    let running = start_apply(
+    let probe = handlers::Probe::default();
+    let running = start_apply_with(
         &db.pool,
         &topic,
         consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+        probe.clone(),
     );
     let stats = running.stats.clone();
     wait::until(WAIT, "all four records handled", || {
@@ -163,7 +163,7 @@ async fn handler_errors_leave_no_effect_and_dead_letters_keep_their_dedup_row() 
         1,
         "retried, applied once"
     );
-    assert_eq!(handlers::attempts(flaky), 3);
+    assert_eq!(probe.attempts(flaky), 3);
     assert_eq!(
         effect_rows(&db.pool, after).await,
         1,
@@ -213,21 +213,24 @@ async fn a_fenced_transaction_does_not_commit() {
     )
     .await;
     let group = unique("g");
-    let running = start_apply(
+    let probe = handlers::Probe::default();
+    let running = start_apply_with(
         &db.pool,
         &topic,
         consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
+        probe.clone(),
     );
     let stats = running.stats.clone();
-    wait::until(WAIT, "the blocking handler to start", || async move {
-        handlers::entered(blocked)
+    wait::until(WAIT, "the blocking handler to start", || {
+        let entered = probe.entered(blocked);
+        async move { entered }
     })
     .await;
     // Another consumer takes the partition over while the transaction is open.
     offsets::claim(&db.pool, &group, &topic, 0, "intruder")
         .await
         .unwrap();
-    handlers::release(blocked);
+    probe.release(blocked);
     wait::until(WAIT, "the fenced transaction", || {
         let s = stats.snapshot();
         async move { s.fenced == 1 }
@@ -263,16 +266,17 @@ async fn standalone_handler_in_callers_transaction() {
         retries: 0,
         next: None,
     };
+    let probe = handlers::Probe::default();
     for expected in [Outcome::Applied, Outcome::Duplicate] {
         let mut tx = db.pool.begin().await.unwrap();
-        let outcome = apply::call(&mut tx, Event::new(id, "job", job()))
+        let outcome = apply::call(State(probe.clone()), &mut tx, Event::new(id, "job", job()))
             .await
             .unwrap();
         tx.commit().await.unwrap();
         assert_eq!(outcome, expected);
     }
     assert_eq!(effect_rows(&db.pool, id.as_uuid()).await, 1);
-    assert_eq!(handlers::attempts(id.as_uuid()), 1);
+    assert_eq!(probe.attempts(id.as_uuid()), 1);
 
     let failing = EventId::new();
     let mut tx = db.pool.begin().await.unwrap();
@@ -286,9 +290,13 @@ async fn standalone_handler_in_callers_transaction() {
         retries: 0,
         next: None,
     };
-    let err = apply::call(&mut tx, Event::new(failing, "job", bad))
-        .await
-        .unwrap_err();
+    let err = apply::call(
+        State(probe.clone()),
+        &mut tx,
+        Event::new(failing, "job", bad),
+    )
+    .await
+    .unwrap_err();
     assert!(err.to_string().contains("business rule"), "{err}");
     tx.commit()
         .await
@@ -326,17 +334,20 @@ async fn shutdown_abandons_an_unfinished_transaction_cleanly() {
     )
     .await;
     let group = unique("g");
+    let probe = handlers::Probe::default();
     let build = || {
         let mut config = consumer_config(&svc.bootstrap, &group, handlers::CONSUMER);
         config.shutdown_timeout = Duration::from_millis(300);
         Consumer::builder(db.pool.clone(), config)
+            .state(probe.clone())
             .on(&topic, "job", apply)
             .build()
             .unwrap()
     };
     let first = RunningConsumer::start(build());
-    wait::until(WAIT, "the blocking handler to start", || async move {
-        handlers::entered(blocked)
+    wait::until(WAIT, "the blocking handler to start", || {
+        let entered = probe.entered(blocked);
+        async move { entered }
     })
     .await;
     first.stop().await; // returns after the 300 ms shutdown timeout
@@ -347,7 +358,7 @@ async fn shutdown_abandons_an_unfinished_transaction_cleanly() {
     );
     assert_eq!(processed_rows(&db.pool, blocked).await, 0);
 
-    handlers::release(blocked);
+    probe.release(blocked);
     let second = RunningConsumer::start(build());
     let stats = second.stats.clone();
     wait::until(WAIT, "the event applied by the next consumer", || {

@@ -156,6 +156,7 @@ async fn child_consumer_process() {
     );
     config.kafka_commit_interval = Duration::from_secs(3600);
     let consumer = Consumer::builder(pool, config)
+        .state(handlers::Probe::default())
         .on(&var("POSTAL_CHILD_TOPIC"), "job", apply)
         .build()
         .unwrap();

@@ -2,10 +2,10 @@
 //! each scenario controls failures per event.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use postal_consumer::{idempotent, Event, HandlerError};
+use postal_consumer::{idempotent, Event, HandlerError, State};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
@@ -30,34 +30,51 @@ pub struct Job {
     pub next: Option<String>,
 }
 
-static ATTEMPTS: LazyLock<Mutex<HashMap<Uuid, u32>>> = LazyLock::new(Default::default);
-static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
-static RELEASED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
+/// What a test sees of [`apply`]'s runs: the consumer's state, shared by its handler calls
+/// and the test (each test its own).
+#[derive(Clone, Default)]
+pub struct Probe(Arc<Runs>);
 
-/// Whether a `block` job's handler is running.
-pub fn entered(id: Uuid) -> bool {
-    ENTERED.lock().unwrap().contains(&id)
+#[derive(Default)]
+struct Runs {
+    attempts: Mutex<HashMap<Uuid, u32>>,
+    entered: Mutex<HashSet<Uuid>>,
+    released: Mutex<HashSet<Uuid>>,
 }
 
-/// Lets a `block` job's handler finish.
-pub fn release(id: Uuid) {
-    RELEASED.lock().unwrap().insert(id);
-}
+impl Probe {
+    /// Whether a `block` job's handler is running.
+    pub fn entered(&self, id: Uuid) -> bool {
+        self.0.entered.lock().unwrap().contains(&id)
+    }
 
-/// How many times the handler ran for `id`.
-pub fn attempts(id: Uuid) -> u32 {
-    ATTEMPTS.lock().unwrap().get(&id).copied().unwrap_or(0)
+    /// Lets a `block` job's handler finish.
+    pub fn release(&self, id: Uuid) {
+        self.0.released.lock().unwrap().insert(id);
+    }
+
+    /// How many times the handler ran for `id`.
+    pub fn attempts(&self, id: Uuid) -> u32 {
+        self.0
+            .attempts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 /// Writes one `effects` row, then fails as the payload asks.
 #[idempotent(consumer = "effects")]
 pub async fn apply(
+    State(probe): State<Probe>,
     tx: &mut Transaction<'_, Postgres>,
     event: Event<Job>,
 ) -> Result<(), HandlerError> {
     let id = event.id.as_uuid();
     let attempt = {
-        let mut a = ATTEMPTS.lock().unwrap();
+        let mut a = probe.0.attempts.lock().unwrap();
         let c = a.entry(id).or_default();
         *c += 1;
         *c
@@ -81,8 +98,8 @@ pub async fn apply(
             Ok(())
         }
         Some("block") => {
-            ENTERED.lock().unwrap().insert(id);
-            while !RELEASED.lock().unwrap().contains(&id) {
+            probe.0.entered.lock().unwrap().insert(id);
+            while !probe.0.released.lock().unwrap().contains(&id) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             Ok(())

@@ -9,7 +9,8 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply, start_apply_with,
+    RawRecord,
 };
 use crate::handlers;
 
@@ -546,17 +547,18 @@ async fn peak_behind_blocked_handlers(
     }
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     tweak(&mut config);
-    let running = start_apply(&db.pool, &topic, config);
+    let probe = handlers::Probe::default();
+    let running = start_apply_with(&db.pool, &topic, config, probe.clone());
     let stats = running.stats.clone();
     // The handlers hold their first records until the buffers have filled.
     wait::until(WAIT, "the buffers filled while the handlers block", || {
         let s = stats.snapshot();
-        let all_entered = blocked.iter().all(|id| handlers::entered(*id));
+        let all_entered = blocked.iter().all(|id| probe.entered(*id));
         async move { all_entered && s.buffered_bytes >= fill }
     })
     .await;
     for id in &blocked {
-        handlers::release(*id);
+        probe.release(*id);
     }
     let total = partitions as u64 * (behind as u64 + 1);
     wait::until(WAIT, "all applied", || {

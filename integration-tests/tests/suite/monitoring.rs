@@ -794,7 +794,11 @@ async fn consumer_lag_and_slow_transactions_show_on_metrics() {
     let behind: Vec<RawRecord> = (1..=20).map(order).collect();
     produce(&svc.bootstrap, &orders, None, &behind).await;
     let topic_label = format!("topic=\"{orders}\"");
-    let lag = || metric_values(port, "postal_consumer_lag", &[&topic_label]).iter().sum::<f64>();
+    let lag = || {
+        metric_values(port, "postal_consumer_lag", &[&topic_label])
+            .iter()
+            .sum::<f64>()
+    };
     let deadline = Instant::now() + within;
     while lag() < 20.0 {
         billing.assert_alive();
@@ -820,7 +824,10 @@ async fn consumer_lag_and_slow_transactions_show_on_metrics() {
             break;
         }
         billing.assert_alive();
-        assert!(Instant::now() < deadline, "the consumer never waited for the lock");
+        assert!(
+            Instant::now() < deadline,
+            "the consumer never waited for the lock"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;

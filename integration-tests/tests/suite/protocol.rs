@@ -28,7 +28,7 @@ fn config(group: &str) -> ConsumerConfig {
     // The protocol harness never fetches; the client is created and left idle.
     let bootstrap =
         std::env::var("KAFKA_BOOTSTRAP_SERVERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let mut c = ConsumerConfig::new(&bootstrap, group, handlers::CONSUMER);
+    let mut c = ConsumerConfig::new(&bootstrap, group);
     c.backoff = postal_producer::Backoff {
         base: Duration::from_millis(1),
         max: Duration::from_millis(2),
@@ -39,7 +39,18 @@ fn config(group: &str) -> ConsumerConfig {
 
 /// A protocol driver for `topic`: the `apply` handler for type `job`, consumer `effects`.
 fn protocol(pool: &PgPool, topic: &str, group: &str) -> (Consumer, Protocol) {
+    protocol_with(pool, topic, group, handlers::Probe::default())
+}
+
+/// [`protocol`] whose handler reports its runs to `probe`.
+fn protocol_with(
+    pool: &PgPool,
+    topic: &str,
+    group: &str,
+    probe: handlers::Probe,
+) -> (Consumer, Protocol) {
     let consumer = Consumer::builder(pool.clone(), config(group))
+        .state(probe)
         .on(topic, "job", handlers::apply)
         .build()
         .expect("consumer");
@@ -187,7 +198,8 @@ async fn a_handler_that_swallows_a_database_error_is_dead_lettered_in_throughput
     let db = fresh_postgres_db().await;
     effects_table(&db.pool).await;
     let topic = unique("proto");
-    let (_c, p) = protocol(&db.pool, &topic, &unique("g"));
+    let probe = handlers::Probe::default();
+    let (_c, p) = protocol_with(&db.pool, &topic, &unique("g"), probe.clone());
     let (a, bad, b) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
     let records = vec![
         record(&topic, 0, 0, a, "k", json!({"n": 1})),
@@ -204,7 +216,7 @@ async fn a_handler_that_swallows_a_database_error_is_dead_lettered_in_throughput
     assert_eq!(applied(&db.pool, b).await, 1);
     assert_eq!(dead_lettered(&db.pool, &topic).await, vec![(1, Some(bad))]);
     // The optimistic pass's run (the whole batch together) does not count as an attempt.
-    assert_eq!(handlers::attempts(bad), MAX_ATTEMPTS + 1);
+    assert_eq!(probe.attempts(bad), MAX_ATTEMPTS + 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ async fn members_join_and_leave_mid_stream() {
             pool.clone(),
             consumer_config(&svc.bootstrap, &group, handlers::CONSUMER),
         )
+        .state(handlers::Probe::default())
         .on(&topic, "job", apply)
         .build()
         .unwrap();

@@ -3,13 +3,13 @@
 use std::time::Duration;
 
 use postal_consumer::testing::{assert_applied_once, deliver};
-use postal_consumer::{retention, Event, EventId, Outcome};
+use postal_consumer::{retention, Event, EventId, IntoHandler, Outcome};
 use postal_integration_tests::{services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::common::{
-    consumer_config, create_topic, effects, effects_table, produce, start_apply, RawRecord,
+    consumer_config, create_topic, effects, effects_table, produce, start_apply_with, RawRecord,
 };
 use crate::handlers::{self, apply, Job};
 
@@ -47,7 +47,8 @@ async fn throughput_mode_isolates_failures() {
 
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
     config.max_batch = 100;
-    let running = start_apply(&db.pool, &topic, config);
+    let probe = handlers::Probe::default();
+    let running = start_apply_with(&db.pool, &topic, config, probe.clone());
     let stats = running.stats.clone();
     wait::until(WAIT, "302 records handled", || {
         let s = stats.snapshot();
@@ -62,11 +63,7 @@ async fn throughput_mode_isolates_failures() {
         (298, 298),
         "each applied event exactly once"
     );
-    assert_eq!(
-        handlers::attempts(ids[120]),
-        3,
-        "retried until it succeeded"
-    );
+    assert_eq!(probe.attempts(ids[120]), 3, "retried until it succeeded");
     let dead: Vec<(Option<Uuid>, String)> =
         sqlx::query_as("SELECT event_id, reason FROM postal.dead_letters ORDER BY kafka_offset")
             .fetch_all(&db.pool)
@@ -168,17 +165,18 @@ async fn handler_test_helpers() {
         retries: 0,
         next: None,
     };
+    let handler = apply.into_handler(&handlers::Probe::default());
     let id = EventId::new();
     // `Job` is not `Clone`: deliver twice by hand; `assert_applied_once` (below) needs a
     // clonable payload.
     assert_eq!(
-        deliver(&db.pool, &apply, Event::new(id, "job", job(None)))
+        deliver(&db.pool, &handler, Event::new(id, "job", job(None)))
             .await
             .unwrap(),
         Outcome::Applied
     );
     assert_eq!(
-        deliver(&db.pool, &apply, Event::new(id, "job", job(None)))
+        deliver(&db.pool, &handler, Event::new(id, "job", job(None)))
             .await
             .unwrap(),
         Outcome::Duplicate
@@ -186,7 +184,7 @@ async fn handler_test_helpers() {
     let failing = EventId::new();
     assert!(deliver(
         &db.pool,
-        &apply,
+        &handler,
         Event::new(failing, "job", job(Some("permanent")))
     )
     .await

@@ -68,6 +68,7 @@ async fn handler_span_is_a_child_of_the_enqueueing_span() {
             db.pool.clone(),
             consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
         )
+        .state(handlers::Probe::default())
         .on(&topic, "job", apply)
         .build()
         .unwrap(),
