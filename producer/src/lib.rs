@@ -61,9 +61,10 @@ pub use kafka::{classify, KafkaConfig, KafkaTransport};
 pub use postal_shared::secret::parse_property;
 pub use postal_shared::Backoff;
 pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion, Topic};
+pub use postal_shared::{FromRef, State};
 #[cfg(feature = "rabbitmq")]
 pub use rabbitmq::{RabbitConfig, RabbitTransport};
 pub use relay::{Relay, RelayStats};
 pub use route::{DynTransport, Router};
-pub use tasks::{Task, TaskConfig, TaskError, TaskTransport};
+pub use tasks::{Task, TaskConfig, TaskError, TaskHandler, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};

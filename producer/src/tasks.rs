@@ -38,7 +38,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use postal_shared::EventId;
+use postal_shared::{EventId, FromRef, State};
 
 use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 
@@ -111,6 +111,41 @@ impl TaskError {
 
 type Handler = Arc<dyn Fn(Task) -> BoxFuture<'static, Result<(), TaskError>> + Send + Sync>;
 
+/// What [`TaskTransport::on`] registers: an async function or closure taking the [`Task`], or
+/// taking the runner's state first (`State<T>`, with `T` the whole state or a part of it by
+/// [`FromRef`]). `M` only tells the two shapes apart.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a task handler for a runner with state `{S}`",
+    note = "a task handler is an async fn (or closure) of `(Task)` or `(State<T>, Task)` returning `Result<(), TaskError>`, with `T: FromRef<{S}>`"
+)]
+pub trait TaskHandler<M, S>: Send + Sync + 'static {
+    /// The handler, bound to `state`.
+    #[doc(hidden)]
+    fn bind(self, state: &S) -> Handler;
+}
+
+impl<F, Fut, S> TaskHandler<(Task,), S> for F
+where
+    F: Fn(Task) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+{
+    fn bind(self, _state: &S) -> Handler {
+        Arc::new(move |task| self(task).boxed())
+    }
+}
+
+impl<F, Fut, S, T> TaskHandler<(State<T>, Task), S> for F
+where
+    F: Fn(State<T>, Task) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
+    T: FromRef<S> + Clone + Send + Sync + 'static,
+{
+    fn bind(self, state: &S) -> Handler {
+        let part = T::from_ref(state);
+        Arc::new(move |task| self(State(part.clone()), task).boxed())
+    }
+}
+
 /// Settings of the task runner.
 #[derive(Clone, Debug)]
 pub struct TaskConfig {
@@ -152,7 +187,9 @@ impl Default for TaskConfig {
 ///         Ok::<_, TaskError>(())
 ///     });
 /// ```
-pub struct TaskTransport {
+pub struct TaskTransport<S = ()> {
+    /// What handlers registered from here on take their `State<T>` from.
+    state: Arc<S>,
     handlers: HashMap<String, Handler>,
     config: TaskConfig,
     running: Arc<Semaphore>,
@@ -163,9 +200,10 @@ pub struct TaskTransport {
 
 /// A clone shares the handlers and the concurrency limit, not the stop: a relay stopping
 /// aborts the handlers it started, never those of another relay given a clone.
-impl Clone for TaskTransport {
+impl<S> Clone for TaskTransport<S> {
     fn clone(&self) -> Self {
         TaskTransport {
+            state: self.state.clone(),
             handlers: self.handlers.clone(),
             config: self.config.clone(),
             running: self.running.clone(),
@@ -174,7 +212,7 @@ impl Clone for TaskTransport {
     }
 }
 
-impl std::fmt::Debug for TaskTransport {
+impl<S> std::fmt::Debug for TaskTransport<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut types: Vec<&String> = self.handlers.keys().collect();
         types.sort();
@@ -190,23 +228,54 @@ impl TaskTransport {
     pub fn new(config: TaskConfig) -> Self {
         let running = Arc::new(Semaphore::new(config.concurrency.max(1)));
         TaskTransport {
+            state: Arc::new(()),
             handlers: HashMap::new(),
             config,
             running,
             stop: Arc::default(),
         }
     }
+}
 
-    /// Registers the handler of `event_type` (replacing an earlier one).
-    pub fn on<F, Fut>(mut self, event_type: impl Into<String>, handler: F) -> Self
-    where
-        F: Fn(Task) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), TaskError>> + Send + 'static,
-    {
-        self.handlers.insert(
-            event_type.into(),
-            Arc::new(move |task| handler(task).boxed()),
-        );
+impl<S> TaskTransport<S> {
+    /// Gives the handlers registered after this call the application state `state`: a
+    /// handler taking `State<T>` gets `T::from_ref(&state)` (every `Clone` type is its own
+    /// part), as consumer handlers do. Handlers already registered keep theirs.
+    ///
+    /// ```
+    /// use postal_producer::{State, Task, TaskConfig, TaskError, TaskTransport};
+    ///
+    /// #[derive(Clone)]
+    /// struct Mailer { sender: String }
+    ///
+    /// async fn send_email(State(mailer): State<Mailer>, task: Task) -> Result<(), TaskError> {
+    ///     let _ = (mailer.sender, task.id); // `task.id`: the idempotency key
+    ///     Ok(())
+    /// }
+    ///
+    /// let tasks = TaskTransport::new(TaskConfig::default())
+    ///     .state(Mailer { sender: "noreply@example.com".into() })
+    ///     .on("email.requested", send_email);
+    /// ```
+    pub fn state<S2>(self, state: S2) -> TaskTransport<S2> {
+        TaskTransport {
+            state: Arc::new(state),
+            handlers: self.handlers,
+            config: self.config,
+            running: self.running,
+            stop: self.stop,
+        }
+    }
+
+    /// Registers the handler of `event_type` (replacing an earlier one): an async function
+    /// or closure of `(Task)`, or of `(State<T>, Task)` (see [`state`](Self::state)).
+    pub fn on<M, H: TaskHandler<M, S>>(
+        mut self,
+        event_type: impl Into<String>,
+        handler: H,
+    ) -> Self {
+        let bound = handler.bind(&self.state);
+        self.handlers.insert(event_type.into(), bound);
         self
     }
 
@@ -285,7 +354,7 @@ fn panic_message(join: tokio::task::JoinError) -> String {
     }
 }
 
-impl Transport for TaskTransport {
+impl<S: Send + Sync + 'static> Transport for TaskTransport<S> {
     type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
 
     /// Handlers may run for minutes: the relay must not hold a claim open meanwhile, and

@@ -29,6 +29,7 @@ mod log_throttle;
 mod logging;
 mod migrate;
 pub mod secret;
+mod state;
 pub mod text;
 
 pub use availability::database_unavailable;
@@ -42,3 +43,4 @@ pub use log_throttle::LogThrottle;
 #[cfg(feature = "logging")]
 pub use logging::{init_logging, LogFormat};
 pub use migrate::{migrate, migrate_within, migrator, MIGRATE_LOCK_WAIT, POSTAL_SCHEMA};
+pub use state::{FromRef, State};

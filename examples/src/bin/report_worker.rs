@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use postal_examples::{connect, env_or, env_required, init_tracing};
 use postal_producer::{
-    enqueue, NewEvent, Relay, RelayConfig, Task, TaskConfig, TaskError, TaskTransport, TopicFilter,
+    enqueue, NewEvent, Relay, RelayConfig, State, Task, TaskConfig, TaskError, TaskTransport,
+    TopicFilter,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -54,9 +55,17 @@ async fn request_reports(pool: &PgPool, n: i64) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn generate(pool: PgPool, work: Duration, task: Task) -> Result<(), TaskError> {
+/// What the report handler needs: the task runner's state.
+#[derive(Clone)]
+struct Reports {
+    pool: PgPool,
+    /// How long generating one report takes.
+    work: Duration,
+}
+
+async fn generate(State(reports): State<Reports>, task: Task) -> Result<(), TaskError> {
     let req: ReportRequested = task.json()?;
-    tokio::time::sleep(work).await;
+    tokio::time::sleep(reports.work).await;
     let body = format!(
         "report for {} (request {}), attempt {}",
         req.customer, req.request_id, task.attempt
@@ -69,7 +78,7 @@ async fn generate(pool: PgPool, work: Duration, task: Task) -> Result<(), TaskEr
     .bind(task.id.as_uuid())
     .bind(req.request_id)
     .bind(body)
-    .execute(&pool)
+    .execute(&reports.pool)
     .await
     .map_err(|e| {
         if postal_shared::database_unavailable(&e) {
@@ -95,10 +104,12 @@ async fn main() -> anyhow::Result<()> {
     request_reports(&pool, env_or("REPORTS", 20)?).await?;
 
     let work = Duration::from_millis(env_or("REPORT_MS", 200)?);
-    let handler_pool = pool.clone();
-    let tasks = TaskTransport::new(TaskConfig::default()).on("report.requested", move |task| {
-        generate(handler_pool.clone(), work, task)
-    });
+    let tasks = TaskTransport::new(TaskConfig::default())
+        .state(Reports {
+            pool: pool.clone(),
+            work,
+        })
+        .on("report.requested", generate);
     let config = RelayConfig {
         group: "reports".into(),
         topics: TopicFilter::Only(vec!["reports".into()]),

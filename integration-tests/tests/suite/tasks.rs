@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{
-    enqueue, enqueue_batch, NewEvent, RelayConfig, Task, TaskConfig, TaskError, TaskTransport,
+    enqueue, enqueue_batch, NewEvent, RelayConfig, State, Task, TaskConfig, TaskError,
+    TaskTransport,
 };
 use sqlx::PgPool;
 
@@ -25,32 +26,42 @@ async fn status_of(
         .unwrap()
 }
 
+/// What the report handler saw: the task runner's state.
+#[derive(Clone, Default)]
+struct Reports {
+    runs: Arc<Mutex<Vec<(String, i32)>>>,
+    done: Arc<AtomicU64>,
+}
+
+/// Fails twice (retryable), then succeeds, recording each run in the runner's state.
+async fn make_report(State(reports): State<Reports>, task: Task) -> Result<(), TaskError> {
+    let n: u32 = task.json()?;
+    reports
+        .runs
+        .lock()
+        .unwrap()
+        .push((task.id.to_string(), task.attempt));
+    if task.attempt <= 2 {
+        return Err(TaskError::retryable(format!("report store busy ({n})")));
+    }
+    reports.done.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
 /// Guarantee: a handler that fails twice (retryable) and then succeeds runs three times and
 /// completes once, with its attempt number; a permanent failure, an undecodable payload and an
-/// event type without a handler are parked with their reasons, not retried.
+/// event type without a handler are parked with their reasons, not retried. (The report handler
+/// takes the runner's state, `State<Reports>`; the e-mail handler is a plain closure.)
 #[tokio::test]
 async fn failing_twice_then_succeeding_completes_once() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("tasks");
-    let runs = Arc::new(Mutex::new(Vec::<(String, i32)>::new()));
-    let done = Arc::new(AtomicU64::new(0));
-    let (r, d) = (runs.clone(), done.clone());
+    let reports = Reports::default();
+    let (runs, done) = (reports.runs.clone(), reports.done.clone());
     let tasks = TaskTransport::new(TaskConfig::default())
-        .on("report.requested", move |task: Task| {
-            let (runs, done) = (r.clone(), d.clone());
-            async move {
-                let n: u32 = task.json()?;
-                runs.lock()
-                    .unwrap()
-                    .push((task.id.to_string(), task.attempt));
-                if task.attempt <= 2 {
-                    return Err(TaskError::retryable(format!("report store busy ({n})")));
-                }
-                done.fetch_add(1, Ordering::SeqCst);
-                Ok(())
-            }
-        })
+        .state(reports)
+        .on("report.requested", make_report)
         .on("email.requested", |_task: Task| async move {
             Err(TaskError::permanent("mailbox does not exist"))
         });
