@@ -1,15 +1,17 @@
 //! Helpers for testing handlers against a real database, without a broker.
 //!
 //! ```no_run
-//! use postal_consumer::testing::{assert_applied_once, deliver};
+//! use postal_consumer::testing::{assert_applied_once, deliver, TestDatabase};
 //! use postal_consumer::{idempotent, Event, EventId, HandlerError, Outcome};
 //! # use sqlx::{Postgres, Transaction};
 //! # #[derive(Clone, serde::Deserialize)] struct OrderCreated { order_id: i64 }
 //! # #[idempotent(consumer = "billing")]
 //! # async fn on_order(tx: &mut Transaction<'_, Postgres>, event: Event<OrderCreated>) -> Result<(), HandlerError> { Ok(()) }
 //!
-//! # async fn test(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! postal_shared::migrate(&pool).await?; // Postal's tables next to yours
+//! # async fn test() -> Result<(), Box<dyn std::error::Error>> {
+//! // A database of this test's own on the server of DATABASE_URL, with Postal's tables.
+//! let db = TestDatabase::create().await?;
+//! let pool = &db.pool;
 //! let event = Event::new(EventId::new(), "order.created", OrderCreated { order_id: 7 });
 //!
 //! // Delivered twice, applied once: the second delivery finds the dedup row.
@@ -18,10 +20,82 @@
 //! // Or step by step, as the runtime would (own transaction, dedup row, body, commit):
 //! let again = deliver(&pool, &on_order, event).await?;
 //! assert_eq!(again, Outcome::Duplicate);
+//! db.remove().await?;
 //! # Ok(()) }
 //! ```
 
 use sqlx::PgPool;
+
+/// A database of one test's own, created on the server of `DATABASE_URL`, with Postal's schema
+/// migrated: tests running at the same time never see each other's rows. [`remove`]
+/// (Self::remove) drops it; one a failed test leaves behind is named `postal_test_<uuid>`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct TestDatabase {
+    /// A pool on the new database.
+    pub pool: PgPool,
+    /// Its connection URL.
+    pub url: String,
+    /// Its name.
+    pub name: String,
+    admin_url: String,
+}
+
+impl TestDatabase {
+    /// Creates one on the server of the `DATABASE_URL` environment variable.
+    pub async fn create() -> Result<Self, crate::Error> {
+        let url = std::env::var("DATABASE_URL").map_err(|_| {
+            crate::Error::Config(
+                "DATABASE_URL is not set: point it at a PostgreSQL server where this user may create databases".into(),
+            )
+        })?;
+        Self::create_at(&url).await
+    }
+
+    /// Creates one on the server of `url` (whose user may create databases).
+    pub async fn create_at(url: &str) -> Result<Self, crate::Error> {
+        use std::str::FromStr;
+        let admin = sqlx::postgres::PgConnectOptions::from_str(url)?;
+        let name = format!("postal_test_{}", uuid::Uuid::now_v7().simple());
+        let admin_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(admin.clone())
+            .await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin_pool)
+            .await?;
+        admin_pool.close().await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(admin.clone().database(&name))
+            .await?;
+        postal_shared::migrate(&pool).await?;
+        use sqlx::ConnectOptions;
+        Ok(TestDatabase {
+            pool,
+            url: admin.database(&name).to_url_lossy().to_string(),
+            name,
+            admin_url: url.to_owned(),
+        })
+    }
+
+    /// Closes the pool and drops the database.
+    pub async fn remove(self) -> Result<(), crate::Error> {
+        self.pool.close().await;
+        let admin = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.admin_url)
+            .await?;
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ))
+        .execute(&admin)
+        .await?;
+        admin.close().await;
+        Ok(())
+    }
+}
 
 use crate::event::Event;
 use crate::handler::{Handler, HandlerError, Outcome};

@@ -205,3 +205,43 @@ async fn handler_test_helpers() {
     .unwrap();
     assert_eq!(effects(&db.pool).await, (2, 2));
 }
+
+/// Guarantee: `testing::TestDatabase` gives each test a database of its own with Postal's
+/// schema (a stateful handler delivered there is applied once, and its rows are not seen from
+/// another test database), and `remove` drops it.
+#[tokio::test]
+async fn test_databases_are_separate_and_removed() {
+    use postal_consumer::testing::{assert_applied_once, TestDatabase};
+    let url = services().await.database_url.clone();
+    let (a, b) = (
+        TestDatabase::create_at(&url).await.unwrap(),
+        TestDatabase::create_at(&url).await.unwrap(),
+    );
+    assert_ne!(a.name, b.name);
+    effects_table(&a.pool).await;
+    let handler = handlers::apply_value.into_handler(&());
+    let event = Event::new(EventId::new(), "job", json!({"n": 1}));
+    assert_applied_once(&a.pool, &handler, event).await.unwrap();
+    let seen = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.processed_events")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(seen(a.pool.clone()).await, 1);
+    assert_eq!(seen(b.pool.clone()).await, 0, "another test's database");
+    // Its URL reaches it too.
+    let again = sqlx::PgPool::connect(&a.url).await.unwrap();
+    assert_eq!(seen(again.clone()).await, 1);
+    again.close().await;
+    let name = a.name.clone();
+    a.remove().await.unwrap();
+    b.remove().await.unwrap();
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(&name)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "removed");
+}
