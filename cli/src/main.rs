@@ -382,8 +382,10 @@ fn redact(url: &str) -> String {
     postal_shared::secret::redact_url(url)
 }
 
-async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
-    let config = postal_producer::RelayConfig {
+/// The relay settings of `postal relay`'s flags and variables (clap reads both, with the names
+/// and defaults of [`postal_producer::RelayConfig::with_vars`]; a test keeps them equal).
+fn relay_config(args: &RelayArgs) -> postal_producer::RelayConfig {
+    postal_producer::RelayConfig {
         batch_size: args.batch_size,
         max_in_flight_batches: args.max_in_flight,
         lanes: args.lanes,
@@ -407,7 +409,41 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
         } else {
             postal_producer::TopicFilter::All
         },
-    };
+    }
+}
+
+/// The Kafka settings of `postal relay`'s flags and variables (as
+/// [`postal_producer::KafkaConfig::with_vars`] reads them; a test keeps them equal).
+fn kafka_config(
+    args: &RelayArgs,
+    allowed: postal_producer::TopicAllowList,
+) -> anyhow::Result<postal_producer::KafkaConfig> {
+    let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
+    kafka.source = args.source.clone();
+    kafka.create_topics = !args.no_create_topics;
+    kafka.topic_partitions = args.topic_partitions;
+    kafka.topic_replication = args.topic_replication;
+    kafka.allowed_topics = allowed;
+    let mut properties = BTreeMap::new();
+    if let Some(path) = &args.kafka_file {
+        properties
+            .extend(postal_shared::secret::read_properties_file(path).map_err(|e| anyhow!(e))?);
+    }
+    for value in &args.kafka {
+        properties.extend(
+            postal_shared::secret::parse_properties(value)
+                .map_err(|e| anyhow!("--kafka (or POSTAL_KAFKA): {e}"))?,
+        );
+    }
+    kafka.properties = properties;
+    Ok(kafka)
+}
+
+async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
+    postal_shared::env::refuse_renamed(&|name: &str| std::env::var(name).ok())
+        .map_err(|e| anyhow!(e))?;
+    postal_shared::env::warn_unknown();
+    let config = relay_config(&args);
     config.validate()?;
     let allowed = if args.allow_topics.is_empty() {
         postal_producer::TopicAllowList::any()
@@ -416,24 +452,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
     };
     let used = |d: Destination| args.destination == d || args.routes.iter().any(|(_, r)| *r == d);
     let kafka = if used(Destination::Kafka) {
-        let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
-        kafka.source = args.source.clone();
-        kafka.create_topics = !args.no_create_topics;
-        kafka.topic_partitions = args.topic_partitions;
-        kafka.topic_replication = args.topic_replication;
-        kafka.allowed_topics = allowed.clone();
-        let mut properties = BTreeMap::new();
-        if let Some(path) = &args.kafka_file {
-            properties
-                .extend(postal_shared::secret::read_properties_file(path).map_err(|e| anyhow!(e))?);
-        }
-        for value in &args.kafka {
-            properties.extend(
-                postal_shared::secret::parse_properties(value)
-                    .map_err(|e| anyhow!("--kafka (or POSTAL_KAFKA): {e}"))?,
-            );
-        }
-        kafka.properties = properties;
+        let kafka = kafka_config(&args, allowed.clone())?;
         Some(postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?)
     } else {
         None
@@ -487,7 +506,7 @@ async fn run_relay<T: postal_producer::Transport>(
     let url = db.database_url.as_deref().map(redact).unwrap_or_default();
     // Long-running: a lazy pool, so an unreachable database means retries, not an exit.
     let pool = PgPoolOptions::new()
-        .max_connections((config.max_in_flight_batches + config.lanes + 3) as u32)
+        .max_connections(postal_producer::Relay::<T>::connections_wanted(&config))
         .acquire_timeout(Duration::from_secs(5))
         // No test query before every checkout (a round trip per claim): a broken connection
         // fails the claim instead, which the relay retries with backoff.
@@ -547,25 +566,128 @@ fn worth_retrying(e: &postal_shared::Error) -> bool {
     code.starts_with("40") || code == "55P03" || code == "57014"
 }
 
-/// Resolves on SIGINT or SIGTERM.
+/// Resolves on SIGINT or SIGTERM (`postal_shared::stop_signal`, listened for from the first
+/// poll).
 async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    postal_consumer::shutdown_signal().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay_args(flags: &[&str]) -> RelayArgs {
+        let argv = ["postal", "relay"].iter().chain(flags);
+        match Cli::try_parse_from(argv).expect("valid flags").command {
+            Command::Relay(args) => *args,
+            other => panic!("not a relay: {other:?}"),
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    /// Guarantee: `postal relay` and the library's loaders (`RelayConfig::with_vars`,
+    /// `KafkaConfig::with_vars`) read one vocabulary — the same defaults, and a flag sets what
+    /// its variable sets — and every variable the CLI reads is in README's configuration table
+    /// (`postal_shared::env::VARIABLES`).
+    #[test]
+    fn relay_flags_and_the_library_loaders_agree() {
+        let env = |name: &str| std::env::var(name).ok();
+        let cases: [(&[&str], &[(&str, &str)]); 3] = [
+            (&[], &[]),
+            (
+                &[
+                    "--lease=30s",
+                    "--poll-interval=250ms",
+                    "--no-listen",
+                    "--keep-published",
+                    "--retention=7d",
+                    "--topics=a,b",
+                    "--group=g",
+                    "--lanes=2",
+                    "--batch-size=10",
+                    "--max-in-flight=3",
+                    "--max-attempts=4",
+                    "--backoff-base=1s",
+                    "--backoff-max=2m",
+                    "--shutdown-timeout=3s",
+                    "--source=svc",
+                    "--no-create-topics",
+                    "--topic-partitions=6",
+                    "--topic-replication=3",
+                    "--bootstrap-servers=k:9092",
+                ],
+                &[
+                    ("POSTAL_LEASE", "30s"),
+                    ("POSTAL_POLL_INTERVAL", "250ms"),
+                    ("POSTAL_NO_LISTEN", "true"),
+                    ("POSTAL_KEEP_PUBLISHED", "true"),
+                    ("POSTAL_RETENTION", "7d"),
+                    ("POSTAL_TOPICS", "a,b"),
+                    ("POSTAL_GROUP", "g"),
+                    ("POSTAL_LANES", "2"),
+                    ("POSTAL_BATCH_SIZE", "10"),
+                    ("POSTAL_MAX_IN_FLIGHT", "3"),
+                    ("POSTAL_MAX_ATTEMPTS", "4"),
+                    ("POSTAL_BACKOFF_BASE", "1s"),
+                    ("POSTAL_BACKOFF_MAX", "2m"),
+                    ("POSTAL_SHUTDOWN_TIMEOUT", "3s"),
+                    ("POSTAL_SOURCE", "svc"),
+                    ("POSTAL_NO_CREATE_TOPICS", "true"),
+                    ("POSTAL_TOPIC_PARTITIONS", "6"),
+                    ("POSTAL_TOPIC_REPLICATION", "3"),
+                    ("KAFKA_BOOTSTRAP_SERVERS", "k:9092"),
+                ],
+            ),
+            (
+                &["--history=3d", "--exclude-topics=reports"],
+                &[
+                    ("POSTAL_HISTORY", "3d"),
+                    ("POSTAL_EXCLUDE_TOPICS", "reports"),
+                ],
+            ),
+        ];
+        for (flags, vars) in cases {
+            let args = relay_args(flags);
+            let lookup = |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+                    .or_else(|| env(name))
+            };
+            let from_cli = relay_config(&args);
+            let from_library = postal_producer::RelayConfig::default()
+                .with_vars(lookup)
+                .expect("valid variables");
+            assert_eq!(
+                format!("{from_cli:?}"),
+                format!("{from_library:?}"),
+                "flags {flags:?}"
+            );
+            let kafka_cli = kafka_config(&args, postal_producer::TopicAllowList::any()).unwrap();
+            let kafka_library = postal_producer::KafkaConfig::new("127.0.0.1:9092")
+                .with_vars(lookup)
+                .unwrap();
+            assert_eq!(
+                format!("{kafka_cli:?}"),
+                format!("{kafka_library:?}"),
+                "flags {flags:?}"
+            );
+        }
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        let mut read = Vec::new();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments().chain(cmd.get_arguments()) {
+                if let Some(name) = arg.get_env() {
+                    read.push(name.to_string_lossy().into_owned());
+                }
+            }
+        }
+        assert!(read.iter().any(|n| n == "POSTAL_LEASE"));
+        for name in read {
+            assert!(
+                postal_shared::env::VARIABLES.iter().any(|v| v.name == name),
+                "{name} is read by the CLI but missing from postal_shared::env::VARIABLES"
+            );
+        }
     }
 }

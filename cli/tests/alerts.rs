@@ -116,14 +116,20 @@ fn every_alert_fires_in_its_promtool_unit_test() {
                 .unwrap_or_else(|| panic!("the unit tests name {name}, which is no alert"));
             for alert in case["exp_alerts"].as_sequence_mut().unwrap() {
                 fired.insert(name.clone());
-                let labels = alert["exp_labels"].as_mapping().cloned().unwrap_or_default();
+                let labels = alert["exp_labels"]
+                    .as_mapping()
+                    .cloned()
+                    .unwrap_or_default();
                 alert["exp_annotations"] = rendered(rule, &labels).into();
             }
         }
     }
     for rule in &rules {
         let name = rule["alert"].as_str().unwrap();
-        assert!(fired.contains(name), "{name} never fires in prometheus-alerts.test.yml");
+        assert!(
+            fired.contains(name),
+            "{name} never fires in prometheus-alerts.test.yml"
+        );
     }
     let Some(promtool) = promtool() else {
         eprintln!("promtool not found (POSTAL_PROMTOOL or PATH): rules not run through promtool");

@@ -219,16 +219,21 @@ impl ConsumerConfig {
     }
 
     /// Overrides settings from the process environment (see [`ConsumerConfig::with_vars`] for
-    /// the variables), so a deployed consumer is tuned without a rebuild.
+    /// the variables), so a deployed consumer is tuned without a rebuild. Also warns, once, of
+    /// `POSTAL_*` variables Postal does not read.
     pub fn with_env(self) -> Result<Self, Error> {
+        postal_shared::env::warn_unknown();
         self.with_vars(|name| std::env::var(name).ok())
     }
 
     /// Overrides settings from variables looked up by `var`; unset variables keep the current
-    /// value, unparsable ones are an error naming the variable:
+    /// value, an invalid one is a one-line error naming it. Durations are written `500ms`,
+    /// `20s`, `7d`; `off` means never / keep forever. The names and forms are those of
+    /// `postal relay` (README's configuration table lists them all):
     ///
     /// | variable | setting |
     /// |---|---|
+    /// | `KAFKA_BOOTSTRAP_SERVERS` | [`brokers`](Self::brokers) |
     /// | `POSTAL_KAFKA_FILE` | a file of librdkafka properties, one `key=value` per line (`#` comments): the place for credentials |
     /// | `POSTAL_KAFKA` | extra librdkafka properties, `key=value` comma-separated (a comma splits only before the next `name=`); they override the file's |
     /// | `POSTAL_CONSUMER_GROUP` | [`group`](Self::group) (the Kafka consumer group) |
@@ -236,17 +241,22 @@ impl ConsumerConfig {
     /// | `POSTAL_MAX_BATCH` | [`max_batch`](Self::max_batch) |
     /// | `POSTAL_MAX_CONCURRENT_PARTITIONS` | [`max_concurrent_partitions`](Self::max_concurrent_partitions) |
     /// | `POSTAL_MAX_ATTEMPTS` | [`max_attempts`](Self::max_attempts) |
-    /// | `POSTAL_SHUTDOWN_TIMEOUT_MS` | [`shutdown_timeout`](Self::shutdown_timeout) |
+    /// | `POSTAL_BACKOFF_BASE`, `POSTAL_BACKOFF_MAX` | [`backoff`](Self::backoff) |
+    /// | `POSTAL_SHUTDOWN_TIMEOUT` | [`shutdown_timeout`](Self::shutdown_timeout) |
     /// | `POSTAL_METRICS_ADDR` | [`ops_addr`](Self::ops_addr) |
-    /// | `POSTAL_DEDUP_RETENTION_SECS` | [`dedup_retention`](Self::dedup_retention) (`0` = keep forever) |
-    /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `0s` or unset = keep forever) |
-    /// | `POSTAL_CLEANUP_INTERVAL_SECS` | [`cleanup_interval`](Self::cleanup_interval) |
-    /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `0s` = the server's settings) |
+    /// | `POSTAL_DEDUP_RETENTION` | [`dedup_retention`](Self::dedup_retention) (`7d`; `off` = keep forever) |
+    /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `off` = keep forever) |
+    /// | `POSTAL_CLEANUP_INTERVAL` | [`cleanup_interval`](Self::cleanup_interval) |
+    /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `off` = the server's settings) |
+    ///
+    /// Names of earlier releases (`POSTAL_SHUTDOWN_TIMEOUT_MS`, `POSTAL_DEDUP_RETENTION_SECS`,
+    /// `POSTAL_CLEANUP_INTERVAL_SECS`) are refused with the name that replaced them.
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
-        fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, Error> {
-            v.trim()
-                .parse()
-                .map_err(|_| Error::Config(format!("{name}={v:?} is not valid")))
+        use postal_shared::env;
+        let config = |e: String| Error::Config(e);
+        env::refuse_renamed(&var).map_err(config)?;
+        if let Some(v) = var("KAFKA_BOOTSTRAP_SERVERS") {
+            self.brokers = v.trim().to_owned();
         }
         if let Some(path) = var("POSTAL_KAFKA_FILE") {
             let props = postal_shared::secret::read_properties_file(path.as_ref())
@@ -256,55 +266,58 @@ impl ConsumerConfig {
         if let Some(v) = var("POSTAL_KAFKA") {
             let props = postal_shared::secret::parse_properties(&v)
                 .map_err(|e| Error::Config(format!("POSTAL_KAFKA: {e}")))?;
-            self.kafka.extend(
-                props
-                    .into_iter()
-                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())),
-            );
+            self.kafka.extend(props);
         }
         if let Some(v) = var("POSTAL_CONSUMER_GROUP") {
             self.group = v.trim().to_owned();
         }
         if let Some(v) = var("POSTAL_MEMORY_BUDGET_BYTES") {
-            self.memory_budget = Some(parse("POSTAL_MEMORY_BUDGET_BYTES", &v)?);
+            self.memory_budget = if v.trim().eq_ignore_ascii_case("off") {
+                None
+            } else {
+                Some(env::number("POSTAL_MEMORY_BUDGET_BYTES", &v).map_err(config)?)
+            };
         }
         if let Some(v) = var("POSTAL_MAX_BATCH") {
-            self.max_batch = parse("POSTAL_MAX_BATCH", &v)?;
+            self.max_batch = env::number("POSTAL_MAX_BATCH", &v).map_err(config)?;
         }
         if let Some(v) = var("POSTAL_MAX_CONCURRENT_PARTITIONS") {
-            self.max_concurrent_partitions = parse("POSTAL_MAX_CONCURRENT_PARTITIONS", &v)?;
+            self.max_concurrent_partitions =
+                env::number("POSTAL_MAX_CONCURRENT_PARTITIONS", &v).map_err(config)?;
         }
         if let Some(v) = var("POSTAL_MAX_ATTEMPTS") {
-            self.max_attempts = parse("POSTAL_MAX_ATTEMPTS", &v)?;
+            self.max_attempts = env::number("POSTAL_MAX_ATTEMPTS", &v).map_err(config)?;
         }
-        if let Some(v) = var("POSTAL_SHUTDOWN_TIMEOUT_MS") {
-            self.shutdown_timeout = Duration::from_millis(parse("POSTAL_SHUTDOWN_TIMEOUT_MS", &v)?);
+        if let Some(v) = var("POSTAL_BACKOFF_BASE") {
+            self.backoff.base = env::duration("POSTAL_BACKOFF_BASE", &v).map_err(config)?;
+        }
+        if let Some(v) = var("POSTAL_BACKOFF_MAX") {
+            self.backoff.max = env::duration("POSTAL_BACKOFF_MAX", &v).map_err(config)?;
+        }
+        if let Some(v) = var("POSTAL_SHUTDOWN_TIMEOUT") {
+            self.shutdown_timeout = env::duration("POSTAL_SHUTDOWN_TIMEOUT", &v).map_err(config)?;
         }
         if let Some(v) = var("POSTAL_METRICS_ADDR") {
-            self.ops_addr = Some(parse("POSTAL_METRICS_ADDR", &v)?);
+            self.ops_addr = if v.trim().eq_ignore_ascii_case("off") {
+                None
+            } else {
+                Some(env::number("POSTAL_METRICS_ADDR", &v).map_err(config)?)
+            };
         }
-        if let Some(v) = var("POSTAL_DEDUP_RETENTION_SECS") {
-            let secs: u64 = parse("POSTAL_DEDUP_RETENTION_SECS", &v)?;
-            self.dedup_retention = (secs > 0).then(|| Duration::from_secs(secs));
+        if let Some(v) = var("POSTAL_DEDUP_RETENTION") {
+            self.dedup_retention =
+                env::optional_duration("POSTAL_DEDUP_RETENTION", &v).map_err(config)?;
         }
         if let Some(v) = var("POSTAL_DEAD_LETTER_RETENTION") {
-            let d = humantime::parse_duration(v.trim()).map_err(|e| {
-                Error::Config(format!(
-                    "POSTAL_DEAD_LETTER_RETENTION={v:?} is not valid: {e}"
-                ))
-            })?;
-            self.dead_letter_retention = (!d.is_zero()).then_some(d);
+            self.dead_letter_retention =
+                env::optional_duration("POSTAL_DEAD_LETTER_RETENTION", &v).map_err(config)?;
         }
-        if let Some(v) = var("POSTAL_CLEANUP_INTERVAL_SECS") {
-            self.cleanup_interval = Duration::from_secs(parse("POSTAL_CLEANUP_INTERVAL_SECS", &v)?);
+        if let Some(v) = var("POSTAL_CLEANUP_INTERVAL") {
+            self.cleanup_interval = env::duration("POSTAL_CLEANUP_INTERVAL", &v).map_err(config)?;
         }
         if let Some(v) = var("POSTAL_LOST_CONNECTION_TIMEOUT") {
-            let d = humantime::parse_duration(v.trim()).map_err(|e| {
-                Error::Config(format!(
-                    "POSTAL_LOST_CONNECTION_TIMEOUT={v:?} is not valid: {e}"
-                ))
-            })?;
-            self.lost_connection_timeout = (!d.is_zero()).then_some(d);
+            self.lost_connection_timeout =
+                env::optional_duration("POSTAL_LOST_CONNECTION_TIMEOUT", &v).map_err(config)?;
         }
         self.validate()?;
         Ok(self)
@@ -477,9 +490,19 @@ mod tests {
                 ),
                 ("POSTAL_MAX_BATCH", "200"),
                 ("POSTAL_METRICS_ADDR", "127.0.0.1:9464"),
-                ("POSTAL_DEDUP_RETENTION_SECS", "0"),
+                ("POSTAL_DEDUP_RETENTION", "off"),
+                ("POSTAL_SHUTDOWN_TIMEOUT", "5s"),
+                ("POSTAL_CLEANUP_INTERVAL", "2m"),
+                ("POSTAL_BACKOFF_BASE", "50ms"),
+                ("POSTAL_BACKOFF_MAX", "1m"),
+                ("KAFKA_BOOTSTRAP_SERVERS", "k1:9092,k2:9092"),
             ]))
             .unwrap();
+        assert_eq!(c.brokers, "k1:9092,k2:9092");
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(5));
+        assert_eq!(c.cleanup_interval, Duration::from_secs(120));
+        assert_eq!(c.backoff.base, Duration::from_millis(50));
+        assert_eq!(c.backoff.max, Duration::from_secs(60));
         assert_eq!(c.max_batch, 200);
         assert_eq!(c.kafka["session.timeout.ms"], "6000");
         assert_eq!(c.kafka["fetch.wait.max.ms"], "10");
@@ -491,6 +514,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("POSTAL_MAX_BATCH"), "{err}");
+        // The relay's names and forms: a shared env file means the same to both.
+        let err = ConsumerConfig::new("b:9092", "g")
+            .with_vars(vars(&[("POSTAL_SHUTDOWN_TIMEOUT_MS", "5000")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("set POSTAL_SHUTDOWN_TIMEOUT instead"), "{err}");
+        let err = ConsumerConfig::new("b:9092", "g")
+            .with_vars(vars(&[("POSTAL_SHUTDOWN_TIMEOUT", "5000")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "invalid consumer configuration: POSTAL_SHUTDOWN_TIMEOUT=\"5000\" is not valid"
+            ),
+            "{err}"
+        );
         let err = ConsumerConfig::new("b:9092", "g")
             .with_vars(vars(&[("POSTAL_KAFKA", "enable.auto.commit=true")]))
             .unwrap_err()

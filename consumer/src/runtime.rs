@@ -538,25 +538,15 @@ fn commit(shared: &Shared, mode: CommitMode) {
     }
 }
 
-/// Resolves on SIGINT or (on Unix) SIGTERM.
+/// Resolves on SIGINT or (on Unix) SIGTERM: [`postal_shared::stop_signal`], listened for
+/// from the first poll. Create the signal with `stop_signal()` before connecting instead, to
+/// also stop cleanly while start-up still waits for the database.
 pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    match postal_shared::stop_signal() {
+        Ok(signal) => signal.await,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
     }
 }
 

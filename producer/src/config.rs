@@ -138,6 +138,9 @@ impl RelayConfig {
         if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
             return bad("backoff base must be positive and not above the backoff max");
         }
+        if self.retention.is_some() && self.delete_on_publish {
+            return bad("retention applies to published rows kept in the outbox, and none are kept: set delete_on_publish = false (--keep-published, POSTAL_KEEP_PUBLISHED=true) or drop the retention");
+        }
         if let Some(h) = self.history {
             if !self.delete_on_publish {
                 return bad("history mode replaces keeping published rows in the outbox: use one or the other");

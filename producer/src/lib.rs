@@ -33,6 +33,7 @@ pub mod claim;
 pub mod complete;
 mod config;
 mod enqueue;
+mod env;
 mod error;
 mod event;
 pub mod fence;

@@ -90,12 +90,28 @@ impl<T: Transport> Relay<T> {
                 )));
             }
         }
+        let wanted = Self::connections_wanted(&config);
+        let max = pool.options().get_max_connections();
+        if max < wanted {
+            tracing::warn!(
+                pool_max_connections = max,
+                wanted,
+                "the relay's pool is smaller than this configuration can use at once (lanes + in-flight batches + 3): claims will wait for connections; raise the pool's max_connections to {wanted}"
+            );
+        }
         Ok(Relay {
             pool,
             transport: Arc::new(transport),
             config,
             id: Uuid::now_v7(),
         })
+    }
+
+    /// The connections this configuration can use at once: a claim per lane and per batch in
+    /// flight, plus the lease heartbeat, the `LISTEN` session and housekeeping. `postal relay`
+    /// sizes its pool so.
+    pub fn connections_wanted(config: &RelayConfig) -> u32 {
+        (config.max_in_flight_batches + config.lanes + 3) as u32
     }
 
     /// This instance's id (in its log lines).

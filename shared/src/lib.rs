@@ -20,6 +20,7 @@ pub mod cancel_safe;
 pub mod cleanup;
 mod contract;
 mod detached_drop;
+pub mod env;
 mod envelope;
 mod error;
 pub mod headers;
@@ -29,6 +30,7 @@ mod log_throttle;
 mod logging;
 mod migrate;
 pub mod secret;
+mod signal;
 mod state;
 pub mod text;
 
@@ -43,4 +45,5 @@ pub use log_throttle::LogThrottle;
 #[cfg(feature = "logging")]
 pub use logging::{init_logging, LogFormat};
 pub use migrate::{migrate, migrate_within, migrator, MIGRATE_LOCK_WAIT, POSTAL_SCHEMA};
+pub use signal::{stop_signal, StopSignal};
 pub use state::{FromRef, State};

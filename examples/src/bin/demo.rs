@@ -6,7 +6,7 @@
 //!
 //! Environment: `DATABASE_URL` (a server; the demo creates its own database on it),
 //! `KAFKA_BOOTSTRAP_SERVERS`, `DEMO_ORDERS` (default 2000), `DEMO_RATE` (orders/s, default 200),
-//! `DEMO_CUSTOMERS` (default 50); `POSTAL_DEDUP_RETENTION_SECS` / `POSTAL_CLEANUP_INTERVAL_SECS`
+//! `DEMO_CUSTOMERS` (default 50); `POSTAL_DEDUP_RETENTION` / `POSTAL_CLEANUP_INTERVAL`
 //! are passed to the consumers (a sustained run shows the cleanup keeping up).
 
 use std::io::{IsTerminal, Write};
@@ -142,10 +142,7 @@ async fn main() -> anyhow::Result<()> {
     // is what a broker that holds empty fetches adds to every event's latency.
     let mut consumer_env = env.clone();
     consumer_env.push(("POSTAL_KAFKA", "fetch.wait.max.ms=10".into()));
-    for name in [
-        "POSTAL_DEDUP_RETENTION_SECS",
-        "POSTAL_CLEANUP_INTERVAL_SECS",
-    ] {
+    for name in ["POSTAL_DEDUP_RETENTION", "POSTAL_CLEANUP_INTERVAL"] {
         if let Ok(v) = std::env::var(name) {
             consumer_env.push((name, v));
         }

@@ -12,7 +12,7 @@
 //! DATABASE_URL=postgres://… REPORTS=20 cargo run -p postal-examples --bin report_worker
 //! ```
 //! Environment: `DATABASE_URL` (required), `REPORTS` (requests to enqueue at start, default
-//! 20; 0 = none), `REPORT_MS` (work per report, default 200), `POSTAL_LEASE_SECS` (default 10),
+//! 20; 0 = none), `REPORT_MS` (work per report, default 200), `POSTAL_LEASE` (default `10s`) and the other relay variables,
 //! `EXIT_WHEN_DONE` (`1`: stop once no task is left).
 
 use std::time::Duration;
@@ -110,13 +110,14 @@ async fn main() -> anyhow::Result<()> {
             work,
         })
         .on("report.requested", generate);
+    // This service's defaults, then the relay variables of the environment (POSTAL_LEASE, …).
     let config = RelayConfig {
         group: "reports".into(),
         topics: TopicFilter::Only(vec!["reports".into()]),
-        lease: Duration::from_secs(env_or("POSTAL_LEASE_SECS", 10)?),
-        max_attempts: env_or("POSTAL_MAX_ATTEMPTS", 10)?,
+        lease: Duration::from_secs(10),
         ..RelayConfig::default()
-    };
+    }
+    .with_env()?;
     let relay = Relay::new(pool.clone(), tasks, config)?;
     let exit_when_done = env_or("EXIT_WHEN_DONE", 0)? == 1;
     let done_pool = pool.clone();

@@ -441,7 +441,7 @@ async fn task_worker_process_killed_mid_run_loses_nothing() {
             .env("DATABASE_URL", &db.url)
             .env("REPORTS", reports)
             .env("REPORT_MS", work_ms)
-            .env("POSTAL_LEASE_SECS", "3")
+            .env("POSTAL_LEASE", "3s")
             .env("EXIT_WHEN_DONE", exit_when_done)
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
