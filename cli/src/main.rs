@@ -591,7 +591,8 @@ mod tests {
     #[test]
     fn relay_flags_and_the_library_loaders_agree() {
         let env = |name: &str| std::env::var(name).ok();
-        let cases: [(&[&str], &[(&str, &str)]); 3] = [
+        type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+        let cases: [Case; 3] = [
             (&[], &[]),
             (
                 &[
