@@ -58,6 +58,15 @@ pub(crate) fn check(properties: &BTreeMap<String, String>) -> Result<(), Error> 
             return refuse(k, v, "records must be sent in the order they were produced");
         }
     }
+    if let Some((k, v)) = get(&["enable.gapless.guarantee"]) {
+        if matches!(v.to_ascii_lowercase().as_str(), "true" | "t" | "1") {
+            return refuse(
+                k,
+                v,
+                "it makes the whole producer fatal on one record's permanent error (a topic the relay may not write, a record too large), pausing every topic; the relay keeps per-key order itself by holding back a failed record's key",
+            );
+        }
+    }
     let idempotent = match get(&["enable.idempotence"]) {
         Some((_, v)) => !matches!(v.to_ascii_lowercase().as_str(), "false" | "f" | "0"),
         None => true,
@@ -123,6 +132,10 @@ mod tests {
             ),
             (&[("queuing.strategy", "lifo")], "queuing.strategy=lifo"),
             (
+                &[("enable.gapless.guarantee", "true")],
+                "enable.gapless.guarantee=true",
+            ),
+            (
                 &[("max.in.flight.requests.per.connection", "6")],
                 "max.in.flight.requests.per.connection=6",
             ),
@@ -165,7 +178,7 @@ mod tests {
                 ("enable.idempotence", "false"),
                 ("max.in.flight.requests.per.connection", "1"),
             ],
-            &[("enable.gapless.guarantee", "true")],
+            &[("enable.gapless.guarantee", "false")],
         ];
         for pairs in accepted {
             transport(pairs).unwrap_or_else(|e| panic!("{pairs:?}: {e}"));
