@@ -120,7 +120,10 @@ struct Row {
 /// polling as a safety net.
 pub(crate) struct Publisher {
     pub pool: PgPool,
-    pub producer: FutureProducer,
+    /// Replaced when it fails for good (a fatal error: e.g. the principal could write no topic
+    /// when it started): a fatal producer never sends again.
+    pub producer: Mutex<FutureProducer>,
+    pub producer_config: rdkafka::ClientConfig,
     pub admin: AdminClient<DefaultClientContext>,
     pub consumer: String,
     pub topic_partitions: i32,
@@ -210,6 +213,7 @@ impl Publisher {
         {
             self.ensure_topic(&topic).await?;
         }
+        let producer = self.producer.lock().expect("dlq producer").clone();
         let sends = rows.iter().map(|r| {
             let mut h = OwnedHeaders::new_with_capacity(r.header_names.len() + 8);
             for (n, v) in r.header_names.iter().zip(&r.header_values) {
@@ -244,9 +248,10 @@ impl Publisher {
             if let Some(p) = &r.payload {
                 rec = rec.payload(p.as_slice());
             }
-            self.producer.send(rec, Duration::from_secs(30))
+            producer.send(rec, Duration::from_secs(30))
         });
         let results = join_all(sends).await;
+        self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
         let mut first_error = None;
         for (row, res) in rows.iter().zip(results) {
@@ -270,6 +275,24 @@ impl Publisher {
         }
     }
 
+    /// Replaces `producer` if it failed for good, so that publishing resumes once the cause is
+    /// fixed (an ACL granted) without a restart.
+    fn replace_if_fatal(&self, producer: &FutureProducer) {
+        use rdkafka::producer::Producer as _;
+        let Some((code, reason)) = producer.client().fatal_error() else {
+            return;
+        };
+        match self.producer_config.create::<FutureProducer>() {
+            Ok(fresh) => {
+                tracing::warn!(error = %code, reason, "the dead-letter producer failed for good; replaced by a new one (dead letters stay in postal.dead_letters until published)");
+                *self.producer.lock().expect("dlq producer") = fresh;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the dead-letter producer failed for good and a new one could not be created; retrying later");
+            }
+        }
+    }
+
     async fn ensure_topic(&self, topic: &str) -> Result<(), String> {
         if self.created.lock().expect("topic set").contains(topic) {
             return Ok(());
@@ -288,6 +311,13 @@ impl Publisher {
         for r in results {
             match r {
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                // A least-privilege principal may write the topic an operator created without
+                // being allowed to create it: publish; a missing topic then fails the send.
+                Err((
+                    _,
+                    RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed,
+                )) => return Ok(()),
                 Err((_, code)) => {
                     return Err(format!("creating dead-letter topic {topic:?}: {code}"))
                 }

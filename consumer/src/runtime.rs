@@ -131,7 +131,8 @@ impl<S> ConsumerBuilder<S> {
         let permits = Semaphore::new(self.config.max_concurrent_partitions);
         let dlq = Publisher {
             pool: self.pool.clone(),
-            producer,
+            producer: Mutex::new(producer),
+            producer_config: self.config.dlq_producer_config(),
             admin,
             consumer: self.config.consumer.clone(),
             topic_partitions: self.config.dlq_partitions,

@@ -918,3 +918,137 @@ async fn a_principal_that_may_write_nothing_parks_nothing() {
     ]);
     assert_eq!((c.1, c.2), (0, 0), "parked / attempts used: {c:?}");
 }
+
+/// Guarantee (issue: Kafka security): a consumer whose principal may write no topic (READ on
+/// its topic and group only) keeps its dead letters in `postal.dead_letters` — the record is
+/// still moved past, nothing is lost — and once WRITE on the dead-letter topic is granted it
+/// publishes them without a restart. (Before, its idempotent dead-letter producer failed for
+/// good at the first attempt — "Cluster authorization failed" — and stayed so until the
+/// process restarted; and a principal without CREATE could not publish even to a topic an
+/// operator had created.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_wait_for_write_on_their_topic_and_then_go_out() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let (topic, group) = (unique("secure-dlq"), unique("g"));
+    let dlq = format!("{topic}.dlq");
+    create_topic(&s, &topic, 1).await;
+    create_topic(&s, &dlq, 1).await;
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--operation",
+        "Describe",
+        "--topic",
+        &topic,
+    ]);
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--group",
+        &group,
+    ]);
+    // One good event and one the handler cannot decode (no `n`), written with the admin.
+    let mut props = client_properties("admin", &s.admin_password, &s.ca);
+    props.push(("bootstrap.servers".into(), s.bootstrap.clone()));
+    let mut cfg = rdkafka::ClientConfig::new();
+    for (k, v) in &props {
+        cfg.set(k, v);
+    }
+    let producer: rdkafka::producer::FutureProducer = cfg.create().unwrap();
+    for (id, body) in [
+        (uuid::Uuid::now_v7(), r#"{"n": 1}"#),
+        (uuid::Uuid::now_v7(), r#"{"not": "a job"}"#),
+    ] {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let id = id.to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("job"),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json"),
+            });
+        producer
+            .send(
+                rdkafka::producer::FutureRecord::to(&topic)
+                    .key("k")
+                    .payload(body)
+                    .headers(headers),
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("produced");
+    }
+    let mut config = consumer_config(&s.bootstrap, &group, crate::handlers::CONSUMER);
+    config
+        .kafka
+        .extend(client_properties("consumer", &s.consumer_password, &s.ca));
+    let consumer = start_apply(&db.pool, &topic, config);
+    let unpublished = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.dead_letters WHERE published_at IS NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while effects(&db.pool).await.1 < 1 || unpublished().await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the good event applied and the bad one dead-lettered: {:?}, {} unpublished",
+            effects(&db.pool).await,
+            unpublished().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Long enough for publishing to be refused and retried.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(unpublished().await, 1, "kept while it cannot be written");
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Write",
+        "--operation",
+        "Describe",
+        "--topic",
+        &dlq,
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while unpublished().await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "WRITE on {dlq} granted but the dead letter was not published"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    consumer.stop().await;
+    let admin = client_properties("admin", &s.admin_password, &s.ca);
+    let seen = postal_integration_tests::kafka::read_all_with(
+        &s.bootstrap,
+        &dlq,
+        1,
+        Duration::from_secs(30),
+        &admin,
+    )
+    .await;
+    assert_eq!(seen.len(), 1, "the dead letter on {dlq}");
+    assert_eq!(effects(&db.pool).await, (1, 1));
+}
