@@ -14,7 +14,7 @@ pub struct CleanupArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     published_retention: Option<Duration>,
     /// Delete dedup rows (`processed_events`) older than this. Keep them longer than a relay
-    /// can republish an event (README: "Dedup retention").
+    /// can republish an event (docs/consumer.md: "Dedup retention").
     #[arg(long, value_parser = humantime::parse_duration)]
     dedup_retention: Option<Duration>,
     /// Delete dead letters older than this that reached their dead-letter topic (unpublished

@@ -41,7 +41,7 @@ pub struct ConsumerConfig {
     pub max_batch: usize,
     /// Delete `processed_events` rows of this consumer older than this (default 7 days), in
     /// batches, by one instance at a time; `None` keeps them. They must outlive the longest
-    /// window in which a relay can republish an event (README: "Dedup retention").
+    /// window in which a relay can republish an event (docs/consumer.md: "Dedup retention").
     pub dedup_retention: Option<Duration>,
     /// Delete this consumer's dead letters published to their dead-letter topic more than this
     /// long ago (unpublished ones are kept: the table is their only copy), in batches, every

@@ -143,3 +143,8 @@ where
         }
     }
 }
+
+/// README.md's Rust blocks, compiled as doctests (`cargo test -p postal-examples --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme {}

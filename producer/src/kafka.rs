@@ -1156,7 +1156,7 @@ mod tests {
 
     /// Guarantee: a topic this producer may not write to makes its events wait (`Waiting`: no
     /// attempt used, not parked) with a reason naming the ACL to grant, while other topics keep
-    /// flowing (README, *Security*).
+    /// flowing (docs/security.md).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unauthorized_topic_waits_and_other_topics_flow() {
         let (mock, transport) = mock_transport(&[]).await;

@@ -77,7 +77,7 @@ pub struct Relay<T: Transport> {
 impl<T: Transport> Relay<T> {
     /// A relay publishing through `transport`. Fails if the configuration is invalid.
     ///
-    /// Give it a pool of at least `max_in_flight_batches + lanes + 3` connections (README,
+    /// Give it a pool of at least `max_in_flight_batches + lanes + 3` connections (docs/relay.md,
     /// "In-process task handlers"): each batch in flight holds one, each claiming lane one,
     /// and the heartbeat, housekeeping and `LISTEN` one each.
     pub fn new(pool: PgPool, transport: T, config: RelayConfig) -> Result<Self, Error> {

@@ -63,7 +63,8 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     ];
     // Consumers: Kafka's defaults except a 6 s session timeout (librdkafka's default is 45 s),
     // so that the partitions of a killed member move on within seconds; it is a failover
-    // setting (README, Operations), not a safety one. A killed consumer starts again at once.
+    // setting (CONTRIBUTING.md, "Settings the tests change"), not a safety one. A killed
+    // consumer starts again at once.
     let consumer_env = [(
         "POSTAL_KAFKA",
         "session.timeout.ms=6000,heartbeat.interval.ms=1000".to_string(),

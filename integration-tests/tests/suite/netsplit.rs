@@ -186,7 +186,7 @@ async fn run(hosts: &TestHosts, stack: &HostStack) {
         ("INVOICES_TOPIC", invoices_topic.clone()),
         ("RUST_LOG", "info,rdkafka=warn".into()),
     ];
-    // The chaos suite's failover settings (README, "Running on a Kafka cluster").
+    // The chaos suite's failover settings (CONTRIBUTING.md, "Settings the tests change, and why").
     let consumer_env = [(
         "POSTAL_KAFKA",
         "session.timeout.ms=6000,heartbeat.interval.ms=1000".to_string(),

@@ -1,5 +1,5 @@
 //! The previous release's relay on the current schema: what the upgrade contract promises
-//! (README, "Schema and upgrades": migrate, then upgrade services one at a time, old and new
+//! (docs/operations.md, "Schema and upgrades": migrate, then upgrade services one at a time, old and new
 //! side by side meanwhile). `scripts/previous-release.sh` builds that relay (the release named
 //! in `scripts/previous-release`); `scripts/test.sh` runs it and requires this test to run.
 

@@ -65,7 +65,7 @@ fn blocking(
     })
 }
 
-/// Known limit, documented (README, "In-process task handlers"): a graceful stop waits for
+/// Known limit, documented (docs/relay.md, "In-process task handlers"): a graceful stop waits for
 /// aborted handlers to end for `STOP_GRACE` (4 s) only; a handler in blocking code for 10 s
 /// is left like a crashed one, and in a process that lives on, the task's next run (after its
 /// run lease) overlaps it. (In a relay process that exits after its stop, the handler ends
