@@ -1052,3 +1052,145 @@ async fn dead_letters_wait_for_write_on_their_topic_and_then_go_out() {
     assert_eq!(seen.len(), 1, "the dead letter on {dlq}");
     assert_eq!(effects(&db.pool).await, (1, 1));
 }
+
+/// Kills the process when dropped (also when the test fails).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Guarantee (issue: Kafka security): with certificate verification on (as README configures
+/// it), a relay refuses a broker whose certificate our CA signed but for another host name
+/// (here a TLS server presenting a certificate for `wrong.example` on the broker's address):
+/// it says the certificate could not be verified, keeps running and retrying, and parks
+/// nothing. (The same server is accepted when hostname verification is switched off, which
+/// shows the refusal is the host name's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_for_another_host_name_is_refused() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("secure-host");
+    enqueue_jobs(&db.pool, &topic, 5).await;
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    // A certificate for wrong.example, signed by the secure node's CA.
+    let tls = Path::new(&s.ca).parent().unwrap().to_owned();
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let path = |name: &str| logs.join(name).display().to_string();
+    std::fs::write(logs.join("san.ext"), "subjectAltName=DNS:wrong.example\n").unwrap();
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=wrong.example",
+        "-keyout",
+        &path("wrong.key"),
+        "-out",
+        &path("wrong.csr"),
+    ]);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &path("wrong.csr"),
+        "-CA",
+        &s.ca,
+        "-CAkey",
+        &tls.join("ca.key").display().to_string(),
+        "-CAcreateserial",
+        "-CAserial",
+        &path("ca.srl"),
+        "-days",
+        "1",
+        "-extfile",
+        &path("san.ext"),
+        "-out",
+        &path("wrong.crt"),
+    ]);
+    let port = postal_integration_tests::free_port();
+    let _server = Killed(
+        std::process::Command::new("openssl")
+            .args([
+                "s_server",
+                "-quiet",
+                "-accept",
+                &format!("127.0.0.1:{port}"),
+                "-cert",
+                &path("wrong.crt"),
+                "-key",
+                &path("wrong.key"),
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("openssl s_server"),
+    );
+    let elsewhere = Secure {
+        bootstrap: format!("127.0.0.1:{port}"),
+        ca: s.ca.clone(),
+        relay_password: s.relay_password.clone(),
+        consumer_password: s.consumer_password.clone(),
+        admin_password: s.admin_password.clone(),
+    };
+    let said = "certificate verify failed";
+    let verified = client_properties("relay", &s.relay_password, &s.ca);
+    let mut unverified = verified.clone();
+    for (k, v) in unverified.iter_mut() {
+        if k == "ssl.endpoint.identification.algorithm" {
+            *v = "none".into();
+        }
+    }
+    for (name, properties, refused) in [
+        ("hostname-verified", verified, true),
+        ("hostname-not-verified", unverified, false),
+    ] {
+        let (mut relay, log) = relay(&dir, &logs, name, &db.url, &elsewhere, &properties);
+        relay.start();
+        // What the relay says about its broker connection: a TLS refusal, or (with the host
+        // name not checked) that the server does not speak Kafka.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let text = loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains(said) || text.contains("127.0.0.1") && text.contains("WARN") {
+                break text;
+            }
+            relay.assert_alive();
+            assert!(
+                Instant::now() < deadline,
+                "{name}: the log never said anything about the broker:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(
+            text.contains(said),
+            refused,
+            "{name}: refused for its certificate: {refused}\n{text}"
+        );
+        relay.assert_alive();
+        assert_eq!(
+            outbox_left(&db.pool).await,
+            (5, 0),
+            "{name}: events stay pending"
+        );
+        relay.stop();
+    }
+}
