@@ -55,7 +55,7 @@ fn log_dir(db_name: &str) -> PathBuf {
 
 /// Runs `java -cp <jar> dev.postal.interop.<class> <args>` until it exits (at most `within`;
 /// then it is killed and the test fails), its stdout and stderr kept in `logs`. Returns its
-/// exit code, its stdout's lines and the tail of its stderr.
+/// exit code, its stdout's lines and its stderr.
 async fn run_java(
     jar: &Path,
     logs: &Path,
@@ -95,8 +95,33 @@ async fn run_java(
     (
         status.code().unwrap_or(-1),
         stdout.lines().map(str::to_owned).collect(),
-        log_tail(&err),
+        std::fs::read_to_string(&err).expect("java's stderr"),
     )
+}
+
+/// The end of a Java program's stderr, for a failure message.
+fn tail(stderr: &str) -> &str {
+    let from = stderr.len().saturating_sub(4000);
+    let from = (from..stderr.len())
+        .find(|&i| stderr.is_char_boundary(i))
+        .unwrap_or(0);
+    &stderr[from..]
+}
+
+/// A `postal relay` process (not started) writing `source` as the CloudEvents source.
+fn relay(logs: &Path, name: &str, database_url: &str, bootstrap: &str, source: &str) -> Proc {
+    Proc::new(
+        &bin_dir(),
+        logs,
+        name,
+        "postal",
+        &["relay", "--source", source],
+    )
+    .env(&[
+        ("DATABASE_URL", database_url.to_owned()),
+        ("KAFKA_BOOTSTRAP_SERVERS", bootstrap.to_owned()),
+        ("RUST_LOG", "info,rdkafka=warn".into()),
+    ])
 }
 
 /// Parses the JSON lines a Java program printed.
@@ -186,18 +211,7 @@ async fn java_cloudevents_consumer_decodes_relay_records_on_javas_partitions() {
     }
 
     let logs = log_dir(&db.name);
-    let mut relay = Proc::new(
-        &bin_dir(),
-        &logs,
-        "relay",
-        "postal",
-        &["relay", "--source", SOURCE],
-    )
-    .env(&[
-        ("DATABASE_URL", db.url.clone()),
-        ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
-        ("RUST_LOG", "info,rdkafka=warn".into()),
-    ]);
+    let mut relay = relay(&logs, "relay", &db.url, &svc.bootstrap, SOURCE);
     relay.start();
 
     let total = enqueued.len().to_string();
@@ -211,7 +225,12 @@ async fn java_cloudevents_consumer_decodes_relay_records_on_javas_partitions() {
     )
     .await;
     relay.assert_alive();
-    assert_eq!(code, 0, "the Java consumer failed; stderr:\n{stderr}");
+    assert_eq!(
+        code,
+        0,
+        "the Java consumer failed; stderr:\n{}",
+        tail(&stderr)
+    );
     let mut records = json_lines(&lines);
     let summary = records.pop().expect("a summary line");
     assert_eq!(
@@ -366,7 +385,12 @@ async fn java_produce(
         Duration::from_secs(120),
     )
     .await;
-    assert_eq!(code, 0, "the Java producer failed; stderr:\n{stderr}");
+    assert_eq!(
+        code,
+        0,
+        "the Java producer failed; stderr:\n{}",
+        tail(&stderr)
+    );
     let sent = json_lines(&lines);
     assert_eq!(sent.len(), events.len(), "one line per event sent");
     sent
@@ -619,4 +643,92 @@ async fn java_structured_mode_and_non_uuid_ids_become_dead_letters() {
     let x = &dead[1];
     assert!(x.2.contains("is not a non-nil UUID"), "{}", x.2);
     assert_eq!(header(x, "ce_id").as_deref(), Some("order-42"));
+}
+
+/// Guarantee (the limits the README states): the Java consumer fails loudly (exit 1, the SDK's
+/// reason on stderr) on a record the CloudEvents SDK refuses, never skips it — and two things
+/// Postal accepts make the SDK refuse records: a relay `--source` that is not a URI-reference
+/// (here `billing service`: every record), and a user header named `ce_<name>` whose `<name>`
+/// is not letters and digits (here `ce_tenant-id`: that record). A user header `ce_Tenant`
+/// reaches Java as the extension `tenant` (the SDK lowercases the name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn java_sdk_refuses_a_non_uri_source_and_bad_ce_header_names() {
+    let Some(jar) = interop_jar() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let logs = log_dir(&db.name);
+    let (spaced, headers) = (unique("interop-source"), unique("interop-headers"));
+    create_topic(&svc.bootstrap, &spaced, 1).await;
+    create_topic(&svc.bootstrap, &headers, 1).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+
+    let event = NewEvent::json(spaced.as_str(), "k", "order.placed", &json!({"n": 1})).unwrap();
+    enqueue_batch(&mut conn, vec![event]).await.unwrap();
+    let mut bad_source = relay(
+        &logs,
+        "relay-spaced",
+        &db.url,
+        &svc.bootstrap,
+        "billing service",
+    );
+    bad_source.start();
+    let (code, lines, stderr) = run_java(
+        &jar,
+        &logs,
+        "java-consumer-spaced",
+        "ConsumeCloudEvents",
+        &[&svc.bootstrap, &spaced, "1", "60"],
+        Duration::from_secs(120),
+    )
+    .await;
+    bad_source.stop();
+    assert_eq!(
+        code,
+        1,
+        "the SDK refuses the record; stdout {lines:?}, stderr:\n{}",
+        tail(&stderr)
+    );
+    assert!(lines.is_empty(), "nothing printed for it: {lines:?}");
+    assert!(
+        stderr.contains("Invalid attribute/extension value for \"source\": billing service"),
+        "{}",
+        tail(&stderr)
+    );
+
+    let good = NewEvent::json(headers.as_str(), "k", "order.placed", &json!({"n": 2}))
+        .unwrap()
+        .with_header("ce_Tenant", "acme")
+        .unwrap();
+    let bad = NewEvent::json(headers.as_str(), "k", "order.placed", &json!({"n": 3}))
+        .unwrap()
+        .with_header("ce_tenant-id", "acme")
+        .unwrap();
+    let ids = enqueue_batch(&mut conn, vec![good, bad]).await.unwrap();
+    let mut relay = relay(&logs, "relay", &db.url, &svc.bootstrap, SOURCE);
+    relay.start();
+    let (code, lines, stderr) = run_java(
+        &jar,
+        &logs,
+        "java-consumer-headers",
+        "ConsumeCloudEvents",
+        &[&svc.bootstrap, &headers, "2", "60"],
+        Duration::from_secs(120),
+    )
+    .await;
+    relay.stop();
+    assert_eq!(
+        code,
+        1,
+        "the SDK refuses the second record; stdout {lines:?}, stderr:\n{}",
+        tail(&stderr)
+    );
+    let read = json_lines(&lines);
+    assert_eq!(read.len(), 1, "only the first record printed: {read:?}");
+    assert_eq!(read[0]["id"], ids[0].to_string());
+    assert_eq!(read[0]["extensions"]["tenant"], "acme", "{}", read[0]);
+    assert!(
+        stderr.contains("Invalid extensions name: tenant-id"),
+        "{}",
+        tail(&stderr)
+    );
 }
