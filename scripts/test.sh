@@ -28,6 +28,10 @@ step "the previous release's relay (for the upgrade-contract test; scripts/previ
 eval "$(bash scripts/previous-release.sh)"
 export POSTAL_PREVIOUS_BIN POSTAL_REQUIRE_PREVIOUS=1
 
+step "the JVM interop jar (kafka-clients + the CloudEvents SDK, for the interop tests; scripts/interop-jar.sh)"
+eval "$(bash scripts/interop-jar.sh)"
+export POSTAL_INTEROP_JAR POSTAL_INTEROP_REQUIRE=1
+
 step "service binaries the chaos suite runs (postal, order_service, billing_service, invoice_recorder)"
 cargo build -p postal-cli -p postal-examples
 

@@ -16,6 +16,7 @@ mod enqueue;
 mod fence;
 mod handlers;
 mod hostile;
+mod interop;
 mod key_order;
 mod migrations;
 mod missing_topic;
