@@ -118,6 +118,12 @@ impl NewEvent {
         if name.is_empty() || headers::is_reserved(&name) {
             return Err(Error::ReservedHeader(name));
         }
+        if let Some(reason) = headers::user_header_problem(&name) {
+            return Err(Error::Invalid(postal_shared::Error::Invalid {
+                what: "headers",
+                reason,
+            }));
+        }
         if self.headers.len() >= MAX_USER_HEADERS && !self.headers.contains_key(&name) {
             return Err(Error::Invalid(postal_shared::Error::Invalid {
                 what: "headers",

@@ -169,6 +169,7 @@ impl KafkaTransport {
     /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
         crate::kafka_overrides::check(&config.properties)?;
+        postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
         if config.topic_partitions < 1 || config.topic_replication < 1 {
             return Err(Error::Config(
                 "topic partitions and replication factor must be at least 1".into(),

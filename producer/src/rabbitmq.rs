@@ -174,6 +174,7 @@ impl RabbitTransport {
     /// Checks the configuration; the connection opens lazily on the first batch (an
     /// unreachable broker is not an error here: the relay waits and retries).
     pub fn new(config: RabbitConfig) -> Result<Self, Error> {
+        postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
         config
             .uri
             .parse::<lapin::uri::AMQPUri>()

@@ -144,25 +144,32 @@ pub trait Transport: Send + Sync + 'static {
 }
 
 /// The refusal of an event whose stored headers use a name Postal sets itself (`ce_id`,
-/// `ce_type`, …): published, it would carry two values, and a consumer could take the event
-/// for another. `enqueue` refuses such headers; a row written around it is parked with this
-/// (permanent) reason.
+/// `ce_type`, …: published, it would carry two values, and a consumer could take the event
+/// for another), or a `ce_<name>` name CloudEvents consumers refuse. `enqueue` refuses such
+/// headers; a row written around it is parked with this (permanent) reason.
 pub(crate) fn reserved_header(e: &OutboundEvent) -> Option<PublishError> {
-    let (name, _) = e
+    let name = e
         .headers
         .iter()
-        .find(|(k, _)| postal_shared::headers::is_reserved(k))?;
+        .map(|(k, _)| k)
+        .find(|k| postal_shared::headers::user_header_problem(k).is_some())?;
     let shown: String = name
         .chars()
         .take(64)
         .flat_map(char::escape_default)
         .collect();
-    Some(PublishError::new(
-        FailureKind::Permanent,
+    let reason = if postal_shared::headers::is_reserved(name) {
         format!(
             "stored header \"{shown}\" is reserved: Postal sets it (the row was written around postal.enqueue)"
-        ),
-    ))
+        )
+    } else if name.is_empty() {
+        "a stored header has an empty name".to_owned()
+    } else {
+        format!(
+            "stored header \"{shown}\" is a CloudEvents extension attribute (ce_<name>) whose name is not letters and digits: CloudEvents consumers refuse the record; rename the header"
+        )
+    };
+    Some(PublishError::new(FailureKind::Permanent, reason))
 }
 
 /// An event for the transports' unit tests: key `k`, type `job`, an empty JSON object.

@@ -66,3 +66,108 @@ pub const RESERVED: &[&str] = &[
 pub fn is_reserved(name: &str) -> bool {
     RESERVED.iter().any(|r| r.eq_ignore_ascii_case(name))
 }
+
+/// Why a user header may not have this name, if it may not: a name Postal sets itself, or a
+/// `ce_<name>` header (a CloudEvents extension attribute in the Kafka binding) whose `<name>` is
+/// not letters and digits — CloudEvents consumers (the Java SDK's `CloudEventDeserializer`)
+/// refuse such a record, and a consumer that stops on it holds its partition.
+pub fn user_header_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("a header name must not be empty".into());
+    }
+    if is_reserved(name) {
+        return Some(format!("header {name:?} is reserved: Postal sets it"));
+    }
+    let prefix = name.get(..3).filter(|p| p.eq_ignore_ascii_case("ce_"));
+    if prefix.is_some() {
+        let ext = &name[3..];
+        if ext.is_empty() || !ext.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Some(format!(
+                "header {name:?} is a CloudEvents extension attribute (ce_<name>) whose name is not letters and digits: CloudEvents consumers refuse the record; rename it (without the ce_ prefix, or ce_ and letters and digits)"
+            ));
+        }
+    }
+    None
+}
+
+/// Checks a CloudEvents `source` (the relay's `--source`): a non-empty URI-reference (RFC 3986
+/// characters, `%` followed by two hex digits), as CloudEvents consumers require — the Java
+/// SDK refuses every record of a relay whose source is, say, `billing service`.
+pub fn check_source(source: &str) -> Result<(), String> {
+    let refuse = |why: &str| {
+        Err(format!(
+            "source {source:?} is not a URI-reference ({why}): CloudEvents consumers refuse its records; use e.g. /shop/orders or urn:shop:orders"
+        ))
+    };
+    if source.is_empty() {
+        return refuse("it is empty");
+    }
+    let bytes = source.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if c == b'%' {
+            let hex = |b: Option<&u8>| b.is_some_and(u8::is_ascii_hexdigit);
+            if !(hex(bytes.get(i + 1)) && hex(bytes.get(i + 2))) {
+                return refuse("a % not followed by two hex digits");
+            }
+            i += 3;
+            continue;
+        }
+        if !(c.is_ascii_alphanumeric() || b"-._~:/?#[]@!$&'()*+,;=".contains(&c)) {
+            return refuse("a character a URI cannot hold unescaped");
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guarantee: user headers a CloudEvents consumer would refuse (a `ce_<name>` whose name
+    /// is not letters and digits) and Postal's own names are refused; others pass.
+    #[test]
+    fn user_header_names() {
+        for ok in [
+            "x-tenant",
+            "traceparent2",
+            "ce_tenant",
+            "ce_Tenant2",
+            "c",
+            "cex_a-b",
+        ] {
+            assert_eq!(user_header_problem(ok), None, "{ok}");
+        }
+        for bad in [
+            "",
+            "ce_id",
+            "CE_TYPE",
+            "ce_",
+            "ce_tenant-id",
+            "Ce_a.b",
+            "content-type",
+        ] {
+            assert!(user_header_problem(bad).is_some(), "{bad}");
+        }
+    }
+
+    /// Guarantee: a source that is not a URI-reference is refused, with the reason.
+    #[test]
+    fn sources() {
+        for ok in [
+            "postal",
+            "/shop/orders",
+            "urn:shop:orders",
+            "https://a.example/x?y=1",
+            "a%20b",
+        ] {
+            assert_eq!(check_source(ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "billing service", "a%2", "a%zz", "ä", "a\nb"] {
+            let err = check_source(bad).unwrap_err();
+            assert!(err.contains("not a URI-reference"), "{bad}: {err}");
+        }
+    }
+}
