@@ -9,6 +9,10 @@
 #   scripts/stack.sh status           say what runs
 #   scripts/stack.sh restart-broker   kill -9 Kafka and start it again on the same data
 #   scripts/stack.sh pg-up | kafka-up | kafka-down | kafka-kill [NODE…]   one service only
+#   scripts/stack.sh pg-up --secure   a second PostgreSQL that takes only TLS connections with a
+#                                     password (certificate from a local CA), in .stack/pg-secure
+#                                     on POSTAL_PG_SECURE_PORT (PG port + 10); prints
+#                                     POSTGRES_TLS_URL and POSTGRES_TLS_CA
 #   … --secure                        Kafka as one node with a SASL_SSL listener (SCRAM-SHA-512,
 #                                     certificates from a local CA made on first start) and
 #                                     the standard authorizer with ACLs, in .stack/kafka-secure;
@@ -35,6 +39,7 @@ STACK="${POSTAL_STACK_DIR:-$ROOT/.stack}"
 # host's network namespace pass that host's address).
 HOST="${POSTAL_STACK_HOST:-127.0.0.1}"
 PG_PORT="${POSTAL_PG_PORT:-15432}"
+PG_SECURE_PORT="${POSTAL_PG_SECURE_PORT:-$((PG_PORT + 10))}"
 KAFKA_PORT="${POSTAL_KAFKA_PORT:-19092}"
 KAFKA_CONTROLLER_PORT="${POSTAL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}"
 KAFKA_VERSION="${POSTAL_KAFKA_VERSION:-4.4.0}"
@@ -161,6 +166,74 @@ pg_down() {
   if pg_running; then
     log "stopping postgres"
     as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -m fast -w stop >/dev/null
+  fi
+  pg_secure_down
+}
+
+# The --secure PostgreSQL: a second cluster in $STACK/pg-secure on $PG_SECURE_PORT that takes
+# only TLS connections with a password (hostssl, scram-sha-256), its certificate (for $HOST and
+# localhost) from a local CA made on first start in $STACK/pg-secure/tls, the postgres
+# superuser's password random (printed by `--secure pg-up`).
+PGS="$STACK/pg-secure"
+pg_secure_running() {
+  [ -f "$PGS/data/postmaster.pid" ] && as_postgres "$PG_BIN/pg_ctl" -D "$PGS/data" status >/dev/null 2>&1
+}
+
+pg_secure_up() {
+  ensure_postgres
+  command -v openssl >/dev/null || apt_install openssl /usr/bin/openssl
+  mkdir -p "$PGS/tls"
+  if [ "$(id -u)" = "0" ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+    open_path_for_postgres "$PGS"
+  fi
+  local t="$PGS/tls"
+  if [ ! -f "$t/server.crt" ]; then
+    log "making a local CA and PostgreSQL's server certificate in $t"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=Postal PostgreSQL test CA" \
+      -keyout "$t/ca.key" -out "$t/ca.pem" >/dev/null 2>&1 || die "openssl could not make the CA"
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=$HOST" -keyout "$t/server.key" -out "$t/server.csr" >/dev/null 2>&1
+    printf 'subjectAltName=IP:%s,DNS:localhost\n' "$HOST" > "$t/san.ext"
+    openssl x509 -req -in "$t/server.csr" -CA "$t/ca.pem" -CAkey "$t/ca.key" -CAcreateserial -days 3650 \
+      -extfile "$t/san.ext" -out "$t/server.crt" >/dev/null 2>&1 || die "openssl could not sign the server certificate"
+    openssl rand -hex 16 > "$t/password"
+    chmod 600 "$t/ca.key" "$t/server.key" "$t/password"
+  fi
+  if [ "$(id -u)" = "0" ]; then chown -R postgres "$PGS"; chmod 644 "$t/ca.pem"; fi
+  if pg_secure_running; then log "secure postgres already running on $HOST:$PG_SECURE_PORT"; return; fi
+  if [ ! -f "$PGS/data/PG_VERSION" ]; then
+    log "initdb $PGS/data"
+    local pw="$PGS/initdb-password"
+    cp "$t/password" "$pw"; [ "$(id -u)" = "0" ] && chown postgres "$pw"
+    as_postgres "$PG_BIN/initdb" -D "$PGS/data" -U postgres --auth-local=trust --auth-host=scram-sha-256 \
+      --pwfile="$pw" -E UTF8 --locale=C.UTF-8 >/dev/null
+    rm -f "$pw"
+    cat >> "$PGS/data/postgresql.conf" <<CONF
+listen_addresses = '$HOST'
+port = $PG_SECURE_PORT
+unix_socket_directories = '$PGS'
+max_connections = 100
+ssl = on
+ssl_cert_file = '$t/server.crt'
+ssl_key_file = '$t/server.key'
+password_encryption = scram-sha-256
+CONF
+    # TLS and a password, or nothing (the local socket stays for the stack's own set-up).
+    cat > "$PGS/data/pg_hba.conf" <<HBA
+local all all trust
+hostssl all all $HOST/32 scram-sha-256
+hostnossl all all 0.0.0.0/0 reject
+HBA
+  fi
+  log "starting secure postgres (TLS only) on $HOST:$PG_SECURE_PORT"
+  as_postgres "$PG_BIN/pg_ctl" -D "$PGS/data" -o "-p $PG_SECURE_PORT -h $HOST" -l "$PGS/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$PGS/postgres.log" >&2; die "secure postgres did not start"; }
+}
+
+pg_secure_down() {
+  if pg_secure_running; then
+    log "stopping secure postgres"
+    as_postgres "$PG_BIN/pg_ctl" -D "$PGS/data" -m fast -w stop >/dev/null
   fi
 }
 
@@ -447,6 +520,11 @@ rabbit_down() {
   rm -f "$STACK/rabbitmq/wrapper.pid"
 }
 
+print_pg_secure_env() {
+  echo "export POSTGRES_TLS_URL=postgres://postgres:$(cat "$PGS/tls/password")@$HOST:$PG_SECURE_PORT/postgres"
+  echo "export POSTGRES_TLS_CA=$PGS/tls/ca.pem"
+}
+
 print_env() {
   if [ "$SECURE" = "1" ]; then
     kafka_node 1
@@ -477,7 +555,7 @@ case "$NODES" in 0|3|5) ;; *) die "--cluster takes 3 or 5 nodes (a KRaft quorum 
 
 case "$cmd" in
   up) pg_up; kafka_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
-  pg-up) pg_up; print_env ;;
+  pg-up) if [ "$SECURE" = "1" ]; then pg_secure_up; print_pg_secure_env; else pg_up; print_env; fi ;;
   kafka-up) kafka_up "${ARGS[@]}"; print_env ;;
   kafka-down) kafka_down TERM "${ARGS[@]}" ;;
   kafka-kill) kafka_down KILL "${ARGS[@]}" ;;

@@ -18,8 +18,10 @@ eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"
 
-step "a second Kafka node with SASL_SSL, SCRAM and ACLs (the security tests)"
+step "a second Kafka node with SASL_SSL, SCRAM and ACLs, and a PostgreSQL that takes only TLS (the security tests)"
 eval "$(bash scripts/stack.sh kafka-up --secure)"
+eval "$(bash scripts/stack.sh pg-up --secure)"
+export POSTGRES_TLS_URL POSTGRES_TLS_CA
 export KAFKA_SASL_SSL_BOOTSTRAP KAFKA_SASL_SSL_CA KAFKA_SASL_SSL_RELAY_PASSWORD \
   KAFKA_SASL_SSL_CONSUMER_PASSWORD KAFKA_SASL_SSL_ADMIN_PASSWORD POSTAL_REQUIRE_SECURE=1
 echo "KAFKA_SASL_SSL_BOOTSTRAP=$KAFKA_SASL_SSL_BOOTSTRAP"

@@ -343,6 +343,11 @@ async fn connect_now(db: &DbArgs) -> anyhow::Result<PgPool> {
             )
         })?;
     if let Err(e) = first {
+        if let Some(hint) = postal_shared::connect_hint(&e) {
+            return Err(anyhow!(
+                "PostgreSQL at {target}: {hint}; the connection failed with: {e}"
+            ));
+        }
         return Err(match e.as_database_error().and_then(|d| d.code()).as_deref() {
             Some("28P01" | "28000") => anyhow!(
                 "PostgreSQL at {target} refused the login: {}; check the user and password in DATABASE_URL",

@@ -80,12 +80,18 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), Error> {
 pub async fn unreachable_cause(pool: &PgPool, e: &Error, probe: std::time::Duration) -> String {
     use sqlx::Connection as _;
     if !matches!(e.database_error(), Some(sqlx::Error::PoolTimedOut)) {
-        return e.to_string();
+        return match e.database_error().and_then(connect_hint) {
+            Some(hint) => format!("{e} ({hint})"),
+            None => e.to_string(),
+        };
     }
     let options = pool.connect_options().as_ref().clone();
     match tokio::time::timeout(probe, sqlx::PgConnection::connect_with(&options)).await {
         Err(_) => format!("no answer within {}s", probe.as_secs()),
-        Ok(Err(cause)) => cause.to_string(),
+        Ok(Err(cause)) => match connect_hint(&cause) {
+            Some(hint) => format!("{cause} ({hint})"),
+            None => cause.to_string(),
+        },
         // It answers now: the pool was busy or the server just came back.
         Ok(Ok(c)) => {
             c.close().await.ok();
@@ -115,7 +121,7 @@ pub async fn wait_for_schema(
                 let cause = unreachable_cause(pool, &e, std::time::Duration::from_secs(5)).await;
                 tracing::warn!(
                     retry_in_ms = wait.as_millis() as u64,
-                    "database unreachable, retrying: {cause}"
+                    "cannot connect to the database, retrying: {cause}"
                 );
                 tokio::select! {
                     () = tokio::time::sleep(wait) => {}
@@ -125,4 +131,22 @@ pub async fn wait_for_schema(
             Err(e) => return Err(e),
         }
     }
+}
+
+/// What to do about a connection error that waiting does not fix: a TLS certificate that could
+/// not be verified, one for another host, a server that requires TLS. `None` for others.
+pub fn connect_hint(e: &sqlx::Error) -> Option<&'static str> {
+    let text = e.to_string();
+    if text.contains("hostname mismatch") || text.contains("IP address mismatch") {
+        return Some(
+            "the server's TLS certificate is for another host name: connect with a name it names",
+        );
+    }
+    if text.contains("certificate verify failed") {
+        return Some("the server's TLS certificate could not be verified: set sslrootcert in DATABASE_URL to the CA that signed it");
+    }
+    if text.contains("no encryption") {
+        return Some("the server requires TLS: add sslmode=verify-full and sslrootcert=<CA file> to DATABASE_URL");
+    }
+    None
 }

@@ -23,6 +23,7 @@ mod missing_topic;
 mod monitoring;
 mod netsplit;
 mod order;
+mod pg_security;
 mod previous_release;
 mod procs;
 mod protocol;
