@@ -19,6 +19,7 @@ mod cleanup;
 mod consumer;
 mod dead_letters;
 mod failed;
+mod grant;
 mod progress;
 mod shown;
 mod status;
@@ -71,6 +72,9 @@ enum Command {
     Consumer(consumer::ConsumerCommand),
     /// Run retention once: kept published outbox rows and/or expired dedup rows, in batches.
     Cleanup(cleanup::CleanupArgs),
+    /// Grant roles the least privileges they need on Postal's tables: --app (enqueue only),
+    /// --relay, --consumer. Run it as the schema's owner, again after `postal migrate`.
+    Grant(grant::GrantArgs),
 }
 
 /// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment (the
@@ -315,6 +319,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
+        Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, *args).await,
     }
 }

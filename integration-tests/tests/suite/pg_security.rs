@@ -195,3 +195,156 @@ async fn an_unverifiable_or_unencrypted_postgres_connection_is_said_plainly() {
     relay.assert_alive();
     relay.stop();
 }
+
+/// `url` with its user replaced by `role` (the dev stack trusts loopback logins).
+fn as_role(url: &str, role: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (_, host) = rest.split_once('@').unwrap();
+    format!("{scheme}://{role}@{host}")
+}
+
+/// Guarantee (issue: PostgreSQL security): after `postal grant --app A --relay R --consumer C`
+/// (run as the schema's owner), role A enqueues — `enqueue`, `enqueue_once` and the SQL
+/// `postal.enqueue` — but cannot change or delete outbox rows, nor touch the relay's or the
+/// consumers' tables (SQLSTATE 42501); a
+/// `postal relay` running as R publishes every event; a consumer running as C applies each
+/// once. No role but the owner holds more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_roles_enqueue_relay_and_consume() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let suffix = unique("r").replace('-', "_");
+    let (app, relay_role, consumer_role) = (
+        format!("app_{suffix}"),
+        format!("relay_{suffix}"),
+        format!("consumer_{suffix}"),
+    );
+    for role in [&app, &relay_role, &consumer_role] {
+        sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    // The handler's own table: the application grants it.
+    sqlx::raw_sql(&format!(
+        "GRANT ALL ON effects TO {consumer_role}; GRANT USAGE ON SEQUENCE effects_id_seq TO {consumer_role}"
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (ok, stderr) = postal(
+        &db.url,
+        &[
+            "grant",
+            "--app",
+            &app,
+            "--relay",
+            &relay_role,
+            "--consumer",
+            &consumer_role,
+        ],
+    );
+    assert!(ok, "postal grant: {stderr}");
+
+    let topic = unique("roles");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let app_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&as_role(&db.url, &app))
+        .await
+        .unwrap();
+    let mut tx = app_pool.begin().await.unwrap();
+    for n in 0..10 {
+        let e = NewEvent::json(topic.as_str(), "k", "job", &serde_json::json!({ "n": n })).unwrap();
+        enqueue(&mut tx, e).await.expect("the app role enqueues");
+    }
+    let once = NewEvent::json(topic.as_str(), "k", "job", &serde_json::json!({ "n": 10 }))
+        .unwrap()
+        .with_id(postal_shared::EventId::new());
+    postal_producer::enqueue_once(&mut tx, once.clone())
+        .await
+        .expect("enqueue_once");
+    postal_producer::enqueue_once(&mut tx, once)
+        .await
+        .expect("enqueue_once again: recognised, not an error");
+    sqlx::query("SELECT postal.enqueue($1, 'k', 'job', '{\"n\": 11}'::jsonb)")
+        .bind(&topic)
+        .execute(&mut *tx)
+        .await
+        .expect("the SQL postal.enqueue");
+    tx.commit().await.unwrap();
+    for forbidden in [
+        "UPDATE postal.outbox SET attempts = attempts + 1",
+        "DELETE FROM postal.outbox",
+        "SELECT attempts FROM postal.outbox",
+        "INSERT INTO postal.relay_partitions DEFAULT VALUES",
+        "DELETE FROM postal.processed_events",
+    ] {
+        let err = sqlx::query(forbidden)
+            .execute(&app_pool)
+            .await
+            .expect_err(forbidden);
+        assert_eq!(
+            err.as_database_error().and_then(|d| d.code()).as_deref(),
+            Some("42501"),
+            "{forbidden}: {err}"
+        );
+    }
+    app_pool.close().await;
+
+    let dir = bin_dir();
+    let logs = dir.join(format!("pg-security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut relay = Proc::new(&dir, &logs, "relay-role", "postal", &["relay"]).env(&[
+        ("DATABASE_URL", as_role(&db.url, &relay_role)),
+        ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+        ("POSTAL_LOG", "info,rdkafka=warn".into()),
+    ]);
+    relay.start();
+    let consumer_pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&as_role(&db.url, &consumer_role))
+        .await
+        .unwrap();
+    let consumer = start_apply(
+        &consumer_pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), crate::handlers::CONSUMER),
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        if left == 0 && effects(&db.pool).await.1 == 12 {
+            break;
+        }
+        relay.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "{left} left in the outbox, effects {:?}; relay log:\n{}",
+            effects(&db.pool).await,
+            std::fs::read_to_string(logs.join("relay-role.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    consumer.stop().await;
+    relay.stop();
+    assert_eq!(effects(&db.pool).await, (12, 12), "each event applied once");
+    let log = std::fs::read_to_string(logs.join("relay-role.log")).unwrap_or_default();
+    assert!(
+        !log.contains("permission denied"),
+        "the relay role lacked a privilege:\n{log}"
+    );
+    consumer_pool.close().await;
+    for role in [&app, &relay_role, &consumer_role] {
+        let _ = sqlx::query(&format!("DROP OWNED BY {role}"))
+            .execute(&db.pool)
+            .await;
+        let _ = sqlx::query(&format!("DROP ROLE {role}"))
+            .execute(&db.pool)
+            .await;
+    }
+}

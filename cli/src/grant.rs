@@ -1,0 +1,146 @@
+//! `postal grant`: the least privileges each role of a Postal deployment needs, granted on the
+//! tables, sequences and functions of the `postal` schema (the owner — the role that runs
+//! `postal migrate` — has them all).
+//!
+//! - **app**: a service that enqueues events: insert outbox rows (`enqueue`, `enqueue_once`,
+//!   `postal.enqueue(…)`) and read what it compares (`enqueue_once`); it cannot change or
+//!   delete them, nor touch the relay's or consumers' tables.
+//! - **relay**: claims, publishes and marks or deletes outbox rows; keeps its leases.
+//! - **consumer**: dedup rows, stored offsets, dead letters; and what `app` may (a handler that
+//!   enqueues, a chain).
+//!
+//! Grants cover the objects that exist: run it again after `postal migrate` added some.
+
+use clap::Args;
+use sqlx::PgPool;
+
+/// Which roles to grant to.
+#[derive(Args, Debug)]
+pub struct GrantArgs {
+    /// Roles of services that enqueue events (repeatable).
+    #[arg(long = "app")]
+    apps: Vec<String>,
+    /// Roles the relay runs as (repeatable).
+    #[arg(long = "relay")]
+    relays: Vec<String>,
+    /// Roles consumers run as (repeatable).
+    #[arg(long = "consumer")]
+    consumers: Vec<String>,
+    /// Print the statements instead of running them.
+    #[arg(long)]
+    print: bool,
+}
+
+/// The statements for `role` as an app (enqueue only).
+fn app(role: &str) -> Vec<String> {
+    vec![
+        format!("GRANT USAGE ON SCHEMA postal TO {role}"),
+        format!("GRANT INSERT ON postal.outbox TO {role}"),
+        // enqueue_once compares an event already there with the one it was given.
+        format!("GRANT SELECT (event_id, topic, event_key, event_type, payload, schema_version, content_type, headers) ON postal.outbox TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE postal.outbox_seq_seq TO {role}"),
+        format!("GRANT EXECUTE ON FUNCTION postal.enqueue, postal.enqueue_bytes, postal.uuid_v7 TO {role}"),
+        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
+    ]
+}
+
+/// The statements for `role` as a relay.
+fn relay(role: &str) -> Vec<String> {
+    vec![
+        format!("GRANT USAGE ON SCHEMA postal TO {role}"),
+        format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
+        format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions TO {role}"),
+        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
+    ]
+}
+
+/// Optional for `role` as a relay: the oldest-transaction gauge reads every session's
+/// transaction start, which only `pg_read_all_stats` shows (granting it needs a superuser or
+/// ADMIN on it; without it the gauge sees only the relay role's own sessions).
+fn relay_stats(role: &str) -> String {
+    format!("GRANT pg_read_all_stats TO {role}")
+}
+
+/// The statements for `role` as a consumer.
+fn consumer(role: &str) -> Vec<String> {
+    let mut out = app(role);
+    out.extend([
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE postal.dead_letters_id_seq TO {role}"),
+    ]);
+    out
+}
+
+/// A role name as an SQL identifier.
+fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Every statement for the roles of `args`, in order.
+fn statements(args: &GrantArgs) -> Vec<String> {
+    let mut out = Vec::new();
+    for r in &args.apps {
+        out.extend(app(&ident(r)));
+    }
+    for r in &args.relays {
+        out.extend(relay(&ident(r)));
+    }
+    for r in &args.consumers {
+        out.extend(consumer(&ident(r)));
+    }
+    out
+}
+
+pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !(args.apps.is_empty() && args.relays.is_empty() && args.consumers.is_empty()),
+        "say which roles: --app ROLE, --relay ROLE and/or --consumer ROLE"
+    );
+    let all = statements(&args);
+    let stats: Vec<String> = args.relays.iter().map(|r| relay_stats(&ident(r))).collect();
+    if args.print {
+        for s in all.iter().chain(&stats) {
+            println!("{s};");
+        }
+        return Ok(());
+    }
+    let mut tx = pool.begin().await?;
+    for s in &all {
+        sqlx::query(s).execute(&mut *tx).await.map_err(|e| {
+            anyhow::anyhow!(
+                "{s}: {}",
+                e.as_database_error()
+                    .map(|d| d.message().to_owned())
+                    .unwrap_or_else(|| e.to_string())
+            )
+        })?;
+    }
+    tx.commit().await?;
+    println!("granted: {} statement(s)", all.len());
+    for s in &stats {
+        if let Err(e) = sqlx::query(s).execute(pool).await {
+            let why = e
+                .as_database_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string());
+            println!("not granted ({why}): {s}; without it the relay's oldest-transaction gauge sees only its own sessions");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Role names are quoted, so a name cannot smuggle SQL in.
+    #[test]
+    fn role_names_are_identifiers() {
+        assert_eq!(ident("app"), "\"app\"");
+        assert_eq!(
+            ident("a\"; DROP TABLE x; --"),
+            "\"a\"\"; DROP TABLE x; --\""
+        );
+    }
+}
