@@ -505,11 +505,32 @@ async fn a_topic_without_write_acl_waits_and_others_flow() {
     assert_eq!(seen.len(), 30, "every event on the topic");
 }
 
+/// What a consumer's principal lacks at first.
+#[derive(Clone, Copy, Debug)]
+enum Lacks {
+    /// READ on its group.
+    Group,
+    /// READ and DESCRIBE on its topic.
+    Topic,
+}
+
 /// Guarantee (issue: Kafka security): a consumer whose principal may not read its group says
 /// so plainly (the group authorisation failure, in its log) and applies nothing; once READ on
 /// the group is granted it applies every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
+    consumer_lacking(Lacks::Group).await;
+}
+
+/// Guarantee (issue: Kafka security): a consumer whose principal may not read its topic
+/// applies nothing and dead-letters nothing; once READ and DESCRIBE on the topic
+/// are granted it applies every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_without_read_on_its_topic_applies_nothing_until_granted() {
+    consumer_lacking(Lacks::Topic).await;
+}
+
+async fn consumer_lacking(lacks: Lacks) {
     let Some(s) = secure() else { return };
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -527,7 +548,7 @@ async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
         "--topic",
         &topic,
     ]);
-    acl(&[
+    let topic_acl = [
         "--add",
         "--allow-principal",
         "User:consumer",
@@ -537,7 +558,21 @@ async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
         "Describe",
         "--topic",
         &topic,
-    ]);
+    ];
+    let group_acl = [
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--group",
+        &group,
+    ];
+    let (first, later): (&[&str], &[&str]) = match lacks {
+        Lacks::Group => (&topic_acl, &group_acl),
+        Lacks::Topic => (&group_acl, &topic_acl),
+    };
+    acl(first);
     let dir = bin_dir();
     let logs = dir.join(format!("security-{}", db.name));
     std::fs::create_dir_all(&logs).unwrap();
@@ -563,27 +598,24 @@ async fn a_consumer_without_read_on_its_group_applies_nothing_until_granted() {
         .kafka
         .extend(client_properties("consumer", &s.consumer_password, &s.ca));
     let consumer = start_apply(&db.pool, &topic, config);
-    // Long enough for the group join to be refused and retried a few times.
+    // Long enough for the group join or the fetch to be refused and retried a few times.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert_eq!(
         effects(&db.pool).await,
         (0, 0),
-        "nothing applied without READ on the group"
+        "{lacks:?}: nothing applied without the ACL"
     );
-    acl(&[
-        "--add",
-        "--allow-principal",
-        "User:consumer",
-        "--operation",
-        "Read",
-        "--group",
-        &group,
-    ]);
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, 0, "{lacks:?}: nothing dead-lettered");
+    acl(later);
     let deadline = Instant::now() + Duration::from_secs(90);
     while effects(&db.pool).await.1 < 20 {
         assert!(
             Instant::now() < deadline,
-            "granting READ on the group did not start the consumer: {:?}",
+            "{lacks:?}: granting the ACL did not start the consumer: {:?}",
             effects(&db.pool).await
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
