@@ -362,7 +362,10 @@ impl KafkaTransport {
             + event
                 .headers
                 .iter()
-                .map(|(k, v)| k.len() + v.len() + 8)
+                .map(|(k, v)| {
+                    let twice = postal_shared::headers::trace_extension(k).is_some();
+                    (k.len() + v.len() + 8) * if twice { 2 } else { 1 }
+                })
                 .sum::<usize>()
             + 512
     }
@@ -743,6 +746,14 @@ impl Transport for KafkaTransport {
                     key: k.as_str(),
                     value: Some(v.as_str()),
                 });
+                // The trace context also as the CloudEvents distributed-tracing extension,
+                // which CloudEvents SDKs read (`ce_traceparent`, `ce_tracestate`).
+                if let Some(ce) = h::trace_extension(k) {
+                    headers = headers.insert(Header {
+                        key: ce,
+                        value: Some(v.as_str()),
+                    });
+                }
             }
             acks.remaining.fetch_add(1, Ordering::AcqRel);
             let ack = Box::new(Ack {

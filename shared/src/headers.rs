@@ -27,6 +27,20 @@ pub const CONTENT_TYPE: &str = "content-type";
 pub const TRACEPARENT: &str = "traceparent";
 /// W3C trace context vendor state.
 pub const TRACESTATE: &str = "tracestate";
+/// CloudEvents distributed-tracing extension `traceparent` (the relay writes it beside
+/// [`TRACEPARENT`], for CloudEvents SDKs).
+pub const CE_TRACEPARENT: &str = "ce_traceparent";
+/// CloudEvents distributed-tracing extension `tracestate`.
+pub const CE_TRACESTATE: &str = "ce_tracestate";
+
+/// The CloudEvents extension header the relay writes beside a trace-context header `name`.
+pub fn trace_extension(name: &str) -> Option<&'static str> {
+    match name {
+        TRACEPARENT => Some(CE_TRACEPARENT),
+        TRACESTATE => Some(CE_TRACESTATE),
+        _ => None,
+    }
+}
 
 /// Dead-letter records: why the record was dead-lettered (`permanent`, `undecodable`,
 /// `missing_event_id`, `unknown_type`, `panic`, `retries_exhausted`).
@@ -59,6 +73,8 @@ pub const RESERVED: &[&str] = &[
     CE_SUBJECT,
     CE_SCHEMA_VERSION,
     CE_POSTAL_SEQ,
+    CE_TRACEPARENT,
+    CE_TRACESTATE,
     CONTENT_TYPE,
 ];
 

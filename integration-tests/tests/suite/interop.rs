@@ -749,3 +749,94 @@ async fn what_the_java_sdk_refuses_postal_refuses_first() {
         "{reason}"
     );
 }
+
+/// Guarantee (issue: JVM interop): for 10,000 random keys, the relay puts every key on the
+/// partition the Java client's default partitioner picks (`BuiltInPartitioner.partitionForKey`),
+/// for topics of 3, 7, 12 and 32 partitions; and an event's trace context reaches a Java
+/// CloudEvents consumer as the distributed-tracing extension `traceparent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn java_partitions_match_for_random_keys_and_see_the_trace_context() {
+    use rand::Rng;
+    let Some(jar) = interop_jar() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let logs = log_dir(&db.name);
+    const KEYS: usize = 10_000;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut rng = rand::rng();
+    let keys: Vec<String> = (0..KEYS)
+        .map(|_| {
+            let len = rng.random_range(1..40);
+            let mut key: String = (0..len)
+                .map(|_| rng.random_range(b' '..=b'~') as char)
+                .collect();
+            if rng.random_bool(0.1) {
+                key.push('ü');
+            }
+            key
+        })
+        .collect();
+    let mut topics = Vec::new();
+    for partitions in [3, 7, 12, 32] {
+        let topic = unique(&format!("interop-p{partitions}"));
+        create_topic(&svc.bootstrap, &topic, partitions).await;
+        for chunk in keys.chunks(2_000) {
+            let batch: Vec<NewEvent> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let e = NewEvent::json(topic.as_str(), k.as_str(), "k.seen", &json!({"i": i}))
+                        .unwrap();
+                    if i == 0 {
+                        e.with_header("traceparent", traceparent).unwrap()
+                    } else {
+                        e
+                    }
+                })
+                .collect();
+            let mut tx = db.pool.begin().await.unwrap();
+            enqueue_batch(&mut tx, batch).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+        topics.push((partitions, topic));
+    }
+    let mut relay = relay(&logs, "relay-keys", &db.url, &svc.bootstrap, SOURCE);
+    relay.start();
+    for (partitions, topic) in &topics {
+        let (code, lines, stderr) = run_java(
+            &jar,
+            &logs,
+            &format!("java-keys-{partitions}"),
+            "ConsumeCloudEvents",
+            &[&svc.bootstrap, topic, &KEYS.to_string(), "120"],
+            Duration::from_secs(240),
+        )
+        .await;
+        relay.assert_alive();
+        assert_eq!(code, 0, "{partitions} partitions: {}", tail(&stderr));
+        let all = json_lines(&lines);
+        let summary = all
+            .iter()
+            .find_map(|v| v.get("summary"))
+            .expect("a summary line");
+        assert_eq!(summary["records"], KEYS as u64, "{partitions}: {summary}");
+        assert_eq!(
+            summary["partition_mismatches"], 0,
+            "{partitions} partitions: keys Java would put elsewhere: {summary}"
+        );
+        let used: BTreeSet<i64> = all
+            .iter()
+            .filter_map(|v| v.get("partition").and_then(Value::as_i64))
+            .collect();
+        assert_eq!(used.len(), *partitions as usize, "every partition used");
+        let traced: Vec<&Value> = all
+            .iter()
+            .filter(|v| v["extensions"].get("traceparent").is_some())
+            .collect();
+        assert_eq!(traced.len(), 5, "one traced event per batch: {traced:?}");
+        assert!(traced
+            .iter()
+            .all(|v| v["extensions"]["traceparent"] == traceparent));
+    }
+    relay.stop();
+}
