@@ -6,7 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use clap::Subcommand;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 
@@ -341,12 +341,11 @@ fn commit_to_kafka(
     topic: &str,
     positions: &[(i32, i64)],
 ) -> anyhow::Result<()> {
-    let client: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+    let client: crate::kafka_client::Consumer = crate::kafka_client::config(bootstrap)
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("log_level", "0")
-        .create()?;
+        .create_with_context(crate::kafka_client::Capture::default())?;
     let mut tpl = TopicPartitionList::new();
     for (p, o) in positions {
         tpl.add_partition_offset(topic, *p, Offset::Offset(*o))?;
@@ -384,10 +383,9 @@ fn first_newer(
     if !old(ts) {
         return Ok(None);
     }
-    let client: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+    let client: crate::kafka_client::Consumer = crate::kafka_client::config(bootstrap)
         .set("log_level", "0")
-        .create()?;
+        .create_with_context(crate::kafka_client::Capture::default())?;
     let high = client
         .fetch_watermarks(topic, partition, Duration::from_secs(10))?
         .1;
@@ -412,15 +410,14 @@ fn record_at(
     offset: i64,
 ) -> anyhow::Result<Option<(i64, i64)>> {
     use rdkafka::Message as _;
-    let client: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+    let client: crate::kafka_client::Consumer = crate::kafka_client::config(bootstrap)
         .set(
             "group.id",
             format!("postal-cli-{}", uuid::Uuid::now_v7().simple()),
         )
         .set("enable.auto.commit", "false")
         .set("log_level", "0")
-        .create()?;
+        .create_with_context(crate::kafka_client::Capture::default())?;
     let (low, high) = client.fetch_watermarks(topic, partition, Duration::from_secs(10))?;
     // Below the log start the consumer resumes from the log start (`auto.offset.reset`).
     let offset = offset.max(low);
@@ -451,17 +448,16 @@ fn positions(
     force: bool,
 ) -> anyhow::Result<Vec<(i32, i64)>> {
     let timeout = Duration::from_secs(10);
-    let client: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+    let client: crate::kafka_client::Consumer = crate::kafka_client::config(bootstrap)
         .set(
             "group.id",
             format!("postal-cli-{}", uuid::Uuid::now_v7().simple()),
         )
         .set("log_level", "0")
-        .create()?;
+        .create_with_context(crate::kafka_client::Capture::default())?;
     let groups = client
         .fetch_group_list(Some(group), timeout)
-        .map_err(|e| anyhow::anyhow!("cannot reach the broker at {bootstrap}: {e}"))?;
+        .map_err(|e| crate::kafka_client::why(&client, bootstrap, e))?;
     let (members, state) = groups
         .groups()
         .iter()
@@ -475,7 +471,9 @@ fn positions(
             "consumer group {group:?} has {members} live member(s) (state {state}): stop them first (or pass --force)"
         );
     }
-    let md = client.fetch_metadata(Some(topic), timeout)?;
+    let md = client
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| crate::kafka_client::why(&client, bootstrap, e))?;
     let all: Vec<i32> = md
         .topics()
         .iter()

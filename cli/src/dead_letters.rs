@@ -225,12 +225,12 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             .bind(&consumer)
             .fetch_all(pool)
             .await?;
-            let producer: FutureProducer = rdkafka::ClientConfig::new()
-                .set("bootstrap.servers", &bootstrap_servers)
-                .set("enable.idempotence", "true")
-                .set("message.timeout.ms", "15000")
-                .set("log_level", "3")
-                .create()?;
+            let producer: FutureProducer<crate::kafka_client::Capture> =
+                crate::kafka_client::config(&bootstrap_servers)
+                    .set("enable.idempotence", "true")
+                    .set("message.timeout.ms", "15000")
+                    .set("log_level", "3")
+                    .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(rows.len() as u64, "replayed");
             let mut done = 0u64;
             for chunk in rows.chunks(500) {

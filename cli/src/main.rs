@@ -20,6 +20,7 @@ mod consumer;
 mod dead_letters;
 mod failed;
 mod grant;
+mod kafka_client;
 mod progress;
 mod shown;
 mod status;
@@ -30,8 +31,52 @@ mod status;
 struct Cli {
     #[command(flatten)]
     db: DbArgs,
+    #[command(flatten)]
+    kafka: KafkaArgs,
     #[command(subcommand)]
     command: Command,
+}
+
+/// librdkafka properties for every Kafka client a command makes (the relay's producer, and the
+/// clients of `status`, `consumer reset` and `dead-letters replay`): TLS, SASL, tuning.
+#[derive(Args, Debug, Default, Clone)]
+struct KafkaArgs {
+    /// Extra librdkafka properties `key=value` (repeatable; several comma-separated, a comma
+    /// splitting only before the next `name=`), e.g. `security.protocol=SASL_SSL`. Overrides
+    /// Postal's producer defaults; values that break durability or per-key order (acks other
+    /// than all, another partitioner, retries=0, more than 5 requests in flight, no
+    /// idempotence with more than 1) are refused. Pass credentials in --kafka-file or the env,
+    /// not as a flag (flags show in process listings).
+    // Parsed in `relay`, not by clap: clap's error would quote the whole value.
+    #[arg(
+        long = "kafka",
+        env = "POSTAL_KAFKA",
+        hide_env_values = true,
+        global = true
+    )]
+    kafka: Vec<String>,
+    /// A file of librdkafka properties, one `key=value` per line (`#` comments), read at start,
+    /// e.g. Kafka's `client.properties` with `sasl.password`. --kafka entries override it.
+    #[arg(long = "kafka-file", env = "POSTAL_KAFKA_FILE", global = true)]
+    kafka_file: Option<std::path::PathBuf>,
+}
+
+impl KafkaArgs {
+    /// The properties: the file's, then `--kafka`'s over them.
+    fn properties(&self) -> anyhow::Result<BTreeMap<String, String>> {
+        let mut properties = BTreeMap::new();
+        if let Some(path) = &self.kafka_file {
+            properties
+                .extend(postal_shared::secret::read_properties_file(path).map_err(|e| anyhow!(e))?);
+        }
+        for value in &self.kafka {
+            properties.extend(
+                postal_shared::secret::parse_properties(value)
+                    .map_err(|e| anyhow!("--kafka (or POSTAL_KAFKA): {e}"))?,
+            );
+        }
+        Ok(properties)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -88,19 +133,6 @@ struct RelayArgs {
         default_value = "127.0.0.1:9092"
     )]
     bootstrap_servers: String,
-    /// Extra librdkafka properties `key=value` (repeatable; several comma-separated, a comma
-    /// splitting only before the next `name=`), e.g. `security.protocol=SASL_SSL`. Overrides
-    /// Postal's producer defaults; values that break durability or per-key order (acks other
-    /// than all, another partitioner, retries=0, more than 5 requests in flight, no
-    /// idempotence with more than 1) are refused. Pass credentials in --kafka-file or the env,
-    /// not as a flag (flags show in process listings).
-    // Parsed in `relay`, not by clap: clap's error would quote the whole value.
-    #[arg(long = "kafka", env = "POSTAL_KAFKA", hide_env_values = true)]
-    kafka: Vec<String>,
-    /// A file of librdkafka properties, one `key=value` per line (`#` comments), read at start,
-    /// e.g. Kafka's `client.properties` with `sasl.password`. --kafka entries override it.
-    #[arg(long = "kafka-file", env = "POSTAL_KAFKA_FILE")]
-    kafka_file: Option<std::path::PathBuf>,
     /// CloudEvents `source` written on every record.
     #[arg(long, env = "POSTAL_SOURCE", default_value = "postal")]
     source: String,
@@ -270,6 +302,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    match cli.kafka.properties() {
+        Ok(p) => kafka_client::set(p),
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            return ExitCode::from(2);
+        }
+    }
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -320,7 +359,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
-        Command::Relay(args) => relay(&cli.db, *args).await,
+        Command::Relay(args) => relay(&cli.db, &cli.kafka, *args).await,
     }
 }
 
@@ -426,6 +465,7 @@ fn relay_config(args: &RelayArgs) -> postal_producer::RelayConfig {
 /// [`postal_producer::KafkaConfig::with_vars`] reads them; a test keeps them equal).
 fn kafka_config(
     args: &RelayArgs,
+    client: &KafkaArgs,
     allowed: postal_producer::TopicAllowList,
 ) -> anyhow::Result<postal_producer::KafkaConfig> {
     let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
@@ -434,22 +474,11 @@ fn kafka_config(
     kafka.topic_partitions = args.topic_partitions;
     kafka.topic_replication = args.topic_replication;
     kafka.allowed_topics = allowed;
-    let mut properties = BTreeMap::new();
-    if let Some(path) = &args.kafka_file {
-        properties
-            .extend(postal_shared::secret::read_properties_file(path).map_err(|e| anyhow!(e))?);
-    }
-    for value in &args.kafka {
-        properties.extend(
-            postal_shared::secret::parse_properties(value)
-                .map_err(|e| anyhow!("--kafka (or POSTAL_KAFKA): {e}"))?,
-        );
-    }
-    kafka.properties = properties;
+    kafka.properties = client.properties()?;
     Ok(kafka)
 }
 
-async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
+async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Result<()> {
     postal_shared::env::refuse_renamed(&|name: &str| std::env::var(name).ok())
         .map_err(|e| anyhow!(e))?;
     postal_shared::env::warn_unknown();
@@ -462,7 +491,7 @@ async fn relay(db: &DbArgs, args: RelayArgs) -> anyhow::Result<()> {
     };
     let used = |d: Destination| args.destination == d || args.routes.iter().any(|(_, r)| *r == d);
     let kafka = if used(Destination::Kafka) {
-        let kafka = kafka_config(&args, allowed.clone())?;
+        let kafka = kafka_config(&args, client, allowed.clone())?;
         Some(postal_producer::KafkaTransport::new(kafka).context("kafka configuration")?)
     } else {
         None
@@ -586,10 +615,11 @@ async fn shutdown_signal() {
 mod tests {
     use super::*;
 
-    fn relay_args(flags: &[&str]) -> RelayArgs {
+    fn relay_args(flags: &[&str]) -> (RelayArgs, KafkaArgs) {
         let argv = ["postal", "relay"].iter().chain(flags);
-        match Cli::try_parse_from(argv).expect("valid flags").command {
-            Command::Relay(args) => *args,
+        let cli = Cli::try_parse_from(argv).expect("valid flags");
+        match cli.command {
+            Command::Relay(args) => (*args, cli.kafka),
             other => panic!("not a relay: {other:?}"),
         }
     }
@@ -657,7 +687,7 @@ mod tests {
             ),
         ];
         for (flags, vars) in cases {
-            let args = relay_args(flags);
+            let (args, client) = relay_args(flags);
             let lookup = |name: &str| {
                 vars.iter()
                     .find(|(k, _)| *k == name)
@@ -673,7 +703,8 @@ mod tests {
                 format!("{from_library:?}"),
                 "flags {flags:?}"
             );
-            let kafka_cli = kafka_config(&args, postal_producer::TopicAllowList::any()).unwrap();
+            let kafka_cli =
+                kafka_config(&args, &client, postal_producer::TopicAllowList::any()).unwrap();
             let kafka_library = postal_producer::KafkaConfig::new("127.0.0.1:9092")
                 .with_vars(lookup)
                 .unwrap();

@@ -212,11 +212,10 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
 
 /// High watermarks of the given partitions; `None` where the broker did not answer in time.
 fn high_watermarks(bootstrap: &str, wanted: &[(String, i32)]) -> Vec<Option<i64>> {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    let client: Result<BaseConsumer, _> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
+    use rdkafka::consumer::Consumer;
+    let client: Result<crate::kafka_client::Consumer, _> = crate::kafka_client::config(bootstrap)
         .set("log_level", "0")
-        .create();
+        .create_with_context(crate::kafka_client::Capture::default());
     let Ok(client) = client else {
         return vec![None; wanted.len()];
     };

@@ -1226,3 +1226,95 @@ async fn a_certificate_for_another_host_name_is_refused() {
         relay.stop();
     }
 }
+
+/// Guarantee (issue: Kafka security): one-shot commands reach a SASL_SSL cluster with the same
+/// properties as the relay (`POSTAL_KAFKA_FILE`): `postal consumer reset` prints its plan
+/// over verified TLS with the consumer's principal; with a wrong password it exits non-zero
+/// with one line and changes nothing. (Before, the CLI's Kafka clients took no properties and
+/// could not reach a secured cluster at all.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shot_commands_reach_a_secured_cluster_or_fail_in_one_line() {
+    let Some(s) = secure() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let (topic, group) = (unique("secure-reset"), unique("g"));
+    create_topic(&s, &topic, 2).await;
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--operation",
+        "Describe",
+        "--topic",
+        &topic,
+    ]);
+    acl(&[
+        "--add",
+        "--allow-principal",
+        "User:consumer",
+        "--operation",
+        "Read",
+        "--operation",
+        "Describe",
+        "--group",
+        &group,
+    ]);
+    let dir = bin_dir();
+    let logs = dir.join(format!("security-{}", db.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let reset = |name: &str, password: &str| {
+        let file = logs.join(format!("{name}.properties"));
+        let text: String = client_properties("consumer", password, &s.ca)
+            .iter()
+            .map(|(k, v)| format!("{k}={v}\n"))
+            .collect();
+        std::fs::write(&file, text).unwrap();
+        std::process::Command::new(dir.join("postal"))
+            .args([
+                "consumer",
+                "reset",
+                "--group",
+                &group,
+                "--topic",
+                &topic,
+                "--to",
+                "earliest",
+                "--bootstrap-servers",
+                &s.bootstrap,
+            ])
+            .env("DATABASE_URL", &db.url)
+            .env("POSTAL_KAFKA_FILE", &file)
+            .output()
+            .expect("postal runs")
+    };
+    let out = reset("right", &s.consumer_password);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "reset plan over SASL_SSL: {stdout}{stderr}"
+    );
+    assert!(
+        stdout.contains(&topic),
+        "the plan names the topic: {stdout}"
+    );
+    let wrong = format!("{}-wrong", s.consumer_password);
+    let out = reset("wrong", &wrong);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a wrong password succeeded");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(!stderr.contains(&wrong), "the password is shown: {stderr}");
+    assert!(
+        stderr.contains("Authentication failed"),
+        "names the cause: {stderr}"
+    );
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.consumer_offsets")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0, "nothing changed");
+}
