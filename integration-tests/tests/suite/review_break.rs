@@ -1,0 +1,257 @@
+//! Adversarial review (branch `break`): reproductions of guarantees found broken.
+
+use std::time::Duration;
+
+use postal_consumer::{BoxFuture, Consumer, Event, Handler, HandlerError};
+use postal_integration_tests::{services, unique, wait};
+use serde_json::json;
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::common::{
+    consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A hand-written handler (the `Handler` trait is public for exactly this) whose dedup scope is
+/// chosen at start-up, e.g. read from a setting that may be left empty.
+struct Scoped {
+    scope: String,
+    name: String,
+}
+
+impl Handler for Scoped {
+    type Payload = serde_json::Value;
+    fn consumer(&self) -> &str {
+        &self.scope
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn handle<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        event: Event<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (event_id, n, consumer) VALUES ($1, 0, $2)")
+                .bind(event.id.as_uuid())
+                .bind(&self.scope)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+/// Guarantee: one runtime is one dedup scope — a handler of another scope is refused at
+/// build ("one runtime is one consumer") — so an event's fate does not depend on whether it is
+/// processed alone or in a batch.
+///
+/// Broken: a hand-written handler whose scope is empty, routed first, leaves
+/// `ConsumerConfig::consumer` empty, so the next handler's scope ("billing") becomes the
+/// runtime's without any check against the first, and `build` succeeds. The single-record path
+/// then deduplicates the first handler's events as `""` (`route.consumer()`, refused by the
+/// table's CHECK: retried, then dead-lettered as `retries_exhausted`), the batch path as
+/// `"billing"` (`config.consumer`: applied). The same handler's events are dead-lettered when
+/// they arrive alone and applied when they arrive together (observed: the lone event
+/// dead-lettered, the 20 of the burst applied).
+#[tokio::test]
+#[ignore = "reproduces: a handler with an empty dedup scope routed first lets a second scope into the runtime (lone events dead-lettered, batched ones applied)"]
+async fn empty_scope_handler_first_gives_two_scopes() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("scope2");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    // The configuration leaves the scope to the handlers (ConsumerConfig::new's default).
+    let mut config = consumer_config(&svc.bootstrap, &group, "");
+    config.max_batch = 100;
+    config.max_attempts = 2;
+    let built = Consumer::builder(db.pool.clone(), config)
+        .on(
+            &topic,
+            "job",
+            Scoped {
+                scope: String::new(),
+                name: "jobs".into(),
+            },
+        )
+        .on(
+            &topic,
+            "other",
+            Scoped {
+                scope: "billing".into(),
+                name: "other".into(),
+            },
+        )
+        .build();
+    let consumer = match built {
+        // The guarantee holds if the runtime refuses the two scopes.
+        Err(_) => return,
+        Ok(c) => c,
+    };
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    let e = Uuid::now_v7();
+    // First copy alone: the single-record path.
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[RawRecord::event(e, "k", "job", json!({"n": 1}))],
+    )
+    .await;
+    wait::until(WAIT, "first copy finished", || {
+        let s = stats.snapshot();
+        async move { s.applied + s.dead_letters == 1 }
+    })
+    .await;
+    let alone = stats.snapshot();
+    // The relay republishes it (a lost acknowledgement) amid other events: a batch.
+    let mut burst: Vec<RawRecord> = (0..20)
+        .map(|i| RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": i})))
+        .collect();
+    burst.insert(10, RawRecord::event(e, "k", "job", json!({"n": 1})));
+    produce(&svc.bootstrap, &topic, None, &burst).await;
+    wait::until(WAIT, "burst finished", || {
+        let s = stats.snapshot();
+        async move { s.applied + s.duplicates + s.dead_letters == 22 }
+    })
+    .await;
+    let end = stats.snapshot();
+    running.stop().await;
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+        .bind(e)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let dead: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters WHERE event_id = $1")
+            .bind(e)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let scopes: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT consumer_name FROM postal.processed_events ORDER BY 1")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    panic!(
+        "a runtime of two dedup scopes (\"\" and \"billing\") was built; event {e}: applied {applied} time(s), dead-lettered {dead} time(s); \
+         alone: applied {} dead {}; at the end: applied {} dead {} duplicates {}; scopes in processed_events: {scopes:?}",
+        alone.applied, alone.dead_letters, end.applied, end.dead_letters, end.duplicates
+    );
+}
+
+/// Guarantee (as for a stored reserved or ill-named `ce_` header): an outbox row written around
+/// `postal.enqueue` with headers Postal cannot publish is parked with a reason, and the other
+/// events (other keys) flow; nothing stalls silently.
+///
+/// Probe: a stored header whose value is a JSON number (`postal.enqueue` refuses it; the table
+/// allows any JSON object). The relay decodes a claim's headers as strings.
+#[tokio::test]
+async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() {
+    use postal_producer::NewEvent;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("hostile-num");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let odd = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, headers)
+         VALUES ($1, $2, 'k1', 'audit.noop', '{}'::bytea, '{\"tenant\": 5}'::jsonb)",
+    )
+    .bind(odd)
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let fine = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k2", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = crate::common::RunningRelay::start(
+        &db.pool,
+        crate::common::kafka_transport(&svc.bootstrap),
+        crate::common::fast_config(),
+    );
+    wait::until(
+        Duration::from_secs(30),
+        "the other key's event published (the odd row parked or published)",
+        || async {
+            let left: Vec<Uuid> = sqlx::query_scalar(
+                "SELECT event_id FROM postal.outbox WHERE status <> 'failed' ORDER BY seq",
+            )
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+            !left.contains(&fine.as_uuid())
+        },
+    )
+    .await;
+    relay.stop().await;
+}
+
+/// Guarantee: a consumer runtime either refuses its configuration at build or, running, applies
+/// or dead-letters every record (no partition held silently).
+///
+/// Probe: the only handler is a hand-written one whose dedup scope is empty (the configuration
+/// leaves the scope to the handlers). `validate` refuses a blank scope but not an empty one;
+/// `postal.processed_events` and `postal.dead_letters` both refuse `consumer_name = ''`.
+#[tokio::test]
+#[ignore = "reproduces: a runtime whose handlers' dedup scope is empty builds, then holds its partition forever (CHECK consumer_name <> '')"]
+async fn a_runtime_whose_only_handler_has_an_empty_scope_is_refused_or_moves_on() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("scope0");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let mut config = consumer_config(&svc.bootstrap, &group, "");
+    config.max_attempts = 2;
+    let built = Consumer::builder(db.pool.clone(), config)
+        .on(
+            &topic,
+            "job",
+            Scoped {
+                scope: String::new(),
+                name: "jobs".into(),
+            },
+        )
+        .build();
+    let consumer = match built {
+        Err(_) => return,
+        Ok(c) => c,
+    };
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[RawRecord::event(
+            Uuid::now_v7(),
+            "k",
+            "job",
+            json!({"n": 1}),
+        )],
+    )
+    .await;
+    wait::until(
+        Duration::from_secs(30),
+        "the record applied or dead-lettered",
+        || {
+            let s = stats.snapshot();
+            async move { s.applied + s.dead_letters == 1 }
+        },
+    )
+    .await;
+    running.kill().await;
+}
