@@ -255,3 +255,36 @@ async fn a_runtime_whose_only_handler_has_an_empty_scope_is_refused_or_moves_on(
     .await;
     running.kill().await;
 }
+
+/// Guarantee: one configuration vocabulary — a value of a shared variable that `postal relay`
+/// refuses as unsafe is refused by the consumer too, rather than silently taken.
+///
+/// Broken: `POSTAL_BACKOFF_BASE=0s` (or a base above `POSTAL_BACKOFF_MAX`) is refused by
+/// `RelayConfig::with_vars` ("backoff base must be positive and not above the backoff max") but
+/// `ConsumerConfig::with_vars` takes it: with a zero base every retry waits 0 ms, so a
+/// retryable failure (a lock timeout, a flaky dependency) uses up `max_attempts` within
+/// milliseconds and the event is dead-lettered, and a database outage is retried in a tight
+/// loop (`Unavailable` never uses up an attempt).
+#[test]
+#[ignore = "reproduces: ConsumerConfig::with_vars takes POSTAL_BACKOFF_BASE=0s (and base > max), which the relay refuses"]
+fn a_backoff_the_relay_refuses_is_refused_by_the_consumer() {
+    for vars in [
+        &[("POSTAL_BACKOFF_BASE", "0s")][..],
+        &[("POSTAL_BACKOFF_BASE", "10s"), ("POSTAL_BACKOFF_MAX", "1s")][..],
+    ] {
+        let var = |name: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        };
+        let relay = postal_producer::RelayConfig::default().with_vars(var);
+        assert!(relay.is_err(), "the relay refuses {vars:?}");
+        let consumer = postal_consumer::ConsumerConfig::new("127.0.0.1:9092", "g").with_vars(var);
+        assert!(
+            consumer.is_err(),
+            "the consumer takes {vars:?}, which the relay refuses ({}): backoff {:?}",
+            relay.unwrap_err(),
+            consumer.unwrap().backoff
+        );
+    }
+}
