@@ -288,3 +288,78 @@ fn a_backoff_the_relay_refuses_is_refused_by_the_consumer() {
         );
     }
 }
+
+/// Guarantee: every dead letter reaches its dead-letter topic (or waits only for its own
+/// cause): one dead letter that cannot be published does not hold back the others.
+///
+/// Broken: a topic name of 246 to 249 characters is valid (Kafka's and Postal's limit is 249),
+/// its dead-letter topic (`<topic>.dlq`, 250 to 253) is not. Every publishing pass takes this
+/// consumer's oldest 100 unpublished dead letters and first creates their topics; the invalid
+/// name fails the whole pass, so no later dead letter of this consumer — of any topic — is
+/// published while that one waits (it always does).
+#[tokio::test]
+#[ignore = "reproduces: a dead letter whose dead-letter topic cannot be created (a 249-character topic) holds back every later dead letter of the consumer"]
+async fn one_unpublishable_dead_letter_does_not_hold_back_the_others() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let short = unique("hol");
+    let long = format!("{short}-{}", "x".repeat(249 - short.len() - 1));
+    assert_eq!(long.len(), 249);
+    create_topic(&svc.bootstrap, &short, 1).await;
+    create_topic(&svc.bootstrap, &long, 1).await;
+    let group = unique("g");
+    let consumer = Consumer::builder(
+        db.pool.clone(),
+        consumer_config(&svc.bootstrap, &group, crate::handlers::CONSUMER),
+    )
+    .state(crate::handlers::Probe::default())
+    .on(&long, "job", crate::handlers::apply)
+    .on(&short, "job", crate::handlers::apply)
+    .build()
+    .expect("valid consumer");
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    // An event of a type no handler takes: dead-lettered (the default for unknown types).
+    produce(
+        &svc.bootstrap,
+        &long,
+        None,
+        &[RawRecord::event(
+            Uuid::now_v7(),
+            "k",
+            "unknown",
+            json!({"n": 1}),
+        )],
+    )
+    .await;
+    wait::until(WAIT, "the first dead letter recorded", || {
+        let s = stats.snapshot();
+        async move { s.dead_letters == 1 }
+    })
+    .await;
+    let later = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &short,
+        None,
+        &[RawRecord::event(later, "k", "unknown", json!({"n": 2}))],
+    )
+    .await;
+    wait::until(
+        Duration::from_secs(30),
+        "the other topic's dead letter published to its dead-letter topic",
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM postal.dead_letters
+                 WHERE event_id = $1 AND published_at IS NOT NULL)",
+            )
+            .bind(later)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
+    running.stop().await;
+}
