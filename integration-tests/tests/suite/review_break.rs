@@ -363,3 +363,22 @@ async fn one_unpublishable_dead_letter_does_not_hold_back_the_others() {
     .await;
     running.stop().await;
 }
+
+/// Guarantee: a setting that would keep every dead letter from being published is refused at
+/// start, as an empty dead-letter suffix is.
+///
+/// Broken: `validate` checks only that `dlq_suffix` is not empty; a suffix with a character a
+/// Kafka topic name may not hold (a space, a `/`) is taken, and every dead-letter topic
+/// (`<topic><suffix>`) then fails to be created, for every dead letter, for good.
+#[test]
+#[ignore = "reproduces: ConsumerConfig::validate accepts a dead-letter suffix that makes every dead-letter topic name invalid"]
+fn a_dead_letter_suffix_that_makes_no_valid_topic_is_refused() {
+    for suffix in [" dlq", "/dlq", ".dlq!"] {
+        let mut c = postal_consumer::ConsumerConfig::new("127.0.0.1:9092", "g");
+        c.dlq_suffix = suffix.into();
+        assert!(
+            c.validate().is_err(),
+            "dead-letter suffix {suffix:?} accepted: no dead-letter topic named with it can exist"
+        );
+    }
+}
