@@ -148,11 +148,15 @@ async fn empty_scope_handler_first_gives_two_scopes() {
 
 /// Guarantee (as for a stored reserved or ill-named `ce_` header): an outbox row written around
 /// `postal.enqueue` with headers Postal cannot publish is parked with a reason, and the other
-/// events (other keys) flow; nothing stalls silently.
+/// events flow; nothing stalls silently.
 ///
-/// Probe: a stored header whose value is a JSON number (`postal.enqueue` refuses it; the table
-/// allows any JSON object). The relay decodes a claim's headers as strings.
+/// Broken: a stored header whose value is a JSON number (`postal.enqueue` refuses it; the
+/// table's CHECK allows any JSON object). The claim decodes every row's headers as strings,
+/// so every claim that reaches the row fails ("claim failed (database unreachable?)"), for
+/// good: the row is never parked and stays pending without a reason, and the events of every
+/// key its claim lane covers — not only its own key — are never published.
 #[tokio::test]
+#[ignore = "reproduces: a stored non-string header value fails every claim of its lane; the row is never parked and other keys of the lane stall"]
 async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() {
     use postal_producer::NewEvent;
     let svc = services().await;
@@ -170,90 +174,54 @@ async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() 
     .await
     .unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
-    let fine = postal_producer::enqueue(
-        &mut conn,
-        NewEvent::json(topic.as_str(), "k2", "job", &1).unwrap(),
-    )
-    .await
-    .unwrap();
+    let mut fine = Vec::new();
+    for i in 0..40 {
+        let key = format!("other-{i}");
+        fine.push(
+            postal_producer::enqueue(
+                &mut conn,
+                NewEvent::json(topic.as_str(), key.as_str(), "job", &i).unwrap(),
+            )
+            .await
+            .unwrap()
+            .as_uuid(),
+        );
+    }
     drop(conn);
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
         crate::common::fast_config(),
     );
-    wait::until(
-        Duration::from_secs(30),
-        "the other key's event published (the odd row parked or published)",
-        || async {
-            let left: Vec<Uuid> = sqlx::query_scalar(
-                "SELECT event_id FROM postal.outbox WHERE status <> 'failed' ORDER BY seq",
+    let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let left: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+                "SELECT event_id, status, last_error FROM postal.outbox ORDER BY seq",
             )
             .fetch_all(&db.pool)
             .await
             .unwrap();
-            !left.contains(&fine.as_uuid())
-        },
-    )
+            let odd_parked = left.iter().any(|(id, s, _)| *id == odd && s == "failed");
+            let stuck = left.iter().filter(|(id, _, _)| fine.contains(id)).count();
+            if odd_parked && stuck == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
     .await;
+    let left: Vec<(Uuid, String, Option<String>)> =
+        sqlx::query_as("SELECT event_id, status, last_error FROM postal.outbox ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     relay.stop().await;
-}
-
-/// Guarantee: a consumer runtime either refuses its configuration at build or, running, applies
-/// or dead-letters every record (no partition held silently).
-///
-/// Probe: the only handler is a hand-written one whose dedup scope is empty (the configuration
-/// leaves the scope to the handlers). `validate` refuses a blank scope but not an empty one;
-/// `postal.processed_events` and `postal.dead_letters` both refuse `consumer_name = ''`.
-#[tokio::test]
-#[ignore = "reproduces: a runtime whose handlers' dedup scope is empty builds, then holds its partition forever (CHECK consumer_name <> '')"]
-async fn a_runtime_whose_only_handler_has_an_empty_scope_is_refused_or_moves_on() {
-    let svc = services().await;
-    let db = svc.fresh_db().await;
-    effects_table(&db.pool).await;
-    let topic = unique("scope0");
-    create_topic(&svc.bootstrap, &topic, 1).await;
-    let group = unique("g");
-    let mut config = consumer_config(&svc.bootstrap, &group, "");
-    config.max_attempts = 2;
-    let built = Consumer::builder(db.pool.clone(), config)
-        .on(
-            &topic,
-            "job",
-            Scoped {
-                scope: String::new(),
-                name: "jobs".into(),
-            },
-        )
-        .build();
-    let consumer = match built {
-        Err(_) => return,
-        Ok(c) => c,
-    };
-    let running = RunningConsumer::start(consumer);
-    let stats = running.stats.clone();
-    produce(
-        &svc.bootstrap,
-        &topic,
-        None,
-        &[RawRecord::event(
-            Uuid::now_v7(),
-            "k",
-            "job",
-            json!({"n": 1}),
-        )],
-    )
-    .await;
-    wait::until(
-        Duration::from_secs(30),
-        "the record applied or dead-lettered",
-        || {
-            let s = stats.snapshot();
-            async move { s.applied + s.dead_letters == 1 }
-        },
-    )
-    .await;
-    running.kill().await;
+    let stuck = left.iter().filter(|(id, _, _)| fine.contains(id)).count();
+    let odd_state = left.iter().find(|(id, _, _)| *id == odd);
+    assert!(
+        outcome.is_ok(),
+        "after 30 s: the odd row {odd_state:?}; {stuck} of the 40 other keys' events still pending"
+    );
 }
 
 /// Guarantee: one configuration vocabulary — a value of a shared variable that `postal relay`
@@ -381,4 +349,91 @@ fn a_dead_letter_suffix_that_makes_no_valid_topic_is_refused() {
             "dead-letter suffix {suffix:?} accepted: no dead-letter topic named with it can exist"
         );
     }
+}
+
+/// Guarantee: a row parked for a stored header Postal refuses (`ce_Tenant-Id`: a `ce_` name
+/// with a character other than letters and digits, in mixed case) holds back the later events
+/// of its key — they are not published ahead of it — while other keys flow.
+#[tokio::test]
+async fn a_row_parked_for_its_header_holds_back_its_key() {
+    use postal_producer::NewEvent;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("hdr-order");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let bad = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, headers)
+         VALUES ($1, $2, 'k1', 'job', '{}'::bytea, jsonb_build_object('CE_Tenant-Id', 'acme'))",
+    )
+    .bind(bad)
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let after = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k1", "job", &1).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = crate::common::RunningRelay::start(
+        &db.pool,
+        crate::common::kafka_transport(&svc.bootstrap),
+        crate::common::fast_config(),
+    );
+    wait::until(WAIT, "the row parked", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE event_id = $1 AND status = 'failed')",
+        )
+        .bind(bad)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    // Another key's event, enqueued after the park, published: the relay has moved on.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let other = postal_producer::enqueue(
+        &mut conn,
+        NewEvent::json(topic.as_str(), "k2", "job", &2).unwrap(),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    wait::until(WAIT, "the other key's event published", || async {
+        !sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE event_id = $1)",
+        )
+        .bind(other.as_uuid())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    relay.stop().await;
+    let records = postal_integration_tests::kafka::read_all(
+        &svc.bootstrap,
+        &topic,
+        1,
+        Duration::from_secs(30),
+    )
+    .await;
+    let ids: Vec<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![other.to_string()],
+        "only the other key's event published"
+    );
+    let status: String = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+        .bind(after.as_uuid())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "pending", "the parked row's key is held");
 }
