@@ -437,3 +437,89 @@ async fn a_row_parked_for_its_header_holds_back_its_key() {
         .unwrap();
     assert_eq!(status, "pending", "the parked row's key is held");
 }
+
+/// Guarantee: an event with a user header the destination cannot carry is refused at enqueue
+/// or parked with a reason; the other keys' events flow.
+///
+/// Broken: an AMQP header name is a short string (at most 255 bytes); `with_header` and
+/// `enqueue` take a 300-byte name (letters only, no `ce_` prefix), and the RabbitMQ transport
+/// converts each name with `ShortString::from`, which panics ("ShortString exceeds maximum
+/// length") inside the relay's publish. Nothing is parked and nothing logged by Postal: the
+/// event and the other events of its claim (4 of the 20 other keys here) stay pending.
+#[tokio::test]
+#[ignore = "reproduces: a user header name over 255 bytes panics the RabbitMQ transport; the event and others of its claim stay pending"]
+async fn a_header_name_longer_than_amqp_allows_is_refused_or_parked() {
+    use postal_integration_tests::rabbit::{self, Rabbit};
+    use postal_producer::{NewEvent, RabbitConfig, RabbitTransport};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let mq = Rabbit::get().await;
+    let topic = unique("rmq-long-header");
+    let _queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
+    let long = "h".repeat(300);
+    let event = NewEvent::json(topic.as_str(), "k0", "job", &0)
+        .unwrap()
+        .with_header(long.as_str(), "v");
+    let Ok(event) = event else {
+        return;
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let odd = postal_producer::enqueue(&mut conn, event).await.unwrap();
+    let mut others = Vec::new();
+    for i in 1..=20 {
+        let key = format!("k{i}");
+        others.push(
+            postal_producer::enqueue(
+                &mut conn,
+                NewEvent::json(topic.as_str(), key.as_str(), "job", &i).unwrap(),
+            )
+            .await
+            .unwrap()
+            .as_uuid(),
+        );
+    }
+    drop(conn);
+    let mut cfg = RabbitConfig::new(mq.url());
+    cfg.confirm_timeout = Duration::from_secs(1);
+    let relay = crate::common::RunningRelay::start(
+        &db.pool,
+        RabbitTransport::new(cfg).expect("rabbit transport"),
+        crate::common::fast_config(),
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let left: Vec<(Uuid, String)> =
+                sqlx::query_as("SELECT event_id, status FROM postal.outbox")
+                    .fetch_all(&db.pool)
+                    .await
+                    .unwrap();
+            let others_left = left.iter().filter(|(id, _)| others.contains(id)).count();
+            let odd_done = left
+                .iter()
+                .find(|(id, _)| *id == odd.as_uuid())
+                .is_none_or(|(_, s)| s == "failed");
+            if others_left == 0 && odd_done {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let left: Vec<(Uuid, String, Option<String>)> =
+        sqlx::query_as("SELECT event_id, status, last_error FROM postal.outbox ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    relay.kill().await;
+    assert!(
+        outcome.is_ok(),
+        "after 30 s, still in the outbox: {:?}",
+        left.iter()
+            .map(|(id, s, e)| (
+                id == &odd.as_uuid(),
+                s.clone(),
+                e.clone().map(|e| e.chars().take(200).collect::<String>())
+            ))
+            .collect::<Vec<_>>()
+    );
+}
