@@ -523,3 +523,60 @@ async fn a_header_name_longer_than_amqp_allows_is_refused_or_parked() {
             .collect::<Vec<_>>()
     );
 }
+
+/// Guarantee: a consumer runtime either refuses its configuration at build or, running, applies
+/// or dead-letters every record (no partition held silently).
+///
+/// Probe: the only handler is a hand-written one whose dedup scope is empty (the configuration
+/// leaves the scope to the handlers). `validate` refuses a blank scope but not an empty one;
+/// `postal.processed_events` and `postal.dead_letters` both refuse `consumer_name = ''`.
+#[tokio::test]
+#[ignore = "reproduces: a runtime whose handlers' dedup scope is empty builds, then holds its partition forever (CHECK consumer_name <> '')"]
+async fn a_runtime_whose_only_handler_has_an_empty_scope_is_refused_or_moves_on() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("scope0");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let mut config = consumer_config(&svc.bootstrap, &group, "");
+    config.max_attempts = 2;
+    let built = Consumer::builder(db.pool.clone(), config)
+        .on(
+            &topic,
+            "job",
+            Scoped {
+                scope: String::new(),
+                name: "jobs".into(),
+            },
+        )
+        .build();
+    let consumer = match built {
+        Err(_) => return,
+        Ok(c) => c,
+    };
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[RawRecord::event(
+            Uuid::now_v7(),
+            "k",
+            "job",
+            json!({"n": 1}),
+        )],
+    )
+    .await;
+    wait::until(
+        Duration::from_secs(30),
+        "the record applied or dead-lettered",
+        || {
+            let s = stats.snapshot();
+            async move { s.applied + s.dead_letters == 1 }
+        },
+    )
+    .await;
+    running.kill().await;
+}
