@@ -840,3 +840,51 @@ async fn java_partitions_match_for_random_keys_and_see_the_trace_context() {
     }
     relay.stop();
 }
+
+/// Guarantee (as `what_the_java_sdk_refuses_postal_refuses_first`): what the Java CloudEvents
+/// SDK refuses never reaches the topic — `enqueue` refuses it, or the Java consumer reads every
+/// record.
+///
+/// Broken: the `ce_<name>` check looks only at the name's characters, and the reserved list
+/// holds only the attributes Postal writes. `ce_dataschema` is a CloudEvents context attribute
+/// too (a URI): a user header `ce_dataschema: orders v2` passes `with_header` and `enqueue`, is
+/// published, and the SDK's `CloudEventDeserializer` refuses the record (a Java consumer that
+/// stops on it holds its partition) — the failure c261a00 set out to prevent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces: a user header ce_dataschema with a non-URI value passes enqueue and the Java CloudEvents SDK refuses the record"]
+async fn a_ce_context_attribute_header_postal_does_not_set_is_refused_or_read() {
+    let Some(jar) = interop_jar() else { return };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let logs = log_dir(&db.name);
+    let topic = unique("interop-attr");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let event = NewEvent::json(topic.as_str(), "k", "order.placed", &json!({"n": 1}))
+        .unwrap()
+        .with_header("ce_dataschema", "orders v2");
+    let Ok(event) = event else {
+        // Refused at enqueue: the guarantee holds.
+        return;
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    enqueue_batch(&mut conn, vec![event]).await.unwrap();
+    drop(conn);
+    let mut relay = relay(&logs, "relay", &db.url, &svc.bootstrap, SOURCE);
+    relay.start();
+    let (code, lines, stderr) = run_java(
+        &jar,
+        &logs,
+        "java-consumer-attr",
+        "ConsumeCloudEvents",
+        &[&svc.bootstrap, &topic, "1", "60"],
+        Duration::from_secs(120),
+    )
+    .await;
+    relay.stop();
+    assert_eq!(
+        code,
+        0,
+        "Postal published a record the Java CloudEvents SDK refuses; stdout {lines:?}, stderr:\n{}",
+        tail(&stderr)
+    );
+}

@@ -32,6 +32,7 @@ mod rabbitmq;
 mod rebalance;
 mod relay;
 mod relay_random;
+mod review_break;
 mod review_checkout;
 mod review_consumer;
 mod review_marks;

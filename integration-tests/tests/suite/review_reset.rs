@@ -400,3 +400,58 @@ async fn a_target_below_the_log_start_is_checked() {
         "--to 0 accepted={ok0} ({text0}); effects {effects:?}"
     );
 }
+
+/// Guarantee: `postal consumer reset` never replays records whose dedup rows retention
+/// deleted without `--force-past-retention` — also when the operator names the group's dedup
+/// scope with `--consumer` and gets it wrong (the scope is now stated only by the handlers'
+/// `#[idempotent(consumer = ..)]`, not in the consumer's configuration; the group's name is an
+/// easy guess).
+///
+/// Broken: `--consumer` restricts the horizon lookup to the names given; a name with no
+/// horizon (a typo, the group's name) finds none, and the reset goes ahead with no check and
+/// no word: every record is applied a second time.
+#[tokio::test]
+#[ignore = "reproduces: postal consumer reset --consumer <a name with no dedup horizon> skips the retention check; the replay applies every event twice"]
+async fn a_wrong_consumer_name_does_not_skip_the_horizon_check() {
+    let now = chrono::Utc::now().timestamp_millis();
+    let jobs: Vec<(i64, i64)> = (0..10).map(|n| (n, now + n)).collect();
+    let a = consumed_then_expired(&jobs).await;
+    let (ok_e, _) = reset(&a, "earliest");
+    assert!(!ok_e, "control: earliest refused");
+    let bin = crate::procs::bin_dir().join("postal");
+    let out = std::process::Command::new(&bin)
+        .args([
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &a.group,
+            "--topic",
+            &a.topic,
+            "--to",
+            "earliest",
+            "--consumer",
+            &a.group,
+        ])
+        .env("DATABASE_URL", &a.db.url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", &a.bootstrap)
+        .env("POSTAL_LOG", "warn")
+        .output()
+        .expect("run the postal CLI");
+    let ok = out.status.success();
+    let text = format!(
+        "stdout: {}stderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let effects = if ok {
+        replay(&a, 8).await
+    } else {
+        crate::common::effects(&a.db.pool).await
+    };
+    assert!(
+        !ok && effects == (10, 10),
+        "reset --to earliest --consumer {:?} accepted={ok} ({text}); effects (rows, distinct) {effects:?}",
+        a.group
+    );
+}
