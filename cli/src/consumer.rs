@@ -114,6 +114,22 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
+    // A consumer named here that never deduplicated anything in this database (a typo, the
+    // group's name) would leave the retention check with no horizon to hold: refused.
+    for name in &consumers {
+        let known: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM postal.dedup_horizon WHERE consumer_name = $1)
+                 OR EXISTS (SELECT 1 FROM postal.processed_events WHERE consumer_name = $1)
+                 OR EXISTS (SELECT 1 FROM postal.consumer_settings WHERE consumer_name = $1)",
+        )
+        .bind(name)
+        .fetch_one(pool)
+        .await?;
+        anyhow::ensure!(
+            known,
+            "no consumer {name:?} has deduplicated events in this database: --consumer names the handlers' dedup scope (#[idempotent(consumer = \"...\")]; `postal status` lists them); nothing changed"
+        );
+    }
     // The newest horizon among the consumers checked: the strictest.
     let horizon: Option<(String, DateTime<Utc>)> = if force_past_retention {
         None

@@ -389,6 +389,15 @@ impl ConsumerConfig {
         if self.dlq_suffix.is_empty() {
             return bad("dead-letter suffix must not be empty");
         }
+        if postal_shared::Topic::new(format!("orders{}", self.dlq_suffix)).is_err() {
+            return Err(Error::Config(format!(
+                "dead-letter suffix {:?} makes no valid topic name (letters, digits, '.', '_', '-')",
+                self.dlq_suffix
+            )));
+        }
+        if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
+            return bad("backoff base must be positive and not above the backoff max");
+        }
         if self.dlq_partitions < 1 || self.dlq_replication < 1 {
             return bad("dead-letter topic partitions and replication must be at least 1");
         }

@@ -130,6 +130,10 @@ pub(crate) struct Publisher {
     pub topic_replication: i32,
     pub wake: Arc<Notify>,
     pub created: Mutex<HashSet<String>>,
+    /// Dead-letter topics whose names are not valid topic names (a source topic near the
+    /// 249-character limit): their dead letters stay in the table, and are not picked again
+    /// until a restart, so that they do not hold back the others.
+    pub invalid: Mutex<HashSet<String>>,
     pub backoff: Backoff,
 }
 
@@ -191,28 +195,60 @@ impl Publisher {
         let mut tx = postal_shared::cancel_safe::begin(&self.pool)
             .await
             .map_err(|e| e.to_string())?;
+        let invalid: Vec<String> = self
+            .invalid
+            .lock()
+            .expect("invalid topics")
+            .iter()
+            .cloned()
+            .collect();
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic
              FROM postal.dead_letters
-             WHERE consumer_name = $1 AND published_at IS NULL
+             WHERE consumer_name = $1 AND published_at IS NULL AND dlq_topic <> ALL($3)
              ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
         .bind(BATCH)
+        .bind(&invalid)
         .fetch_all(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
         if rows.is_empty() {
             return Ok(false);
         }
+        let full = rows.len() as i64 == BATCH;
+        // A topic that cannot take its dead letters holds back only its own.
+        let mut first_error = None;
+        let mut skipped = HashSet::new();
         for topic in rows
             .iter()
             .map(|r| r.dlq_topic.clone())
             .collect::<HashSet<_>>()
         {
-            self.ensure_topic(&topic).await?;
+            if postal_shared::Topic::new(topic.as_str()).is_err() {
+                tracing::warn!(topic = %postal_shared::text::quoted(&topic), "dead-letter topic name is not a valid topic name: its dead letters stay in postal.dead_letters (replay them with `postal dead-letters replay`)");
+                self.invalid
+                    .lock()
+                    .expect("invalid topics")
+                    .insert(topic.clone());
+                first_error.get_or_insert_with(|| {
+                    format!(
+                        "dead-letter topic {} is not a valid topic name",
+                        postal_shared::text::quoted(&topic)
+                    )
+                });
+                skipped.insert(topic);
+            } else if let Err(e) = self.ensure_topic(&topic).await {
+                first_error.get_or_insert(e);
+                skipped.insert(topic);
+            }
         }
+        let rows: Vec<Row> = rows
+            .into_iter()
+            .filter(|r| !skipped.contains(&r.dlq_topic))
+            .collect();
         let producer = self.producer.lock().expect("dlq producer").clone();
         let sends = rows.iter().map(|r| {
             let mut h = OwnedHeaders::new_with_capacity(r.header_names.len() + 8);
@@ -253,7 +289,6 @@ impl Publisher {
         let results = join_all(sends).await;
         self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
-        let mut first_error = None;
         for (row, res) in rows.iter().zip(results) {
             match res {
                 Ok(_) => done.push(row.id),
@@ -271,7 +306,7 @@ impl Publisher {
         tracing::debug!(count = done.len(), "published dead letters");
         match first_error {
             Some(e) => Err(e),
-            None => Ok(rows.len() as i64 == BATCH),
+            None => Ok(full),
         }
     }
 

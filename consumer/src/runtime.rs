@@ -84,7 +84,12 @@ impl<S> ConsumerBuilder<S> {
         }
         // The dedup scope is the handlers' (`#[idempotent(consumer = ...)]`): the first one
         // names this runtime's consumer unless the configuration did; every other must agree.
-        if self.config.consumer.is_empty() {
+        if handler.consumer().trim().is_empty() {
+            self.errors.push(format!(
+                "handler {} has an empty dedup scope (consumer name): give it one",
+                handler.name()
+            ));
+        } else if self.config.consumer.is_empty() {
             self.config.consumer = handler.consumer().to_owned();
         } else if handler.consumer() != self.config.consumer {
             self.errors.push(format!(
@@ -139,6 +144,7 @@ impl<S> ConsumerBuilder<S> {
             topic_replication: self.config.dlq_replication,
             wake: Arc::new(Notify::new()),
             created: Mutex::new(HashSet::new()),
+            invalid: Mutex::new(HashSet::new()),
             backoff: self.config.backoff,
         };
         Ok(Consumer {

@@ -93,7 +93,22 @@ const RETURNED_NAMES: [&str; 13] = [
 /// another.
 fn decode(row: &sqlx::postgres::PgRow) -> Result<(OutboundEvent, Kept), sqlx::Error> {
     use sqlx::Row as _;
-    let headers: sqlx::types::Json<std::collections::BTreeMap<String, String>> = row.try_get(9)?;
+    // Decoded leniently: a stored header whose value is not a string (a row written around
+    // `postal.enqueue`) must park its row with the reason, not fail the whole claim.
+    let stored: sqlx::types::Json<serde_json::Value> = row.try_get(9)?;
+    let headers: Vec<(String, String)> = match stored.0 {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (postal_shared::headers::not_a_string(&k), other.to_string()),
+            })
+            .collect(),
+        other => vec![(
+            postal_shared::headers::not_a_string("(the headers are not a JSON object)"),
+            other.to_string(),
+        )],
+    };
     let seq: i64 = row.try_get(0)?;
     let event_id: Uuid = row.try_get(1)?;
     Ok((
@@ -112,7 +127,7 @@ fn decode(row: &sqlx::postgres::PgRow) -> Result<(OutboundEvent, Kept), sqlx::Er
             occurred_at: row.try_get(6)?,
             content_type: row.try_get(7)?,
             payload: row.try_get(8)?,
-            headers: headers.0.into_iter().collect(),
+            headers,
             attempts: row.try_get(10)?,
         },
         Kept {

@@ -244,12 +244,20 @@ impl<'a> EventColumns<'a> {
     }
 }
 
-/// An event's user headers as the JSON object the outbox stores.
+/// An event's user headers as the JSON object the outbox stores: as they were stored, also a
+/// value that was not a string (the claim passed it on under a marked name, to park the row).
 fn headers_json(e: &OutboundEvent) -> serde_json::Value {
     serde_json::Value::Object(
         e.headers
             .iter()
-            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .map(|(k, v)| match k.strip_prefix('\0') {
+                Some(name) => (
+                    name.to_owned(),
+                    serde_json::from_str(v)
+                        .unwrap_or_else(|_| serde_json::Value::String(v.clone())),
+                ),
+                None => (k.clone(), serde_json::Value::String(v.clone())),
+            })
             .collect(),
     )
 }

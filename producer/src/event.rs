@@ -118,10 +118,10 @@ impl NewEvent {
         if name.is_empty() || headers::is_reserved(&name) {
             return Err(Error::ReservedHeader(name));
         }
-        if let Some(reason) = headers::user_header_problem(&name) {
+        if let Some(problem) = headers::user_header_problem(&name) {
             return Err(Error::Invalid(postal_shared::Error::Invalid {
                 what: "headers",
-                reason,
+                reason: problem.reason(&headers::shown_name(&name)),
             }));
         }
         if self.headers.len() >= MAX_USER_HEADERS && !self.headers.contains_key(&name) {

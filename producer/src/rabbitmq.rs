@@ -175,6 +175,11 @@ impl RabbitTransport {
     /// unreachable broker is not an error here: the relay waits and retries).
     pub fn new(config: RabbitConfig) -> Result<Self, Error> {
         postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
+        if config.source.len() > 255 {
+            return Err(Error::Config(
+                "source is longer than the 255 bytes an AMQP app-id holds".into(),
+            ));
+        }
         config
             .uri
             .parse::<lapin::uri::AMQPUri>()
@@ -883,6 +888,12 @@ impl Transport for RabbitTransport {
                 Some(err.clone())
             } else if let Some(err) = crate::transport::reserved_header(e) {
                 Some(err)
+            } else if e.content_type.len() > 255 || e.event_type.len() > 255 {
+                // AMQP short strings (the content-type and type properties) hold 255 bytes.
+                Some(PublishError::new(
+                    FailureKind::Permanent,
+                    "the content type or event type is longer than the 255 bytes an AMQP property holds",
+                ))
             } else if e.payload.len() > self.config.max_message_bytes {
                 Some(PublishError::new(
                     FailureKind::Permanent,

@@ -148,26 +148,19 @@ pub trait Transport: Send + Sync + 'static {
 /// for another), or a `ce_<name>` name CloudEvents consumers refuse. `enqueue` refuses such
 /// headers; a row written around it is parked with this (permanent) reason.
 pub(crate) fn reserved_header(e: &OutboundEvent) -> Option<PublishError> {
-    let name = e
+    use postal_shared::headers::{shown_name, user_header_problem, HeaderProblem};
+    let (name, problem) = e
         .headers
         .iter()
-        .map(|(k, _)| k)
-        .find(|k| postal_shared::headers::user_header_problem(k).is_some())?;
-    let shown: String = name
-        .chars()
-        .take(64)
-        .flat_map(char::escape_default)
-        .collect();
-    let reason = if postal_shared::headers::is_reserved(name) {
-        format!(
+        .find_map(|(k, _)| user_header_problem(k).map(|p| (k, p)))?;
+    let shown = shown_name(name);
+    let reason = match problem {
+        HeaderProblem::Reserved => format!(
             "stored header \"{shown}\" is reserved: Postal sets it (the row was written around postal.enqueue)"
-        )
-    } else if name.is_empty() {
-        "a stored header has an empty name".to_owned()
-    } else {
-        format!(
-            "stored header \"{shown}\" is a CloudEvents extension attribute (ce_<name>) whose name is not letters and digits: CloudEvents consumers refuse the record; rename the header"
-        )
+        ),
+        HeaderProblem::Empty => "a stored header has an empty name".to_owned(),
+        HeaderProblem::NotAString => problem.reason(&shown),
+        other => format!("stored {}", other.reason(&shown)),
     };
     Some(PublishError::new(FailureKind::Permanent, reason))
 }

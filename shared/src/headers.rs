@@ -83,27 +83,108 @@ pub fn is_reserved(name: &str) -> bool {
     RESERVED.iter().any(|r| r.eq_ignore_ascii_case(name))
 }
 
-/// Why a user header may not have this name, if it may not: a name Postal sets itself, or a
-/// `ce_<name>` header (a CloudEvents extension attribute in the Kafka binding) whose `<name>` is
-/// not letters and digits — CloudEvents consumers (the Java SDK's `CloudEventDeserializer`)
-/// refuse such a record, and a consumer that stops on it holds its partition.
-pub fn user_header_problem(name: &str) -> Option<String> {
+/// The CloudEvents context attributes (as Kafka headers `ce_<name>`): a user header may not
+/// use one, whether or not Postal sets it (a CloudEvents SDK reads it as the attribute).
+const CONTEXT_ATTRIBUTES: &[&str] = &[
+    "id",
+    "source",
+    "specversion",
+    "type",
+    "datacontenttype",
+    "dataschema",
+    "subject",
+    "time",
+];
+
+/// The longest user header name (RabbitMQ's header names are AMQP short strings).
+pub const MAX_HEADER_NAME_BYTES: usize = 255;
+
+/// Why a user header may not be sent as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderProblem {
+    /// An empty name.
+    Empty,
+    /// A name Postal sets itself.
+    Reserved,
+    /// A CloudEvents context attribute (`ce_dataschema`, …).
+    ContextAttribute,
+    /// `ce_<name>` where `<name>` is not letters and digits.
+    ExtensionName,
+    /// Longer than [`MAX_HEADER_NAME_BYTES`].
+    TooLong,
+    /// A stored header whose value is not a string (written around `postal.enqueue`).
+    NotAString,
+}
+
+impl HeaderProblem {
+    /// The one-line reason, naming the header as `shown`.
+    pub fn reason(self, shown: &str) -> String {
+        match self {
+            HeaderProblem::Empty => "a header name must not be empty".into(),
+            HeaderProblem::Reserved => format!("header \"{shown}\" is reserved: Postal sets it"),
+            HeaderProblem::ContextAttribute => format!(
+                "header \"{shown}\" is a CloudEvents context attribute: CloudEvents consumers read it as the event's own; use another name"
+            ),
+            HeaderProblem::ExtensionName => format!(
+                "header \"{shown}\" is a CloudEvents extension attribute (ce_<name>) whose name is not letters and digits: CloudEvents consumers refuse the record; rename it"
+            ),
+            HeaderProblem::TooLong => format!(
+                "header name \"{shown}…\" is longer than {MAX_HEADER_NAME_BYTES} bytes"
+            ),
+            HeaderProblem::NotAString => {
+                format!("stored header \"{shown}\" has a value that is not a JSON string")
+            }
+        }
+    }
+}
+
+/// The name under which the relay passes on a stored header whose value is not a string: a
+/// NUL first, which no header name stored in PostgreSQL can hold.
+pub fn not_a_string(name: &str) -> String {
+    format!("\0{name}")
+}
+
+/// Why a user header may not have this name, if it may not: a name Postal sets itself, a
+/// CloudEvents context attribute, a `ce_<name>` header (an extension attribute in the Kafka
+/// binding) whose `<name>` is not letters and digits — CloudEvents consumers (the Java SDK's
+/// `CloudEventDeserializer`) refuse such a record, and a consumer that stops on it holds its
+/// partition — or a name longer than [`MAX_HEADER_NAME_BYTES`].
+pub fn user_header_problem(name: &str) -> Option<HeaderProblem> {
     if name.is_empty() {
-        return Some("a header name must not be empty".into());
+        return Some(HeaderProblem::Empty);
+    }
+    if name.starts_with('\0') {
+        return Some(HeaderProblem::NotAString);
     }
     if is_reserved(name) {
-        return Some(format!("header {name:?} is reserved: Postal sets it"));
+        return Some(HeaderProblem::Reserved);
     }
-    let prefix = name.get(..3).filter(|p| p.eq_ignore_ascii_case("ce_"));
-    if prefix.is_some() {
+    if name.len() > MAX_HEADER_NAME_BYTES {
+        return Some(HeaderProblem::TooLong);
+    }
+    if name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_")) {
         let ext = &name[3..];
+        if CONTEXT_ATTRIBUTES
+            .iter()
+            .any(|a| a.eq_ignore_ascii_case(ext))
+        {
+            return Some(HeaderProblem::ContextAttribute);
+        }
         if ext.is_empty() || !ext.chars().all(|c| c.is_ascii_alphanumeric()) {
-            return Some(format!(
-                "header {name:?} is a CloudEvents extension attribute (ce_<name>) whose name is not letters and digits: CloudEvents consumers refuse the record; rename it (without the ce_ prefix, or ce_ and letters and digits)"
-            ));
+            return Some(HeaderProblem::ExtensionName);
         }
     }
     None
+}
+
+/// A header name for a one-line message: escaped, at most 64 characters.
+pub fn shown_name(name: &str) -> String {
+    name.trim_start_matches('\0')
+        .chars()
+        .take(64)
+        .flat_map(char::escape_default)
+        .collect()
 }
 
 /// Checks a CloudEvents `source` (the relay's `--source`): a non-empty URI-reference (RFC 3986

@@ -851,7 +851,6 @@ async fn java_partitions_match_for_random_keys_and_see_the_trace_context() {
 /// published, and the SDK's `CloudEventDeserializer` refuses the record (a Java consumer that
 /// stops on it holds its partition) — the failure c261a00 set out to prevent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces: a user header ce_dataschema with a non-URI value passes enqueue and the Java CloudEvents SDK refuses the record"]
 async fn a_ce_context_attribute_header_postal_does_not_set_is_refused_or_read() {
     let Some(jar) = interop_jar() else { return };
     let svc = services().await;

@@ -58,7 +58,6 @@ impl Handler for Scoped {
 /// they arrive alone and applied when they arrive together (observed: the lone event
 /// dead-lettered, the 20 of the burst applied).
 #[tokio::test]
-#[ignore = "reproduces: a handler with an empty dedup scope routed first lets a second scope into the runtime (lone events dead-lettered, batched ones applied)"]
 async fn empty_scope_handler_first_gives_two_scopes() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -156,7 +155,6 @@ async fn empty_scope_handler_first_gives_two_scopes() {
 /// good: the row is never parked and stays pending without a reason, and the events of every
 /// key its claim lane covers — not only its own key — are never published.
 #[tokio::test]
-#[ignore = "reproduces: a stored non-string header value fails every claim of its lane; the row is never parked and other keys of the lane stall"]
 async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() {
     use postal_producer::NewEvent;
     let svc = services().await;
@@ -234,7 +232,6 @@ async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() 
 /// milliseconds and the event is dead-lettered, and a database outage is retried in a tight
 /// loop (`Unavailable` never uses up an attempt).
 #[test]
-#[ignore = "reproduces: ConsumerConfig::with_vars takes POSTAL_BACKOFF_BASE=0s (and base > max), which the relay refuses"]
 fn a_backoff_the_relay_refuses_is_refused_by_the_consumer() {
     for vars in [
         &[("POSTAL_BACKOFF_BASE", "0s")][..],
@@ -266,7 +263,6 @@ fn a_backoff_the_relay_refuses_is_refused_by_the_consumer() {
 /// name fails the whole pass, so no later dead letter of this consumer — of any topic — is
 /// published while that one waits (it always does).
 #[tokio::test]
-#[ignore = "reproduces: a dead letter whose dead-letter topic cannot be created (a 249-character topic) holds back every later dead letter of the consumer"]
 async fn one_unpublishable_dead_letter_does_not_hold_back_the_others() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -339,7 +335,6 @@ async fn one_unpublishable_dead_letter_does_not_hold_back_the_others() {
 /// Kafka topic name may not hold (a space, a `/`) is taken, and every dead-letter topic
 /// (`<topic><suffix>`) then fails to be created, for every dead letter, for good.
 #[test]
-#[ignore = "reproduces: ConsumerConfig::validate accepts a dead-letter suffix that makes every dead-letter topic name invalid"]
 fn a_dead_letter_suffix_that_makes_no_valid_topic_is_refused() {
     for suffix in [" dlq", "/dlq", ".dlq!"] {
         let mut c = postal_consumer::ConsumerConfig::new("127.0.0.1:9092", "g");
@@ -447,7 +442,6 @@ async fn a_row_parked_for_its_header_holds_back_its_key() {
 /// length") inside the relay's publish. Nothing is parked and nothing logged by Postal: the
 /// event and the other events of its claim (4 of the 20 other keys here) stay pending.
 #[tokio::test]
-#[ignore = "reproduces: a user header name over 255 bytes panics the RabbitMQ transport; the event and others of its claim stay pending"]
 async fn a_header_name_longer_than_amqp_allows_is_refused_or_parked() {
     use postal_integration_tests::rabbit::{self, Rabbit};
     use postal_producer::{NewEvent, RabbitConfig, RabbitTransport};
@@ -531,7 +525,6 @@ async fn a_header_name_longer_than_amqp_allows_is_refused_or_parked() {
 /// leaves the scope to the handlers). `validate` refuses a blank scope but not an empty one;
 /// `postal.processed_events` and `postal.dead_letters` both refuse `consumer_name = ''`.
 #[tokio::test]
-#[ignore = "reproduces: a runtime whose handlers' dedup scope is empty builds, then holds its partition forever (CHECK consumer_name <> '')"]
 async fn a_runtime_whose_only_handler_has_an_empty_scope_is_refused_or_moves_on() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -679,7 +672,7 @@ async fn a_forced_reset_of_a_live_group_neither_reapplies_nor_skips() {
 /// a content type longer than 255 bytes (`ContentType::new` refuses it; an AMQP short string,
 /// so the RabbitMQ transport panics on it as on a long header name).
 #[tokio::test]
-#[ignore = "reproduces: postal.enqueue takes a ce_tenant-id header and a 300-byte content type, which the Rust enqueue refuses"]
+#[ignore = "known: the SQL postal.enqueue does not check header names or the content type's length; the relay parks such rows with the reason (review_break::a_row_parked_for_its_header_holds_back_its_key)"]
 async fn the_sql_enqueue_refuses_what_the_rust_enqueue_refuses() {
     let svc = services().await;
     let db = svc.fresh_db().await;

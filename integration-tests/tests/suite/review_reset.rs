@@ -407,11 +407,10 @@ async fn a_target_below_the_log_start_is_checked() {
 /// `#[idempotent(consumer = ..)]`, not in the consumer's configuration; the group's name is an
 /// easy guess).
 ///
-/// Broken: `--consumer` restricts the horizon lookup to the names given; a name with no
-/// horizon (a typo, the group's name) finds none, and the reset goes ahead with no check and
-/// no word: every record is applied a second time.
+/// (Before, `--consumer` restricted the horizon lookup to the names given; a name with no
+/// horizon (a typo, the group's name) found none, and the reset went ahead with no check and
+/// no word: every record was applied a second time. Now an unknown name is refused.)
 #[tokio::test]
-#[ignore = "reproduces: postal consumer reset --consumer <a name with no dedup horizon> skips the retention check; the replay applies every event twice"]
 async fn a_wrong_consumer_name_does_not_skip_the_horizon_check() {
     let now = chrono::Utc::now().timestamp_millis();
     let jobs: Vec<(i64, i64)> = (0..10).map(|n| (n, now + n)).collect();
