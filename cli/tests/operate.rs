@@ -911,7 +911,14 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
         "unchanged"
     );
 
-    // Naming only a consumer whose rows were never deleted: nothing to protect.
+    // Naming only a consumer whose rows were never deleted: nothing to protect. (A name that
+    // never deduplicated here is refused: review_reset::a_wrong_consumer_name_…)
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id) VALUES ('other', gen_random_uuid())",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
     assert!(ok(reset("1", &["--consumer", "other"])).contains("-> next offset 1"));
     // The move back left a mark of the position it left (3).
     let left: Vec<i64> = sqlx::query_scalar(

@@ -88,6 +88,7 @@ mod event;
 mod handler;
 pub mod offsets;
 mod partition;
+mod reason;
 mod record;
 pub mod retention;
 mod route;

@@ -4,8 +4,8 @@ use chrono::{DateTime, Utc};
 use postal_shared::{headers, EventId};
 use rdkafka::message::{Headers as _, Message};
 
-use crate::dead_letter::Reason;
 use crate::event::{Event, Headers, Payload, Position};
+use crate::reason::Reason;
 
 /// One consumed record.
 #[derive(Clone, Debug)]

@@ -32,8 +32,7 @@ use uuid::Uuid;
 use crate::complete::{self, Failure};
 use crate::transport::OutboundEvent;
 
-/// Number of key partitions (`key_partition` = `hashtext(key) & 255`).
-pub const KEY_PARTITIONS: i16 = 256;
+pub use crate::lease::KEY_PARTITIONS;
 
 /// Every key partition: what a relay claims from when it is the only one.
 pub fn all_partitions() -> Vec<i16> {

@@ -28,7 +28,8 @@ use std::time::Duration;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::claim::KEY_PARTITIONS;
+/// Number of key partitions (`key_partition` = `hashtext(key) & 255`): what relays lease.
+pub const KEY_PARTITIONS: i16 = 256;
 
 /// The key partitions of the `me`-th of `n` live relays: a contiguous block, the blocks of all
 /// `n` covering every partition once.
