@@ -83,9 +83,18 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
         return;
     };
     let svc = services().await;
-    // The previous release's schema (migration 15), as before the upgrade.
+    // The previous release's schema, as before the upgrade: its own `postal migrate`.
     let db = svc.empty_db().await;
-    crate::upgrade::migrate_until(&db.pool, 15).await;
+    let migrated = std::process::Command::new(&previous)
+        .arg("migrate")
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .expect("the previous release's postal runs");
+    assert!(
+        migrated.status.success(),
+        "the previous release's migrate: {}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
     let topic = unique("previous");
     create_topic(&svc.bootstrap, &topic, 4).await;
     let logs = bin_dir().join(format!("previous-release-{}", db.name));
@@ -195,21 +204,36 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema() {
         String::from_utf8_lossy(&migrate.stderr)
     );
 
-    // A contract that admits only this release's binaries.
+    // A contract that admits only binaries newer than the previous release (this release
+    // adds no migration, so its own version would still admit the previous one).
     sqlx::query("UPDATE postal.schema_contract SET oldest_compatible = $1")
-        .bind(postal_shared::known_version())
+        .bind(postal_shared::known_version() + 1)
         .execute(&db.pool)
         .await
         .unwrap();
-    let out = std::process::Command::new(&previous)
+    let mut refused = std::process::Command::new(&previous)
         .arg("relay")
         .env("DATABASE_URL", &db.url)
         .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
         .env("RUST_LOG", "error")
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = refused.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = refused.kill();
+            panic!("the previous release's relay ran on a schema whose contract excludes it");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut refused.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("upgrade it"), "{stderr}");
 }
 
