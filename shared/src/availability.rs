@@ -11,6 +11,9 @@ pub fn database_unavailable(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
+        // The connection broke during the TLS negotiation that `sslmode=prefer` (the default)
+        // starts with: a server restarting, a connection cut mid-handshake.
+        sqlx::Error::Protocol(m) if m.contains("SSLRequest") => true,
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
             code.starts_with("08") || code.starts_with("57P") || code == "53300"
@@ -29,6 +32,9 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         assert!(database_unavailable(&sqlx::Error::Io(io)));
         assert!(database_unavailable(&sqlx::Error::PoolTimedOut));
+        assert!(database_unavailable(&sqlx::Error::Protocol(
+            "unexpected response from SSLRequest: 0x00".into()
+        )));
         assert!(!database_unavailable(&sqlx::Error::RowNotFound));
         assert!(!database_unavailable(&sqlx::Error::ColumnNotFound(
             "x".into()
