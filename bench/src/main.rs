@@ -1234,13 +1234,13 @@ async fn explain_claim(
     }
     let mut tx = pool.begin().await?;
     if settings {
-        sqlx::query(postal_producer::claim::PLAN_SETTINGS)
+        sqlx::query(postal_producer::testing::claim::PLAN_SETTINGS)
             .execute(&mut *tx)
             .await?;
     }
     let plan: Vec<String> = sqlx::query_scalar(&format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        postal_producer::claim::CLAIM_DELETE
+        postal_producer::testing::claim::CLAIM_DELETE
     ))
     .bind(mask)
     .bind(2000i64)

@@ -81,12 +81,12 @@ mod batch;
 mod client;
 mod config;
 mod context;
-pub mod dead_letter;
-pub mod dedup;
+mod dead_letter;
+mod dedup;
 mod error;
 mod event;
 mod handler;
-pub mod offsets;
+mod offsets;
 mod partition;
 mod reason;
 mod record;
@@ -94,6 +94,8 @@ pub mod retention;
 mod route;
 mod runtime;
 mod stats;
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 mod trace;
 

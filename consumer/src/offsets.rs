@@ -68,6 +68,7 @@ pub async fn advance(
 }
 
 /// The stored next offsets of a group on a topic, by partition.
+#[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' (`testing`)
 pub async fn stored(
     pool: &PgPool,
     group: &str,

@@ -207,12 +207,14 @@ impl Consumer {
 
     /// Fault injection for tests (see [`crate::testing::FetchFault`]).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
     pub fn fetch_fault(&self) -> crate::testing::FetchFault {
         crate::testing::FetchFault(self.shared.consumer.clone())
     }
 
     /// Fault injection for tests (see [`crate::testing::RebalanceFault`]).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
     pub fn rebalance_fault(&self) -> crate::testing::RebalanceFault {
         crate::testing::RebalanceFault(self.shared.consumer.context().events.clone())
     }
@@ -220,6 +222,7 @@ impl Consumer {
     /// The transaction protocol without Kafka, for the randomized protocol tests (see
     /// [`crate::testing::Protocol`]).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
     pub fn protocol(&self) -> crate::testing::Protocol {
         crate::testing::Protocol(self.shared.clone())
     }

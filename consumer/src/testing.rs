@@ -26,6 +26,12 @@
 
 use sqlx::PgPool;
 
+/// The consumer's stored offsets, for tests that play another owner of a partition.
+#[doc(hidden)]
+pub mod offsets {
+    pub use crate::offsets::{claim, stored, Ownership};
+}
+
 /// A database of one test's own, created on the server of `DATABASE_URL`, with Postal's schema
 /// migrated: tests running at the same time never see each other's rows. [`remove`]
 /// (Self::remove) drops it; one a failed test leaves behind is named `postal_test_<uuid>`.

@@ -35,6 +35,7 @@ use crate::transport::OutboundEvent;
 pub use crate::lease::KEY_PARTITIONS;
 
 /// Every key partition: what a relay claims from when it is the only one.
+#[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' and the bench's (`testing`)
 pub fn all_partitions() -> Vec<i16> {
     (0..KEY_PARTITIONS).collect()
 }
@@ -66,6 +67,7 @@ macro_rules! plan_settings {
 
 /// `SELECT` of the planner settings the relay applies before each claim (see the claim
 /// statements); public so that `EXPLAIN` shows the relay's plan.
+#[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' and the bench's (`testing`)
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
 
 /// The names of the columns in [`returned!`], in order: what [`decode`]'s positions mean.
@@ -169,6 +171,7 @@ impl std::fmt::Debug for Claim {
 
 impl Claim {
     /// The claimed events, in sequence order.
+    #[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' and the bench's (`testing`)
     pub fn events(&self) -> &[OutboundEvent] {
         &self.events
     }

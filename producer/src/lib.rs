@@ -27,27 +27,31 @@
 //! ```
 
 mod allow;
+#[doc(hidden)]
 pub mod backlog;
 mod checkout;
-pub mod claim;
-pub mod complete;
+mod claim;
+mod complete;
 mod config;
 mod enqueue;
 mod env;
 mod error;
 mod event;
-pub mod fence;
+mod fence;
 mod kafka;
 mod kafka_overrides;
 mod key_chain;
-pub mod lease;
-#[cfg(feature = "rabbitmq")]
+mod lease;
 mod outcome;
+#[cfg(feature = "rabbitmq")]
 mod rabbitmq;
 mod relay;
 pub mod retention;
 mod route;
 mod tasks;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod testing;
 mod trace;
 mod transport;
 

@@ -89,8 +89,8 @@ pub fn fast_config() -> RelayConfig {
 
 /// Claims up to 1,000 rows of every partition as a fresh relay that will "die" holding them
 /// (the caller drops the claim without recording it, as when the process is killed).
-pub async fn claim_as_doomed_relay(pool: &PgPool) -> postal_producer::claim::Claim {
-    use postal_producer::{claim, lease};
+pub async fn claim_as_doomed_relay(pool: &PgPool) -> postal_producer::testing::claim::Claim {
+    use postal_producer::testing::{claim, lease};
     let doomed = uuid::Uuid::now_v7();
     let held = lease::heartbeat(
         pool,

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use postal_consumer::{offsets, Consumer, Event, EventId, Outcome, State};
+use postal_consumer::testing::offsets;
+use postal_consumer::{Consumer, Event, EventId, Outcome, State};
 use postal_integration_tests::{services, unique, wait};
 use serde_json::json;
 use uuid::Uuid;

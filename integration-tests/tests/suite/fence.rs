@@ -6,9 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use postal_integration_tests::{services, unique, wait};
-use postal_producer::{
-    claim, lease, OutboundEvent, PublishError, RelayConfig, TopicFilter, Transport,
-};
+use postal_producer::testing::{claim, lease};
+use postal_producer::{OutboundEvent, PublishError, RelayConfig, TopicFilter, Transport};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use uuid::Uuid;

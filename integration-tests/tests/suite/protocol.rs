@@ -341,7 +341,7 @@ fn to_record(case: &Case, topic: &str, partition: usize, offset: usize) -> TestR
 }
 
 struct Owner {
-    own: postal_consumer::offsets::Ownership,
+    own: postal_consumer::testing::offsets::Ownership,
     /// The next offset this owner hands over.
     position: usize,
 }

@@ -270,7 +270,7 @@ async fn random_resets_back_racing_batches_and_a_rebalance() {
             }
             // Every partition's stored offset at its end.
             let stored: Vec<(i32, Option<i64>)> =
-                postal_consumer::offsets::stored(&pool, &group, &topic)
+                postal_consumer::testing::offsets::stored(&pool, &group, &topic)
                     .await
                     .unwrap();
             stored.len() == parts as usize
@@ -493,7 +493,7 @@ async fn records_arriving_while_an_idle_fenced_worker_backs_off_are_lost() {
     })
     .await;
     // The late claim of a worker revoked elsewhere, before anything was committed.
-    postal_consumer::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
+    postal_consumer::testing::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
         .await
         .unwrap();
     let stats = running.stats.clone();

@@ -87,7 +87,7 @@ async fn a_worker_fenced_by_a_late_claim_takes_its_partition_back() {
     })
     .await;
     // The late claim of a revoked worker in another process.
-    postal_consumer::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
+    postal_consumer::testing::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
         .await
         .unwrap();
     produce(&svc.bootstrap, &topic, Some(0), &records(10, 20)).await;
@@ -219,7 +219,7 @@ async fn a_worker_fenced_before_any_commit_does_not_skip_what_it_dropped() {
     })
     .await;
     // The late claim of a worker revoked elsewhere, before anything was committed.
-    postal_consumer::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
+    postal_consumer::testing::offsets::claim(&db.pool, &group, &topic, 0, "revoked-elsewhere")
         .await
         .unwrap();
     produce(&svc.bootstrap, &topic, Some(0), &records(0, 10)).await;
