@@ -479,6 +479,9 @@ fn kafka_config(
 }
 
 async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Result<()> {
+    // Listened for from here on: SIGTERM while the relay still starts (its broker or database
+    // unreachable, migrations waiting) is a graceful stop too, not the default kill.
+    let stop = postal_shared::stop_signal().context("listening for SIGINT and SIGTERM")?;
     postal_shared::env::refuse_renamed(&|name: &str| std::env::var(name).ok())
         .map_err(|e| anyhow!(e))?;
     postal_shared::env::warn_unknown();
@@ -514,8 +517,8 @@ async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Resu
     };
     if args.routes.is_empty() {
         match (kafka, rabbit) {
-            (Some(k), _) => run_relay(db, args, config, k).await,
-            (_, Some(r)) => run_relay(db, args, config, r).await,
+            (Some(k), _) => run_relay(db, args, config, k, stop).await,
+            (_, Some(r)) => run_relay(db, args, config, r, stop).await,
             (None, None) => unreachable!("the fallback destination is always used"),
         }
     } else {
@@ -531,7 +534,7 @@ async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Resu
         }
         router = router.fallback(args.destination.name())?;
         tracing::info!(?router, "publishing per topic");
-        run_relay(db, args, config, router).await
+        run_relay(db, args, config, router, stop).await
     }
 }
 
@@ -540,6 +543,7 @@ async fn run_relay<T: postal_producer::Transport>(
     args: RelayArgs,
     config: postal_producer::RelayConfig,
     transport: T,
+    mut stop: postal_shared::StopSignal,
 ) -> anyhow::Result<()> {
     let opts = connect_options(db)?;
     let url = db.database_url.as_deref().map(redact).unwrap_or_default();
@@ -567,7 +571,13 @@ async fn run_relay<T: postal_producer::Transport>(
                     attempt += 1;
                     let wait = Duration::from_secs(u64::from(attempt.min(30)));
                     tracing::warn!(database = %url, error = %e, retry_in_s = wait.as_secs(), "cannot apply migrations yet; retrying");
-                    tokio::time::sleep(wait).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = &mut stop => {
+                            tracing::info!("stopped before the relay started");
+                            return Ok(());
+                        }
+                    }
                 }
             }
         }
@@ -585,7 +595,7 @@ async fn run_relay<T: postal_producer::Transport>(
     };
     tracing::info!(database = %url, "starting relay");
     let relay = postal_producer::Relay::new(pool, transport, config)?;
-    let stats = relay.run(shutdown_signal()).await?;
+    let stats = relay.run(stop).await?;
     tracing::info!(published = stats.published, parked = stats.parked, "bye");
     Ok(())
 }
@@ -603,12 +613,6 @@ fn worth_retrying(e: &postal_shared::Error) -> bool {
         .and_then(|d| d.code())
         .unwrap_or_default();
     code.starts_with("40") || code == "55P03" || code == "57014"
-}
-
-/// Resolves on SIGINT or SIGTERM (`postal_shared::stop_signal`, listened for from the first
-/// poll).
-async fn shutdown_signal() {
-    postal_consumer::shutdown_signal().await
 }
 
 #[cfg(test)]

@@ -204,6 +204,50 @@ fn relay_with_migrate_stops_on_a_modified_migration() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// Guarantee: SIGTERM is a graceful stop from the relay's first moment: told to stop while it
+/// still waits for an unreachable database at start-up (its migrations retrying), `postal
+/// relay` exits with status 0 instead of being killed by the signal.
+#[test]
+fn relay_stops_gracefully_on_sigterm_while_it_still_waits_to_start() {
+    use std::io::BufRead;
+    let mut child = postal()
+        .args(["relay", "--migrate"])
+        .env("DATABASE_URL", "postgres://postal@127.0.0.1:1/postal")
+        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+        .env("POSTAL_LOG", "warn,librdkafka=off,postal_shared=off")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let waiting = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("cannot apply migrations yet"));
+    assert!(
+        waiting.is_some(),
+        "the relay never said it waits for its database"
+    );
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the relay did not stop on SIGTERM while waiting to start");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(status.success(), "{status}: {rest:?}");
+}
+
 /// The single stderr line of a command expected to fail (asserts there is exactly one).
 fn one_error_line(mut c: Command) -> String {
     let out = c.env("POSTAL_LOG", "error").output().unwrap();

@@ -95,7 +95,6 @@ mod route;
 mod runtime;
 mod stats;
 #[cfg(any(test, feature = "test-util"))]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 mod trace;
 

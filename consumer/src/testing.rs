@@ -33,8 +33,9 @@ pub mod offsets {
 }
 
 /// A database of one test's own, created on the server of `DATABASE_URL`, with Postal's schema
-/// migrated: tests running at the same time never see each other's rows. [`remove`]
-/// (Self::remove) drops it; one a failed test leaves behind is named `postal_test_<uuid>`.
+/// migrated: tests running at the same time never see each other's rows.
+/// [`remove`](Self::remove) drops it; one a failed test leaves behind is named
+/// `postal_test_<uuid>`.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct TestDatabase {

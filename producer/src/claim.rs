@@ -373,7 +373,7 @@ fn send_margin(lease: Duration) -> Duration {
 }
 
 /// Claims up to `limit` publishable rows of the given key partitions that `relay` holds a live
-/// lease on (see [`crate::lease`]) and whose fence lock it got ([`crate::fence`]), in sequence
+/// lease on (see the `lease` module) and whose fence lock it got (the `fence` module), in sequence
 /// order. Returns `None` when there is nothing to publish. The claim's transaction may stay
 /// idle for at most half the lease.
 ///

@@ -26,7 +26,7 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
     /// A claim was not completed because the relay no longer owns some of its key partitions
-    /// (the fence, [`crate::fence`]): its transaction rolled back, and its rows are handed out
+    /// (the fence between a claim and the next owner of its partitions): its transaction rolled back, and its rows are handed out
     /// again.
     #[error("the claim's key partitions {partitions:?} are no longer this relay's; its completion was rolled back")]
     LeaseLost {

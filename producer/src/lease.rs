@@ -51,7 +51,7 @@ pub const DEFAULT_GROUP: &str = "default";
 ///
 /// A partition that is free or expired but still locked by some claim is not taken: after its
 /// transaction commits, the heartbeat terminates those claims' backends
-/// ([`crate::fence::terminate_stale_holders`]), and a later heartbeat takes the partition.
+/// (`fence::terminate_stale_holders`), and a later heartbeat takes the partition.
 pub async fn heartbeat(
     pool: &PgPool,
     group: &str,

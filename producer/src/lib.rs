@@ -50,7 +50,6 @@ pub mod retention;
 mod route;
 mod tasks;
 #[cfg(feature = "test-util")]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod testing;
 mod trace;
 mod transport;

@@ -247,7 +247,7 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
     let ev_pass = quote_spanned!(ev_ty_span=> event);
     let krate = match &args.krate {
         Some(path) => quote!(#path),
-        None => quote!(::postal_consumer),
+        None => default_crate_path(),
     };
     let p = quote!(#krate::__private);
     let header = quote! {
@@ -363,4 +363,27 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
             }
         }
     })
+}
+
+/// Where `postal_consumer` is for the crate being compiled: `::postal_consumer` when it depends
+/// on that crate (also under another name), `::postal::consumer` when it depends only on the
+/// `postal` facade. `crate = "…"` overrides it.
+fn default_crate_path() -> proc_macro2::TokenStream {
+    use proc_macro_crate::{crate_name, FoundCrate};
+    let named = |name: &str| {
+        let ident = format_ident!("{}", name.replace('-', "_"));
+        quote!(::#ident)
+    };
+    match crate_name("postal-consumer") {
+        Ok(FoundCrate::Name(name)) => named(&name),
+        // Inside postal-consumer itself (its doc tests and examples are other crates).
+        Ok(FoundCrate::Itself) => quote!(::postal_consumer),
+        Err(_) => match crate_name("postal") {
+            Ok(FoundCrate::Name(name)) => {
+                let facade = named(&name);
+                quote!(#facade::consumer)
+            }
+            _ => quote!(::postal_consumer),
+        },
+    }
 }

@@ -1176,6 +1176,16 @@ async fn a_certificate_for_another_host_name_is_refused() {
             .spawn()
             .expect("openssl s_server"),
     );
+    // Listening before the relay starts: a first connection refused would read as "said
+    // something about its broker" below.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "openssl s_server never listened on {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let elsewhere = Secure {
         bootstrap: format!("127.0.0.1:{port}"),
         ca: s.ca.clone(),
