@@ -1,0 +1,379 @@
+//! Taking a partition over: the claim that bumps its epoch, the seek to the stored offset,
+//! the stall check and the backoff between takeovers.
+
+use std::time::Duration;
+
+use rdkafka::consumer::Consumer;
+use rdkafka::Offset;
+
+use crate::offsets::{self, Ownership};
+
+use super::{tpl, Owned, Step, Worker};
+
+impl Worker {
+    /// One ownership of the partition: claims it in the database (bumping its epoch), seeks
+    /// to the stored offset and processes records until cancelled or fenced.
+    pub(super) async fn own(&mut self, floor: Option<i64>) -> Owned {
+        let Some(own) = self.claim().await else {
+            return Owned::Ended;
+        };
+        // Nothing committed yet: records from `floor` on were dropped by an earlier, fenced
+        // ownership of this worker and must be read again.
+        let mut next = own.next_offset.or(floor);
+        let mut lowest: Option<i64> = None;
+        // Until the first record is processed: whether the seek to the stored offset was
+        // verified (see below), and while a second seek is awaited, the first offset seen
+        // above the stored one.
+        let mut verified = false;
+        let mut landing: Option<i64> = None;
+        let mut landing_since = std::time::Instant::now();
+        let mut first = true;
+        if let Some(n) = next {
+            // Asynchronous seek (timeout 0): records below `n` that were fetched before it
+            // takes effect are skipped below; records above it are checked (`verified`).
+            if let Err(e) = self.shared.consumer.seek(
+                &self.topic,
+                self.partition,
+                Offset::Offset(n),
+                Duration::ZERO,
+            ) {
+                tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset failed; skipping older records instead");
+            }
+        }
+        tracing::debug!(topic = %self.topic, partition = self.partition, epoch = own.epoch, next_offset = ?next, "partition taken over");
+        let max_batch = self.shared.config.max_batch;
+        // The (stored offset, high watermark) of the last stall recovery (see `check_stall`).
+        let mut last_stall = None;
+        loop {
+            let head = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Owned::Ended,
+                r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
+                _ = tokio::time::sleep(self.shared.config.stall_check) => {
+                    // Idle: another claim (a `postal consumer reset` moving the stored offset,
+                    // a late claim from elsewhere) shows only at the next commit, and none
+                    // comes without records: look at the epoch now.
+                    if self.epoch_moved(own.epoch).await {
+                        return Owned::Fenced(lowest);
+                    }
+                    match (landing, next) {
+                        // The second seek has not shown yet (lost?): issue it again.
+                        (Some(seen), Some(n)) => {
+                            landing_since = std::time::Instant::now();
+                            match self.seek_stored(n, seen).await {
+                                Some(bound) => landing = Some(bound),
+                                None => return Owned::Ended,
+                            }
+                        }
+                        _ => self.check_stall(next, &mut last_stall).await,
+                    }
+                    continue;
+                }
+            };
+            let mut records = vec![head];
+            while records.len() < max_batch {
+                match self.rx.try_recv() {
+                    Ok(r) => records.push(r),
+                    Err(_) => break,
+                }
+            }
+            self.dequeued(records.len(), records.iter().map(|r| r.weight).sum());
+            if own.next_offset.is_none() {
+                let o = records[0].offset;
+                lowest = Some(lowest.map_or(o, |l: i64| l.min(o)));
+            }
+            if let Some(seen) = landing {
+                // After the second seek the fetch restarts at the stored offset: records from
+                // before it (all above `seen`, and queued ahead of any fetched after it) are
+                // dropped until one at or below `seen` shows that the seek took effect.
+                match records.iter().position(|r| r.offset <= seen) {
+                    None => {
+                        // Still the old position after a while on a busy partition: the seek
+                        // was lost; issue it again (the idle tick never fires here).
+                        if let (Some(n), true) = (
+                            next,
+                            landing_since.elapsed() >= self.shared.config.stall_check,
+                        ) {
+                            landing_since = std::time::Instant::now();
+                            match self.seek_stored(n, seen).await {
+                                Some(bound) => landing = Some(bound),
+                                None => return Owned::Ended,
+                            }
+                        }
+                        continue;
+                    }
+                    Some(p) => {
+                        records.drain(..p);
+                        landing = None;
+                    }
+                }
+            }
+            if let (true, Some(n)) = (first, next) {
+                if records[0].offset > n && !verified {
+                    // The fetch started above the stored offset: fetched before the seek took
+                    // effect (a reassignment in this process, or Kafka's group offset ahead of
+                    // the stored one after `postal consumer reset`), or there really is nothing
+                    // in between. Processing it could skip records: seek again and drop what
+                    // comes until the seek shows.
+                    verified = true;
+                    landing_since = std::time::Instant::now();
+                    match self.seek_stored(n, records[0].offset).await {
+                        Some(bound) => landing = Some(bound),
+                        None => return Owned::Ended,
+                    }
+                    continue;
+                }
+                if records[0].offset > n {
+                    tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, first = records[0].offset,
+                        "the broker delivered the partition from a later offset than the stored one, also after a second seek: records in between were not seen (compaction, retention, transaction markers, or a broker fault)");
+                }
+            }
+            first = false;
+            // Offsets strictly increase from the stored one: a record below it, or at or below
+            // one already taken (the two seeks of a takeover can both deliver a run from the
+            // stored offset), is dropped.
+            let mut floor_offset = next.unwrap_or(i64::MIN);
+            records.retain(|r| {
+                let below = r.offset < floor_offset;
+                if !below {
+                    floor_offset = r.offset + 1;
+                }
+                if below {
+                    tracing::trace!(topic = %self.topic, partition = self.partition, offset = r.offset, "below the stored offset; skipped");
+                    self.shared
+                        .stats
+                        .replays_skipped(&self.shared.config.consumer, &self.topic, 1);
+                }
+                !below
+            });
+            let Some(last) = records.last().map(|r| r.offset) else {
+                continue;
+            };
+            let permit = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Owned::Ended,
+                p = self.shared.permits.acquire() => match p { Ok(p) => p, Err(_) => return Owned::Ended },
+            };
+            let step = if records.len() == 1 {
+                self.process(&own, &records[0]).await
+            } else {
+                self.process_batch(&own, records).await
+            };
+            drop(permit);
+            match step {
+                Step::Done => {
+                    next = Some(last + 1);
+                    if !self.cancel.is_cancelled() {
+                        self.shared
+                            .state
+                            .lock()
+                            .expect("ownership state")
+                            .pending_commits
+                            .insert((self.topic.clone(), self.partition), last + 1);
+                    }
+                }
+                Step::Stop => return Owned::Ended,
+                Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
+                Step::Fenced => return Owned::Fenced(lowest),
+            }
+        }
+    }
+
+    /// Seeks to the stored offset `n` after records arrived from `seen` (above `n`), waiting
+    /// for librdkafka to take the seek (retried a few times if it fails). Returns the landing
+    /// bound: the seek has taken effect once a record at or below it arrives. `None` if
+    /// cancelled meanwhile.
+    ///
+    /// If retention (or delete-records) moved the partition's log start past `n`, the records
+    /// in between are gone: the seek goes to the log start instead, and when that is above
+    /// `seen` the bound is the log start (every record from `n` to `seen` is gone, so a record
+    /// of the earlier fetch at or below it is as good a start as the seek's).
+    pub(super) async fn seek_stored(&mut self, n: i64, seen: i64) -> Option<i64> {
+        // A partition paused meanwhile (its buffer was full) would never deliver the record
+        // that shows the seek took effect.
+        self.resume_fetching();
+        let low = {
+            let consumer = self.shared.consumer.clone();
+            let (topic, partition) = (self.topic.clone(), self.partition);
+            tokio::task::spawn_blocking(move || {
+                consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+            })
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|(low, _)| low)
+        };
+        let target = match low {
+            Some(low) if low > n => {
+                tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, log_start = low,
+                    "records from the stored offset to the partition's log start were removed (retention or delete-records) before this group processed them; resuming from the log start");
+                low
+            }
+            _ => n,
+        };
+        tracing::info!(topic = %self.topic, partition = self.partition, stored = n, target, first = seen,
+            "records arrived from above the stored offset; seeking to the stored offset again");
+        let mut failures = 0u32;
+        loop {
+            let consumer = self.shared.consumer.clone();
+            let (topic, partition) = (self.topic.clone(), self.partition);
+            let r = tokio::task::spawn_blocking(move || {
+                consumer.seek(
+                    &topic,
+                    partition,
+                    Offset::Offset(target),
+                    Duration::from_secs(10),
+                )
+            })
+            .await;
+            match r {
+                Ok(Ok(())) => break,
+                Ok(Err(e)) if failures < 5 => {
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset failed; retrying");
+                }
+                Ok(Err(e)) => {
+                    // Records above the stored offset are still dropped until one at or below
+                    // `seen` comes; the stall check seeks again meanwhile.
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, stored = n, "seek to the stored offset keeps failing; trying again after the stall check");
+                    break;
+                }
+                Err(_) => return None,
+            }
+            if !self.wait(failures).await {
+                return None;
+            }
+            failures += 1;
+        }
+        (!self.cancel.is_cancelled()).then_some(seen.max(target))
+    }
+
+    /// Nothing arrived for `stall_check`: if the broker has records at or beyond the stored
+    /// offset `next`, the fetch position was lost (seen with a Kafka-protocol broker after a
+    /// consumer restart);
+    /// resume the partition and seek to `next` again. Seeking to the stored offset never skips
+    /// a record: anything below it is dropped on arrival, as after any seek. Done once per
+    /// (stored offset, high watermark): offsets that hold no deliverable record (transaction
+    /// markers of transactional producers) keep the high watermark ahead of the stored offset
+    /// without any stall, and must not warn every `stall_check`.
+    pub(super) async fn check_stall(&self, next: Option<i64>, last: &mut Option<(i64, i64)>) {
+        let Some(n) = next else {
+            return;
+        };
+        let consumer = self.shared.consumer.clone();
+        let (topic, partition) = (self.topic.clone(), self.partition);
+        let high = tokio::task::spawn_blocking(move || {
+            consumer.fetch_watermarks(&topic, partition, Duration::from_secs(5))
+        })
+        .await;
+        let Ok(Ok((_, high))) = high else {
+            return;
+        };
+        if high <= n || self.cancel.is_cancelled() || *last == Some((n, high)) {
+            return;
+        }
+        *last = Some((n, high));
+        tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, high_watermark = high,
+            idle_ms = self.shared.config.stall_check.as_millis() as u64,
+            "no records from an owned partition although the broker has more; seeking to the stored offset again");
+        self.shared
+            .stats
+            .stalls_recovered(&self.shared.config.consumer, &self.topic, 1);
+        self.resume_fetching();
+        if let Err(e) = self.shared.consumer.seek(
+            &self.topic,
+            self.partition,
+            Offset::Offset(n),
+            Duration::ZERO,
+        ) {
+            tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed");
+        }
+    }
+
+    /// Resumes fetching from the partition (it may have been paused when its buffer filled).
+    pub(super) fn resume_fetching(&self) {
+        let mut paused = self.paused.lock().expect("pause flag");
+        if self
+            .shared
+            .consumer
+            .resume(&tpl(&self.topic, self.partition))
+            .is_ok()
+        {
+            *paused = false;
+        }
+    }
+
+    /// Whether the partition's epoch in the database moved past `epoch` (another claim).
+    /// A database error counts as "no": the next commit finds out.
+    pub(super) async fn epoch_moved(&self, epoch: i64) -> bool {
+        let current: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
+            "SELECT epoch FROM postal.consumer_offsets
+             WHERE group_id = $1 AND topic = $2 AND partition = $3",
+        )
+        .bind(&self.shared.config.group)
+        .bind(&self.topic)
+        .bind(self.partition)
+        .fetch_optional(&self.shared.pool)
+        .await;
+        let moved = matches!(current, Ok(Some(e)) if e != epoch);
+        if moved {
+            self.shared
+                .stats
+                .fenced(&self.shared.config.consumer, &self.topic, 1);
+        }
+        moved
+    }
+
+    pub(super) fn dequeued(&self, n: usize, bytes: usize) {
+        self.queued.sub(n, bytes);
+        self.shared.stats.buffered(-(bytes as i64));
+        if self.queued.drained(&self.shared) {
+            let mut paused = self.paused.lock().expect("pause flag");
+            if *paused && self.queued.drained(&self.shared) {
+                match self
+                    .shared
+                    .consumer
+                    .resume(&tpl(&self.topic, self.partition))
+                {
+                    Ok(()) => *paused = false,
+                    Err(e) => {
+                        tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "resuming the partition failed")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes the partition over in the database; waits (with backoff) while it is unreachable.
+    pub(super) async fn claim(&self) -> Option<Ownership> {
+        let mut failures = 0u32;
+        loop {
+            let r = offsets::claim(
+                &self.shared.pool,
+                &self.shared.config.group,
+                &self.topic,
+                self.partition,
+                &self.shared.owner,
+            )
+            .await;
+            match r {
+                Ok(o) => return Some(o),
+                Err(e) => {
+                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read the stored offset; retrying");
+                    if !self.wait(failures).await {
+                        return None;
+                    }
+                    failures = failures.saturating_add(1);
+                }
+            }
+        }
+    }
+
+    /// Sleeps for the backoff of `attempt`; `false` if cancelled meanwhile.
+    pub(crate) async fn wait(&self, attempt: u32) -> bool {
+        let d = self.shared.config.backoff.delay(attempt);
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = self.cancel.cancelled() => false,
+        }
+    }
+}

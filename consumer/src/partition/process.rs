@@ -1,0 +1,247 @@
+//! One record's transaction: the dedup row, the handler's effects and the next offset,
+//! with retries, and the handler body run with its panics caught.
+
+use std::panic::AssertUnwindSafe;
+
+use futures::FutureExt;
+use sqlx::{Postgres, Transaction};
+
+use crate::config::UnknownTypes;
+use crate::dead_letter::Reason;
+use crate::handler::{classify_sqlx, Class, HandlerError};
+use crate::offsets::{self, Ownership};
+use crate::record::{meta, Meta, Record};
+use crate::route::{Failure, Route};
+
+use super::dead::Written;
+use super::{Step, Worker};
+
+impl Worker {
+    pub(crate) async fn process(&self, own: &Ownership, record: &Record) -> Step {
+        let consumer = self.shared.config.consumer.as_str();
+        let meta = match meta(record) {
+            Ok(m) => m,
+            Err((reason, error)) => {
+                return self.dead_letter(own, record, None, reason, &error, 0).await
+            }
+        };
+        let Some(route) = self
+            .shared
+            .router
+            .find(&record.topic, &meta.event_type, meta.schema_version)
+            .cloned()
+        else {
+            return match self.shared.config.unknown_types {
+                UnknownTypes::Skip => self.skip(own, record).await,
+                _ => {
+                    let error = format!(
+                        "no handler for event type {} (schema version {}) on topic {}",
+                        postal_shared::text::quoted(&meta.event_type),
+                        meta.schema_version,
+                        postal_shared::text::quoted(&record.topic)
+                    );
+                    self.dead_letter(own, record, Some(&meta), Reason::UnknownType, &error, 0)
+                        .await
+                }
+            };
+        };
+        let mut attempts = 0u32;
+        let mut outages = 0u32;
+        loop {
+            if self.cancel.is_cancelled() {
+                return Step::Stop;
+            }
+            let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %meta.id, topic = %record.topic, partition = record.partition, offset = record.offset);
+            crate::trace::continue_trace(&span, &record.headers);
+            let started = std::time::Instant::now();
+            let result = tracing::Instrument::instrument(
+                self.attempt(own, record, &meta, route.as_ref()),
+                span,
+            )
+            .await;
+            metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.to_owned(), "topic" => record.topic.clone())
+                .record(started.elapsed().as_secs_f64());
+            match result {
+                Ok(applied) => {
+                    if applied {
+                        self.shared.stats.applied(consumer, &record.topic, 1);
+                    } else {
+                        self.shared.stats.duplicates(consumer, &record.topic, 1);
+                    }
+                    return Step::Done;
+                }
+                Err(Attempt::Fenced) => {
+                    self.shared.stats.fenced(consumer, &record.topic, 1);
+                    tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
+                    return Step::Fenced;
+                }
+                Err(Attempt::Unavailable(e)) => {
+                    tracing::warn!(error = %e, event_id = %meta.id, "database or dependency unavailable; retrying (does not count as an attempt)");
+                    if !self.wait(outages).await {
+                        return Step::Stop;
+                    }
+                    outages = outages.saturating_add(1);
+                }
+                Err(Attempt::Retryable(e)) => {
+                    attempts += 1;
+                    if attempts >= self.shared.config.max_attempts {
+                        let error = format!("gave up after {attempts} attempts: {e}");
+                        return self
+                            .dead_letter(
+                                own,
+                                record,
+                                Some(&meta),
+                                Reason::RetriesExhausted,
+                                &error,
+                                attempts as i32,
+                            )
+                            .await;
+                    }
+                    self.shared.stats.retries(consumer, &record.topic, 1);
+                    tracing::warn!(error = %e, event_id = %meta.id, attempt = attempts, "handler failed; retrying");
+                    if !self.wait(attempts - 1).await {
+                        return Step::Stop;
+                    }
+                }
+                Err(Attempt::Permanent(reason, e)) => {
+                    let ran = if reason == Reason::Undecodable {
+                        attempts
+                    } else {
+                        attempts + 1
+                    };
+                    return self
+                        .dead_letter(own, record, Some(&meta), reason, &e, ran as i32)
+                        .await;
+                }
+            }
+        }
+    }
+
+    /// One transaction: dedup row, body, next offset. `Ok(true)` applied, `Ok(false)` duplicate.
+    pub(super) async fn attempt(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        meta: &Meta,
+        route: &dyn Route,
+    ) -> Result<bool, Attempt> {
+        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
+        let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
+            .await
+            .map_err(|e| match e {
+                crate::Error::Database(d) => Attempt::db(d),
+                other => Attempt::Retryable(other.to_string()),
+            })?;
+        if fresh {
+            run_body(route, &mut tx, record, meta)
+                .await
+                .map_err(|f| match f {
+                    BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
+                    BodyFailure::Retry(error, false) => Attempt::Retryable(error),
+                    BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
+                })?;
+        }
+        let owned = offsets::advance(
+            &mut tx,
+            &self.shared.config.group,
+            &record.topic,
+            record.partition,
+            own.epoch,
+            record.offset + 1,
+        )
+        .await
+        .map_err(Attempt::db)?;
+        if !owned {
+            return Err(Attempt::Fenced);
+        }
+        tx.commit().await.map_err(Attempt::db)?;
+        Ok(fresh)
+    }
+
+    /// Advances past a record of an unknown type.
+    pub(super) async fn skip(&self, own: &Ownership, record: &Record) -> Step {
+        let step = match self.write_with_retry(own, record, None).await {
+            Written::Stop => Step::Stop,
+            Written::Fenced => Step::Fenced,
+            _ => Step::Done,
+        };
+        if matches!(step, Step::Done) {
+            self.shared
+                .stats
+                .skipped(&self.shared.config.consumer, &record.topic, 1);
+        }
+        step
+    }
+}
+
+/// How one attempt failed.
+pub(crate) enum Attempt {
+    Fenced,
+    Unavailable(String),
+    Retryable(String),
+    Permanent(Reason, String),
+}
+
+impl Attempt {
+    pub(crate) fn db(e: sqlx::Error) -> Self {
+        match classify_sqlx(&e) {
+            Class::Unavailable => Attempt::Unavailable(e.to_string()),
+            _ => Attempt::Retryable(e.to_string()),
+        }
+    }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "handler panicked".into())
+}
+
+/// How a handler body failed.
+pub(crate) enum BodyFailure {
+    /// Dead-letter it (reason, error).
+    Dead(Reason, String),
+    /// Retry it later (error, outage?).
+    Retry(String, bool),
+}
+
+/// Runs a handler body, turning its errors and panics into a [`BodyFailure`].
+pub(crate) async fn run_body(
+    route: &dyn crate::route::Route,
+    tx: &mut Transaction<'_, Postgres>,
+    record: &Record,
+    meta: &Meta,
+) -> Result<(), BodyFailure> {
+    // Handler errors and panic messages may quote the record (a payload's string in a decode
+    // error): bounded and escaped before they are logged or stored.
+    let bounded = |e: &dyn std::fmt::Display| {
+        postal_shared::text::bounded(&e.to_string(), postal_shared::text::MAX_ERROR_BYTES)
+            .into_owned()
+    };
+    match AssertUnwindSafe(route.call(tx, record, meta))
+        .catch_unwind()
+        .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Failure::Undecodable(e))) => {
+            Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
+            Err(BodyFailure::Dead(Reason::Permanent, bounded(&e)))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
+            Err(BodyFailure::Retry(bounded(&e), false))
+        }
+        Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
+            Err(BodyFailure::Retry(bounded(&e), true))
+        }
+        Err(panic) => {
+            let msg = bounded(&panic_message(panic.as_ref()));
+            tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
+            Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
+        }
+    }
+}
