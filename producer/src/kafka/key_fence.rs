@@ -37,6 +37,10 @@ const HANDED: u8 = 1;
 /// Its outcome is known (acknowledged, failed or purged).
 const RESOLVED: u8 = 2;
 
+/// Why a record of a fenced key was held back.
+pub(super) const FENCED: &str =
+    "an earlier event of this key has no recorded outcome yet in a replaced Kafka producer";
+
 /// One batch as the fence sees it: which producer generation it went to, its records' keys
 /// and whether each has an outcome yet.
 pub(super) struct Tracked {

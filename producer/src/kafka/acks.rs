@@ -1,0 +1,183 @@
+//! Delivery accounting: the producer's delivery callbacks count each batch's acknowledgements
+//! down ([`BatchAcks`], an [`Ack`] per record) instead of a channel and a future per record.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{DeliveryResult, ProducerContext};
+use rdkafka::ClientContext;
+
+use super::classify::{classify, needs_reset, unreachable};
+use super::key_fence::Tracked;
+use super::topics::not_authorised;
+use super::ProducerSlot;
+use crate::transport::{FailureKind, PublishError};
+
+/// Delivery callbacks that count a batch's acknowledgements down (see [`BatchAcks`]), instead
+/// of a channel and a future per record.
+pub(super) struct AckContext;
+
+impl ClientContext for AckContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        UNREACHABLE_LOG.kafka_client_error(unreachable(&error), &error, reason);
+    }
+}
+
+/// One "broker unreachable" line every 30 s for all of the relay's Kafka clients.
+static UNREACHABLE_LOG: std::sync::LazyLock<postal_shared::LogThrottle> =
+    std::sync::LazyLock::new(|| postal_shared::LogThrottle::new(Duration::from_secs(30)));
+
+impl ProducerContext for AckContext {
+    type DeliveryOpaque = Box<Ack>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, mut ack: Box<Ack>) {
+        ack.delivered = true;
+        if let Err((err, msg)) = result {
+            if err.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAuthorizationFailed) {
+                use rdkafka::Message as _;
+                ack.denied_topic = Some(msg.topic().to_owned());
+            }
+            ack.failure = Some(err.clone());
+        }
+        // Dropping the ack records it (see `Drop for Ack`).
+    }
+}
+
+/// The acknowledgements of one batch, filled in from the delivery callbacks.
+pub(super) struct BatchAcks {
+    /// Records handed to librdkafka and not yet reported, plus one while records are still
+    /// being handed over.
+    pub(super) remaining: AtomicUsize,
+    /// Records that failed after they were handed over: (index in the batch, error).
+    pub(super) failures: Mutex<Vec<(usize, PublishError)>>,
+    /// Topics the broker refused records of for a missing ACL, with the reason.
+    pub(super) denied: Mutex<Vec<(String, String)>>,
+    /// Set once a failure asked for a fresh producer (see [`needs_reset`]).
+    reset: AtomicBool,
+    /// The producer the batch went through (weak: the records queued in a producer hold their
+    /// batch, which must not keep the producer alive), its generation, and the runtime to
+    /// replace it on.
+    slot: std::sync::Weak<ProducerSlot>,
+    generation: u64,
+    runtime: tokio::runtime::Handle,
+    /// Woken when `remaining` reaches zero.
+    done: tokio::sync::Notify,
+    /// Which records have their outcome, for the key fence.
+    tracked: Arc<Tracked>,
+}
+
+impl BatchAcks {
+    pub(super) fn new(
+        slot: std::sync::Weak<ProducerSlot>,
+        generation: u64,
+        tracked: Arc<Tracked>,
+    ) -> Arc<Self> {
+        Arc::new(BatchAcks {
+            remaining: AtomicUsize::new(1),
+            failures: Mutex::new(Vec::new()),
+            denied: Mutex::new(Vec::new()),
+            reset: AtomicBool::new(false),
+            tracked,
+            slot,
+            generation,
+            runtime: tokio::runtime::Handle::current(),
+            done: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// Replaces the producer at once, not when the batch is settled (other batches would keep
+    /// going through a producer that needs replacing meanwhile). Called from the delivery
+    /// callback, i.e. on the producer's own polling thread, which must not drop the producer:
+    /// the replacement runs on the runtime's blocking pool.
+    fn reset_producer(&self) {
+        if self.reset.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(slot) = self.slot.upgrade() else {
+            return;
+        };
+        let generation = self.generation;
+        drop(
+            self.runtime
+                .spawn_blocking(move || slot.replace(generation)),
+        );
+    }
+
+    /// One record (or the hand-over itself) is done.
+    pub(super) fn count_down(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+
+    /// Resolves once every record handed over was reported.
+    pub(super) async fn settled(&self) {
+        while self.remaining.load(Ordering::Acquire) > 0 {
+            self.done.notified().await;
+        }
+    }
+}
+
+/// One record's delivery opaque: reports its outcome to the batch when dropped — by the
+/// delivery callback, or by librdkafka discarding the record without one (reported as the
+/// producer shutting down before the acknowledgement).
+pub(super) struct Ack {
+    pub(super) batch: Arc<BatchAcks>,
+    pub(super) index: usize,
+    pub(super) delivered: bool,
+    pub(super) failure: Option<KafkaError>,
+    /// The record's topic, when the broker refused it for a missing ACL.
+    pub(super) denied_topic: Option<String>,
+}
+
+impl Drop for Ack {
+    fn drop(&mut self) {
+        let failure = match (self.delivered, self.failure.take()) {
+            (true, None) => None,
+            (true, Some(err)) => {
+                if needs_reset(&err) {
+                    self.batch.reset_producer();
+                }
+                if let Some(topic) = self.denied_topic.take() {
+                    let reason = not_authorised(&topic);
+                    self.batch
+                        .denied
+                        .lock()
+                        .expect("denied topics")
+                        .push((topic, reason.clone()));
+                    Some(PublishError::new(FailureKind::Waiting, reason))
+                } else if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+                    Some(PublishError::new(classify(&err), format!("{err}: the Kafka producer stopped for good and is replaced (its cause is logged just before: e.g. \"Cluster authorization failed\" when the relay's principal may write no topic at all)")))
+                } else {
+                    Some(PublishError::new(classify(&err), err.to_string()))
+                }
+            }
+            (false, _) => Some(PublishError::new(
+                FailureKind::Unavailable,
+                "producer shut down before the broker acknowledged",
+            )),
+        };
+        if let Some(f) = failure {
+            // A failed record holds its key until its batch is recorded (its row is then back
+            // in the outbox, holding the key there): a later batch must not send the key's
+            // later records meanwhile (see `KeyFence`).
+            if let Some(slot) = self.batch.slot.upgrade() {
+                slot.fence.hold_key(&self.batch.tracked, self.index);
+            }
+            self.batch
+                .failures
+                .lock()
+                .expect("batch failures")
+                .push((self.index, f));
+        }
+        if self.batch.tracked.resolved(self.index) {
+            // The batch holds keys in the fence: this may have been its last open record.
+            if let (Some(slot), Some(id)) = (self.batch.slot.upgrade(), self.batch.tracked.id()) {
+                slot.fence.try_release(id);
+            }
+        }
+        self.batch.count_down();
+    }
+}

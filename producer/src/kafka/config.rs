@@ -1,0 +1,123 @@
+//! The Kafka transport's settings and the librdkafka configuration made of them.
+
+use std::collections::BTreeMap;
+
+use rdkafka::config::ClientConfig;
+
+/// Settings of the Kafka transport.
+#[derive(Clone)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub bootstrap_servers: String,
+    /// CloudEvents `source` written on every record (default `postal`).
+    pub source: String,
+    /// Create missing topics through the admin API (default `true`). When `false` (or when the
+    /// cluster refuses), events for a missing topic wait, retried every few seconds without
+    /// using up attempts, and the relay logs which topic to create.
+    pub create_topics: bool,
+    /// Partition count of created topics (default 12).
+    pub topic_partitions: i32,
+    /// Replication factor of created topics (default 1).
+    pub topic_replication: i32,
+    /// Extra librdkafka properties (TLS, SASL, tuning); they override Postal's defaults.
+    pub properties: BTreeMap<String, String>,
+    /// The topics the relay may publish to and create (default: every topic except
+    /// dead-letter topics). Events for others are parked with the reason.
+    pub allowed_topics: crate::TopicAllowList,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let props = postal_shared::secret::redacted_properties(&self.properties);
+        f.debug_struct("KafkaConfig")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("source", &self.source)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication", &self.topic_replication)
+            .field("properties", &props)
+            .field("allowed_topics", &self.allowed_topics)
+            .finish()
+    }
+}
+
+impl KafkaConfig {
+    /// Defaults for the given bootstrap servers.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        KafkaConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            source: "postal".into(),
+            create_topics: true,
+            topic_partitions: 12,
+            topic_replication: 1,
+            properties: BTreeMap::new(),
+            allowed_topics: crate::TopicAllowList::any(),
+        }
+    }
+
+    /// The librdkafka producer configuration: Postal's defaults, then the user's properties.
+    ///
+    /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
+    /// where Java clients and Debezium put them), `linger.ms=0`, `compression.type=lz4`,
+    /// `message.timeout.ms=20000`, `queue.buffering.max.messages=1000000`,
+    /// `allow.auto.create.topics=false`.
+    ///
+    /// `linger.ms` is 0 (librdkafka's own default is 5) because the relay already batches: it
+    /// hands a whole claimed batch to the producer at once. Under light load a claim holds a
+    /// few events, and a linger would add its full length to each of them (and to the
+    /// acknowledgement that the batch's commit and the lane's next claim wait for). Draining a
+    /// backlog, `postal-bench relay --relay-only --instances 1 --kafka linger.ms=5` against the
+    /// default measured no difference beyond the spread (BENCHMARKS.md).
+    ///
+    /// `compression.type` is `lz4` (librdkafka's default is none): an event's nine CloudEvents
+    /// and Postal headers repeat from record to record, and compressed batches are fewer bytes
+    /// for the broker to receive, store and serve. Draining a backlog with it, the broker
+    /// spent less CPU per event and the relay none more (`postal-bench relay --relay-only
+    /// --kafka compression.type=lz4` against `=none`, before lz4 became the default;
+    /// BENCHMARKS.md). librdkafka-based and Java clients read lz4 batches as they are; some
+    /// others need a codec installed. `--kafka compression.type=none` turns it off.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut cfg = ClientConfig::new();
+        cfg.set("bootstrap.servers", &self.bootstrap_servers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("partitioner", "murmur2_random")
+            .set("linger.ms", "0")
+            .set("compression.type", "lz4")
+            .set("message.timeout.ms", "20000")
+            .set("queue.buffering.max.messages", "1000000")
+            .set("queue.buffering.max.kbytes", "1048576")
+            .set("allow.auto.create.topics", "false")
+            .set("log_level", "4");
+        for (k, v) in &self.properties {
+            cfg.set(k, v);
+        }
+        cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SASL and TLS secrets given as librdkafka properties never show in `Debug` output (which
+    /// is what gets logged), while the rest of the configuration does.
+    #[test]
+    fn debug_output_redacts_secrets() {
+        let mut c = KafkaConfig::new("broker:9092");
+        c.properties
+            .insert("sasl.password".into(), "hunter2".into());
+        c.properties
+            .insert("ssl.key.password".into(), "s3cret".into());
+        c.properties.insert("sasl.username".into(), "relay".into());
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("relay") && shown.contains("broker:9092"),
+            "{shown}"
+        );
+    }
+}

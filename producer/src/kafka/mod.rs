@@ -1,0 +1,167 @@
+//! The Kafka transport: an idempotent rdkafka producer that writes CloudEvents-style records.
+//!
+//! [`KafkaTransport`] sends through a [`ProducerSlot`], whose producer is replaced after fatal
+//! errors; its configuration is in [`config`], topic checks and creation in [`topics`], the
+//! `Transport` implementation in [`transport`], the per-batch acknowledgement accounting in
+//! [`acks`], error classification in [`classify`] and the key fence across producer
+//! replacements in [`key_fence`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
+use rdkafka::producer::ThreadedProducer;
+
+use crate::Error;
+
+mod acks;
+mod classify;
+mod config;
+mod key_fence;
+mod topics;
+mod transport;
+
+use acks::AckContext;
+use key_fence::KeyFence;
+use topics::TopicState;
+
+pub use classify::classify;
+pub use config::KafkaConfig;
+
+/// Publishes outbox events to Kafka.
+///
+/// Record layout (CloudEvents Kafka protocol binding, binary mode): key = event key, value =
+/// payload, headers `ce_id`, `ce_type`, `ce_source`, `ce_time`, `ce_specversion`, `ce_subject`
+/// (key), `ce_schemaversion`, `ce_postalseq`, `content-type`, then user headers (including
+/// `traceparent` / `tracestate`).
+pub struct KafkaTransport {
+    producer: Arc<ProducerSlot>,
+    admin: AdminClient<DefaultClientContext>,
+    config: KafkaConfig,
+    max_message_bytes: usize,
+    topics: Arc<Mutex<HashMap<String, TopicState>>>,
+}
+
+impl std::fmt::Debug for KafkaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaTransport")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl KafkaTransport {
+    /// Creates the producer and admin clients. Fails on invalid librdkafka properties; an
+    /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        crate::kafka_overrides::check(&config.properties)?;
+        postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
+        if config.topic_partitions < 1 || config.topic_replication < 1 {
+            return Err(Error::Config(
+                "topic partitions and replication factor must be at least 1".into(),
+            ));
+        }
+        let client_config = config.client_config();
+        if client_config.get("message.timeout.ms") == Some("0") {
+            tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
+        }
+        let producer = shared_producer(client_config.create_with_context(AckContext)?);
+        let admin: AdminClient<DefaultClientContext> = client_config.create()?;
+        let max_message_bytes = client_config
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1_000_000);
+        Ok(KafkaTransport {
+            producer: Arc::new(ProducerSlot {
+                current: std::sync::RwLock::new((0, producer)),
+                generation: AtomicU64::new(0),
+                client_config: client_config.clone(),
+                fence: KeyFence::default(),
+            }),
+            admin,
+            config,
+            max_message_bytes,
+            topics: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    /// How many times the producer was replaced.
+    #[cfg(test)]
+    fn producers_generation(&self) -> u64 {
+        self.producer.current().0
+    }
+
+    /// The current producer.
+    fn producer(&self) -> SharedProducer {
+        self.producer.current().1
+    }
+}
+
+/// The producer in use, numbered so that a failure seen by many in-flight records replaces
+/// it once.
+struct ProducerSlot {
+    current: std::sync::RwLock<(u64, SharedProducer)>,
+    /// The current generation, also readable without the lock: a batch being handed over
+    /// checks it before each record, so that nothing goes to a producer already replaced
+    /// (see [`KeyFence`]).
+    generation: AtomicU64,
+    client_config: rdkafka::ClientConfig,
+    /// Keys held back while a record of theirs in a replaced producer has no recorded outcome.
+    fence: KeyFence,
+}
+
+impl ProducerSlot {
+    fn current(&self) -> (u64, SharedProducer) {
+        self.current.read().expect("producer lock").clone()
+    }
+
+    /// Replaces producer number `generation` (if it is still the current one) with a fresh
+    /// producer, which asks the broker for a new idempotent producer id. Done at once, not
+    /// before the next batch: the old client would otherwise reconnect to a restarted broker
+    /// and bump the epoch of an id that broker may no longer know.
+    fn replace(&self, generation: u64) {
+        let mut current = self.current.write().expect("producer lock");
+        if current.0 != generation {
+            return;
+        }
+        match self
+            .client_config
+            .create_with_context::<_, AckProducer>(AckContext)
+        {
+            Ok(p) => {
+                // Batches still handing records to the old producer stop at their next record,
+                // then the keys of its records without an outcome are fenced: all before the
+                // new producer is handed out (under the lock), so no batch sends through it
+                // without seeing the fence.
+                self.generation.store(generation + 1, Ordering::SeqCst);
+                self.fence.fence_generation(generation);
+                let old = std::mem::replace(&mut current.1, shared_producer(p));
+                current.0 += 1;
+                drop(current);
+                // Destroyed where its last handle goes (batches still in flight hold one), on
+                // a thread of its own (see `SharedProducer`).
+                drop(old);
+                tracing::info!(
+                    "recreated the Kafka producer after delivery timeouts or a fatal broker error"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not recreate the Kafka producer; keeping the old one");
+            }
+        }
+    }
+}
+
+/// The producer: librdkafka's client with a polling thread that runs the delivery callbacks.
+type AckProducer = ThreadedProducer<AckContext>;
+
+/// A handle to the producer: the last one to go destroys the client on a thread of its own,
+/// never on an async worker or the runtime's blocking pool (destroying it waits for
+/// librdkafka's threads; see [`postal_shared::DetachedDrop`]).
+type SharedProducer = postal_shared::DetachedDrop<AckProducer>;
+
+fn shared_producer(producer: AckProducer) -> SharedProducer {
+    postal_shared::DetachedDrop::new(producer, "postal-producer-drop")
+}

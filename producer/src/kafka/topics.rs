@@ -1,0 +1,185 @@
+//! Topics: whether a topic exists (created when allowed), and the state of each as last seen,
+//! so that a missing topic's events wait and are rechecked every few seconds.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::Producer;
+use rdkafka::util::Timeout;
+
+use super::classify::{classify, classify_code};
+use super::KafkaTransport;
+use crate::transport::{FailureKind, PublishError};
+
+#[derive(Clone, Debug)]
+pub(super) enum TopicState {
+    Ready,
+    /// Missing since `since`: checked again after [`MISSING_TOPIC_RECHECK`].
+    Missing {
+        reason: String,
+        since: std::time::Instant,
+    },
+}
+
+/// How long a missing topic's events wait before the relay asks the cluster again.
+const MISSING_TOPIC_RECHECK: Duration = Duration::from_secs(5);
+
+/// One line saying which topic is missing, why Postal did not create it and what to do.
+pub(super) fn not_authorised(topic: &str) -> String {
+    format!(
+        "the relay is not authorised for topic {topic:?}: grant its Kafka principal WRITE and DESCRIBE on the topic (Kafka ACLs); its events wait until then"
+    )
+}
+
+fn missing_topic(topic: &str, why: &str) -> String {
+    format!(
+        "topic {topic:?} does not exist and {why}: create it (kafka-topics.sh --bootstrap-server <broker> --create --topic {topic}); its events wait until it exists"
+    )
+}
+
+impl KafkaTransport {
+    /// Makes sure `topic` exists before records go to it. A topic that is missing (topic
+    /// creation off, or refused by the cluster) is not the events' fault: they wait, retried
+    /// without using up attempts, and the relay logs which topic to create and how.
+    pub(super) async fn ensure_topic(&self, topic: &str) -> Result<(), PublishError> {
+        let cached = self.topics.lock().expect("topic cache").get(topic).cloned();
+        match cached {
+            Some(TopicState::Ready) => return Ok(()),
+            Some(TopicState::Missing { reason, since })
+                if since.elapsed() < MISSING_TOPIC_RECHECK =>
+            {
+                return Err(PublishError::new(FailureKind::Waiting, reason));
+            }
+            _ => {}
+        }
+        let outcome = match self.topic_exists(topic).await {
+            Ok(true) => Ok(()),
+            Ok(false) if self.config.create_topics => self.create_topic(topic).await,
+            Ok(false) => Err(PublishError::new(
+                FailureKind::Waiting,
+                missing_topic(topic, "topic creation is off (--no-create-topics)"),
+            )),
+            // Not the events' fault (a missing ACL): cached and said once, as a missing topic.
+            Err(e) if e.kind == FailureKind::Waiting => Err(e),
+            Err(e) => return Err(e),
+        };
+        let state = match &outcome {
+            Ok(()) => TopicState::Ready,
+            Err(e) if e.kind == FailureKind::Waiting => TopicState::Missing {
+                reason: e.reason.clone(),
+                since: std::time::Instant::now(),
+            },
+            Err(_) => return outcome,
+        };
+        // Lanes look topics up concurrently: say it once, when the state changes.
+        let was_missing = matches!(
+            self.topics
+                .lock()
+                .expect("topic cache")
+                .insert(topic.to_owned(), state.clone()),
+            Some(TopicState::Missing { .. })
+        );
+        match (&state, &outcome) {
+            (TopicState::Missing { .. }, Err(e)) if !was_missing => {
+                tracing::warn!(topic, "{}", e.reason);
+            }
+            (TopicState::Ready, _) if was_missing => {
+                tracing::info!(topic, "topic now ready: its waiting events go out");
+            }
+            _ => {}
+        }
+        outcome
+    }
+
+    async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {
+        let producer = self.producer();
+        let name = topic.to_owned();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&name), Timeout::After(Duration::from_secs(10)))
+        })
+        .await
+        .map_err(|e| PublishError::new(FailureKind::Transient, e.to_string()))?
+        .map_err(|e| PublishError::new(classify(&e), format!("metadata for {topic:?}: {e}")))?;
+        let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(false);
+        };
+        match t.error() {
+            None => Ok(!t.partitions().is_empty()),
+            Some(err) => {
+                let code = RDKafkaErrorCode::from(err);
+                match code {
+                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => {
+                        Ok(false)
+                    }
+                    RDKafkaErrorCode::InvalidTopic => Err(PublishError::new(
+                        FailureKind::Permanent,
+                        format!("invalid topic {topic:?}: {code}"),
+                    )),
+                    // An ACL missing for this topic is the cluster's set-up, not the events'
+                    // fault: they wait (in key order) until it is granted.
+                    RDKafkaErrorCode::TopicAuthorizationFailed => Err(PublishError::new(
+                        FailureKind::Waiting,
+                        not_authorised(topic),
+                    )),
+                    other => Err(PublishError::new(
+                        FailureKind::Unavailable,
+                        format!("metadata for {topic:?}: {other}"),
+                    )),
+                }
+            }
+        }
+    }
+
+    async fn create_topic(&self, topic: &str) -> Result<(), PublishError> {
+        let new = NewTopic::new(
+            topic,
+            self.config.topic_partitions,
+            TopicReplication::Fixed(self.config.topic_replication),
+        );
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self.admin.create_topics([&new], &opts).await.map_err(|e| {
+            PublishError::new(classify(&e), format!("creating topic {topic:?}: {e}"))
+        })?;
+        for r in results {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((_, RDKafkaErrorCode::InvalidTopic)) => {
+                    return Err(PublishError::new(
+                        FailureKind::Permanent,
+                        format!("invalid topic {topic:?}"),
+                    ))
+                }
+                Err((
+                    _,
+                    code @ (RDKafkaErrorCode::TopicAuthorizationFailed
+                    | RDKafkaErrorCode::ClusterAuthorizationFailed
+                    | RDKafkaErrorCode::PolicyViolation
+                    | RDKafkaErrorCode::InvalidReplicationFactor
+                    | RDKafkaErrorCode::InvalidPartitions
+                    | RDKafkaErrorCode::InvalidConfig
+                    | RDKafkaErrorCode::InvalidReplicaAssignment),
+                )) => {
+                    return Err(PublishError::new(
+                        FailureKind::Waiting,
+                        missing_topic(topic, &format!("the cluster refused to create it ({code})")),
+                    ))
+                }
+                Err((_, code)) => {
+                    return Err(PublishError::new(
+                        classify_code(code),
+                        format!("creating topic {topic:?}: {code}"),
+                    ))
+                }
+            }
+        }
+        tracing::info!(
+            topic,
+            partitions = self.config.topic_partitions,
+            "created topic"
+        );
+        Ok(())
+    }
+}

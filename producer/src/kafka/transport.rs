@@ -1,0 +1,301 @@
+//! The [`Transport`] implementation: a batch handed to the producer record by record (behind
+//! its topics' checks and the key fence), and its outcomes once every record has one.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, Producer};
+use rdkafka::util::Timeout;
+
+use postal_shared::headers as h;
+
+use super::acks::{Ack, BatchAcks};
+use super::classify::{classify, needs_reset};
+use super::key_fence::FENCED;
+use super::topics::TopicState;
+use super::KafkaTransport;
+use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
+
+#[cfg(test)]
+mod tests;
+
+impl KafkaTransport {
+    fn record_size(event: &OutboundEvent) -> usize {
+        // Payload, key and headers plus a generous allowance for record framing and
+        // Postal's own headers.
+        event.payload.len()
+            + event.key.len()
+            + event
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    let twice = postal_shared::headers::trace_extension(k).is_some();
+                    (k.len() + v.len() + 8) * if twice { 2 } else { 1 }
+                })
+                .sum::<usize>()
+            + 512
+    }
+}
+
+type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+impl Transport for KafkaTransport {
+    type Acks = Acks;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Acks {
+        let (generation, producer) = self.producer.current();
+        // Keys whose earlier event in this batch failed before it was sent: their later events
+        // are held back instead of overtaking it.
+        let mut blocked: HashSet<&str> = HashSet::new();
+        // Resolve every distinct topic once per batch.
+        let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        let mut previous: Option<&str> = None;
+        for e in batch {
+            // Batches mostly hold one topic: look it up only when it changes.
+            if previous != Some(e.topic.as_str()) && !topic_ok.contains_key(e.topic.as_str()) {
+                // A refused topic is never looked up, let alone created.
+                let r = match self.config.allowed_topics.check(&e.topic) {
+                    Ok(()) => self.ensure_topic(&e.topic).await,
+                    Err(refused) => Err(refused),
+                };
+                topic_ok.insert(e.topic.as_str(), r);
+            }
+            previous = Some(e.topic.as_str());
+        }
+        let every_topic_ok = topic_ok.values().all(Result::is_ok);
+        // The header values formatted per event, without an allocation each.
+        let mut id_buf = uuid::Uuid::encode_buffer();
+        let mut version_buf = itoa::Buffer::new();
+        let mut seq_buf = itoa::Buffer::new();
+
+        // Outcomes known before the acknowledgements (refused before sending); the rest are
+        // filled in from the delivery callbacks.
+        let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
+        let fence = &self.producer.fence;
+        let tracked = fence.track(batch, generation);
+        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation, tracked.clone());
+        // Set once the producer was replaced while this batch was being handed over.
+        let mut replaced = false;
+        for (index, e) in batch.iter().enumerate() {
+            if !blocked.is_empty() && blocked.contains(e.key.as_str()) {
+                outcomes[index] = Err(PublishError::new(
+                    FailureKind::HeldBack,
+                    "an earlier event of this key failed",
+                ));
+                continue;
+            }
+            // A record of this key in a replaced producer has no recorded outcome yet: this
+            // one must not overtake it (see `KeyFence`); nor may the key's later ones here.
+            if fence.any() && fence.hold_if_fenced(&tracked, index) {
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
+                continue;
+            }
+            if !every_topic_ok {
+                if let Err(err) = &topic_ok[e.topic.as_str()] {
+                    outcomes[index] = Err(err.clone());
+                    blocked.insert(e.key.as_str());
+                    fence.hold_key(&tracked, index);
+                    continue;
+                }
+            }
+            if let Some(err) = crate::transport::reserved_header(e) {
+                outcomes[index] = Err(err);
+                blocked.insert(e.key.as_str());
+                fence.hold_key(&tracked, index);
+                continue;
+            }
+            let size = Self::record_size(e);
+            if size > self.max_message_bytes {
+                outcomes[index] = Err(PublishError::new(
+                    FailureKind::Permanent,
+                    format!(
+                        "record of about {size} bytes exceeds the producer's message.max.bytes of {}",
+                        self.max_message_bytes
+                    ),
+                ));
+                blocked.insert(e.key.as_str());
+                fence.hold_key(&tracked, index);
+                continue;
+            }
+            let id: &str = e.id.as_uuid().hyphenated().encode_lower(&mut id_buf);
+            let time = e
+                .occurred_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let version = version_buf.format(e.schema_version);
+            let seq = seq_buf.format(e.seq);
+            let mut headers = OwnedHeaders::new_with_capacity(9 + e.headers.len())
+                .insert(Header {
+                    key: h::CE_ID,
+                    value: Some(id),
+                })
+                .insert(Header {
+                    key: h::CE_TYPE,
+                    value: Some(e.event_type.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SOURCE,
+                    value: Some(self.config.source.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_TIME,
+                    value: Some(time.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SPECVERSION,
+                    value: Some(h::SPEC_VERSION),
+                })
+                .insert(Header {
+                    key: h::CE_SUBJECT,
+                    value: Some(e.key.as_str()),
+                })
+                .insert(Header {
+                    key: h::CE_SCHEMA_VERSION,
+                    value: Some(version),
+                })
+                .insert(Header {
+                    key: h::CE_POSTAL_SEQ,
+                    value: Some(seq),
+                })
+                .insert(Header {
+                    key: h::CONTENT_TYPE,
+                    value: Some(e.content_type.as_str()),
+                });
+            for (k, v) in &e.headers {
+                headers = headers.insert(Header {
+                    key: k.as_str(),
+                    value: Some(v.as_str()),
+                });
+                // The trace context also as the CloudEvents distributed-tracing extension,
+                // which CloudEvents SDKs read (`ce_traceparent`, `ce_tracestate`).
+                if let Some(ce) = h::trace_extension(k) {
+                    headers = headers.insert(Header {
+                        key: ce,
+                        value: Some(v.as_str()),
+                    });
+                }
+            }
+            acks.remaining.fetch_add(1, Ordering::AcqRel);
+            let ack = Box::new(Ack {
+                batch: acks.clone(),
+                index,
+                delivered: false,
+                failure: None,
+                denied_topic: None,
+            });
+            let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
+                .key(e.key.as_bytes())
+                .payload(e.payload.as_slice())
+                .headers(headers);
+            tracked.handing(index);
+            if replaced || self.producer.generation.load(Ordering::SeqCst) != generation {
+                // The producer was replaced meanwhile: the rest of the batch goes to none,
+                // and its keys stay fenced until the batch is recorded (the records of
+                // theirs that the old producer got are fenced by the replacement).
+                replaced = true;
+                tracked.not_handed(index);
+                fence.hold_key(&tracked, index);
+                let mut ack = record.delivery_opaque;
+                ack.delivered = true;
+                drop(ack);
+                outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
+                blocked.insert(e.key.as_str());
+                continue;
+            }
+            loop {
+                match producer.send(record) {
+                    Ok(()) => break,
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                        // The local queue is full: give librdkafka a moment to drain it.
+                        record = r;
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    Err((err, r)) => {
+                        // Not handed over: its ack is dropped here, unreported.
+                        let mut ack = r.delivery_opaque;
+                        ack.delivered = true;
+                        drop(ack);
+                        if needs_reset(&err) {
+                            self.producer.replace(generation);
+                        }
+                        outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
+                        blocked.insert(e.key.as_str());
+                        fence.hold_key(&tracked, index);
+                        break;
+                    }
+                }
+            }
+        }
+        // The hand-over is done: from here the count reaches zero with the last callback.
+        acks.count_down();
+        // A topic the broker no longer knows (deleted after it was found) is looked up again by
+        // the next batch, which then waits for it or creates it again. (librdkafka often
+        // reports a deleted topic's records only as timed out; those are not rechecked, since
+        // during an outage every lookup would wait for its timeout.)
+        let cache = Arc::clone(&self.topics);
+        let batch_topics: Vec<String> = topic_ok.keys().map(|t| (*t).to_owned()).collect();
+        async move {
+            acks.settled().await;
+            let mut recheck = false;
+            for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
+                recheck |= failure.reason.contains("UnknownTopic");
+                outcomes[index] = Err(failure);
+            }
+            if recheck {
+                let mut cache = cache.lock().expect("topic cache");
+                for t in &batch_topics {
+                    if matches!(cache.get(t), Some(TopicState::Ready)) {
+                        cache.remove(t);
+                    }
+                }
+            }
+            // A topic refused for a missing ACL waits like a missing one: later batches hold
+            // its events back until the next look-up, and the cause is said once.
+            let denied = std::mem::take(&mut *acks.denied.lock().expect("denied topics"));
+            if !denied.is_empty() {
+                let mut cache = cache.lock().expect("topic cache");
+                for (topic, reason) in denied {
+                    let was = cache.insert(
+                        topic.clone(),
+                        TopicState::Missing {
+                            reason: reason.clone(),
+                            since: std::time::Instant::now(),
+                        },
+                    );
+                    if !matches!(was, Some(TopicState::Missing { .. })) {
+                        tracing::warn!(topic, "{reason}");
+                    }
+                }
+            }
+            outcomes
+        }
+        .boxed()
+    }
+
+    fn recorded(&self, batch: &[OutboundEvent], _committed: bool) {
+        // Committed or rolled back, the batch's failed and purged rows are in the outbox again
+        // (or still there), ahead of their key's later events: its fenced keys may go.
+        self.producer.fence.recorded(batch);
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        let ms = self
+            .config
+            .client_config()
+            .get("message.timeout.ms")
+            .and_then(|v| v.parse::<u64>().ok())?;
+        // 0 = librdkafka retries without limit: there is no bound to check the lease against.
+        (ms > 0).then(|| Duration::from_millis(ms))
+    }
+
+    async fn flush(&self, timeout: Duration) {
+        let producer = self.producer();
+        let _ = tokio::task::spawn_blocking(move || producer.flush(Timeout::After(timeout))).await;
+    }
+}
