@@ -8,5 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS
-cargo build -q -p postal-cli -p postal-examples
-./target/debug/demo
+# The relay is `postal`; the services and the demo driver are fixtures of the integration suite
+# (integration-tests/src/bin/).
+cargo build -q -p postal-cli -p postal-integration-tests --bins
+"${CARGO_TARGET_DIR:-target}/debug/demo"

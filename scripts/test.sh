@@ -34,8 +34,10 @@ step "the JVM interop jar (kafka-clients + the CloudEvents SDK, for the interop 
 eval "$(bash scripts/interop-jar.sh)"
 export POSTAL_INTEROP_JAR POSTAL_INTEROP_REQUIRE=1
 
-step "service binaries the chaos suite runs (postal, order_service, billing_service, invoice_recorder)"
-cargo build -p postal-cli -p postal-examples
+step "binaries the suite runs: postal, the fixture services (order_service, billing_service, …), the examples"
+# The fixture services are postal-integration-tests' own binaries (integration-tests/src/bin/),
+# built with its tests anyway; the examples (examples/*.rs) are run by the suite's examples::.
+cargo build -p postal-cli -p postal-integration-tests --bins -p postal-examples --examples
 
 step "workspace tests against the local stack (external-services mode)"
 cargo test --workspace --all-targets --no-fail-fast -- --skip chaos:: --skip netsplit:: --skip cluster::

@@ -6,6 +6,10 @@
 //! `POSTAL_TEST_PG_IMAGE` / `POSTAL_TEST_KAFKA_IMAGE`). Each test then takes its own fresh
 //! database ([`Services::fresh_db`]) and unique topic and group names ([`unique`]). Tests that
 //! kill or restart a server start a private one ([`private`]) in every mode.
+//!
+//! The package's binaries (`src/bin/`: `order_service`, `billing_service`, `invoice_recorder`,
+//! `report_worker`, `demo`, `roundtrip`) are the fixture services the process-level suites run;
+//! [`service`] holds their start-up helpers.
 
 pub mod delay;
 pub mod hosts;
@@ -13,6 +17,7 @@ pub mod kafka;
 pub mod private;
 pub mod rabbit;
 pub mod raw_produce;
+pub mod service;
 pub mod wait;
 
 use std::sync::OnceLock;

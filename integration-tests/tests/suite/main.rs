@@ -13,6 +13,7 @@ mod consume;
 mod consumer_crash;
 mod dead_letters;
 mod enqueue;
+mod examples;
 mod fence;
 mod handlers;
 mod hostile;

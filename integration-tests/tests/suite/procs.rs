@@ -18,7 +18,9 @@ pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Directory holding `postal`, `order_service`, `billing_service` and `invoice_recorder`.
+/// Directory holding `postal` (`postal-cli`) and this package's fixture services
+/// (`order_service`, `billing_service`, `invoice_recorder`, `report_worker`, … from `src/bin/`):
+/// `target/<profile>/`, where cargo puts both, or `POSTAL_BIN_DIR`.
 pub(crate) fn bin_dir() -> PathBuf {
     if let Ok(d) = std::env::var("POSTAL_BIN_DIR") {
         return PathBuf::from(d);
@@ -60,7 +62,7 @@ impl Proc {
         let program = dir.join(program);
         assert!(
             program.is_file(),
-            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-examples)",
+            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-integration-tests --bins)",
             program.display()
         );
         Proc {

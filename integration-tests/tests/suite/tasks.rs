@@ -408,22 +408,13 @@ async fn relay_groups_share_one_outbox_by_topic() {
     );
 }
 
-/// The example task worker's binary (built next to this test binary by `cargo test
-/// --all-targets` / `scripts/test.sh`, or in `POSTAL_BIN_DIR`).
+/// The task worker fixture's binary (`src/bin/report_worker.rs`, built with this suite; next to
+/// the test binary, or in `POSTAL_BIN_DIR`).
 fn report_worker() -> std::path::PathBuf {
-    let dir = match std::env::var("POSTAL_BIN_DIR") {
-        Ok(d) => std::path::PathBuf::from(d),
-        Err(_) => std::env::current_exe()
-            .expect("test binary path")
-            .parent()
-            .and_then(std::path::Path::parent)
-            .expect("target directory")
-            .to_owned(),
-    };
-    let bin = dir.join("report_worker");
+    let bin = crate::procs::bin_dir().join("report_worker");
     assert!(
         bin.is_file(),
-        "{} missing: cargo build -p postal-examples",
+        "{} missing: cargo build -p postal-integration-tests --bins",
         bin.display()
     );
     bin

@@ -13,7 +13,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use postal_examples::{connect, env_or, env_required, init_tracing, retry_while_unreachable};
+use postal_integration_tests::service::{
+    connect, env_or, env_required, init_tracing, retry_while_unreachable,
+};
 use postal_producer::{enqueue, NewEvent};
 use sqlx::PgPool;
 

@@ -9,15 +9,15 @@
 //! are parked after `POSTAL_MAX_ATTEMPTS`; a killed worker's tasks run again after the lease.
 //!
 //! ```text
-//! DATABASE_URL=postgres://… REPORTS=20 cargo run -p postal-examples --bin report_worker
+//! DATABASE_URL=postgres://… REPORTS=20 cargo run -p postal-integration-tests --bin report_worker
 //! ```
 //! Environment: `DATABASE_URL` (required), `REPORTS` (requests to enqueue at start, default
 //! 20; 0 = none), `REPORT_MS` (work per report, default 200), `POSTAL_LEASE` (default `10s`) and the other relay variables,
-//! `EXIT_WHEN_DONE` (`1`: stop once no task is left).
+//! `EXIT_WHEN_DONE` (`1`: stop once no task is left; else SIGINT/SIGTERM stops it).
 
 use std::time::Duration;
 
-use postal_examples::{connect, env_or, env_required, init_tracing};
+use postal_integration_tests::service::{connect, env_or, env_required, init_tracing};
 use postal_producer::{
     enqueue, NewEvent, Relay, RelayConfig, State, Task, TaskConfig, TaskError, TaskTransport,
     TopicFilter,
@@ -120,6 +120,7 @@ async fn main() -> anyhow::Result<()> {
     .with_env()?;
     let relay = Relay::new(pool.clone(), tasks, config)?;
     let exit_when_done = env_or("EXIT_WHEN_DONE", 0)? == 1;
+    let signal = postal_shared::stop_signal()?;
     let done_pool = pool.clone();
     let stop = async move {
         if exit_when_done {
@@ -136,7 +137,7 @@ async fn main() -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         } else {
-            let _ = tokio::signal::ctrl_c().await;
+            signal.await;
         }
     };
     let stats = relay.run(stop).await?;

@@ -46,7 +46,7 @@ impl Proc {
             .spawn()
             .with_context(|| {
                 format!(
-                    "starting {name} (build with `cargo build -p postal-cli -p postal-examples`)"
+                    "starting {name} (build with `cargo build -p postal-cli -p postal-integration-tests --bins`)"
                 )
             })?;
         Ok(Proc { name, child })

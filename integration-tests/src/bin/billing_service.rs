@@ -7,8 +7,9 @@
 //! `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, `POSTAL_MAX_BATCH`, `POSTAL_METRICS_ADDR`, …).
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
-use postal_examples::{connect, env_required, init_tracing, stop_signal};
+use postal_integration_tests::service::{connect, env_required, init_tracing};
 use postal_producer::{enqueue_once, Error, NewEvent};
+use postal_shared::stop_signal;
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
