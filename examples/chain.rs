@@ -17,8 +17,8 @@
 //! to `SHIPMENTS_TOPIC` (default `shipments`).
 
 use anyhow::Context;
-use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
-use postal_producer::{enqueue_once, NewEvent};
+use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
+use postal::producer::{enqueue_once, NewEvent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Postgres, Transaction};
 
@@ -60,7 +60,7 @@ async fn request_shipment(
     // transaction is the outbox's transaction: it commits only with the effect above.
     enqueue_once(tx, follow_up).await.map_err(|e| match e {
         // Classified like the handler's own sqlx errors (a lost connection is an outage).
-        postal_producer::Error::Database(db) => HandlerError::from(db),
+        postal::producer::Error::Database(db) => HandlerError::from(db),
         other => HandlerError::permanent(other),
     })?;
     Ok(())
@@ -68,7 +68,7 @@ async fn request_shipment(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    postal_shared::init_logging("info")?;
+    postal::init_logging("info")?;
     let orders = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
     let shipping = Shipping {
         topic: std::env::var("SHIPMENTS_TOPIC").unwrap_or_else(|_| "shipments".into()),
@@ -77,7 +77,7 @@ async fn main() -> anyhow::Result<()> {
         std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = sqlx::PgPool::connect(&url).await?;
-    postal_shared::migrate(&pool).await?;
+    postal::migrate(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS shipments (id bigserial PRIMARY KEY,
              order_id bigint NOT NULL, order_event_id uuid NOT NULL)",

@@ -16,7 +16,7 @@
 //! `POSTAL_MAX_BATCH`, …).
 
 use anyhow::Context;
-use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, FromRef, HandlerError, State};
+use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, FromRef, HandlerError, State};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -71,13 +71,13 @@ async fn book_invoice(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    postal_shared::init_logging("info")?;
+    postal::init_logging("info")?;
     let topic = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
     let brokers =
         std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = sqlx::PgPool::connect(&url).await?;
-    postal_shared::migrate(&pool).await?;
+    postal::migrate(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS invoices (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
              order_id bigint NOT NULL, cents bigint NOT NULL, currency text NOT NULL)",

@@ -15,7 +15,7 @@
 //! `cargo run -p postal-examples --example relay`.
 
 use anyhow::Context;
-use postal_producer::{enqueue, NewEvent};
+use postal::producer::{enqueue, NewEvent};
 use serde::Serialize;
 
 /// The event's payload: any `serde` type, stored as JSON.
@@ -39,7 +39,7 @@ async fn main() -> anyhow::Result<()> {
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = sqlx::PgPool::connect(&url).await?;
     // Postal's schema (what `postal migrate` applies); a no-op when it is up to date.
-    postal_shared::migrate(&pool).await?;
+    postal::migrate(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS orders (
              id bigserial PRIMARY KEY, customer text NOT NULL, total_cents bigint NOT NULL)",

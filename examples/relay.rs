@@ -16,15 +16,15 @@
 //! naming the variable.
 
 use anyhow::Context;
-use postal_producer::{KafkaConfig, KafkaTransport, Relay, RelayConfig};
+use postal::producer::{KafkaConfig, KafkaTransport, Relay, RelayConfig};
 use sqlx::postgres::PgPoolOptions;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     // `POSTAL_LOG` (else `RUST_LOG`) filters, `POSTAL_LOG_FORMAT=json` for log shippers.
-    postal_shared::init_logging("info")?;
+    postal::init_logging("info")?;
     // Listen for SIGINT/SIGTERM from the start, so a stop during start-up is clean too.
-    let stop = postal_shared::stop_signal()?;
+    let stop = postal::stop_signal()?;
 
     // Defaults first, then the environment on top: the code states what this service wants,
     // the deployment tunes it without a rebuild.
@@ -40,7 +40,7 @@ async fn main() -> anyhow::Result<()> {
         .max_connections(Relay::<KafkaTransport>::connections_wanted(&config))
         .connect(&url)
         .await?;
-    postal_shared::migrate(&pool).await?; // what `postal migrate` does; a no-op when current
+    postal::migrate(&pool).await?; // what `postal migrate` does; a no-op when current
 
     let relay = Relay::new(pool, kafka, config)?;
     // Runs until `stop` resolves, then stops claiming, waits (bounded by

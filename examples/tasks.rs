@@ -14,7 +14,7 @@
 //! It enqueues 5 tasks (the argument, else 3) and runs them; `postal status` shows them.
 
 use anyhow::Context;
-use postal_producer::{
+use postal::producer::{
     enqueue, NewEvent, Relay, RelayConfig, State, Task, TaskConfig, TaskError, TaskTransport,
     TopicFilter,
 };
@@ -54,8 +54,8 @@ async fn send_receipt(State(mailer): State<Mailer>, task: Task) -> Result<(), Ta
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    postal_shared::init_logging("info")?;
-    let stop = postal_shared::stop_signal()?;
+    postal::init_logging("info")?;
+    let stop = postal::stop_signal()?;
     let receipts: i64 = std::env::args().nth(1).map_or(Ok(3), |n| n.parse())?;
     // Task runners claim only their own topic, in a relay group of their own, so that a
     // `postal relay --exclude-topics receipts` can publish the rest of the outbox.
@@ -71,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
         .max_connections(Relay::<TaskTransport>::connections_wanted(&config) + 4)
         .connect(&url)
         .await?;
-    postal_shared::migrate(&pool).await?;
+    postal::migrate(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS sent_receipts (task_id uuid PRIMARY KEY,
              order_id bigint NOT NULL, sent_to text NOT NULL, sent_from text NOT NULL)",

@@ -18,7 +18,7 @@
 //! overrides the batch size set here.
 
 use anyhow::Context;
-use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};
 
@@ -49,13 +49,13 @@ async fn add_to_totals(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    postal_shared::init_logging("info")?;
+    postal::init_logging("info")?;
     let topic = std::env::var("ORDERS_TOPIC").unwrap_or_else(|_| "orders".into());
     let brokers =
         std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = sqlx::PgPool::connect(&url).await?;
-    postal_shared::migrate(&pool).await?;
+    postal::migrate(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS customer_totals (
              customer text PRIMARY KEY, orders bigint NOT NULL, cents bigint NOT NULL)",

@@ -47,8 +47,8 @@
 //! ```
 
 pub use postal_shared::{
-    migrate, Backoff, ContentType, Error, EventId, EventKey, EventType, FromRef, SchemaVersion,
-    State, Topic,
+    migrate, stop_signal, Backoff, ContentType, Error, EventId, EventKey, EventType, FromRef,
+    SchemaVersion, State, StopSignal, Topic,
 };
 
 #[cfg(feature = "logging")]
