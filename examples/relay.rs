@@ -37,7 +37,7 @@ async fn main() -> anyhow::Result<()> {
     // (lease heartbeat, LISTEN, housekeeping): size its pool for that, or claims wait.
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = PgPoolOptions::new()
-        .max_connections(Relay::<KafkaTransport>::connections_wanted(&config))
+        .max_connections(config.connections_wanted())
         .connect(&url)
         .await?;
     postal::migrate(&pool).await?; // what `postal migrate` does; a no-op when current

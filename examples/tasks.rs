@@ -59,16 +59,14 @@ async fn main() -> anyhow::Result<()> {
     let receipts: i64 = std::env::args().nth(1).map_or(Ok(3), |n| n.parse())?;
     // Task runners claim only their own topic, in a relay group of their own, so that a
     // `postal relay --exclude-topics receipts` can publish the rest of the outbox.
-    let config = RelayConfig {
-        group: "receipts".into(),
-        topics: TopicFilter::Only(vec!["receipts".into()]),
-        ..RelayConfig::default()
-    }
-    .with_env()?;
+    let config = RelayConfig::default()
+        .group("receipts".into())
+        .topics(TopicFilter::Only(vec!["receipts".into()]))
+        .with_env()?;
     let url = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let pool = PgPoolOptions::new()
         // What the relay needs at once, plus a few for the handlers' own statements.
-        .max_connections(Relay::<TaskTransport>::connections_wanted(&config) + 4)
+        .max_connections(config.connections_wanted() + 4)
         .connect(&url)
         .await?;
     postal::migrate(&pool).await?;

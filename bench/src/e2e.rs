@@ -243,12 +243,10 @@ async fn postal_run(
     let relay = Relay::new(
         pool.clone(),
         KafkaTransport::new(kcfg)?,
-        RelayConfig {
-            listen,
-            max_in_flight_batches: opts.in_flight,
-            lanes: opts.lanes,
-            ..RelayConfig::default()
-        },
+        RelayConfig::default()
+            .listen(listen)
+            .max_in_flight_batches(opts.in_flight)
+            .lanes(opts.lanes),
     )?;
     let (stop_relay, rx) = tokio::sync::oneshot::channel::<()>();
     let relay_task = tokio::spawn(relay.run(async move {

@@ -742,13 +742,11 @@ async fn relay_drain(
     let mut stops = Vec::new();
     let mut handles = Vec::new();
     for _ in 0..instances {
-        let cfg = RelayConfig {
-            batch_size: o.batch_size,
-            max_in_flight_batches: o.in_flight,
-            lanes: o.lanes,
-            lease: Duration::from_secs(6),
-            ..RelayConfig::default()
-        };
+        let cfg = RelayConfig::default()
+            .batch_size(o.batch_size)
+            .max_in_flight_batches(o.in_flight)
+            .lanes(o.lanes)
+            .lease(Duration::from_secs(6));
         // A short lease so that joining instances get their share within seconds; the
         // delivery timeout must stay below half of it.
         let mut kcfg = KafkaConfig::new(bootstrap);
@@ -1001,11 +999,9 @@ async fn wakeup_bench(url: &str, bootstrap: &str, n: usize, txs: usize) -> anyho
         create_topic(bootstrap, &topic, 12).await?;
         let mut kcfg = KafkaConfig::new(bootstrap);
         kcfg.properties.insert("linger.ms".into(), "0".into());
-        let cfg = RelayConfig {
-            listen,
-            poll_interval: Duration::from_millis(500),
-            ..RelayConfig::default()
-        };
+        let cfg = RelayConfig::default()
+            .listen(listen)
+            .poll_interval(Duration::from_millis(500));
         let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, cfg)?;
         let (stop, rx) = tokio::sync::oneshot::channel::<()>();
         let handle = tokio::spawn(relay.run(async move {

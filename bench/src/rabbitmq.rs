@@ -157,10 +157,7 @@ pub async fn rabbitmq_bench(url: &str, amqp: &str, o: RabbitOpts) -> anyhow::Res
     let queue = exchange_with_queue(&conn, &topic).await?;
     seed(&pool, &topic, n, o.payload_bytes, o.keys).await?;
     let transport = RabbitTransport::new(RabbitConfig::new(amqp))?;
-    let config = RelayConfig {
-        batch_size: o.batch_size,
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default().batch_size(o.batch_size);
     let relay = Relay::new(pool.clone(), transport, config)?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let t = Instant::now();

@@ -434,31 +434,31 @@ fn redact(url: &str) -> String {
 /// The relay settings of `postal relay`'s flags and variables (clap reads both, with the names
 /// and defaults of [`postal_producer::RelayConfig::with_vars`]; a test keeps them equal).
 fn relay_config(args: &RelayArgs) -> postal_producer::RelayConfig {
-    postal_producer::RelayConfig {
-        batch_size: args.batch_size,
-        max_in_flight_batches: args.max_in_flight,
-        lanes: args.lanes,
-        lease: args.lease,
-        poll_interval: args.poll_interval,
-        listen: !args.no_listen,
-        max_attempts: args.max_attempts,
-        backoff: postal_producer::Backoff {
+    let topics = if !args.topics.is_empty() {
+        postal_producer::TopicFilter::Only(args.topics.clone())
+    } else if !args.exclude_topics.is_empty() {
+        postal_producer::TopicFilter::Except(args.exclude_topics.clone())
+    } else {
+        postal_producer::TopicFilter::All
+    };
+    postal_producer::RelayConfig::default()
+        .batch_size(args.batch_size)
+        .max_in_flight_batches(args.max_in_flight)
+        .lanes(args.lanes)
+        .lease(args.lease)
+        .poll_interval(args.poll_interval)
+        .listen(!args.no_listen)
+        .max_attempts(args.max_attempts)
+        .backoff(postal_producer::Backoff {
             base: args.backoff_base,
             max: args.backoff_max,
-        },
-        delete_on_publish: !args.keep_published,
-        retention: args.retention,
-        history: args.history,
-        shutdown_timeout: args.shutdown_timeout,
-        group: args.group.clone(),
-        topics: if !args.topics.is_empty() {
-            postal_producer::TopicFilter::Only(args.topics.clone())
-        } else if !args.exclude_topics.is_empty() {
-            postal_producer::TopicFilter::Except(args.exclude_topics.clone())
-        } else {
-            postal_producer::TopicFilter::All
-        },
-    }
+        })
+        .delete_on_publish(!args.keep_published)
+        .retention(args.retention)
+        .history(args.history)
+        .shutdown_timeout(args.shutdown_timeout)
+        .group(args.group.clone())
+        .topics(topics)
 }
 
 /// The Kafka settings of `postal relay`'s flags and variables (as

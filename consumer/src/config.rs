@@ -23,6 +23,7 @@ pub enum UnknownTypes {
 /// [`ConsumerConfig::new`]); [`ConsumerConfig::validate`] rejects nonsensical values. `Debug`
 /// redacts Kafka properties that look like secrets.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct ConsumerConfig {
     /// `bootstrap.servers`.
     pub brokers: String,
@@ -114,6 +115,33 @@ pub struct ConsumerConfig {
     /// Extra librdkafka consumer properties; they override Postal's defaults.
     pub kafka: BTreeMap<String, String>,
 }
+
+postal_shared::setters!(ConsumerConfig {
+    brokers: String,
+    group: String,
+    consumer: String,
+    max_concurrent_partitions: usize,
+    max_batch: usize,
+    dedup_retention: Option<Duration>,
+    dead_letter_retention: Option<Duration>,
+    cleanup_interval: Duration,
+    max_attempts: u32,
+    backoff: Backoff,
+    unknown_types: UnknownTypes,
+    dlq_suffix: String,
+    dlq_partitions: i32,
+    dlq_replication: i32,
+    kafka_commit_interval: Duration,
+    partition_buffer: usize,
+    partition_buffer_bytes: usize,
+    memory_budget: Option<usize>,
+    max_headers: usize,
+    stall_check: Duration,
+    shutdown_timeout: Duration,
+    lost_connection_timeout: Option<Duration>,
+    ops_addr: Option<std::net::SocketAddr>,
+    kafka: BTreeMap<String, String>,
+});
 
 impl std::fmt::Debug for ConsumerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -8,6 +8,7 @@ use postal_shared::Backoff;
 /// How the relay claims, retries and cleans up. Every field has a default (see
 /// [`RelayConfig::default`]); [`RelayConfig::validate`] rejects nonsensical values.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// Rows claimed per statement (default 2000).
     pub batch_size: usize,
@@ -60,6 +61,23 @@ pub struct RelayConfig {
     /// Which topics this relay claims (default: all).
     pub topics: TopicFilter,
 }
+
+postal_shared::setters!(RelayConfig {
+    batch_size: usize,
+    max_in_flight_batches: usize,
+    lanes: usize,
+    lease: Duration,
+    poll_interval: Duration,
+    listen: bool,
+    max_attempts: i32,
+    backoff: Backoff,
+    delete_on_publish: bool,
+    retention: Option<Duration>,
+    history: Option<Duration>,
+    shutdown_timeout: Duration,
+    group: String,
+    topics: TopicFilter,
+});
 
 /// The topics a relay claims from the outbox.
 ///
@@ -114,6 +132,13 @@ impl Default for RelayConfig {
 }
 
 impl RelayConfig {
+    /// The connections this configuration can use at once: a claim per lane and per batch in
+    /// flight, plus the lease heartbeat, the `LISTEN` session and housekeeping. Size the
+    /// relay's pool so (`postal relay` does); a smaller pool makes claims wait.
+    pub fn connections_wanted(&self) -> u32 {
+        (self.max_in_flight_batches + self.lanes + 3) as u32
+    }
+
     /// Checks the settings; the error names the offending one.
     pub fn validate(&self) -> Result<(), Error> {
         let bad = |m: &str| Err(Error::Config(m.to_owned()));

@@ -22,7 +22,7 @@
 //! // The relay (normally `postal relay`) publishes committed events and removes them.
 //! let transport = KafkaTransport::new(KafkaConfig::new("127.0.0.1:9092"))?;
 //! let relay = Relay::new(pool.clone(), transport, RelayConfig::default())?;
-//! relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await?;
+//! relay.run(postal_shared::stop_signal()?).await?; // until SIGINT or SIGTERM
 //! # let _ = event_id; Ok(()) }
 //! ```
 

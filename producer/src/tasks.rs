@@ -148,6 +148,7 @@ where
 
 /// Settings of the task runner.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TaskConfig {
     /// Handlers running at once across all keys (default 16).
     pub concurrency: usize,
@@ -156,6 +157,11 @@ pub struct TaskConfig {
     /// the lease.
     pub timeout: Duration,
 }
+
+postal_shared::setters!(TaskConfig {
+    concurrency: usize,
+    timeout: Duration,
+});
 
 impl Default for TaskConfig {
     fn default() -> Self {

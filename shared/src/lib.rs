@@ -30,6 +30,7 @@ mod log_throttle;
 mod logging;
 mod migrate;
 pub mod secret;
+mod setters;
 mod signal;
 mod state;
 pub mod text;

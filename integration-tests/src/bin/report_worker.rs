@@ -111,13 +111,11 @@ async fn main() -> anyhow::Result<()> {
         })
         .on("report.requested", generate);
     // This service's defaults, then the relay variables of the environment (POSTAL_LEASE, …).
-    let config = RelayConfig {
-        group: "reports".into(),
-        topics: TopicFilter::Only(vec!["reports".into()]),
-        lease: Duration::from_secs(10),
-        ..RelayConfig::default()
-    }
-    .with_env()?;
+    let config = RelayConfig::default()
+        .group("reports".into())
+        .topics(TopicFilter::Only(vec!["reports".into()]))
+        .lease(Duration::from_secs(10))
+        .with_env()?;
     let relay = Relay::new(pool.clone(), tasks, config)?;
     let exit_when_done = env_or("EXIT_WHEN_DONE", 0)? == 1;
     let signal = postal_shared::stop_signal()?;

@@ -74,17 +74,15 @@ pub fn kafka_transport(bootstrap: &str) -> KafkaTransport {
 
 /// Relay settings for tests: quick polling and backoff.
 pub fn fast_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: 500,
-        poll_interval: Duration::from_millis(200),
-        lease: Duration::from_secs(3),
-        backoff: postal_producer::Backoff {
+    RelayConfig::default()
+        .batch_size(500)
+        .poll_interval(Duration::from_millis(200))
+        .lease(Duration::from_secs(3))
+        .backoff(postal_producer::Backoff {
             base: Duration::from_millis(50),
             max: Duration::from_millis(500),
-        },
-        shutdown_timeout: Duration::from_secs(10),
-        ..RelayConfig::default()
-    }
+        })
+        .shutdown_timeout(Duration::from_secs(10))
 }
 
 /// Claims up to 1,000 rows of every partition as a fresh relay that will "die" holding them

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::testing::{claim, lease};
-use postal_producer::{OutboundEvent, PublishError, RelayConfig, TopicFilter, Transport};
+use postal_producer::{OutboundEvent, PublishError, TopicFilter, Transport};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -187,14 +187,7 @@ async fn a_frozen_claim_keeps_the_next_owner_off_its_key() {
 
     // Relay B starts; A's lease runs out (A heartbeats no more). B publishes the key only
     // once A's rows are back, all of them before the key's last event.
-    let b = RunningRelay::start(
-        &db.pool,
-        published.clone(),
-        RelayConfig {
-            lease: LEASE,
-            ..fast_config()
-        },
-    );
+    let b = RunningRelay::start(&db.pool, published.clone(), fast_config().lease(LEASE));
     wait::until(
         Duration::from_secs(30),
         "B to publish the key's last event",
@@ -286,14 +279,7 @@ async fn a_claim_waiting_on_a_lock_keeps_its_keys_after_its_relay_is_killed() {
 
     // Relay B: takes the key's partition over only once A's claim is gone.
     let published = Recorder::default();
-    let b = RunningRelay::start(
-        &db.pool,
-        published.clone(),
-        RelayConfig {
-            lease: LEASE,
-            ..fast_config()
-        },
-    );
+    let b = RunningRelay::start(&db.pool, published.clone(), fast_config().lease(LEASE));
     wait::until(
         Duration::from_secs(30),
         "B to own the key's partition",
@@ -388,11 +374,7 @@ async fn relay_a_process() {
         .connect_with(opts.application_name("fence-child"))
         .await
         .unwrap();
-    let config = RelayConfig {
-        lease: LEASE,
-        lanes: 1,
-        ..fast_config()
-    };
+    let config = fast_config().lease(LEASE).lanes(1);
     let relay = postal_producer::Relay::new(pool, Recorder::default(), config).unwrap();
     let _ = relay.run(std::future::pending::<()>()).await;
 }

@@ -35,13 +35,11 @@ async fn seed_pairs(pool: &PgPool, topic: &str, head_bytes: usize) {
 /// Config: one lane, batches of one event, four in flight: a key's head and tail are in two
 /// batches that can be in flight at once.
 fn split_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: 1,
-        max_in_flight_batches: 4,
-        lanes: 1,
-        max_attempts: 100,
-        ..fast_config()
-    }
+    fast_config()
+        .batch_size(1)
+        .max_in_flight_batches(4)
+        .lanes(1)
+        .max_attempts(100)
 }
 
 /// Guarantee (real Kafka transport, real PostgreSQL): an event refused before sending (record
@@ -201,13 +199,11 @@ async fn a_held_back_batch_leaving_the_chain_first_releases_the_key_of_an_unreco
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = FlakyHeads::default();
-    let cfg = RelayConfig {
-        batch_size: 1,
-        max_in_flight_batches: 4,
-        lanes: 1,
-        max_attempts: 100,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .batch_size(1)
+        .max_in_flight_batches(4)
+        .lanes(1)
+        .max_attempts(100);
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(Duration::from_secs(60), "drained", || async {
         crate::common::outbox_count(&db.pool).await == 0
@@ -287,12 +283,10 @@ async fn a_batch_held_back_in_full_under_a_backlog_does_not_hold_its_keys_for_go
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = FirstBatchHeldBack::default();
-    let cfg = RelayConfig {
-        batch_size: 60,
-        max_in_flight_batches: 4,
-        lanes: 1,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .batch_size(60)
+        .max_in_flight_batches(4)
+        .lanes(1);
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(Duration::from_secs(60), "every event published", || async {
         crate::common::outbox_count(&db.pool).await == 0
@@ -426,12 +420,10 @@ async fn a_slow_batch_and_an_unrelated_failure_do_not_stop_the_other_keys() {
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = StuckAndFlaky::new();
-    let cfg = RelayConfig {
-        batch_size: 10,
-        max_in_flight_batches: 4,
-        lanes: 1,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .batch_size(10)
+        .max_in_flight_batches(4)
+        .lanes(1);
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(
         Duration::from_secs(60),
@@ -476,12 +468,10 @@ async fn a_hot_key_failure_does_not_wait_for_an_unrelated_slow_batch() {
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = StuckAndFlaky::new();
-    let cfg = RelayConfig {
-        batch_size: 10,
-        max_in_flight_batches: 4,
-        lanes: 1,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .batch_size(10)
+        .max_in_flight_batches(4)
+        .lanes(1);
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(
         Duration::from_secs(60),

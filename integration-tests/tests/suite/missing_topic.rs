@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use postal_integration_tests::{kafka, services, unique};
-use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, RelayConfig};
+use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent};
 use sqlx::PgPool;
 
 use crate::common::{create_topic, fast_config, RunningRelay};
@@ -68,11 +68,9 @@ async fn deleted_topic_after_ready(
     cfg.topic_partitions = 1;
     cfg.properties
         .insert("message.timeout.ms".into(), timeout_ms.into());
-    let config = RelayConfig {
-        max_attempts: 3,
-        lease: Duration::from_secs(lease_s),
-        ..fast_config()
-    };
+    let config = fast_config()
+        .max_attempts(3)
+        .lease(Duration::from_secs(lease_s));
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), config);
     let mut conn = db.pool.acquire().await.unwrap();
     let first = enqueue(
@@ -215,10 +213,7 @@ async fn uncreatable_topic_waits() {
     cfg.topic_replication = 3;
     cfg.properties
         .insert("message.timeout.ms".into(), "1000".into());
-    let config = RelayConfig {
-        max_attempts: 3,
-        ..fast_config()
-    };
+    let config = fast_config().max_attempts(3);
     let mut conn = db.pool.acquire().await.unwrap();
     let id = enqueue(
         &mut conn,
@@ -286,10 +281,7 @@ async fn waiting_backlog_does_not_starve_other_topics() {
     cfg.create_topics = false;
     cfg.properties
         .insert("message.timeout.ms".into(), "1000".into());
-    let config = RelayConfig {
-        batch_size: batch,
-        ..fast_config()
-    };
+    let config = fast_config().batch_size(batch);
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), config);
     // Let the relay go through the waiting events once.
     let start = Instant::now();
@@ -386,11 +378,9 @@ async fn waiting_event_holds_its_key_in_other_groups() {
     let ga = RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        RelayConfig {
-            group: "ga".into(),
-            topics: TopicFilter::Only(vec![missing.clone()]),
-            ..fast_config()
-        },
+        fast_config()
+            .group("ga".into())
+            .topics(TopicFilter::Only(vec![missing.clone()])),
     );
     // Every first event is waiting (held) before the later ones are written.
     postal_integration_tests::wait::until(Duration::from_secs(30), "all waiting", || async {
@@ -418,11 +408,9 @@ async fn waiting_event_holds_its_key_in_other_groups() {
     let gb = RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        RelayConfig {
-            group: "gb".into(),
-            topics: TopicFilter::Only(vec![present.clone()]),
-            ..fast_config()
-        },
+        fast_config()
+            .group("gb".into())
+            .topics(TopicFilter::Only(vec![present.clone()])),
     );
     let start = Instant::now();
     let mut overtaken = 0;
@@ -493,11 +481,7 @@ async fn created_topic_charges_no_attempt() {
     let relay = RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        RelayConfig {
-            max_attempts: 1,
-            delete_on_publish: false,
-            ..fast_config()
-        },
+        fast_config().max_attempts(1).delete_on_publish(false),
     );
     postal_integration_tests::wait::until(Duration::from_secs(30), "waiting", || async {
         row(&db.pool, ids[0].as_uuid()).await.unwrap().2.is_some()

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use postal_integration_tests::{kafka, services, unique, wait, TestDb};
-use postal_producer::{enqueue, enqueue_batch, NewEvent, RelayConfig};
+use postal_producer::{enqueue, enqueue_batch, NewEvent};
 
 use crate::common::{fast_config, kafka_transport, outbox_count, RunningRelay};
 
@@ -26,10 +26,7 @@ fn first_seen_seqs(records: &[kafka::Record]) -> BTreeMap<String, Vec<i64>> {
 async fn relay_on_own_pool(db: &TestDb, bootstrap: &str) -> RunningRelay {
     // Its own pool, so that killing it drops its connections like a dead process.
     let pool = db.process_pool().await;
-    let cfg = RelayConfig {
-        batch_size: 200,
-        ..fast_config()
-    };
+    let cfg = fast_config().batch_size(200);
     RunningRelay::start(&pool, kafka_transport(bootstrap), cfg).owning(pool)
 }
 

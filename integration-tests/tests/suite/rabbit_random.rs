@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use lapin::types::{AMQPValue, FieldTable};
 use postal_integration_tests::rabbit::{self, Rabbit};
 use postal_integration_tests::{services, unique};
-use postal_producer::{enqueue_batch, NewEvent, RabbitConfig, RabbitTransport, RelayConfig};
+use postal_producer::{enqueue_batch, NewEvent, RabbitConfig, RabbitTransport};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::PgPool;
@@ -124,13 +124,11 @@ async fn run_case(mq_url: &str, seed: u64) -> Result<String, String> {
         None => None,
     };
     let url = proxy.as_ref().map_or(mq_url.to_owned(), |x| x.url.clone());
-    let config = RelayConfig {
-        batch_size: p.batch_size,
-        lanes: p.lanes,
-        max_in_flight_batches: p.max_in_flight_batches,
-        max_attempts: p.max_attempts,
-        ..fast_config()
-    };
+    let config = fast_config()
+        .batch_size(p.batch_size)
+        .lanes(p.lanes)
+        .max_in_flight_batches(p.max_in_flight_batches)
+        .max_attempts(p.max_attempts);
     let start = |pool: PgPool| {
         let mut cfg = RabbitConfig::new(url.clone());
         cfg.confirm_timeout = Duration::from_secs(1);

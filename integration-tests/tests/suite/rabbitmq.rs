@@ -139,14 +139,7 @@ async fn unroutable_and_oversized_events_are_parked_with_reason() {
         inner: RabbitTransport::new(cfg).unwrap(),
         counts: counts.clone(),
     };
-    let relay = RunningRelay::start(
-        &db.pool,
-        transport,
-        RelayConfig {
-            max_attempts: 3,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, transport, fast_config().max_attempts(3));
     wait::until(Duration::from_secs(60), "both parked", || async {
         parked(&db.pool).await.len() == 2
     })
@@ -213,10 +206,7 @@ async fn nacked_event_is_retried_then_parked_with_reason() {
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        RelayConfig {
-            max_attempts: 2,
-            ..fast_config()
-        },
+        fast_config().max_attempts(2),
     );
     wait::until(
         Duration::from_secs(60),
@@ -309,14 +299,7 @@ async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing() {
         inner: transport(&mq.url()),
         counts: counts.clone(),
     };
-    let relay = RunningRelay::start(
-        &db.pool,
-        transport,
-        RelayConfig {
-            max_attempts: 2,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, transport, fast_config().max_attempts(2));
     wait::until(
         Duration::from_secs(30),
         "first events published",
@@ -433,13 +416,11 @@ async fn parked_ids(pool: &PgPool) -> BTreeSet<String> {
 
 /// Relay settings with several batches in flight at once.
 fn many_in_flight(batch_size: usize, max_attempts: i32) -> RelayConfig {
-    RelayConfig {
-        batch_size,
-        lanes: 4,
-        max_in_flight_batches: 8,
-        max_attempts,
-        ..fast_config()
-    }
+    fast_config()
+        .batch_size(batch_size)
+        .lanes(4)
+        .max_in_flight_batches(8)
+        .max_attempts(max_attempts)
 }
 
 /// Guarantee: a returned (unroutable, mandatory) message is matched to its event by identity:
@@ -616,10 +597,7 @@ async fn missing_exchange_events_wait_until_it_is_created() {
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        RelayConfig {
-            max_attempts: 1,
-            ..fast_config()
-        },
+        fast_config().max_attempts(1),
     );
     let mut conn = db.pool.acquire().await.unwrap();
     let first = enqueue(
@@ -701,11 +679,7 @@ async fn memory_alarm_leaves_no_blocked_connections_behind() {
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        RelayConfig {
-            batch_size: 100,
-            max_attempts: 2,
-            ..fast_config()
-        },
+        fast_config().batch_size(100).max_attempts(2),
     );
     wait::until(
         Duration::from_secs(30),
@@ -778,14 +752,11 @@ async fn an_exchange_refusing_publishes_holds_up_no_other_topic() {
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        RelayConfig {
-            // The default backoff (not the suite's 50 ms..500 ms).
-            backoff: Backoff {
-                base: Duration::from_millis(500),
-                max: Duration::from_secs(300),
-            },
-            ..fast_config()
-        },
+        // The default backoff (not the suite's 50 ms..500 ms).
+        fast_config().backoff(Backoff {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(300),
+        }),
     );
     let mut conn = db.pool.acquire().await.unwrap();
     let bad_id = enqueue(

@@ -8,8 +8,7 @@ use std::time::Duration;
 use postal_integration_tests::private::PrivateBroker;
 use postal_integration_tests::{kafka, services, unique, wait};
 use postal_producer::{
-    enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, RelayConfig,
-    Transport,
+    enqueue, enqueue_batch, ContentType, KafkaConfig, KafkaTransport, NewEvent, Transport,
 };
 use sqlx::PgPool;
 
@@ -161,10 +160,7 @@ async fn concurrent_relays_never_double_publish() {
     let ids = seed(&db.pool, &topic, 3000, 300).await;
     let relays: Vec<_> = (0..3)
         .map(|_| {
-            let cfg = RelayConfig {
-                batch_size: 50,
-                ..fast_config()
-            };
+            let cfg = fast_config().batch_size(50);
             RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg)
         })
         .collect();
@@ -380,15 +376,13 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
         inner: KafkaTransport::new(kcfg).unwrap(),
         counts: counts.clone(),
     };
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(4),
-        max_attempts: 2,
-        backoff: postal_producer::Backoff {
+    let cfg = fast_config()
+        .lease(Duration::from_secs(4))
+        .max_attempts(2)
+        .backoff(postal_producer::Backoff {
             base: Duration::from_millis(20),
             max: Duration::from_millis(100),
-        },
-        ..fast_config()
-    };
+        });
     let relay = RunningRelay::start(&db.pool, transport, cfg);
     wait::until(Duration::from_secs(30), "first event published", || async {
         outbox_count(&db.pool).await == 0
@@ -472,10 +466,7 @@ async fn a_hand_over_that_never_returns_does_not_block_shutdown() {
     let topic = unique("stuck");
     let ids = seed(&db.pool, &topic, 10, 2).await;
     let entered = std::sync::Arc::new(tokio::sync::Notify::new());
-    let config = RelayConfig {
-        shutdown_timeout: Duration::from_secs(1),
-        ..fast_config()
-    };
+    let config = fast_config().shutdown_timeout(Duration::from_secs(1));
     let relay = RunningRelay::start(
         &db.pool,
         NeverHandsOver {
@@ -646,10 +637,7 @@ async fn keep_published_mode_marks_rows() {
     let db = svc.fresh_db().await;
     let topic = unique("keep");
     let ids = seed(&db.pool, &topic, 300, 7).await;
-    let cfg = RelayConfig {
-        delete_on_publish: false,
-        ..fast_config()
-    };
+    let cfg = fast_config().delete_on_publish(false);
     let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
     wait::until(Duration::from_secs(30), "all rows marked published", || async {
         sqlx::query_scalar::<_, i64>(
@@ -678,10 +666,7 @@ async fn history_mode_keeps_events_in_daily_partitions_and_drops_old_days() {
     let db = svc.fresh_db().await;
     let topic = unique("history");
     let ids = seed(&db.pool, &topic, 300, 7).await;
-    let cfg = RelayConfig {
-        history: Some(Duration::from_secs(3 * 86_400)),
-        ..fast_config()
-    };
+    let cfg = fast_config().history(Some(Duration::from_secs(3 * 86_400)));
     let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
     wait::until(Duration::from_secs(30), "outbox drained", || async {
         outbox_count(&db.pool).await == 0

@@ -110,11 +110,7 @@ struct Destination {
 /// The task runner of relay `relay`: a run lands when its handler starts (unless the fence
 /// refuses it), then takes a random time and ends with a random outcome.
 fn task_runner(world: Arc<World>, relay: usize) -> TaskTransport {
-    TaskTransport::new(TaskConfig {
-        concurrency: 4,
-        ..TaskConfig::default()
-    })
-    .on("e", move |task: Task| {
+    TaskTransport::new(TaskConfig::default().concurrency(4)).on("e", move |task: Task| {
         let world = world.clone();
         async move {
             let id = task.id.as_uuid();
@@ -359,20 +355,18 @@ struct Params {
 }
 
 fn relay_config(p: &Params) -> RelayConfig {
-    RelayConfig {
-        batch_size: p.batch_size,
-        max_in_flight_batches: p.max_in_flight_batches,
-        lanes: p.lanes,
-        lease: LEASE,
-        poll_interval: Duration::from_millis(100),
-        max_attempts: p.max_attempts,
-        backoff: postal_producer::Backoff {
+    RelayConfig::default()
+        .batch_size(p.batch_size)
+        .max_in_flight_batches(p.max_in_flight_batches)
+        .lanes(p.lanes)
+        .lease(LEASE)
+        .poll_interval(Duration::from_millis(100))
+        .max_attempts(p.max_attempts)
+        .backoff(postal_producer::Backoff {
             base: Duration::from_millis(20),
             max: Duration::from_millis(300),
-        },
-        shutdown_timeout: Duration::from_secs(1),
-        ..RelayConfig::default()
-    }
+        })
+        .shutdown_timeout(Duration::from_secs(1))
 }
 
 async fn start_instance(

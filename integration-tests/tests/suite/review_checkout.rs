@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use postal_integration_tests::{fresh_postgres_db, unique, wait};
-use postal_producer::{
-    enqueue_batch, NewEvent, RelayConfig, Task, TaskConfig, TaskError, TaskTransport,
-};
+use postal_producer::{enqueue_batch, NewEvent, Task, TaskConfig, TaskError, TaskTransport};
 use sqlx::{Connection, Executor};
 
 use crate::common::{fast_config, RunningRelay};
@@ -35,23 +33,20 @@ async fn a_slow_checkout_never_lets_the_next_claim_skip_a_keys_first_tasks() {
     let running = Arc::new(AtomicI64::new(0));
     let max_running = Arc::new(AtomicI64::new(0));
     let (l, r, m) = (log.clone(), running.clone(), max_running.clone());
-    let tasks = TaskTransport::new(TaskConfig {
-        concurrency: 2,
-        ..TaskConfig::default()
-    })
-    .on("job", move |t: Task| {
-        let (l, r, m) = (l.clone(), r.clone(), m.clone());
-        async move {
-            let i: i64 = t.json()?;
-            let now = r.fetch_add(1, Ordering::SeqCst) + 1;
-            m.fetch_max(now, Ordering::SeqCst);
-            l.lock().unwrap().push((i, "start"));
-            tokio::time::sleep(Duration::from_millis(if i == 2 { 2500 } else { 300 })).await;
-            l.lock().unwrap().push((i, "end"));
-            r.fetch_sub(1, Ordering::SeqCst);
-            Ok::<_, TaskError>(())
-        }
-    });
+    let tasks =
+        TaskTransport::new(TaskConfig::default().concurrency(2)).on("job", move |t: Task| {
+            let (l, r, m) = (l.clone(), r.clone(), m.clone());
+            async move {
+                let i: i64 = t.json()?;
+                let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                l.lock().unwrap().push((i, "start"));
+                tokio::time::sleep(Duration::from_millis(if i == 2 { 2500 } else { 300 })).await;
+                l.lock().unwrap().push((i, "end"));
+                r.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, TaskError>(())
+            }
+        });
     let mut conn = db.pool.acquire().await.unwrap();
     let events = (0..n as i64)
         .map(|i| NewEvent::json(topic.as_str(), "one-key", "job", &i).unwrap())
@@ -72,10 +67,7 @@ async fn a_slow_checkout_never_lets_the_next_claim_skip_a_keys_first_tasks() {
     let relay = RunningRelay::start(
         &relay_pool,
         tasks,
-        RelayConfig {
-            lease: Duration::from_secs(4),
-            ..fast_config()
-        },
+        fast_config().lease(Duration::from_secs(4)),
     )
     .owning(relay_pool.clone());
     // Let the first check-out block and be given up (after 1 s), and the next claim run.
@@ -149,14 +141,7 @@ async fn a_requeued_task_keeps_raising_its_run_number() {
     .await
     .unwrap();
     drop(conn);
-    let relay = RunningRelay::start(
-        &db.pool,
-        tasks,
-        RelayConfig {
-            max_attempts: 2,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config().max_attempts(2));
     wait::until(Duration::from_secs(30), "parked", || async {
         sqlx::query_scalar::<_, String>("SELECT status FROM postal.outbox WHERE event_id = $1")
             .bind(id.as_uuid())
@@ -277,11 +262,7 @@ async fn runs_cut_off_by_crashes_are_counted_and_parked() {
     .await
     .unwrap();
     drop(conn);
-    let cfg = RelayConfig {
-        max_attempts: 2,
-        lease: Duration::from_secs(2),
-        ..fast_config()
-    };
+    let cfg = fast_config().max_attempts(2).lease(Duration::from_secs(2));
     let status = |pool: sqlx::PgPool| async move {
         sqlx::query_as::<_, (String, i32, Option<String>)>(
             "SELECT status, attempts, last_error FROM postal.outbox WHERE event_id = $1",
@@ -359,16 +340,11 @@ async fn history_and_keep_published_modes_record_tasks_once() {
         enqueue_batch(&mut conn, events).await.unwrap();
         drop(conn);
         let cfg = if keep {
-            RelayConfig {
-                delete_on_publish: false,
-                retention: Some(Duration::from_secs(3600)),
-                ..fast_config()
-            }
+            fast_config()
+                .delete_on_publish(false)
+                .retention(Some(Duration::from_secs(3600)))
         } else {
-            RelayConfig {
-                history: Some(Duration::from_secs(3 * 86400)),
-                ..fast_config()
-            }
+            fast_config().history(Some(Duration::from_secs(3 * 86400)))
         };
         let relay = RunningRelay::start(&db.pool, tasks, cfg);
         wait::until(Duration::from_secs(30), "all recorded", || async {
@@ -441,11 +417,7 @@ async fn a_late_checkout_is_given_back_and_runs() {
     let relay = RunningRelay::start(
         &db.pool,
         tasks,
-        RelayConfig {
-            lease: Duration::from_secs(4),
-            max_attempts: 1,
-            ..fast_config()
-        },
+        fast_config().lease(Duration::from_secs(4)).max_attempts(1),
     );
     // Wait until the check-out's UPDATE waits on the lock, then hold it 3.4 s more.
     wait::until(Duration::from_secs(20), "check-out blocked", || async {
@@ -498,12 +470,10 @@ async fn graceful_stops_never_use_up_a_long_tasks_attempts() {
     .unwrap();
     drop(conn);
     let seen = Arc::new(Mutex::new(Vec::<i32>::new()));
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(2),
-        max_attempts: 2,
-        shutdown_timeout: Duration::from_millis(500),
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(2))
+        .max_attempts(2)
+        .shutdown_timeout(Duration::from_millis(500));
     for _deploy in 0..3 {
         let s = seen.clone();
         let started = Arc::new(tokio::sync::Notify::new());
@@ -567,14 +537,7 @@ async fn a_lowered_max_attempts_still_runs_a_waiting_task() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let relay = RunningRelay::start(
-        &db.pool,
-        tasks,
-        RelayConfig {
-            max_attempts: 3,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config().max_attempts(3));
     let _ = tokio::time::timeout(Duration::from_secs(10), async {
         while only_row(&db.pool).await.is_some_and(|r| r.0 == "pending") {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -602,21 +565,18 @@ async fn a_stale_run_never_records_over_a_requeued_task() {
     let go = Arc::new(tokio::sync::Notify::new());
     let started = Arc::new(tokio::sync::Notify::new());
     let (s, g, st) = (seen.clone(), go.clone(), started.clone());
-    let tasks = TaskTransport::new(TaskConfig {
-        concurrency: 1,
-        ..TaskConfig::default()
-    })
-    .on("job", move |t: Task| {
-        let (s, g, st) = (s.clone(), g.clone(), st.clone());
-        async move {
-            s.lock().unwrap().push(t.attempt);
-            st.notify_one();
-            if t.attempt == 1 {
-                g.notified().await;
+    let tasks =
+        TaskTransport::new(TaskConfig::default().concurrency(1)).on("job", move |t: Task| {
+            let (s, g, st) = (s.clone(), g.clone(), st.clone());
+            async move {
+                s.lock().unwrap().push(t.attempt);
+                st.notify_one();
+                if t.attempt == 1 {
+                    g.notified().await;
+                }
+                Ok::<_, TaskError>(())
             }
-            Ok::<_, TaskError>(())
-        }
-    });
+        });
     let mut conn = db.pool.acquire().await.unwrap();
     let id = postal_producer::enqueue(
         &mut conn,
@@ -628,11 +588,7 @@ async fn a_stale_run_never_records_over_a_requeued_task() {
     let relay = RunningRelay::start(
         &db.pool,
         tasks,
-        RelayConfig {
-            max_attempts: 1,
-            lease: Duration::from_secs(20),
-            ..fast_config()
-        },
+        fast_config().max_attempts(1).lease(Duration::from_secs(20)),
     );
     tokio::time::timeout(Duration::from_secs(10), started.notified())
         .await
@@ -743,11 +699,9 @@ async fn a_graceful_stop_never_lets_a_task_run_twice_at_once() {
     drop(conn);
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (go_tx, go) = tokio::sync::watch::channel(false);
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(6),
-        shutdown_timeout: Duration::from_millis(300),
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(6))
+        .shutdown_timeout(Duration::from_millis(300));
     let a = RunningRelay::start(
         &db.pool,
         stop_transport(seen.clone(), go.clone(), "A"),

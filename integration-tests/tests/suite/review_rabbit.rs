@@ -4,9 +4,7 @@ use std::time::{Duration, Instant};
 
 use postal_integration_tests::rabbit::{self, PrivateRabbit};
 use postal_integration_tests::{services, unique};
-use postal_producer::{
-    enqueue_batch, Backoff, NewEvent, RabbitConfig, RabbitTransport, RelayConfig,
-};
+use postal_producer::{enqueue_batch, Backoff, NewEvent, RabbitConfig, RabbitTransport};
 
 use crate::common::{fast_config, RunningRelay};
 
@@ -41,13 +39,10 @@ async fn good_events_delay(
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        RelayConfig {
-            backoff: Backoff {
-                base: Duration::from_millis(500),
-                max: Duration::from_secs(300),
-            },
-            ..fast_config()
-        },
+        fast_config().backoff(Backoff {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(300),
+        }),
     );
     let t0 = Instant::now();
     let mut left;

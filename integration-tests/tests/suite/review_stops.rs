@@ -14,8 +14,8 @@ use std::time::Duration;
 use postal_integration_tests::rabbit::{self, PrivateRabbit};
 use postal_integration_tests::{fresh_postgres_db, services, unique, wait};
 use postal_producer::{
-    enqueue_batch, NewEvent, RabbitConfig, RabbitTransport, RelayConfig, Task, TaskConfig,
-    TaskError, TaskTransport, Transport,
+    enqueue_batch, NewEvent, RabbitConfig, RabbitTransport, Task, TaskConfig, TaskError,
+    TaskTransport, Transport,
 };
 
 use crate::common::{fast_config, RunningRelay};
@@ -84,11 +84,9 @@ async fn a_handler_blocking_past_the_stop_grace_can_overlap_its_next_run() {
     .unwrap();
     tx.commit().await.unwrap();
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(3),
-        shutdown_timeout: Duration::from_millis(300),
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(3))
+        .shutdown_timeout(Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     let a = RunningRelay::start(
         &db.pool,
@@ -216,11 +214,9 @@ async fn a_relay_joining_beside_a_blocking_handler_never_runs_its_task_again() {
     .unwrap();
     tx.commit().await.unwrap();
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(3),
-        shutdown_timeout: Duration::from_millis(300),
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(3))
+        .shutdown_timeout(Duration::from_millis(300));
     let t0 = std::time::Instant::now();
     let a = RunningRelay::start(
         &db.pool,
@@ -350,13 +346,11 @@ async fn a_graceful_stop_that_aborts_a_lane_gives_its_tasks_back() {
     drop(conn);
     let started = Arc::new(tokio::sync::Notify::new());
     let st = started.clone();
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(12),
-        shutdown_timeout: Duration::from_secs(1),
-        lanes: 1,
-        max_attempts: 1,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(12))
+        .shutdown_timeout(Duration::from_secs(1))
+        .lanes(1)
+        .max_attempts(1);
     let a = RunningRelay::start(
         &db.pool,
         TaskTransport::new(TaskConfig::default()).on("job", move |t: Task| {
@@ -499,11 +493,9 @@ async fn a_stopped_spawn_blocking_handler_never_overlaps_the_next_run() {
             }
         })
     };
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(6),
-        shutdown_timeout: Duration::from_millis(300),
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(6))
+        .shutdown_timeout(Duration::from_millis(300));
     let a = RunningRelay::start(&db.pool, mk("A"), cfg.clone());
     while log.lock().unwrap().len() < 2 {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -553,10 +545,7 @@ async fn stopping_one_relay_leaves_another_relays_handlers_running() {
             Ok::<_, TaskError>(())
         }
     });
-    let cfg = RelayConfig {
-        shutdown_timeout: Duration::from_millis(300),
-        ..fast_config()
-    };
+    let cfg = fast_config().shutdown_timeout(Duration::from_millis(300));
     one_job(&db1.pool, &ta, "k").await;
     one_job(&db2.pool, &tb, "k").await;
     let a = RunningRelay::start(&db1.pool, transport.clone(), cfg.clone());
@@ -593,12 +582,10 @@ async fn a_stop_noticed_late_by_a_busy_drive_still_gives_tasks_back_at_lease_end
     let started = Arc::new(tokio::sync::Semaphore::new(0));
     let go = Arc::new(tokio::sync::Notify::new());
     let (s2, g2) = (started.clone(), go.clone());
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(20),
-        shutdown_timeout: Duration::from_millis(500),
-        lanes: 1,
-        ..fast_config()
-    };
+    let cfg = fast_config()
+        .lease(Duration::from_secs(20))
+        .shutdown_timeout(Duration::from_millis(500))
+        .lanes(1);
     let mut tx = db.pool.begin().await.unwrap();
     enqueue_batch(
         &mut tx,

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{
-    enqueue, enqueue_batch, NewEvent, RelayConfig, State, Task, TaskConfig, TaskError,
-    TaskTransport,
+    enqueue, enqueue_batch, NewEvent, State, Task, TaskConfig, TaskError, TaskTransport,
 };
 use sqlx::PgPool;
 
@@ -90,14 +89,7 @@ async fn failing_twice_then_succeeding_completes_once() {
     )
     .await
     .unwrap();
-    let relay = RunningRelay::start(
-        &db.pool,
-        tasks,
-        RelayConfig {
-            max_attempts: 5,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config().max_attempts(5));
     wait::until(Duration::from_secs(30), "report task done", || async {
         status_of(&db.pool, report).await.is_none()
     })
@@ -154,10 +146,7 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     let db = svc.fresh_db().await;
     let topic = unique("tasks-kill");
     let lease = Duration::from_secs(3);
-    let cfg = RelayConfig {
-        lease,
-        ..fast_config()
-    };
+    let cfg = fast_config().lease(lease);
     // Worker A: its handler outlives the lease, then hangs.
     let started = Arc::new(tokio::sync::Notify::new());
     let a_alive = Arc::new(AtomicU64::new(0));
@@ -273,11 +262,7 @@ async fn two_relays_never_run_the_same_task_at_once() {
             violations.clone(),
             completed.clone(),
         );
-        TaskTransport::new(TaskConfig {
-            concurrency: 8,
-            ..TaskConfig::default()
-        })
-        .on("job", move |t: Task| {
+        TaskTransport::new(TaskConfig::default().concurrency(8)).on("job", move |t: Task| {
             let (ids, keys, v, c) = (ids.clone(), keys.clone(), v.clone(), c.clone());
             async move {
                 let id = t.id.to_string();
@@ -311,10 +296,7 @@ async fn two_relays_never_run_the_same_task_at_once() {
             .collect();
         all.extend(enqueue_batch(&mut conn, events).await.unwrap());
     }
-    let cfg = RelayConfig {
-        batch_size: 50,
-        ..fast_config()
-    };
+    let cfg = fast_config().batch_size(50);
     let a = RunningRelay::start(&db.pool, make("a"), cfg.clone());
     let b = RunningRelay::start(&db.pool, make("b"), cfg.clone());
     wait::until(
@@ -369,16 +351,11 @@ async fn relay_groups_share_one_outbox_by_topic() {
     let broker_relay = RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        RelayConfig {
-            topics: TopicFilter::Except(vec![reports.clone()]),
-            ..fast_config()
-        },
+        fast_config().topics(TopicFilter::Except(vec![reports.clone()])),
     );
-    let task_cfg = RelayConfig {
-        group: "reports".into(),
-        topics: TopicFilter::Only(vec![reports.clone()]),
-        ..fast_config()
-    };
+    let task_cfg = fast_config()
+        .group("reports".into())
+        .topics(TopicFilter::Only(vec![reports.clone()]));
     let t1 = RunningRelay::start(&db.pool, tasks(), task_cfg.clone());
     let t2 = RunningRelay::start(&db.pool, tasks(), task_cfg);
     wait::until(Duration::from_secs(60), "outbox drained", || async {
@@ -607,14 +584,7 @@ async fn a_later_task_waits_for_the_retry_of_an_earlier_one_in_a_batch_still_in_
     .unwrap();
     tx.commit().await.unwrap();
     // One lane: the two keys are claimed in one batch whatever their partitions.
-    let relay = RunningRelay::start(
-        &db.pool,
-        tasks,
-        RelayConfig {
-            lanes: 1,
-            ..fast_config()
-        },
-    );
+    let relay = RunningRelay::start(&db.pool, tasks, fast_config().lanes(1));
     tokio::time::timeout(Duration::from_secs(30), first_failed.notified())
         .await
         .expect("the key's first task runs and fails");
@@ -666,10 +636,7 @@ async fn a_relay_that_cannot_renew_a_run_lease_stops_its_task_before_another_run
     let db = svc.fresh_db().await;
     let topic = unique("tasks-fence");
     let cfg_lease = Duration::from_secs(3);
-    let cfg = RelayConfig {
-        lease: cfg_lease,
-        ..fast_config()
-    };
+    let cfg = fast_config().lease(cfg_lease);
     // Handler runs in the order they happened: (relay, task number, what).
     type Log = Arc<Mutex<Vec<(&'static str, u32, &'static str)>>>;
     // The first time something happened, by the wall clock (comparable with the database's:
@@ -829,10 +796,7 @@ async fn a_keys_next_task_waits_for_the_record_of_the_one_before() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("tasks-record");
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(3),
-        ..fast_config()
-    };
+    let cfg = fast_config().lease(Duration::from_secs(3));
     // (relay, key, task number, run number, whether task n's row was still in the outbox).
     type Log = Arc<Mutex<Vec<(&'static str, String, u32, i32, bool)>>>;
     let log: Log = Arc::default();
@@ -947,10 +911,7 @@ async fn the_outcome_of_a_stale_run_is_refused() {
     let topic = unique("tasks-stale");
     // Long enough that run 1's renewal (every quarter of the lease) does not notice run 2
     // before run 1 finishes: its outcome must meet the fence of the record itself.
-    let cfg = RelayConfig {
-        lease: Duration::from_secs(8),
-        ..fast_config()
-    };
+    let cfg = fast_config().lease(Duration::from_secs(8));
     let run1_started = Arc::new(tokio::sync::Notify::new());
     let run1_release = Arc::new(tokio::sync::Notify::new());
     let run1_done = Arc::new(tokio::sync::Notify::new());

@@ -6,6 +6,7 @@ use rdkafka::config::ClientConfig;
 
 /// Settings of the Kafka transport.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
     pub bootstrap_servers: String,
@@ -25,6 +26,16 @@ pub struct KafkaConfig {
     /// dead-letter topics). Events for others are parked with the reason.
     pub allowed_topics: crate::TopicAllowList,
 }
+
+postal_shared::setters!(KafkaConfig {
+    bootstrap_servers: String,
+    source: String,
+    create_topics: bool,
+    topic_partitions: i32,
+    topic_replication: i32,
+    properties: BTreeMap<String, String>,
+    allowed_topics: crate::TopicAllowList,
+});
 
 impl std::fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 /// Settings of the RabbitMQ transport.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct RabbitConfig {
     /// AMQP URI, e.g. `amqp://user:pass@127.0.0.1:5672/%2f` (`amqps://` for TLS).
     pub uri: String,
@@ -39,6 +40,17 @@ pub struct RabbitConfig {
     /// and thread until the broker answers or closes the connection).
     pub connect_timeout: Duration,
 }
+
+postal_shared::setters!(RabbitConfig {
+    uri: String,
+    source: String,
+    routing_keys: BTreeMap<String, String>,
+    declare_exchanges: bool,
+    allowed_topics: crate::TopicAllowList,
+    max_message_bytes: usize,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+});
 
 impl std::fmt::Debug for RabbitConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -88,11 +88,9 @@ impl<T: Transport> Relay<T> {
         })
     }
 
-    /// The connections this configuration can use at once: a claim per lane and per batch in
-    /// flight, plus the lease heartbeat, the `LISTEN` session and housekeeping. `postal relay`
-    /// sizes its pool so.
+    /// The connections `config` can use at once ([`RelayConfig::connections_wanted`]).
     pub fn connections_wanted(config: &RelayConfig) -> u32 {
-        (config.max_in_flight_batches + config.lanes + 3) as u32
+        config.connections_wanted()
     }
 
     /// This instance's id (in its log lines).
