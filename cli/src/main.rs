@@ -558,7 +558,18 @@ async fn run_relay<T: postal_producer::Transport>(
     if args.migrate {
         let mut attempt = 0u32;
         loop {
-            match postal_shared::migrate(&pool).await {
+            // An attempt can wait long (for another migrator's lock, up to a minute; for a
+            // concurrent index build): a stop ends it too. An interrupted attempt leaves nothing
+            // half-done that the next one does not clean up (each migration is a transaction;
+            // migration 9's index build drops the invalid index a broken build left).
+            let attempted = tokio::select! {
+                r = postal_shared::migrate(&pool) => r,
+                () = &mut stop => {
+                    tracing::info!("stopped before the relay started (a migration attempt was under way)");
+                    return Ok(());
+                }
+            };
+            match attempted {
                 Ok(()) => break,
                 // Waiting does not fix these (a modified migration, a refused login, a missing
                 // database, missing rights): stop with the reason.

@@ -248,6 +248,70 @@ fn relay_stops_gracefully_on_sigterm_while_it_still_waits_to_start() {
     assert!(status.success(), "{status}: {rest:?}");
 }
 
+/// Guarantee (from a review): a stop during a migration attempt is acted on at once, not when
+/// the attempt ends: `postal relay --migrate` waiting for Postal's migration lock (held by another
+/// migrator; it would wait up to a minute) exits 0 promptly on SIGTERM.
+#[test]
+fn relay_stops_on_sigterm_while_a_migration_attempt_waits_for_the_lock() {
+    use std::io::BufRead;
+    let Some((rt, db)) = fresh_db() else {
+        return;
+    };
+    // Another migrator holds Postal's migration lock (shared/src/migrate.rs `MIGRATE_LOCK`).
+    let holder = rt.block_on(async {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(0x706f_7374_616c_6d67_i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c
+    });
+    let mut child = postal()
+        .args(["relay", "--migrate"])
+        .env("DATABASE_URL", &db.url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+        .env("POSTAL_LOG", "info,librdkafka=off")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let waiting = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("waiting for Postal's migration lock"));
+    assert!(waiting.is_some(), "the relay never waited for the lock");
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let sent = Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if sent.elapsed() > Duration::from_secs(90) {
+            let _ = child.kill();
+            panic!("did not stop within 90 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = sent.elapsed();
+    let rest = rest.join().unwrap();
+    rt.block_on(async {
+        use sqlx::Connection;
+        let _ = holder.close().await;
+    });
+    assert!(
+        took < Duration::from_secs(10) && status.success(),
+        "SIGTERM during a migration attempt: {status} after {took:?}; {rest:?}"
+    );
+}
+
 /// The single stderr line of a command expected to fail (asserts there is exactly one).
 fn one_error_line(mut c: Command) -> String {
     let out = c.env("POSTAL_LOG", "error").output().unwrap();
