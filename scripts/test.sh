@@ -40,7 +40,10 @@ step "binaries the suite runs: postal, the fixture services (order_service, bill
 cargo build -p postal-cli -p postal-integration-tests --bins -p postal-examples --examples
 
 step "workspace tests against the local stack (external-services mode)"
-cargo test --workspace --all-targets --no-fail-fast -- --skip chaos:: --skip netsplit:: --skip cluster::
+# Four at a time: most tests wait on the broker or the database, not on the two cores
+# (POSTAL_TEST_THREADS to change it).
+cargo test --workspace --all-targets --no-fail-fast -- --test-threads="${POSTAL_TEST_THREADS:-4}" \
+  --skip chaos:: --skip netsplit:: --skip cluster::
 
 step "fault suites, one at a time: kill -9 and restarts (chaos), network partitions between test hosts (netsplit), a 3-node Kafka cluster losing brokers (cluster, short)"
 # POSTAL_CHAOS_SOAK=1 for the long chaos soak (200,000 orders, 60 kills each); the full
