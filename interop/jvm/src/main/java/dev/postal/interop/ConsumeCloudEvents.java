@@ -4,6 +4,9 @@ import com.fasterxml.jackson.databind.ObjectMapper;
 import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.cloudevents.CloudEvent;
 import io.cloudevents.kafka.CloudEventDeserializer;
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
+import java.io.PrintStream;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.time.Instant;
@@ -37,6 +40,10 @@ public final class ConsumeCloudEvents {
     private ConsumeCloudEvents() {}
 
     public static void main(String[] args) throws Exception {
+        // JSON lines in UTF-8 whatever the locale (under LANG unset, Java 17 writes '?' for
+        // every non-ASCII character).
+        System.setOut(new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8));
+        System.setErr(new PrintStream(new FileOutputStream(FileDescriptor.err), true, StandardCharsets.UTF_8));
         if (args.length < 3) {
             System.err.println(
                     "usage: ConsumeCloudEvents <bootstrap> <topic> <records> [timeout-seconds]");

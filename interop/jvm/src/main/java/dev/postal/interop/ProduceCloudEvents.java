@@ -9,6 +9,9 @@ import io.cloudevents.jackson.JsonFormat;
 import io.cloudevents.kafka.CloudEventSerializer;
 import io.cloudevents.core.message.Encoding;
 import java.net.URI;
+import java.io.FileDescriptor;
+import java.io.FileOutputStream;
+import java.io.PrintStream;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
@@ -59,6 +62,10 @@ public final class ProduceCloudEvents {
     }
 
     public static void main(String[] args) throws Exception {
+        // JSON lines in UTF-8 whatever the locale (under LANG unset, Java 17 writes '?' for
+        // every non-ASCII character).
+        System.setOut(new PrintStream(new FileOutputStream(FileDescriptor.out), true, StandardCharsets.UTF_8));
+        System.setErr(new PrintStream(new FileOutputStream(FileDescriptor.err), true, StandardCharsets.UTF_8));
         if (args.length != 3) {
             System.err.println("usage: ProduceCloudEvents <bootstrap> <topic> <events.jsonl>");
             System.exit(64);
