@@ -183,17 +183,11 @@ fn relay_with_migrate_stops_on_a_modified_migration() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the relay kept retrying a migration that cannot be applied");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(60),
+        "the relay kept retrying a migration that cannot be applied",
+    );
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(!status.success(), "{stderr}");
@@ -209,42 +203,18 @@ fn relay_with_migrate_stops_on_a_modified_migration() {
 /// relay` exits with status 0 instead of being killed by the signal.
 #[test]
 fn relay_stops_gracefully_on_sigterm_while_it_still_waits_to_start() {
-    use std::io::BufRead;
-    let mut child = postal()
-        .args(["relay", "--migrate"])
-        .env("DATABASE_URL", "postgres://postal@127.0.0.1:1/postal")
-        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
-        .env("POSTAL_LOG", "warn,librdkafka=off,postal_shared=off")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let waiting = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find(|l| l.contains("cannot apply migrations yet"));
-    assert!(
-        waiting.is_some(),
-        "the relay never said it waits for its database"
+    let (mut child, rest) = relay_that_said(
+        "postgres://postal@127.0.0.1:1/postal",
+        "warn,librdkafka=off,postal_shared=off",
+        "cannot apply migrations yet",
     );
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the relay did not stop on SIGTERM while waiting to start");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    sigterm(&child);
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(30),
+        "the relay did not stop on SIGTERM while waiting to start",
+    );
+    let rest = rest.join().unwrap();
     assert!(status.success(), "{status}: {rest:?}");
 }
 
@@ -253,7 +223,6 @@ fn relay_stops_gracefully_on_sigterm_while_it_still_waits_to_start() {
 /// migrator; it would wait up to a minute) exits 0 promptly on SIGTERM.
 #[test]
 fn relay_stops_on_sigterm_while_a_migration_attempt_waits_for_the_lock() {
-    use std::io::BufRead;
     let Some((rt, db)) = fresh_db() else {
         return;
     };
@@ -268,38 +237,18 @@ fn relay_stops_on_sigterm_while_a_migration_attempt_waits_for_the_lock() {
             .unwrap();
         c
     });
-    let mut child = postal()
-        .args(["relay", "--migrate"])
-        .env("DATABASE_URL", &db.url)
-        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
-        .env("POSTAL_LOG", "info,librdkafka=off")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let waiting = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find(|l| l.contains("waiting for Postal's migration lock"));
-    assert!(waiting.is_some(), "the relay never waited for the lock");
-    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let (mut child, rest) = relay_that_said(
+        &db.url,
+        "info,librdkafka=off",
+        "waiting for Postal's migration lock",
+    );
     let sent = Instant::now();
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if sent.elapsed() > Duration::from_secs(90) {
-            let _ = child.kill();
-            panic!("did not stop within 90 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    sigterm(&child);
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(90),
+        "did not stop within 90 s of SIGTERM",
+    );
     let took = sent.elapsed();
     let rest = rest.join().unwrap();
     rt.block_on(async {
@@ -310,6 +259,60 @@ fn relay_stops_on_sigterm_while_a_migration_attempt_waits_for_the_lock() {
         took < Duration::from_secs(10) && status.success(),
         "SIGTERM during a migration attempt: {status} after {took:?}; {rest:?}"
     );
+}
+
+/// `postal relay --migrate` on `url` (its broker unreachable, logging by `log`), returned once
+/// a line of its stderr contains `said`; the rest of its stderr is collected in the background.
+fn relay_that_said(
+    url: &str,
+    log: &str,
+    said: &str,
+) -> (std::process::Child, std::thread::JoinHandle<Vec<String>>) {
+    use std::io::BufRead;
+    let mut child = postal()
+        .args(["relay", "--migrate"])
+        .env("DATABASE_URL", url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+        .env("POSTAL_LOG", log)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let found = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.contains(said));
+    assert!(found, "the relay never said {said:?}");
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect());
+    (child, rest)
+}
+
+fn sigterm(child: &std::process::Child) {
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
+/// `child`'s exit status, waited for at most `limit` (then it is killed and `what` is the panic).
+fn wait_exit(
+    child: &mut std::process::Child,
+    limit: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The single stderr line of a command expected to fail (asserts there is exactly one).
