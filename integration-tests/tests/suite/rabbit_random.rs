@@ -275,21 +275,40 @@ async fn run_case(mq_url: &str, seed: u64) -> Result<String, String> {
             "PARKED: routable event {id} parked: {reason:?} ({p:?})"
         ));
     }
-    // (4a) Nothing is delivered after an earlier event of its key was parked: a parked event
-    // holds its key's later events back for good.
-    let mut first_parked: BTreeMap<&str, i64> = BTreeMap::new();
+    // (4a) Nothing is delivered ahead of an earlier event of its key that was parked: a parked
+    // event holds its key's later events back for good. A parked event may itself have been
+    // delivered before: a relay killed after the broker's ack but before recording it leaves
+    // the event pending, and its replacement publishes it again, which the full queue may nack
+    // until it is parked. Then its later events, also published by the killed relay, came
+    // after it, and the key's order holds.
+    let mut parked_seqs: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
     for r in left.iter().filter(|r| r.1 == "failed") {
-        let e = first_parked.entry(r.3.as_str()).or_insert(r.4);
-        *e = (*e).min(r.4);
+        parked_seqs.entry(r.3.as_str()).or_default().insert(r.4);
     }
-    if let Some(m) = messages.iter().find(|m| {
+    let mut delivered_seqs: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
+    for (i, m) in messages.iter().enumerate() {
         let key = m.header("ce_subject").unwrap_or_default();
         let seq: i64 = m.header("ce_postalseq").unwrap_or("0").parse().unwrap_or(0);
-        first_parked.get(key).is_some_and(|&parked| seq > parked)
-    }) {
+        let before = delivered_seqs.entry(key).or_default();
+        let skipped = parked_seqs
+            .get(key)
+            .and_then(|p| p.range(..seq).find(|s| !before.contains(s)).copied());
+        before.insert(seq);
+        let Some(parked_seq) = skipped else { continue };
+        let story: Vec<String> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.header("ce_subject") == Some(key))
+            .map(|(i, x)| format!("#{i} seq {}", x.header("ce_postalseq").unwrap_or("?")))
+            .collect();
+        let parked_row = left
+            .iter()
+            .find(|r| r.1 == "failed" && r.3 == key && r.4 == parked_seq);
         return Err(format!(
-            "ORDER: {:?} delivered after an earlier event of its key was parked ({p:?})",
-            m.message_id
+            "ORDER: {:?} (#{i}, seq {seq}) delivered ahead of the parked earlier event of its key {key} with seq {parked_seq} ({:?}); the key's deliveries: {} ({p:?})",
+            m.message_id,
+            parked_row.map(|r| (r.0, r.2.clone())),
+            story.join(", ")
         ));
     }
     // (4) Each key's first deliveries in outbox order.
