@@ -1,11 +1,9 @@
 //! `postal dead-letters`: records consumers gave up on — list, show, replay.
 
 use crate::shown::{shown, shown_bytes};
-use std::time::Duration;
 
 use clap::Subcommand;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -78,16 +76,6 @@ struct Row {
     error: String,
     published: bool,
     replayed: bool,
-}
-
-#[derive(sqlx::FromRow)]
-struct Full {
-    id: i64,
-    topic: String,
-    record_key: Option<Vec<u8>>,
-    payload: Option<Vec<u8>>,
-    header_names: Vec<String>,
-    header_values: Vec<Vec<u8>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -213,120 +201,25 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             if ids.is_empty() && consumer.is_none() && !all {
                 anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
             }
-            let rows: Vec<Full> = sqlx::query_as(
-                "SELECT id, topic, record_key, payload, header_names, header_values
-                 FROM postal.dead_letters
-                 WHERE replayed_at IS NULL
-                   AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
-                   AND ($2::text IS NULL OR consumer_name = $2)
-                 ORDER BY id",
-            )
-            .bind(&ids)
-            .bind(&consumer)
-            .fetch_all(pool)
-            .await?;
+            let mut filter = postal_admin::dead_letters::Filter::default();
+            filter.consumer = consumer;
+            let ids = postal_admin::dead_letters::matched(pool, &ids, &filter, None).await?;
             let producer: FutureProducer<crate::kafka_client::Capture> =
                 crate::kafka_client::config(&bootstrap_servers)
                     .set("enable.idempotence", "true")
                     .set("message.timeout.ms", "15000")
                     .set("log_level", "3")
                     .create_with_context(crate::kafka_client::Capture::default())?;
-            let progress = Progress::new(rows.len() as u64, "replayed");
-            let mut done = 0u64;
-            for chunk in rows.chunks(500) {
-                // One transaction per chunk, open until the broker acknowledged the sends:
-                // it claims the chunk (a replay running at the same time waits for it, then
-                // takes none of these) and removes the dedup rows these dead letters wrote —
-                // only those: written in the dead letter's own transaction, they carry its
-                // time. A row from an applied copy (a replay before, or a dead letter recorded
-                // before dead letters kept their row) stays, and the replayed record is then a
-                // duplicate. If this process dies before the commit, nothing of it happened:
-                // the dead letters stand with their rows (a record that went out meanwhile is
-                // a duplicate) and the replay can be run again. A consumer that reads a
-                // replayed record before the commit waits for it on the dedup row.
-                let ids: Vec<i64> = chunk.iter().map(|r| r.id).collect();
-                let mut tx = pool.begin().await?;
-                let claimed: Vec<i64> = sqlx::query_scalar(
-                    "UPDATE postal.dead_letters SET replayed_at = now()
-                     WHERE id = ANY($1) AND replayed_at IS NULL RETURNING id",
-                )
-                .bind(&ids)
-                .fetch_all(&mut *tx)
-                .await?;
-                sqlx::query(
-                    "DELETE FROM postal.processed_events p USING postal.dead_letters d
-                     WHERE d.id = ANY($1) AND p.consumer_name = d.consumer_name
-                       AND p.event_id = d.event_id AND p.processed_at = d.created_at",
-                )
-                .bind(&claimed)
-                .execute(&mut *tx)
-                .await?;
-                let chunk: Vec<&Full> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
-                let sends = chunk.iter().map(|r| {
-                    let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
-                    for (n, v) in r.header_names.iter().zip(&r.header_values) {
-                        h = h.insert(Header {
-                            key: n,
-                            value: Some(v),
-                        });
-                    }
-                    let mut rec: FutureRecord<'_, [u8], [u8]> =
-                        FutureRecord::to(&r.topic).headers(h);
-                    if let Some(k) = &r.record_key {
-                        rec = rec.key(k.as_slice());
-                    }
-                    if let Some(p) = &r.payload {
-                        rec = rec.payload(p.as_slice());
-                    }
-                    producer.send(rec, Duration::from_secs(15))
-                });
-                let results = futures::future::join_all(sends).await;
-                let mut sent = 0u64;
-                let mut failed = Vec::new();
-                let mut first_error = None;
-                for (r, res) in chunk.iter().zip(results) {
-                    match res {
-                        Ok(_) => sent += 1,
-                        Err((e, _)) => {
-                            first_error.get_or_insert_with(|| {
-                                format!(
-                                    "replaying dead letter {} to {:?} failed: {e}",
-                                    r.id, r.topic
-                                )
-                            });
-                            failed.push(r.id);
-                        }
-                    }
-                }
-                if !failed.is_empty() {
-                    // Not sent: the dead letter stands again, with its dedup row.
-                    sqlx::query(
-                        "UPDATE postal.dead_letters SET replayed_at = NULL WHERE id = ANY($1)",
-                    )
-                    .bind(&failed)
-                    .execute(&mut *tx)
-                    .await?;
-                    sqlx::query(
-                        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
-                         SELECT consumer_name, event_id, created_at FROM postal.dead_letters
-                         WHERE id = ANY($1) AND event_id IS NOT NULL
-                         ON CONFLICT DO NOTHING",
-                    )
-                    .bind(&failed)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                tx.commit().await?;
-                if let Some(e) = first_error {
+            let progress = Progress::new(ids.len() as u64, "replayed");
+            let replayed =
+                postal_admin::dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;
+            let done = match replayed {
+                Ok(n) => n,
+                Err(e) => {
                     progress.finish();
-                    anyhow::bail!(
-                        "{e} ({} replayed before it; run the same command again to replay the rest)",
-                        done + sent
-                    );
+                    return Err(e.into());
                 }
-                done += sent;
-                progress.set(done);
-            }
+            };
             progress.finish();
             println!("replayed {done} dead letter(s) to their original topics");
             Ok(())

@@ -69,23 +69,21 @@ pub struct Selection {
     dry_run: bool,
 }
 
-/// The parked events `select` matches now, by sequence number in outbox order: a command acts
-/// on these only (still parked when their turn comes), never on events parked while it runs.
+/// The parked events `select` matches now, by sequence number in outbox order (the shared
+/// implementation the dashboard uses too): a command acts on these only.
 async fn matched_at_start(
     pool: &PgPool,
     ids: &[Uuid],
     topic: &Option<String>,
 ) -> anyhow::Result<Vec<i64>> {
-    Ok(sqlx::query_scalar(
-        "SELECT seq FROM postal.outbox WHERE status = 'failed'
-         AND (cardinality($1::uuid[]) = 0 OR event_id = ANY($1))
-         AND ($2::text IS NULL OR topic = $2)
-         ORDER BY seq",
-    )
-    .bind(ids)
-    .bind(topic)
-    .fetch_all(pool)
-    .await?)
+    let selection = if ids.is_empty() {
+        let mut filter = postal_admin::parked::Filter::default();
+        filter.topic = topic.clone();
+        postal_admin::parked::Selection::Filter(filter)
+    } else {
+        postal_admin::parked::Selection::Ids(ids.to_vec())
+    };
+    Ok(postal_admin::parked::matched(pool, &selection, None).await?)
 }
 
 /// `--dry-run`: prints the matched events (id, topic, key, type, attempts, last error), one
@@ -120,28 +118,6 @@ async fn show_matched(pool: &PgPool, seqs: &[i64], verb: &str) -> anyhow::Result
         seqs.len()
     );
     Ok(())
-}
-
-/// A discarded event, as printed: everything needed to enqueue it again.
-#[derive(Serialize, sqlx::FromRow)]
-struct Discarded {
-    event_id: Uuid,
-    topic: String,
-    event_key: String,
-    event_type: String,
-    schema_version: i32,
-    occurred_at: chrono::DateTime<chrono::Utc>,
-    content_type: String,
-    headers: serde_json::Value,
-    attempts: i32,
-    last_error: Option<String>,
-    /// The payload as text when it is UTF-8 (JSON payloads are).
-    #[sqlx(skip)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payload: Option<String>,
-    /// The payload in base64 when it is not UTF-8.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payload_base64: Option<String>,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -277,50 +253,18 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if dry_run {
                 return show_matched(pool, &matched, "discard").await;
             }
-            let mut done = 0usize;
-            for chunk in matched.chunks(1000) {
-                // Each batch is printed (and stdout flushed) before its deletion commits: an
-                // interrupted run loses nothing it did not print.
-                let mut tx = pool.begin().await?;
-                let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
-                    "WITH batch AS (
-                         SELECT seq FROM postal.outbox WHERE status = 'failed'
-                         AND seq = ANY($1)
-                         ORDER BY seq FOR UPDATE)
-                     DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
-                     RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
-                               o.schema_version, o.occurred_at, o.content_type, o.headers,
-                               o.attempts, o.last_error, o.payload,
-                               translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
-                )
-                .bind(chunk)
-                .try_map(|row: sqlx::postgres::PgRow| {
-                    use sqlx::{FromRow, Row};
-                    Ok((Discarded::from_row(&row)?, row.try_get("payload")?))
-                })
-                .fetch_all(&mut *tx)
-                .await?;
-                let n = rows.len();
+            // Each batch is printed (and stdout flushed) before its deletion commits: an
+            // interrupted run loses nothing it did not print.
+            let done = postal_admin::parked::discard_seqs(pool, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
-                for (mut d, payload) in rows {
-                    if let Ok(text) = String::from_utf8(payload) {
-                        d.payload = Some(text);
-                        d.payload_base64 = None;
-                    }
-                    writeln!(out, "{}", serde_json::to_string(&d)?)?;
+                for d in &batch {
+                    writeln!(out, "{}", serde_json::to_string(d).map_err(std::io::Error::other)?)?;
                 }
                 out.flush()?;
-                drop(out);
-                tx.commit().await?;
-                if n > 0 {
-                    eprintln!("deleted the {n} event(s) printed above this line");
-                }
-                done += n;
-            }
-            sqlx::query("SELECT pg_notify($1, '')")
-                .bind(postal_producer::NOTIFY_CHANNEL)
-                .execute(pool)
-                .await?;
+                eprintln!("deleting the {} event(s) printed above this line", batch.len());
+                Ok(())
+            })
+            .await? as usize;
             eprintln!("discarded {done} parked event(s); later events of their keys are released");
             if done < matched.len() {
                 eprintln!(
@@ -351,27 +295,8 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 return show_matched(pool, &matched, "requeue").await;
             }
             let progress = Progress::new(matched.len() as u64, "requeued");
-            let mut done = 0u64;
-            for chunk in matched.chunks(1000) {
-                let n = sqlx::query(
-                    "UPDATE postal.outbox o
-                        SET status = 'pending', attempts = 0, held = false,
-                            available_at = now(),
-                            last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
-                      WHERE o.status = 'failed' AND o.seq = ANY($1)",
-                )
-                .bind(chunk)
-                .execute(pool)
-                .await?
-                .rows_affected();
-                done += n;
-                progress.set(done);
-            }
+            let done = postal_admin::parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
             progress.finish();
-            sqlx::query("SELECT pg_notify($1, '')")
-                .bind(postal_producer::NOTIFY_CHANNEL)
-                .execute(pool)
-                .await?;
             println!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {
                 println!(

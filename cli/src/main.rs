@@ -17,6 +17,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod cleanup;
 mod consumer;
+mod dashboard;
 mod dead_letters;
 mod failed;
 mod grant;
@@ -120,6 +121,10 @@ enum Command {
     /// Grant roles the least privileges they need on Postal's tables: --app (enqueue only),
     /// --relay, --consumer. Run it as the schema's owner, again after `postal migrate`.
     Grant(grant::GrantArgs),
+    /// Serve the operator dashboard (overview, parked events, blocked keys, dead letters,
+    /// dedup lookup, audit) until SIGINT/SIGTERM: read-only unless --allow-actions, on
+    /// 127.0.0.1 unless given --listen and --token.
+    Dashboard(dashboard::DashboardArgs),
 }
 
 /// Relay settings. Every flag can also be given as `POSTAL_<FLAG>` in the environment (the
@@ -359,6 +364,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
+        Command::Dashboard(args) => dashboard::run(connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, &cli.kafka, *args).await,
     }
 }

@@ -270,7 +270,8 @@ impl Claim {
                  attempts = r.attempts,
                  running = NOT r.park,
                  status = CASE WHEN r.park THEN 'failed' ELSE 'pending' END,
-                 available_at = now() + $2 * interval '1 millisecond',
+                 available_at = CASE WHEN r.park THEN now()
+                                     ELSE now() + $2 * interval '1 millisecond' END,
                  held = true,
                  last_error = CASE WHEN r.park
                      THEN format('parked: %s attempts used, the last ended without an outcome (the relay died or lost its run lease); error before: %s',

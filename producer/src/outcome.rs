@@ -96,7 +96,10 @@ impl Judge {
                     // is already at a lowered `max_attempts` is not parked for an outage).
                     let park = err.kind == FailureKind::Permanent
                         || (counts && attempts >= self.config.max_attempts);
+                    // A parked row's `available_at` records when it was parked (the
+                    // dashboard's time filter and chart read it): no backoff for it.
                     let retry_in = match err.kind {
+                        _ if park => Duration::ZERO,
                         FailureKind::Unavailable => {
                             any_unavailable = true;
                             self.config.backoff.delay(streak).min(MAX_UNAVAILABLE_PAUSE)

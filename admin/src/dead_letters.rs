@@ -1,0 +1,320 @@
+//! Consumer dead letters (`postal.dead_letters`): records a consumer gave up on. Open ones are
+//! neither replayed nor resolved.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::Error;
+
+/// Which dead letters: every field set must match.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Filter {
+    /// This consumer.
+    pub consumer: Option<String>,
+    /// From this topic.
+    pub topic: Option<String>,
+    /// This event.
+    pub event_id: Option<Uuid>,
+    /// This reason (`permanent`, `undecodable`, `missing_event_id`, `unknown_type`, `panic`,
+    /// `retries_exhausted`).
+    pub reason: Option<String>,
+    /// Whose error contains this text (case-insensitive).
+    pub error: Option<String>,
+    /// Replayed and resolved ones too (else only open ones).
+    #[serde(default)]
+    pub all: bool,
+}
+
+const WHERE: &str = "($1::text IS NULL OR consumer_name = $1)
+    AND ($2::text IS NULL OR topic = $2)
+    AND ($3::uuid IS NULL OR event_id = $3)
+    AND ($4::text IS NULL OR reason = $4)
+    AND ($5::text IS NULL OR strpos(lower(error), lower($5)) > 0)
+    AND ($6 OR (replayed_at IS NULL AND resolved_at IS NULL))";
+
+fn bind<'q, O>(
+    q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    f: &'q Filter,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    q.bind(f.consumer.as_deref())
+        .bind(f.topic.as_deref())
+        .bind(f.event_id)
+        .bind(f.reason.as_deref())
+        .bind(f.error.as_deref())
+        .bind(f.all)
+}
+
+/// One dead letter, as listed.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Its id.
+    pub id: i64,
+    /// The consumer that gave up.
+    pub consumer_name: String,
+    /// From this topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub kafka_offset: i64,
+    /// The event id, when the record had one.
+    pub event_id: Option<Uuid>,
+    /// Why (see [`Filter::reason`]).
+    pub reason: String,
+    /// The error.
+    pub error: String,
+    /// Attempts.
+    pub attempts: i32,
+    /// Recorded at.
+    pub created_at: DateTime<Utc>,
+    /// Published to the dead-letter topic.
+    pub published: bool,
+    /// Sent back to its topic.
+    pub replayed: bool,
+    /// Settled by an operator without a replay.
+    pub resolved: bool,
+}
+
+const COLUMNS: &str = "id, consumer_name, topic, partition, kafka_offset, event_id, reason, error,
+    attempts, created_at, published_at IS NOT NULL AS published,
+    replayed_at IS NOT NULL AS replayed, resolved_at IS NOT NULL AS resolved";
+
+/// Dead letters the filter matches, newest first (at most `limit`).
+pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    let sql = format!(
+        "SELECT {COLUMNS} FROM postal.dead_letters WHERE {WHERE} ORDER BY id DESC LIMIT $7"
+    );
+    Ok(bind(sqlx::query_as(&sql), filter)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?)
+}
+
+/// Dead letters the filter matches, oldest first (at most `limit`).
+pub async fn oldest(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    let sql =
+        format!("SELECT {COLUMNS} FROM postal.dead_letters WHERE {WHERE} ORDER BY id LIMIT $7");
+    Ok(bind(sqlx::query_as(&sql), filter)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?)
+}
+
+/// How many dead letters the filter matches.
+pub async fn count(pool: &PgPool, filter: &Filter) -> Result<i64, Error> {
+    let sql = format!("SELECT count(*) FROM postal.dead_letters WHERE {WHERE}");
+    let (n,): (i64,) = bind(sqlx::query_as(&sql), filter).fetch_one(pool).await?;
+    Ok(n)
+}
+
+/// One dead letter, whole.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Full {
+    /// As listed.
+    #[sqlx(flatten)]
+    pub listed: DeadLetter,
+    /// The record's key.
+    pub record_key: Option<Vec<u8>>,
+    /// The record's value.
+    pub payload: Option<Vec<u8>>,
+    /// Header names.
+    pub header_names: Vec<String>,
+    /// Header values, in the order of the names.
+    pub header_values: Vec<Vec<u8>>,
+}
+
+/// The dead letter `id`.
+pub async fn show(pool: &PgPool, id: i64) -> Result<Option<Full>, Error> {
+    let sql = format!(
+        "SELECT {COLUMNS}, record_key, payload, header_names, header_values
+         FROM postal.dead_letters WHERE id = $1"
+    );
+    Ok(sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?)
+}
+
+/// Open dead letters per consumer.
+pub async fn open_per_consumer(pool: &PgPool) -> Result<Vec<(String, i64)>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT consumer_name, count(*) FROM postal.dead_letters
+         WHERE replayed_at IS NULL AND resolved_at IS NULL GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
+/// The open dead letters among `ids` (or, when `ids` is empty, that `filter` matches), oldest
+/// first. More than `cap`: refused.
+pub async fn matched(
+    pool: &PgPool,
+    ids: &[i64],
+    filter: &Filter,
+    cap: Option<usize>,
+) -> Result<Vec<i64>, Error> {
+    let found: Vec<i64> = if ids.is_empty() {
+        let sql = format!("SELECT id FROM postal.dead_letters WHERE {WHERE} AND replayed_at IS NULL AND resolved_at IS NULL ORDER BY id");
+        let rows: Vec<(i64,)> = bind(sqlx::query_as(&sql), filter).fetch_all(pool).await?;
+        rows.into_iter().map(|(i,)| i).collect()
+    } else {
+        sqlx::query_scalar(
+            "SELECT id FROM postal.dead_letters
+             WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL ORDER BY id",
+        )
+        .bind(ids)
+        .fetch_all(pool)
+        .await?
+    };
+    if let Some(cap) = cap {
+        if found.len() > cap {
+            return Err(Error::OverCap {
+                matched: found.len(),
+                cap,
+            });
+        }
+    }
+    Ok(found)
+}
+
+/// Marks open dead letters resolved by `actor` (settled without a replay: their dedup rows
+/// stay, so no copy of their events is ever applied). Returns how many.
+pub async fn resolve(pool: &PgPool, ids: &[i64], actor: &str) -> Result<u64, Error> {
+    Ok(sqlx::query(
+        "UPDATE postal.dead_letters SET resolved_at = now(), resolved_by = $2
+         WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL",
+    )
+    .bind(ids)
+    .bind(actor)
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
+
+#[derive(sqlx::FromRow)]
+struct Record {
+    id: i64,
+    topic: String,
+    record_key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    header_names: Vec<String>,
+    header_values: Vec<Vec<u8>>,
+}
+
+/// Sends open dead letters back to the topic they came from, with their original key, value
+/// and headers (so their original event id), for the consumer's handler to process again. A
+/// dead letter keeps its event's dedup row, so that no copy of it is ever applied by itself;
+/// replay removes that row just before sending, so the event goes through the handler once
+/// more — once. `progress` gets the running total. On a failed send, the dead letters of that
+/// chunk that were not sent stand again (with their dedup rows) and the error says how many
+/// were replayed before it.
+pub async fn replay<C: rdkafka::ClientContext + 'static>(
+    pool: &PgPool,
+    producer: &FutureProducer<C>,
+    ids: &[i64],
+    mut progress: impl FnMut(u64),
+) -> Result<u64, Error> {
+    let rows: Vec<Record> = sqlx::query_as(
+        "SELECT id, topic, record_key, payload, header_names, header_values
+         FROM postal.dead_letters
+         WHERE replayed_at IS NULL AND resolved_at IS NULL AND id = ANY($1)
+         ORDER BY id",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    let mut done = 0u64;
+    for chunk in rows.chunks(500) {
+        // One transaction per chunk, open until the broker acknowledged the sends: it claims
+        // the chunk (a replay running at the same time waits for it, then takes none of these)
+        // and removes the dedup rows these dead letters wrote — only those: written in the dead
+        // letter's own transaction, they carry its time. A row from an applied copy (a replay
+        // before, or a dead letter recorded before dead letters kept their row) stays, and the
+        // replayed record is then a duplicate. If this process dies before the commit, nothing
+        // of it happened: the dead letters stand with their rows (a record that went out
+        // meanwhile is a duplicate) and the replay can be run again. A consumer that reads a
+        // replayed record before the commit waits for it on the dedup row.
+        let ids: Vec<i64> = chunk.iter().map(|r| r.id).collect();
+        let mut tx = pool.begin().await?;
+        let claimed: Vec<i64> = sqlx::query_scalar(
+            "UPDATE postal.dead_letters SET replayed_at = now()
+             WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL RETURNING id",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        sqlx::query(
+            "DELETE FROM postal.processed_events p USING postal.dead_letters d
+             WHERE d.id = ANY($1) AND p.consumer_name = d.consumer_name
+               AND p.event_id = d.event_id AND p.processed_at = d.created_at",
+        )
+        .bind(&claimed)
+        .execute(&mut *tx)
+        .await?;
+        let chunk: Vec<&Record> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
+        let sends = chunk.iter().map(|r| {
+            let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
+            for (n, v) in r.header_names.iter().zip(&r.header_values) {
+                h = h.insert(Header {
+                    key: n,
+                    value: Some(v),
+                });
+            }
+            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).headers(h);
+            if let Some(k) = &r.record_key {
+                rec = rec.key(k.as_slice());
+            }
+            if let Some(p) = &r.payload {
+                rec = rec.payload(p.as_slice());
+            }
+            producer.send(rec, Duration::from_secs(15))
+        });
+        let results = futures::future::join_all(sends).await;
+        let mut sent = 0u64;
+        let mut failed = Vec::new();
+        let mut first_error = None;
+        for (r, res) in chunk.iter().zip(results) {
+            match res {
+                Ok(_) => sent += 1,
+                Err((e, _)) => {
+                    first_error.get_or_insert_with(|| {
+                        format!("replaying dead letter {} to {:?} failed: {e}", r.id, r.topic)
+                    });
+                    failed.push(r.id);
+                }
+            }
+        }
+        if !failed.is_empty() {
+            // Not sent: the dead letter stands again, with its dedup row.
+            sqlx::query("UPDATE postal.dead_letters SET replayed_at = NULL WHERE id = ANY($1)")
+                .bind(&failed)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+                 SELECT consumer_name, event_id, created_at FROM postal.dead_letters
+                 WHERE id = ANY($1) AND event_id IS NOT NULL
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(&failed)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        if let Some(e) = first_error {
+            return Err(Error::Kafka(format!(
+                "{e} ({} replayed before it; run the same replay again for the rest)",
+                done + sent
+            )));
+        }
+        done += sent;
+        progress(done);
+    }
+    Ok(done)
+}

@@ -1,0 +1,34 @@
+//! Operator actions on Postal's tables, and the dashboard that serves them.
+//!
+//! One implementation of each action, shared by the `postal` CLI (`postal failed`,
+//! `postal dead-letters`) and the dashboard (`postal dashboard`, or [`web::Dashboard`] mounted in
+//! your own axum service):
+//!
+//! - [`parked`]: search parked events, group them by error, requeue or discard them (by id, by
+//!   filter, with a cap), and the keys they hold back ([`parked::blocked_keys`]);
+//! - [`dead_letters`]: search, replay to their topic, or mark resolved;
+//! - [`lookup`]: did consumer X process event Y?
+//! - [`overview`]: backlog, relays, consumers, dead letters and the last hour per minute;
+//! - [`audit`]: every dashboard action, recorded.
+//!
+//! ```no_run
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), postal_admin::Error> {
+//! use postal_admin::parked::{self, Selection};
+//!
+//! // Requeue every parked event of one topic, refusing if more than 1,000 match.
+//! let filter = parked::Filter { topic: Some("orders".into()), ..Default::default() };
+//! let requeued = parked::requeue(&pool, &Selection::Filter(filter), Some(1000)).await?;
+//! println!("requeued {requeued}");
+//! # Ok(()) }
+//! ```
+
+pub mod audit;
+pub mod dead_letters;
+mod error;
+pub mod lookup;
+pub mod overview;
+pub mod parked;
+#[cfg(feature = "web")]
+pub mod web;
+
+pub use error::Error;

@@ -1,0 +1,203 @@
+//! The state of the system at a glance: backlog per topic, relays and their leases, consumers
+//! and their offsets, open dead letters, and the last hour per minute.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::Error;
+
+/// One topic's backlog.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Backlog {
+    /// Topic (or RabbitMQ exchange, or task queue).
+    pub topic: String,
+    /// Pending events that are due.
+    pub pending: i64,
+    /// Events scheduled for later delivery.
+    pub scheduled: i64,
+    /// Parked events.
+    pub failed: i64,
+    /// Age of the oldest due event, in seconds.
+    pub oldest_pending_age_s: Option<f64>,
+}
+
+/// One relay.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Relay {
+    /// Its id.
+    pub relay_id: uuid::Uuid,
+    /// Its group.
+    pub relay_group: String,
+    /// Its host.
+    pub host: String,
+    /// Seconds since its last heartbeat.
+    pub heartbeat_age_s: f64,
+    /// Key partitions it holds a live lease on (of 256).
+    pub partitions: i64,
+}
+
+/// One consumer group's partition.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct ConsumerPartition {
+    /// Group.
+    pub group_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The next offset it will consume (stored with its effects).
+    pub next_offset: Option<i64>,
+    /// Seconds since it last advanced.
+    pub updated_age_s: f64,
+    /// Records behind the broker's high watermark (when the dashboard can ask the broker).
+    #[sqlx(default)]
+    pub lag: Option<i64>,
+}
+
+/// One minute of the last hour.
+#[derive(Debug, Clone, Default, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Minute {
+    /// The minute.
+    pub minute: DateTime<Utc>,
+    /// Events published (counted from published rows the outbox keeps, or its history).
+    pub published: i64,
+    /// Events parked.
+    pub parked: i64,
+    /// Dead letters recorded.
+    pub dead_letters: i64,
+    /// Average end-to-end lag of the published events (enqueue to broker acknowledgement),
+    /// in milliseconds.
+    pub lag_ms: Option<f64>,
+}
+
+/// Everything the overview shows.
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Overview {
+    /// Per topic.
+    pub backlog: Vec<Backlog>,
+    /// Live and recently seen relays.
+    pub relays: Vec<Relay>,
+    /// Consumer offsets.
+    pub consumers: Vec<ConsumerPartition>,
+    /// Open dead letters per consumer.
+    pub dead_letters: Vec<(String, i64)>,
+    /// The last 60 minutes, oldest first, every minute present.
+    pub minutes: Vec<Minute>,
+    /// Whether published rows are kept anywhere (the outbox in keep mode, or its history): if
+    /// not, the publish chart has nothing to count.
+    pub publishes_recorded: bool,
+}
+
+/// Reads the overview (consumer lag left empty: see [`fill_lag`]).
+pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
+    let backlog = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
+        .fetch_all(pool)
+        .await?;
+    let relays = sqlx::query_as(
+        "SELECT i.relay_id, i.relay_group, i.host,
+                extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
+                count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions
+         FROM postal.relay_instances i
+         LEFT JOIN postal.relay_partitions p
+           ON p.owner = i.relay_id AND p.relay_group = i.relay_group
+         GROUP BY 1, 2, 3, 4 ORDER BY 2, 1",
+    )
+    .fetch_all(pool)
+    .await?;
+    let consumers = sqlx::query_as(
+        "SELECT group_id, topic, partition, next_offset,
+                extract(epoch FROM now() - updated_at)::float8 AS updated_age_s
+         FROM postal.consumer_offsets ORDER BY group_id, topic, partition",
+    )
+    .fetch_all(pool)
+    .await?;
+    let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
+    let minutes: Vec<Minute> = sqlx::query_as(
+        "WITH m AS (
+             SELECT generate_series(date_trunc('minute', now()) - interval '59 minutes',
+                                    date_trunc('minute', now()), interval '1 minute') AS minute),
+         published AS (
+             SELECT date_trunc('minute', published_at) AS minute, count(*) AS n,
+                    avg(extract(epoch FROM published_at - created_at) * 1000) AS lag_ms
+             FROM (SELECT published_at, created_at FROM postal.outbox
+                   WHERE status = 'published'
+                     AND published_at >= date_trunc('minute', now()) - interval '59 minutes'
+                   UNION ALL
+                   SELECT published_at, created_at FROM postal.outbox_history
+                   WHERE published_at >= date_trunc('minute', now()) - interval '59 minutes') p
+             GROUP BY 1),
+         parked AS (
+             SELECT date_trunc('minute', available_at) AS minute, count(*) AS n
+             FROM postal.outbox WHERE status = 'failed'
+               AND available_at >= date_trunc('minute', now()) - interval '59 minutes'
+             GROUP BY 1),
+         dead AS (
+             SELECT date_trunc('minute', created_at) AS minute, count(*) AS n
+             FROM postal.dead_letters
+             WHERE created_at >= date_trunc('minute', now()) - interval '59 minutes'
+             GROUP BY 1)
+         SELECT m.minute, coalesce(p.n, 0) AS published, coalesce(f.n, 0) AS parked,
+                coalesce(d.n, 0) AS dead_letters, p.lag_ms::float8 AS lag_ms
+         FROM m LEFT JOIN published p USING (minute) LEFT JOIN parked f USING (minute)
+         LEFT JOIN dead d USING (minute) ORDER BY m.minute",
+    )
+    .fetch_all(pool)
+    .await?;
+    let publishes_recorded: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE status = 'published')
+             OR EXISTS (SELECT 1 FROM postal.outbox_history)",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Overview {
+        backlog,
+        relays,
+        consumers,
+        dead_letters,
+        minutes,
+        publishes_recorded,
+    })
+}
+
+/// Fills in each consumer partition's lag from the broker's high watermarks, asking at most
+/// for `budget` in all (partitions not asked in time keep `None`). Runs on a blocking thread.
+pub async fn fill_lag<C: rdkafka::consumer::ConsumerContext + 'static>(
+    overview: &mut Overview,
+    client: std::sync::Arc<rdkafka::consumer::BaseConsumer<C>>,
+    budget: std::time::Duration,
+) {
+    use rdkafka::consumer::Consumer as _;
+    let wanted: Vec<(String, i32)> = overview
+        .consumers
+        .iter()
+        .map(|c| (c.topic.clone(), c.partition))
+        .collect();
+    let highs = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + budget;
+        wanted
+            .iter()
+            .map(|(t, p)| {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return None;
+                }
+                client.fetch_watermarks(t, *p, left).ok().map(|(_, high)| high)
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap_or_default();
+    for (c, high) in overview.consumers.iter_mut().zip(highs) {
+        c.lag = match (high, c.next_offset) {
+            (Some(h), Some(n)) => Some((h - n).max(0)),
+            (Some(h), None) => Some(h),
+            _ => None,
+        };
+    }
+}

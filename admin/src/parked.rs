@@ -1,0 +1,429 @@
+//! Parked events: the outbox rows the relay gave up on (`status = 'failed'`). Each holds back
+//! the later events of its key until it is requeued or discarded.
+//!
+//! A parked row's `available_at` is when it was parked.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::Error;
+
+/// Which parked events: every field set must match (none set: all of them).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Filter {
+    /// This event.
+    pub event_id: Option<Uuid>,
+    /// This topic.
+    pub topic: Option<String>,
+    /// This key.
+    pub key: Option<String>,
+    /// This event type.
+    pub event_type: Option<String>,
+    /// Whose last error contains this text (case-insensitive).
+    pub reason: Option<String>,
+    /// Parked at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Parked before.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Filter {
+    /// True when no field is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Filter::default()
+    }
+}
+
+/// What an action acts on.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Selection {
+    /// These events (those of them still parked).
+    Ids(Vec<Uuid>),
+    /// Every event the filter matches when the action starts.
+    Filter(Filter),
+}
+
+/// The filter as SQL, its binds `$1`..`$7` (`status = 'failed'` first: every query of this
+/// module reads only the partial indexes on parked rows).
+const WHERE: &str = "status = 'failed'
+    AND ($1::uuid IS NULL OR event_id = $1)
+    AND ($2::text IS NULL OR topic = $2)
+    AND ($3::text IS NULL OR event_key = $3)
+    AND ($4::text IS NULL OR event_type = $4)
+    AND ($5::text IS NULL OR strpos(lower(coalesce(last_error, '')), lower($5)) > 0)
+    AND ($6::timestamptz IS NULL OR available_at >= $6)
+    AND ($7::timestamptz IS NULL OR available_at < $7)";
+
+/// The error's fingerprint: its first 160 characters with ids and numbers replaced by `#`, so
+/// that the same failure of different events groups together.
+pub const FINGERPRINT_SQL: &str = "regexp_replace(left(coalesce(last_error, '-'), 160), \
+     '[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9]+', '#', 'g')";
+
+fn bind<'q, O>(
+    q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    f: &'q Filter,
+) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    q.bind(f.event_id)
+        .bind(f.topic.as_deref())
+        .bind(f.key.as_deref())
+        .bind(f.event_type.as_deref())
+        .bind(f.reason.as_deref())
+        .bind(f.since)
+        .bind(f.until)
+}
+
+/// One parked event, as listed.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Parked {
+    /// Outbox sequence (order of enqueue).
+    pub seq: i64,
+    /// Event id.
+    pub event_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub event_key: String,
+    /// Type.
+    pub event_type: String,
+    /// Attempts used.
+    pub attempts: i32,
+    /// Why it was parked.
+    pub last_error: Option<String>,
+    /// When it was parked.
+    pub parked_at: DateTime<Utc>,
+}
+
+/// Parked events the filter matches, oldest first (at most `limit`).
+pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Parked>, Error> {
+    let sql = format!(
+        "SELECT seq, event_id, topic, event_key, event_type, attempts, last_error,
+                available_at AS parked_at
+         FROM postal.outbox WHERE {WHERE} ORDER BY seq LIMIT $8"
+    );
+    Ok(bind(sqlx::query_as(&sql), filter)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?)
+}
+
+/// How many parked events the filter matches.
+pub async fn count(pool: &PgPool, filter: &Filter) -> Result<i64, Error> {
+    let sql = format!("SELECT count(*) FROM postal.outbox WHERE {WHERE}");
+    let (n,): (i64,) = bind(sqlx::query_as(&sql), filter).fetch_one(pool).await?;
+    Ok(n)
+}
+
+/// Parked events that failed the same way.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Group {
+    /// The error with ids and numbers replaced by `#`.
+    pub fingerprint: String,
+    /// How many.
+    pub events: i64,
+    /// On how many topics.
+    pub topics: i64,
+    /// One of their errors, whole.
+    pub example: Option<String>,
+    /// The latest parked.
+    pub last_parked_at: DateTime<Utc>,
+}
+
+/// The filter's parked events grouped by error fingerprint, largest group first.
+pub async fn groups(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Group>, Error> {
+    let sql = format!(
+        "SELECT {FINGERPRINT_SQL} AS fingerprint, count(*) AS events,
+                count(DISTINCT topic) AS topics, min(last_error) AS example,
+                max(available_at) AS last_parked_at
+         FROM postal.outbox WHERE {WHERE}
+         GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT $8"
+    );
+    Ok(bind(sqlx::query_as(&sql), filter)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?)
+}
+
+/// One outbox event, whole (any status).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Event {
+    /// Outbox sequence.
+    pub seq: i64,
+    /// Event id.
+    pub event_id: Uuid,
+    /// `pending`, `published` or `failed` (parked).
+    pub status: String,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub event_key: String,
+    /// Type.
+    pub event_type: String,
+    /// Schema version.
+    pub schema_version: i32,
+    /// Content type.
+    pub content_type: String,
+    /// Headers.
+    pub headers: serde_json::Value,
+    /// Attempts used.
+    pub attempts: i32,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// Enqueued at.
+    pub created_at: DateTime<Utc>,
+    /// Published, parked, or next due at (by status).
+    pub available_at: DateTime<Utc>,
+    /// The payload's size in bytes.
+    pub payload_bytes: i32,
+    /// The payload's first `payload_cap` bytes.
+    pub payload: Vec<u8>,
+}
+
+/// The outbox event `id` (payload cut at `payload_cap` bytes), if the outbox still has it.
+pub async fn show(pool: &PgPool, id: Uuid, payload_cap: i32) -> Result<Option<Event>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT seq, event_id, status, topic, event_key, event_type, schema_version,
+                content_type, headers, attempts, last_error, created_at, available_at,
+                octet_length(payload) AS payload_bytes, substring(payload FROM 1 FOR $2) AS payload
+         FROM postal.outbox WHERE event_id = $1",
+    )
+    .bind(id)
+    .bind(payload_cap)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// The parked events `selection` matches now, by sequence number in outbox order: an action
+/// acts on these only (still parked when their turn comes), never on events parked while it
+/// runs. More than `cap`: refused.
+pub async fn matched(
+    pool: &PgPool,
+    selection: &Selection,
+    cap: Option<usize>,
+) -> Result<Vec<i64>, Error> {
+    let seqs: Vec<i64> = match selection {
+        Selection::Ids(ids) => {
+            sqlx::query_scalar(
+                "SELECT seq FROM postal.outbox WHERE status = 'failed' AND event_id = ANY($1)
+                 ORDER BY seq",
+            )
+            .bind(ids)
+            .fetch_all(pool)
+            .await?
+        }
+        Selection::Filter(f) => {
+            let sql = format!("SELECT seq FROM postal.outbox WHERE {WHERE} ORDER BY seq");
+            let rows: Vec<(i64,)> = bind(sqlx::query_as(&sql), f).fetch_all(pool).await?;
+            rows.into_iter().map(|(s,)| s).collect()
+        }
+    };
+    if let Some(cap) = cap {
+        if seqs.len() > cap {
+            return Err(Error::OverCap {
+                matched: seqs.len(),
+                cap,
+            });
+        }
+    }
+    Ok(seqs)
+}
+
+async fn notify(pool: &PgPool) -> Result<(), Error> {
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(postal_producer::NOTIFY_CHANNEL)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Makes parked events pending again (attempts reset, event ids unchanged, the previous error
+/// kept in `last_error`): the relay publishes them in their original order, each ahead of the
+/// later events of its key. Returns how many were requeued.
+pub async fn requeue(
+    pool: &PgPool,
+    selection: &Selection,
+    cap: Option<usize>,
+) -> Result<u64, Error> {
+    let seqs = matched(pool, selection, cap).await?;
+    requeue_seqs(pool, &seqs, |_| {}).await
+}
+
+/// [`requeue`] of the matched `seqs`, calling `progress` with the running total.
+pub async fn requeue_seqs(
+    pool: &PgPool,
+    seqs: &[i64],
+    mut progress: impl FnMut(u64),
+) -> Result<u64, Error> {
+    let mut done = 0u64;
+    for chunk in seqs.chunks(1000) {
+        done += sqlx::query(
+            "UPDATE postal.outbox o
+                SET status = 'pending', attempts = 0, held = false,
+                    available_at = now(),
+                    last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
+              WHERE o.status = 'failed' AND o.seq = ANY($1)",
+        )
+        .bind(chunk)
+        .execute(pool)
+        .await?
+        .rows_affected();
+        progress(done);
+    }
+    notify(pool).await?;
+    Ok(done)
+}
+
+/// A discarded event: everything needed to enqueue it again.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct Discarded {
+    /// Event id.
+    pub event_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub event_key: String,
+    /// Type.
+    pub event_type: String,
+    /// Schema version.
+    pub schema_version: i32,
+    /// When it occurred.
+    pub occurred_at: DateTime<Utc>,
+    /// Content type.
+    pub content_type: String,
+    /// Headers.
+    pub headers: serde_json::Value,
+    /// Attempts used.
+    pub attempts: i32,
+    /// Why it was parked.
+    pub last_error: Option<String>,
+    /// The payload as text when it is UTF-8 (JSON payloads are).
+    #[sqlx(skip)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    /// The payload in base64 when it is not UTF-8.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+}
+
+/// Deletes the matched parked events for good, so that the later events of their keys flow.
+/// Each batch of up to 1,000 is handed to `keep` before its deletion commits (an error from
+/// `keep` stops the action with that batch not deleted): it is the only copy left. Returns how
+/// many were discarded.
+pub async fn discard_seqs(
+    pool: &PgPool,
+    seqs: &[i64],
+    mut keep: impl FnMut(Vec<Discarded>) -> Result<(), Error>,
+) -> Result<u64, Error> {
+    let mut done = 0u64;
+    for chunk in seqs.chunks(1000) {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
+            "WITH batch AS (
+                 SELECT seq FROM postal.outbox WHERE status = 'failed'
+                 AND seq = ANY($1)
+                 ORDER BY seq FOR UPDATE)
+             DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
+             RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
+                       o.schema_version, o.occurred_at, o.content_type, o.headers,
+                       o.attempts, o.last_error, o.payload,
+                       translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
+        )
+        .bind(chunk)
+        .try_map(|row: sqlx::postgres::PgRow| {
+            use sqlx::{FromRow, Row};
+            Ok((Discarded::from_row(&row)?, row.try_get("payload")?))
+        })
+        .fetch_all(&mut *tx)
+        .await?;
+        let n = rows.len() as u64;
+        let batch = rows
+            .into_iter()
+            .map(|(mut d, payload)| {
+                if let Ok(text) = String::from_utf8(payload) {
+                    d.payload = Some(text);
+                    d.payload_base64 = None;
+                }
+                d
+            })
+            .collect();
+        keep(batch)?;
+        tx.commit().await?;
+        done += n;
+    }
+    notify(pool).await?;
+    Ok(done)
+}
+
+/// A key held back by a parked event: its first parked event (the head) and how many of its
+/// later events wait behind it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct BlockedKey {
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub event_key: String,
+    /// The head: the key's earliest parked event.
+    pub head_event_id: Uuid,
+    /// The head's error.
+    pub head_error: Option<String>,
+    /// When the head was parked.
+    pub parked_at: DateTime<Utc>,
+    /// The key's parked events (the head included).
+    pub parked: i64,
+    /// The key's later events that are pending, held back by the head.
+    pub waiting: i64,
+}
+
+/// Keys held back by a parked event, most events waiting first (at most `limit`). Reads the
+/// parked rows and the pending rows through their partial indexes, never the published ones.
+pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, Error> {
+    Ok(sqlx::query_as(
+        "WITH parked AS (
+             SELECT seq, event_id, topic, event_key, last_error, available_at
+             FROM postal.outbox WHERE status = 'failed'),
+         heads AS (
+             SELECT DISTINCT ON (topic, event_key) seq, event_id, topic, event_key, last_error,
+                    available_at
+             FROM parked ORDER BY topic, event_key, seq),
+         parked_n AS (
+             SELECT topic, event_key, count(*) AS n FROM parked GROUP BY 1, 2),
+         waiting AS (
+             SELECT p.topic, p.event_key, count(*) AS n
+             FROM postal.outbox p JOIN heads h
+               ON h.topic = p.topic AND h.event_key = p.event_key AND p.seq > h.seq
+             WHERE p.status = 'pending'
+             GROUP BY 1, 2)
+         SELECT h.topic, h.event_key, h.event_id AS head_event_id, h.last_error AS head_error,
+                h.available_at AS parked_at, pn.n AS parked, coalesce(w.n, 0) AS waiting
+         FROM heads h JOIN parked_n pn USING (topic, event_key)
+         LEFT JOIN waiting w USING (topic, event_key)
+         ORDER BY coalesce(w.n, 0) DESC, h.seq LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Releases a key: requeues all its parked events (the head first, in their original order),
+/// after which the relay publishes the head, then the events that waited behind it.
+pub async fn release_key(
+    pool: &PgPool,
+    topic: &str,
+    key: &str,
+    cap: Option<usize>,
+) -> Result<u64, Error> {
+    let filter = Filter {
+        topic: Some(topic.to_owned()),
+        key: Some(key.to_owned()),
+        ..Filter::default()
+    };
+    requeue(pool, &Selection::Filter(filter), cap).await
+}

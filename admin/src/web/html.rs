@@ -1,0 +1,163 @@
+//! HTML output: escaping, the page frame, tables and bar charts. Every value from the
+//! database goes through [`esc`] (or [`bytes`]) before it is written.
+
+use std::fmt::Write as _;
+
+/// Escapes text for HTML element content and attribute values (quoted with `"`).
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            // Control characters and bidi overrides shown, not obeyed.
+            c if c.is_control() && c != '\n' && c != '\t' => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Bytes as escaped text (lossy UTF-8), or their size when they are not text.
+pub fn bytes(b: &[u8]) -> String {
+    match std::str::from_utf8(b) {
+        Ok(s) => esc(s),
+        Err(_) => format!("({} bytes, not UTF-8)", b.len()),
+    }
+}
+
+/// Percent-encodes a query value.
+pub fn q(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// A duration in seconds, short (`4.2 s`, `3 min`, `2.5 h`).
+pub fn age(s: f64) -> String {
+    if s < 60.0 {
+        format!("{s:.1} s")
+    } else if s < 3600.0 {
+        format!("{:.0} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+/// The whole page: `title`, the navigation (with `here` marked), and `body`. `live`: the page
+/// refreshes its `#live` part every few seconds while the tab is visible.
+pub fn page(base: &str, here: &str, title: &str, body: &str, live: bool, notice: &str) -> String {
+    let mut nav = String::new();
+    for (path, name) in [
+        ("/", "Overview"),
+        ("/parked", "Parked events"),
+        ("/blocked", "Blocked keys"),
+        ("/dead-letters", "Dead letters"),
+        ("/lookup", "Dedup lookup"),
+        ("/audit", "Audit"),
+    ] {
+        let current = if path == here {
+            " aria-current=\"page\""
+        } else {
+            ""
+        };
+        let _ = write!(nav, "<a href=\"{base}{path}\"{current}>{name}</a>");
+    }
+    format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{title} · Postal</title>\
+         <link rel=\"stylesheet\" href=\"{base}/assets/style.css\">\
+         <script src=\"{base}/assets/app.js\" defer></script></head>\
+         <body{refresh}><header><strong class=\"brand\">Postal</strong><nav>{nav}</nav>\
+         <span id=\"refresh-state\" class=\"muted\"></span></header>\
+         <main><h1>{title}</h1>{notice}<div id=\"live\">{body}</div></main></body></html>",
+        title = esc(title),
+        refresh = if live { " data-refresh=\"5\"" } else { "" },
+    )
+}
+
+/// A table: `head` cells and pre-rendered (escaped) rows; `empty` when there are none.
+pub fn table(id: &str, head: &[&str], rows: &[Vec<String>], empty: &str) -> String {
+    if rows.is_empty() {
+        return format!("<p class=\"empty\" id=\"{id}\">{}</p>", esc(empty));
+    }
+    let mut t = format!("<table id=\"{id}\"><thead><tr>");
+    for h in head {
+        let _ = write!(t, "<th>{}</th>", esc(h));
+    }
+    t.push_str("</tr></thead><tbody>");
+    for r in rows {
+        t.push_str("<tr>");
+        for c in r {
+            let _ = write!(t, "<td>{c}</td>");
+        }
+        t.push_str("</tr>");
+    }
+    t.push_str("</tbody></table>");
+    t
+}
+
+/// A bar chart of one value per minute (oldest first), drawn as inline SVG (no script).
+pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> String {
+    let max = points.iter().map(|p| p.1).fold(0.0_f64, f64::max);
+    let total: f64 = points.iter().map(|p| p.1).sum();
+    let w = 10.0;
+    let h = 80.0;
+    let mut svg = format!(
+        "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">(max {} {} per minute)</span></figcaption>\
+         <svg viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">",
+        esc(label),
+        fmt_num(max),
+        esc(unit),
+        w * points.len() as f64,
+        h + 2.0,
+        esc(label)
+    );
+    for (i, (t, v)) in points.iter().enumerate() {
+        let bh = if max > 0.0 { (v / max) * h } else { 0.0 };
+        let _ = write!(
+            svg,
+            "<rect class=\"bar\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"><title>{} {} {}</title></rect>",
+            i as f64 * w + 1.0,
+            h - bh + 1.0,
+            w - 2.0,
+            bh.max(if *v > 0.0 { 1.0 } else { 0.0 }),
+            esc(t),
+            fmt_num(*v),
+            esc(unit)
+        );
+    }
+    let _ = write!(
+        svg,
+        "<line class=\"axis\" x1=\"0\" y1=\"{}\" x2=\"{}\" y2=\"{}\"></line></svg>\
+         <p class=\"muted\">last 60 minutes; {} in all</p></figure>",
+        h + 1.0,
+        w * points.len() as f64,
+        h + 1.0,
+        fmt_num(total)
+    );
+    svg
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.fract() == 0.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
