@@ -27,3 +27,8 @@ CREATE INDEX dead_letters_open ON postal.dead_letters (consumer_name, id)
 -- Parked events by when they were parked (`available_at` of a failed row), for the dashboard's
 -- time filter and its parked-per-minute chart.
 CREATE INDEX outbox_failed_at ON postal.outbox (available_at) WHERE status = 'failed';
+-- The dashboard's publish chart reads the last hour of the history (history mode). Building it
+-- holds back writes to the history (the relay's publishing, in history mode) while it runs.
+CREATE INDEX outbox_history_published_at ON postal.outbox_history (published_at);
+-- The dashboard's dead-letters-per-minute chart.
+CREATE INDEX dead_letters_created_at ON postal.dead_letters (created_at);

@@ -32,14 +32,14 @@ pub struct Filter {
     pub all: bool,
 }
 
-const WHERE: &str = "($1::text IS NULL OR consumer_name = $1)
+pub(crate) const WHERE: &str = "($1::text IS NULL OR consumer_name = $1)
     AND ($2::text IS NULL OR topic = $2)
     AND ($3::uuid IS NULL OR event_id = $3)
     AND ($4::text IS NULL OR reason = $4)
     AND ($5::text IS NULL OR strpos(lower(error), lower($5)) > 0)
     AND ($6 OR (replayed_at IS NULL AND resolved_at IS NULL))";
 
-fn bind<'q, O>(
+pub(crate) fn bind<'q, O>(
     q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
     f: &'q Filter,
 ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
@@ -141,14 +141,15 @@ pub async fn show(pool: &PgPool, id: i64) -> Result<Option<Full>, Error> {
     Ok(sqlx::query_as(&sql).bind(id).fetch_optional(pool).await?)
 }
 
+pub(crate) const OPEN_PER_CONSUMER_SQL: &str = "SELECT consumer_name, count(*)
+    FROM postal.dead_letters WHERE replayed_at IS NULL AND resolved_at IS NULL
+    GROUP BY 1 ORDER BY 1";
+
 /// Open dead letters per consumer.
 pub async fn open_per_consumer(pool: &PgPool) -> Result<Vec<(String, i64)>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT consumer_name, count(*) FROM postal.dead_letters
-         WHERE replayed_at IS NULL AND resolved_at IS NULL GROUP BY 1 ORDER BY 1",
-    )
-    .fetch_all(pool)
-    .await?)
+    Ok(sqlx::query_as(OPEN_PER_CONSUMER_SQL)
+        .fetch_all(pool)
+        .await?)
 }
 
 /// The open dead letters among `ids` (or, when `ids` is empty, that `filter` matches), oldest
@@ -284,7 +285,10 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
                 Ok(_) => sent += 1,
                 Err((e, _)) => {
                     first_error.get_or_insert_with(|| {
-                        format!("replaying dead letter {} to {:?} failed: {e}", r.id, r.topic)
+                        format!(
+                            "replaying dead letter {} to {:?} failed: {e}",
+                            r.id, r.topic
+                        )
                     });
                     failed.push(r.id);
                 }

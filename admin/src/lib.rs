@@ -28,6 +28,8 @@ mod error;
 pub mod lookup;
 pub mod overview;
 pub mod parked;
+#[doc(hidden)]
+pub mod plans;
 #[cfg(feature = "web")]
 pub mod web;
 

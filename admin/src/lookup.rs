@@ -41,17 +41,15 @@ pub async fn event(pool: &PgPool, consumer: &str, event_id: Uuid) -> Result<Answ
     .bind(consumer)
     .fetch_all(pool)
     .await?;
-    let outbox_status =
-        sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
-            .bind(event_id)
+    let outbox_status = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+        .bind(event_id)
+        .fetch_optional(pool)
+        .await?;
+    let horizon =
+        sqlx::query_scalar("SELECT horizon FROM postal.dedup_horizon WHERE consumer_name = $1")
+            .bind(consumer)
             .fetch_optional(pool)
             .await?;
-    let horizon = sqlx::query_scalar(
-        "SELECT horizon FROM postal.dedup_horizon WHERE consumer_name = $1",
-    )
-    .bind(consumer)
-    .fetch_optional(pool)
-    .await?;
     Ok(Answer {
         processed_at,
         dead_letters,

@@ -94,32 +94,19 @@ pub struct Overview {
     pub publishes_recorded: bool,
 }
 
-/// Reads the overview (consumer lag left empty: see [`fill_lag`]).
-pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
-    let backlog = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
-        .fetch_all(pool)
-        .await?;
-    let relays = sqlx::query_as(
-        "SELECT i.relay_id, i.relay_group, i.host,
+const RELAYS_SQL: &str = "SELECT i.relay_id, i.relay_group, i.host,
                 extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
                 count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions
          FROM postal.relay_instances i
          LEFT JOIN postal.relay_partitions p
            ON p.owner = i.relay_id AND p.relay_group = i.relay_group
-         GROUP BY 1, 2, 3, 4 ORDER BY 2, 1",
-    )
-    .fetch_all(pool)
-    .await?;
-    let consumers = sqlx::query_as(
-        "SELECT group_id, topic, partition, next_offset,
+         GROUP BY 1, 2, 3, 4 ORDER BY 2, 1";
+
+const CONSUMERS_SQL: &str = "SELECT group_id, topic, partition, next_offset,
                 extract(epoch FROM now() - updated_at)::float8 AS updated_age_s
-         FROM postal.consumer_offsets ORDER BY group_id, topic, partition",
-    )
-    .fetch_all(pool)
-    .await?;
-    let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
-    let minutes: Vec<Minute> = sqlx::query_as(
-        "WITH m AS (
+         FROM postal.consumer_offsets ORDER BY group_id, topic, partition";
+
+const MINUTES_SQL: &str = "WITH m AS (
              SELECT generate_series(date_trunc('minute', now()) - interval '59 minutes',
                                     date_trunc('minute', now()), interval '1 minute') AS minute),
          published AS (
@@ -145,16 +132,33 @@ pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
          SELECT m.minute, coalesce(p.n, 0) AS published, coalesce(f.n, 0) AS parked,
                 coalesce(d.n, 0) AS dead_letters, p.lag_ms::float8 AS lag_ms
          FROM m LEFT JOIN published p USING (minute) LEFT JOIN parked f USING (minute)
-         LEFT JOIN dead d USING (minute) ORDER BY m.minute",
-    )
-    .fetch_all(pool)
-    .await?;
-    let publishes_recorded: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE status = 'published')
-             OR EXISTS (SELECT 1 FROM postal.outbox_history)",
-    )
-    .fetch_one(pool)
-    .await?;
+         LEFT JOIN dead d USING (minute) ORDER BY m.minute";
+
+const RECORDED_SQL: &str = "SELECT EXISTS (SELECT 1 FROM postal.outbox WHERE status = 'published')
+             OR EXISTS (SELECT 1 FROM postal.outbox_history)";
+
+/// The overview's queries without parameters, named (for [`crate::plans`]).
+pub(crate) const SQL: &[(&str, &str)] = &[
+    ("overview: relays", RELAYS_SQL),
+    ("overview: consumers", CONSUMERS_SQL),
+    ("overview: last hour per minute", MINUTES_SQL),
+    ("overview: publishes recorded", RECORDED_SQL),
+    (
+        "overview: open dead letters per consumer",
+        crate::dead_letters::OPEN_PER_CONSUMER_SQL,
+    ),
+];
+
+/// Reads the overview (consumer lag left empty: see [`fill_lag`]).
+pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
+    let backlog = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
+        .fetch_all(pool)
+        .await?;
+    let relays = sqlx::query_as(RELAYS_SQL).fetch_all(pool).await?;
+    let consumers = sqlx::query_as(CONSUMERS_SQL).fetch_all(pool).await?;
+    let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
+    let minutes: Vec<Minute> = sqlx::query_as(MINUTES_SQL).fetch_all(pool).await?;
+    let publishes_recorded: bool = sqlx::query_scalar(RECORDED_SQL).fetch_one(pool).await?;
     Ok(Overview {
         backlog,
         relays,
@@ -187,7 +191,10 @@ pub async fn fill_lag<C: rdkafka::consumer::ConsumerContext + 'static>(
                 if left.is_zero() {
                     return None;
                 }
-                client.fetch_watermarks(t, *p, left).ok().map(|(_, high)| high)
+                client
+                    .fetch_watermarks(t, *p, left)
+                    .ok()
+                    .map(|(_, high)| high)
             })
             .collect::<Vec<_>>()
     })

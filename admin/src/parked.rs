@@ -49,7 +49,7 @@ pub enum Selection {
 
 /// The filter as SQL, its binds `$1`..`$7` (`status = 'failed'` first: every query of this
 /// module reads only the partial indexes on parked rows).
-const WHERE: &str = "status = 'failed'
+pub(crate) const WHERE: &str = "status = 'failed'
     AND ($1::uuid IS NULL OR event_id = $1)
     AND ($2::text IS NULL OR topic = $2)
     AND ($3::text IS NULL OR event_key = $3)
@@ -63,7 +63,7 @@ const WHERE: &str = "status = 'failed'
 pub const FINGERPRINT_SQL: &str = "regexp_replace(left(coalesce(last_error, '-'), 160), \
      '[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9]+', '#', 'g')";
 
-fn bind<'q, O>(
+pub(crate) fn bind<'q, O>(
     q: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
     f: &'q Filter,
 ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
@@ -382,11 +382,7 @@ pub struct BlockedKey {
     pub waiting: i64,
 }
 
-/// Keys held back by a parked event, most events waiting first (at most `limit`). Reads the
-/// parked rows and the pending rows through their partial indexes, never the published ones.
-pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, Error> {
-    Ok(sqlx::query_as(
-        "WITH parked AS (
+pub(crate) const BLOCKED_SQL: &str = "WITH parked AS (
              SELECT seq, event_id, topic, event_key, last_error, available_at
              FROM postal.outbox WHERE status = 'failed'),
          heads AS (
@@ -405,11 +401,15 @@ pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, 
                 h.available_at AS parked_at, pn.n AS parked, coalesce(w.n, 0) AS waiting
          FROM heads h JOIN parked_n pn USING (topic, event_key)
          LEFT JOIN waiting w USING (topic, event_key)
-         ORDER BY coalesce(w.n, 0) DESC, h.seq LIMIT $1",
-    )
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
+         ORDER BY coalesce(w.n, 0) DESC, h.seq LIMIT $1";
+
+/// Keys held back by a parked event, most events waiting first (at most `limit`). Reads the
+/// parked rows and the pending rows through their partial indexes, never the published ones.
+pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, Error> {
+    Ok(sqlx::query_as(BLOCKED_SQL)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?)
 }
 
 /// Releases a key: requeues all its parked events (the head first, in their original order),

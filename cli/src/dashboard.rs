@@ -10,7 +10,11 @@ use sqlx::PgPool;
 #[derive(Args, Debug)]
 pub struct DashboardArgs {
     /// Address to serve on. Anything but a loopback address needs --token.
-    #[arg(long, env = "POSTAL_DASHBOARD_LISTEN", default_value = "127.0.0.1:9470")]
+    #[arg(
+        long,
+        env = "POSTAL_DASHBOARD_LISTEN",
+        default_value = "127.0.0.1:9470"
+    )]
     listen: SocketAddr,
     /// Token every request must carry (a bearer header, or entered once in the sign-in form).
     /// Pass it in the environment, not as a flag (flags show in process listings).
@@ -42,8 +46,16 @@ pub async fn run(pool: PgPool, args: DashboardArgs) -> anyhow::Result<()> {
     let (addr, task) = postal_admin::web::serve(args.listen, dashboard).await?;
     println!(
         "postal dashboard on http://{addr}/ ({}{})",
-        if args.allow_actions { "actions enabled" } else { "read-only" },
-        if args.token.is_some() { ", token required" } else { "" }
+        if args.allow_actions {
+            "actions enabled"
+        } else {
+            "read-only"
+        },
+        if args.token.is_some() {
+            ", token required"
+        } else {
+            ""
+        }
     );
     stop.await;
     task.abort();

@@ -212,7 +212,8 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
             let replayed =
-                postal_admin::dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;
+                postal_admin::dead_letters::replay(pool, &producer, &ids, |n| progress.set(n))
+                    .await;
             let done = match replayed {
                 Ok(n) => n,
                 Err(e) => {

@@ -258,10 +258,17 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             let done = postal_admin::parked::discard_seqs(pool, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
                 for d in &batch {
-                    writeln!(out, "{}", serde_json::to_string(d).map_err(std::io::Error::other)?)?;
+                    writeln!(
+                        out,
+                        "{}",
+                        serde_json::to_string(d).map_err(std::io::Error::other)?
+                    )?;
                 }
                 out.flush()?;
-                eprintln!("deleting the {} event(s) printed above this line", batch.len());
+                eprintln!(
+                    "deleting the {} event(s) printed above this line",
+                    batch.len()
+                );
                 Ok(())
             })
             .await? as usize;
@@ -295,7 +302,8 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 return show_matched(pool, &matched, "requeue").await;
             }
             let progress = Progress::new(matched.len() as u64, "requeued");
-            let done = postal_admin::parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
+            let done =
+                postal_admin::parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
             progress.finish();
             println!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {

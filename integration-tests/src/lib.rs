@@ -13,6 +13,7 @@
 
 pub mod delay;
 pub mod hosts;
+pub mod http;
 pub mod kafka;
 pub mod private;
 pub mod rabbit;

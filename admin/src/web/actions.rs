@@ -89,20 +89,35 @@ fn done(state: &State, back: &str, title: &str, message: &str) -> Response {
 }
 
 fn over(state: &State, e: &Error) -> Response {
-    let body = format!("<p class=\"notice bad\" id=\"result\">{}</p>", esc(&e.to_string()));
-    (StatusCode::BAD_REQUEST, Html(page(&state.base, "", "Refused", &body, false, ""))).into_response()
+    let body = format!(
+        "<p class=\"notice bad\" id=\"result\">{}</p>",
+        esc(&e.to_string())
+    );
+    (
+        StatusCode::BAD_REQUEST,
+        Html(page(&state.base, "", "Refused", &body, false, "")),
+    )
+        .into_response()
 }
 
 /// The parked events a requeue or discard form names: `id` fields, or else its filter.
 fn parked_selection(p: &[(String, String)]) -> Result<parked::Selection, Error> {
-    let ids: Vec<&str> = p.iter().filter(|(k, _)| k == "id").map(|(_, v)| v.as_str()).collect();
+    let ids: Vec<&str> = p
+        .iter()
+        .filter(|(k, _)| k == "id")
+        .map(|(_, v)| v.as_str())
+        .collect();
     if ids.is_empty() {
         return Ok(parked::Selection::Filter(parked_filter(p)?));
     }
     ids.iter()
         .map(|s| {
-            Uuid::parse_str(s.trim())
-                .map_err(|_| Error::Invalid(format!("{:?} is not an event id", postal_shared::text::bounded(s, 60))))
+            Uuid::parse_str(s.trim()).map_err(|_| {
+                Error::Invalid(format!(
+                    "{:?} is not an event id",
+                    postal_shared::text::bounded(s, 60)
+                ))
+            })
         })
         .collect::<Result<Vec<_>, _>>()
         .map(parked::Selection::Ids)
@@ -139,7 +154,12 @@ fn confirmed(p: &[(String, String)], matched: usize) -> Result<bool, String> {
     }
 }
 
-async fn parked_action(state: State, actor: Actor, p: Vec<(String, String)>, discard: bool) -> Response {
+async fn parked_action(
+    state: State,
+    actor: Actor,
+    p: Vec<(String, String)>,
+    discard: bool,
+) -> Response {
     if let Err(r) = allowed(&state, &p) {
         return r;
     }
@@ -170,7 +190,16 @@ async fn parked_action(state: State, actor: Actor, p: Vec<(String, String)>, dis
                 "Requeue these parked events? The relay publishes them again, each ahead of the later events of its key."
             };
             let title = if discard { "Discard" } else { "Requeue" };
-            return confirm(&state, path, title, question, seqs.len(), &p, discard, &notice);
+            return confirm(
+                &state,
+                path,
+                title,
+                question,
+                seqs.len(),
+                &p,
+                discard,
+                &notice,
+            );
         }
     }
     let result = if discard {
@@ -204,15 +233,27 @@ async fn parked_action(state: State, actor: Actor, p: Vec<(String, String)>, dis
     }
 }
 
-pub(crate) async fn requeue(Extract(state): Extract<State>, Extension(actor): Extension<Actor>, Form(p): Pairs) -> Response {
+pub(crate) async fn requeue(
+    Extract(state): Extract<State>,
+    Extension(actor): Extension<Actor>,
+    Form(p): Pairs,
+) -> Response {
     parked_action(state, actor, p, false).await
 }
 
-pub(crate) async fn discard(Extract(state): Extract<State>, Extension(actor): Extension<Actor>, Form(p): Pairs) -> Response {
+pub(crate) async fn discard(
+    Extract(state): Extract<State>,
+    Extension(actor): Extension<Actor>,
+    Form(p): Pairs,
+) -> Response {
     parked_action(state, actor, p, true).await
 }
 
-pub(crate) async fn release(Extract(state): Extract<State>, Extension(actor): Extension<Actor>, Form(p): Pairs) -> Response {
+pub(crate) async fn release(
+    Extract(state): Extract<State>,
+    Extension(actor): Extension<Actor>,
+    Form(p): Pairs,
+) -> Response {
     if let Err(r) = allowed(&state, &p) {
         return r;
     }
@@ -222,8 +263,18 @@ pub(crate) async fn release(Extract(state): Extract<State>, Extension(actor): Ex
     ) else {
         return failed(&Error::Invalid("release needs a topic and a key".into()));
     };
-    let filter = parked::Filter { topic: Some(topic.clone()), key: Some(key.clone()), ..Default::default() };
-    let seqs = match parked::matched(&state.pool, &parked::Selection::Filter(filter), Some(state.cap)).await {
+    let filter = parked::Filter {
+        topic: Some(topic.clone()),
+        key: Some(key.clone()),
+        ..Default::default()
+    };
+    let seqs = match parked::matched(
+        &state.pool,
+        &parked::Selection::Filter(filter),
+        Some(state.cap),
+    )
+    .await
+    {
         Ok(s) => s,
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
@@ -249,7 +300,9 @@ pub(crate) async fn release(Extract(state): Extract<State>, Extension(actor): Ex
     }
     match parked::requeue_seqs(&state.pool, &seqs, |_| {}).await {
         Ok(n) => {
-            if let Err(e) = audit::record(&state.pool, &actor.0, "release-key", &target(&p), n, None).await {
+            if let Err(e) =
+                audit::record(&state.pool, &actor.0, "release-key", &target(&p), n, None).await
+            {
                 return failed(&e);
             }
             done(&state, "/blocked", "Released", &format!("Requeued {n} parked event(s) of the key; the relay publishes them, then the events behind them, in order."))
@@ -258,7 +311,12 @@ pub(crate) async fn release(Extract(state): Extract<State>, Extension(actor): Ex
     }
 }
 
-async fn dead_action(state: State, actor: Actor, p: Vec<(String, String)>, replay: bool) -> Response {
+async fn dead_action(
+    state: State,
+    actor: Actor,
+    p: Vec<(String, String)>,
+    replay: bool,
+) -> Response {
     if let Err(r) = allowed(&state, &p) {
         return r;
     }
@@ -297,12 +355,23 @@ async fn dead_action(state: State, actor: Actor, p: Vec<(String, String)>, repla
                 "Mark these dead letters resolved? They stay recorded; their events are not processed again."
             };
             let title = if replay { "Replay" } else { "Resolve" };
-            return confirm(&state, path, title, question, found.len(), &p, false, &notice);
+            return confirm(
+                &state,
+                path,
+                title,
+                question,
+                found.len(),
+                &p,
+                false,
+                &notice,
+            );
         }
     }
     let result = if replay {
         let Some(producer) = &state.producer else {
-            return failed(&Error::Invalid("replay needs the broker: start the dashboard with --bootstrap-servers".into()));
+            return failed(&Error::Invalid(
+                "replay needs the broker: start the dashboard with --bootstrap-servers".into(),
+            ));
         };
         dead_letters::replay(&state.pool, producer, &found, |_| {}).await
     } else {
@@ -318,16 +387,29 @@ async fn dead_action(state: State, actor: Actor, p: Vec<(String, String)>, repla
             } else {
                 format!("Marked {n} dead letter(s) resolved.")
             };
-            done(&state, "/dead-letters", if replay { "Replayed" } else { "Resolved" }, &message)
+            done(
+                &state,
+                "/dead-letters",
+                if replay { "Replayed" } else { "Resolved" },
+                &message,
+            )
         }
         Err(e) => failed(&e),
     }
 }
 
-pub(crate) async fn replay(Extract(state): Extract<State>, Extension(actor): Extension<Actor>, Form(p): Pairs) -> Response {
+pub(crate) async fn replay(
+    Extract(state): Extract<State>,
+    Extension(actor): Extension<Actor>,
+    Form(p): Pairs,
+) -> Response {
     dead_action(state, actor, p, true).await
 }
 
-pub(crate) async fn resolve(Extract(state): Extract<State>, Extension(actor): Extension<Actor>, Form(p): Pairs) -> Response {
+pub(crate) async fn resolve(
+    Extract(state): Extract<State>,
+    Extension(actor): Extension<Actor>,
+    Form(p): Pairs,
+) -> Response {
     dead_action(state, actor, p, false).await
 }

@@ -25,7 +25,10 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 fn presented_token(headers: &HeaderMap) -> Option<String> {
-    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+    if let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
         if let Some(t) = v.strip_prefix("Bearer ") {
             return Some(t.trim().to_owned());
         }
@@ -35,14 +38,22 @@ fn presented_token(headers: &HeaderMap) -> Option<String> {
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
-        .find_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('=').map(str::to_owned))
+        .find_map(|c| {
+            c.trim()
+                .strip_prefix(COOKIE)?
+                .strip_prefix('=')
+                .map(str::to_owned)
+        })
 }
 
 /// A POST must come from a page of this dashboard: its `Origin` (or, without one, a
 /// `Sec-Fetch-Site: same-origin`) must name the host it was sent to.
 fn same_origin(headers: &HeaderMap) -> bool {
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
-    match (headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()), host) {
+    match (
+        headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()),
+        host,
+    ) {
         (Some(origin), Some(host)) => {
             let rest = origin
                 .strip_prefix("http://")
@@ -50,18 +61,28 @@ fn same_origin(headers: &HeaderMap) -> bool {
             rest == Some(host)
         }
         (Some(_), None) => false,
-        (None, _) => headers
-            .get("sec-fetch-site")
-            .and_then(|v| v.to_str().ok())
-            == Some("same-origin"),
+        (None, _) => {
+            headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()) == Some("same-origin")
+        }
     }
 }
 
 fn refused(status: StatusCode, why: &str) -> Response {
-    (status, Html(format!("<!doctype html><title>Refused</title><p>{}</p>", esc(why)))).into_response()
+    (
+        status,
+        Html(format!(
+            "<!doctype html><title>Refused</title><p>{}</p>",
+            esc(why)
+        )),
+    )
+        .into_response()
 }
 
-pub(crate) async fn guard(Extract(state): Extract<State>, mut req: Request, next: Next) -> Response {
+pub(crate) async fn guard(
+    Extract(state): Extract<State>,
+    mut req: Request,
+    next: Next,
+) -> Response {
     let path = req.uri().path().to_owned();
     let open_path = path.ends_with("/login") || path.contains("/assets/");
     let actor = match &state.auth {
@@ -99,9 +120,18 @@ pub(crate) async fn guard(Extract(state): Extract<State>, mut req: Request, next
         }
     };
     let h = response.headers_mut();
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     if !path.contains("/assets/") {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
@@ -138,8 +168,15 @@ pub(crate) async fn login(Extract(state): Extract<State>, Form(form): Form<Login
         tracing::warn!("dashboard sign-in with a wrong token");
         return refused(StatusCode::UNAUTHORIZED, "wrong token");
     }
-    let path = if state.base.is_empty() { "/" } else { state.base.as_str() };
-    let cookie = format!("{COOKIE}={}; HttpOnly; SameSite=Strict; Path={path}", form.token);
+    let path = if state.base.is_empty() {
+        "/"
+    } else {
+        state.base.as_str()
+    };
+    let cookie = format!(
+        "{COOKIE}={}; HttpOnly; SameSite=Strict; Path={path}",
+        form.token
+    );
     let mut r = Redirect::to(&format!("{}/", state.base)).into_response();
     if let Ok(v) = HeaderValue::from_str(&cookie) {
         r.headers_mut().insert(header::SET_COOKIE, v);

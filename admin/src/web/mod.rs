@@ -246,7 +246,9 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
-    let local = listener.local_addr().map_err(|source| Error::Bind { addr, source })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| Error::Bind { addr, source })?;
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router).await {
             tracing::error!(error = %e, "dashboard server stopped");

@@ -97,7 +97,11 @@ pub(crate) fn hidden(pairs: &[(String, String)], names: &[&str]) -> String {
     let mut s = String::new();
     for n in names {
         if let Some(v) = get(pairs, n) {
-            let _ = write!(s, "<input type=\"hidden\" name=\"{n}\" value=\"{}\">", esc(v));
+            let _ = write!(
+                s,
+                "<input type=\"hidden\" name=\"{n}\" value=\"{}\">",
+                esc(v)
+            );
         }
     }
     s
@@ -229,7 +233,9 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
                 } else {
                     "0".into()
                 },
-                b.oldest_pending_age_s.map(age).unwrap_or_else(|| "–".into()),
+                b.oldest_pending_age_s
+                    .map(age)
+                    .unwrap_or_else(|| "–".into()),
             ]
         })
         .collect();
@@ -255,7 +261,13 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         .collect();
     body.push_str(&table(
         "relays",
-        &["Relay", "Group", "Host", "Partition leases (of 256)", "Heartbeat"],
+        &[
+            "Relay",
+            "Group",
+            "Host",
+            "Partition leases (of 256)",
+            "Heartbeat",
+        ],
         &rows,
         "No relay has registered.",
     ));
@@ -268,17 +280,24 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
                 esc(&c.group_id),
                 esc(&c.topic),
                 c.partition.to_string(),
-                c.next_offset.map(|n| n.to_string()).unwrap_or_else(|| "–".into()),
-                c.lag
-                    .map(|l| l.to_string())
-                    .unwrap_or_else(|| "?".into()),
+                c.next_offset
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|| "–".into()),
+                c.lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
                 age(c.updated_age_s),
             ]
         })
         .collect();
     body.push_str(&table(
         "consumers",
-        &["Group", "Topic", "Partition", "Next offset", "Lag", "Last advanced"],
+        &[
+            "Group",
+            "Topic",
+            "Partition",
+            "Next offset",
+            "Lag",
+            "Last advanced",
+        ],
         &rows,
         "No consumer has stored an offset.",
     ));
@@ -368,7 +387,12 @@ pub(crate) async fn parked(Extract(state): Extract<State>, Query(p): Pairs) -> R
         .collect();
     body.push_str(&table(
         "parked-groups",
-        &["Events", "Error (ids and numbers as #)", "Topics", "Last parked"],
+        &[
+            "Events",
+            "Error (ids and numbers as #)",
+            "Topics",
+            "Last parked",
+        ],
         &grows,
         "No parked events match.",
     ));
@@ -378,31 +402,72 @@ pub(crate) async fn parked(Extract(state): Extract<State>, Query(p): Pairs) -> R
         .map(|r| {
             let id = r.event_id.to_string();
             let mut cells = vec![
-                format!("<a href=\"{}/parked/{id}\" data-test=\"event-link\"><code>{id}</code></a>", state.base),
+                format!(
+                    "<a href=\"{}/parked/{id}\" data-test=\"event-link\"><code>{id}</code></a>",
+                    state.base
+                ),
                 esc(&r.topic),
                 format!("<code>{}</code>", esc(&r.event_key)),
                 esc(&r.event_type),
                 r.attempts.to_string(),
-                esc(&postal_shared::text::bounded(r.last_error.as_deref().unwrap_or("-"), 300)),
+                esc(&postal_shared::text::bounded(
+                    r.last_error.as_deref().unwrap_or("-"),
+                    300,
+                )),
                 r.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
             ];
             if state.actions {
                 let f = format!("<input type=\"hidden\" name=\"id\" value=\"{id}\">");
                 cells.push(format!(
                     "{} {}",
-                    button(&state, "/parked/requeue", &f, "Requeue", "plain", "requeue-one"),
-                    button(&state, "/parked/discard", &f, "Discard", "danger", "discard-one")
+                    button(
+                        &state,
+                        "/parked/requeue",
+                        &f,
+                        "Requeue",
+                        "plain",
+                        "requeue-one"
+                    ),
+                    button(
+                        &state,
+                        "/parked/discard",
+                        &f,
+                        "Discard",
+                        "danger",
+                        "discard-one"
+                    )
                 ));
             }
             cells
         })
         .collect();
-    let mut head = vec!["Event id", "Topic", "Key", "Type", "Attempts", "Error", "Parked at"];
+    let mut head = vec![
+        "Event id",
+        "Topic",
+        "Key",
+        "Type",
+        "Attempts",
+        "Error",
+        "Parked at",
+    ];
     if state.actions {
         head.push("");
     }
-    body.push_str(&table("parked-events", &head, &erows, "No parked events match."));
-    Html(page(&state.base, "/parked", "Parked events", &body, true, "")).into_response()
+    body.push_str(&table(
+        "parked-events",
+        &head,
+        &erows,
+        "No parked events match.",
+    ));
+    Html(page(
+        &state.base,
+        "/parked",
+        "Parked events",
+        &body,
+        true,
+        "",
+    ))
+    .into_response()
 }
 
 pub(crate) async fn parked_one(Extract(state): Extract<State>, Path(id): Path<String>) -> Response {
@@ -420,7 +485,9 @@ pub(crate) async fn parked_one(Extract(state): Extract<State>, Path(id): Path<St
                     &state.base,
                     "/parked",
                     "Event not found",
-                    &format!("<p>The outbox has no event {id} (published and deleted, or discarded).</p>"),
+                    &format!(
+                    "<p>The outbox has no event {id} (published and deleted, or discarded).</p>"
+                ),
                     false,
                     "",
                 )),
@@ -463,18 +530,32 @@ pub(crate) async fn parked_one(Extract(state): Extract<State>, Path(id): Path<St
         e.attempts,
         esc(e.last_error.as_deref().unwrap_or("-")),
         e.created_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),
-        if e.status == "failed" { "Parked at" } else { "Available at" },
+        if e.status == "failed" {
+            "Parked at"
+        } else {
+            "Available at"
+        },
         e.available_at.format("%Y-%m-%d %H:%M:%S%.3f UTC"),
         e.seq,
         esc(&headers),
     );
     if state.actions && e.status == "failed" {
-        let f = format!("<input type=\"hidden\" name=\"id\" value=\"{}\">", e.event_id);
+        let f = format!(
+            "<input type=\"hidden\" name=\"id\" value=\"{}\">",
+            e.event_id
+        );
         let _ = write!(
             body,
             "<p>{} {}</p>",
             button(&state, "/parked/requeue", &f, "Requeue", "", "requeue-one"),
-            button(&state, "/parked/discard", &f, "Discard", "danger", "discard-one")
+            button(
+                &state,
+                "/parked/discard",
+                &f,
+                "Discard",
+                "danger",
+                "discard-one"
+            )
         );
     }
     Html(page(&state.base, "/parked", "Event", &body, true, "")).into_response()
@@ -518,7 +599,15 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
             cells
         })
         .collect();
-    let mut head = vec!["Topic", "Key", "Head (first parked)", "Its error", "Parked", "Waiting behind", "Parked at"];
+    let mut head = vec![
+        "Topic",
+        "Key",
+        "Head (first parked)",
+        "Its error",
+        "Parked",
+        "Waiting behind",
+        "Parked at",
+    ];
     if state.actions {
         head.push("");
     }
@@ -528,7 +617,15 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
          the head first, then the events that waited behind it, in order.</p>{}",
         table("blocked-keys", &head, &rows, "No key is held back.")
     );
-    Html(page(&state.base, "/blocked", "Blocked keys", &body, true, "")).into_response()
+    Html(page(
+        &state.base,
+        "/blocked",
+        "Blocked keys",
+        &body,
+        true,
+        "",
+    ))
+    .into_response()
 }
 
 pub(crate) async fn dead_letters(Extract(state): Extract<State>, Query(p): Pairs) -> Response {
@@ -556,14 +653,31 @@ pub(crate) async fn dead_letters(Extract(state): Extract<State>, Query(p): Pairs
         if filter.all { " checked" } else { "" },
         state.base
     );
-    let _ = write!(body, "<p id=\"dead-total\"><b>{total}</b> dead letter(s) match.</p>");
+    let _ = write!(
+        body,
+        "<p id=\"dead-total\"><b>{total}</b> dead letter(s) match.</p>"
+    );
     if state.actions && total > 0 && !filter.all {
         let fields = hidden(&p, DEAD_FIELDS);
         if state.producer.is_some() {
-            body.push_str(&button(&state, "/dead-letters/replay", &fields, &format!("Replay all {total} matching"), "", "replay-all"));
+            body.push_str(&button(
+                &state,
+                "/dead-letters/replay",
+                &fields,
+                &format!("Replay all {total} matching"),
+                "",
+                "replay-all",
+            ));
             body.push(' ');
         }
-        body.push_str(&button(&state, "/dead-letters/resolve", &fields, &format!("Mark all {total} matching resolved"), "plain", "resolve-all"));
+        body.push_str(&button(
+            &state,
+            "/dead-letters/resolve",
+            &fields,
+            &format!("Mark all {total} matching resolved"),
+            "plain",
+            "resolve-all",
+        ));
     }
     let rows: Vec<Vec<String>> = rows
         .iter()
@@ -576,10 +690,15 @@ pub(crate) async fn dead_letters(Extract(state): Extract<State>, Query(p): Pairs
                 "open"
             };
             let mut cells = vec![
-                format!("<a href=\"{}/dead-letters/{}\">{}</a>", state.base, d.id, d.id),
+                format!(
+                    "<a href=\"{}/dead-letters/{}\">{}</a>",
+                    state.base, d.id, d.id
+                ),
                 esc(&d.consumer_name),
                 format!("{} [{}] @{}", esc(&d.topic), d.partition, d.kafka_offset),
-                d.event_id.map(|e| format!("<code>{e}</code>")).unwrap_or_else(|| "–".into()),
+                d.event_id
+                    .map(|e| format!("<code>{e}</code>"))
+                    .unwrap_or_else(|| "–".into()),
                 esc(&d.reason),
                 esc(&postal_shared::text::bounded(&d.error, 300)),
                 d.created_at.format("%Y-%m-%d %H:%M:%S").to_string(),
@@ -589,10 +708,24 @@ pub(crate) async fn dead_letters(Extract(state): Extract<State>, Query(p): Pairs
                 let f = format!("<input type=\"hidden\" name=\"id\" value=\"{}\">", d.id);
                 let mut b = String::new();
                 if state.producer.is_some() {
-                    b.push_str(&button(&state, "/dead-letters/replay", &f, "Replay", "plain", "replay-one"));
+                    b.push_str(&button(
+                        &state,
+                        "/dead-letters/replay",
+                        &f,
+                        "Replay",
+                        "plain",
+                        "replay-one",
+                    ));
                     b.push(' ');
                 }
-                b.push_str(&button(&state, "/dead-letters/resolve", &f, "Resolve", "plain", "resolve-one"));
+                b.push_str(&button(
+                    &state,
+                    "/dead-letters/resolve",
+                    &f,
+                    "Resolve",
+                    "plain",
+                    "resolve-one",
+                ));
                 cells.push(b);
             } else if state.actions {
                 cells.push(String::new());
@@ -600,15 +733,30 @@ pub(crate) async fn dead_letters(Extract(state): Extract<State>, Query(p): Pairs
             cells
         })
         .collect();
-    let mut head = vec!["Id", "Consumer", "From", "Event id", "Reason", "Error", "Recorded", "State"];
+    let mut head = vec![
+        "Id", "Consumer", "From", "Event id", "Reason", "Error", "Recorded", "State",
+    ];
     if state.actions {
         head.push("");
     }
-    body.push_str(&table("dead-letters", &head, &rows, "No dead letters match."));
+    body.push_str(&table(
+        "dead-letters",
+        &head,
+        &rows,
+        "No dead letters match.",
+    ));
     if state.actions && state.producer.is_none() {
         body.push_str("<p class=\"muted\">Replay needs the broker: start the dashboard with --bootstrap-servers.</p>");
     }
-    Html(page(&state.base, "/dead-letters", "Dead letters", &body, true, "")).into_response()
+    Html(page(
+        &state.base,
+        "/dead-letters",
+        "Dead letters",
+        &body,
+        true,
+        "",
+    ))
+    .into_response()
 }
 
 pub(crate) async fn dead_letter(Extract(state): Extract<State>, Path(id): Path<i64>) -> Response {
@@ -636,19 +784,42 @@ pub(crate) async fn dead_letter(Extract(state): Extract<State>, Path(id): Path<i
         esc(&l.topic),
         l.partition,
         l.kafka_offset,
-        l.event_id.map(|e| e.to_string()).unwrap_or_else(|| "–".into()),
+        l.event_id
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "–".into()),
         esc(&l.reason),
         l.attempts,
         esc(&l.error),
-        d.record_key.as_deref().map(bytes).unwrap_or_else(|| "–".into()),
-        if l.replayed { "replayed" } else if l.resolved { "resolved" } else { "open" },
+        d.record_key
+            .as_deref()
+            .map(bytes)
+            .unwrap_or_else(|| "–".into()),
+        if l.replayed {
+            "replayed"
+        } else if l.resolved {
+            "resolved"
+        } else {
+            "open"
+        },
         headers,
         if payload.len() <= 4096 { " open" } else { "" },
         payload.len(),
-        if payload.len() > cap { format!(", the first {cap} shown") } else { String::new() },
+        if payload.len() > cap {
+            format!(", the first {cap} shown")
+        } else {
+            String::new()
+        },
         bytes(&payload[..payload.len().min(cap)]),
     );
-    Html(page(&state.base, "/dead-letters", "Dead letter", &body, false, "")).into_response()
+    Html(page(
+        &state.base,
+        "/dead-letters",
+        "Dead letter",
+        &body,
+        false,
+        "",
+    ))
+    .into_response()
 }
 
 pub(crate) async fn lookup(Extract(state): Extract<State>, Query(p): Pairs) -> Response {
@@ -693,14 +864,32 @@ pub(crate) async fn lookup(Extract(state): Extract<State>, Query(p): Pairs) -> R
                 state.base,
                 esc(c),
                 esc(reason),
-                if *replayed { ", replayed" } else if *resolved { ", resolved" } else { "" }
+                if *replayed {
+                    ", replayed"
+                } else if *resolved {
+                    ", resolved"
+                } else {
+                    ""
+                }
             );
         }
         if let Some(s) = &a.outbox_status {
-            let _ = write!(body, "<p>This database's outbox has the event: {}.</p>", esc(s));
+            let _ = write!(
+                body,
+                "<p>This database's outbox has the event: {}.</p>",
+                esc(s)
+            );
         }
     }
-    Html(page(&state.base, "/lookup", "Did a consumer process an event?", &body, false, "")).into_response()
+    Html(page(
+        &state.base,
+        "/lookup",
+        "Did a consumer process an event?",
+        &body,
+        false,
+        "",
+    ))
+    .into_response()
 }
 
 pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
@@ -715,12 +904,20 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
                 e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
                 esc(&e.actor),
                 esc(&e.action),
-                format!("<code>{}</code>", esc(&postal_shared::text::bounded(&e.target.to_string(), 400))),
+                format!(
+                    "<code>{}</code>",
+                    esc(&postal_shared::text::bounded(&e.target.to_string(), 400))
+                ),
                 e.affected.to_string(),
             ]
         })
         .collect();
-    let body = table("audit", &["When (UTC)", "Who", "Action", "On", "Affected"], &rows, "No actions yet.");
+    let body = table(
+        "audit",
+        &["When (UTC)", "Who", "Action", "On", "Affected"],
+        &rows,
+        "No actions yet.",
+    );
     Html(page(&state.base, "/audit", "Audit trail", &body, true, "")).into_response()
 }
 

@@ -11,6 +11,7 @@ mod cluster;
 mod common;
 mod consume;
 mod consumer_crash;
+mod dashboard;
 mod dead_letters;
 mod enqueue;
 mod examples;
