@@ -50,6 +50,13 @@ fn confirm(
     danger: bool,
     notice: &str,
 ) -> Response {
+    let back = if action.starts_with("/dead-letters") {
+        "/dead-letters"
+    } else if action.starts_with("/blocked") {
+        "/blocked"
+    } else {
+        "/parked"
+    };
     let mut fields = String::new();
     for (k, v) in p {
         if k == "csrf" || k == "confirm" || k == "expected" {
@@ -68,13 +75,15 @@ fn confirm(
          <form method=\"post\" action=\"{}{action}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
          <input type=\"hidden\" name=\"confirm\" value=\"yes\"><input type=\"hidden\" name=\"expected\" value=\"{matched}\">{fields}\
          <button type=\"submit\" class=\"{}\" data-test=\"confirm\">{}</button> \
-         <a href=\"javascript:history.back()\" data-test=\"cancel\">Cancel</a></form></div>",
+         <a href=\"{}{}\" data-test=\"cancel\">Cancel</a></form></div>",
         esc(question),
         state.cap,
         state.base,
         state.csrf,
         if danger { "danger" } else { "" },
         esc(title),
+        state.base,
+        back,
     );
     Html(page(&state.base, "", title, &body, false, notice)).into_response()
 }

@@ -82,6 +82,7 @@ pub fn page(base: &str, here: &str, title: &str, body: &str, live: bool, notice:
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{title} · Postal</title>\
          <link rel=\"stylesheet\" href=\"{base}/assets/style.css\">\
+         <link rel=\"icon\" href=\"{base}/assets/icon.svg\" type=\"image/svg+xml\">\
          <script src=\"{base}/assets/app.js\" defer></script></head>\
          <body{refresh}><header><strong class=\"brand\">Postal</strong><nav>{nav}</nav>\
          <span id=\"refresh-state\" class=\"muted\"></span></header>\
@@ -145,11 +146,15 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
     let _ = write!(
         svg,
         "<line class=\"axis\" x1=\"0\" y1=\"{}\" x2=\"{}\" y2=\"{}\"></line></svg>\
-         <p class=\"muted\">last 60 minutes; {} in all</p></figure>",
+         <p class=\"muted\">last 60 minutes{}</p></figure>",
         h + 1.0,
         w * points.len() as f64,
         h + 1.0,
-        fmt_num(total)
+        if unit == "ms" {
+            String::new()
+        } else {
+            format!("; {} in all", fmt_num(total))
+        }
     );
     svg
 }

@@ -192,6 +192,7 @@ impl Dashboard {
             .route("/login", get(guard::login_form).post(guard::login))
             .route("/assets/style.css", get(pages::style))
             .route("/assets/app.js", get(pages::script))
+            .route("/assets/icon.svg", get(pages::icon))
             .route("/parked/requeue", post(actions::requeue))
             .route("/parked/discard", post(actions::discard))
             .route("/blocked/release", post(actions::release))

@@ -936,3 +936,11 @@ pub(crate) async fn script() -> Response {
     )
         .into_response()
 }
+
+pub(crate) async fn icon() -> Response {
+    (
+        [(header::CONTENT_TYPE, "image/svg+xml")],
+        include_str!("../../assets/icon.svg"),
+    )
+        .into_response()
+}

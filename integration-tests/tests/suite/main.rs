@@ -12,6 +12,7 @@ mod common;
 mod consume;
 mod consumer_crash;
 mod dashboard;
+mod dashboard_browser;
 mod dead_letters;
 mod enqueue;
 mod examples;
