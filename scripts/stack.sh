@@ -21,8 +21,10 @@
 #                                     controller; topics replicated 3 times, min.insync.replicas 2)
 #                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
 #                                     .stack/kafka-cluster; kafka-kill 2 kill -9s node 2 only
-#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server / iproute2 (apt) and fetch
-#                                     Kafka's jars (Maven, scripts/kafka/pom.xml) if missing
+#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server / iproute2 / chromium (apt),
+#                                     fetch Kafka's jars (Maven, scripts/kafka/pom.xml) and
+#                                     playwright-core (npm ci in admin/browser) if missing
+#   scripts/stack.sh browser          chromium and playwright-core only; prints their exports
 #
 # Ports: POSTAL_PG_PORT (default 15432), POSTAL_KAFKA_PORT (default 19092; its KRaft controller
 # on POSTAL_KAFKA_CONTROLLER_PORT, default the next port), POSTAL_AMQP_PORT (default 25672; Erlang
@@ -97,6 +99,20 @@ ensure_kafka() {
   ls "$KAFKA_LIB.partial" | sed 's/^/stack:   /' >&2
   rm -rf "$KAFKA_LIB"; mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
   touch "$KAFKA_LIB/.complete-$KAFKA_VERSION"
+}
+
+# The dashboard's browser tests: Debian's chromium, and playwright-core from npm (pinned in
+# admin/browser/package-lock.json) to drive it.
+ensure_browser() {
+  local chromium="${CHROMIUM:-/usr/bin/chromium}"
+  [ -x "$chromium" ] || apt_install chromium "$chromium"
+  if [ ! -d "$ROOT/admin/browser/node_modules/playwright-core" ]; then
+    command -v npm >/dev/null || die "npm is missing: the dashboard's browser tests need Node.js 20 and npm"
+    log "installing playwright-core into admin/browser/node_modules (npm ci)"
+    npm ci --prefix "$ROOT/admin/browser" --no-audit --no-fund >&2 \
+      || die "npm ci failed in admin/browser (is the npm registry reachable? see the output above)"
+  fi
+  echo "export CHROMIUM=$chromium POSTAL_BROWSER_REQUIRE=1"
 }
 
 ensure_rabbitmq() {
@@ -568,7 +584,8 @@ case "$cmd" in
     java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$KDIR/logs" \
       org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$KPORT" \
       --command-config "$KDIR/tls/admin.properties" "${ARGS[@]}" ;;
-  ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi ;;
+  ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi; ensure_browser >/dev/null ;;
+  browser) ensure_browser ;;
   status)
     if pg_running; then echo "postgres: running on $HOST:$PG_PORT"; else echo "postgres: stopped"; fi
     for i in $(kafka_nodes); do

@@ -34,6 +34,10 @@ step "the JVM interop jar (kafka-clients + the CloudEvents SDK, for the interop 
 eval "$(bash scripts/interop-jar.sh)"
 export POSTAL_INTEROP_JAR POSTAL_INTEROP_REQUIRE=1
 
+step "chromium and playwright-core for the dashboard's browser tests (scripts/stack.sh browser)"
+eval "$(bash scripts/stack.sh browser)"
+export CHROMIUM POSTAL_BROWSER_REQUIRE
+
 step "binaries the suite runs: postal, the fixture services (order_service, billing_service, …), the examples"
 # The fixture services are postal-integration-tests' own binaries (integration-tests/src/bin/),
 # built with its tests anyway; the examples (examples/*.rs) are run by the suite's examples::.
