@@ -8,6 +8,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod consume;
 mod cpu;
+mod dashboard;
 mod e2e;
 mod rabbitmq;
 
@@ -85,6 +86,21 @@ enum Command {
         /// relay --kafka` does.
         #[arg(long = "kafka", value_parser = parse_property)]
         kafka: Vec<(String, String)>,
+    },
+    /// The dashboard's pages on large tables: server time per page and the plans.
+    Dashboard {
+        /// Published rows kept in the outbox.
+        #[arg(long, default_value_t = 1_000_000)]
+        published: i64,
+        /// Parked events (as many more wait behind them).
+        #[arg(long, default_value_t = 10_000)]
+        parked: i64,
+        /// Dead letters (one in five open).
+        #[arg(long, default_value_t = 100_000)]
+        dead_letters: i64,
+        /// Timed requests per page.
+        #[arg(long, default_value_t = 20)]
+        requests: usize,
     },
     /// `EXPLAIN ANALYZE` of the claim on an outbox with no history and with `published` rows
     /// of retained history (plus the same pending backlog).
@@ -255,6 +271,21 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 payload_bytes,
             };
             consume::consume_bench(&cli.database_url, &cli.bootstrap, opts).await
+        }
+        Command::Dashboard {
+            published,
+            parked,
+            dead_letters,
+            requests,
+        } => {
+            let pool = fresh_db(&cli.database_url, 8).await?;
+            let opts = dashboard::Opts {
+                published,
+                parked,
+                dead_letters,
+                requests: requests.max(1),
+            };
+            dashboard::run(pool, opts).await
         }
         Command::Explain { published, pending } => {
             explain_bench(&cli.database_url, published, pending).await
