@@ -24,6 +24,9 @@ ALTER TABLE postal.dead_letters
 -- list and counts read only these.
 CREATE INDEX dead_letters_open ON postal.dead_letters (consumer_name, id)
     WHERE replayed_at IS NULL AND resolved_at IS NULL;
+-- Parked events in outbox order (the dashboard lists the oldest first: without it the planner
+-- walks the primary key past every published row kept in the outbox).
+CREATE INDEX outbox_failed_seq ON postal.outbox (seq) WHERE status = 'failed';
 -- Parked events by when they were parked (`available_at` of a failed row), for the dashboard's
 -- time filter and its parked-per-minute chart.
 CREATE INDEX outbox_failed_at ON postal.outbox (available_at) WHERE status = 'failed';

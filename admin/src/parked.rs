@@ -136,11 +136,14 @@ pub struct Group {
 
 /// The filter's parked events grouped by error fingerprint, largest group first.
 pub async fn groups(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Group>, Error> {
+    // Grouped by (fingerprint, topic) first and then by fingerprint: two hash aggregates, where
+    // counting distinct topics at once would sort every row by its error text.
     let sql = format!(
-        "SELECT {FINGERPRINT_SQL} AS fingerprint, count(*) AS events,
-                count(DISTINCT topic) AS topics, min(last_error) AS example,
-                max(available_at) AS last_parked_at
-         FROM postal.outbox WHERE {WHERE}
+        "SELECT fingerprint, sum(n)::int8 AS events, count(*) AS topics, min(example) AS example,
+                max(last_parked_at) AS last_parked_at
+         FROM (SELECT {FINGERPRINT_SQL} AS fingerprint, topic, count(*) AS n,
+                      min(last_error) AS example, max(available_at) AS last_parked_at
+               FROM postal.outbox WHERE {WHERE} GROUP BY 1, 2) AS g
          GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT $8"
     );
     Ok(bind(sqlx::query_as(&sql), filter)
@@ -382,26 +385,28 @@ pub struct BlockedKey {
     pub waiting: i64,
 }
 
-pub(crate) const BLOCKED_SQL: &str = "WITH parked AS (
-             SELECT seq, event_id, topic, event_key, last_error, available_at
-             FROM postal.outbox WHERE status = 'failed'),
-         heads AS (
-             SELECT DISTINCT ON (topic, event_key) seq, event_id, topic, event_key, last_error,
-                    available_at
-             FROM parked ORDER BY topic, event_key, seq),
-         parked_n AS (
-             SELECT topic, event_key, count(*) AS n FROM parked GROUP BY 1, 2),
-         waiting AS (
-             SELECT p.topic, p.event_key, count(*) AS n
-             FROM postal.outbox p JOIN heads h
-               ON h.topic = p.topic AND h.event_key = p.event_key AND p.seq > h.seq
-             WHERE p.status = 'pending'
-             GROUP BY 1, 2)
-         SELECT h.topic, h.event_key, h.event_id AS head_event_id, h.last_error AS head_error,
-                h.available_at AS parked_at, pn.n AS parked, coalesce(w.n, 0) AS waiting
-         FROM heads h JOIN parked_n pn USING (topic, event_key)
-         LEFT JOIN waiting w USING (topic, event_key)
-         ORDER BY coalesce(w.n, 0) DESC, h.seq LIMIT $1";
+// One pass over the parked and pending rows (each through its partial index), grouped by key
+// in a hash: joins between them were planned from poor estimates (nested loops over thousands
+// of keys). Then the head row by its primary key.
+pub(crate) const BLOCKED_SQL: &str = "WITH r AS (
+             SELECT topic, event_key, seq, true AS parked
+             FROM postal.outbox WHERE status = 'failed'
+             UNION ALL
+             SELECT topic, event_key, seq, false
+             FROM postal.outbox WHERE status = 'pending'),
+         k AS (
+             SELECT topic, event_key, min(seq) FILTER (WHERE parked) AS head_seq,
+                    count(*) FILTER (WHERE parked) AS parked,
+                    array_agg(seq) FILTER (WHERE NOT parked) AS pending
+             FROM r GROUP BY 1, 2 HAVING bool_or(parked)),
+         w AS (
+             SELECT topic, event_key, head_seq, parked,
+                    (SELECT count(*) FROM unnest(pending) AS s WHERE s > head_seq) AS waiting
+             FROM k ORDER BY 5 DESC, head_seq LIMIT $1)
+         SELECT w.topic, w.event_key, o.event_id AS head_event_id, o.last_error AS head_error,
+                o.available_at AS parked_at, w.parked, w.waiting
+         FROM w JOIN postal.outbox o ON o.seq = w.head_seq
+         ORDER BY w.waiting DESC, w.head_seq";
 
 /// Keys held back by a parked event, most events waiting first (at most `limit`). Reads the
 /// parked rows and the pending rows through their partial indexes, never the published ones.

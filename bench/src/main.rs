@@ -349,7 +349,8 @@ static CREATED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new()
 /// start per database every `autovacuum_naptime` — background load for the next benchmark.
 async fn drop_databases(admin_url: &str) {
     let names = std::mem::take(&mut *CREATED.lock().expect("created lock"));
-    if names.is_empty() {
+    // POSTAL_BENCH_KEEP=1 keeps them, to look at the data afterwards.
+    if names.is_empty() || std::env::var("POSTAL_BENCH_KEEP").as_deref() == Ok("1") {
         return;
     }
     let Ok(opts) = postal_shared::secret::database_url_options(admin_url) else {

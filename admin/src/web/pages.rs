@@ -209,9 +209,9 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
     body.push_str("</section>");
     if !o.publishes_recorded {
         body.push_str(
-            "<p class=\"muted\">The publish and lag charts count published rows the outbox keeps \
-             (relay with delete_on_publish = false) or its history (--history): with neither, \
-             published rows are deleted at once and these two charts stay empty.</p>",
+            "<p class=\"muted\">No published rows in the last hour: the publish and lag charts \
+             count published rows the outbox keeps (relay --keep-published) or its history \
+             (--history); a relay that deletes them at once leaves these two charts empty.</p>",
         );
     }
     body.push_str("<h2>Backlog per destination</h2>");
