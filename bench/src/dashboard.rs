@@ -162,7 +162,7 @@ pub async fn run(pool: PgPool, o: Opts) -> anyhow::Result<()> {
         format!("/parked/{parked_id}"),
         "/blocked".to_owned(),
         "/dead-letters".to_owned(),
-        "/dead-letters?consumer=c1".to_owned(),
+        "/dead-letters?consumer=c0".to_owned(),
         format!("/dead-letters?event_id={dead_event}&all=1"),
         format!("/dead-letters/{dead_id}"),
         format!("/lookup?consumer=c1&event_id={processed}"),

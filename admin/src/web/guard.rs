@@ -84,7 +84,8 @@ pub(crate) async fn guard(
     next: Next,
 ) -> Response {
     let path = req.uri().path().to_owned();
-    let open_path = path.ends_with("/login") || path.contains("/assets/");
+    // Inside the router the path is relative to where it is mounted (axum strips the prefix).
+    let open_path = path == "/login" || path.starts_with("/assets/");
     let actor = match &state.auth {
         Auth::Open | Auth::Unset => Some("local".to_owned()),
         Auth::Token(t) => presented_token(req.headers())
@@ -133,7 +134,7 @@ pub(crate) async fn guard(
         HeaderValue::from_static("same-origin"),
     );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    if !path.contains("/assets/") {
+    if !path.starts_with("/assets/") {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     response
