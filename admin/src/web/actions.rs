@@ -20,9 +20,9 @@ use crate::{audit, dead_letters, parked, Error};
 type Pairs = Form<Vec<(String, String)>>;
 
 /// Refuses a POST without this dashboard's CSRF token, or with actions disabled.
-fn allowed(state: &State, p: &[(String, String)]) -> Result<(), Response> {
+fn refused(state: &State, p: &[(String, String)]) -> Option<Response> {
     if !state.actions {
-        return Err((
+        return Some((
             StatusCode::FORBIDDEN,
             Html("<!doctype html><p>Actions are disabled: this dashboard is read-only (start it with --allow-actions).</p>".to_owned()),
         )
@@ -30,26 +30,38 @@ fn allowed(state: &State, p: &[(String, String)]) -> Result<(), Response> {
     }
     if get(p, "csrf") != Some(state.csrf.as_str()) {
         tracing::warn!("dashboard refused a POST without its CSRF token");
-        return Err((
+        return Some((
             StatusCode::FORBIDDEN,
             Html("<!doctype html><p>Refused: the form's CSRF token is missing or stale; reload the page.</p>".to_owned()),
         )
             .into_response());
     }
-    Ok(())
+    None
+}
+
+/// What a confirmation page asks.
+struct Ask<'a> {
+    /// The action's path.
+    action: &'a str,
+    title: &'a str,
+    question: &'a str,
+    /// How many it matches now.
+    matched: usize,
+    danger: bool,
+    /// Shown above (escaped HTML), e.g. that the count changed.
+    notice: String,
 }
 
 /// The page that asks to confirm: what, how many, and the same form again with the count.
-fn confirm(
-    state: &State,
-    action: &str,
-    title: &str,
-    question: &str,
-    matched: usize,
-    p: &[(String, String)],
-    danger: bool,
-    notice: &str,
-) -> Response {
+fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
+    let Ask {
+        action,
+        title,
+        question,
+        matched,
+        danger,
+        notice,
+    } = ask;
     let back = if action.starts_with("/dead-letters") {
         "/dead-letters"
     } else if action.starts_with("/blocked") {
@@ -85,7 +97,7 @@ fn confirm(
         state.base,
         back,
     );
-    Html(page(&state.base, "", title, &body, false, notice)).into_response()
+    Html(page(&state.base, "", title, &body, false, &notice)).into_response()
 }
 
 fn done(state: &State, back: &str, title: &str, message: &str) -> Response {
@@ -169,7 +181,7 @@ async fn parked_action(
     p: Vec<(String, String)>,
     discard: bool,
 ) -> Response {
-    if let Err(r) = allowed(&state, &p) {
+    if let Some(r) = refused(&state, &p) {
         return r;
     }
     let selection = match parked_selection(&p) {
@@ -199,16 +211,15 @@ async fn parked_action(
                 "Requeue these parked events? The relay publishes them again, each ahead of the later events of its key."
             };
             let title = if discard { "Discard" } else { "Requeue" };
-            return confirm(
-                &state,
-                path,
+            let ask = Ask {
+                action: path,
                 title,
                 question,
-                seqs.len(),
-                &p,
-                discard,
-                &notice,
-            );
+                matched: seqs.len(),
+                danger: discard,
+                notice,
+            };
+            return confirm(&state, ask, &p);
         }
     }
     let result = if discard {
@@ -263,7 +274,7 @@ pub(crate) async fn release(
     Extension(actor): Extension<Actor>,
     Form(p): Pairs,
 ) -> Response {
-    if let Err(r) = allowed(&state, &p) {
+    if let Some(r) = refused(&state, &p) {
         return r;
     }
     let (Some(topic), Some(key)) = (
@@ -295,16 +306,16 @@ pub(crate) async fn release(
                 Err(m) => format!("<p class=\"notice bad\">{}</p>", esc(&m)),
                 _ => String::new(),
             };
-            return confirm(
-                &state,
-                "/blocked/release",
-                "Release the key",
-                &format!("Requeue the parked events of key {key:?} on {topic:?}? The relay publishes the head first, then the events waiting behind it, in order."),
-                seqs.len(),
-                &p,
-                false,
-                &notice,
-            );
+            let question = format!("Requeue the parked events of key {key:?} on {topic:?}? The relay publishes the head first, then the events waiting behind it, in order.");
+            let ask = Ask {
+                action: "/blocked/release",
+                title: "Release the key",
+                question: &question,
+                matched: seqs.len(),
+                danger: false,
+                notice,
+            };
+            return confirm(&state, ask, &p);
         }
     }
     match parked::requeue_seqs(&state.pool, &seqs, |_| {}).await {
@@ -326,7 +337,7 @@ async fn dead_action(
     p: Vec<(String, String)>,
     replay: bool,
 ) -> Response {
-    if let Err(r) = allowed(&state, &p) {
+    if let Some(r) = refused(&state, &p) {
         return r;
     }
     let ids: Result<Vec<i64>, _> = p
@@ -364,16 +375,15 @@ async fn dead_action(
                 "Mark these dead letters resolved? They stay recorded; their events are not processed again."
             };
             let title = if replay { "Replay" } else { "Resolve" };
-            return confirm(
-                &state,
-                path,
+            let ask = Ask {
+                action: path,
                 title,
                 question,
-                found.len(),
-                &p,
-                false,
-                &notice,
-            );
+                matched: found.len(),
+                danger: false,
+                notice,
+            };
+            return confirm(&state, ask, &p);
         }
     }
     let result = if replay {

@@ -40,6 +40,9 @@ use sqlx::PgPool;
 
 use crate::Error;
 
+/// The embedding service's authentication: who is asking, or `None` to refuse.
+type AuthHook = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
+
 /// Who may use the dashboard.
 #[derive(Clone)]
 enum Auth {
@@ -50,7 +53,7 @@ enum Auth {
     /// Requests carrying this token (bearer header, or the cookie the login form sets).
     Token(Arc<str>),
     /// The embedding service's hook: the actor's name, or `None` to refuse.
-    Hook(Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>),
+    Hook(AuthHook),
 }
 
 /// Default cap on how many events one action may change.

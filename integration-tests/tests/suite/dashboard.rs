@@ -332,8 +332,7 @@ async fn a_non_loopback_bind_needs_a_token() {
         Dashboard::new(db.pool.clone()),
     )
     .await
-    .err()
-    .expect("refused");
+    .expect_err("refused");
     assert_eq!(
         err.to_string(),
         "refusing to serve the dashboard on 0.0.0.0:0 without a token: set --token (POSTAL_DASHBOARD_TOKEN), or listen on 127.0.0.1"
