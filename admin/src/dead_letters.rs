@@ -32,6 +32,44 @@ pub struct Filter {
     pub all: bool,
 }
 
+impl Filter {
+    /// This consumer.
+    pub fn consumer(mut self, name: impl Into<String>) -> Self {
+        self.consumer = Some(name.into());
+        self
+    }
+
+    /// From this topic.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// This event.
+    pub fn event_id(mut self, id: Uuid) -> Self {
+        self.event_id = Some(id);
+        self
+    }
+
+    /// This reason.
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = Some(reason.into());
+        self
+    }
+
+    /// Whose error contains this text (case-insensitive).
+    pub fn error(mut self, text: impl Into<String>) -> Self {
+        self.error = Some(text.into());
+        self
+    }
+
+    /// Replayed and resolved ones too.
+    pub fn all(mut self, all: bool) -> Self {
+        self.all = all;
+        self
+    }
+}
+
 pub(crate) const WHERE: &str = "($1::text IS NULL OR consumer_name = $1)
     AND ($2::text IS NULL OR topic = $2)
     AND ($3::uuid IS NULL OR event_id = $3)

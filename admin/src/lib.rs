@@ -16,7 +16,7 @@
 //! use postal_admin::parked::{self, Selection};
 //!
 //! // Requeue every parked event of one topic, refusing if more than 1,000 match.
-//! let filter = parked::Filter { topic: Some("orders".into()), ..Default::default() };
+//! let filter = parked::Filter::default().topic("orders");
 //! let requeued = parked::requeue(&pool, &Selection::Filter(filter), Some(1000)).await?;
 //! println!("requeued {requeued}");
 //! # Ok(()) }

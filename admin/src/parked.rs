@@ -31,6 +31,47 @@ pub struct Filter {
 }
 
 impl Filter {
+    /// This event.
+    pub fn event_id(mut self, id: Uuid) -> Self {
+        self.event_id = Some(id);
+        self
+    }
+
+    /// This topic.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// This key.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// This event type.
+    pub fn event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.event_type = Some(event_type.into());
+        self
+    }
+
+    /// Whose last error contains this text (case-insensitive).
+    pub fn reason(mut self, text: impl Into<String>) -> Self {
+        self.reason = Some(text.into());
+        self
+    }
+
+    /// Parked at or after `since` and before `until`.
+    pub fn parked_between(
+        mut self,
+        since: Option<DateTime<Utc>>,
+        until: Option<DateTime<Utc>>,
+    ) -> Self {
+        self.since = since;
+        self.until = until;
+        self
+    }
+
     /// True when no field is set.
     pub fn is_empty(&self) -> bool {
         *self == Filter::default()
