@@ -147,24 +147,23 @@ impl Dashboard {
     }
 
     fn build(self) -> Result<Router, Error> {
+        fn client<T: rdkafka::config::FromClientConfig>(
+            config: &rdkafka::ClientConfig,
+        ) -> Result<Arc<T>, Error> {
+            config
+                .create()
+                .map(Arc::new)
+                .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))
+        }
         let producer = match &self.kafka {
-            Some(c) => Some(Arc::new(
+            Some(c) => Some(client(
                 c.clone()
                     .set("enable.idempotence", "true")
-                    .set("message.timeout.ms", "15000")
-                    .create()
-                    .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?,
-            )),
+                    .set("message.timeout.ms", "15000"),
+            )?),
             None => None,
         };
-        let watermarks = match &self.kafka {
-            Some(c) => Some(Arc::new(
-                c.clone()
-                    .create()
-                    .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?,
-            )),
-            None => None,
-        };
+        let watermarks = self.kafka.as_ref().map(client).transpose()?;
         let csrf: String = {
             use rand::Rng as _;
             let mut rng = rand::rng();

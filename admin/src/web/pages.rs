@@ -170,42 +170,26 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
     );
     let label = |m: &overview::Minute| m.minute.format("%H:%M").to_string();
     body.push_str("<section class=\"charts\">");
-    body.push_str(&bars(
-        "chart-published",
-        "Published",
-        "events",
-        &o.minutes
-            .iter()
-            .map(|m| (label(m), m.published as f64))
-            .collect::<Vec<_>>(),
-    ));
-    body.push_str(&bars(
-        "chart-parked",
-        "Parked",
-        "events",
-        &o.minutes
-            .iter()
-            .map(|m| (label(m), m.parked as f64))
-            .collect::<Vec<_>>(),
-    ));
-    body.push_str(&bars(
-        "chart-dead",
-        "Dead letters",
-        "records",
-        &o.minutes
-            .iter()
-            .map(|m| (label(m), m.dead_letters as f64))
-            .collect::<Vec<_>>(),
-    ));
-    body.push_str(&bars(
-        "chart-lag",
-        "End-to-end lag (enqueue to broker ack), average",
-        "ms",
-        &o.minutes
-            .iter()
-            .map(|m| (label(m), m.lag_ms.unwrap_or(0.0).round()))
-            .collect::<Vec<_>>(),
-    ));
+    type Value = fn(&overview::Minute) -> f64;
+    let charts: [(&str, &str, &str, Value); 4] = [
+        ("chart-published", "Published", "events", |m| {
+            m.published as f64
+        }),
+        ("chart-parked", "Parked", "events", |m| m.parked as f64),
+        ("chart-dead", "Dead letters", "records", |m| {
+            m.dead_letters as f64
+        }),
+        (
+            "chart-lag",
+            "End-to-end lag (enqueue to broker ack), average",
+            "ms",
+            |m| m.lag_ms.unwrap_or(0.0).round(),
+        ),
+    ];
+    for (id, title, unit, value) in charts {
+        let points: Vec<(String, f64)> = o.minutes.iter().map(|m| (label(m), value(m))).collect();
+        body.push_str(&bars(id, title, unit, &points));
+    }
     body.push_str("</section>");
     if !o.publishes_recorded {
         body.push_str(
