@@ -404,3 +404,60 @@ fn failed_help_names_every_subcommand() {
         "{help}"
     );
 }
+
+/// Guarantee: `postal dashboard` on a non-loopback address without a token exits at once with one
+/// line that says what to do; on loopback it serves its pages (read-only: no action buttons) and
+/// exits 0 on SIGTERM.
+#[test]
+fn dashboard_refuses_an_open_public_bind_and_serves_on_loopback() {
+    use std::io::{BufRead, Read, Write};
+    let Some((rt, db)) = fresh_db() else {
+        return;
+    };
+    rt.block_on(async {
+        let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+        postal_shared::migrate(&pool).await.unwrap();
+    });
+    let mut open = postal();
+    open.args(["dashboard", "--listen", "0.0.0.0:0"])
+        .env("DATABASE_URL", &db.url)
+        .env_remove("POSTAL_DASHBOARD_TOKEN");
+    assert_eq!(
+        one_error_line(open),
+        "error: refusing to serve the dashboard on 0.0.0.0:0 without a token: set --token (POSTAL_DASHBOARD_TOKEN), or listen on 127.0.0.1"
+    );
+
+    let port = postal_integration_tests::free_port();
+    let mut child = postal()
+        .args(["dashboard", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &db.url)
+        .env("POSTAL_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(
+        first.trim(),
+        format!("postal dashboard on http://127.0.0.1:{port}/ (read-only)")
+    );
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET /parked HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    assert!(page.starts_with("HTTP/1.0 200"), "{page}");
+    assert!(page.contains("No parked events match."), "{page}");
+    assert!(
+        !page.contains("data-test=\"requeue"),
+        "read-only shows no buttons"
+    );
+    sigterm(&child);
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(10),
+        "the dashboard ignored SIGTERM",
+    );
+    assert!(status.success(), "{status}");
+}
