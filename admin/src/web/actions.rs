@@ -11,9 +11,9 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use uuid::Uuid;
 
+use super::form::{dead_filter, failed, get, parked_filter};
 use super::guard::Actor;
 use super::html::{esc, page};
-use super::pages::{dead_filter, failed, get, parked_filter};
 use super::State;
 use crate::{audit, dead_letters, parked, Error};
 

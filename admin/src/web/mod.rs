@@ -25,6 +25,8 @@
 //! ```
 
 mod actions;
+mod assets;
+mod form;
 mod guard;
 mod html;
 mod pages;
@@ -192,9 +194,9 @@ impl Dashboard {
             .route("/lookup", get(pages::lookup))
             .route("/audit", get(pages::audit))
             .route("/login", get(guard::login_form).post(guard::login))
-            .route("/assets/style.css", get(pages::style))
-            .route("/assets/app.js", get(pages::script))
-            .route("/assets/icon.svg", get(pages::icon))
+            .route("/assets/style.css", get(assets::style))
+            .route("/assets/app.js", get(assets::script))
+            .route("/assets/icon.svg", get(assets::icon))
             .route("/parked/requeue", post(actions::requeue))
             .route("/parked/discard", post(actions::discard))
             .route("/blocked/release", post(actions::release))

@@ -1,0 +1,37 @@
+//! The audit trail.
+
+use axum::extract::State as Extract;
+use axum::response::{Html, IntoResponse, Response};
+
+use crate::web::form::failed;
+use crate::web::html::{esc, page, table};
+use crate::web::State;
+
+pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
+    let entries = match crate::audit::latest(&state.pool, 200).await {
+        Ok(e) => e,
+        Err(e) => return failed(&e),
+    };
+    let rows: Vec<Vec<String>> = entries
+        .iter()
+        .map(|e| {
+            vec![
+                e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                esc(&e.actor),
+                esc(&e.action),
+                format!(
+                    "<code>{}</code>",
+                    esc(&postal_shared::text::bounded(&e.target.to_string(), 400))
+                ),
+                e.affected.to_string(),
+            ]
+        })
+        .collect();
+    let body = table(
+        "audit",
+        &["When (UTC)", "Who", "Action", "On", "Affected"],
+        &rows,
+        "No actions yet.",
+    );
+    Html(page(&state.base, "/audit", "Audit trail", &body, true, "")).into_response()
+}

@@ -1,0 +1,179 @@
+//! The overview: counts, the last hour, backlog, relays, consumers, dead letters.
+
+use axum::extract::State as Extract;
+use axum::response::{Html, IntoResponse, Response};
+
+use crate::overview;
+use crate::web::form::failed;
+use crate::web::html::{age, bars, esc, page, q, table};
+use crate::web::State;
+
+pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
+    let mut o = match overview::read(&state.pool).await {
+        Ok(o) => o,
+        Err(e) => return failed(&e),
+    };
+    if let Some(client) = &state.watermarks {
+        overview::fill_lag(&mut o, client.clone(), crate::web::LAG_BUDGET).await;
+    }
+    let pending: i64 = o.backlog.iter().map(|b| b.pending).sum();
+    let parked_n: i64 = o.backlog.iter().map(|b| b.failed).sum();
+    let oldest = o
+        .backlog
+        .iter()
+        .filter_map(|b| b.oldest_pending_age_s)
+        .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
+    let dead: i64 = o.dead_letters.iter().map(|d| d.1).sum();
+    let mut body = format!(
+        "<section class=\"cards\">\
+         <div class=\"card\" id=\"card-pending\">Pending<b>{pending}</b></div>\
+         <div class=\"card\" id=\"card-oldest\">Oldest pending<b>{}</b></div>\
+         <div class=\"card\" id=\"card-parked\">Parked<b>{parked_n}</b></div>\
+         <div class=\"card\" id=\"card-dead\">Open dead letters<b>{dead}</b></div>\
+         <div class=\"card\" id=\"card-relays\">Relays<b>{}</b></div></section>",
+        oldest.map(age).unwrap_or_else(|| "–".into()),
+        o.relays.iter().filter(|r| r.heartbeat_age_s < 60.0).count(),
+    );
+    let label = |m: &overview::Minute| m.minute.format("%H:%M").to_string();
+    body.push_str("<section class=\"charts\">");
+    type Value = fn(&overview::Minute) -> f64;
+    let charts: [(&str, &str, &str, Value); 4] = [
+        ("chart-published", "Published", "events", |m| {
+            m.published as f64
+        }),
+        ("chart-parked", "Parked", "events", |m| m.parked as f64),
+        ("chart-dead", "Dead letters", "records", |m| {
+            m.dead_letters as f64
+        }),
+        (
+            "chart-lag",
+            "End-to-end lag (enqueue to broker ack), average",
+            "ms",
+            |m| m.lag_ms.unwrap_or(0.0).round(),
+        ),
+    ];
+    for (id, title, unit, value) in charts {
+        let points: Vec<(String, f64)> = o.minutes.iter().map(|m| (label(m), value(m))).collect();
+        body.push_str(&bars(id, title, unit, &points));
+    }
+    body.push_str("</section>");
+    if !o.publishes_recorded {
+        body.push_str(
+            "<p class=\"muted\">No published rows in the last hour: the publish and lag charts \
+             count published rows the outbox keeps (relay --keep-published) or its history \
+             (--history); a relay that deletes them at once leaves these two charts empty.</p>",
+        );
+    }
+    body.push_str("<h2>Backlog per destination</h2>");
+    let rows: Vec<Vec<String>> = o
+        .backlog
+        .iter()
+        .map(|b| {
+            vec![
+                esc(&b.topic),
+                b.pending.to_string(),
+                b.scheduled.to_string(),
+                if b.failed > 0 {
+                    format!(
+                        "<a href=\"{}/parked?topic={}\">{}</a>",
+                        state.base,
+                        q(&b.topic),
+                        b.failed
+                    )
+                } else {
+                    "0".into()
+                },
+                b.oldest_pending_age_s
+                    .map(age)
+                    .unwrap_or_else(|| "–".into()),
+            ]
+        })
+        .collect();
+    body.push_str(&table(
+        "backlog",
+        &["Topic", "Pending", "Scheduled", "Parked", "Oldest pending"],
+        &rows,
+        "The outbox is empty.",
+    ));
+    body.push_str("<h2>Relays</h2>");
+    let rows: Vec<Vec<String>> = o
+        .relays
+        .iter()
+        .map(|r| {
+            vec![
+                format!("<code>{}</code>", r.relay_id),
+                esc(&r.relay_group),
+                esc(&r.host),
+                r.partitions.to_string(),
+                age(r.heartbeat_age_s),
+            ]
+        })
+        .collect();
+    body.push_str(&table(
+        "relays",
+        &[
+            "Relay",
+            "Group",
+            "Host",
+            "Partition leases (of 256)",
+            "Heartbeat",
+        ],
+        &rows,
+        "No relay has registered.",
+    ));
+    body.push_str("<h2>Consumers</h2>");
+    let rows: Vec<Vec<String>> = o
+        .consumers
+        .iter()
+        .map(|c| {
+            vec![
+                esc(&c.group_id),
+                esc(&c.topic),
+                c.partition.to_string(),
+                c.next_offset
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|| "–".into()),
+                c.lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
+                age(c.updated_age_s),
+            ]
+        })
+        .collect();
+    body.push_str(&table(
+        "consumers",
+        &[
+            "Group",
+            "Topic",
+            "Partition",
+            "Next offset",
+            "Lag",
+            "Last advanced",
+        ],
+        &rows,
+        "No consumer has stored an offset.",
+    ));
+    if state.watermarks.is_none() && !o.consumers.is_empty() {
+        body.push_str("<p class=\"muted\">Lag needs the broker: start the dashboard with --bootstrap-servers.</p>");
+    }
+    body.push_str("<h2>Open dead letters</h2>");
+    let rows: Vec<Vec<String>> = o
+        .dead_letters
+        .iter()
+        .map(|(c, n)| {
+            vec![
+                esc(c),
+                format!(
+                    "<a href=\"{}/dead-letters?consumer={}\">{n}</a>",
+                    state.base,
+                    q(c)
+                ),
+            ]
+        })
+        .collect();
+    body.push_str(&table(
+        "dead-letter-counts",
+        &["Consumer", "Open"],
+        &rows,
+        "No open dead letters.",
+    ));
+    Html(page(&state.base, "/", "Overview", &body, true, "")).into_response()
+}
