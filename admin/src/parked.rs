@@ -307,8 +307,12 @@ pub async fn requeue_seqs(
     let mut done = 0u64;
     for chunk in seqs.chunks(1000) {
         done += sqlx::query(
+            // Pending again as a retry that is due now: `held` keeps it ahead of its key's
+            // later events even for a claim whose transaction began before this one (to which
+            // `now()` here is in the future, so the row is not due yet: without `held` that
+            // claim would take the key's next events alone).
             "UPDATE postal.outbox o
-                SET status = 'pending', attempts = 0, held = false,
+                SET status = 'pending', attempts = 0, held = true,
                     available_at = now(),
                     last_error = 'requeued by operator; previous error: ' || coalesce(o.last_error, '-')
               WHERE o.status = 'failed' AND o.seq = ANY($1)",
@@ -357,6 +361,8 @@ pub struct Discarded {
 }
 
 /// Deletes the matched parked events for good, so that the later events of their keys flow.
+/// A row another transaction holds (a requeue of it in progress) is skipped, never waited for:
+/// waiting would leave it locked by this discard, and the relay's claim skips locked rows.
 /// Each batch of up to 1,000 is handed to `keep` before its deletion commits (an error from
 /// `keep` stops the action with that batch not deleted): it is the only copy left. Returns how
 /// many were discarded.
@@ -372,7 +378,7 @@ pub async fn discard_seqs(
             "WITH batch AS (
                  SELECT seq FROM postal.outbox WHERE status = 'failed'
                  AND seq = ANY($1)
-                 ORDER BY seq FOR UPDATE)
+                 ORDER BY seq FOR UPDATE SKIP LOCKED)
              DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
              RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
                        o.schema_version, o.occurred_at, o.content_type, o.headers,
@@ -406,11 +412,12 @@ pub async fn discard_seqs(
 }
 
 /// A key held back by a parked event: its first parked event (the head) and how many of its
-/// later events wait behind it.
+/// later events wait behind it. The relay holds a key back across topics: a parked event holds
+/// its key's later events on every topic.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct BlockedKey {
-    /// Topic.
+    /// The head's topic.
     pub topic: String,
     /// Key.
     pub event_key: String,
@@ -422,8 +429,10 @@ pub struct BlockedKey {
     pub parked_at: DateTime<Utc>,
     /// The key's parked events (the head included).
     pub parked: i64,
-    /// The key's later events that are pending, held back by the head.
+    /// The key's later events that are pending, held back by the head (on any topic).
     pub waiting: i64,
+    /// On how many topics the key has parked or pending events.
+    pub topics: i64,
 }
 
 // One pass over the parked and pending rows (each through its partial index), grouped by key
@@ -436,16 +445,17 @@ pub(crate) const BLOCKED_SQL: &str = "WITH r AS (
              SELECT topic, event_key, seq, false
              FROM postal.outbox WHERE status = 'pending'),
          k AS (
-             SELECT topic, event_key, min(seq) FILTER (WHERE parked) AS head_seq,
+             SELECT event_key, min(seq) FILTER (WHERE parked) AS head_seq,
                     count(*) FILTER (WHERE parked) AS parked,
-                    array_agg(seq) FILTER (WHERE NOT parked) AS pending
-             FROM r GROUP BY 1, 2 HAVING bool_or(parked)),
+                    array_agg(seq) FILTER (WHERE NOT parked) AS pending,
+                    count(DISTINCT topic) AS topics
+             FROM r GROUP BY 1 HAVING bool_or(parked)),
          w AS (
-             SELECT topic, event_key, head_seq, parked,
+             SELECT event_key, head_seq, parked, topics,
                     (SELECT count(*) FROM unnest(pending) AS s WHERE s > head_seq) AS waiting
              FROM k ORDER BY 5 DESC, head_seq LIMIT $1)
-         SELECT w.topic, w.event_key, o.event_id AS head_event_id, o.last_error AS head_error,
-                o.available_at AS parked_at, w.parked, w.waiting
+         SELECT o.topic, w.event_key, o.event_id AS head_event_id, o.last_error AS head_error,
+                o.available_at AS parked_at, w.parked, w.waiting, w.topics
          FROM w JOIN postal.outbox o ON o.seq = w.head_seq
          ORDER BY w.waiting DESC, w.head_seq";
 
@@ -458,18 +468,38 @@ pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, 
         .await?)
 }
 
-/// Releases a key: requeues all its parked events (the head first, in their original order),
-/// after which the relay publishes the head, then the events that waited behind it.
-pub async fn release_key(
+/// Releases the key held by the parked event `head`: requeues all the key's parked events
+/// (the head first, in their original order, on every topic), after which the relay publishes
+/// the head, then the events that waited behind it. Returns how many were requeued; 0 if `head`
+/// is no longer parked.
+pub async fn release_key(pool: &PgPool, head: Uuid, cap: Option<usize>) -> Result<u64, Error> {
+    match key_of_head(pool, head, cap).await? {
+        Some((_, seqs)) => requeue_seqs(pool, &seqs, |_| {}).await,
+        None => Ok(0),
+    }
+}
+
+/// The key of the parked event `head` and the key's parked events, in outbox order (`None` if
+/// `head` is not parked); more than `cap`: refused.
+pub async fn key_of_head(
     pool: &PgPool,
-    topic: &str,
-    key: &str,
+    head: Uuid,
     cap: Option<usize>,
-) -> Result<u64, Error> {
-    let filter = Filter {
-        topic: Some(topic.to_owned()),
-        key: Some(key.to_owned()),
-        ..Filter::default()
+) -> Result<Option<(String, Vec<i64>)>, Error> {
+    let key: Option<String> = sqlx::query_scalar(
+        "SELECT event_key FROM postal.outbox WHERE event_id = $1 AND status = 'failed'",
+    )
+    .bind(head)
+    .fetch_optional(pool)
+    .await?;
+    let Some(key) = key else {
+        return Ok(None);
     };
-    requeue(pool, &Selection::Filter(filter), cap).await
+    let seqs = matched(
+        pool,
+        &Selection::Filter(Filter::default().key(key.clone())),
+        cap,
+    )
+    .await?;
+    Ok(Some((key, seqs)))
 }

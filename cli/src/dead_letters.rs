@@ -12,7 +12,8 @@ use crate::progress::Progress;
 /// Consumer dead letters recorded in `postal.dead_letters`.
 #[derive(Subcommand, Debug)]
 pub enum DeadLetterCommand {
-    /// List dead letters, oldest first (replayed ones only with `--include-replayed`).
+    /// List dead letters, oldest first (replayed and resolved ones only with
+    /// `--include-replayed`).
     List {
         /// Only this consumer.
         #[arg(long)]
@@ -20,7 +21,7 @@ pub enum DeadLetterCommand {
         /// At most this many.
         #[arg(long, default_value_t = 50)]
         limit: i64,
-        /// Include dead letters already replayed.
+        /// Include dead letters already replayed or resolved (in the dashboard).
         #[arg(long)]
         include_replayed: bool,
         /// Print JSON.
@@ -107,7 +108,8 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 "SELECT id, consumer_name, topic, partition, kafka_offset, event_id, reason, error,
                         published_at IS NOT NULL AS published, replayed_at IS NOT NULL AS replayed
                  FROM postal.dead_letters
-                 WHERE ($1::text IS NULL OR consumer_name = $1) AND ($2 OR replayed_at IS NULL)
+                 WHERE ($1::text IS NULL OR consumer_name = $1)
+                   AND ($2 OR (replayed_at IS NULL AND resolved_at IS NULL))
                  ORDER BY id LIMIT $3",
             )
             .bind(consumer)

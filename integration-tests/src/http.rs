@@ -103,3 +103,31 @@ pub fn csrf(page: &str) -> Option<String> {
     let i = page.find("name=\"csrf\" value=\"")? + "name=\"csrf\" value=\"".len();
     Some(page[i..].split('"').next()?.to_owned())
 }
+
+/// The fields of the confirmation form in a page (the form with the `confirm` button), as a
+/// browser would submit them.
+pub fn confirm_form(page: &str) -> Vec<(String, String)> {
+    let Some(button) = page.find("data-test=\"confirm\"") else {
+        return Vec::new();
+    };
+    let start = page[..button].rfind("<form").unwrap_or(0);
+    let mut out = Vec::new();
+    for input in page[start..button].split("<input").skip(1) {
+        let attr = |name: &str| {
+            let i = input.find(&format!("{name}=\""))? + name.len() + 2;
+            Some(unescape(input[i..].split('"').next()?))
+        };
+        if let (Some(n), Some(v)) = (attr("name"), attr("value")) {
+            out.push((n, v));
+        }
+    }
+    out
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&amp;", "&")
+}

@@ -1,6 +1,7 @@
 //! The actions (POST): requeue, discard, release a key, replay, resolve. Each asks first: the
 //! confirmation page shows how many events the action matches now (refusing more than the
-//! cap), and the action runs only if the confirmed count still matches. Each is recorded in
+//! cap) and carries exactly those (their sequence numbers or dead-letter ids); confirming acts
+//! on those of them still parked (or open), never on events parked since. Each is recorded in
 //! the audit trail.
 
 use std::fmt::Write as _;
@@ -11,7 +12,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Form};
 use uuid::Uuid;
 
-use super::form::{dead_filter, failed, get, parked_filter};
+use super::form::{dead_filter, decoded, failed, get, parked_filter};
 use super::guard::Actor;
 use super::html::{esc, page};
 use super::State;
@@ -39,28 +40,32 @@ fn refused(state: &State, p: &[(String, String)]) -> Option<Response> {
     None
 }
 
+/// The field a confirmation carries its rows in (sequence numbers, or dead-letter ids).
+const CONFIRMED: &str = "confirmed";
+
+/// Fields of the first request that are not carried into the confirmation.
+const NOT_CARRIED: &[&str] = &["csrf", "confirm", CONFIRMED];
+
 /// What a confirmation page asks.
 struct Ask<'a> {
     /// The action's path.
     action: &'a str,
     title: &'a str,
     question: &'a str,
-    /// How many it matches now.
-    matched: usize,
+    /// The rows it matches now (what confirming acts on).
+    rows: &'a [i64],
     danger: bool,
-    /// Shown above (escaped HTML), e.g. that the count changed.
-    notice: String,
 }
 
-/// The page that asks to confirm: what, how many, and the same form again with the count.
+/// The page that asks to confirm: what, how many, and a form carrying exactly those rows (and
+/// the first request's fields, for the audit trail).
 fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
     let Ask {
         action,
         title,
         question,
-        matched,
+        rows,
         danger,
-        notice,
     } = ask;
     let back = if action.starts_with("/dead-letters") {
         "/dead-letters"
@@ -69,26 +74,27 @@ fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
     } else {
         "/parked"
     };
-    let mut fields = String::new();
-    for (k, v) in p {
-        if k == "csrf" || k == "confirm" || k == "expected" {
-            continue;
-        }
-        let _ = write!(
-            fields,
-            "<input type=\"hidden\" name=\"{}\" value=\"{}\">",
-            esc(k),
-            esc(v)
-        );
-    }
+    let names: Vec<&str> = p
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| !NOT_CARRIED.contains(k))
+        .collect();
+    let mut fields = super::form::hidden(p, &names);
+    let list: Vec<String> = rows.iter().map(i64::to_string).collect();
+    let _ = write!(
+        fields,
+        "<input type=\"hidden\" name=\"{CONFIRMED}\" value=\"{}\">",
+        list.join(",")
+    );
     let body = format!(
         "<div class=\"confirm\" id=\"confirm\"><p>{}</p>\
-         <p id=\"confirm-count\"><b>{matched}</b> will be affected (at most {} per action).</p>\
+         <p id=\"confirm-count\"><b>{}</b> will be affected (at most {} per action).</p>\
          <form method=\"post\" action=\"{}{action}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
-         <input type=\"hidden\" name=\"confirm\" value=\"yes\"><input type=\"hidden\" name=\"expected\" value=\"{matched}\">{fields}\
+         <input type=\"hidden\" name=\"confirm\" value=\"yes\">{fields}\
          <button type=\"submit\" class=\"{}\" data-test=\"confirm\">{}</button> \
          <a href=\"{}{}\" data-test=\"cancel\">Cancel</a></form></div>",
         esc(question),
+        rows.len(),
         state.cap,
         state.base,
         state.csrf,
@@ -97,7 +103,43 @@ fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
         state.base,
         back,
     );
-    Html(page(&state.base, "", title, &body, false, &notice)).into_response()
+    Html(page(&state.base, "", title, &body, false, "")).into_response()
+}
+
+/// The rows a confirmed request carries; `None` when it is not a confirmation. More than the
+/// cap (a forged list): refused.
+fn carried(state: &State, p: &[(String, String)]) -> Result<Option<Vec<i64>>, Error> {
+    if get(p, "confirm") != Some("yes") {
+        return Ok(None);
+    }
+    let Some(list) = p.iter().find(|(k, _)| k == CONFIRMED).map(|(_, v)| v) else {
+        return Ok(None);
+    };
+    let rows = list
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<i64>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| Error::Invalid("the confirmation's list is not a list of numbers".into()))?;
+    if rows.len() > state.cap {
+        return Err(Error::OverCap {
+            matched: rows.len(),
+            cap: state.cap,
+        });
+    }
+    Ok(Some(rows))
+}
+
+/// " (N of the M confirmed were no longer …)" when some were not acted on.
+fn left_out(done: u64, confirmed: usize, what: &str) -> String {
+    if (done as usize) < confirmed {
+        format!(
+            " ({} of the {confirmed} confirmed were no longer {what})",
+            confirmed - done as usize
+        )
+    } else {
+        String::new()
+    }
 }
 
 fn done(state: &State, back: &str, title: &str, message: &str) -> Response {
@@ -147,7 +189,7 @@ fn parked_selection(p: &[(String, String)]) -> Result<parked::Selection, Error> 
 fn target(p: &[(String, String)]) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     for (k, v) in p {
-        if k == "csrf" || k == "confirm" || k == "expected" || v.trim().is_empty() {
+        if NOT_CARRIED.contains(&k.as_str()) || v.trim().is_empty() {
             continue;
         }
         match m.get_mut(k) {
@@ -161,67 +203,50 @@ fn target(p: &[(String, String)]) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-/// The confirmed count, when the form carries one and it equals `matched`.
-fn confirmed(p: &[(String, String)], matched: usize) -> Result<bool, String> {
-    if get(p, "confirm") != Some("yes") {
-        return Ok(false);
-    }
-    match get(p, "expected").and_then(|e| e.parse::<usize>().ok()) {
-        Some(e) if e == matched => Ok(true),
-        Some(e) => Err(format!(
-            "The selection changed since you looked: {e} then, {matched} now. Confirm again."
-        )),
-        None => Ok(false),
-    }
-}
-
 async fn parked_action(
     state: State,
     actor: Actor,
     p: Vec<(String, String)>,
     discard: bool,
 ) -> Response {
+    let p = decoded(p);
     if let Some(r) = refused(&state, &p) {
         return r;
     }
-    let selection = match parked_selection(&p) {
-        Ok(s) => s,
-        Err(e) => return failed(&e),
-    };
-    let seqs = match parked::matched(&state.pool, &selection, Some(state.cap)).await {
-        Ok(s) => s,
-        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
-        Err(e) => return failed(&e),
-    };
     let (verb, path) = if discard {
         ("discard", "/parked/discard")
     } else {
         ("requeue", "/parked/requeue")
     };
-    match confirmed(&p, seqs.len()) {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
-            let notice = match confirmed(&p, seqs.len()) {
-                Err(m) => format!("<p class=\"notice bad\">{}</p>", esc(&m)),
-                _ => String::new(),
+    let seqs = match carried(&state, &p) {
+        Ok(Some(seqs)) => seqs,
+        Ok(None) => {
+            let selection = match parked_selection(&p) {
+                Ok(s) => s,
+                Err(e) => return failed(&e),
+            };
+            let seqs = match parked::matched(&state.pool, &selection, Some(state.cap)).await {
+                Ok(s) => s,
+                Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+                Err(e) => return failed(&e),
             };
             let question = if discard {
                 "Discard these parked events for good? The later events of their keys will flow; the discarded events are kept only in the audit trail."
             } else {
                 "Requeue these parked events? The relay publishes them again, each ahead of the later events of its key."
             };
-            let title = if discard { "Discard" } else { "Requeue" };
             let ask = Ask {
                 action: path,
-                title,
+                title: if discard { "Discard" } else { "Requeue" },
                 question,
-                matched: seqs.len(),
+                rows: &seqs,
                 danger: discard,
-                notice,
             };
             return confirm(&state, ask, &p);
         }
-    }
+        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+        Err(e) => return failed(&e),
+    };
     let result = if discard {
         let mut removed = Vec::new();
         let n = parked::discard_seqs(&state.pool, &seqs, |batch| {
@@ -246,9 +271,26 @@ async fn parked_action(
             Err(e) => Err(e),
         }
     };
+    let rest = |n| left_out(n, seqs.len(), "parked");
     match result {
-        Ok(n) if discard => done(&state, "/parked", "Discarded", &format!("Discarded {n} parked event(s); the later events of their keys flow.")),
-        Ok(n) => done(&state, "/parked", "Requeued", &format!("Requeued {n} event(s); the relay publishes them with their original ids, in order.")),
+        Ok(n) if discard => done(
+            &state,
+            "/parked",
+            "Discarded",
+            &format!(
+                "Discarded {n} parked event(s); the later events of their keys flow.{}",
+                rest(n)
+            ),
+        ),
+        Ok(n) => done(
+            &state,
+            "/parked",
+            "Requeued",
+            &format!(
+                "Requeued {n} event(s); the relay publishes them with their original ids, in order.{}",
+                rest(n)
+            ),
+        ),
         Err(e) => failed(&e),
     }
 }
@@ -274,50 +316,38 @@ pub(crate) async fn release(
     Extension(actor): Extension<Actor>,
     Form(p): Pairs,
 ) -> Response {
+    let p = decoded(p);
     if let Some(r) = refused(&state, &p) {
         return r;
     }
-    let (Some(topic), Some(key)) = (
-        p.iter().find(|(k, _)| k == "topic").map(|(_, v)| v.clone()),
-        p.iter().find(|(k, _)| k == "key").map(|(_, v)| v.clone()),
-    ) else {
-        return failed(&Error::Invalid("release needs a topic and a key".into()));
-    };
-    let filter = parked::Filter {
-        topic: Some(topic.clone()),
-        key: Some(key.clone()),
-        ..Default::default()
-    };
-    let seqs = match parked::matched(
-        &state.pool,
-        &parked::Selection::Filter(filter),
-        Some(state.cap),
-    )
-    .await
-    {
-        Ok(s) => s,
-        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
-        Err(e) => return failed(&e),
-    };
-    match confirmed(&p, seqs.len()) {
-        Ok(true) => {}
-        other => {
-            let notice = match other {
-                Err(m) => format!("<p class=\"notice bad\">{}</p>", esc(&m)),
-                _ => String::new(),
+    let seqs = match carried(&state, &p) {
+        Ok(Some(seqs)) => seqs,
+        Ok(None) => {
+            let head = match get(&p, "head").map(Uuid::parse_str) {
+                Some(Ok(h)) => h,
+                _ => return failed(&Error::Invalid("release needs the head's event id".into())),
             };
-            let question = format!("Requeue the parked events of key {key:?} on {topic:?}? The relay publishes the head first, then the events waiting behind it, in order.");
+            let (key, seqs) = match parked::key_of_head(&state.pool, head, Some(state.cap)).await {
+                Ok(Some(found)) => found,
+                Ok(None) => (String::new(), Vec::new()),
+                Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+                Err(e) => return failed(&e),
+            };
+            let question = format!(
+                "Requeue the parked events of key {key:?} (its head: event {head})? The relay publishes the head first, then the events waiting behind it, in order."
+            );
             let ask = Ask {
                 action: "/blocked/release",
                 title: "Release the key",
                 question: &question,
-                matched: seqs.len(),
+                rows: &seqs,
                 danger: false,
-                notice,
             };
             return confirm(&state, ask, &p);
         }
-    }
+        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+        Err(e) => return failed(&e),
+    };
     match parked::requeue_seqs(&state.pool, &seqs, |_| {}).await {
         Ok(n) => {
             if let Err(e) =
@@ -325,7 +355,15 @@ pub(crate) async fn release(
             {
                 return failed(&e);
             }
-            done(&state, "/blocked", "Released", &format!("Requeued {n} parked event(s) of the key; the relay publishes them, then the events behind them, in order."))
+            done(
+                &state,
+                "/blocked",
+                "Released",
+                &format!(
+                    "Requeued {n} parked event(s) of the key; the relay publishes them, then the events behind them, in order.{}",
+                    left_out(n, seqs.len(), "parked")
+                ),
+            )
         }
         Err(e) => failed(&e),
     }
@@ -337,55 +375,53 @@ async fn dead_action(
     p: Vec<(String, String)>,
     replay: bool,
 ) -> Response {
+    let p = decoded(p);
     if let Some(r) = refused(&state, &p) {
         return r;
     }
-    let ids: Result<Vec<i64>, _> = p
-        .iter()
-        .filter(|(k, _)| k == "id")
-        .map(|(_, v)| v.trim().parse::<i64>())
-        .collect();
-    let Ok(ids) = ids else {
-        return failed(&Error::Invalid("a dead letter id is not a number".into()));
-    };
-    let filter = match dead_filter(&p) {
-        Ok(f) => f,
-        Err(e) => return failed(&e),
-    };
-    let found = match dead_letters::matched(&state.pool, &ids, &filter, Some(state.cap)).await {
-        Ok(f) => f,
-        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
-        Err(e) => return failed(&e),
-    };
     let (verb, path) = if replay {
         ("replay", "/dead-letters/replay")
     } else {
         ("resolve", "/dead-letters/resolve")
     };
-    match confirmed(&p, found.len()) {
-        Ok(true) => {}
-        other => {
-            let notice = match other {
-                Err(m) => format!("<p class=\"notice bad\">{}</p>", esc(&m)),
-                _ => String::new(),
+    let found = match carried(&state, &p) {
+        Ok(Some(ids)) => ids,
+        Ok(None) => {
+            let ids: Result<Vec<i64>, _> = p
+                .iter()
+                .filter(|(k, _)| k == "id")
+                .map(|(_, v)| v.trim().parse::<i64>())
+                .collect();
+            let Ok(ids) = ids else {
+                return failed(&Error::Invalid("a dead letter id is not a number".into()));
             };
+            let filter = match dead_filter(&p) {
+                Ok(f) => f,
+                Err(e) => return failed(&e),
+            };
+            let found =
+                match dead_letters::matched(&state.pool, &ids, &filter, Some(state.cap)).await {
+                    Ok(f) => f,
+                    Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+                    Err(e) => return failed(&e),
+                };
             let question = if replay {
                 "Send these dead letters back to their topics? Each event goes through its consumer's handler once more — once."
             } else {
                 "Mark these dead letters resolved? They stay recorded; their events are not processed again."
             };
-            let title = if replay { "Replay" } else { "Resolve" };
             let ask = Ask {
                 action: path,
-                title,
+                title: if replay { "Replay" } else { "Resolve" },
                 question,
-                matched: found.len(),
+                rows: &found,
                 danger: false,
-                notice,
             };
             return confirm(&state, ask, &p);
         }
-    }
+        Err(e @ Error::OverCap { .. }) => return over(&state, &e),
+        Err(e) => return failed(&e),
+    };
     let result = if replay {
         let Some(producer) = &state.producer else {
             return failed(&Error::Invalid(
@@ -401,10 +437,11 @@ async fn dead_action(
             if let Err(e) = audit::record(&state.pool, &actor.0, verb, &target(&p), n, None).await {
                 return failed(&e);
             }
+            let rest = left_out(n, found.len(), "open");
             let message = if replay {
-                format!("Replayed {n} dead letter(s) to their topics.")
+                format!("Replayed {n} dead letter(s) to their topics.{rest}")
             } else {
-                format!("Marked {n} dead letter(s) resolved.")
+                format!("Marked {n} dead letter(s) resolved.{rest}")
             };
             done(
                 &state,

@@ -93,18 +93,49 @@ pub(crate) fn dead_filter(p: &[(String, String)]) -> Result<dead_letters::Filter
 }
 
 /// Hidden inputs carrying the query's filter fields into a form.
+///
+/// Values travel hex-encoded (`hex:<name>`, read back by [`decoded`]): a key or topic may hold
+/// any character, and HTML and form encoding would not carry every one back exactly (control
+/// characters, line breaks), so an action could hit a lookalike.
 pub(crate) fn hidden(pairs: &[(String, String)], names: &[&str]) -> String {
     let mut s = String::new();
     for n in names {
         if let Some(v) = get(pairs, n) {
             let _ = write!(
                 s,
-                "<input type=\"hidden\" name=\"{n}\" value=\"{}\">",
-                esc(v)
+                "<input type=\"hidden\" name=\"hex:{n}\" value=\"{}\">",
+                hex(v)
             );
         }
     }
     s
+}
+
+fn hex(v: &str) -> String {
+    v.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(v: &str) -> Option<String> {
+    if v.len() % 2 != 0 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..v.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(v.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+/// A posted form with its `hex:<name>` fields decoded to `<name>` (one that does not decode is
+/// dropped, so that it matches nothing rather than something else).
+pub(crate) fn decoded(pairs: Vec<(String, String)>) -> Vec<(String, String)> {
+    pairs
+        .into_iter()
+        .filter_map(|(k, v)| match k.strip_prefix("hex:") {
+            Some(name) => unhex(&v).map(|v| (name.to_owned(), v)),
+            None => Some((k, v)),
+        })
+        .collect()
 }
 
 pub(crate) const PARKED_FIELDS: &[&str] = &[

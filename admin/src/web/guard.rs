@@ -46,13 +46,38 @@ fn presented_token(headers: &HeaderMap) -> Option<String> {
         })
 }
 
+/// The host a request names: its `Host` header, or the URI's authority (HTTP/2).
+fn host_of(headers: &HeaderMap, uri: &axum::http::Uri) -> Option<String> {
+    headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| uri.authority().map(|a| a.as_str().to_owned()))
+}
+
+/// Whether the request names a loopback host (`localhost`, `127.x.x.x`, `[::1]`, any port), or
+/// none (a client that is not a browser).
+fn loopback_host(req: &Request) -> bool {
+    let Some(host) = host_of(req.headers(), req.uri()) else {
+        return true;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// A POST must come from a page of this dashboard: its `Origin` (or, without one, a
 /// `Sec-Fetch-Site: same-origin`) must name the host it was sent to.
-fn same_origin(headers: &HeaderMap) -> bool {
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+fn same_origin(headers: &HeaderMap, uri: &axum::http::Uri) -> bool {
+    let host = host_of(headers, uri);
     match (
         headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()),
-        host,
+        host.as_deref(),
     ) {
         (Some(origin), Some(host)) => {
             let rest = origin
@@ -88,6 +113,7 @@ pub(crate) async fn guard(
     let open_path = path == "/login" || path.starts_with("/assets/");
     let actor = match &state.auth {
         Auth::Open | Auth::Unset => Some("local".to_owned()),
+        Auth::Loopback => loopback_host(&req).then(|| "local".to_owned()),
         Auth::Token(t) => presented_token(req.headers())
             .filter(|p| same(p.as_bytes(), t.as_bytes()))
             .map(|_| "token".to_owned()),
@@ -106,7 +132,7 @@ pub(crate) async fn guard(
                 refused(StatusCode::UNAUTHORIZED, "not authorised")
             }
         }
-        _ if req.method() == Method::POST && !same_origin(req.headers()) => {
+        _ if req.method() == Method::POST && !same_origin(req.headers(), req.uri()) => {
             tracing::warn!(path = %postal_shared::text::field(&path), "dashboard refused a cross-origin POST");
             refused(
                 StatusCode::FORBIDDEN,

@@ -48,8 +48,12 @@ type AuthHook = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 /// Who may use the dashboard.
 #[derive(Clone)]
 enum Auth {
-    /// Nobody chose: only [`serve`] on a loopback address accepts this.
+    /// Nobody chose: only [`serve`] on a loopback address accepts this (as `Loopback`).
     Unset,
+    /// Served on a loopback address without a token: requests must name a loopback host, so
+    /// that a web page whose host name an attacker points at 127.0.0.1 (DNS rebinding) cannot
+    /// read or act through it.
+    Loopback,
     /// Anyone who can reach it (the embedding service authenticates upstream).
     Open,
     /// Requests carrying this token (bearer header, or the cookie the login form sets).
@@ -245,7 +249,7 @@ pub async fn serve(
         if !addr.ip().is_loopback() {
             return Err(Error::Unprotected(addr));
         }
-        dashboard.auth = Auth::Open;
+        dashboard.auth = Auth::Loopback;
     }
     let router = dashboard.build()?;
     let listener = tokio::net::TcpListener::bind(addr)

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use postal_admin::web::{serve, Dashboard};
-use postal_integration_tests::http::{csrf, form, request, Answer};
+use postal_integration_tests::http::{confirm_form, csrf, form, request, Answer};
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{enqueue_batch, NewEvent, Task, TaskConfig, TaskError, TaskTransport};
 use sqlx::PgPool;
@@ -54,6 +54,18 @@ fn same_origin(addr: SocketAddr) -> String {
 async fn post(addr: SocketAddr, path: &str, fields: &[(&str, &str)]) -> Answer {
     let origin = same_origin(addr);
     request(addr, "POST", path, &[("Origin", &origin)], &form(fields)).await
+}
+
+/// Clicks an action's button (posts `fields`) and then the confirmation's, as a browser does.
+async fn act(addr: SocketAddr, path: &str, fields: &[(&str, &str)]) -> Answer {
+    let ask = post(addr, path, fields).await;
+    let confirmed = confirm_form(&ask.body);
+    assert!(!confirmed.is_empty(), "no confirmation: {}", ask.body);
+    let fields: Vec<(&str, &str)> = confirmed
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    post(addr, path, &fields).await
 }
 
 /// Guarantee: an event whose key, type, headers, payload and error hold markup is shown as
@@ -180,62 +192,12 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     assert_eq!(no_token.status, 403, "{}", no_token.body);
     assert_eq!(status(&db.pool, ids[0]).await.as_deref(), Some("failed"));
 
-    // Asks first, with the count; a stale count asks again.
-    let ask = post(
-        addr,
-        "/parked/requeue",
-        &[("csrf", &token), ("topic", &topic)],
-    )
-    .await;
-    assert!(
-        ask.body.contains("id=\"confirm-count\"><b>3</b>"),
-        "{}",
-        ask.body
-    );
-    let stale = post(
-        addr,
-        "/parked/requeue",
-        &[
-            ("csrf", &token),
-            ("topic", &topic),
-            ("confirm", "yes"),
-            ("expected", "2"),
-        ],
-    )
-    .await;
-    assert!(
-        stale.body.contains("changed since you looked"),
-        "{}",
-        stale.body
-    );
-    assert_eq!(status(&db.pool, ids[0]).await.as_deref(), Some("failed"));
-
-    // Requeue one, discard one.
-    let done = post(
-        addr,
-        "/parked/requeue",
-        &[
-            ("csrf", &token),
-            ("id", &one),
-            ("confirm", "yes"),
-            ("expected", "1"),
-        ],
-    )
-    .await;
+    // Asks first, with the count; acts on exactly what it showed.
+    let done = act(addr, "/parked/requeue", &[("csrf", &token), ("id", &one)]).await;
     assert!(done.body.contains("Requeued 1 event(s)"), "{}", done.body);
     assert_eq!(status(&db.pool, ids[0]).await.as_deref(), Some("pending"));
     let two = ids[1].to_string();
-    let done = post(
-        addr,
-        "/parked/discard",
-        &[
-            ("csrf", &token),
-            ("id", &two),
-            ("confirm", "yes"),
-            ("expected", "1"),
-        ],
-    )
-    .await;
+    let done = act(addr, "/parked/discard", &[("csrf", &token), ("id", &two)]).await;
     assert!(
         done.body.contains("Discarded 1 parked event(s)"),
         "{}",
@@ -243,13 +205,49 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     );
     assert_eq!(status(&db.pool, ids[1]).await, None);
 
+    // A filter's confirmation carries the events it showed: one parked after it is left alone.
+    let ask = post(
+        addr,
+        "/parked/discard",
+        &[("csrf", &token), ("topic", &topic)],
+    )
+    .await;
+    assert!(
+        ask.body.contains("id=\"confirm-count\"><b>1</b>"),
+        "{}",
+        ask.body
+    );
+    let late = parked(
+        &db.pool,
+        vec![NewEvent::json(topic.as_str(), "k9", "order.placed", &9).unwrap()],
+        "timeout",
+    )
+    .await[0];
+    let confirmed = confirm_form(&ask.body);
+    let fields: Vec<(&str, &str)> = confirmed
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let done = post(addr, "/parked/discard", &fields).await;
+    assert!(
+        done.body.contains("Discarded 1 parked event(s)"),
+        "{}",
+        done.body
+    );
+    assert_eq!(status(&db.pool, ids[2]).await, None);
+    assert_eq!(
+        status(&db.pool, late).await.as_deref(),
+        Some("failed"),
+        "an event parked after the confirmation was shown is not discarded by it"
+    );
+
     let audit: Vec<(String, String, i64, Option<serde_json::Value>)> = sqlx::query_as(
         "SELECT actor, action, affected, removed FROM postal.operator_audit ORDER BY id",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(audit.len(), 2, "{audit:?}");
+    assert_eq!(audit.len(), 3, "{audit:?}");
     assert_eq!((audit[0].1.as_str(), audit[0].2), ("requeue", 1));
     assert_eq!((audit[1].1.as_str(), audit[1].2), ("discard", 1));
     assert_eq!(audit[0].0, "local");
@@ -428,10 +426,17 @@ async fn releasing_a_key_runs_its_head_then_the_rest_in_order() {
     broken.store(false, std::sync::atomic::Ordering::SeqCst);
     let page = request(addr, "GET", "/blocked", &[], "").await;
     let token = csrf(&page.body).unwrap();
+    let head: uuid::Uuid = sqlx::query_scalar(
+        "SELECT event_id FROM postal.outbox WHERE status = 'failed' AND event_key = 'held'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let head = head.to_string();
     let ask = post(
         addr,
         "/blocked/release",
-        &[("csrf", &token), ("topic", &topic), ("key", "held")],
+        &[("csrf", &token), ("head", &head)],
     )
     .await;
     assert!(
@@ -439,16 +444,10 @@ async fn releasing_a_key_runs_its_head_then_the_rest_in_order() {
         "{}",
         ask.body
     );
-    let done = post(
+    let done = act(
         addr,
         "/blocked/release",
-        &[
-            ("csrf", &token),
-            ("topic", &topic),
-            ("key", "held"),
-            ("confirm", "yes"),
-            ("expected", "1"),
-        ],
+        &[("csrf", &token), ("head", &head)],
     )
     .await;
     assert!(

@@ -38,6 +38,7 @@ mod relay_random;
 mod review_break;
 mod review_checkout;
 mod review_consumer;
+mod review_dashboard;
 mod review_marks;
 mod review_rabbit;
 mod review_reset;

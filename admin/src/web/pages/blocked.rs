@@ -16,23 +16,30 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
     let rows: Vec<Vec<String>> = keys
         .iter()
         .map(|k| {
+            let topic = if k.topics > 1 {
+                format!("{} (+{} more)", esc(&k.topic), k.topics - 1)
+            } else {
+                esc(&k.topic)
+            };
             let mut cells = vec![
-                esc(&k.topic),
                 format!("<code>{}</code>", esc(&k.event_key)),
+                topic,
                 format!(
                     "<a href=\"{}/parked/{}\"><code>{}</code></a>",
                     state.base, k.head_event_id, k.head_event_id
                 ),
-                esc(&postal_shared::text::bounded(k.head_error.as_deref().unwrap_or("-"), 200)),
+                esc(&postal_shared::text::bounded(
+                    k.head_error.as_deref().unwrap_or("-"),
+                    200,
+                )),
                 k.parked.to_string(),
                 format!("<b data-test=\"waiting\">{}</b>", k.waiting),
                 k.parked_at.format("%Y-%m-%d %H:%M:%S").to_string(),
             ];
             if state.actions {
                 let f = format!(
-                    "<input type=\"hidden\" name=\"topic\" value=\"{}\"><input type=\"hidden\" name=\"key\" value=\"{}\">",
-                    esc(&k.topic),
-                    esc(&k.event_key)
+                    "<input type=\"hidden\" name=\"head\" value=\"{}\">",
+                    k.head_event_id
                 );
                 cells.push(button(
                     &state,
@@ -47,8 +54,8 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
         })
         .collect();
     let mut head = vec![
-        "Topic",
         "Key",
+        "Head's topic",
         "Head (first parked)",
         "Its error",
         "Parked",
@@ -59,8 +66,8 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
         head.push("");
     }
     let body = format!(
-        "<p class=\"muted\">A parked event holds back every later event of its key, so that \
-         the key's order holds. Releasing a key requeues its parked events: the relay publishes \
+        "<p class=\"muted\">A parked event holds back every later event of its key, on every \
+         topic, so that the key's order holds. Releasing a key requeues its parked events: the relay publishes \
          the head first, then the events that waited behind it, in order.</p>{}",
         table("blocked-keys", &head, &rows, "No key is held back.")
     );
