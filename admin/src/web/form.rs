@@ -116,7 +116,7 @@ fn hex(v: &str) -> String {
 }
 
 fn unhex(v: &str) -> Option<String> {
-    if v.len() % 2 != 0 {
+    if !v.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..v.len())
