@@ -109,6 +109,12 @@ ensure_browser() {
   if [ ! -d "$ROOT/admin/browser/node_modules/playwright-core" ]; then
     command -v npm >/dev/null || die "npm is missing: the dashboard's browser tests need Node.js 20 and npm"
     log "installing playwright-core into admin/browser/node_modules (npm ci)"
+    # Node trusts only its own CA list; the system's bundle (what apt, cargo and curl trust,
+    # a TLS-intercepting proxy's CA included) is added unless the caller chose one.
+    local system_ca=/etc/ssl/certs/ca-certificates.crt
+    if [ -z "${NODE_EXTRA_CA_CERTS:-}" ] && [ -f "$system_ca" ]; then
+      export NODE_EXTRA_CA_CERTS="$system_ca"
+    fi
     npm ci --prefix "$ROOT/admin/browser" --no-audit --no-fund >&2 \
       || die "npm ci failed in admin/browser (is the npm registry reachable? see the output above)"
   fi
