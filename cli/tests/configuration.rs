@@ -10,6 +10,7 @@ fn reader(r: Reader) -> &'static str {
         Reader::Consumer => "consumer",
         Reader::Both => "relay, consumer",
         Reader::Cli => "every `postal` command",
+        Reader::Dashboard => "`postal dashboard`",
         _ => "?",
     }
 }

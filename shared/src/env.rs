@@ -21,6 +21,8 @@ pub enum Reader {
     Both,
     /// Every `postal` command.
     Cli,
+    /// `postal dashboard`.
+    Dashboard,
 }
 
 /// One variable: its name, who reads it, its default (as written), what it sets.
@@ -103,6 +105,14 @@ pub const VARIABLES: &[Variable] = &[
     var("POSTAL_DEAD_LETTER_RETENTION", Reader::Consumer, "off"),
     var("POSTAL_CLEANUP_INTERVAL", Reader::Consumer, "60s"),
     var("POSTAL_LOST_CONNECTION_TIMEOUT", Reader::Consumer, "30s"),
+    var(
+        "POSTAL_DASHBOARD_LISTEN",
+        Reader::Dashboard,
+        "127.0.0.1:9470",
+    ),
+    var("POSTAL_DASHBOARD_TOKEN", Reader::Dashboard, "-"),
+    var("POSTAL_DASHBOARD_ALLOW_ACTIONS", Reader::Dashboard, "false"),
+    var("POSTAL_DASHBOARD_ACTION_CAP", Reader::Dashboard, "1000"),
 ];
 
 /// Names earlier releases read, and the variable that replaced each.
