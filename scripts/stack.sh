@@ -118,7 +118,7 @@ ensure_browser() {
     npm ci --prefix "$ROOT/admin/browser" --no-audit --no-fund >&2 \
       || die "npm ci failed in admin/browser (is the npm registry reachable? see the output above)"
   fi
-  echo "export CHROMIUM=$chromium POSTAL_BROWSER_REQUIRE=1"
+  echo "export CHROMIUM=$chromium POSTAL_REQUIRE_BROWSER=1"
 }
 
 ensure_rabbitmq() {

@@ -36,7 +36,7 @@ export POSTAL_INTEROP_JAR POSTAL_INTEROP_REQUIRE=1
 
 step "chromium and playwright-core for the dashboard's browser tests (scripts/stack.sh browser)"
 eval "$(bash scripts/stack.sh browser)"
-export CHROMIUM POSTAL_BROWSER_REQUIRE
+export CHROMIUM POSTAL_REQUIRE_BROWSER
 
 step "binaries the suite runs: postal, the fixture services (order_service, billing_service, …), the examples"
 # The fixture services are postal-integration-tests' own binaries (integration-tests/src/bin/),

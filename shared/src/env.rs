@@ -155,6 +155,8 @@ const DEVELOPER_PREFIXES: &[&str] = &[
     "POSTAL_SKIP_TESTCONTAINERS",
     "POSTAL_NO_RABBITMQ",
     "POSTAL_INTEROP_",
+    "POSTAL_SCREENSHOTS",
+    "POSTAL_BENCH_",
 ];
 
 /// The error for a variable whose value is not valid: `NAME="value" is not valid: why`.

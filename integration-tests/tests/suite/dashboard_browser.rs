@@ -4,7 +4,7 @@
 //!
 //! Needs `node`, `admin/browser/node_modules` (`npm ci --prefix admin/browser`) and chromium
 //! (`CHROMIUM`, default `/usr/bin/chromium`). Without them the test says so and passes, unless
-//! `POSTAL_BROWSER_REQUIRE=1` (as in CI), when it fails. Screenshots go to `POSTAL_SCREENSHOTS`
+//! `POSTAL_REQUIRE_BROWSER=1` (as in CI), when it fails. Screenshots go to `POSTAL_SCREENSHOTS`
 //! (default `target/dashboard-screenshots`).
 
 use std::path::PathBuf;
@@ -68,8 +68,8 @@ fn transport(bootstrap: &str, max_bytes: Option<&str>) -> KafkaTransport {
 async fn an_operator_recovers_poison_events_in_a_browser() {
     if let Some(why) = missing() {
         assert!(
-            std::env::var("POSTAL_BROWSER_REQUIRE").as_deref() != Ok("1"),
-            "POSTAL_BROWSER_REQUIRE=1 but the browser test cannot run: {why}"
+            std::env::var("POSTAL_REQUIRE_BROWSER").as_deref() != Ok("1"),
+            "POSTAL_REQUIRE_BROWSER=1 but the browser test cannot run: {why}"
         );
         eprintln!("dashboard_browser: skipped: {why}");
         return;
