@@ -181,8 +181,8 @@ async fn task_of_a_killed_worker_is_retried_after_the_lease() {
     tokio::time::sleep(lease).await;
     // A lease later: no transaction of the relay has been open while the task ran (a claim the
     // relay's other lanes make meanwhile lasts milliseconds: only a transaction open for more
-    // than 2 s of the 3 s the task has run counts), and the row is checked out to run 1 with its run lease renewed
-    // (it comes due more than half a lease from now).
+    // than 2 s of the 3 s the task has run counts), and the row is checked out to run 1 with
+    // its run lease renewed (it comes due more than half a lease from now).
     let open: Vec<(Option<String>, String)> = sqlx::query_as(
         "SELECT state, coalesce(query, '') FROM pg_stat_activity
          WHERE datname = current_database() AND pid <> pg_backend_pid()
