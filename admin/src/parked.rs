@@ -152,6 +152,19 @@ pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Pa
         .await?)
 }
 
+/// The parked events among `seqs` (sequence numbers from [`matched`]), as listed, in outbox
+/// order.
+pub async fn by_seqs(pool: &PgPool, seqs: &[i64]) -> Result<Vec<Parked>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT seq, event_id, topic, event_key, event_type, attempts, last_error,
+                available_at AS parked_at
+         FROM postal.outbox WHERE status = 'failed' AND seq = ANY($1) ORDER BY seq",
+    )
+    .bind(seqs)
+    .fetch_all(pool)
+    .await?)
+}
+
 /// How many parked events the filter matches.
 pub async fn count(pool: &PgPool, filter: &Filter) -> Result<i64, Error> {
     let sql = format!("SELECT count(*) FROM postal.outbox WHERE {WHERE}");

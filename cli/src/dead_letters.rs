@@ -3,8 +3,8 @@
 use crate::shown::{shown, shown_bytes};
 
 use clap::Subcommand;
+use postal_admin::dead_letters::{self, DeadLetter, Filter, Full};
 use rdkafka::producer::FutureProducer;
-use serde::Serialize;
 use sqlx::PgPool;
 
 use crate::progress::Progress;
@@ -65,36 +65,6 @@ pub enum DeadLetterCommand {
     },
 }
 
-#[derive(Serialize, sqlx::FromRow)]
-struct Row {
-    id: i64,
-    consumer_name: String,
-    topic: String,
-    partition: i32,
-    kafka_offset: i64,
-    event_id: Option<uuid::Uuid>,
-    reason: String,
-    error: String,
-    published: bool,
-    replayed: bool,
-}
-
-#[derive(sqlx::FromRow)]
-struct Shown {
-    consumer_name: String,
-    topic: String,
-    partition: i32,
-    kafka_offset: i64,
-    event_id: Option<uuid::Uuid>,
-    reason: String,
-    error: String,
-    attempts: i32,
-    record_key: Option<Vec<u8>>,
-    payload: Option<Vec<u8>>,
-    header_names: Vec<String>,
-    header_values: Vec<Vec<u8>>,
-}
-
 pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
     match cmd {
         DeadLetterCommand::List {
@@ -104,19 +74,11 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             json,
             raw,
         } => {
-            let rows: Vec<Row> = sqlx::query_as(
-                "SELECT id, consumer_name, topic, partition, kafka_offset, event_id, reason, error,
-                        published_at IS NOT NULL AS published, replayed_at IS NOT NULL AS replayed
-                 FROM postal.dead_letters
-                 WHERE ($1::text IS NULL OR consumer_name = $1)
-                   AND ($2 OR (replayed_at IS NULL AND resolved_at IS NULL))
-                 ORDER BY id LIMIT $3",
-            )
-            .bind(consumer)
-            .bind(include_replayed)
-            .bind(limit)
-            .fetch_all(pool)
-            .await?;
+            let mut filter = Filter::default().all(include_replayed);
+            if let Some(consumer) = consumer {
+                filter = filter.consumer(consumer);
+            }
+            let rows = dead_letters::oldest(pool, &filter, limit).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
                 return Ok(());
@@ -142,28 +104,25 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DeadLetterCommand::Show { id, raw } => {
-            let row: Option<Shown> = sqlx::query_as(
-                "SELECT consumer_name, topic, partition, kafka_offset, event_id, reason, error,
-                        attempts, record_key, payload, header_names, header_values
-                 FROM postal.dead_letters WHERE id = $1",
-            )
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
-            let Some(Shown {
-                consumer_name: consumer,
-                topic,
-                partition,
-                kafka_offset: offset,
-                event_id,
-                reason,
-                error,
-                attempts,
+            let Some(Full {
+                listed:
+                    DeadLetter {
+                        consumer_name: consumer,
+                        topic,
+                        partition,
+                        kafka_offset: offset,
+                        event_id,
+                        reason,
+                        error,
+                        attempts,
+                        ..
+                    },
                 record_key: key,
                 payload,
                 header_names: names,
                 header_values: values,
-            }) = row
+                ..
+            }) = dead_letters::show(pool, id).await?
             else {
                 anyhow::bail!("no dead letter {id}");
             };
@@ -203,9 +162,10 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             if ids.is_empty() && consumer.is_none() && !all {
                 anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
             }
-            let mut filter = postal_admin::dead_letters::Filter::default();
-            filter.consumer = consumer;
-            let ids = postal_admin::dead_letters::matched(pool, &ids, &filter, None).await?;
+            let filter = consumer
+                .iter()
+                .fold(Filter::default(), |f, c| f.consumer(c));
+            let ids = dead_letters::matched(pool, &ids, &filter, None).await?;
             let producer: FutureProducer<crate::kafka_client::Capture> =
                 crate::kafka_client::config(&bootstrap_servers)
                     .set("enable.idempotence", "true")
@@ -213,9 +173,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .set("log_level", "3")
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
-            let replayed =
-                postal_admin::dead_letters::replay(pool, &producer, &ids, |n| progress.set(n))
-                    .await;
+            let replayed = dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;
             let done = match replayed {
                 Ok(n) => n,
                 Err(e) => {

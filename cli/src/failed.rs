@@ -3,7 +3,7 @@
 use std::io::Write as _;
 
 use clap::{Args, Subcommand};
-use serde::Serialize;
+use postal_admin::parked::{self, Filter};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -18,6 +18,15 @@ pub enum FailedCommand {
         /// Only this topic.
         #[arg(long)]
         topic: Option<String>,
+        /// Only this key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Only this event type.
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// Only those whose last error contains this text (case-insensitive).
+        #[arg(long)]
+        reason: Option<String>,
         /// At most this many.
         #[arg(long, default_value_t = 50)]
         limit: i64,
@@ -77,13 +86,11 @@ async fn matched_at_start(
     topic: &Option<String>,
 ) -> anyhow::Result<Vec<i64>> {
     let selection = if ids.is_empty() {
-        let mut filter = postal_admin::parked::Filter::default();
-        filter.topic = topic.clone();
-        postal_admin::parked::Selection::Filter(filter)
+        parked::Selection::Filter(topic.iter().fold(Filter::default(), |f, t| f.topic(t)))
     } else {
-        postal_admin::parked::Selection::Ids(ids.to_vec())
+        parked::Selection::Ids(ids.to_vec())
     };
-    Ok(postal_admin::parked::matched(pool, &selection, None).await?)
+    Ok(parked::matched(pool, &selection, None).await?)
 }
 
 /// `--dry-run`: prints the matched events (id, topic, key, type, attempts, last error), one
@@ -91,22 +98,17 @@ async fn matched_at_start(
 async fn show_matched(pool: &PgPool, seqs: &[i64], verb: &str) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     for chunk in seqs.chunks(1000) {
-        let rows: Vec<(Uuid, String, String, String, i32, Option<String>)> = sqlx::query_as(
-            "SELECT event_id, topic, event_key, event_type, attempts, last_error
-             FROM postal.outbox WHERE seq = ANY($1) ORDER BY seq",
-        )
-        .bind(chunk)
-        .fetch_all(pool)
-        .await?;
-        for (id, topic, key, ty, attempts, err) in rows {
+        for p in parked::by_seqs(pool, chunk).await? {
             writeln!(
                 out,
-                "{id}  {}  {}  {}  attempts {attempts}  {}",
-                shown(&topic, false),
-                shown(&key, false),
-                shown(&ty, false),
+                "{}  {}  {}  {}  attempts {}  {}",
+                p.event_id,
+                shown(&p.topic, false),
+                shown(&p.event_key, false),
+                shown(&p.event_type, false),
+                p.attempts,
                 shown(
-                    &postal_shared::text::bounded(err.as_deref().unwrap_or("-"), 200),
+                    &postal_shared::text::bounded(p.last_error.as_deref().unwrap_or("-"), 200),
                     false
                 )
             )?;
@@ -120,50 +122,35 @@ async fn show_matched(pool: &PgPool, seqs: &[i64], verb: &str) -> anyhow::Result
     Ok(())
 }
 
-#[derive(Serialize, sqlx::FromRow)]
-struct Row {
-    event_id: Uuid,
-    topic: String,
-    event_key: String,
-    event_type: String,
-    attempts: i32,
-    last_error: Option<String>,
-    age_s: f64,
-}
-
-#[derive(sqlx::FromRow)]
-struct Shown {
-    event_id: Uuid,
-    topic: String,
-    event_key: String,
-    event_type: String,
-    schema_version: i32,
-    content_type: String,
-    payload: Vec<u8>,
-    headers: serde_json::Value,
-    attempts: i32,
-    last_error: Option<String>,
-    status: String,
-}
+/// `show` prints the payload whole: the cap is larger than any payload (a `bytea` holds at
+/// most 1 GB).
+const WHOLE_PAYLOAD: i32 = i32::MAX;
 
 pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
     match cmd {
         FailedCommand::List {
             topic,
+            key,
+            event_type,
+            reason,
             limit,
             json,
             raw,
         } => {
-            let rows: Vec<Row> = sqlx::query_as(
-                "SELECT event_id, topic, event_key, event_type, attempts, last_error,
-                        extract(epoch FROM now() - created_at)::float8 AS age_s
-                 FROM postal.outbox WHERE status = 'failed' AND ($1::text IS NULL OR topic = $1)
-                 ORDER BY seq LIMIT $2",
-            )
-            .bind(topic)
-            .bind(limit)
-            .fetch_all(pool)
-            .await?;
+            let mut filter = Filter::default();
+            if let Some(topic) = topic {
+                filter = filter.topic(topic);
+            }
+            if let Some(key) = key {
+                filter = filter.key(key);
+            }
+            if let Some(event_type) = event_type {
+                filter = filter.event_type(event_type);
+            }
+            if let Some(reason) = reason {
+                filter = filter.reason(reason);
+            }
+            let rows = parked::search(pool, &filter, limit).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
                 return Ok(());
@@ -188,30 +175,30 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             Ok(())
         }
         FailedCommand::Show { event_id, raw } => {
-            let row: Option<Shown> = sqlx::query_as(
-                "SELECT event_id, topic, event_key, event_type, schema_version, content_type, payload,
-                        headers, attempts, last_error, status
-                 FROM postal.outbox WHERE event_id = $1",
-            )
-            .bind(event_id)
-            .fetch_optional(pool)
-            .await?;
-            let Some(Shown {
+            let Some(parked::Event {
                 event_id: id,
+                status,
                 topic,
                 event_key: key,
                 event_type: ty,
                 schema_version: version,
                 content_type: ct,
-                payload,
                 headers,
                 attempts,
                 last_error: err,
-                status,
-            }) = row
+                payload_bytes,
+                payload,
+                ..
+            }) = parked::show(pool, event_id, WHOLE_PAYLOAD).await?
             else {
                 anyhow::bail!("no outbox event {event_id}");
             };
+            if payload.len() < payload_bytes as usize {
+                anyhow::bail!(
+                    "event {event_id}: read {} of its {payload_bytes} payload bytes",
+                    payload.len()
+                );
+            }
             println!("event id:     {id}");
             println!("status:       {status}");
             println!(
@@ -255,7 +242,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             // Each batch is printed (and stdout flushed) before its deletion commits: an
             // interrupted run loses nothing it did not print.
-            let done = postal_admin::parked::discard_seqs(pool, &matched, |batch| {
+            let done = parked::discard_seqs(pool, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
                 for d in &batch {
                     writeln!(
@@ -302,8 +289,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 return show_matched(pool, &matched, "requeue").await;
             }
             let progress = Progress::new(matched.len() as u64, "requeued");
-            let done =
-                postal_admin::parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
+            let done = parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
             progress.finish();
             println!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {

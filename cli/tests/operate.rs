@@ -307,9 +307,23 @@ async fn requeued_parked_event_is_published_once() {
         .as_str()
         .unwrap()
         .contains("exceeds the producer's message.max.bytes"));
+    // Filtered as in the dashboard: by key, type and error text (case-insensitive).
+    let mut list = postal(&e.url);
+    list.args(["failed", "list", "--json", "--topic", &topic])
+        .args(["--key", "k", "--type", "job", "--reason", "MAX.BYTES"]);
+    let listed: serde_json::Value = serde_json::from_str(&ok(list)).unwrap();
+    assert_eq!(listed[0]["event_id"], id.to_string());
+    let mut list = postal(&e.url);
+    list.args(["failed", "list", "--topic", &topic, "--key", "other"]);
+    assert!(ok(list).contains("(no parked events)"));
     let mut show = postal(&e.url);
     show.args(["failed", "show", &id.to_string()]);
-    assert!(ok(show).contains("status:       failed"));
+    let shown = ok(show);
+    assert!(shown.contains("status:       failed"));
+    assert!(
+        shown.contains(&"x".repeat(2000)),
+        "the payload whole: {shown}"
+    );
 
     let mut requeue = postal(&e.url);
     requeue.args(["failed", "requeue", "--id", &id.to_string()]);

@@ -1,5 +1,6 @@
-//! A minimal HTTP/1.0 client for the dashboard tests and benchmark (one request per
-//! connection, the whole answer read).
+//! A minimal HTTP client for the dashboard tests and benchmark (one request per connection,
+//! the whole answer read): [`request`] builds an HTTP/1.0 request, [`raw`] sends one written by
+//! hand; and the forms of a page, read as a browser submits them.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -34,22 +35,45 @@ pub async fn request(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Answer {
-    let mut s = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
-        .await
-        .expect("connect in time")
-        .expect("connect");
     let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
     for (n, v) in headers {
         req.push_str(&format!("{n}: {v}\r\n"));
     }
     if method == "POST" {
-        req.push_str(&format!(
-            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
+        req.push_str(&form_headers(body));
     }
     req.push_str("\r\n");
     req.push_str(body);
+    exchange(addr, &req).await
+}
+
+/// Sends the request `head` as written (its lines joined by CRLF, no `Host` added: a test of
+/// malformed or hostile requests says exactly what it sends), closing the connection after one
+/// answer, with a form `body` when not empty.
+pub async fn raw(addr: SocketAddr, head: &str, body: &str) -> Answer {
+    let mut req = head.trim_end().replace('\n', "\r\n");
+    req.push_str("\r\nConnection: close\r\n");
+    if !body.is_empty() {
+        req.push_str(&form_headers(body));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    exchange(addr, &req).await
+}
+
+fn form_headers(body: &str) -> String {
+    format!(
+        "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
+        body.len()
+    )
+}
+
+/// Writes `req` on a new connection to `addr` and reads the answer to the end.
+async fn exchange(addr: SocketAddr, req: &str) -> Answer {
+    let mut s = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+        .await
+        .expect("connect in time")
+        .expect("connect");
     s.write_all(req.as_bytes()).await.expect("send");
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
@@ -104,24 +128,37 @@ pub fn csrf(page: &str) -> Option<String> {
     Some(page[i..].split('"').next()?.to_owned())
 }
 
-/// The fields of the confirmation form in a page (the form with the `confirm` button), as a
-/// browser would submit them.
-pub fn confirm_form(page: &str) -> Vec<(String, String)> {
-    let Some(button) = page.find("data-test=\"confirm\"") else {
-        return Vec::new();
-    };
-    let start = page[..button].rfind("<form").unwrap_or(0);
-    let mut out = Vec::new();
-    for input in page[start..button].split("<input").skip(1) {
+/// The fields of the form whose button carries `data-test="{test}"` (the `occurrence`-th such
+/// button), as a browser submits them (entities decoded). No such button: panics, showing the
+/// page.
+pub fn form_fields(page: &str, test: &str, occurrence: usize) -> Vec<(String, String)> {
+    let marker = format!("data-test=\"{test}\"");
+    let at = page
+        .match_indices(&marker)
+        .nth(occurrence)
+        .unwrap_or_else(|| panic!("no button {test} #{occurrence} in:\n{page}"))
+        .0;
+    let start = page[..at].rfind("<form").expect("the button's form");
+    let mut fields = Vec::new();
+    for input in page[start..at].split("<input ").skip(1) {
         let attr = |name: &str| {
-            let i = input.find(&format!("{name}=\""))? + name.len() + 2;
-            Some(unescape(input[i..].split('"').next()?))
+            let key = format!("{name}=\"");
+            let i = input.find(&key)? + key.len();
+            Some(unescape(&input[i..i + input[i..].find('"')?]))
         };
         if let (Some(n), Some(v)) = (attr("name"), attr("value")) {
-            out.push((n, v));
+            fields.push((n, v));
         }
     }
-    out
+    fields
+}
+
+/// `fields` borrowed, as [`form`] and the posting helpers take them.
+pub fn pairs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
+    fields
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
 }
 
 fn unescape(s: &str) -> String {

@@ -1,5 +1,7 @@
 //! Helpers shared by the scenarios.
 
+pub mod dashboard;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,70 +3,16 @@
 //! confirmation and are audited; releasing a blocked key runs its head first, then the rest
 //! in order; every page reads the large tables through indexes.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use postal_admin::web::{serve, Dashboard};
-use postal_integration_tests::http::{confirm_form, csrf, form, request, Answer};
+use postal_integration_tests::http::{csrf, form, form_fields, pairs, request};
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{enqueue_batch, NewEvent, Task, TaskConfig, TaskError, TaskTransport};
-use sqlx::PgPool;
 
+use crate::common::dashboard::{click_and_confirm, park, post, start, status};
 use crate::common::{fast_config, RunningRelay};
-
-/// Enqueues `events` and parks every one of them with `error`, as the relay would.
-async fn parked(pool: &PgPool, events: Vec<NewEvent>, error: &str) -> Vec<uuid::Uuid> {
-    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.id().as_uuid()).collect();
-    let mut conn = pool.acquire().await.unwrap();
-    enqueue_batch(&mut conn, events).await.unwrap();
-    sqlx::query(
-        "UPDATE postal.outbox SET status = 'failed', held = true, attempts = 3, last_error = $2,
-                available_at = now() WHERE event_id = ANY($1)",
-    )
-    .bind(&ids)
-    .bind(error)
-    .execute(pool)
-    .await
-    .unwrap();
-    ids
-}
-
-async fn status(pool: &PgPool, id: uuid::Uuid) -> Option<String> {
-    sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
-        .bind(id)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
-}
-
-async fn start(dashboard: Dashboard) -> SocketAddr {
-    let (addr, _task) = serve("127.0.0.1:0".parse().unwrap(), dashboard)
-        .await
-        .expect("dashboard serves");
-    addr
-}
-
-fn same_origin(addr: SocketAddr) -> String {
-    format!("http://{addr}")
-}
-
-async fn post(addr: SocketAddr, path: &str, fields: &[(&str, &str)]) -> Answer {
-    let origin = same_origin(addr);
-    request(addr, "POST", path, &[("Origin", &origin)], &form(fields)).await
-}
-
-/// Clicks an action's button (posts `fields`) and then the confirmation's, as a browser does.
-async fn act(addr: SocketAddr, path: &str, fields: &[(&str, &str)]) -> Answer {
-    let ask = post(addr, path, fields).await;
-    let confirmed = confirm_form(&ask.body);
-    assert!(!confirmed.is_empty(), "no confirmation: {}", ask.body);
-    let fields: Vec<(&str, &str)> = confirmed
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    post(addr, path, &fields).await
-}
 
 /// Guarantee: an event whose key, type, headers, payload and error hold markup is shown as
 /// text on every page (escaped), never as markup; every answer carries a strict
@@ -87,7 +33,7 @@ async fn hostile_values_render_inert_under_a_strict_policy() {
     .unwrap()
     .with_header("x-note", evil)
     .unwrap();
-    let id = parked(&db.pool, vec![e], &format!("broker said {evil}")).await[0];
+    let id = park(&db.pool, vec![e], &format!("broker said {evil}")).await[0];
     let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
     let password = db
         .url
@@ -142,7 +88,7 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("dash-actions");
-    let ids = parked(
+    let ids = park(
         &db.pool,
         (0..3)
             .map(|i| NewEvent::json(topic.as_str(), format!("k{i}"), "order.placed", &i).unwrap())
@@ -193,11 +139,13 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     assert_eq!(status(&db.pool, ids[0]).await.as_deref(), Some("failed"));
 
     // Asks first, with the count; acts on exactly what it showed.
-    let done = act(addr, "/parked/requeue", &[("csrf", &token), ("id", &one)]).await;
+    let (_, done) =
+        click_and_confirm(addr, "/parked/requeue", &[("csrf", &token), ("id", &one)]).await;
     assert!(done.body.contains("Requeued 1 event(s)"), "{}", done.body);
     assert_eq!(status(&db.pool, ids[0]).await.as_deref(), Some("pending"));
     let two = ids[1].to_string();
-    let done = act(addr, "/parked/discard", &[("csrf", &token), ("id", &two)]).await;
+    let (_, done) =
+        click_and_confirm(addr, "/parked/discard", &[("csrf", &token), ("id", &two)]).await;
     assert!(
         done.body.contains("Discarded 1 parked event(s)"),
         "{}",
@@ -217,18 +165,14 @@ async fn actions_are_same_origin_confirmed_and_audited() {
         "{}",
         ask.body
     );
-    let late = parked(
+    let late = park(
         &db.pool,
         vec![NewEvent::json(topic.as_str(), "k9", "order.placed", &9).unwrap()],
         "timeout",
     )
     .await[0];
-    let confirmed = confirm_form(&ask.body);
-    let fields: Vec<(&str, &str)> = confirmed
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let done = post(addr, "/parked/discard", &fields).await;
+    let confirmed = form_fields(&ask.body, "confirm", 0);
+    let done = post(addr, "/parked/discard", &pairs(&confirmed)).await;
     assert!(
         done.body.contains("Discarded 1 parked event(s)"),
         "{}",
@@ -270,7 +214,7 @@ async fn read_only_by_default_and_actions_are_capped() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("dash-cap");
-    let ids = parked(
+    let ids = park(
         &db.pool,
         (0..3)
             .map(|i| NewEvent::json(topic.as_str(), "k", "t", &i).unwrap())
@@ -444,7 +388,7 @@ async fn releasing_a_key_runs_its_head_then_the_rest_in_order() {
         "{}",
         ask.body
     );
-    let done = act(
+    let (_, done) = click_and_confirm(
         addr,
         "/blocked/release",
         &[("csrf", &token), ("head", &head)],

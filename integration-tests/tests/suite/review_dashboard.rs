@@ -25,13 +25,12 @@
 //! finding 5's window, rarely, before its fix: the relay is idle then.)
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use postal_admin::web::{serve, Dashboard};
-use postal_integration_tests::http::{csrf, form, request, Answer};
+use postal_admin::web::Dashboard;
+use postal_integration_tests::http::{csrf, form, form_fields, pairs, raw, request};
 use postal_integration_tests::{services, unique, wait};
 use postal_producer::{
     enqueue_batch, FailureKind, NewEvent, OutboundEvent, PublishError, Task, TaskConfig, TaskError,
@@ -39,8 +38,8 @@ use postal_producer::{
 };
 use rand::{Rng, SeedableRng};
 use sqlx::PgPool;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::common::dashboard::{click_and_confirm, park, post, start, status};
 use crate::common::{create_topic, fast_config, RunningRelay};
 
 // ---------------------------------------------------------------------------------------------
@@ -165,33 +164,6 @@ async fn enqueue(pool: &PgPool, events: Vec<NewEvent>) -> Vec<uuid::Uuid> {
     ids
 }
 
-/// Enqueues `events` and parks every one of them with `error`, as the relay would.
-/// In one transaction, so that a running relay never sees them pending.
-async fn park(pool: &PgPool, events: Vec<NewEvent>, error: &str) -> Vec<uuid::Uuid> {
-    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.id().as_uuid()).collect();
-    let mut tx = pool.begin().await.unwrap();
-    enqueue_batch(&mut tx, events).await.unwrap();
-    sqlx::query(
-        "UPDATE postal.outbox SET status = 'failed', held = true, attempts = 3, last_error = $2,
-                available_at = now() WHERE event_id = ANY($1)",
-    )
-    .bind(&ids)
-    .bind(error)
-    .execute(&mut *tx)
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    ids
-}
-
-async fn status(pool: &PgPool, id: uuid::Uuid) -> Option<String> {
-    sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
-        .bind(id)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
-}
-
 /// The event id of the parked head of `key` (the first parked event of the key), as text.
 async fn head_of(pool: &PgPool, key: &str) -> String {
     let id: uuid::Uuid = sqlx::query_scalar(
@@ -211,110 +183,6 @@ async fn seq_of(pool: &PgPool, id: uuid::Uuid) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap()
-}
-
-async fn start(dashboard: Dashboard) -> SocketAddr {
-    let (addr, _task) = serve("127.0.0.1:0".parse().unwrap(), dashboard)
-        .await
-        .expect("dashboard serves");
-    addr
-}
-
-async fn post(addr: SocketAddr, path: &str, fields: &[(&str, &str)]) -> Answer {
-    let origin = format!("http://{addr}");
-    request(addr, "POST", path, &[("Origin", &origin)], &form(fields)).await
-}
-
-fn unescape(s: &str) -> String {
-    s.replace("&quot;", "\"")
-        .replace("&#39;", "'")
-        .replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&amp;", "&")
-}
-
-/// The hidden fields of the form whose button carries `data-test="{test}"` (the `occurrence`-th
-/// such button), as a browser submits them (entities decoded).
-fn form_fields(page: &str, test: &str, occurrence: usize) -> Vec<(String, String)> {
-    let marker = format!("data-test=\"{test}\"");
-    let at = page
-        .match_indices(&marker)
-        .nth(occurrence)
-        .unwrap_or_else(|| panic!("no button {test} #{occurrence} in:\n{page}"))
-        .0;
-    let start = page[..at].rfind("<form").expect("the button's form");
-    let mut fields = Vec::new();
-    for input in page[start..at].split("<input ").skip(1) {
-        let attr = |name: &str| {
-            let key = format!("{name}=\"");
-            let i = input.find(&key)? + key.len();
-            Some(unescape(&input[i..i + input[i..].find('"')?]))
-        };
-        if let (Some(n), Some(v)) = (attr("name"), attr("value")) {
-            fields.push((n, v));
-        }
-    }
-    fields
-}
-
-fn pairs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
-    fields
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect()
-}
-
-/// Clicks an action button: posts `fields`, then confirms on the page that asks (its own form,
-/// as a browser would submit it). Returns the confirmation page and the result.
-async fn click_and_confirm(
-    addr: SocketAddr,
-    path: &str,
-    fields: &[(&str, &str)],
-) -> (Answer, Answer) {
-    let ask = post(addr, path, fields).await;
-    assert_eq!(ask.status, 200, "{}", ask.body);
-    let confirm = form_fields(&ask.body, "confirm", 0);
-    let done = post(addr, path, &pairs(&confirm)).await;
-    (ask, done)
-}
-
-/// One HTTP/1.1 request written as given (no Host added), the answer read to the end.
-async fn raw(addr: SocketAddr, head: &str, body: &str) -> Answer {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut req = head.trim_end().replace('\n', "\r\n");
-    req.push_str("\r\nConnection: close\r\n");
-    if !body.is_empty() {
-        req.push_str(&format!(
-            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).await.expect("send");
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    Answer {
-        status,
-        headers: lines
-            .map(|l| match l.split_once(": ") {
-                Some((n, v)) => format!("{}: {v}", n.to_ascii_lowercase()),
-                None => l.to_owned(),
-            })
-            .collect(),
-        body: body.to_owned(),
-    }
 }
 
 async fn backends_waiting_on_a_lock(pool: &PgPool, query_like: &str) -> i64 {
