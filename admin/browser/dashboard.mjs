@@ -3,7 +3,8 @@
 // a real relay) and checks the outcome in PostgreSQL and Kafka afterwards.
 //
 // Environment: DASHBOARD_URL, POISON_ID (requeue it), DISCARD_ID (discard it), HELD_KEY (release
-// it), LOOKUP_CONSUMER and LOOKUP_EVENT (a dedup lookup), SHOTS (folder for screenshots),
+// it), LOOKUP_CONSUMER and LOOKUP_EVENT (a dedup lookup), LAG_GROUP and LAG_TOTAL (a consumer
+// group and its lag summed over its partitions), SHOTS (folder for screenshots),
 // CHROMIUM (default /usr/bin/chromium). Prints one line per step; exits non-zero on the first
 // failure.
 import { chromium } from "playwright-core";
@@ -58,6 +59,14 @@ try {
     check(await text(page, "#card-parked b") === "6", "6 parked on the overview");
     const bars = await page.$$eval("#chart-published rect", (rs) => rs.filter((r) => Number(r.getAttribute("height")) > 0).length);
     check(bars > 0, "the publish chart has a bar");
+    check((await text(page, "#chart-published")).includes("; 50 in all"), "the publish chart counts the 50 published");
+    check((await text(page, "#chart-parked")).includes("; 6 in all"), "the parked chart counts the 6 parked");
+    // The consumer group's lag, from the broker's high watermarks.
+    const lag = await page.$$eval("#consumers tbody tr", (rows, group) => rows
+      .map((r) => Array.from(r.cells, (c) => c.textContent.trim()))
+      .filter((c) => c[0] === group)
+      .reduce((sum, c) => sum + Number(c[4]), 0), env("LAG_GROUP"));
+    check(lag === Number(env("LAG_TOTAL")), `the consumer group's lag is ${env("LAG_TOTAL")} (shown: ${lag})`);
     await page.waitForFunction(() => document.getElementById("refresh-state").textContent.startsWith("live · updated"), null, { timeout: 10000 });
     await page.screenshot({ path: `${shots}/overview.png`, fullPage: true });
     await page.evaluate(() => {

@@ -58,21 +58,26 @@ pub struct ConsumerPartition {
     pub lag: Option<i64>,
 }
 
-/// One minute of the last hour.
+/// One minute of the last hour, summed over the relays' reports (`postal.relay_minutes`) and
+/// the consumers' dead letters.
 #[derive(Debug, Clone, Default, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct Minute {
     /// The minute.
     pub minute: DateTime<Utc>,
-    /// Events published (counted from published rows the outbox keeps, or its history).
+    /// Events recorded published.
     pub published: i64,
+    /// Failed attempts rescheduled for a retry.
+    pub retried: i64,
     /// Events parked.
     pub parked: i64,
     /// Dead letters recorded.
     pub dead_letters: i64,
-    /// Average end-to-end lag of the published events (enqueue to broker acknowledgement),
-    /// in milliseconds.
+    /// Average end-to-end lag of the published events (enqueue to the publish being
+    /// recorded, after the destination's acknowledgement), in milliseconds.
     pub lag_ms: Option<f64>,
+    /// The largest such lag, in milliseconds.
+    pub lag_max_ms: Option<f64>,
 }
 
 /// Everything the overview shows.
@@ -89,9 +94,6 @@ pub struct Overview {
     pub dead_letters: Vec<(String, i64)>,
     /// The last 60 minutes, oldest first, every minute present.
     pub minutes: Vec<Minute>,
-    /// Whether the last hour has published rows to count (kept in the outbox, or in its
-    /// history): if the relay deletes them at once, the publish and lag charts stay empty.
-    pub publishes_recorded: bool,
 }
 
 const RELAYS_SQL: &str = "SELECT i.relay_id, i.relay_group, i.host,
@@ -109,30 +111,25 @@ const CONSUMERS_SQL: &str = "SELECT group_id, topic, partition, next_offset,
 const MINUTES_SQL: &str = "WITH m AS (
              SELECT generate_series(date_trunc('minute', now()) - interval '59 minutes',
                                     date_trunc('minute', now()), interval '1 minute') AS minute),
-         published AS (
-             SELECT date_trunc('minute', published_at) AS minute, count(*) AS n,
-                    avg(extract(epoch FROM published_at - created_at) * 1000) AS lag_ms
-             FROM (SELECT published_at, created_at FROM postal.outbox
-                   WHERE status = 'published'
-                     AND published_at >= date_trunc('minute', now()) - interval '59 minutes'
-                   UNION ALL
-                   SELECT published_at, created_at FROM postal.outbox_history
-                   WHERE published_at >= date_trunc('minute', now()) - interval '59 minutes') p
-             GROUP BY 1),
-         parked AS (
-             SELECT date_trunc('minute', available_at) AS minute, count(*) AS n
-             FROM postal.outbox WHERE status = 'failed'
-               AND available_at >= date_trunc('minute', now()) - interval '59 minutes'
+         relayed AS (
+             SELECT minute, sum(published) AS published, sum(retried) AS retried,
+                    sum(parked) AS parked,
+                    sum(lag_ms_sum) / nullif(sum(lag_events), 0) AS lag_ms,
+                    max(lag_ms_max) FILTER (WHERE lag_events > 0) AS lag_max_ms
+             FROM postal.relay_minutes
+             WHERE minute >= date_trunc('minute', now()) - interval '59 minutes'
              GROUP BY 1),
          dead AS (
              SELECT date_trunc('minute', created_at) AS minute, count(*) AS n
              FROM postal.dead_letters
              WHERE created_at >= date_trunc('minute', now()) - interval '59 minutes'
              GROUP BY 1)
-         SELECT m.minute, coalesce(p.n, 0) AS published, coalesce(f.n, 0) AS parked,
-                coalesce(d.n, 0) AS dead_letters, p.lag_ms::float8 AS lag_ms
-         FROM m LEFT JOIN published p USING (minute) LEFT JOIN parked f USING (minute)
-         LEFT JOIN dead d USING (minute) ORDER BY m.minute";
+         SELECT m.minute, coalesce(r.published, 0)::int8 AS published,
+                coalesce(r.retried, 0)::int8 AS retried, coalesce(r.parked, 0)::int8 AS parked,
+                coalesce(d.n, 0) AS dead_letters, r.lag_ms::float8 AS lag_ms,
+                r.lag_max_ms::float8 AS lag_max_ms
+         FROM m LEFT JOIN relayed r USING (minute) LEFT JOIN dead d USING (minute)
+         ORDER BY m.minute";
 
 /// The overview's queries without parameters, named (for [`crate::plans`]).
 pub(crate) const SQL: &[(&str, &str)] = &[
@@ -154,14 +151,12 @@ pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
     let consumers = sqlx::query_as(CONSUMERS_SQL).fetch_all(pool).await?;
     let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
     let minutes: Vec<Minute> = sqlx::query_as(MINUTES_SQL).fetch_all(pool).await?;
-    let publishes_recorded = minutes.iter().any(|m| m.published > 0);
     Ok(Overview {
         backlog,
         relays,
         consumers,
         dead_letters,
         minutes,
-        publishes_recorded,
     })
 }
 

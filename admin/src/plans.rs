@@ -12,6 +12,7 @@ pub const LARGE_TABLES: &[&str] = &[
     "dead_letters",
     "processed_events",
     "operator_audit",
+    "relay_minutes",
 ];
 
 async fn plan<'q>(

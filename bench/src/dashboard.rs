@@ -80,6 +80,18 @@ async fn fill(pool: &PgPool, o: &Opts) -> anyhow::Result<()> {
     .bind(o.published)
     .execute(pool)
     .await?;
+    // The relays' reports of a full day (what they keep): 3 relays, 20 topics, every minute.
+    sqlx::query(
+        "INSERT INTO postal.relay_minutes (minute, relay_id, topic, published, retried, parked,
+                                           lag_events, lag_ms_sum, lag_ms_max)
+         SELECT date_trunc('minute', now()) - m * interval '1 minute', r.id, 'orders-' || t,
+                700, 3, 1, 700, 700 * 40.0, 250.0
+         FROM generate_series(0, 1439) AS m,
+              (SELECT gen_random_uuid() AS id FROM generate_series(1, 3)) AS r,
+              generate_series(0, 19) AS t",
+    )
+    .execute(pool)
+    .await?;
     sqlx::query(
         "INSERT INTO postal.operator_audit (actor, action, target, affected)
          SELECT 'local', 'requeue', '{}'::jsonb, 1 FROM generate_series(1, 1000)",
@@ -88,7 +100,7 @@ async fn fill(pool: &PgPool, o: &Opts) -> anyhow::Result<()> {
     .await?;
     sqlx::query("VACUUM ANALYZE").execute(pool).await?;
     println!(
-        "filled: {} published, {} parked (+{} waiting behind them), {} dead letters, {} dedup rows in {:.1} s",
+        "filled: {} published, {} parked (+{} waiting behind them), {} dead letters, {} dedup rows, a day of 3 relays' reports on 20 topics in {:.1} s",
         o.published,
         o.parked,
         o.parked,

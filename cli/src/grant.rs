@@ -50,7 +50,7 @@ fn relay(role: &str) -> Vec<String> {
         format!("GRANT USAGE ON SCHEMA postal TO {role}"),
         format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
         format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions, postal.relay_minutes TO {role}"),
         format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
     ]
 }

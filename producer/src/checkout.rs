@@ -199,6 +199,8 @@ pub(crate) struct Driver<'a> {
     pub(crate) lease: Duration,
     pub(crate) keeping: Keeping,
     pub(crate) judge: &'a crate::outcome::Judge,
+    /// When the events were enqueued (for the end-to-end lag the relay tallies).
+    pub(crate) enqueued: &'a crate::activity::Enqueued,
     /// Called with each event whose outcome was recorded (`true`) or given up (`false`).
     pub(crate) recorded: &'a (dyn Fn(&OutboundEvent, bool) + Send + Sync),
     /// Cancelled when the relay stops waiting (shutdown): `abort_running` is called, and the
@@ -372,18 +374,19 @@ async fn record(
                     }
                     (d.recorded)(e, ok);
                 }
-                let published = verdict
+                let published: Vec<i64> = verdict
                     .published
                     .iter()
+                    .copied()
                     .filter(|s| recorded.contains(s))
-                    .count();
+                    .collect();
                 let failures: Vec<Failure> = verdict
                     .failures
                     .iter()
                     .filter(|f| recorded.contains(&f.seq))
                     .cloned()
                     .collect();
-                d.judge.count(published, &failures);
+                d.judge.count(batch, d.enqueued, &published, &failures);
                 return;
             }
             Ok(Err(e)) if tokio::time::Instant::now() + wait < deadline => {

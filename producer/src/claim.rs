@@ -148,6 +148,9 @@ struct Kept {
 pub struct Claim {
     tx: Transaction<'static, Postgres>,
     events: Vec<OutboundEvent>,
+    /// When each claimed row was enqueued, by sequence number (for the end-to-end lag the
+    /// relay tallies, [`crate::activity`]).
+    enqueued: crate::activity::Enqueued,
     /// `Some` when the rows were deleted at claim time (per row, in claim order).
     deleted: Option<Vec<Kept>>,
     /// Write acknowledged rows into `postal.outbox_history` (delete-on-claim mode only).
@@ -174,6 +177,11 @@ impl Claim {
     #[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' and the bench's (`testing`)
     pub fn events(&self) -> &[OutboundEvent] {
         &self.events
+    }
+
+    /// Takes out when each claimed row was enqueued, by sequence number.
+    pub(crate) fn take_enqueued(&mut self) -> crate::activity::Enqueued {
+        std::mem::take(&mut self.enqueued)
     }
 
     /// Takes the events out (the locks stay held until `complete` or drop).
@@ -515,11 +523,13 @@ pub async fn claim(
     }
     // The statement returns its rows in tuple order, not in sequence order.
     rows.sort_unstable_by_key(|(e, _)| e.seq);
+    let enqueued = rows.iter().map(|(e, k)| (e.seq, k.created_at)).collect();
     let (events, kept): (Vec<OutboundEvent>, Vec<Kept>) = rows.into_iter().unzip();
     let deleted = delete_on_claim.then_some(kept);
     Ok(Some(Claim {
         tx,
         events,
+        enqueued,
         deleted,
         history: false,
         relay,

@@ -26,6 +26,7 @@
 //! # let _ = event_id; Ok(()) }
 //! ```
 
+mod activity;
 mod allow;
 #[doc(hidden)]
 pub mod backlog;

@@ -26,6 +26,8 @@ pub(crate) struct Counters {
     pub(crate) parked: AtomicU64,
     pub(crate) retried: AtomicU64,
     pub(crate) held_back: AtomicU64,
+    /// The same per minute and topic, for the dashboard's charts.
+    pub(crate) activity: Arc<crate::activity::Activity>,
 }
 
 /// A batch's outcomes as row changes.
@@ -155,8 +157,30 @@ impl Judge {
         }
     }
 
-    /// Counts a recorded verdict (`published` of its rows were recorded published).
-    pub(crate) fn count(&self, published: usize, failures: &[Failure]) {
+    /// Counts a recorded verdict: of `batch`, the rows in `published` were recorded published
+    /// and `failures` written back; `enqueued` has their enqueue times (for the lag).
+    pub(crate) fn count(
+        &self,
+        batch: &[OutboundEvent],
+        enqueued: &crate::activity::Enqueued,
+        published: &[i64],
+        failures: &[Failure],
+    ) {
+        use crate::activity::Outcome;
+        let topics: std::collections::HashMap<i64, &str> =
+            batch.iter().map(|e| (e.seq, e.topic.as_str())).collect();
+        let charted = published
+            .iter()
+            .map(|seq| (*seq, Outcome::Published(enqueued.get(seq).copied())))
+            .chain(failures.iter().filter_map(|f| match f {
+                f if f.park => Some((f.seq, Outcome::Parked)),
+                // Released unsent behind an earlier failure of its key: not an attempt.
+                f if !f.hold && !f.counts => None,
+                f => Some((f.seq, Outcome::Retried)),
+            }))
+            .filter_map(|(seq, o)| Some((*topics.get(&seq)?, o)));
+        self.counters.activity.record(charted);
+        let published = published.len();
         let parked = failures.iter().filter(|f| f.park).count() as u64;
         // Released unsent (no attempt used) behind an earlier failure of their key.
         let held_back = failures.iter().filter(|f| !f.hold && !f.counts).count() as u64;

@@ -120,11 +120,12 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
     let w = 10.0;
     let h = 80.0;
     let mut svg = format!(
-        "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">(max {} {} per minute)</span></figcaption>\
+        "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">(max {} {}{})</span></figcaption>\
          <svg viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">",
         esc(label),
         fmt_num(max),
         esc(unit),
+        if unit == "ms" { "" } else { " per minute" },
         w * points.len() as f64,
         h + 2.0,
         esc(label)

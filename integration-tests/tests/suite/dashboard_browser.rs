@@ -58,7 +58,8 @@ fn transport(bootstrap: &str, max_bytes: Option<&str>) -> KafkaTransport {
     KafkaTransport::new(cfg).unwrap()
 }
 
-/// Guarantee: in chromium, an operator sees a poison event the relay parked (its `<script>`
+/// Guarantee: in chromium, an operator sees the relay's publishing charted and a consumer
+/// group's lag read from the broker on the overview, sees a poison event the relay parked (its `<script>`
 /// key shown as text, never run, under the dashboard's CSP, with no console error), requeues
 /// it with the button and a confirmation and watches it publish, discards another with a
 /// confirmation, requeues three by a filter, releases a blocked key (its head, then the three
@@ -153,9 +154,20 @@ async fn an_operator_recovers_poison_events_in_a_browser() {
     .await
     .unwrap();
 
+    // A consumer group that stored offset 0 on both partitions: its lag is every record there.
+    sqlx::query(
+        "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset)
+         VALUES ('billing', $1, 0, 0), ('billing', $1, 1, 0)",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut kafka = rdkafka::ClientConfig::new();
+    kafka.set("bootstrap.servers", &svc.bootstrap);
     let (addr, server) = serve(
         "127.0.0.1:0".parse().unwrap(),
-        Dashboard::new(db.pool.clone()).actions(true),
+        Dashboard::new(db.pool.clone()).actions(true).kafka(kafka),
     )
     .await
     .unwrap();
@@ -173,6 +185,8 @@ async fn an_operator_recovers_poison_events_in_a_browser() {
         .env("HELD_KEY", "held")
         .env("LOOKUP_CONSUMER", "billing")
         .env("LOOKUP_EVENT", looked_up.to_string())
+        .env("LAG_GROUP", "billing")
+        .env("LAG_TOTAL", "50")
         .env("SHOTS", &shots)
         .kill_on_drop(true)
         .output();

@@ -13,6 +13,7 @@ mod consume;
 mod consumer_crash;
 mod dashboard;
 mod dashboard_browser;
+mod dashboard_charts;
 mod dead_letters;
 mod enqueue;
 mod examples;

@@ -28,7 +28,7 @@ impl<T: Transport> Shared<T> {
     /// is known.
     pub(super) async fn check_out(
         self: &Arc<Self>,
-        claim: claim::Claim,
+        mut claim: claim::Claim,
         batch: Vec<OutboundEvent>,
         claim_started: Instant,
         gate: tokio::sync::RwLockReadGuard<'_, ()>,
@@ -46,6 +46,7 @@ impl<T: Transport> Shared<T> {
         let heads = checkout::heads(&batch);
         let seqs: Vec<i64> = heads.iter().map(|&i| batch[i].seq).collect();
         // Not raced against a timeout: it commits or rolls back before the lane claims again.
+        let enqueued = claim.take_enqueued();
         let marked = match claim
             .check_out(&seqs, lease, self.config.max_attempts)
             .await
@@ -60,10 +61,12 @@ impl<T: Transport> Shared<T> {
         let mut runs = checkout::Runs::new();
         let mut attempts = HashMap::new();
         let mut parked = 0u64;
+        let mut marked_parked = std::collections::HashSet::new();
         for (seq, run, failed, was_parked) in marked {
             attempts.insert(seq, failed);
             if was_parked {
                 parked += 1;
+                marked_parked.insert(seq);
                 if let Some(e) = batch.iter().find(|e| e.seq == seq) {
                     tracing::warn!(event_id = %e.id, topic = %postal_shared::text::field(&e.topic), key = %postal_shared::text::field(&e.key), "event parked as failed: its attempts were used up by runs that ended without an outcome (the relay died or lost its run lease)");
                 }
@@ -72,6 +75,12 @@ impl<T: Transport> Shared<T> {
             }
         }
         if parked > 0 {
+            self.counters.activity.record(
+                batch
+                    .iter()
+                    .filter(|e| marked_parked.contains(&e.seq))
+                    .map(|e| (e.topic.as_str(), crate::activity::Outcome::Parked)),
+            );
             self.counters.parked.fetch_add(parked, Ordering::Relaxed);
             metrics::counter!("postal_relay_failed_total").increment(parked);
         }
@@ -142,6 +151,7 @@ impl<T: Transport> Shared<T> {
                     history: shared.config.history.is_some(),
                 },
                 judge: &judge,
+                enqueued: &enqueued,
                 recorded: &notify,
                 release: &shared.release,
                 abort_running: &|| shared.transport.abort_running(),

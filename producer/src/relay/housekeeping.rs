@@ -1,5 +1,5 @@
-//! Housekeeping: the backlog and database-health gauges, history maintenance and retention
-//! cleanup, every 15 s.
+//! Housekeeping: the backlog and database-health gauges, history maintenance, retention
+//! cleanup and the pruning of the relays' activity table, every 15 s.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -88,6 +88,9 @@ impl<T: Transport> Shared<T> {
                         check_failed("history", &e);
                     }
                 }
+            }
+            if let Err(e) = crate::activity::prune(&self.pool).await {
+                check_failed("activity", &e);
             }
             if let (false, Some(retention)) = (self.config.delete_on_publish, self.config.retention)
             {

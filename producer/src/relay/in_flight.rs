@@ -197,7 +197,7 @@ impl outcome::Judge {
     /// back).
     async fn record(
         &self,
-        claim: claim::Claim,
+        mut claim: claim::Claim,
         batch: &[OutboundEvent],
         outcomes: Vec<Result<(), PublishError>>,
     ) -> bool {
@@ -207,6 +207,7 @@ impl outcome::Judge {
         } = self.verdict(batch, outcomes);
         // Record the outcome on the claim's transaction. If that fails (database gone), the
         // transaction rolls back and the rows are republished later: duplicates, never loss.
+        let enqueued = claim.take_enqueued();
         match claim.complete(batch, &published, &failures).await {
             Ok(()) => {}
             Err(e @ Error::LeaseLost { .. }) => {
@@ -219,7 +220,7 @@ impl outcome::Judge {
                 return false;
             }
         }
-        self.count(published.len(), &failures);
+        self.count(batch, &enqueued, &published, &failures);
         true
     }
 }

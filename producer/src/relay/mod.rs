@@ -162,6 +162,11 @@ impl<T: Transport> Relay<T> {
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
         background.spawn(shared.clone().housekeeping());
+        background.spawn(crate::activity::report(
+            shared.counters.activity.clone(),
+            self.pool.clone(),
+            self.id,
+        ));
         let mut lane_tasks = tokio::task::JoinSet::new();
         for lane in 0..lanes {
             lane_tasks.spawn(
@@ -233,6 +238,13 @@ impl<T: Transport> Relay<T> {
             set.abort_all();
             while set.join_next().await.is_some() {}
         }
+        // The activity of the last seconds, for the dashboard's charts (bounded: a stop
+        // does not wait on an unreachable database for it).
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            shared.counters.activity.flush(&self.pool, self.id),
+        )
+        .await;
         match lease::leave(&self.pool, self.id).await {
             Ok(()) => tracing::debug!("gave up all key partitions"),
             Err(e) => {

@@ -1,0 +1,271 @@
+//! The relay's activity per minute and topic — events published, retried and parked, and their
+//! end-to-end lag — for the dashboard's charts (`postal.relay_minutes`, migration 0018).
+//!
+//! Outcomes are tallied in memory as they are recorded and added to the table every
+//! [`REPORT_EVERY`] on a connection of their own, never on a claim's transaction: publishing
+//! never waits for the table, and a table that cannot be written (locked, database gone) only
+//! delays the charts. A relay that dies loses its last few seconds of counts; the events
+//! themselves are unaffected.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// When each claimed row was enqueued (`created_at`), by sequence number.
+pub(crate) type Enqueued = HashMap<i64, DateTime<Utc>>;
+
+/// How often a relay adds its tallies to `postal.relay_minutes`.
+pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(5);
+
+/// How long the rows are kept (the dashboard shows the last hour).
+const KEEP: &str = "1 day";
+
+/// Tallies of minutes older than this are dropped while the table cannot be written.
+const HELD_MINUTES: i64 = 60;
+
+/// What became of one event in a recorded batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Outcome {
+    /// Recorded published; when it was enqueued, if known.
+    Published(Option<DateTime<Utc>>),
+    /// A failed attempt, rescheduled.
+    Retried,
+    /// Parked as failed.
+    Parked,
+}
+
+/// One minute of one topic.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    published: i64,
+    retried: i64,
+    parked: i64,
+    lag_events: i64,
+    lag_ms_sum: f64,
+    lag_ms_max: f64,
+}
+
+impl Tally {
+    fn add(&mut self, other: &Tally) {
+        self.published += other.published;
+        self.retried += other.retried;
+        self.parked += other.parked;
+        self.lag_events += other.lag_events;
+        self.lag_ms_sum += other.lag_ms_sum;
+        self.lag_ms_max = self.lag_ms_max.max(other.lag_ms_max);
+    }
+}
+
+/// Minute (Unix minutes) → topic → tally.
+type Tallies = HashMap<i64, HashMap<String, Tally>>;
+
+/// The tallies not yet written.
+#[derive(Default)]
+pub(crate) struct Activity {
+    tallies: Mutex<Tallies>,
+}
+
+impl Activity {
+    /// Tallies recorded outcomes, each with its event's topic, in the current minute.
+    pub(crate) fn record<'a>(&self, outcomes: impl IntoIterator<Item = (&'a str, Outcome)>) {
+        let now = Utc::now();
+        let minute = now.timestamp().div_euclid(60);
+        let mut tallies = self.tallies.lock().expect("activity lock");
+        let topics = tallies.entry(minute).or_default();
+        for (topic, outcome) in outcomes {
+            if !topics.contains_key(topic) {
+                topics.insert(topic.to_owned(), Tally::default());
+            }
+            let tally = topics.get_mut(topic).expect("inserted above");
+            match outcome {
+                Outcome::Published(enqueued) => {
+                    tally.published += 1;
+                    if let Some(at) = enqueued {
+                        let ms = (now - at).num_microseconds().unwrap_or(i64::MAX) as f64 / 1e3;
+                        let ms = ms.max(0.0);
+                        tally.lag_events += 1;
+                        tally.lag_ms_sum += ms;
+                        tally.lag_ms_max = tally.lag_ms_max.max(ms);
+                    }
+                }
+                Outcome::Retried => tally.retried += 1,
+                Outcome::Parked => tally.parked += 1,
+            }
+        }
+        if topics.is_empty() {
+            tallies.remove(&minute);
+        }
+    }
+
+    /// Adds the tallies to `postal.relay_minutes` as `relay`'s, in one statement bounded by a
+    /// statement and lock timeout. What could not be written is kept for the next call (its
+    /// last hour). Returns the rows written.
+    pub(crate) async fn flush(&self, pool: &PgPool, relay: Uuid) -> Result<usize, sqlx::Error> {
+        let taken = std::mem::take(&mut *self.tallies.lock().expect("activity lock"));
+        if taken.is_empty() {
+            return Ok(0);
+        }
+        match write(pool, relay, &taken).await {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                let oldest = Utc::now().timestamp().div_euclid(60) - HELD_MINUTES;
+                let mut tallies = self.tallies.lock().expect("activity lock");
+                for (minute, topics) in taken.into_iter().filter(|(m, _)| *m >= oldest) {
+                    let into = tallies.entry(minute).or_default();
+                    for (topic, tally) in topics {
+                        into.entry(topic).or_default().add(&tally);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// One upsert of `tallies` as `relay`'s rows.
+async fn write(pool: &PgPool, relay: Uuid, tallies: &Tallies) -> Result<usize, sqlx::Error> {
+    let mut minutes = Vec::new();
+    let mut topics = Vec::new();
+    let mut rows: [Vec<i64>; 4] = Default::default();
+    let mut lag_sums = Vec::new();
+    let mut lag_maxes = Vec::new();
+    for (minute, by_topic) in tallies {
+        for (topic, t) in by_topic {
+            minutes.push(DateTime::<Utc>::from_timestamp(minute * 60, 0).unwrap_or_default());
+            topics.push(topic.as_str());
+            rows[0].push(t.published);
+            rows[1].push(t.retried);
+            rows[2].push(t.parked);
+            rows[3].push(t.lag_events);
+            lag_sums.push(t.lag_ms_sum);
+            lag_maxes.push(t.lag_ms_max);
+        }
+    }
+    let [published, retried, parked, lag_events] = rows;
+    let mut tx = pool.begin().await?;
+    bound(&mut tx).await?;
+    sqlx::query(
+        "INSERT INTO postal.relay_minutes AS r
+             (minute, relay_id, topic, published, retried, parked, lag_events, lag_ms_sum, lag_ms_max)
+         SELECT u.minute, $1, u.topic, u.published, u.retried, u.parked, u.lag_events,
+                u.lag_ms_sum, u.lag_ms_max
+         FROM unnest($2::timestamptz[], $3::text[], $4::int8[], $5::int8[], $6::int8[],
+                     $7::int8[], $8::float8[], $9::float8[])
+              AS u(minute, topic, published, retried, parked, lag_events, lag_ms_sum, lag_ms_max)
+         ON CONFLICT (minute, relay_id, topic) DO UPDATE SET
+             published = r.published + excluded.published,
+             retried = r.retried + excluded.retried,
+             parked = r.parked + excluded.parked,
+             lag_events = r.lag_events + excluded.lag_events,
+             lag_ms_sum = r.lag_ms_sum + excluded.lag_ms_sum,
+             lag_ms_max = greatest(r.lag_ms_max, excluded.lag_ms_max)",
+    )
+    .bind(relay)
+    .bind(&minutes)
+    .bind(&topics)
+    .bind(&published)
+    .bind(&retried)
+    .bind(&parked)
+    .bind(&lag_events)
+    .bind(&lag_sums)
+    .bind(&lag_maxes)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(minutes.len())
+}
+
+/// Deletes rows older than a day (the relays' housekeeping), bounded like [`Activity::flush`];
+/// returns how many.
+pub(crate) async fn prune(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    bound(&mut tx).await?;
+    let done = sqlx::query(&format!(
+        "DELETE FROM postal.relay_minutes WHERE minute < now() - interval '{KEEP}'"
+    ))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(done.rows_affected())
+}
+
+/// Bounds the statements of `tx`: a table locked by someone else fails them after a second
+/// instead of keeping the relay's background work waiting.
+async fn bound(tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "SELECT set_config('statement_timeout', '2s', true), set_config('lock_timeout', '1s', true)",
+    )
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// Adds `activity` to the table every [`REPORT_EVERY`] until dropped (the relay's background
+/// task; the relay flushes once more as it stops). A failure is logged when the first write
+/// fails and again when writing works again, not at every try.
+pub(crate) async fn report(activity: std::sync::Arc<Activity>, pool: PgPool, relay: Uuid) {
+    let mut tick = tokio::time::interval(REPORT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        match activity.flush(&pool, relay).await {
+            Ok(_) if failing => {
+                failing = false;
+                tracing::info!("the relay's activity is recorded for the dashboard again");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                metrics::counter!("postal_relay_check_failures_total", "check" => "activity")
+                    .increment(1);
+                if !failing {
+                    failing = true;
+                    tracing::warn!(error = %e, "could not record the relay's activity for the dashboard's charts (publishing goes on); keeping it in memory and retrying every 5 s");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tallies_outcomes_per_topic_with_their_lag() {
+        let a = Activity::default();
+        let enqueued = Utc::now() - chrono::Duration::milliseconds(250);
+        a.record([
+            ("orders", Outcome::Published(Some(enqueued))),
+            ("orders", Outcome::Published(None)),
+            ("orders", Outcome::Retried),
+            ("invoices", Outcome::Parked),
+        ]);
+        let tallies = a.tallies.lock().unwrap();
+        let minute = tallies.values().next().expect("one minute");
+        let orders = minute["orders"];
+        assert_eq!((orders.published, orders.retried, orders.parked), (2, 1, 0));
+        assert_eq!(
+            orders.lag_events, 1,
+            "only the event with a known enqueue time"
+        );
+        assert!(
+            (250.0..10_000.0).contains(&orders.lag_ms_sum),
+            "{}",
+            orders.lag_ms_sum
+        );
+        assert_eq!(orders.lag_ms_max, orders.lag_ms_sum);
+        assert_eq!(minute["invoices"].parked, 1);
+    }
+
+    #[test]
+    fn an_empty_batch_tallies_nothing() {
+        let a = Activity::default();
+        a.record([]);
+        assert!(a.tallies.lock().unwrap().is_empty());
+    }
+}
