@@ -338,6 +338,12 @@ async fn least_privilege_roles_enqueue_relay_and_consume() {
         !log.contains("permission denied"),
         "the relay role lacked a privilege:\n{log}"
     );
+    let reported: Option<i64> =
+        sqlx::query_scalar("SELECT sum(published)::int8 FROM postal.relay_minutes")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reported, Some(12), "the relay role reports its activity");
     consumer_pool.close().await;
     for role in [&app, &relay_role, &consumer_role] {
         let _ = sqlx::query(&format!("DROP OWNED BY {role}"))
