@@ -165,13 +165,6 @@ pub async fn by_seqs(pool: &PgPool, seqs: &[i64]) -> Result<Vec<Parked>, Error> 
     .await?)
 }
 
-/// How many parked events the filter matches.
-pub async fn count(pool: &PgPool, filter: &Filter) -> Result<i64, Error> {
-    let sql = format!("SELECT count(*) FROM postal.outbox WHERE {WHERE}");
-    let (n,): (i64,) = bind(sqlx::query_as(&sql), filter).fetch_one(pool).await?;
-    Ok(n)
-}
-
 /// Parked events that failed the same way.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
@@ -188,22 +181,46 @@ pub struct Group {
     pub last_parked_at: DateTime<Utc>,
 }
 
-/// The filter's parked events grouped by error fingerprint, largest group first.
-pub async fn groups(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Group>, Error> {
+/// The filter's parked events grouped by error fingerprint: the largest groups, and how many
+/// events match in all.
+#[derive(Debug, Clone, Default, Serialize)]
+#[non_exhaustive]
+pub struct Groups {
+    /// The largest groups first, at most the limit asked for.
+    pub groups: Vec<Group>,
+    /// Parked events the filter matches, in every group.
+    pub total: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct GroupRow {
+    #[sqlx(flatten)]
+    group: Group,
+    total: i64,
+}
+
+/// The filter's parked events grouped by error fingerprint, largest group first (at most
+/// `limit` groups), with the number they add up to — in one pass over the matching rows.
+pub async fn groups(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Groups, Error> {
     // Grouped by (fingerprint, topic) first and then by fingerprint: two hash aggregates, where
-    // counting distinct topics at once would sort every row by its error text.
+    // counting distinct topics at once would sort every row by its error text. The total is a
+    // window over every group, taken before the limit.
     let sql = format!(
         "SELECT fingerprint, sum(n)::int8 AS events, count(*) AS topics, min(example) AS example,
-                max(last_parked_at) AS last_parked_at
+                max(last_parked_at) AS last_parked_at, (sum(sum(n)) OVER ())::int8 AS total
          FROM (SELECT {FINGERPRINT_SQL} AS fingerprint, topic, count(*) AS n,
                       min(last_error) AS example, max(available_at) AS last_parked_at
                FROM postal.outbox WHERE {WHERE} GROUP BY 1, 2) AS g
          GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT $8"
     );
-    Ok(bind(sqlx::query_as(&sql), filter)
+    let rows: Vec<GroupRow> = bind(sqlx::query_as(&sql), filter)
         .bind(limit)
         .fetch_all(pool)
-        .await?)
+        .await?;
+    Ok(Groups {
+        total: rows.first().map_or(0, |r| r.total),
+        groups: rows.into_iter().map(|r| r.group).collect(),
+    })
 }
 
 /// One outbox event, whole (any status).

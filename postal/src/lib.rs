@@ -6,6 +6,9 @@
 //! - [`consumer`] (feature `consumer`): handlers whose effects, dedup row and consumed offset
 //!   commit in one transaction (`#[idempotent]`), so each event's effects happen once.
 //!
+//! - [`admin`] (feature `admin`): the operator actions and the dashboard to mount in your axum
+//!   service.
+//!
 //! The vocabulary both share ([`EventId`], [`Topic`], [`migrate`], …) is at the top level.
 //!
 //! ```no_run
@@ -61,3 +64,7 @@ pub use postal_producer as producer;
 /// The consumer half (feature `consumer`): see [`postal_consumer`].
 #[cfg(feature = "consumer")]
 pub use postal_consumer as consumer;
+
+/// Operator tools and the dashboard (feature `admin`): see [`postal_admin`].
+#[cfg(feature = "admin")]
+pub use postal_admin as admin;

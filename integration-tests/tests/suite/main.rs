@@ -36,6 +36,7 @@ mod rabbitmq;
 mod rebalance;
 mod relay;
 mod relay_random;
+mod review_activity;
 mod review_break;
 mod review_checkout;
 mod review_consumer;

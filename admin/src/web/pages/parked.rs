@@ -16,9 +16,8 @@ pub(crate) async fn parked(Extract(state): Extract<State>, Query(p): Pairs) -> R
         Ok(f) => f,
         Err(e) => return failed(&e),
     };
-    let (rows, total, groups) = match tokio::try_join!(
+    let (rows, parked::Groups { groups, total, .. }) = match tokio::try_join!(
         parked::search(&state.pool, &filter, 200),
-        parked::count(&state.pool, &filter),
         parked::groups(&state.pool, &filter, 20),
     ) {
         Ok(x) => x,
