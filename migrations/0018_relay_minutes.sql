@@ -1,10 +1,12 @@
 -- What each relay did, per minute and topic: the dashboard's publish, failure and lag charts.
 --
--- A relay tallies its recorded outcomes in memory and adds them here every 5 s, on a
--- connection of its own, never in a claim's transaction: publishing does not wait on this
--- table, and a relay that dies loses at most its last 5 s of counts (the events themselves
--- are unaffected). Each relay writes only its own rows (`relay_id`), so relays never wait on
--- each other here. Rows older than a day are deleted by the relays' housekeeping.
+-- A relay tallies its recorded outcomes in memory and writes its running totals here every
+-- 5 s, on a connection of its own, never in a claim's transaction: publishing does not wait on
+-- this table. Totals are written as they stand and a row only grows (`greatest`), so a write
+-- retried after a lost answer counts nothing twice. A relay that dies loses at most its last
+-- few seconds of counts (the events themselves are unaffected). Each relay writes only its
+-- own rows (`relay_id`), so relays never wait on each other here. Rows older than a day are
+-- deleted by the relays' housekeeping.
 --
 -- Additive: relays from before this migration do not write it (their publishing is not
 -- charted), and `oldest_compatible` is unchanged.

@@ -280,7 +280,7 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         // meanwhile is a duplicate) and the replay can be run again. A consumer that reads a
         // replayed record before the commit waits for it on the dedup row.
         let ids: Vec<i64> = chunk.iter().map(|r| r.id).collect();
-        let mut tx = pool.begin().await?;
+        let mut tx = postal_shared::cancel_safe::begin(pool).await?;
         let claimed: Vec<i64> = sqlx::query_scalar(
             "UPDATE postal.dead_letters SET replayed_at = now()
              WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL RETURNING id",

@@ -403,7 +403,7 @@ pub async fn discard_seqs(
 ) -> Result<u64, Error> {
     let mut done = 0u64;
     for chunk in seqs.chunks(1000) {
-        let mut tx = pool.begin().await?;
+        let mut tx = postal_shared::cancel_safe::begin(pool).await?;
         let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
             "WITH batch AS (
                  SELECT seq FROM postal.outbox WHERE status = 'failed'

@@ -153,7 +153,7 @@ pub async fn mark_offsets(pool: &PgPool, group: &str, keep: Duration) -> Result<
     // among them, at the latest of their times. A reset's bound is the highest position marked
     // up to a point in time, so dropping old marks outright could drop the one high mark (a
     // reset's pre-move mark) that a lagging horizon still needs (found by a review).
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let folded: Vec<(String, i32, i64, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
         "SELECT topic, partition, max(next_offset), max(marked_at) FROM postal.offset_marks
          WHERE group_id = $1 AND marked_at < now() - $2 * interval '1 millisecond'

@@ -1,10 +1,16 @@
 //! The relay's activity per minute and topic — events published, retried and parked, and their
 //! end-to-end lag — for the dashboard's charts (`postal.relay_minutes`, migration 0018).
 //!
-//! Outcomes are tallied in memory as they are recorded and added to the table every
-//! [`REPORT_EVERY`] on a connection of their own, never on a claim's transaction: publishing
-//! never waits for the table, and a table that cannot be written (locked, database gone) only
-//! delays the charts. A relay that dies loses its last few seconds of counts; the events
+//! Outcomes are tallied in memory as they are recorded, and the running totals are written to
+//! the table every [`REPORT_EVERY`] on a connection of their own, never on a claim's
+//! transaction: publishing never waits for the table, and a table that cannot be written
+//! (locked, database gone) only delays the charts.
+//!
+//! The totals are written as they stand (a row only grows: `greatest` of the stored and the
+//! written value), not added: a write that committed but whose answer was lost, or that was
+//! cut off, is simply written again, never counted twice. A minute's totals stay in memory
+//! until a write of them as they stand went through, so a cancelled write loses nothing
+//! either. A relay killed outright loses its last few seconds of counts; the events
 //! themselves are unaffected.
 
 use std::collections::HashMap;
@@ -24,7 +30,7 @@ pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(5);
 /// How long the rows are kept (the dashboard shows the last hour).
 const KEEP: &str = "1 day";
 
-/// Tallies of minutes older than this are dropped while the table cannot be written.
+/// Totals of minutes older than this are forgotten while the table cannot be written.
 const HELD_MINUTES: i64 = 60;
 
 /// What became of one event in a recorded batch.
@@ -38,7 +44,8 @@ pub(crate) enum Outcome {
     Parked,
 }
 
-/// One minute of one topic.
+/// One minute of one topic: the running totals, and how many changes they had and had when
+/// last written.
 #[derive(Clone, Copy, Debug, Default)]
 struct Tally {
     published: i64,
@@ -47,23 +54,17 @@ struct Tally {
     lag_events: i64,
     lag_ms_sum: f64,
     lag_ms_max: f64,
-}
-
-impl Tally {
-    fn add(&mut self, other: &Tally) {
-        self.published += other.published;
-        self.retried += other.retried;
-        self.parked += other.parked;
-        self.lag_events += other.lag_events;
-        self.lag_ms_sum += other.lag_ms_sum;
-        self.lag_ms_max = self.lag_ms_max.max(other.lag_ms_max);
-    }
+    changes: u64,
+    written: u64,
 }
 
 /// Minute (Unix minutes) → topic → tally.
 type Tallies = HashMap<i64, HashMap<String, Tally>>;
 
-/// The tallies not yet written.
+/// A written row: its minute, topic and totals.
+type Row = (i64, String, Tally);
+
+/// The relay's totals of the minutes not yet written as they stand.
 #[derive(Default)]
 pub(crate) struct Activity {
     tallies: Mutex<Tallies>,
@@ -81,6 +82,7 @@ impl Activity {
                 topics.insert(topic.to_owned(), Tally::default());
             }
             let tally = topics.get_mut(topic).expect("inserted above");
+            tally.changes += 1;
             match outcome {
                 Outcome::Published(enqueued) => {
                     tally.published += 1;
@@ -101,53 +103,77 @@ impl Activity {
         }
     }
 
-    /// Adds the tallies to `postal.relay_minutes` as `relay`'s, in one statement bounded by a
-    /// statement and lock timeout. What could not be written is kept for the next call (its
-    /// last hour). Returns the rows written.
-    pub(crate) async fn flush(&self, pool: &PgPool, relay: Uuid) -> Result<usize, sqlx::Error> {
-        let taken = std::mem::take(&mut *self.tallies.lock().expect("activity lock"));
-        if taken.is_empty() {
-            return Ok(0);
-        }
-        match write(pool, relay, &taken).await {
-            Ok(n) => Ok(n),
-            Err(e) => {
-                let oldest = Utc::now().timestamp().div_euclid(60) - HELD_MINUTES;
-                let mut tallies = self.tallies.lock().expect("activity lock");
-                for (minute, topics) in taken.into_iter().filter(|(m, _)| *m >= oldest) {
-                    let into = tallies.entry(minute).or_default();
-                    for (topic, tally) in topics {
-                        into.entry(topic).or_default().add(&tally);
-                    }
-                }
-                Err(e)
+    /// The totals changed since last written, as they stand now.
+    fn unwritten(&self) -> Vec<Row> {
+        let tallies = self.tallies.lock().expect("activity lock");
+        tallies
+            .iter()
+            .flat_map(|(minute, topics)| {
+                topics
+                    .iter()
+                    .filter(|(_, t)| t.changes != t.written)
+                    .map(|(topic, t)| (*minute, topic.clone(), *t))
+            })
+            .collect()
+    }
+
+    /// `rows` are in the table as they stood: marks them written, and forgets the minutes
+    /// that are over and written whole. Forgets minutes older than [`HELD_MINUTES`] whatever
+    /// their state (the table could not be written for that long).
+    fn written(&self, rows: &[Row]) {
+        let now = Utc::now().timestamp().div_euclid(60);
+        let mut tallies = self.tallies.lock().expect("activity lock");
+        for (minute, topic, snapshot) in rows {
+            if let Some(t) = tallies.get_mut(minute).and_then(|m| m.get_mut(topic)) {
+                t.written = t.written.max(snapshot.changes);
             }
         }
+        tallies.retain(|minute, topics| {
+            *minute >= now - HELD_MINUTES
+                && (*minute >= now || topics.values().any(|t| t.changes != t.written))
+        });
+    }
+
+    /// Writes the totals changed since last written to `postal.relay_minutes` as `relay`'s, in
+    /// one statement bounded by a statement and lock timeout. Whatever is not known to be
+    /// written (an error, or this future dropped) is written by a later call. Returns the rows
+    /// written.
+    pub(crate) async fn flush(&self, pool: &PgPool, relay: Uuid) -> Result<usize, sqlx::Error> {
+        let rows = self.unwritten();
+        if !rows.is_empty() {
+            write(pool, relay, &rows).await?;
+        }
+        self.written(&rows);
+        Ok(rows.len())
     }
 }
 
-/// One upsert of `tallies` as `relay`'s rows.
-async fn write(pool: &PgPool, relay: Uuid, tallies: &Tallies) -> Result<usize, sqlx::Error> {
-    let mut minutes = Vec::new();
-    let mut topics = Vec::new();
-    let mut rows: [Vec<i64>; 4] = Default::default();
-    let mut lag_sums = Vec::new();
-    let mut lag_maxes = Vec::new();
-    for (minute, by_topic) in tallies {
-        for (topic, t) in by_topic {
-            minutes.push(DateTime::<Utc>::from_timestamp(minute * 60, 0).unwrap_or_default());
-            topics.push(topic.as_str());
-            rows[0].push(t.published);
-            rows[1].push(t.retried);
-            rows[2].push(t.parked);
-            rows[3].push(t.lag_events);
-            lag_sums.push(t.lag_ms_sum);
-            lag_maxes.push(t.lag_ms_max);
-        }
+/// The opening of every transaction here: `BEGIN` with a statement and lock timeout, so that
+/// a table locked by someone else fails the write after a second instead of keeping the
+/// relay's background work waiting.
+const BEGIN: &str = "BEGIN; SET LOCAL statement_timeout = '2s'; SET LOCAL lock_timeout = '1s'";
+
+/// One upsert of `rows` as `relay`'s rows, each written as it stands.
+async fn write(pool: &PgPool, relay: Uuid, rows: &[Row]) -> Result<(), sqlx::Error> {
+    let mut minutes = Vec::with_capacity(rows.len());
+    let mut topics = Vec::with_capacity(rows.len());
+    let mut counts: [Vec<i64>; 4] = Default::default();
+    let mut lag_sums = Vec::with_capacity(rows.len());
+    let mut lag_maxes = Vec::with_capacity(rows.len());
+    for (minute, topic, t) in rows {
+        minutes.push(DateTime::<Utc>::from_timestamp(minute * 60, 0).unwrap_or_default());
+        topics.push(topic.as_str());
+        counts[0].push(t.published);
+        counts[1].push(t.retried);
+        counts[2].push(t.parked);
+        counts[3].push(t.lag_events);
+        lag_sums.push(t.lag_ms_sum);
+        lag_maxes.push(t.lag_ms_max);
     }
-    let [published, retried, parked, lag_events] = rows;
-    let mut tx = pool.begin().await?;
-    bound(&mut tx).await?;
+    let [published, retried, parked, lag_events] = counts;
+    // Cancel-safe: a relay stopping cuts this task off, possibly mid-`BEGIN`, and the pool
+    // may be the application's.
+    let mut tx = postal_shared::cancel_safe::begin_with(pool, BEGIN.into()).await?;
     sqlx::query(
         "INSERT INTO postal.relay_minutes AS r
              (minute, relay_id, topic, published, retried, parked, lag_events, lag_ms_sum, lag_ms_max)
@@ -157,11 +183,11 @@ async fn write(pool: &PgPool, relay: Uuid, tallies: &Tallies) -> Result<usize, s
                      $7::int8[], $8::float8[], $9::float8[])
               AS u(minute, topic, published, retried, parked, lag_events, lag_ms_sum, lag_ms_max)
          ON CONFLICT (minute, relay_id, topic) DO UPDATE SET
-             published = r.published + excluded.published,
-             retried = r.retried + excluded.retried,
-             parked = r.parked + excluded.parked,
-             lag_events = r.lag_events + excluded.lag_events,
-             lag_ms_sum = r.lag_ms_sum + excluded.lag_ms_sum,
+             published = greatest(r.published, excluded.published),
+             retried = greatest(r.retried, excluded.retried),
+             parked = greatest(r.parked, excluded.parked),
+             lag_events = greatest(r.lag_events, excluded.lag_events),
+             lag_ms_sum = greatest(r.lag_ms_sum, excluded.lag_ms_sum),
              lag_ms_max = greatest(r.lag_ms_max, excluded.lag_ms_max)",
     )
     .bind(relay)
@@ -176,14 +202,13 @@ async fn write(pool: &PgPool, relay: Uuid, tallies: &Tallies) -> Result<usize, s
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(minutes.len())
+    Ok(())
 }
 
 /// Deletes rows older than a day (the relays' housekeeping), bounded like [`Activity::flush`];
 /// returns how many.
 pub(crate) async fn prune(pool: &PgPool) -> Result<u64, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    bound(&mut tx).await?;
+    let mut tx = postal_shared::cancel_safe::begin_with(pool, BEGIN.into()).await?;
     let done = sqlx::query(&format!(
         "DELETE FROM postal.relay_minutes WHERE minute < now() - interval '{KEEP}'"
     ))
@@ -193,18 +218,7 @@ pub(crate) async fn prune(pool: &PgPool) -> Result<u64, sqlx::Error> {
     Ok(done.rows_affected())
 }
 
-/// Bounds the statements of `tx`: a table locked by someone else fails them after a second
-/// instead of keeping the relay's background work waiting.
-async fn bound(tx: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "SELECT set_config('statement_timeout', '2s', true), set_config('lock_timeout', '1s', true)",
-    )
-    .execute(tx)
-    .await?;
-    Ok(())
-}
-
-/// Adds `activity` to the table every [`REPORT_EVERY`] until dropped (the relay's background
+/// Writes `activity` to the table every [`REPORT_EVERY`] until dropped (the relay's background
 /// task; the relay flushes once more as it stops). A failure is logged when the first write
 /// fails and again when writing works again, not at every try.
 pub(crate) async fn report(activity: std::sync::Arc<Activity>, pool: PgPool, relay: Uuid) {
@@ -260,6 +274,30 @@ mod tests {
         );
         assert_eq!(orders.lag_ms_max, orders.lag_ms_sum);
         assert_eq!(minute["invoices"].parked, 1);
+    }
+
+    #[test]
+    fn totals_are_written_as_they_stand_until_a_write_of_them_went_through() {
+        let a = Activity::default();
+        a.record([("orders", Outcome::Published(None))]);
+        let first = a.unwritten();
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].2.published, 1);
+        // A write that failed or was cut off: nothing is marked, the same totals go again.
+        assert_eq!(a.unwritten()[0].2.published, 1);
+        // More outcomes while a write is under way: that write does not cover them.
+        a.record([("orders", Outcome::Published(None))]);
+        a.written(&first);
+        let second = a.unwritten();
+        assert_eq!(second.len(), 1, "changed since the write");
+        assert_eq!(
+            second[0].2.published, 2,
+            "the running total, not the difference"
+        );
+        a.written(&second);
+        assert!(a.unwritten().is_empty());
+        // The current minute stays (it may grow), written.
+        assert_eq!(a.tallies.lock().unwrap().len(), 1);
     }
 
     #[test]

@@ -133,10 +133,11 @@ impl Default for RelayConfig {
 
 impl RelayConfig {
     /// The connections this configuration can use at once: a claim per lane and per batch in
-    /// flight, plus the lease heartbeat, the `LISTEN` session and housekeeping. Size the
+    /// flight, plus the lease heartbeat, the `LISTEN` session, housekeeping and the activity
+    /// report (the dashboard's charts). Size the
     /// relay's pool so (`postal relay` does); a smaller pool makes claims wait.
     pub fn connections_wanted(&self) -> u32 {
-        (self.max_in_flight_batches + self.lanes + 3) as u32
+        (self.max_in_flight_batches + self.lanes + 4) as u32
     }
 
     /// Checks the settings; the error names the offending one.

@@ -18,14 +18,15 @@ impl<T: Transport> Shared<T> {
             // Each check in a transaction of its own whose statements end after
             // `CHECK_TIMEOUT`: a check stuck behind a lock fails (and says so) instead of
             // leaving every gauge at its last value without a sign.
-            let checks = async {
-                let mut tx = self.pool.begin().await?;
-                sqlx::query("SELECT set_config('statement_timeout', $1, true)")
-                    .bind(format!("{}ms", CHECK_TIMEOUT.as_millis()))
-                    .execute(&mut *tx)
-                    .await?;
-                Ok::<_, sqlx::Error>(tx)
-            };
+            // Cancel-safe: a stopping relay aborts this task, possibly mid-`BEGIN`, and the
+            // pool may be the application's.
+            let checks = postal_shared::cancel_safe::begin_with(
+                &self.pool,
+                format!(
+                    "BEGIN; SET LOCAL statement_timeout = '{}ms'",
+                    CHECK_TIMEOUT.as_millis()
+                ),
+            );
             let backlog = async {
                 let mut tx = checks.await?;
                 let row = sqlx::query_as::<_, (i64, i64, i64, Option<f64>)>(&summary)

@@ -58,9 +58,9 @@ pub struct Relay<T: Transport> {
 impl<T: Transport> Relay<T> {
     /// A relay publishing through `transport`. Fails if the configuration is invalid.
     ///
-    /// Give it a pool of at least `max_in_flight_batches + lanes + 3` connections (docs/relay.md,
+    /// Give it a pool of at least `max_in_flight_batches + lanes + 4` connections (docs/relay.md,
     /// "In-process task handlers"): each batch in flight holds one, each claiming lane one,
-    /// and the heartbeat, housekeeping and `LISTEN` one each.
+    /// and the heartbeat, housekeeping, `LISTEN` and the activity report one each.
     pub fn new(pool: PgPool, transport: T, config: RelayConfig) -> Result<Self, Error> {
         config.validate()?;
         if let Some(delivery) = transport.delivery_timeout() {
@@ -77,7 +77,7 @@ impl<T: Transport> Relay<T> {
             tracing::warn!(
                 pool_max_connections = max,
                 wanted,
-                "the relay's pool is smaller than this configuration can use at once (lanes + in-flight batches + 3): claims will wait for connections; raise the pool's max_connections to {wanted}"
+                "the relay's pool is smaller than this configuration can use at once (lanes + in-flight batches + 4): claims will wait for connections; raise the pool's max_connections to {wanted}"
             );
         }
         Ok(Relay {
@@ -103,7 +103,8 @@ impl<T: Transport> Relay<T> {
     /// `shutdown_timeout` is given back (its claim rolls back). A batch still being handed to
     /// the destination when shutdown begins gets `shutdown_timeout` of its own first; a
     /// hand-over that takes longer is given up (its claim rolls back too). So a stop takes at
-    /// most about twice `shutdown_timeout` plus a one-second flush.
+    /// most about twice `shutdown_timeout` plus a one-second flush and the last activity report
+    /// (at most 4 s).
     ///
     /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks:
     /// each lane claims its partitions in sequence order, so per-key order
@@ -239,9 +240,10 @@ impl<T: Transport> Relay<T> {
             while set.join_next().await.is_some() {}
         }
         // The activity of the last seconds, for the dashboard's charts (bounded: a stop
-        // does not wait on an unreachable database for it).
+        // does not wait on an unreachable database for it; the write's own statement and lock
+        // timeouts take up to 3 s).
         let _ = tokio::time::timeout(
-            Duration::from_secs(1),
+            Duration::from_secs(4),
             shared.counters.activity.flush(&self.pool, self.id),
         )
         .await;
