@@ -67,15 +67,34 @@ type Row = (i64, String, Tally);
 /// The relay's totals of the minutes not yet written as they stand.
 #[derive(Default)]
 pub(crate) struct Activity {
-    tallies: Mutex<Tallies>,
+    tallies: Mutex<Held>,
 }
+
+/// The totals held, and the newest minute already forgotten: an outcome is never tallied into
+/// a minute at or before it (its row was written whole; a fresh total from zero would be lost
+/// under `greatest`), but into the one after.
+#[derive(Default)]
+struct Held {
+    minutes: Tallies,
+    forgotten_through: i64,
+}
+
+/// Rows per upsert (each in a transaction of its own, within the statement timeout however
+/// many topics and minutes are held).
+const WRITE_CHUNK: usize = 1000;
 
 impl Activity {
     /// Tallies recorded outcomes, each with its event's topic, in the current minute.
     pub(crate) fn record<'a>(&self, outcomes: impl IntoIterator<Item = (&'a str, Outcome)>) {
+        let mut held = self.tallies.lock().expect("activity lock");
+        // The clock is read under the lock: a thread stalled before taking it cannot tally
+        // into a minute forgotten meanwhile.
         let now = Utc::now();
-        let minute = now.timestamp().div_euclid(60);
-        let mut tallies = self.tallies.lock().expect("activity lock");
+        let minute = now
+            .timestamp()
+            .div_euclid(60)
+            .max(held.forgotten_through + 1);
+        let tallies = &mut held.minutes;
         let topics = tallies.entry(minute).or_default();
         for (topic, outcome) in outcomes {
             if !topics.contains_key(topic) {
@@ -105,8 +124,8 @@ impl Activity {
 
     /// The totals changed since last written, as they stand now.
     fn unwritten(&self) -> Vec<Row> {
-        let tallies = self.tallies.lock().expect("activity lock");
-        tallies
+        let held = self.tallies.lock().expect("activity lock");
+        held.minutes
             .iter()
             .flat_map(|(minute, topics)| {
                 topics
@@ -117,33 +136,46 @@ impl Activity {
             .collect()
     }
 
-    /// `rows` are in the table as they stood: marks them written, and forgets the minutes
-    /// that are over and written whole. Forgets minutes older than [`HELD_MINUTES`] whatever
-    /// their state (the table could not be written for that long).
+    /// `rows` are in the table as they stood: marks them written.
     fn written(&self, rows: &[Row]) {
-        let now = Utc::now().timestamp().div_euclid(60);
-        let mut tallies = self.tallies.lock().expect("activity lock");
+        let mut held = self.tallies.lock().expect("activity lock");
         for (minute, topic, snapshot) in rows {
-            if let Some(t) = tallies.get_mut(minute).and_then(|m| m.get_mut(topic)) {
+            if let Some(t) = held.minutes.get_mut(minute).and_then(|m| m.get_mut(topic)) {
                 t.written = t.written.max(snapshot.changes);
             }
         }
-        tallies.retain(|minute, topics| {
-            *minute >= now - HELD_MINUTES
-                && (*minute >= now || topics.values().any(|t| t.changes != t.written))
-        });
     }
 
-    /// Writes the totals changed since last written to `postal.relay_minutes` as `relay`'s, in
-    /// one statement bounded by a statement and lock timeout. Whatever is not known to be
-    /// written (an error, or this future dropped) is written by a later call. Returns the rows
-    /// written.
+    /// Forgets the minutes that are over and written whole, and those older than
+    /// [`HELD_MINUTES`] whatever their state (the table could not be written for that long:
+    /// memory stays bounded by the topics of the last hour).
+    fn forget(&self) {
+        let now = Utc::now().timestamp().div_euclid(60);
+        let mut held = self.tallies.lock().expect("activity lock");
+        let mut newest_forgotten = held.forgotten_through;
+        held.minutes.retain(|minute, topics| {
+            let keep = *minute >= now - HELD_MINUTES
+                && (*minute >= now || topics.values().any(|t| t.changes != t.written));
+            if !keep {
+                newest_forgotten = newest_forgotten.max(*minute);
+            }
+            keep
+        });
+        held.forgotten_through = newest_forgotten;
+    }
+
+    /// Writes the totals changed since last written to `postal.relay_minutes` as `relay`'s,
+    /// [`WRITE_CHUNK`] rows per transaction, each bounded by a statement and lock timeout.
+    /// Whatever is not known to be written (an error, or this future dropped) is written by a
+    /// later call. Returns the rows written.
     pub(crate) async fn flush(&self, pool: &PgPool, relay: Uuid) -> Result<usize, sqlx::Error> {
+        self.forget();
         let rows = self.unwritten();
-        if !rows.is_empty() {
-            write(pool, relay, &rows).await?;
+        for chunk in rows.chunks(WRITE_CHUNK) {
+            write(pool, relay, chunk).await?;
+            self.written(chunk);
         }
-        self.written(&rows);
+        self.forget();
         Ok(rows.len())
     }
 }
@@ -218,15 +250,25 @@ pub(crate) async fn prune(pool: &PgPool) -> Result<u64, sqlx::Error> {
     Ok(done.rows_affected())
 }
 
-/// Writes `activity` to the table every [`REPORT_EVERY`] until dropped (the relay's background
-/// task; the relay flushes once more as it stops). A failure is logged when the first write
-/// fails and again when writing works again, not at every try.
-pub(crate) async fn report(activity: std::sync::Arc<Activity>, pool: PgPool, relay: Uuid) {
+/// Writes `activity` to the table every [`REPORT_EVERY`], and once more when `stop` is
+/// cancelled, then returns (the relay's background task; the relay waits for it, bounded, as
+/// it stops). A write under way finishes before that last one: cut off, it could still hold
+/// the rows' locks on the server while the last write waits for them. A failure is logged
+/// when the first write fails and again when writing works again, not at every try.
+pub(crate) async fn report(
+    activity: std::sync::Arc<Activity>,
+    pool: PgPool,
+    relay: Uuid,
+    stop: tokio_util::sync::CancellationToken,
+) {
     let mut tick = tokio::time::interval(REPORT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     loop {
-        tick.tick().await;
+        let last = tokio::select! {
+            _ = tick.tick() => false,
+            () = stop.cancelled() => true,
+        };
         match activity.flush(&pool, relay).await {
             Ok(_) if failing => {
                 failing = false;
@@ -241,6 +283,9 @@ pub(crate) async fn report(activity: std::sync::Arc<Activity>, pool: PgPool, rel
                     tracing::warn!(error = %e, "could not record the relay's activity for the dashboard's charts (publishing goes on); keeping it in memory and retrying every 5 s");
                 }
             }
+        }
+        if last {
+            return;
         }
     }
 }
@@ -259,8 +304,8 @@ mod tests {
             ("orders", Outcome::Retried),
             ("invoices", Outcome::Parked),
         ]);
-        let tallies = a.tallies.lock().unwrap();
-        let minute = tallies.values().next().expect("one minute");
+        let held = a.tallies.lock().unwrap();
+        let minute = held.minutes.values().next().expect("one minute");
         let orders = minute["orders"];
         assert_eq!((orders.published, orders.retried, orders.parked), (2, 1, 0));
         assert_eq!(
@@ -297,13 +342,40 @@ mod tests {
         a.written(&second);
         assert!(a.unwritten().is_empty());
         // The current minute stays (it may grow), written.
-        assert_eq!(a.tallies.lock().unwrap().len(), 1);
+        a.forget();
+        assert_eq!(a.tallies.lock().unwrap().minutes.len(), 1);
+    }
+
+    #[test]
+    fn minutes_unwritten_for_an_hour_are_forgotten_and_never_tallied_into_again() {
+        let a = Activity::default();
+        let now = Utc::now().timestamp().div_euclid(60);
+        a.tallies.lock().unwrap().minutes.insert(
+            now - HELD_MINUTES - 1,
+            HashMap::from([(
+                "orders".to_owned(),
+                Tally {
+                    published: 5,
+                    changes: 5,
+                    ..Tally::default()
+                },
+            )]),
+        );
+        a.forget();
+        assert!(a.unwritten().is_empty(), "bounded while writes fail");
+        // A minute forgotten (here: one still running, as if the clock stepped back) is never
+        // tallied into again: its row may hold more than a fresh total from zero.
+        a.tallies.lock().unwrap().forgotten_through = now + 2;
+        a.record([("orders", Outcome::Retried)]);
+        let rows = a.unwritten();
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].0, rows[0].2.retried), (now + 3, 1));
     }
 
     #[test]
     fn an_empty_batch_tallies_nothing() {
         let a = Activity::default();
         a.record([]);
-        assert!(a.tallies.lock().unwrap().is_empty());
+        assert!(a.tallies.lock().unwrap().minutes.is_empty());
     }
 }

@@ -37,6 +37,7 @@ mod rebalance;
 mod relay;
 mod relay_random;
 mod review_activity;
+mod review_activity2;
 mod review_break;
 mod review_checkout;
 mod review_consumer;

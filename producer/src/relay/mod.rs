@@ -104,7 +104,7 @@ impl<T: Transport> Relay<T> {
     /// the destination when shutdown begins gets `shutdown_timeout` of its own first; a
     /// hand-over that takes longer is given up (its claim rolls back too). So a stop takes at
     /// most about twice `shutdown_timeout` plus a one-second flush and the last activity report
-    /// (at most 4 s).
+    /// (at most 5 s).
     ///
     /// The owned key partitions are split across `lanes` claim loops, in contiguous blocks:
     /// each lane claims its partitions in sequence order, so per-key order
@@ -163,11 +163,17 @@ impl<T: Transport> Relay<T> {
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
         background.spawn(shared.clone().housekeeping());
-        background.spawn(crate::activity::report(
+        // Not in `background`: it writes the last activity as the relay stops (below).
+        let report_stop = CancellationToken::new();
+        let mut report = tokio::spawn(crate::activity::report(
             shared.counters.activity.clone(),
             self.pool.clone(),
             self.id,
+            report_stop.clone(),
         ));
+        let report_abort = report.abort_handle();
+        // Aborted if this future is dropped (the relay killed in-process).
+        let _report_guard = AbortOnDrop(report_abort.clone());
         let mut lane_tasks = tokio::task::JoinSet::new();
         for lane in 0..lanes {
             lane_tasks.spawn(
@@ -239,14 +245,23 @@ impl<T: Transport> Relay<T> {
             set.abort_all();
             while set.join_next().await.is_some() {}
         }
-        // The activity of the last seconds, for the dashboard's charts (bounded: a stop
-        // does not wait on an unreachable database for it; the write's own statement and lock
-        // timeouts take up to 3 s).
-        let _ = tokio::time::timeout(
-            Duration::from_secs(4),
-            shared.counters.activity.flush(&self.pool, self.id),
-        )
-        .await;
+        // The activity of the last seconds, for the dashboard's charts: the report task
+        // finishes a write under way (cut off at its commit, it could hold the rows' locks on
+        // the server past the last write) and writes once more. A write stuck for 3 s is cut
+        // off and the last one made apart, for at most 2 s more: a stop does not wait on an
+        // unreachable database for the charts.
+        report_stop.cancel();
+        if tokio::time::timeout(Duration::from_secs(3), &mut report)
+            .await
+            .is_err()
+        {
+            report_abort.abort();
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                shared.counters.activity.flush(&self.pool, self.id),
+            )
+            .await;
+        }
         match lease::leave(&self.pool, self.id).await {
             Ok(()) => tracing::debug!("gave up all key partitions"),
             Err(e) => {
@@ -340,5 +355,14 @@ impl<T: Transport> Shared<T> {
             unavailable_streak: self.unavailable_streak.clone(),
             paused_until: self.paused_until.clone(),
         }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
