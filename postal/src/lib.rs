@@ -5,9 +5,8 @@
 //!   ([`producer::enqueue`]); the relay publishes it and marks it only once the broker has it.
 //! - [`consumer`] (feature `consumer`): handlers whose effects, dedup row and consumed offset
 //!   commit in one transaction (`#[idempotent]`), so each event's effects happen once.
-//!
-//! - [`admin`] (feature `admin`): the operator actions and the dashboard to mount in your axum
-//!   service.
+//! - `admin` (feature `admin`, not on by default): the operator actions and the dashboard to
+//!   mount in your axum service.
 //!
 //! The vocabulary both share ([`EventId`], [`Topic`], [`migrate`], …) is at the top level.
 //!
