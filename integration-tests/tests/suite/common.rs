@@ -1,6 +1,7 @@
 //! Helpers shared by the scenarios.
 
 pub mod dashboard;
+pub mod pg_proxy;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
