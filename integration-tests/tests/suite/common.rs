@@ -2,6 +2,7 @@
 
 pub mod dashboard;
 pub mod pg_proxy;
+pub mod roles;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

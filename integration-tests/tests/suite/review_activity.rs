@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use postal_integration_tests::{fresh_postgres_db, unique, wait, TestDb};
 use postal_producer::{enqueue, enqueue_batch, NewEvent};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
 use crate::common::pg_proxy::{pool_through, proxy_for, Acking};
@@ -326,23 +325,7 @@ async fn a_locked_activity_table_holds_up_neither_publishing_nor_the_stop() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_role_without_rights_on_the_activity_table_still_publishes() {
     let db = fresh_postgres_db().await;
-    let role = unique("relay_pre18").replace('-', "_");
-    for sql in [
-        format!("CREATE ROLE {role} LOGIN"),
-        format!("GRANT USAGE ON SCHEMA postal TO {role}"),
-        format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
-        format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions TO {role}"),
-        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
-    ] {
-        sqlx::query(&sql).execute(&db.pool).await.unwrap();
-    }
-    let opts: PgConnectOptions = db.url.parse().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(opts.username(&role))
-        .await
-        .unwrap();
+    let (_role, pool) = crate::common::roles::pre18_relay_pool(&db, 8).await;
     let topic = unique("activity");
     let relay = RunningRelay::start(&pool, Acking, fast_config());
     enqueue_n(&db.pool, &topic, 300).await;

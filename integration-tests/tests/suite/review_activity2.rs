@@ -4,12 +4,11 @@
 
 use std::time::Duration;
 
-use postal_integration_tests::{fresh_postgres_db, unique, wait, TestDb};
+use postal_integration_tests::{fresh_postgres_db, unique, wait};
 use postal_producer::{enqueue_batch, NewEvent};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-use crate::common::pg_proxy::{Acking, PgProxy};
+use crate::common::pg_proxy::{pool_through, proxy_for, Acking};
 use crate::common::{fast_config, RunningRelay};
 
 async fn scalar(pool: &PgPool, sql: &str) -> i64 {
@@ -24,29 +23,6 @@ async fn charted(pool: &PgPool) -> i64 {
     .await
 }
 
-/// A relay role as `postal grant --relay` of the release before migration 0018 made it
-/// (nothing on `postal.relay_minutes`), and a pool of it.
-async fn pre18_role_pool(db: &TestDb) -> (String, PgPool) {
-    let role = unique("relay_pre18").replace('-', "_");
-    for sql in [
-        format!("CREATE ROLE {role} LOGIN"),
-        format!("GRANT USAGE ON SCHEMA postal TO {role}"),
-        format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
-        format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions TO {role}"),
-        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
-    ] {
-        sqlx::query(&sql).execute(&db.pool).await.unwrap();
-    }
-    let opts: PgConnectOptions = db.url.parse().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(12)
-        .connect_with(opts.username(&role))
-        .await
-        .unwrap();
-    (role, pool)
-}
-
 /// The scenario of both tests below: a relay whose activity writes are refused (its role was
 /// granted before migration 0018) publishes `topics` events, one per topic — the (minute,
 /// topic) totals a relay with fewer topics accumulates over many minutes of refused writes;
@@ -55,7 +31,7 @@ async fn pre18_role_pool(db: &TestDb) -> (String, PgPool) {
 /// upsert seen running meanwhile in ms).
 async fn late_grant(topics: usize) -> (u64, i64, f64) {
     let db = fresh_postgres_db().await;
-    let (role, pool) = pre18_role_pool(&db).await;
+    let (role, pool) = crate::common::roles::pre18_relay_pool(&db, 12).await;
     let relay = RunningRelay::start(
         &pool,
         Acking,
@@ -173,19 +149,8 @@ async fn charts_catch_up_once_a_small_backlog_can_be_written() {
 async fn a_clean_stop_during_a_slow_activity_commit_keeps_its_counts() {
     use std::sync::atomic::Ordering;
     let db = fresh_postgres_db().await;
-    let opts: PgConnectOptions = db.url.parse().unwrap();
-    let proxy = PgProxy::start(format!("{}:{}", opts.get_host(), opts.get_port())).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .acquire_timeout(Duration::from_secs(20))
-        .connect_with(
-            opts.clone()
-                .host("127.0.0.1")
-                .port(proxy.port)
-                .ssl_mode(sqlx::postgres::PgSslMode::Disable),
-        )
-        .await
-        .unwrap();
+    let proxy = proxy_for(&db).await;
+    let pool = pool_through(&db, &proxy, 10).await;
     let topic = unique("activity");
     let enqueue_n = |n: usize| {
         let (pool, topic) = (db.pool.clone(), topic.clone());
