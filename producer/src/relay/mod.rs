@@ -165,15 +165,15 @@ impl<T: Transport> Relay<T> {
         background.spawn(shared.clone().housekeeping());
         // Not in `background`: it writes the last activity as the relay stops (below).
         let report_stop = CancellationToken::new();
-        let mut report = tokio::spawn(crate::activity::report(
+        // A set of its own, which aborts it if this future is dropped (the relay killed
+        // in-process).
+        let mut report = tokio::task::JoinSet::new();
+        report.spawn(crate::activity::report(
             shared.counters.activity.clone(),
             self.pool.clone(),
             self.id,
             report_stop.clone(),
         ));
-        let report_abort = report.abort_handle();
-        // Aborted if this future is dropped (the relay killed in-process).
-        let _report_guard = AbortOnDrop(report_abort.clone());
         let mut lane_tasks = tokio::task::JoinSet::new();
         for lane in 0..lanes {
             lane_tasks.spawn(
@@ -251,11 +251,11 @@ impl<T: Transport> Relay<T> {
         // off and the last one made apart, for at most 2 s more: a stop does not wait on an
         // unreachable database for the charts.
         report_stop.cancel();
-        if tokio::time::timeout(Duration::from_secs(3), &mut report)
+        if tokio::time::timeout(Duration::from_secs(3), report.join_next())
             .await
             .is_err()
         {
-            report_abort.abort();
+            report.abort_all();
             let _ = tokio::time::timeout(
                 Duration::from_secs(2),
                 shared.counters.activity.flush(&self.pool, self.id),
@@ -355,14 +355,5 @@ impl<T: Transport> Shared<T> {
             unavailable_streak: self.unavailable_streak.clone(),
             paused_until: self.paused_until.clone(),
         }
-    }
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
