@@ -442,12 +442,12 @@ pub async fn discard_seqs(
 }
 
 /// A key held back by a parked event: its first parked event (the head) and how many of its
-/// later events wait behind it. The relay holds a key back across topics: a parked event holds
-/// its key's later events on every topic.
+/// later events wait behind it. A key's scope is its topic and key: a parked event holds back
+/// its key's later events on its own topic, not on others.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct BlockedKey {
-    /// The head's topic.
+    /// The key's topic.
     pub topic: String,
     /// Key.
     pub event_key: String,
@@ -459,10 +459,8 @@ pub struct BlockedKey {
     pub parked_at: DateTime<Utc>,
     /// The key's parked events (the head included).
     pub parked: i64,
-    /// The key's later events that are pending, held back by the head (on any topic).
+    /// The key's later events on its topic that are pending, held back by the head.
     pub waiting: i64,
-    /// On how many topics the key has parked or pending events.
-    pub topics: i64,
 }
 
 // One pass over the parked and pending rows (each through its partial index), grouped by key
@@ -475,17 +473,16 @@ pub(crate) const BLOCKED_SQL: &str = "WITH r AS (
              SELECT topic, event_key, seq, false
              FROM postal.outbox WHERE status = 'pending'),
          k AS (
-             SELECT event_key, min(seq) FILTER (WHERE parked) AS head_seq,
+             SELECT topic, event_key, min(seq) FILTER (WHERE parked) AS head_seq,
                     count(*) FILTER (WHERE parked) AS parked,
-                    array_agg(seq) FILTER (WHERE NOT parked) AS pending,
-                    count(DISTINCT topic) AS topics
-             FROM r GROUP BY 1 HAVING bool_or(parked)),
+                    array_agg(seq) FILTER (WHERE NOT parked) AS pending
+             FROM r GROUP BY 1, 2 HAVING bool_or(parked)),
          w AS (
-             SELECT event_key, head_seq, parked, topics,
+             SELECT event_key, head_seq, parked,
                     (SELECT count(*) FROM unnest(pending) AS s WHERE s > head_seq) AS waiting
-             FROM k ORDER BY 5 DESC, head_seq LIMIT $1)
+             FROM k ORDER BY 4 DESC, head_seq LIMIT $1)
          SELECT o.topic, w.event_key, o.event_id AS head_event_id, o.last_error AS head_error,
-                o.available_at AS parked_at, w.parked, w.waiting, w.topics
+                o.available_at AS parked_at, w.parked, w.waiting
          FROM w JOIN postal.outbox o ON o.seq = w.head_seq
          ORDER BY w.waiting DESC, w.head_seq";
 
@@ -498,8 +495,8 @@ pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, 
         .await?)
 }
 
-/// Releases the key held by the parked event `head`: requeues all the key's parked events
-/// (the head first, in their original order, on every topic), after which the relay publishes
+/// Releases the key held by the parked event `head`: requeues all the key's parked events on
+/// the head's topic (the head first, in their original order), after which the relay publishes
 /// the head, then the events that waited behind it. Returns how many were requeued; 0 if `head`
 /// is no longer parked.
 pub async fn release_key(pool: &PgPool, head: Uuid, cap: Option<usize>) -> Result<u64, Error> {
@@ -509,25 +506,25 @@ pub async fn release_key(pool: &PgPool, head: Uuid, cap: Option<usize>) -> Resul
     }
 }
 
-/// The key of the parked event `head` and the key's parked events, in outbox order (`None` if
-/// `head` is not parked); more than `cap`: refused.
+/// The key of the parked event `head` and the key's parked events on its topic, in outbox
+/// order (`None` if `head` is not parked); more than `cap`: refused.
 pub async fn key_of_head(
     pool: &PgPool,
     head: Uuid,
     cap: Option<usize>,
 ) -> Result<Option<(String, Vec<i64>)>, Error> {
-    let key: Option<String> = sqlx::query_scalar(
-        "SELECT event_key FROM postal.outbox WHERE event_id = $1 AND status = 'failed'",
+    let found: Option<(String, String)> = sqlx::query_as(
+        "SELECT topic, event_key FROM postal.outbox WHERE event_id = $1 AND status = 'failed'",
     )
     .bind(head)
     .fetch_optional(pool)
     .await?;
-    let Some(key) = key else {
+    let Some((topic, key)) = found else {
         return Ok(None);
     };
     let seqs = matched(
         pool,
-        &Selection::Filter(Filter::default().key(key.clone())),
+        &Selection::Filter(Filter::default().topic(topic).key(key.clone())),
         cap,
     )
     .await?;

@@ -45,11 +45,12 @@ use crate::transport::{OutboundEvent, PublishError};
 /// The run number of each checked-out row, by sequence number.
 pub(crate) type Runs = HashMap<i64, i32>;
 
-/// The claimed rows to check out: the first row of each key in the batch (by position).
+/// The claimed rows to check out: the first row of each key (topic and key) in the batch (by
+/// position).
 pub(crate) fn heads(batch: &[OutboundEvent]) -> Vec<usize> {
     let mut seen = std::collections::HashSet::new();
     (0..batch.len())
-        .filter(|&i| seen.insert(batch[i].key.as_str()))
+        .filter(|&i| seen.insert(batch[i].order_key()))
         .collect()
 }
 

@@ -363,8 +363,10 @@ impl Claim {
 
 /// The lease a relay must have left on a partition to claim from it: the longest a claim's
 /// transaction lives on after its last statement (half the lease, then PostgreSQL ends it)
-/// plus a twentieth of the lease (which also covers the claim statement itself: the check
-/// reads the transaction's start time). A claim whose relay never sends another statement thus
+/// plus a twentieth of the lease (which also covers the claim statement itself). The check
+/// reads the clock when it runs (`clock_timestamp()`), not the transaction's start: a claim
+/// whose statements were held up after its `BEGIN` (a lock wait, a slow link, a pooler's
+/// queue) must not count on lease time that has already passed. A claim whose relay never sends another statement thus
 /// ends before the leases of its partitions run out, and the next owner takes them over without
 /// having to terminate it (a claim kept alive shortens its idle limit the same way,
 /// [`Claim::keep_alive`]). A claim whose backend stays active past them is held off by the
@@ -386,9 +388,10 @@ fn send_margin(lease: Duration) -> Duration {
 /// order. Returns `None` when there is nothing to publish. The claim's transaction may stay
 /// idle for at most half the lease.
 ///
-/// A row is publishable when it is pending, due (`available_at` passed), not claimed by anyone
-/// else, and no earlier row of its key holds it back (parked, waiting for a retry, or
-/// scheduled for later). Only topics that `topics` lets through are claimed.
+/// A row is publishable when it is pending, due (not `held`, or `available_at` passed), not
+/// claimed by anyone else, and no earlier row of its topic and key holds it back (parked,
+/// waiting for a retry, or scheduled for later). Only topics that `topics` lets through are
+/// claimed.
 pub async fn claim(
     pool: &PgPool,
     relay: Uuid,
@@ -408,7 +411,8 @@ pub async fn claim(
     // every other partition (a lock there would hold up another relay's takeover).
     let locked: Vec<i16> = sqlx::query_scalar(concat!(
         "SELECT ARRAY(SELECT key_partition FROM postal.relay_partitions
-                WHERE CASE WHEN owner = $1 AND lease_until > now() + make_interval(secs => $3)
+                WHERE CASE WHEN owner = $1
+                                AND lease_until > clock_timestamp() + make_interval(secs => $3)
                                 AND ($2::bool[] IS NULL OR ($2::bool[])[key_partition + 1])
                            THEN pg_try_advisory_xact_lock_shared(",
         crate::fence::fence_lock_class!("relay_group"),
@@ -446,7 +450,7 @@ pub async fn claim(
     let (owned, left_ms, _): (Vec<i16>, Option<f64>, String) = sqlx::query_as(concat!(
         "WITH o AS (SELECT key_partition, lease_until FROM postal.relay_partitions
                 WHERE owner = $1 AND key_partition = ANY($2)
-                  AND lease_until > now() + make_interval(secs => $4))
+                  AND lease_until > clock_timestamp() + make_interval(secs => $4))
          SELECT ARRAY(SELECT key_partition FROM o ORDER BY key_partition),
                 (extract(epoch FROM (SELECT min(lease_until) FROM o) - clock_timestamp())
                     * 1000)::float8,
@@ -567,13 +571,26 @@ macro_rules! returned {
 }
 
 /// Which rows are publishable (shared by both claim forms).
+///
+/// Order never rests on comparing times taken in different transactions. A row that is not
+/// `held` is due at once, whatever its `available_at` says: `available_at` of a row that
+/// `enqueue` wrote is the start of the *writer's* transaction, and a claim whose transaction
+/// began after an earlier writer's but before a later one's would otherwise find the key's
+/// later event due and its earlier one not, and take the later one alone. A row that waits for
+/// a time (scheduled with `deliver_at`, a retry's backoff, a checked-out run's lease, a
+/// requeue) is `held`: it is due once `available_at` has passed by this statement's `now()`,
+/// and until then it holds its key's later rows back; so does a parked row. Whether a held row
+/// is due and whether it holds its key back are read with the same `now()`, so a row is either
+/// taken or holds its key's later rows back, never neither. A key's scope is its topic and key
+/// ([`crate::OutboundEvent::order_key`]): the topic filters of relay groups pass or stop both
+/// rows alike.
 macro_rules! publishable {
     () => {
         r#"
             SELECT o.ctid
             FROM postal.outbox o
             WHERE o.status = 'pending'
-              AND o.available_at <= now()
+              AND (NOT o.held OR o.available_at <= now())
               AND o.key_partition BETWEEN $5 AND $6
               AND ($1::bool[] IS NULL OR ($1::bool[])[o.key_partition + 1])
               AND ($3::text[] IS NULL OR o.topic = ANY($3))
@@ -582,10 +599,8 @@ macro_rules! publishable {
                    OR NOT EXISTS (
                   SELECT 1 FROM postal.outbox b
                   WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
-                    AND (b.status = 'failed' OR b.available_at > now()
-                         -- due, but for another relay group to publish: still ahead
-                         OR ($3::text[] IS NOT NULL AND b.topic <> ALL($3))
-                         OR ($4::text[] IS NOT NULL AND b.topic = ANY($4)))
+                    AND b.topic = o.topic
+                    AND (b.status = 'failed' OR b.available_at > now())
               ))
             ORDER BY o.seq, o.key_partition
             LIMIT $2

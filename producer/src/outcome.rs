@@ -61,17 +61,18 @@ impl Judge {
         let mut failures = Vec::new();
         let mut any_unavailable = false;
         let streak = self.unavailable_streak.load(Ordering::Relaxed);
-        // Keys with a failed event earlier in this batch: their later failures were caused by
-        // (or queued behind) it and do not count as attempts of their own.
-        let mut failed_keys: HashSet<&str> = HashSet::new();
+        // Keys (topic and key, [`OutboundEvent::order_key`]) with a failed event earlier in
+        // this batch: their later failures were caused by (or queued behind) it and do not
+        // count as attempts of their own.
+        let mut failed_keys: HashSet<(&str, &str)> = HashSet::new();
         let mut overtaken = 0usize;
         for (event, outcome) in batch.iter().zip(outcomes) {
             let outcome = match outcome {
-                Err(_) if !failed_keys.insert(event.key.as_str()) => Err(PublishError::new(
+                Err(_) if !failed_keys.insert(event.order_key()) => Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
                 )),
-                Ok(()) if failed_keys.contains(event.key.as_str()) => {
+                Ok(()) if failed_keys.contains(&event.order_key()) => {
                     // The transport broke its contract (`Transport::send`): published after
                     // an earlier event of its key failed. Recorded as published (it is), and
                     // said loudly: the key's order is broken at the destination.

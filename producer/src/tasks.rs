@@ -385,9 +385,9 @@ impl<S: Send + Sync + 'static> Transport for TaskTransport<S> {
     /// failure, the key's later tasks in the batch are held back, not run.
     async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
         let mut by_key: Vec<Vec<usize>> = Vec::new();
-        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut index: HashMap<(&str, &str), usize> = HashMap::new();
         for (i, e) in batch.iter().enumerate() {
-            let slot = *index.entry(e.key.as_str()).or_insert_with(|| {
+            let slot = *index.entry(e.order_key()).or_insert_with(|| {
                 by_key.push(Vec::new());
                 by_key.len() - 1
             });

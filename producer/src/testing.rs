@@ -3,7 +3,10 @@
 
 /// Claiming rows for publication (see `Claim`).
 pub mod claim {
-    pub use crate::claim::{all_partitions, claim, Claim, CLAIM_DELETE, PLAN_SETTINGS};
+    pub use crate::claim::{
+        all_partitions, claim, lease_reserve, Claim, CLAIM_DELETE, PLAN_SETTINGS,
+    };
+    pub use crate::complete::Failure;
 }
 
 /// Partition leases between relays.

@@ -40,6 +40,17 @@ pub struct OutboundEvent {
     pub attempts: i32,
 }
 
+impl OutboundEvent {
+    /// The scope of per-key order: the topic and the key. A key's events on one topic reach it
+    /// in outbox order; its events on two topics are independent (no destination orders
+    /// records across topics), so a failure on one topic never holds the key back on another.
+    /// The claim's hold, the batch verdict, the transports, the key chain and the key fence all
+    /// scope a key this way.
+    pub fn order_key(&self) -> (&str, &str) {
+        (&self.topic, &self.key)
+    }
+}
+
 /// How a failed publish is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -9,6 +9,7 @@ mod chain;
 mod chaos;
 mod cluster;
 mod common;
+mod concurrent_writers;
 mod consume;
 mod consumer_crash;
 mod dashboard;

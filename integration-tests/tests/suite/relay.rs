@@ -296,7 +296,7 @@ async fn missing_topic_waits_until_created_and_other_topics_flow() {
     let waiting = enqueue_batch(&mut conn, events).await.unwrap();
     let flowing = enqueue(
         &mut conn,
-        // Another key: the waiting events hold theirs, on every topic (keys order across topics).
+        // Another key: the waiting events hold theirs (on their own topic only).
         NewEvent::json(present.as_str(), "other", "e", &1).unwrap(),
     )
     .await

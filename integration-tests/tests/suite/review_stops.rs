@@ -377,7 +377,7 @@ async fn a_graceful_stop_that_aborts_a_lane_gives_its_tasks_back() {
     .await
     .unwrap();
     sqlx::query(
-        "UPDATE postal.outbox SET available_at = now() + interval '1.5 s' WHERE event_key = 'k2'",
+        "UPDATE postal.outbox SET available_at = now() + interval '1.5 s', held = true WHERE event_key = 'k2'",
     )
     .execute(&mut *tx)
     .await

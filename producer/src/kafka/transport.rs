@@ -52,7 +52,7 @@ impl Transport for KafkaTransport {
         let (generation, producer) = self.producer.current();
         // Keys whose earlier event in this batch failed before it was sent: their later events
         // are held back instead of overtaking it.
-        let mut blocked: HashSet<&str> = HashSet::new();
+        let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         // Resolve every distinct topic once per batch.
         let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
         let mut previous: Option<&str> = None;
@@ -83,7 +83,7 @@ impl Transport for KafkaTransport {
         // Set once the producer was replaced while this batch was being handed over.
         let mut replaced = false;
         for (index, e) in batch.iter().enumerate() {
-            if !blocked.is_empty() && blocked.contains(e.key.as_str()) {
+            if !blocked.is_empty() && blocked.contains(&e.order_key()) {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
@@ -94,20 +94,20 @@ impl Transport for KafkaTransport {
             // one must not overtake it (see `KeyFence`); nor may the key's later ones here.
             if fence.any() && fence.hold_if_fenced(&tracked, index) {
                 outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
-                blocked.insert(e.key.as_str());
+                blocked.insert(e.order_key());
                 continue;
             }
             if !every_topic_ok {
                 if let Err(err) = &topic_ok[e.topic.as_str()] {
                     outcomes[index] = Err(err.clone());
-                    blocked.insert(e.key.as_str());
+                    blocked.insert(e.order_key());
                     fence.hold_key(&tracked, index);
                     continue;
                 }
             }
             if let Some(err) = crate::transport::reserved_header(e) {
                 outcomes[index] = Err(err);
-                blocked.insert(e.key.as_str());
+                blocked.insert(e.order_key());
                 fence.hold_key(&tracked, index);
                 continue;
             }
@@ -120,7 +120,7 @@ impl Transport for KafkaTransport {
                         self.max_message_bytes
                     ),
                 ));
-                blocked.insert(e.key.as_str());
+                blocked.insert(e.order_key());
                 fence.hold_key(&tracked, index);
                 continue;
             }
@@ -205,7 +205,7 @@ impl Transport for KafkaTransport {
                 ack.delivered = true;
                 drop(ack);
                 outcomes[index] = Err(PublishError::new(FailureKind::HeldBack, FENCED));
-                blocked.insert(e.key.as_str());
+                blocked.insert(e.order_key());
                 continue;
             }
             loop {
@@ -225,7 +225,7 @@ impl Transport for KafkaTransport {
                             self.producer.replace(generation);
                         }
                         outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
-                        blocked.insert(e.key.as_str());
+                        blocked.insert(e.order_key());
                         fence.hold_key(&tracked, index);
                         break;
                     }

@@ -185,12 +185,12 @@ impl Transport for RabbitTransport {
         }
         // Refused before sending: the later events of their keys are held back.
         let mut outcomes: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
-        let mut blocked: HashSet<&str> = HashSet::new();
-        let mut slots: HashMap<&str, usize> = HashMap::new();
+        let mut blocked: HashSet<(&str, &str)> = HashSet::new();
+        let mut slots: HashMap<(&str, &str), usize> = HashMap::new();
         let mut keys: Vec<std::collections::VecDeque<usize>> = Vec::new();
         let mut prepared = Vec::new();
         for (index, e) in batch.iter().enumerate() {
-            let refused = if blocked.contains(e.key.as_str()) {
+            let refused = if blocked.contains(&e.order_key()) {
                 Some(PublishError::new(
                     FailureKind::HeldBack,
                     "an earlier event of this key failed",
@@ -218,11 +218,11 @@ impl Transport for RabbitTransport {
                 None
             };
             if let Some(err) = refused {
-                blocked.insert(e.key.as_str());
+                blocked.insert(e.order_key());
                 outcomes[index] = Some(Err(err));
                 continue;
             }
-            let slot = *slots.entry(e.key.as_str()).or_insert_with(|| {
+            let slot = *slots.entry(e.order_key()).or_insert_with(|| {
                 keys.push(std::collections::VecDeque::new());
                 keys.len() - 1
             });

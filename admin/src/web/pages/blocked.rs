@@ -16,11 +16,7 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
     let rows: Vec<Vec<String>> = keys
         .iter()
         .map(|k| {
-            let topic = if k.topics > 1 {
-                format!("{} (+{} more)", esc(&k.topic), k.topics - 1)
-            } else {
-                esc(&k.topic)
-            };
+            let topic = esc(&k.topic);
             let mut cells = vec![
                 format!("<code>{}</code>", esc(&k.event_key)),
                 topic,
@@ -55,7 +51,7 @@ pub(crate) async fn blocked(Extract(state): Extract<State>) -> Response {
         .collect();
     let mut head = vec![
         "Key",
-        "Head's topic",
+        "Topic",
         "Head (first parked)",
         "Its error",
         "Parked",
