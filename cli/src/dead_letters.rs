@@ -167,10 +167,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 .fold(Filter::default(), |f, c| f.consumer(c));
             let ids = dead_letters::matched(pool, &ids, &filter, None).await?;
             let producer: FutureProducer<crate::kafka_client::Capture> =
-                crate::kafka_client::config(&bootstrap_servers)
-                    .set("enable.idempotence", "true")
-                    .set("message.timeout.ms", "15000")
-                    .set("log_level", "3")
+                crate::kafka_client::producer_config(&bootstrap_servers)?
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
             let replayed = dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;

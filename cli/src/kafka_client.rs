@@ -22,6 +22,15 @@ pub fn config(bootstrap: &str) -> rdkafka::ClientConfig {
     cfg
 }
 
+/// A producer configuration for `bootstrap`: the relay's (the one every Postal producer is made
+/// from, `postal_shared::kafka_producer`) with the command's properties.
+pub fn producer_config(bootstrap: &str) -> anyhow::Result<rdkafka::ClientConfig> {
+    Ok(postal_shared::kafka_producer::config(
+        bootstrap,
+        PROPERTIES.get().into_iter().flatten(),
+    )?)
+}
+
 /// A client context that logs nothing and keeps the most telling error librdkafka reported
 /// (an authentication or TLS failure rather than "all brokers down"), for the command's one
 /// line.

@@ -112,7 +112,9 @@ pub struct ConsumerConfig {
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (the database answers) on this
     /// address while the consumer runs (default: off). One per process.
     pub ops_addr: Option<std::net::SocketAddr>,
-    /// Extra librdkafka consumer properties; they override Postal's defaults.
+    /// Extra librdkafka consumer properties; they override Postal's defaults. The dead-letter
+    /// producer takes them too, but the consumer-only ones, over the relay's producer defaults
+    /// (see [`dlq_producer_config`](Self::dlq_producer_config)).
     pub kafka: BTreeMap<String, String>,
 }
 
@@ -444,7 +446,8 @@ impl ConsumerConfig {
         if self.max_headers < 16 {
             return bad("max headers must be at least 16 (Postal writes up to 11)");
         }
-        check_overrides(&self.kafka)
+        check_overrides(&self.kafka)?;
+        self.dlq_producer_config().map(drop)
     }
 
     /// The librdkafka consumer configuration: Postal's defaults, then the user's properties.
@@ -485,21 +488,13 @@ impl ConsumerConfig {
         cfg
     }
 
-    /// The librdkafka producer configuration for dead letters (idempotent, `acks=all`).
-    pub fn dlq_producer_config(&self) -> rdkafka::ClientConfig {
-        let mut cfg = rdkafka::ClientConfig::new();
-        cfg.set("bootstrap.servers", &self.brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("message.timeout.ms", "20000")
-            .set("log_level", "4");
-        for (k, v) in &self.kafka {
-            // Security and connection settings apply to both clients.
-            if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
-                cfg.set(k, v);
-            }
-        }
-        cfg
+    /// The librdkafka producer configuration for dead letters: the one every Postal producer
+    /// is made from ([`postal_shared::kafka_producer::config`]: idempotent, `acks=all`, Java's
+    /// murmur2 partitioner), with [`kafka`](Self::kafka) but its consumer-only properties; an
+    /// error for a property that would break durability or per-key order.
+    pub fn dlq_producer_config(&self) -> Result<rdkafka::ClientConfig, Error> {
+        postal_shared::kafka_producer::config(&self.brokers, &self.kafka)
+            .map_err(|e| Error::Config(e.to_string()))
     }
 }
 
@@ -599,9 +594,10 @@ mod tests {
         assert!(err.contains("POSTAL_LOST_CONNECTION_TIMEOUT"), "{err}");
     }
 
-    /// Guarantee: consumer overrides that would skip records, process aborted ones, or store
-    /// offsets behind Postal's back are refused with one line naming the property, its value
-    /// and the reason; safe ones (and the defaults' own values) are accepted.
+    /// Guarantee: consumer overrides that would skip records, process aborted ones, store
+    /// offsets behind Postal's back, or put dead letters on another partition than Java's
+    /// partitioner picks for their key are refused with one line naming the property, its
+    /// value and the reason; safe ones (and the defaults' own values) are accepted.
     #[test]
     fn skipping_or_misapplying_overrides_are_refused() {
         for (k, v) in [
@@ -612,6 +608,8 @@ mod tests {
             ("auto.offset.reset", "latest"),
             ("auto.offset.reset", "largest"),
             ("auto.offset.reset", "end"),
+            ("partitioner", "consistent_random"),
+            ("acks", "1"),
         ] {
             let mut c = ConsumerConfig::new("b:9092", "g");
             c.kafka.insert(k.into(), v.into());

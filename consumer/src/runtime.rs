@@ -129,15 +129,15 @@ impl<S> ConsumerBuilder<S> {
         };
         let consumer: StreamConsumer<Context> =
             self.config.client_config().create_with_context(context)?;
-        let producer: FutureProducer = self.config.dlq_producer_config().create()?;
-        let admin: AdminClient<DefaultClientContext> =
-            self.config.dlq_producer_config().create()?;
+        let producer_config = self.config.dlq_producer_config()?;
+        let producer: FutureProducer = producer_config.create()?;
+        let admin: AdminClient<DefaultClientContext> = producer_config.create()?;
         let owner = format!("{}:{}", std::process::id(), uuid::Uuid::now_v7());
         let permits = Semaphore::new(self.config.max_concurrent_partitions);
         let dlq = Publisher {
             pool: self.pool.clone(),
             producer: Mutex::new(producer),
-            producer_config: self.config.dlq_producer_config(),
+            producer_config,
             admin,
             consumer: self.config.consumer.clone(),
             topic_partitions: self.config.dlq_partitions,

@@ -366,12 +366,12 @@ impl Claim {
 /// plus a twentieth of the lease (which also covers the claim statement itself). The check
 /// reads the clock when it runs (`clock_timestamp()`), not the transaction's start: a claim
 /// whose statements were held up after its `BEGIN` (a lock wait, a slow link, a pooler's
-/// queue) must not count on lease time that has already passed. A claim whose relay never sends another statement thus
-/// ends before the leases of its partitions run out, and the next owner takes them over without
-/// having to terminate it (a claim kept alive shortens its idle limit the same way,
-/// [`Claim::keep_alive`]). A claim whose backend stays active past them is held off by the
-/// fence ([`crate::fence`]). Relays renew
-/// their leases every quarter of the lease, so a healthy relay always has more left.
+/// queue) must not count on lease time that has already passed. A claim whose relay never
+/// sends another statement thus ends before the leases of its partitions run out, and the next
+/// owner takes them over without having to terminate it (a claim kept alive shortens its idle
+/// limit the same way, [`Claim::keep_alive`]). A claim whose backend stays active past them is
+/// held off by the fence (the relay's `fence` module). Relays renew their leases every quarter
+/// of the lease, so a healthy relay always has more left.
 pub fn lease_reserve(lease: Duration) -> Duration {
     lease / 2 + lease / 20
 }

@@ -40,7 +40,6 @@ mod error;
 mod event;
 mod fence;
 mod kafka;
-mod kafka_overrides;
 mod key_chain;
 mod lease;
 mod outcome;

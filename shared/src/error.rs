@@ -26,6 +26,17 @@ pub enum Error {
         /// Who holds it (backend pid and application name), as far as `pg_locks` tells.
         holder: String,
     },
+    /// A librdkafka property that would break durability or per-key order for a Postal
+    /// producer ([`crate::kafka_producer`]).
+    #[error("Kafka property {name}={value} is refused: {why}")]
+    KafkaPropertyRefused {
+        /// The property.
+        name: String,
+        /// Its value (the refused properties hold no secrets).
+        value: String,
+        /// Why it is refused.
+        why: String,
+    },
     /// The database has no Postal schema.
     #[error("Postal's schema is missing in database {database:?}: run `postal migrate` (or postal_shared::migrate) first")]
     SchemaMissing {

@@ -1,5 +1,6 @@
 //! Shared vocabulary of Postal: typed event ids, the event envelope's validated parts, the Kafka
-//! header names Postal writes and reads, and the embedded schema migrator.
+//! header names Postal writes and reads, the configuration of every Kafka producer Postal makes
+//! ([`kafka_producer`]), and the embedded schema migrator.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), postal_shared::Error> {
@@ -25,6 +26,7 @@ mod envelope;
 mod error;
 pub mod headers;
 mod ids;
+pub mod kafka_producer;
 mod log_throttle;
 #[cfg(feature = "logging")]
 mod logging;

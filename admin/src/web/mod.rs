@@ -135,7 +135,10 @@ impl Dashboard {
     }
 
     /// Kafka client settings (at least `bootstrap.servers`), for consumer lag on the overview
-    /// and for replaying dead letters. Without them both are unavailable.
+    /// and for replaying dead letters. Without them both are unavailable. Replays go through
+    /// a producer made as the relay's ([`postal_shared::kafka_producer::config`]: Java's
+    /// partitioner, idempotent, `acks=all`) with these settings but the consumer-only ones; a
+    /// setting that would break durability or per-key order makes the dashboard an error.
     pub fn kafka(mut self, config: rdkafka::ClientConfig) -> Self {
         self.kafka = Some(config);
         self
@@ -156,17 +159,20 @@ impl Dashboard {
         fn client<T: rdkafka::config::FromClientConfig>(
             config: &rdkafka::ClientConfig,
         ) -> Result<Arc<T>, Error> {
-            config
-                .create()
-                .map(Arc::new)
-                .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))
+            config.create().map(Arc::new).map_err(|e| {
+                let e = postal_shared::secret::kafka_error_without_value(e);
+                Error::Kafka(format!("Kafka settings: {e}"))
+            })
         }
+        // The replay producer is the relay's (Java's partitioner, idempotent, acks=all), with
+        // the given settings.
         let producer = match &self.kafka {
-            Some(c) => Some(client(
-                c.clone()
-                    .set("enable.idempotence", "true")
-                    .set("message.timeout.ms", "15000"),
-            )?),
+            Some(c) => {
+                let bootstrap = c.get("bootstrap.servers").unwrap_or_default();
+                let config = postal_shared::kafka_producer::config(bootstrap, c.config_map())
+                    .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?;
+                Some(client(&config)?)
+            }
             None => None,
         };
         let watermarks = self.kafka.as_ref().map(client).transpose()?;

@@ -37,6 +37,7 @@ mod rabbitmq;
 mod rebalance;
 mod relay;
 mod relay_random;
+mod replay_partitions;
 mod review_activity;
 mod review_activity2;
 mod review_break;

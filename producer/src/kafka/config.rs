@@ -66,44 +66,12 @@ impl KafkaConfig {
         }
     }
 
-    /// The librdkafka producer configuration: Postal's defaults, then the user's properties.
-    ///
-    /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
-    /// where Java clients and Debezium put them), `linger.ms=0`, `compression.type=lz4`,
-    /// `message.timeout.ms=20000`, `queue.buffering.max.messages=1000000`,
-    /// `allow.auto.create.topics=false`.
-    ///
-    /// `linger.ms` is 0 (librdkafka's own default is 5) because the relay already batches: it
-    /// hands a whole claimed batch to the producer at once. Under light load a claim holds a
-    /// few events, and a linger would add its full length to each of them (and to the
-    /// acknowledgement that the batch's commit and the lane's next claim wait for). Draining a
-    /// backlog, `postal-bench relay --relay-only --instances 1 --kafka linger.ms=5` against the
-    /// default measured no difference beyond the spread (BENCHMARKS.md).
-    ///
-    /// `compression.type` is `lz4` (librdkafka's default is none): an event's nine CloudEvents
-    /// and Postal headers repeat from record to record, and compressed batches are fewer bytes
-    /// for the broker to receive, store and serve. Draining a backlog with it, the broker
-    /// spent less CPU per event and the relay none more (`postal-bench relay --relay-only
-    /// --kafka compression.type=lz4` against `=none`, before lz4 became the default;
-    /// BENCHMARKS.md). librdkafka-based and Java clients read lz4 batches as they are; some
-    /// others need a codec installed. `--kafka compression.type=none` turns it off.
+    /// The librdkafka producer configuration: Postal's defaults, then the user's properties
+    /// ([`postal_shared::kafka_producer::config`], the one every Postal producer is made from,
+    /// lists the defaults and why). Unchecked here: [`KafkaTransport::new`](crate::KafkaTransport::new)
+    /// refuses properties that break durability or per-key order.
     pub fn client_config(&self) -> ClientConfig {
-        let mut cfg = ClientConfig::new();
-        cfg.set("bootstrap.servers", &self.bootstrap_servers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("partitioner", "murmur2_random")
-            .set("linger.ms", "0")
-            .set("compression.type", "lz4")
-            .set("message.timeout.ms", "20000")
-            .set("queue.buffering.max.messages", "1000000")
-            .set("queue.buffering.max.kbytes", "1048576")
-            .set("allow.auto.create.topics", "false")
-            .set("log_level", "4");
-        for (k, v) in &self.properties {
-            cfg.set(k, v);
-        }
-        cfg
+        postal_shared::kafka_producer::config_unchecked(&self.bootstrap_servers, &self.properties)
     }
 }
 

@@ -56,14 +56,15 @@ impl KafkaTransport {
     /// Creates the producer and admin clients. Fails on invalid librdkafka properties; an
     /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
-        crate::kafka_overrides::check(&config.properties)?;
+        let client_config =
+            postal_shared::kafka_producer::config(&config.bootstrap_servers, &config.properties)
+                .map_err(|e| Error::Config(e.to_string()))?;
         postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
         if config.topic_partitions < 1 || config.topic_replication < 1 {
             return Err(Error::Config(
                 "topic partitions and replication factor must be at least 1".into(),
             ));
         }
-        let client_config = config.client_config();
         if client_config.get("message.timeout.ms") == Some("0") {
             tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
         }
