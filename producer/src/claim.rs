@@ -580,8 +580,9 @@ macro_rules! returned {
 /// a time (scheduled with `deliver_at`, a retry's backoff, a checked-out run's lease, a
 /// requeue) is `held`: it is due once `available_at` has passed by this statement's `now()`,
 /// and until then it holds its key's later rows back; so does a parked row. Whether a held row
-/// is due and whether it holds its key back are read with the same `now()`, so a row is either
-/// taken or holds its key's later rows back, never neither. A key's scope is its topic and key
+/// is due and whether it holds its key back are read with the same `now()`, so a due row is
+/// taken, a row not yet due holds its key's later rows back. (A due row that another session
+/// has row-locked is skipped, `SKIP LOCKED`, without holding its key: see docs/relay.md.) A key's scope is its topic and key
 /// ([`crate::OutboundEvent::order_key`]): the topic filters of relay groups pass or stop both
 /// rows alike.
 macro_rules! publishable {

@@ -313,6 +313,12 @@ async fn a_claim_held_up_after_begin_never_counts_on_lease_time_gone_by() {
         .await
         .unwrap();
     }
+    // When the lease ends (read before the partitions table is locked).
+    let until: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT min(lease_until) FROM postal.relay_partitions")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     let lock = PartitionsLock::take(&db.url).await;
     let claiming = spawn_claim(&db.pool, relay, lease_for);
     claim_waits_for_the_lock(&db.pool).await;
@@ -322,13 +328,12 @@ async fn a_claim_held_up_after_begin_never_counts_on_lease_time_gone_by() {
         Duration::from_secs(10),
         "the lease has less than the reserve left",
         || async {
-            let left: f64 = sqlx::query_scalar(
-                "SELECT extract(epoch FROM min(lease_until) - clock_timestamp())::float8
-                 FROM postal.relay_partitions",
-            )
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+            let left: f64 =
+                sqlx::query_scalar("SELECT extract(epoch FROM $1 - clock_timestamp())::float8")
+                    .bind(until)
+                    .fetch_one(&db.pool)
+                    .await
+                    .unwrap();
             left < reserve.as_secs_f64() - 0.3
         },
     )

@@ -45,6 +45,7 @@ mod review_checkout;
 mod review_consumer;
 mod review_dashboard;
 mod review_marks;
+mod review_order;
 mod review_rabbit;
 mod review_reset;
 mod review_stops;
