@@ -1,17 +1,22 @@
 //! A PostgreSQL wire-protocol proxy for the reviews of the relay's activity report
-//! (`review_activity`, `review_activity2`): it passes everything through, and on request
-//! delays every `BEGIN` (a slow database or link), holds the next execution or the next
-//! `COMMIT` of the activity upsert (a write in flight; a slow commit whose rows stay locked),
-//! or cuts the connection right after the server committed that upsert, before its answer
-//! reaches the client (a connection lost at commit).
+//! (`review_activity`, `review_activity2`) and the randomized relay tests (`relay_random`):
+//! it passes everything through, and on request delays every `BEGIN` (a slow database or
+//! link), delays statements at random ([`Ctl::jitter`]: a database in another zone, a
+//! pooler's queue, a starved CPU, between a transaction's `BEGIN` and its next statement
+//! too), holds the next execution or the next `COMMIT` of the activity upsert (a write in
+//! flight; a slow commit whose rows stay locked), or cuts the connection right after the
+//! server committed that upsert, before its answer reaches the client (a connection lost at
+//! commit).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use postal_integration_tests::TestDb;
 use postal_producer::{OutboundEvent, PublishError, Transport};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::PgPool;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -29,10 +34,56 @@ impl Transport for Acking {
     }
 }
 
+/// Random delays of the client's statements: each one (a simple query such as `BEGIN` or
+/// `COMMIT`, or an extended-protocol execution, held at its `Bind`) is held, with probability
+/// `chance`, for a uniformly drawn 1..=`max_ms` milliseconds before it goes to the server,
+/// and now and then ([`Jitter::spikes`]) for longer (a pooler's queue, a stalled client).
+/// Drawn from one seeded generator per proxy: the seed fixes the distribution, while which
+/// statement gets which delay follows the order in which connections reach the proxy.
+pub struct Jitter {
+    rng: StdRng,
+    chance: f64,
+    max_ms: u64,
+    spike_chance: f64,
+    spike_max_ms: u64,
+}
+
+impl Jitter {
+    pub fn new(seed: u64, chance: f64, max_ms: u64) -> Jitter {
+        Jitter {
+            rng: StdRng::seed_from_u64(seed),
+            chance,
+            max_ms: max_ms.max(1),
+            spike_chance: 0.0,
+            spike_max_ms: 1,
+        }
+    }
+
+    /// With probability `chance`, a statement is held for up to `max_ms` instead.
+    pub fn spikes(mut self, chance: f64, max_ms: u64) -> Jitter {
+        self.spike_chance = chance;
+        self.spike_max_ms = max_ms.max(1);
+        self
+    }
+
+    fn draw(&mut self) -> Option<Duration> {
+        let max = if self.rng.random_bool(self.spike_chance) {
+            self.spike_max_ms
+        } else if self.rng.random_bool(self.chance) {
+            self.max_ms
+        } else {
+            return None;
+        };
+        Some(Duration::from_millis(self.rng.random_range(1..=max)))
+    }
+}
+
 /// What the proxy does besides passing bytes on.
 pub struct Ctl {
     /// Every `BEGIN` is held this long before it goes to the server (0: not at all).
     pub begin_delay_ms: AtomicU64,
+    /// Random delays of every statement (`None`: none), on top of `begin_delay_ms`.
+    pub jitter: Mutex<Option<Jitter>>,
     /// Hold the next execution of the activity upsert until `release` is set.
     pub hold_minutes: AtomicBool,
     /// Executions held so far.
@@ -60,6 +111,7 @@ impl PgProxy {
         let port = listener.local_addr().unwrap().port();
         let ctl = Arc::new(Ctl {
             begin_delay_ms: AtomicU64::new(0),
+            jitter: Mutex::new(None),
             hold_minutes: AtomicBool::new(false),
             held: AtomicU64::new(0),
             release: tokio::sync::watch::channel(false).0,
@@ -137,6 +189,12 @@ async fn to_server(
                 break;
             }
             let msg: Vec<u8> = buf.drain(..total).collect();
+            if started && matches!(msg[0], b'Q' | b'B') {
+                let delay = ctl.jitter.lock().unwrap().as_mut().and_then(Jitter::draw);
+                if let Some(d) = delay {
+                    tokio::time::sleep(d).await;
+                }
+            }
             if !started {
                 // The startup message (protocol 3.0); the pool connects without TLS.
                 if msg.len() >= 8 && u32::from_be_bytes(msg[4..8].try_into().unwrap()) == 196_608 {
