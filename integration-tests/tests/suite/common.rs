@@ -1,6 +1,7 @@
 //! Helpers shared by the scenarios.
 
 pub mod dashboard;
+pub mod held_up;
 pub mod pg_proxy;
 pub mod roles;
 

@@ -20,63 +20,14 @@ use std::time::Duration;
 use postal_integration_tests::{fresh_postgres_db, unique, wait};
 use postal_producer::testing::{claim, lease};
 use postal_producer::{enqueue, NewEvent, TopicFilter};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-/// A relay that holds every key partition for `lease`.
+use crate::common::held_up::{self, claim_waits_for_the_lock, connect, PartitionsLock};
+
+/// A relay that holds every key partition for `lease_for`.
 async fn relay_with_lease(pool: &PgPool, lease_for: Duration) -> Uuid {
-    let relay = Uuid::now_v7();
-    let held = lease::heartbeat(pool, lease::DEFAULT_GROUP, relay, "", lease_for, &[], true)
-        .await
-        .unwrap();
-    assert_eq!(held.held.len(), 256, "a lone relay holds every partition");
-    relay
-}
-
-/// A connection of its own (not from the pool: the test holds its transactions open).
-async fn connect(url: &str) -> PgConnection {
-    PgConnection::connect(url).await.unwrap()
-}
-
-/// Holds `postal.relay_partitions` locked on a connection of its own until dropped or
-/// released: every claim waits right after its `BEGIN`.
-struct PartitionsLock(PgConnection);
-
-impl PartitionsLock {
-    async fn take(url: &str) -> Self {
-        let mut c = connect(url).await;
-        sqlx::query("BEGIN").execute(&mut c).await.unwrap();
-        sqlx::query("LOCK TABLE postal.relay_partitions IN ACCESS EXCLUSIVE MODE")
-            .execute(&mut c)
-            .await
-            .unwrap();
-        PartitionsLock(c)
-    }
-
-    async fn release(mut self) {
-        sqlx::query("ROLLBACK").execute(&mut self.0).await.unwrap();
-    }
-}
-
-/// Waits until a backend other than the lock holder waits for a lock while running a statement
-/// on `postal.relay_partitions`: the claim has begun its transaction and is held up.
-async fn claim_waits_for_the_lock(pool: &PgPool) {
-    wait::until(
-        Duration::from_secs(20),
-        "the claim waits for the partitions lock",
-        || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                                WHERE datname = current_database() AND wait_event_type = 'Lock'
-                                  AND query LIKE '%relay_partitions%'
-                                  AND query NOT LIKE 'LOCK TABLE%')",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap()
-        },
-    )
-    .await;
+    held_up::relay_in(pool, lease::DEFAULT_GROUP, lease_for).await
 }
 
 /// Starts a claim of up to 100 rows of every partition as `relay`, in a task.

@@ -8,26 +8,19 @@
 
 use std::time::Duration;
 
-use postal_integration_tests::{fresh_postgres_db, unique, wait};
+use postal_integration_tests::{fresh_postgres_db, unique};
 use postal_producer::testing::{claim, lease};
 use postal_producer::{enqueue, enqueue_batch, NewEvent, TopicFilter};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
+
+use crate::common::held_up::{claim_waits_for_the_lock, connect, PartitionsLock};
 
 const LEASE: Duration = Duration::from_secs(60);
 
 /// A relay of `group` that holds every key partition of it.
 async fn relay_in(pool: &PgPool, group: &str) -> Uuid {
-    let relay = Uuid::now_v7();
-    let held = lease::heartbeat(pool, group, relay, "", LEASE, &[], true)
-        .await
-        .unwrap();
-    assert_eq!(held.held.len(), 256, "a lone relay holds every partition");
-    relay
-}
-
-async fn connect(url: &str) -> PgConnection {
-    PgConnection::connect(url).await.unwrap()
+    crate::common::held_up::relay_in(pool, group, LEASE).await
 }
 
 async fn exec(c: &mut PgConnection, sql: &str) {
@@ -76,44 +69,6 @@ fn payloads(c: &Option<claim::Claim>) -> Vec<String> {
 /// Both of the key's events in order, or none of them: never the later one alone.
 fn in_order_or_nothing(got: &[String]) -> bool {
     got.is_empty() || got == ["first", "second"]
-}
-
-/// Holds `postal.relay_partitions` locked: every claim waits right after its `BEGIN`.
-struct PartitionsLock(PgConnection);
-
-impl PartitionsLock {
-    async fn take(url: &str) -> Self {
-        let mut c = connect(url).await;
-        exec(&mut c, "BEGIN").await;
-        exec(
-            &mut c,
-            "LOCK TABLE postal.relay_partitions IN ACCESS EXCLUSIVE MODE",
-        )
-        .await;
-        PartitionsLock(c)
-    }
-    async fn release(mut self) {
-        exec(&mut self.0, "ROLLBACK").await;
-    }
-}
-
-async fn claim_waits_for_the_lock(pool: &PgPool) {
-    wait::until(
-        Duration::from_secs(20),
-        "the claim waits for the partitions lock",
-        || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-                                WHERE datname = current_database() AND wait_event_type = 'Lock'
-                                  AND query LIKE '%relay_partitions%'
-                                  AND query NOT LIKE 'LOCK TABLE%')",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap()
-        },
-    )
-    .await;
 }
 
 // ---------------------------------------------------------------------------------------------
