@@ -18,6 +18,7 @@ mod dashboard_charts;
 mod dead_letters;
 mod enqueue;
 mod examples;
+mod explorer;
 mod fence;
 mod handlers;
 mod hostile;
