@@ -1276,6 +1276,8 @@ async fn explain_claim(
     .bind(None::<Vec<String>>)
     .bind(lo)
     .bind(hi)
+    .bind(0i64)
+    .bind(Vec::<i64>::new())
     .fetch_all(&mut *tx)
     .await?;
     tx.rollback().await?;

@@ -30,6 +30,7 @@ use crate::config::TopicFilter;
 use uuid::Uuid;
 
 use crate::complete::{self, Failure};
+use crate::skipped::{self, Skipped};
 use crate::transport::OutboundEvent;
 
 pub use crate::lease::KEY_PARTITIONS;
@@ -71,7 +72,7 @@ macro_rules! plan_settings {
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
 
 /// The names of the columns in [`returned!`], in order: what [`decode`]'s positions mean.
-const RETURNED_NAMES: [&str; 13] = [
+const RETURNED_NAMES: [&str; 14] = [
     "seq",
     "event_id",
     "topic",
@@ -85,6 +86,7 @@ const RETURNED_NAMES: [&str; 13] = [
     "attempts",
     "created_at",
     "last_error",
+    "skipped",
 ];
 
 /// A claimed row, decoded by position in the order of the claim statements' column list
@@ -92,7 +94,9 @@ const RETURNED_NAMES: [&str; 13] = [
 /// more than the decoding itself. Debug builds (the test suite) check the names once per claim
 /// ([`claim`]), so that a reordered column list cannot silently put one text column into
 /// another.
-fn decode(row: &sqlx::postgres::PgRow) -> Result<(OutboundEvent, Kept), sqlx::Error> {
+fn decode(
+    row: &sqlx::postgres::PgRow,
+) -> Result<(OutboundEvent, Kept, Option<Skipped>), sqlx::Error> {
     use sqlx::Row as _;
     // Decoded leniently: a stored header whose value is not a string (a row written around
     // `postal.enqueue`) must park its row with the reason, not fail the whole claim.
@@ -135,6 +139,7 @@ fn decode(row: &sqlx::postgres::PgRow) -> Result<(OutboundEvent, Kept), sqlx::Er
             created_at: row.try_get(11)?,
             last_error: row.try_get(12)?,
         },
+        Skipped::from_column(row.try_get(13)?),
     ))
 }
 
@@ -147,6 +152,8 @@ struct Kept {
 /// Rows claimed in one open transaction.
 pub struct Claim {
     tx: Transaction<'static, Postgres>,
+    /// Registered as this relay's while it lives (see `skipped`).
+    _own: skipped::OwnClaim,
     events: Vec<OutboundEvent>,
     /// When each claimed row was enqueued, by sequence number (for the end-to-end lag the
     /// relay tallies, [`crate::activity`]).
@@ -447,7 +454,7 @@ pub async fn claim(
     // relay-only drain's median was lower, within a wide spread (BENCHMARKS.md).
     let checked_at = std::time::Instant::now();
     let half = format!("{}ms", (lease / 2).as_millis().max(1));
-    let (owned, left_ms, _): (Vec<i16>, Option<f64>, String) = sqlx::query_as(concat!(
+    let (owned, left_ms, _, xid): (Vec<i16>, Option<f64>, String, i64) = sqlx::query_as(concat!(
         "WITH o AS (SELECT key_partition, lease_until FROM postal.relay_partitions
                 WHERE owner = $1 AND key_partition = ANY($2)
                   AND lease_until > clock_timestamp() + make_interval(secs => $4))
@@ -457,7 +464,8 @@ pub async fn claim(
                 concat(",
         plan_settings!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true),
-           set_config('tcp_user_timeout', $3, true))"
+           set_config('tcp_user_timeout', $3, true)),
+                pg_current_xact_id()::xid::text::int8"
     ))
     .bind(relay)
     .bind(&locked)
@@ -469,6 +477,12 @@ pub async fn claim(
         tx.rollback().await?;
         return Ok(None);
     }
+    // This claim's transaction id, registered before its claim statement locks a row: a
+    // concurrent claim of this relay that meets one of those locks knows it for its own
+    // (`skipped`). The relay's other claims: their transaction ids, and how many rows they
+    // hold (the claim reads that many more candidates, see `claimed!`).
+    let own = skipped::register(relay, xid);
+    let (own_xids, held_elsewhere) = skipped::own(relay);
     let left = Duration::from_secs_f64(left_ms.unwrap_or(0.0).max(0.0) / 1e3);
     let send_by = checked_at + left.saturating_sub(send_margin(lease));
     // The range of the owned partitions is checked inside the index; the mask (one array
@@ -495,7 +509,7 @@ pub async fn claim(
     };
     let (only, except) = topics.binds();
     // Sized for a light-load claim; a full batch grows it a few times.
-    let mut rows: Vec<(OutboundEvent, Kept)> = Vec::with_capacity(limit.min(256));
+    let mut rows: Vec<(OutboundEvent, Kept, Option<Skipped>)> = Vec::with_capacity(limit.min(256));
     {
         use futures::TryStreamExt as _;
         let mut stream = sqlx::query(sql)
@@ -505,6 +519,8 @@ pub async fn claim(
             .bind(except)
             .bind(lo)
             .bind(hi)
+            .bind(held_elsewhere as i64)
+            .bind(&own_xids)
             .fetch(&mut *tx);
         while let Some(row) = stream.try_next().await? {
             // The columns are the statement's, the same for every row: checked once.
@@ -526,22 +542,97 @@ pub async fn claim(
         return Ok(None);
     }
     // The statement returns its rows in tuple order, not in sequence order.
-    rows.sort_unstable_by_key(|(e, _)| e.seq);
-    let enqueued = rows.iter().map(|(e, k)| (e.seq, k.created_at)).collect();
-    let (events, kept): (Vec<OutboundEvent>, Vec<Kept>) = rows.into_iter().unzip();
-    let deleted = delete_on_claim.then_some(kept);
-    Ok(Some(Claim {
+    rows.sort_unstable_by_key(|(e, _, _)| e.seq);
+    let (rows, skipped): (Vec<(OutboundEvent, Kept)>, Vec<Option<Skipped>>) =
+        rows.into_iter().map(|(e, k, b)| ((e, k), b)).unzip();
+    let (mut events, mut kept): (Vec<OutboundEvent>, Vec<Kept>) = rows.into_iter().unzip();
+    if let Err(e) = leave_keys_behind_locked_rows(
+        &mut tx,
+        relay,
+        delete_on_claim,
+        &mut events,
+        &mut kept,
+        &skipped,
+    )
+    .await
+    {
+        let _ = tx.rollback().await;
+        return Err(e);
+    }
+    let enqueued = events
+        .iter()
+        .zip(&kept)
+        .map(|(e, k)| (e.seq, k.created_at))
+        .collect();
+    own.holds(events.len());
+    let claim = Claim {
         tx,
+        _own: own,
         events,
         enqueued,
-        deleted,
+        deleted: delete_on_claim.then_some(kept),
         history: false,
         relay,
         partitions: owned,
         lease,
         send_by,
-    }))
+    };
+    if claim.events.is_empty() {
+        // Every claimed row waits: their write-back is all there is to commit.
+        return match claim.fence_and_commit().await {
+            Ok(()) | Err(crate::Error::LeaseLost { .. }) => Ok(None),
+            Err(crate::Error::Database(e)) => Err(e),
+            Err(other) => Err(sqlx::Error::Protocol(other.to_string())),
+        };
+    }
+    Ok(Some(claim))
 }
+
+/// Takes out of the claim the rows of every key whose earlier pending row another session
+/// row-locks, from that key's first claimed row on, and writes them back in the claim's
+/// transaction, holding their key for [`skipped::RECHECK`] (see the `skipped` module). Logs one
+/// line per key that waits.
+async fn leave_keys_behind_locked_rows(
+    tx: &mut Transaction<'static, Postgres>,
+    relay: Uuid,
+    delete_on_claim: bool,
+    events: &mut Vec<OutboundEvent>,
+    kept: &mut Vec<Kept>,
+    skipped: &[Option<Skipped>],
+) -> Result<(), sqlx::Error> {
+    let (waits, blocked) = skipped::verdicts(relay, events, skipped);
+    if blocked.is_empty() {
+        return Ok(());
+    }
+    for b in &blocked {
+        tracing::warn!(
+            topic = %b.topic,
+            locked_seq = b.locked_seq,
+            locked_by_xid = b.xmax,
+            waiting_seq = b.first_seq,
+            retry_in_ms = skipped::RECHECK.as_millis() as u64,
+            "an event is row-locked by a session that is not a claim of this relay (an open transaction on postal.outbox?); its key's later events wait for it"
+        );
+    }
+    let (mut waiting, mut waiting_kept) = (Vec::new(), Vec::new());
+    let all = std::mem::take(events).into_iter().zip(std::mem::take(kept));
+    for ((e, k), w) in all.zip(waits) {
+        if w {
+            waiting.push(e);
+            waiting_kept.push(k);
+        } else {
+            events.push(e);
+            kept.push(k);
+        }
+    }
+    let failures: Vec<Failure> = waiting.iter().map(|e| skipped::wait(e.seq)).collect();
+    if delete_on_claim {
+        complete::restore(tx, &waiting, kept_view(&waiting_kept), &failures).await
+    } else {
+        complete::mark(tx, &[], &failures).await
+    }
+}
+
 
 /// The key partitions as a `bool[256]` mask (`true` = included), or `None` for all of them:
 /// one array lookup per row instead of a search through a list.
@@ -570,6 +661,20 @@ macro_rules! returned {
     };
 }
 
+/// The last column a claim returns: the rows of the claimed row's topic and key that the
+/// statement passed but could not lock (`SKIP LOCKED`) and that no claim of this relay locks
+/// by the list it was given (`$8`), as `[seq…, xmax…]` (their sequence numbers, then the
+/// transactions that lock them, both in sequence order), or NULL when there are none. The
+/// relay checks them against its claims once more ([`crate::skipped`]). Nearly always NULL:
+/// the hashed `IN` costs one lookup per row.
+macro_rules! skipped_column {
+    () => {
+        "CASE WHEN (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM s) \
+         THEN (SELECT array_agg(s.seq ORDER BY s.seq) || array_agg(s.xmax ORDER BY s.seq) \
+               FROM s WHERE s.topic = d.topic AND s.event_key = d.event_key) END AS skipped"
+    };
+}
+
 /// Which rows are publishable (shared by both claim forms).
 ///
 /// Order never rests on comparing times taken in different transactions. A row that is not
@@ -582,13 +687,14 @@ macro_rules! returned {
 /// and until then it holds its key's later rows back; so does a parked row. Whether a held row
 /// is due and whether it holds its key back are read with the same `now()`, so a due row is
 /// taken, a row not yet due holds its key's later rows back. (A due row that another session
-/// has row-locked is skipped, `SKIP LOCKED`, without holding its key: see docs/relay.md.) A key's scope is its topic and key
+/// has row-locked is skipped, `SKIP LOCKED`; the claim then leaves its key's later rows behind,
+/// see [`claimed!`] and the `skipped` module.) A key's scope is its topic and key
 /// ([`crate::OutboundEvent::order_key`]): the topic filters of relay groups pass or stop both
 /// rows alike.
 macro_rules! publishable {
     () => {
         r#"
-            SELECT o.ctid
+            SELECT o.ctid, o.xmax
             FROM postal.outbox o
             WHERE o.status = 'pending'
               AND (NOT o.held OR o.available_at <= now())
@@ -604,9 +710,37 @@ macro_rules! publishable {
                     AND (b.status = 'failed' OR b.available_at > now())
               ))
             ORDER BY o.seq, o.key_partition
-            LIMIT $2
-            FOR UPDATE OF o SKIP LOCKED
+            LIMIT $2 + $7
         "#
+    };
+}
+
+/// The rows a claim takes, and those it passed without taking (shared by both claim forms).
+///
+/// `c`: the publishable rows in sequence order, as many as the claim may take plus as many as
+/// this relay's other claims hold (`$7`: those are locked, and come first), with `xmax`, read
+/// without locking. `l`: the first `$2` of them that the statement can lock, in that order
+/// (`SKIP LOCKED`, by tuple id: the nested loop keeps `c`'s order; any other plan would only
+/// leave more rows unlocked, which makes their keys wait, never the reverse). `s`: the
+/// candidates left unlocked whose `xmax` is not one of this relay's claims (`$8`): rows that
+/// another session locks. A claimed row of the same topic and key after one of those must not
+/// go out before it: see [`skipped_column!`] and the `skipped` module. (`$8` is read before the
+/// statement; the relay checks again after it, with claims registered meanwhile.)
+macro_rules! claimed {
+    () => {
+        concat!(
+            "WITH c AS MATERIALIZED (",
+            publishable!(),
+            "), l AS MATERIALIZED (
+                SELECT o.ctid FROM c JOIN postal.outbox o ON o.ctid = c.ctid
+                LIMIT $2 FOR UPDATE OF o SKIP LOCKED
+            ), s AS MATERIALIZED (
+                SELECT o.seq, o.topic, o.event_key, o.xmax::text::int8 AS xmax
+                FROM c JOIN postal.outbox o ON o.ctid = c.ctid
+                WHERE c.xmax::text::int8 <> ALL($8::int8[])
+                  AND NOT EXISTS (SELECT 1 FROM l WHERE l.ctid = c.ctid)
+            ) "
+        )
     };
 }
 
@@ -615,24 +749,27 @@ macro_rules! publishable {
 /// (`text[]` or NULL), `$4` not these topics (`text[]` or NULL), `$5`/`$6` the lowest and
 /// highest key partition in the mask (`int2`): a condition
 /// on the index (`outbox_pending_seq_partition`), so that rows outside that range are skipped
-/// without reading the table. Public for `EXPLAIN`.
+/// without reading the table; `$7` how many rows this relay's other claims hold (`int8`, 0
+/// when none), `$8` the transaction ids of this relay's claims (`int8[]`, empty when none; see
+/// [`claimed!`]). Public for `EXPLAIN`.
 ///
 /// The picked rows are deleted by tuple id: this statement holds their row locks until the
 /// transaction ends, so nobody can move them, and the delete needs no index lookup per row.
-/// The tuple ids go straight into an array (no CTE to materialize).
 pub const CLAIM_DELETE: &str = concat!(
-    "DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(",
-    publishable!(),
-    ")) RETURNING ",
-    returned!()
+    claimed!(),
+    "DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT l.ctid FROM l)) RETURNING ",
+    returned!(),
+    ", ",
+    skipped_column!()
 );
 
 const CLAIM_LOCK: &str = concat!(
+    claimed!(),
     "SELECT ",
     returned!(),
-    " FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(",
-    publishable!(),
-    "))"
+    ", ",
+    skipped_column!(),
+    " FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT l.ctid FROM l))"
 );
 
 #[cfg(test)]
@@ -647,9 +784,10 @@ mod tests {
             .split(',')
             .map(|c| c.trim().trim_start_matches("d."))
             .collect();
-        assert_eq!(listed, RETURNED_NAMES);
-        assert!(CLAIM_DELETE.ends_with(returned!()));
-        assert!(CLAIM_LOCK.starts_with(concat!("SELECT ", returned!(), " FROM")));
+        assert_eq!(listed, RETURNED_NAMES[..RETURNED_NAMES.len() - 1]);
+        assert!(skipped_column!().ends_with(" AS skipped"));
+        assert!(CLAIM_DELETE.ends_with(concat!(returned!(), ", ", skipped_column!())));
+        assert!(CLAIM_LOCK.contains(concat!("SELECT ", returned!(), ", ", skipped_column!(), " FROM")));
     }
 
     /// The partition mask that the fence and the claim filter by: exactly the listed

@@ -48,6 +48,7 @@ mod rabbitmq;
 mod relay;
 pub mod retention;
 mod route;
+mod skipped;
 mod tasks;
 #[cfg(feature = "test-util")]
 pub mod testing;

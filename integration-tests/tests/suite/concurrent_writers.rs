@@ -237,6 +237,8 @@ async fn claimed_payloads(conn: &mut PgConnection) -> Vec<String> {
         .bind(None::<Vec<String>>)
         .bind(0i16)
         .bind(255i16)
+        .bind(0i64)
+        .bind(Vec::<i64>::new())
         .fetch_all(conn)
         .await
         .unwrap();

@@ -2,9 +2,10 @@
 //! different transactions; a key is its topic and key). Deterministic schedules against real
 //! PostgreSQL, driving claims by hand (`postal_producer::testing`).
 //!
-//! Tests named `break_*` found a break that is still open and fail (ignored as known; each says
-//! why; all three predate the change). The others are attacks that held, kept as cheap
-//! regression guards.
+//! The first three tests found breaks that predated the change (a due row that another session
+//! row-locks was skipped by `SKIP LOCKED` without holding its key); they fail on 9b8cf9f and
+//! pass since the claim leaves a key behind a row it skipped (producer/src/skipped.rs). The
+//! others are attacks that held, kept as cheap regression guards.
 
 use std::time::Duration;
 
@@ -71,20 +72,41 @@ fn in_order_or_nothing(got: &[String]) -> bool {
     got.is_empty() || got == ["first", "second"]
 }
 
+/// Claims `topic` as `relay` (completing each claim as published) until `want` events were
+/// taken or 20 s passed: their payloads in the order they were taken. A key that waits for a
+/// row lock is tried again a second later (`skipped::RECHECK`), hence the polling.
+async fn drain(pool: &PgPool, relay: Uuid, topic: &str, want: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut got = Vec::new();
+    while got.len() < want && std::time::Instant::now() < deadline {
+        let Some(mut c) = claim_of(pool, relay, topic, 100).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let batch = c.take_events();
+        got.extend(
+            batch
+                .iter()
+                .map(|e| serde_json::from_slice::<String>(&e.payload).unwrap()),
+        );
+        let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+        c.complete(&batch, &seqs, &[]).await.unwrap();
+    }
+    got
+}
+
 // ---------------------------------------------------------------------------------------------
-// Breaks
+// Row locks the claim skips (broke order before the claim checked what it skipped)
 // ---------------------------------------------------------------------------------------------
 
-/// BREAK (pre-existing, not introduced by ff640f2; contradicts its "a row is either taken or
-/// holds its key's later rows back, never neither"). The claim takes rows `FOR UPDATE SKIP
-/// LOCKED`, and only a `held` row holds its key back. A due, pending row that some other session
-/// has row-locked — an operator's `psql` transaction editing it, a reporting query `SELECT ...
-/// FOR SHARE`, anything taking `FOR KEY SHARE` — is skipped, and the key's next event is claimed
-/// alone: first publication out of seq order, no fault, no Postal bug in the caller.
-/// Schedule: enqueue first, second on (t, k); session L locks `first`; claim.
+/// Guarantee: a due, pending row that some other session has row-locked — an operator's `psql`
+/// transaction editing it, a reporting query `SELECT ... FOR SHARE`, anything taking `FOR KEY
+/// SHARE` — holds its key: the claim skips it (`SKIP LOCKED`) and takes none of the key's later
+/// events meanwhile; once the lock is gone, the key's events go out in order.
+/// Schedule: enqueue first, second on (t, k); session L locks `first`; claim; L ends; drain.
+/// (On 9b8cf9f the claim took `second` alone, for each of the four locks.)
 #[tokio::test]
-#[ignore = "known: a due row that another session row-locks is skipped (SKIP LOCKED) without holding its key"]
-async fn break_a_row_lock_on_a_keys_earlier_event_lets_the_next_one_out_alone() {
+async fn a_row_lock_on_a_keys_earlier_event_holds_the_key_until_it_is_gone() {
     let db = fresh_postgres_db().await;
     let relay = relay_in(&db.pool, lease::DEFAULT_GROUP).await;
     let mut broken = Vec::new();
@@ -113,26 +135,26 @@ async fn break_a_row_lock_on_a_keys_earlier_event_lets_the_next_one_out_alone() 
             c.release().await.unwrap();
         }
         exec(&mut l, "ROLLBACK").await;
-        if !in_order_or_nothing(&got) {
-            broken.push((lock, got));
+        let after = drain(&db.pool, relay, &topic, 2).await;
+        if !in_order_or_nothing(&got) || after != ["first", "second"] {
+            broken.push((lock, got, after));
         }
     }
     assert!(
         broken.is_empty(),
-        "a row lock on a key's earlier event let a claim take the key's later event alone: {broken:?}"
+        "a row lock on a key's earlier event let a claim take the key's later event alone, or the key did not go out in order once the lock was gone (lock, while locked, after): {broken:?}"
     );
 }
 
-/// BREAK (pre-existing; task mode). A checked-out row whose run lease has ended is due; if its
-/// relay's renewal (or `release`) is running on it at that moment — a renewal delayed on a slow
-/// link until after the run lease ended — the row is locked, the claim skips it (`SKIP LOCKED`),
-/// and since it is due it does not hold its key back: the key's next task is claimed (and would
-/// be checked out as its key's head) while the earlier task's run goes on with a renewed lease.
+/// Guarantee (task mode): a checked-out row whose run lease has ended is due; if its relay's
+/// renewal is running on it at that moment — a renewal delayed on a slow link until after the
+/// run lease ended — the row is locked and the claim skips it, but the key's next task is not
+/// claimed while the earlier task's run goes on, neither during the renewal nor after it.
+/// (On 9b8cf9f the claim took `second` alone: a due row that is locked did not hold its key.)
 /// Played by hand: `first` checked out (run 1) with its run lease over; session R runs the
-/// relay's renew statement and has not committed yet; a claim runs.
+/// relay's renew statement and has not committed yet; a claim runs; R commits; a claim runs.
 #[tokio::test]
-#[ignore = "known: a run-lease renewal that reaches the database after the lease ended locks a due row the claim skips"]
-async fn break_a_renewal_racing_a_claim_after_the_run_lease_ended_lets_the_next_task_out() {
+async fn a_renewal_racing_a_claim_after_the_run_lease_ended_holds_the_next_task() {
     let db = fresh_postgres_db().await;
     let relay = relay_in(&db.pool, lease::DEFAULT_GROUP).await;
     let topic = unique("renew");
@@ -172,20 +194,24 @@ async fn break_a_renewal_racing_a_claim_after_the_run_lease_ended_lets_the_next_
         c.release().await.unwrap();
     }
     exec(&mut r, "COMMIT").await;
+    let after = claim_of(&db.pool, relay, &topic, 100).await;
+    let after_got = payloads(&after);
+    if let Some(c) = after {
+        c.release().await.unwrap();
+    }
     assert!(
-        in_order_or_nothing(&got),
-        "the key's next task was claimed while its earlier task's run goes on: {got:?}"
+        got.is_empty() && after_got.is_empty(),
+        "the key's next task was claimed while its earlier task's run goes on (during the renewal, after it): {got:?}, {after_got:?}"
     );
 }
 
-/// BREAK (pre-existing; a configuration error nothing detects). Two relay groups whose topic
-/// filters overlap (a typo in `--exclude-topics`, say `email` for `emails`) both own every
-/// partition in their group and both claim the same (topic, key). Group A's claim has `first`
-/// in flight (row-locked); group B's claim skips it and takes `second` alone. The docs ask for
-/// disjoint filters; no relay checks, logs or reports an overlap.
+/// Guarantee: two relay groups whose topic filters overlap (a typo in `--exclude-topics`, say
+/// `email` for `emails`) both own every partition in their group and both claim the same
+/// (topic, key); while group A's claim has `first` in flight (row-locked), group B's claim
+/// takes none of the key's later events, and once A recorded `first`, B takes `second`.
+/// (On 9b8cf9f group B's claim skipped `first` and took `second` alone.)
 #[tokio::test]
-#[ignore = "known: overlapping topic filters of two relay groups are not detected"]
-async fn break_two_relay_groups_with_overlapping_topic_filters_reorder_a_key() {
+async fn two_relay_groups_with_overlapping_topic_filters_keep_a_keys_order() {
     let db = fresh_postgres_db().await;
     let a = relay_in(&db.pool, lease::DEFAULT_GROUP).await;
     let b = relay_in(&db.pool, "mailer").await;
@@ -211,10 +237,13 @@ async fn break_two_relay_groups_with_overlapping_topic_filters_reorder_a_key() {
     if let Some(c) = c {
         c.release().await.unwrap();
     }
-    in_flight.unwrap().release().await.unwrap();
+    let mut in_flight = in_flight.unwrap();
+    let batch = in_flight.take_events();
+    in_flight.complete(&batch, &[batch[0].seq], &[]).await.unwrap();
+    let after = drain(&db.pool, b, &topic, 1).await;
     assert!(
-        in_order_or_nothing(&got),
-        "two groups claiming the same topic published the key's later event while its earlier one was in flight: {got:?}"
+        got.is_empty() && after == ["second"],
+        "two groups claiming the same topic published the key's later event while its earlier one was in flight, or not after it (during, after): {got:?}, {after:?}"
     );
 }
 
@@ -294,6 +323,8 @@ async fn a_retry_written_back_is_not_overtaken_by_a_claim_that_began_earlier() {
         .bind(None::<Vec<String>>)
         .bind(0i16)
         .bind(255i16)
+        .bind(0i64)
+        .bind(Vec::<i64>::new())
         .fetch_all(&mut c2)
         .await
         .unwrap()
