@@ -633,7 +633,6 @@ async fn leave_keys_behind_locked_rows(
     }
 }
 
-
 /// The key partitions as a `bool[256]` mask (`true` = included), or `None` for all of them:
 /// one array lookup per row instead of a search through a list.
 fn mask(partitions: &[i16]) -> Option<Vec<bool>> {
@@ -787,7 +786,13 @@ mod tests {
         assert_eq!(listed, RETURNED_NAMES[..RETURNED_NAMES.len() - 1]);
         assert!(skipped_column!().ends_with(" AS skipped"));
         assert!(CLAIM_DELETE.ends_with(concat!(returned!(), ", ", skipped_column!())));
-        assert!(CLAIM_LOCK.contains(concat!("SELECT ", returned!(), ", ", skipped_column!(), " FROM")));
+        assert!(CLAIM_LOCK.contains(concat!(
+            "SELECT ",
+            returned!(),
+            ", ",
+            skipped_column!(),
+            " FROM"
+        )));
     }
 
     /// The partition mask that the fence and the claim filter by: exactly the listed

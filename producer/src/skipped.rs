@@ -134,7 +134,9 @@ impl Skipped {
     pub(crate) fn from_column(column: Option<Vec<i64>>) -> Option<Self> {
         let column = column?;
         let (seqs, xmaxes) = column.split_at(column.len() / 2);
-        Some(Self(seqs.iter().copied().zip(xmaxes.iter().copied()).collect()))
+        Some(Self(
+            seqs.iter().copied().zip(xmaxes.iter().copied()).collect(),
+        ))
     }
 
     #[cfg(test)]
@@ -260,10 +262,7 @@ mod tests {
         let (verdicts, _) = verdicts(
             mine,
             &[event(2, "t", "k"), event(3, "t", "j")],
-            &[
-                Some(Skipped::of(&[(1, 42)])),
-                Some(Skipped::of(&[(1, 43)])),
-            ],
+            &[Some(Skipped::of(&[(1, 42)])), Some(Skipped::of(&[(1, 43)]))],
         );
         assert_eq!(verdicts, [true, false]);
     }

@@ -239,7 +239,10 @@ async fn two_relay_groups_with_overlapping_topic_filters_keep_a_keys_order() {
     }
     let mut in_flight = in_flight.unwrap();
     let batch = in_flight.take_events();
-    in_flight.complete(&batch, &[batch[0].seq], &[]).await.unwrap();
+    in_flight
+        .complete(&batch, &[batch[0].seq], &[])
+        .await
+        .unwrap();
     let after = drain(&db.pool, b, &topic, 1).await;
     assert!(
         got.is_empty() && after == ["second"],
