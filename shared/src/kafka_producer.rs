@@ -67,7 +67,16 @@ const CONSUMER_ONLY: &[&str] = &[
 /// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
 /// where Java clients and Debezium put them), `linger.ms=0`, `compression.type=lz4`,
 /// `message.timeout.ms=20000`, `queue.buffering.max.messages=1000000`,
-/// `queue.buffering.max.kbytes=1048576`, `allow.auto.create.topics=false`.
+/// `queue.buffering.max.kbytes=1048576`, `allow.auto.create.topics=false`,
+/// `topic.metadata.propagation.max.ms=3000`.
+///
+/// `topic.metadata.propagation.max.ms` is 3 s (librdkafka's default is 30 s): how long the
+/// client holds records for a topic its metadata does not show before failing them as
+/// unknown. Postal looks a topic up (and creates it when allowed) before it sends to it, so
+/// the wait only matters for a topic deleted under a running relay: its records then fail
+/// within seconds, the relay finds the topic missing and its events wait, and the batches they
+/// shared with other topics' events are not held up for half a minute
+/// (`missing_topic::deleted_topic_*`).
 ///
 /// `linger.ms` is 0 (librdkafka's own default is 5) because the relay already batches: it
 /// hands a whole claimed batch to the producer at once. Under light load a claim holds a
@@ -124,6 +133,7 @@ fn build(bootstrap_servers: &str, properties: &BTreeMap<&str, &str>) -> ClientCo
         .set("queue.buffering.max.messages", "1000000")
         .set("queue.buffering.max.kbytes", "1048576")
         .set("allow.auto.create.topics", "false")
+        .set("topic.metadata.propagation.max.ms", "3000")
         .set("log_level", "4");
     for (k, v) in properties {
         cfg.set(*k, *v);

@@ -54,6 +54,9 @@ pub(super) struct BatchAcks {
     pub(super) failures: Mutex<Vec<(usize, PublishError)>>,
     /// Topics the broker refused records of for a missing ACL, with the reason.
     pub(super) denied: Mutex<Vec<(String, String)>>,
+    /// Records that failed as if their topic were gone (unknown to the broker or to the
+    /// client, or timed out): their topics are looked up once the batch settled.
+    pub(super) topic_gone: Mutex<Vec<usize>>,
     /// Set once a failure asked for a fresh producer (see [`needs_reset`]).
     reset: AtomicBool,
     /// The producer the batch went through (weak: the records queued in a producer hold their
@@ -78,6 +81,7 @@ impl BatchAcks {
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
             denied: Mutex::new(Vec::new()),
+            topic_gone: Mutex::new(Vec::new()),
             reset: AtomicBool::new(false),
             tracked,
             slot,
@@ -139,6 +143,20 @@ impl Drop for Ack {
             (true, Some(err)) => {
                 if needs_reset(&err) {
                     self.batch.reset_producer();
+                }
+                if matches!(
+                    err.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::UnknownTopicOrPartition
+                            | RDKafkaErrorCode::UnknownTopic
+                            | RDKafkaErrorCode::MessageTimedOut
+                    )
+                ) {
+                    self.batch
+                        .topic_gone
+                        .lock()
+                        .expect("topic gone")
+                        .push(self.index);
                 }
                 if let Some(topic) = self.denied_topic.take() {
                     let reason = not_authorised(&topic);

@@ -93,44 +93,7 @@ impl KafkaTransport {
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {
-        let producer = self.producer();
-        let name = topic.to_owned();
-        let metadata = tokio::task::spawn_blocking(move || {
-            producer
-                .client()
-                .fetch_metadata(Some(&name), Timeout::After(Duration::from_secs(10)))
-        })
-        .await
-        .map_err(|e| PublishError::new(FailureKind::Transient, e.to_string()))?
-        .map_err(|e| PublishError::new(classify(&e), format!("metadata for {topic:?}: {e}")))?;
-        let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
-            return Ok(false);
-        };
-        match t.error() {
-            None => Ok(!t.partitions().is_empty()),
-            Some(err) => {
-                let code = RDKafkaErrorCode::from(err);
-                match code {
-                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => {
-                        Ok(false)
-                    }
-                    RDKafkaErrorCode::InvalidTopic => Err(PublishError::new(
-                        FailureKind::Permanent,
-                        format!("invalid topic {topic:?}: {code}"),
-                    )),
-                    // An ACL missing for this topic is the cluster's set-up, not the events'
-                    // fault: they wait (in key order) until it is granted.
-                    RDKafkaErrorCode::TopicAuthorizationFailed => Err(PublishError::new(
-                        FailureKind::Waiting,
-                        not_authorised(topic),
-                    )),
-                    other => Err(PublishError::new(
-                        FailureKind::Unavailable,
-                        format!("metadata for {topic:?}: {other}"),
-                    )),
-                }
-            }
-        }
+        topic_exists(self.producer(), topic).await
     }
 
     async fn create_topic(&self, topic: &str) -> Result<(), PublishError> {
@@ -181,5 +144,139 @@ impl KafkaTransport {
             "created topic"
         );
         Ok(())
+    }
+}
+
+/// How long a batch's look-up of a topic whose records failed as if it were gone may take
+/// before its failures stand as they are.
+const GONE_LOOKUP: Duration = Duration::from_secs(5);
+
+/// After a batch settled: looks up each topic whose records failed as unknown or timed out
+/// (`suspects`: index in the batch, topic). A topic that no longer exists — deleted under the
+/// running relay — is cached missing again (said once), and those records' failures become
+/// `Waiting`: no attempt used, the relay not paused, their keys held in order; the next batches
+/// hold the topic's events back until it exists again. With topic creation on, the topic is
+/// forgotten instead and its records released at once (`HeldBack`): the next claim creates
+/// it again. A topic that exists: a record the client did not know the topic of yet is released
+/// without an attempt (`HeldBack`); timeouts stand. A look-up that fails (the cluster is
+/// unreachable) leaves every failure as it is.
+pub(super) async fn gone(
+    producer: super::SharedProducer,
+    cache: &std::sync::Mutex<std::collections::HashMap<String, TopicState>>,
+    create: bool,
+    suspects: &[(usize, &str)],
+    outcomes: &mut [Result<(), PublishError>],
+) {
+    let mut looked: Vec<&str> = Vec::new();
+    for &(_, topic) in suspects {
+        if looked.contains(&topic) {
+            continue;
+        }
+        looked.push(topic);
+        let exists = tokio::time::timeout(GONE_LOOKUP, topic_exists(producer.clone(), topic)).await;
+        let reason = match exists {
+            Ok(Ok(false)) if create => {
+                // Created again by the next claim's look-up (`ensure_topic`): its events go
+                // back at once, without an attempt, ahead of their keys' later events.
+                let was = cache.lock().expect("topic cache").remove(topic);
+                if matches!(was, Some(TopicState::Ready)) {
+                    tracing::warn!(
+                        topic,
+                        "topic {topic:?} was deleted after the relay found it; the relay creates it again"
+                    );
+                }
+                for &(i, t) in suspects {
+                    if t == topic {
+                        outcomes[i] = Err(PublishError::new(
+                            FailureKind::HeldBack,
+                            format!("topic {topic:?} was deleted; it is created again"),
+                        ));
+                    }
+                }
+                continue;
+            }
+            Ok(Ok(false)) => missing_topic(
+                topic,
+                "was deleted after the relay found it (topic creation is off)",
+            ),
+            Ok(Ok(true)) => {
+                for &(i, t) in suspects {
+                    if t == topic
+                        && outcomes[i]
+                            .as_ref()
+                            .err()
+                            .is_some_and(|e| e.reason.contains("UnknownTopic"))
+                    {
+                        outcomes[i] = Err(PublishError::new(
+                            FailureKind::HeldBack,
+                            format!("topic {topic:?} was not known to the client yet"),
+                        ));
+                    }
+                }
+                continue;
+            }
+            _ => continue,
+        };
+        let was = cache.lock().expect("topic cache").insert(
+            topic.to_owned(),
+            TopicState::Missing {
+                reason: reason.clone(),
+                since: std::time::Instant::now(),
+            },
+        );
+        if !matches!(was, Some(TopicState::Missing { .. })) {
+            tracing::warn!(topic, "{reason}");
+        }
+        for &(i, t) in suspects {
+            if t == topic {
+                outcomes[i] = Err(PublishError::new(FailureKind::Waiting, reason.clone()));
+            }
+        }
+    }
+}
+
+/// Whether `topic` exists by the cluster's metadata (asked through `producer`), with the
+/// errors that say why it cannot be used.
+pub(super) async fn topic_exists(
+    producer: super::SharedProducer,
+    topic: &str,
+) -> Result<bool, PublishError> {
+    let name = topic.to_owned();
+
+    let metadata = tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(Some(&name), Timeout::After(Duration::from_secs(10)))
+    })
+    .await
+    .map_err(|e| PublishError::new(FailureKind::Transient, e.to_string()))?
+    .map_err(|e| PublishError::new(classify(&e), format!("metadata for {topic:?}: {e}")))?;
+    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Ok(false);
+    };
+    match t.error() {
+        None => Ok(!t.partitions().is_empty()),
+        Some(err) => {
+            let code = RDKafkaErrorCode::from(err);
+            match code {
+                RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic => {
+                    Ok(false)
+                }
+                RDKafkaErrorCode::InvalidTopic => Err(PublishError::new(
+                    FailureKind::Permanent,
+                    format!("invalid topic {topic:?}: {code}"),
+                )),
+                // An ACL missing for this topic is the cluster's set-up, not the events'
+                // fault: they wait (in key order) until it is granted.
+                RDKafkaErrorCode::TopicAuthorizationFailed => Err(PublishError::new(
+                    FailureKind::Waiting,
+                    not_authorised(topic),
+                )),
+                other => Err(PublishError::new(
+                    FailureKind::Unavailable,
+                    format!("metadata for {topic:?}: {other}"),
+                )),
+            }
+        }
     }
 }

@@ -224,6 +224,16 @@ impl Transport for KafkaTransport {
                         if needs_reset(&err) {
                             self.producer.replace(generation);
                         }
+                        if matches!(
+                            err.rdkafka_error_code(),
+                            Some(
+                                RDKafkaErrorCode::UnknownTopicOrPartition
+                                    | RDKafkaErrorCode::UnknownTopic
+                            )
+                        ) {
+                            // Looked up once the batch settled (see `gone` below).
+                            acks.topic_gone.lock().expect("topic gone").push(index);
+                        }
                         outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
                         blocked.insert(e.order_key());
                         fence.hold_key(&tracked, index);
@@ -234,26 +244,37 @@ impl Transport for KafkaTransport {
         }
         // The hand-over is done: from here the count reaches zero with the last callback.
         acks.count_down();
-        // A topic the broker no longer knows (deleted after it was found) is looked up again by
-        // the next batch, which then waits for it or creates it again. (librdkafka often
-        // reports a deleted topic's records only as timed out; those are not rechecked, since
-        // during an outage every lookup would wait for its timeout.)
+        // A topic deleted after it was found: its records fail as unknown, or time out. Their
+        // topics are looked up once the batch settled (`gone`), and one that no longer exists
+        // is missing again: its events wait, in key order, like a missing topic's, without
+        // pausing the relay, and the next batches hold them back until it exists again (or is
+        // created again). Other topics are not held up.
         let cache = Arc::clone(&self.topics);
-        let batch_topics: Vec<String> = topic_ok.keys().map(|t| (*t).to_owned()).collect();
+        let create = self.config.create_topics;
+        // The batch's topics, and each event's among them (a batch mostly holds one topic).
+        let mut topics: Vec<String> = Vec::new();
+        let topic_of: Vec<u32> = batch
+            .iter()
+            .map(|e| match topics.iter().rposition(|t| *t == e.topic) {
+                Some(i) => i as u32,
+                None => {
+                    topics.push(e.topic.clone());
+                    (topics.len() - 1) as u32
+                }
+            })
+            .collect();
         async move {
             acks.settled().await;
-            let mut recheck = false;
             for (index, failure) in acks.failures.lock().expect("batch failures").drain(..) {
-                recheck |= failure.reason.contains("UnknownTopic");
                 outcomes[index] = Err(failure);
             }
-            if recheck {
-                let mut cache = cache.lock().expect("topic cache");
-                for t in &batch_topics {
-                    if matches!(cache.get(t), Some(TopicState::Ready)) {
-                        cache.remove(t);
-                    }
-                }
+            let suspects = std::mem::take(&mut *acks.topic_gone.lock().expect("topic gone"));
+            if !suspects.is_empty() {
+                let suspects: Vec<(usize, &str)> = suspects
+                    .into_iter()
+                    .map(|i| (i, topics[topic_of[i] as usize].as_str()))
+                    .collect();
+                super::topics::gone(producer, &cache, create, &suspects, &mut outcomes).await;
             }
             // A topic refused for a missing ACL waits like a missing one: later batches hold
             // its events back until the next look-up, and the cause is said once.
