@@ -72,7 +72,7 @@ macro_rules! plan_settings {
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
 
 /// The names of the columns in [`returned!`], in order: what [`decode`]'s positions mean.
-const RETURNED_NAMES: [&str; 14] = [
+const RETURNED_NAMES: [&str; 15] = [
     "seq",
     "event_id",
     "topic",
@@ -87,6 +87,7 @@ const RETURNED_NAMES: [&str; 14] = [
     "created_at",
     "last_error",
     "skipped",
+    "passed",
 ];
 
 /// A claimed row, decoded by position in the order of the claim statements' column list
@@ -141,6 +142,13 @@ fn decode(
         },
         Skipped::from_column(row.try_get(13)?),
     ))
+}
+
+/// The claim's `passed` column: how many rows of other sessions' it passed (the same in every
+/// row).
+fn passed(row: &sqlx::postgres::PgRow) -> Result<usize, sqlx::Error> {
+    use sqlx::Row as _;
+    Ok(usize::try_from(row.try_get::<i64, _>(14)?).unwrap_or(0))
 }
 
 /// What is needed to write a row back after a failed publish (delete-on-claim mode).
@@ -482,7 +490,9 @@ pub async fn claim(
     // (`skipped`). The relay's other claims: their transaction ids, and how many rows they
     // hold (the claim reads that many more candidates, see `claimed!`).
     let own = skipped::register(relay, xid);
-    let (own_xids, held_elsewhere) = skipped::own(relay);
+    let mut others = skipped::own(relay);
+    // The rows this statement locks carry its own transaction id: never reported.
+    others.plain.push(xid);
     let left = Duration::from_secs_f64(left_ms.unwrap_or(0.0).max(0.0) / 1e3);
     let send_by = checked_at + left.saturating_sub(send_margin(lease));
     // The range of the owned partitions is checked inside the index; the mask (one array
@@ -510,6 +520,7 @@ pub async fn claim(
     let (only, except) = topics.binds();
     // Sized for a light-load claim; a full batch grows it a few times.
     let mut rows: Vec<(OutboundEvent, Kept, Option<Skipped>)> = Vec::with_capacity(limit.min(256));
+    let mut passed = 0;
     {
         use futures::TryStreamExt as _;
         let mut stream = sqlx::query(sql)
@@ -519,8 +530,8 @@ pub async fn claim(
             .bind(except)
             .bind(lo)
             .bind(hi)
-            .bind(held_elsewhere as i64)
-            .bind(&own_xids)
+            .bind(others.window as i64)
+            .bind(&others.plain)
             .fetch(&mut *tx);
         while let Some(row) = stream.try_next().await? {
             // The columns are the statement's, the same for every row: checked once.
@@ -534,10 +545,14 @@ pub async fn claim(
                 },
                 "the claim's columns are not in the order decode reads them"
             );
+            if rows.is_empty() {
+                passed = self::passed(&row)?;
+            }
             rows.push(decode(&row)?);
         }
     }
     if rows.is_empty() {
+        own.claimed(0, Vec::new(), limit, None);
         tx.rollback().await?;
         return Ok(None);
     }
@@ -546,13 +561,29 @@ pub async fn claim(
     let (rows, skipped): (Vec<(OutboundEvent, Kept)>, Vec<Option<Skipped>>) =
         rows.into_iter().map(|(e, k, b)| ((e, k), b)).unzip();
     let (mut events, mut kept): (Vec<OutboundEvent>, Vec<Kept>) = rows.into_iter().unzip();
+    // Which rows wait behind a row locked elsewhere (or left behind by an earlier claim of
+    // this relay, which this one may have to wait for to know), recorded before anything else
+    // (a later claim of the relay that passes this one's locks waits for it to know).
+    let (waits, blocked) = own.verdicts(&events, &skipped).await;
+    let left_behind: Vec<i64> = events
+        .iter()
+        .zip(&waits)
+        .filter(|(_, w)| **w)
+        .map(|(e, _)| e.seq)
+        .collect();
+    own.claimed(
+        events.len() - left_behind.len(),
+        left_behind,
+        limit,
+        Some(passed),
+    );
     if let Err(e) = leave_keys_behind_locked_rows(
         &mut tx,
-        relay,
         delete_on_claim,
         &mut events,
         &mut kept,
-        &skipped,
+        waits,
+        &blocked,
     )
     .await
     {
@@ -564,7 +595,6 @@ pub async fn claim(
         .zip(&kept)
         .map(|(e, k)| (e.seq, k.created_at))
         .collect();
-    own.holds(events.len());
     let claim = Claim {
         tx,
         _own: own,
@@ -588,23 +618,22 @@ pub async fn claim(
     Ok(Some(claim))
 }
 
-/// Takes out of the claim the rows of every key whose earlier pending row another session
-/// row-locks, from that key's first claimed row on, and writes them back in the claim's
+/// Takes out of the claim the rows that wait (`waits`, per row: every row of a key from its
+/// first claimed row after a row locked elsewhere on), and writes them back in the claim's
 /// transaction, holding their key for [`skipped::RECHECK`] (see the `skipped` module). Logs one
-/// line per key that waits.
+/// line per key that waits (`blocked`).
 async fn leave_keys_behind_locked_rows(
     tx: &mut Transaction<'static, Postgres>,
-    relay: Uuid,
     delete_on_claim: bool,
     events: &mut Vec<OutboundEvent>,
     kept: &mut Vec<Kept>,
-    skipped: &[Option<Skipped>],
+    waits: Vec<bool>,
+    blocked: &[skipped::Blocked],
 ) -> Result<(), sqlx::Error> {
-    let (waits, blocked) = skipped::verdicts(relay, events, skipped);
     if blocked.is_empty() {
         return Ok(());
     }
-    for b in &blocked {
+    for b in blocked {
         tracing::warn!(
             topic = %b.topic,
             locked_seq = b.locked_seq,
@@ -670,7 +699,8 @@ macro_rules! skipped_column {
     () => {
         "CASE WHEN (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM s) \
          THEN (SELECT array_agg(s.seq ORDER BY s.seq) || array_agg(s.xmax ORDER BY s.seq) \
-               FROM s WHERE s.topic = d.topic AND s.event_key = d.event_key) END AS skipped"
+               FROM s WHERE s.topic = d.topic AND s.event_key = d.event_key) END AS skipped, \
+         (SELECT count(*) FROM s) AS passed"
     };
 }
 
@@ -693,7 +723,7 @@ macro_rules! skipped_column {
 macro_rules! publishable {
     () => {
         r#"
-            SELECT o.ctid, o.xmax
+            SELECT o.ctid, o.seq
             FROM postal.outbox o
             WHERE o.status = 'pending'
               AND (NOT o.held OR o.available_at <= now())
@@ -716,28 +746,34 @@ macro_rules! publishable {
 
 /// The rows a claim takes, and those it passed without taking (shared by both claim forms).
 ///
-/// `c`: the publishable rows in sequence order, as many as the claim may take plus as many as
-/// this relay's other claims hold (`$7`: those are locked, and come first), with `xmax`, read
-/// without locking. `l`: the first `$2` of them that the statement can lock, in that order
-/// (`SKIP LOCKED`, by tuple id: the nested loop keeps `c`'s order; any other plan would only
-/// leave more rows unlocked, which makes their keys wait, never the reverse). `s`: the
-/// candidates left unlocked whose `xmax` is not one of this relay's claims (`$8`): rows that
-/// another session locks. A claimed row of the same topic and key after one of those must not
-/// go out before it: see [`skipped_column!`] and the `skipped` module. (`$8` is read before the
-/// statement; the relay checks again after it, with claims registered meanwhile.)
+/// `c`: the publishable rows in sequence order, as many as the claim may take plus `$7` (the
+/// rows this relay's running claims hold, which are locked and come first, and the rows other
+/// sessions locked in the last claims' window), read without locking. `l`: the first `$2` of
+/// them that the statement can lock, in that order (`SKIP LOCKED`, by tuple id: the nested
+/// loop keeps `c`'s order; any other plan would only leave more rows unlocked, which makes
+/// their keys wait, never the reverse). `s`: the candidates before the last row taken that are
+/// locked by a transaction other than this claim and this relay's plain claims (`$8`, which
+/// holds this claim's own transaction id too): their `xmax`, read after `l` locked its rows,
+/// names the session that locks them (read only when `l` passed a candidate: nearly always it
+/// took every one up to its last). A claimed row of the same topic and key after one of
+/// those must not go out before it: see [`skipped_column!`] and the `skipped` module. (`$8` is
+/// read before the statement; the relay checks again after it, with claims registered
+/// meanwhile.)
 macro_rules! claimed {
     () => {
         concat!(
             "WITH c AS MATERIALIZED (",
             publishable!(),
             "), l AS MATERIALIZED (
-                SELECT o.ctid FROM c JOIN postal.outbox o ON o.ctid = c.ctid
+                SELECT o.ctid, c.seq FROM c JOIN postal.outbox o ON o.ctid = c.ctid
                 LIMIT $2 FOR UPDATE OF o SKIP LOCKED
             ), s AS MATERIALIZED (
                 SELECT o.seq, o.topic, o.event_key, o.xmax::text::int8 AS xmax
                 FROM c JOIN postal.outbox o ON o.ctid = c.ctid
-                WHERE c.xmax::text::int8 <> ALL($8::int8[])
-                  AND NOT EXISTS (SELECT 1 FROM l WHERE l.ctid = c.ctid)
+                WHERE c.seq < (SELECT max(l.seq) FROM l)
+                  AND (SELECT count(*) FROM l)
+                      < (SELECT count(*) FROM c WHERE c.seq <= (SELECT max(l.seq) FROM l))
+                  AND o.xmax::text::int8 <> ALL($8::int8[])
             ) "
         )
     };
@@ -783,8 +819,8 @@ mod tests {
             .split(',')
             .map(|c| c.trim().trim_start_matches("d."))
             .collect();
-        assert_eq!(listed, RETURNED_NAMES[..RETURNED_NAMES.len() - 1]);
-        assert!(skipped_column!().ends_with(" AS skipped"));
+        assert_eq!(listed, RETURNED_NAMES[..RETURNED_NAMES.len() - 2]);
+        assert!(skipped_column!().ends_with(" AS passed"));
         assert!(CLAIM_DELETE.ends_with(concat!(returned!(), ", ", skipped_column!())));
         assert!(CLAIM_LOCK.contains(concat!(
             "SELECT ",

@@ -17,17 +17,24 @@
 //! publishable, and passed in sequence order without being taken was locked when the statement
 //! reached it. When one such row is not locked by a claim of this relay (their transaction ids
 //! are registered here *before* their claim statements run, and checked again after the
-//! statement, so a concurrent claim of the same relay is always recognised), the claim keeps
+//! statement, so a concurrent claim of the same relay is always recognised), or is a row that
+//! one of its claims left behind (written back in that claim's still open transaction, so
+//! that others see it as it was, locked by that claim), the claim keeps
 //! none of the key's rows after it: they are written back in the claim's transaction, holding
 //! their key for [`RECHECK`] (no attempt used), and the key is tried again then. The rows of
 //! other keys go out as usual. Once the other session lets go of its lock, the skipped row is
 //! claimed, then the rest of its key, in order.
 //!
+//! A claim reads as many candidates as it may take, plus the rows the relay's running claims
+//! hold (they come first), plus the rows of other sessions' that the last claims passed; a
+//! claim that took nothing doubles that extra (up to eight batches), so that rows locked
+//! elsewhere never keep a relay from the rows after them.
+//!
 //! A lock taken by two sessions at once shows as a multixact id in `xmax`, which never matches
 //! a registered transaction id of this relay except by a coincidence of counters; it then
 //! counts as not this relay's, the safe side.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
@@ -46,18 +53,41 @@ pub(crate) const RECHECK: Duration = Duration::from_secs(1);
 /// during one claim statement).
 const REMEMBERED: usize = 64;
 
+/// The most rows a claim reads past its limit and the rows the relay's other claims hold,
+/// in limits: the window grows by the rows other sessions lock (see [`Own::window`]).
+const MAX_EXTRA_WINDOWS: usize = 8;
+
+/// One claim's transaction id (32-bit, as `xmax` shows it) and the rows it left behind
+/// (written back in its own transaction, holding their key: until it commits, others still
+/// see them as they were, locked by it).
+struct Xact {
+    xid: i64,
+    left_behind: Vec<i64>,
+    /// Whether its rows that wait are known (its claim statement returned and was judged, or
+    /// it ended).
+    settled: bool,
+}
+
 /// One relay's claims in this process.
 #[derive(Default)]
 struct Claims {
-    /// Running claims: their transaction id (32-bit, as `xmax` shows it) and how many rows
-    /// they hold, by registration number.
-    running: HashMap<u64, (i64, usize)>,
-    /// The transaction ids of the latest ended claims.
-    ended: VecDeque<i64>,
+    /// Running claims and how many rows they hold, by registration number.
+    running: HashMap<u64, (Xact, usize)>,
+    /// The latest ended claims.
+    ended: VecDeque<Xact>,
+    /// How many more candidates the next claim reads: rows other sessions locked in the
+    /// last claims' window.
+    extra: usize,
 }
 
 static CLAIMS: LazyLock<Mutex<HashMap<Uuid, Claims>>> = LazyLock::new(Default::default);
 static NEXT: AtomicU64 = AtomicU64::new(0);
+/// Woken whenever a claim is settled.
+static SETTLED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// How long a claim waits for an earlier claim of its relay, whose locks it passed, to be
+/// settled; past it those locks count as another session's (its keys wait, the safe side).
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 fn claims() -> std::sync::MutexGuard<'static, HashMap<Uuid, Claims>> {
     CLAIMS.lock().unwrap_or_else(|e| e.into_inner())
@@ -74,22 +104,127 @@ pub(crate) struct OwnClaim {
 /// a row.
 pub(crate) fn register(relay: Uuid, xid: i64) -> OwnClaim {
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    claims()
-        .entry(relay)
-        .or_default()
-        .running
-        .insert(id, (xid, 0));
+    claims().entry(relay).or_default().running.insert(
+        id,
+        (
+            Xact {
+                xid,
+                left_behind: Vec::new(),
+                settled: false,
+            },
+            0,
+        ),
+    );
     OwnClaim { relay, id }
 }
 
 impl OwnClaim {
-    /// Records how many rows the claim holds (they come first in the relay's next claims).
-    pub(crate) fn holds(&self, rows: usize) {
-        if let Some(c) = claims().get_mut(&self.relay) {
-            if let Some(r) = c.running.get_mut(&self.id) {
-                r.1 = rows;
-            }
+    /// Records how many rows the claim holds (they come first in the relay's next claims),
+    /// which rows it left behind, and how many rows of other sessions' it passed (`passed`)
+    /// or, when it claimed nothing, that its window may have been full of them.
+    pub(crate) fn claimed(
+        &self,
+        rows: usize,
+        left_behind: Vec<i64>,
+        limit: usize,
+        passed: Option<usize>,
+    ) {
+        let mut all = claims();
+        let Some(c) = all.get_mut(&self.relay) else {
+            return;
+        };
+        if let Some((x, n)) = c.running.get_mut(&self.id) {
+            *n = rows;
+            x.left_behind = left_behind;
+            x.settled = true;
         }
+        let cap = limit.saturating_mul(MAX_EXTRA_WINDOWS);
+        c.extra = match passed {
+            Some(p) => p.min(cap),
+            // Nothing claimed: either nothing is pending, or every candidate was locked. A
+            // wider window costs nothing in the first case and gets past the locks in the
+            // second.
+            None => (c.extra.saturating_mul(2) + limit).min(cap),
+        };
+        drop(all);
+        SETTLED.notify_waiters();
+    }
+
+    /// Per claimed row (in sequence order), whether it must wait: the claim passed a row of
+    /// its topic and key with a lower sequence number that is locked elsewhere — by a session
+    /// that is no claim of this relay, or left behind by one (see [`elsewhere`]). A row locked
+    /// by an earlier claim of the relay that is not settled yet waits for it to be (up to
+    /// [`SETTLE_WAIT`]); one locked by a later claim that is not settled counts as elsewhere.
+    /// Returns the verdicts and one [`Blocked`] per key that waits; computes nothing (empty)
+    /// when the claim skipped nothing.
+    pub(crate) async fn verdicts(
+        &self,
+        events: &[OutboundEvent],
+        skipped: &[Option<Skipped>],
+    ) -> (Vec<bool>, Vec<Blocked>) {
+        if skipped.iter().all(Option::is_none) {
+            return (Vec::new(), Vec::new());
+        }
+        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
+        loop {
+            let settled = SETTLED.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            let patient = tokio::time::Instant::now() < deadline;
+            if let Some(v) = self.judge(events, skipped, patient) {
+                return v;
+            }
+            let _ = tokio::time::timeout_at(deadline, settled).await;
+        }
+    }
+
+    /// [`OwnClaim::verdicts`] as things stand: `None` when it has to wait for an earlier claim
+    /// (`patient`), else the verdicts.
+    fn judge(
+        &self,
+        events: &[OutboundEvent],
+        skipped: &[Option<Skipped>],
+        patient: bool,
+    ) -> Option<(Vec<bool>, Vec<Blocked>)> {
+        let all = claims();
+        let c = all.get(&self.relay);
+        let mut blocked: Vec<Blocked> = Vec::new();
+        let mut verdicts = Vec::with_capacity(events.len());
+        for (e, s) in events.iter().zip(skipped) {
+            let mut first = None;
+            for &(seq, xmax) in s.as_ref().map(|s| s.0.as_slice()).unwrap_or_default() {
+                if seq >= e.seq {
+                    break;
+                }
+                match elsewhere(c, self.id, seq, xmax) {
+                    Some(true) => {
+                        first = Some((seq, xmax));
+                        break;
+                    }
+                    Some(false) => {}
+                    None if patient => return None,
+                    None => {
+                        first = Some((seq, xmax));
+                        break;
+                    }
+                }
+            }
+            if let Some((locked_seq, xmax)) = first {
+                if !blocked
+                    .iter()
+                    .any(|b| b.topic == e.topic && b.locked_seq == locked_seq)
+                {
+                    blocked.push(Blocked {
+                        topic: e.topic.clone(),
+                        locked_seq,
+                        xmax,
+                        first_seq: e.seq,
+                    });
+                }
+            }
+            verdicts.push(first.is_some());
+        }
+        Some((verdicts, blocked))
     }
 }
 
@@ -99,29 +234,66 @@ impl Drop for OwnClaim {
         let Some(c) = all.get_mut(&self.relay) else {
             return;
         };
-        if let Some((xid, _)) = c.running.remove(&self.id) {
+        if let Some((mut x, _)) = c.running.remove(&self.id) {
+            x.settled = true;
             if c.ended.len() == REMEMBERED {
                 c.ended.pop_front();
             }
-            c.ended.push_back(xid);
+            c.ended.push_back(x);
         }
+        drop(all);
+        SETTLED.notify_waiters();
     }
 }
 
-/// The transaction ids of `relay`'s claims (running and lately ended), and how many rows its
-/// running claims hold.
-pub(crate) fn own(relay: Uuid) -> (Vec<i64>, usize) {
+/// What a claim of a relay needs to know of the relay's other claims.
+#[derive(Default)]
+pub(crate) struct Own {
+    /// The transaction ids of its claims (running and lately ended) that left no row behind:
+    /// rows they lock are theirs, ordered by the key chain (`$8`).
+    pub(crate) plain: Vec<i64>,
+    /// How many more candidates to read: the rows its running claims hold, plus the rows of
+    /// other sessions' that the last claims passed (`$7`).
+    pub(crate) window: usize,
+}
+
+/// The relay's other claims, as the claim statement takes them.
+pub(crate) fn own(relay: Uuid) -> Own {
     let all = claims();
     let Some(c) = all.get(&relay) else {
-        return (Vec::new(), 0);
+        return Own::default();
     };
-    let xids = c
-        .running
-        .values()
-        .map(|(x, _)| *x)
-        .chain(c.ended.iter().copied())
-        .collect();
-    (xids, c.running.values().map(|(_, n)| n).sum())
+    let xacts = c.running.values().map(|(x, _)| x).chain(c.ended.iter());
+    Own {
+        plain: xacts
+            .filter(|x| x.settled && x.left_behind.is_empty())
+            .map(|x| x.xid)
+            .collect(),
+        window: c.running.values().map(|(_, n)| n).sum::<usize>() + c.extra,
+    }
+}
+
+/// Whether a row claim `me` passed (`seq`, locked by `xmax`) is locked elsewhere: by a session
+/// that is no claim of this relay (`Some(true)`), or left behind by one (`Some(true)`), not a
+/// row one of its claims has in flight (`Some(false)`); `None` while the claim that locks it
+/// is an earlier one of the relay not settled yet. A later one not settled counts as
+/// elsewhere (waiting for each other could deadlock; this way only a rare interleaving makes a
+/// key wait a second for nothing).
+fn elsewhere(c: Option<&Claims>, me: u64, seq: i64, xmax: i64) -> Option<bool> {
+    let Some(c) = c else {
+        return Some(true);
+    };
+    if let Some((id, (x, _))) = c.running.iter().find(|(_, (x, _))| x.xid == xmax) {
+        return match (x.settled, *id < me) {
+            (true, _) => Some(x.left_behind.contains(&seq)),
+            (false, true) => None,
+            (false, false) => Some(true),
+        };
+    }
+    match c.ended.iter().find(|x| x.xid == xmax) {
+        Some(x) => Some(x.left_behind.contains(&seq)),
+        None => Some(true),
+    }
 }
 
 /// Rows of a claimed row's topic and key that the claim statement passed without taking: their
@@ -157,47 +329,6 @@ pub(crate) struct Blocked {
     pub(crate) first_seq: i64,
 }
 
-/// Per claimed row (in sequence order), whether it must wait: the claim passed a row of its
-/// topic and key with a lower sequence number that no claim of `relay` locks (checked against
-/// the claims registered now). Returns the verdicts and one [`Blocked`] per key that waits;
-/// computes nothing (empty) when the claim skipped nothing of another session's.
-pub(crate) fn verdicts(
-    relay: Uuid,
-    events: &[OutboundEvent],
-    skipped: &[Option<Skipped>],
-) -> (Vec<bool>, Vec<Blocked>) {
-    if skipped.iter().all(Option::is_none) {
-        return (Vec::new(), Vec::new());
-    }
-    let own: HashSet<i64> = own(relay).0.into_iter().collect();
-    let mut blocked: Vec<Blocked> = Vec::new();
-    let verdicts = events
-        .iter()
-        .zip(skipped)
-        .map(|(e, s)| {
-            let first = s.as_ref().and_then(|s| {
-                s.0.iter()
-                    .find(|(seq, xmax)| *seq < e.seq && !own.contains(xmax))
-            });
-            if let Some(&(locked_seq, xmax)) = first {
-                if !blocked
-                    .iter()
-                    .any(|b| b.topic == e.topic && b.locked_seq == locked_seq)
-                {
-                    blocked.push(Blocked {
-                        topic: e.topic.clone(),
-                        locked_seq,
-                        xmax,
-                        first_seq: e.seq,
-                    });
-                }
-            }
-            first.is_some()
-        })
-        .collect();
-    (verdicts, blocked)
-}
-
 /// The write-back of rows that wait: pending, holding their key until [`RECHECK`] has passed,
 /// without using an attempt or changing their recorded error.
 pub(crate) fn wait(seq: i64) -> Failure {
@@ -225,10 +356,12 @@ mod tests {
     /// A row goes out unless the claim passed an earlier row of its topic and key that someone
     /// other than the relay's own claims locks; then it waits, and so does every later row of
     /// its key (only of its key: the same key on another topic goes out).
-    #[test]
-    fn only_the_keys_behind_a_row_locked_elsewhere_wait() {
+    #[tokio::test]
+    async fn only_the_keys_behind_a_row_locked_elsewhere_wait() {
         let relay = Uuid::now_v7();
-        let _mine = register(relay, 700);
+        let mine = register(relay, 700);
+        mine.claimed(1, Vec::new(), 10, Some(0));
+        let me = register(relay, 701);
         let events = [
             event(10, "t", "a"), // passed row 5, locked by the relay's own claim 700
             event(11, "t", "b"), // passed row 6, locked by transaction 900 (someone else)
@@ -245,7 +378,7 @@ mod tests {
             None,
             Some(Skipped::of(&[(20, 900)])),
         ];
-        let (verdicts, blocked) = verdicts(relay, &events, &skipped);
+        let (verdicts, blocked) = me.verdicts(&events, &skipped).await;
         assert_eq!(verdicts, [false, true, true, false, false, false]);
         assert_eq!(blocked.len(), 1);
         assert_eq!((blocked[0].locked_seq, blocked[0].xmax), (6, 900));
@@ -254,47 +387,101 @@ mod tests {
 
     /// Another relay's transaction ids are not this relay's (a claim of a relay in an
     /// overlapping relay group holds the key), and an ended claim of this relay still is.
-    #[test]
-    fn another_relays_claim_is_not_this_relays() {
+    #[tokio::test]
+    async fn another_relays_claim_is_not_this_relays() {
         let (mine, theirs) = (Uuid::now_v7(), Uuid::now_v7());
-        let _theirs = register(theirs, 42);
+        let theirs_claim = register(theirs, 42);
         drop(register(mine, 43));
-        let (verdicts, _) = verdicts(
-            mine,
-            &[event(2, "t", "k"), event(3, "t", "j")],
-            &[Some(Skipped::of(&[(1, 42)])), Some(Skipped::of(&[(1, 43)]))],
-        );
+        let me = register(mine, 44);
+        let (verdicts, _) = me
+            .verdicts(
+                &[event(2, "t", "k"), event(3, "t", "j")],
+                &[Some(Skipped::of(&[(1, 42)])), Some(Skipped::of(&[(1, 43)]))],
+            )
+            .await;
         assert_eq!(verdicts, [true, false]);
+        drop(theirs_claim);
     }
 
     /// A claim that skipped nothing decides nothing (no verdicts).
-    #[test]
-    fn nothing_skipped_means_no_verdicts() {
-        let (verdicts, blocked) = verdicts(
-            Uuid::now_v7(),
-            &[event(1, "t", "k"), event(2, "t", "k")],
-            &[None, None],
-        );
+    #[tokio::test]
+    async fn nothing_skipped_means_no_verdicts() {
+        let me = register(Uuid::now_v7(), 1);
+        let (verdicts, blocked) = me
+            .verdicts(&[event(1, "t", "k"), event(2, "t", "k")], &[None, None])
+            .await;
         assert!(verdicts.is_empty() && blocked.is_empty());
     }
 
-    /// Running claims count their rows; ended ones are remembered, the oldest forgotten.
+    /// A row locked by an earlier claim of the relay that is not settled yet: the later claim
+    /// waits until it is, then judges by what it left behind; a row left behind holds its key
+    /// even once that claim ended, its other rows do not.
+    #[tokio::test]
+    async fn a_later_claim_waits_for_an_earlier_one_to_know_what_it_left_behind() {
+        let relay = Uuid::now_v7();
+        let earlier = register(relay, 1);
+        let later = register(relay, 2);
+        let events = [event(8, "t", "k"), event(9, "t", "j")];
+        let skipped = [Some(Skipped::of(&[(7, 1)])), Some(Skipped::of(&[(6, 1)]))];
+        let judged = tokio::spawn(async move {
+            let v = later.verdicts(&events, &skipped).await;
+            (v, later)
+        });
+        tokio::task::yield_now().await;
+        earlier.claimed(1, vec![7], 10, Some(0));
+        let ((verdicts, _), later) = judged.await.unwrap();
+        assert_eq!(verdicts, [true, false]);
+        drop(earlier);
+        let (verdicts, _) = later
+            .verdicts(
+                &[event(8, "t", "k"), event(9, "t", "j")],
+                &[Some(Skipped::of(&[(7, 1)])), Some(Skipped::of(&[(6, 1)]))],
+            )
+            .await;
+        assert_eq!(verdicts, [true, false], "the same once it ended");
+        assert!(!own(relay).plain.contains(&1), "its locks are reported");
+    }
+
+    /// Running claims count their rows; ended ones are remembered, the oldest forgotten; a
+    /// running claim is not plain until it is settled.
     #[test]
     fn running_claims_count_their_rows_and_ended_ones_are_remembered() {
         let relay = Uuid::now_v7();
         let a = register(relay, 1);
-        a.holds(30);
+        assert!(!own(relay).plain.contains(&1), "not settled yet");
+        a.claimed(30, Vec::new(), 100, Some(0));
         let b = register(relay, 2);
-        b.holds(12);
-        assert_eq!(own(relay).1, 42);
+        b.claimed(12, Vec::new(), 100, Some(0));
+        let own_now = own(relay);
+        assert_eq!(own_now.window, 42);
+        assert!(own_now.plain.contains(&1) && own_now.plain.contains(&2));
         drop(a);
-        assert_eq!(own(relay).1, 12);
-        assert!(own(relay).0.contains(&1));
+        assert_eq!(own(relay).window, 12);
+        assert!(own(relay).plain.contains(&1));
+        drop(b);
         for xid in 100..(100 + REMEMBERED as i64) {
             drop(register(relay, xid));
         }
-        let (xids, rows) = own(relay);
-        assert!(!xids.contains(&1) && xids.contains(&2) && rows == 12);
+        let own_later = own(relay);
+        assert!(!own_later.plain.contains(&1) && own_later.window == 0);
+    }
+
+    /// A claim that took nothing widens the next window (doubling, up to a bound); one that
+    /// took rows sets it to the other sessions' rows it passed.
+    #[test]
+    fn the_window_grows_past_rows_locked_elsewhere() {
+        let relay = Uuid::now_v7();
+        let claim = register(relay, 1);
+        claim.claimed(0, Vec::new(), 10, None);
+        assert_eq!(own(relay).window, 10);
+        claim.claimed(0, Vec::new(), 10, None);
+        assert_eq!(own(relay).window, 30);
+        for _ in 0..10 {
+            claim.claimed(0, Vec::new(), 10, None);
+        }
+        assert_eq!(own(relay).window, 10 * MAX_EXTRA_WINDOWS);
+        claim.claimed(5, Vec::new(), 10, Some(3));
+        assert_eq!(own(relay).window, 5 + 3);
     }
 
     /// The column splits into (seq, xmax) pairs.

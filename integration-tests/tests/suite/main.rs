@@ -45,6 +45,7 @@ mod review_break;
 mod review_checkout;
 mod review_consumer;
 mod review_dashboard;
+mod review_locks;
 mod review_marks;
 mod review_order;
 mod review_rabbit;
