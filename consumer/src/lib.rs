@@ -89,6 +89,7 @@ mod handler;
 mod offsets;
 mod partition;
 mod reason;
+mod replaced;
 mod record;
 pub mod retention;
 mod route;
