@@ -35,9 +35,10 @@
 
 use sqlx::PgPool;
 
-/// Whether the stored next offset `stored` cannot belong to a log whose high watermark is
-/// `high` (see the module docs): the log was replaced.
-pub(crate) fn impossible(stored: i64, high: i64) -> bool {
+/// Whether the stored next offset `stored` cannot belong to a partition whose high watermark
+/// is `high`: its log was replaced under the group (a topic deleted and re-created, another
+/// Kafka cluster). A consumer stops such a topic; `postal consumer reset` is the way on.
+pub fn impossible(stored: i64, high: i64) -> bool {
     stored > high
 }
 

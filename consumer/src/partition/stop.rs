@@ -100,8 +100,7 @@ impl Worker {
     /// Whether the group stopped this topic (`postal.consumer_stops`). A database error counts
     /// as "no": the next check finds out.
     pub(super) async fn topic_stopped(&self) -> bool {
-        match replaced::of_topic(&self.shared.pool, &self.shared.config.group, &self.topic).await
-        {
+        match replaced::of_topic(&self.shared.pool, &self.shared.config.group, &self.topic).await {
             Ok(stop) => stop.is_some(),
             Err(e) => {
                 tracing::debug!(error = %e, topic = %self.topic, "cannot read postal.consumer_stops");
