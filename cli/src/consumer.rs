@@ -22,6 +22,12 @@ pub enum ConsumerCommand {
     /// --reset-offsets`) would be ignored. Use this instead. Moving back replays events: their
     /// dedup rows (within the dedup retention) make the replay apply nothing twice.
     ///
+    /// A topic deleted and re-created (or a group moved to another Kafka cluster) has offsets
+    /// below the stored ones; the group's consumers stop such a topic (`postal status` shows
+    /// it). `--to earliest` is the way on: the new log is applied from its start, and events
+    /// applied before are skipped by their dedup rows while they last (the dedup retention).
+    /// The reset then covers all of the topic's partitions and lifts the stop.
+    ///
     /// Refused when the target reaches records older than a consumer's dedup retention horizon
     /// (their dedup rows were deleted, so they would apply twice) unless
     /// `--force-past-retention`. Two checks: the group's offset marks (`postal.offset_marks`,
@@ -46,6 +52,10 @@ pub enum ConsumerCommand {
         /// Reset even if the group has live members (they would overwrite the reset).
         #[arg(long)]
         force: bool,
+        /// The group is new: give it its first stored offsets. Without it, a group with no
+        /// stored offsets in this database (a typo) is refused.
+        #[arg(long)]
+        new_group: bool,
         /// Apply the plan. Without it the command only prints the plan (each partition's stored
         /// offset, its target, and how many offsets are replayed or skipped) and changes
         /// nothing.
@@ -107,6 +117,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         partitions,
         to,
         force,
+        new_group,
         execute,
         consumers,
         force_past_retention,
@@ -114,6 +125,30 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
+    let known: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1)",
+    )
+    .bind(&group)
+    .fetch_one(pool)
+    .await?;
+    anyhow::ensure!(
+        known || new_group,
+        "consumer group {group:?} has no stored offsets in this database (a typo? `postal status` lists the groups); nothing changed: pass --new-group to give a new group its first offsets"
+    );
+    // Partitions whose log was replaced under the group (a re-created topic, another
+    // cluster): the consumers stopped the topic, or the stored offset is above the high
+    // watermark (found below).
+    let stops: Vec<i32> = sqlx::query_scalar(
+        "SELECT partition FROM postal.consumer_stops WHERE group_id = $1 AND topic = $2",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .fetch_all(pool)
+    .await?;
+    anyhow::ensure!(
+        stops.is_empty() || partitions.is_empty(),
+        "topic {topic:?} is stopped for group {group:?} (its log was replaced: `postal status`), so every partition's stored offset is in doubt; nothing changed: reset all its partitions (leave out --partition)"
+    );
     // A consumer named here that never deduplicated anything in this database (a typo, the
     // group's name) would leave the retention check with no horizon to hold: refused.
     for name in &consumers {
@@ -165,8 +200,8 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
     let horizon_us = horizon
         .as_ref()
         .map(|(_, h)| h.timestamp_micros().saturating_add(tolerance_us));
-    let (positions, past) = tokio::task::spawn_blocking(move || {
-        let positions = positions(&b, &g, &t, partitions, target, force)?;
+    let (positions, watermarks, past) = tokio::task::spawn_blocking(move || {
+        let (positions, watermarks) = positions(&b, &g, &t, partitions, target, force)?;
         let mut past = None;
         if let Some(h) = horizon_us {
             for &(p, o) in &positions {
@@ -180,9 +215,15 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        anyhow::Ok((positions, past))
+        anyhow::Ok((positions, watermarks, past))
     })
     .await??;
+    let recreated = !stops.is_empty()
+        || stored.iter().any(|(p, s)| {
+            watermarks
+                .get(p)
+                .is_some_and(|&(_, high)| postal_consumer::log_replaced(*s, high))
+        });
     // The group's own record of where it stood (database clock). Records processed before
     // the horizon lie below the highest position the group had reached by then; marks are
     // taken every 10 minutes and by every reset before it moves (the position it leaves), so
@@ -191,7 +232,10 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
     // group has not run since) or none before it (its history began after it): everything
     // below the highest mark or its stored offset may be that old. A target below it may reach records whose
     // dedup rows were deleted, whatever their timestamps. (Only consulted with a horizon.)
+    // A replaced log's marks (and stored offsets) are of the old log: they say nothing of the
+    // new one's records.
     let marked: HashMap<i32, i64> = match &horizon {
+        Some(_) if recreated => HashMap::new(),
         Some((_, h)) => {
             let marks: Vec<(i32, i64, DateTime<Utc>)> = sqlx::query_as(
                 "SELECT partition, next_offset, marked_at FROM postal.offset_marks
@@ -245,9 +289,17 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         );
     }
     for (partition, offset) in &positions {
+        let line = match (recreated, watermarks.get(partition)) {
+            (true, Some(&(low, high))) => {
+                replaced_line(stored.get(partition).copied(), *offset, low, high)
+            }
+            _ => plan_line(stored.get(partition).copied(), *offset),
+        };
+        println!("plan: {group} {topic}[{partition}]: {line}");
+    }
+    if recreated {
         println!(
-            "plan: {group} {topic}[{partition}]: {}",
-            plan_line(stored.get(partition).copied(), *offset)
+            "topic {topic} was re-created (or the group moved to another Kafka cluster): its stored offsets belong to the old log. Events applied before are not applied again while their dedup rows in postal.processed_events last (the consumers' dedup retention; `postal status` shows each dedup horizon)."
         );
     }
     if !execute {
@@ -276,13 +328,16 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             "nothing changed: cannot commit group {group:?}'s offsets to Kafka ({e:#}); make sure the broker is reachable and the group has no live members, then re-run"
         );
     }
-    if let Err(e) = store(pool, &group, &topic, &positions).await {
+    if let Err(e) = store(pool, &group, &topic, &positions, recreated).await {
         anyhow::bail!(
             "Kafka's offsets of group {group:?} were moved back, but the stored offsets were not written ({e}): re-run this command before starting the group (until then it resumes from its old stored offsets)"
         );
     }
     for (partition, offset) in &positions {
         println!("{group} {topic}[{partition}] -> next offset {offset}");
+    }
+    if recreated {
+        println!("{group} {topic}: stop lifted; the group's consumers apply the topic from the offsets above");
     }
     if !forward.is_empty() {
         if let Err(e) = commit(forward).await? {
@@ -310,25 +365,57 @@ fn plan_line(stored: Option<i64>, target: i64) -> String {
     }
 }
 
+/// What moving a partition's stored next offset from `stored` to `target` does when the
+/// partition's log was replaced (its offsets now run from `low` to `high`).
+fn replaced_line(stored: Option<i64>, target: i64, low: i64, high: i64) -> String {
+    let stored = stored.map_or_else(|| "none".to_owned(), |s| s.to_string());
+    let what = if target <= low {
+        "the new log is applied from its start".to_owned()
+    } else {
+        format!(
+            "records {low} to {} of the new log are skipped, never applied; the rest is applied",
+            target - 1
+        )
+    };
+    format!("next offset {stored} (of the old log) -> {target} (new log: offsets {low} to {high}; {what})")
+}
+
+/// Writes the stored offsets of `positions` (and bumps the epochs, fencing any owner). With
+/// `recreated` the topic's log was replaced: its offset marks (of the old log) are deleted and
+/// its stop lifted.
 async fn store(
     pool: &PgPool,
     group: &str,
     topic: &str,
     positions: &[(i32, i64)],
+    recreated: bool,
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    // The position the group leaves, as an offset mark: a later reset must know how far it had
-    // got, even if it moved back before the next periodic mark.
     let partitions: Vec<i32> = positions.iter().map(|(p, _)| *p).collect();
+    if recreated {
+        for table in ["postal.offset_marks", "postal.consumer_stops"] {
+            sqlx::query(&format!(
+                "DELETE FROM {table} WHERE group_id = $1 AND topic = $2"
+            ))
+            .bind(group)
+            .bind(topic)
+            .execute(&mut *tx)
+            .await?;
+        }
+    }
+    // The position the group leaves, as an offset mark: a later reset must know how far it had
+    // got, even if it moved back before the next periodic mark (not an old log's).
     sqlx::query(
         "INSERT INTO postal.offset_marks (group_id, topic, partition, next_offset)
          SELECT group_id, topic, partition, next_offset FROM postal.consumer_offsets
          WHERE group_id = $1 AND topic = $2 AND partition = ANY($3) AND next_offset IS NOT NULL
+           AND NOT $4
          ON CONFLICT DO NOTHING",
     )
     .bind(group)
     .bind(topic)
     .bind(&partitions)
+    .bind(recreated)
     .execute(&mut *tx)
     .await?;
     for (partition, offset) in positions {
@@ -455,6 +542,10 @@ fn record_at(
     Ok(None)
 }
 
+/// Each partition's (low, high) watermarks.
+type Watermarks = HashMap<i32, (i64, i64)>;
+
+/// The target offset of each chosen partition, and the watermarks of all of the topic's.
 fn positions(
     bootstrap: &str,
     group: &str,
@@ -462,7 +553,7 @@ fn positions(
     only: Vec<i32>,
     target: Target,
     force: bool,
-) -> anyhow::Result<Vec<(i32, i64)>> {
+) -> anyhow::Result<(Vec<(i32, i64)>, Watermarks)> {
     let timeout = Duration::from_secs(10);
     let client: crate::kafka_client::Consumer = crate::kafka_client::config(bootstrap)
         .set(
@@ -502,31 +593,36 @@ fn positions(
         anyhow::bail!("topic {topic:?} has no partition {p}");
     }
     let mut out = Vec::new();
+    let mut watermarks = HashMap::new();
+    // All of the topic's: a replaced log shows on any of them.
+    for &p in &all {
+        watermarks.insert(p, client.fetch_watermarks(topic, p, timeout)?);
+    }
     for p in chosen {
+        let (low, high) = watermarks[&p];
         let offset = match target {
             Target::Offset(n) => {
                 // Outside the partition's offsets, the consumer would fall back to its
                 // `auto.offset.reset` and then skip what lies below the stored offset.
-                let (low, high) = client.fetch_watermarks(topic, p, timeout)?;
                 anyhow::ensure!(
                     (low..=high).contains(&n),
                     "--to {n} is outside partition {p}'s offsets ({low} to {high}): pick one in that range, or earliest, latest or a time"
                 );
                 n
             }
-            Target::Earliest => client.fetch_watermarks(topic, p, timeout)?.0,
-            Target::Latest => client.fetch_watermarks(topic, p, timeout)?.1,
+            Target::Earliest => low,
+            Target::Latest => high,
             Target::Time(ms) => {
                 let mut tpl = TopicPartitionList::new();
                 tpl.add_partition_offset(topic, p, Offset::Offset(ms))?;
                 let found = client.offsets_for_times(tpl, timeout)?;
                 match found.elements()[0].offset() {
                     Offset::Offset(n) => n,
-                    _ => client.fetch_watermarks(topic, p, timeout)?.1,
+                    _ => high,
                 }
             }
         };
         out.push((p, offset));
     }
-    Ok(out)
+    Ok((out, watermarks))
 }

@@ -45,9 +45,17 @@ struct ConsumerRow {
     partition: i32,
     next_offset: Option<i64>,
     updated_age_s: f64,
-    /// Records behind the broker's high watermark (when the broker answered).
+    /// Records behind the broker's high watermark (when the broker answered; none when the
+    /// topic is stopped).
     #[sqlx(default)]
     lag: Option<i64>,
+    /// The partition's high watermark (when the broker answered).
+    #[sqlx(default)]
+    high_watermark: Option<i64>,
+    /// The group's consumers stopped the topic, or would: a partition's log was replaced
+    /// under the stored offset (the topic was re-created, or the group moved to another Kafka
+    /// cluster). Nothing of the topic is applied until `postal consumer reset`.
+    stopped: bool,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -100,9 +108,11 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     .fetch_all(pool)
     .await?;
     let mut consumers: Vec<ConsumerRow> = sqlx::query_as(
-        "SELECT group_id, topic, partition, next_offset,
-                extract(epoch FROM now() - updated_at)::float8 AS updated_age_s
-         FROM postal.consumer_offsets ORDER BY group_id, topic, partition",
+        "SELECT o.group_id, o.topic, o.partition, o.next_offset,
+                extract(epoch FROM now() - o.updated_at)::float8 AS updated_age_s,
+                EXISTS (SELECT 1 FROM postal.consumer_stops s
+                        WHERE s.group_id = o.group_id AND s.topic = o.topic) AS stopped
+         FROM postal.consumer_offsets o ORDER BY o.group_id, o.topic, o.partition",
     )
     .fetch_all(pool)
     .await?;
@@ -116,7 +126,23 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             .await
             .unwrap_or_default();
         for (c, high) in consumers.iter_mut().zip(highs) {
-            c.lag = high.map(|h| (h - c.next_offset.unwrap_or(0)).max(0));
+            c.high_watermark = high;
+            c.lag = high.map(|h| h - c.next_offset.unwrap_or(0));
+        }
+        // A stored offset above the high watermark is no negative lag but a replaced log; the
+        // consumers stop the whole topic when they find one.
+        let replaced: std::collections::HashSet<(String, String)> = consumers
+            .iter()
+            .filter(|c| c.lag.is_some_and(|l| l < 0))
+            .map(|c| (c.group_id.clone(), c.topic.clone()))
+            .collect();
+        for c in &mut consumers {
+            c.stopped |= replaced.contains(&(c.group_id.clone(), c.topic.clone()));
+        }
+    }
+    for c in &mut consumers {
+        if c.stopped {
+            c.lag = None;
         }
     }
     let dead_letters: Vec<DeadLetterRow> = sqlx::query_as(
@@ -190,8 +216,26 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             c.next_offset
                 .map(|o| o.to_string())
                 .unwrap_or_else(|| "-".into()),
-            c.lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
+            match (c.stopped, c.lag) {
+                (true, _) => "STOPPED".into(),
+                (false, Some(l)) => l.to_string(),
+                (false, None) => "?".into(),
+            },
             c.updated_age_s
+        );
+    }
+    let mut stopped: Vec<(&str, &str)> = status
+        .consumers
+        .iter()
+        .filter(|c| c.stopped)
+        .map(|c| (c.group_id.as_str(), c.topic.as_str()))
+        .collect();
+    stopped.dedup();
+    for (group, topic) in stopped {
+        println!(
+            "  STOPPED {group} {}: a stored offset is above its partition's high watermark (the topic was re-created, or the group moved to another Kafka cluster); nothing of it is applied until: postal consumer reset --group {group} --topic {} --to earliest --execute",
+            crate::shown::shown(topic, false),
+            crate::shown::shown(topic, false)
         );
     }
     for d in &status.dead_letters {

@@ -903,7 +903,10 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
         .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
         c
     };
-    assert!(ok(reset("3", &[])).contains("-> next offset 3"), "inside");
+    assert!(
+        ok(reset("3", &["--new-group"])).contains("-> next offset 3"),
+        "inside"
+    );
     assert_eq!(stored_offset(&e.pool, &group, &topic).await, Some(3));
 
     let refused = reset("earliest", &[]).output().unwrap();
@@ -1449,6 +1452,7 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
         &topic,
         "--to",
         "999999",
+        "--new-group",
     ])
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     let err = fails(c);
@@ -1475,6 +1479,7 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
         &topic,
         "--to",
         "5",
+        "--new-group",
     ])
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     assert!(ok(c).contains("-> next offset 5"));

@@ -90,6 +90,7 @@ mod offsets;
 mod partition;
 mod reason;
 mod record;
+mod replaced;
 pub mod retention;
 mod route;
 mod runtime;
@@ -114,6 +115,7 @@ pub use futures::future::BoxFuture;
 pub use handler::{BoxError, FromRef, Handler, HandlerError, IntoHandler, Outcome, State};
 pub use postal_shared::{Backoff, EventId};
 pub use private::apply;
+pub use replaced::impossible as log_replaced;
 pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
 pub use stats::{Stats, StatsSnapshot};
 

@@ -1,6 +1,8 @@
 //! Counters of what the runtime did, readable in-process and exported through `metrics`.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 /// Live counters of one consumer runtime.
 #[derive(Debug, Default)]
@@ -15,6 +17,9 @@ pub struct Stats {
     stalls_recovered: AtomicU64,
     buffered_bytes: AtomicU64,
     buffered_bytes_peak: AtomicU64,
+    partitions_stopped: AtomicU64,
+    /// Partitions stopped here, per topic (the gauge's value).
+    stopped_by_topic: Mutex<HashMap<String, u64>>,
 }
 
 /// A snapshot of [`Stats`].
@@ -43,6 +48,10 @@ pub struct StatsSnapshot {
     pub buffered_bytes: u64,
     /// The most `buffered_bytes` has been.
     pub buffered_bytes_peak: u64,
+    /// Partitions owned here that apply nothing because their topic is stopped: its log was
+    /// replaced under the stored offset (a topic deleted and re-created, another Kafka
+    /// cluster; see `postal consumer reset`).
+    pub partitions_stopped: u64,
 }
 
 macro_rules! bump {
@@ -81,7 +90,28 @@ impl Stats {
             stalls_recovered: l(&self.stalls_recovered),
             buffered_bytes: l(&self.buffered_bytes),
             buffered_bytes_peak: l(&self.buffered_bytes_peak),
+            partitions_stopped: l(&self.partitions_stopped),
         }
+    }
+
+    /// A partition of `topic` stopped (`1`) or left its stop (`-1`): the gauge
+    /// `postal_consumer_partitions_stopped{consumer, topic}`.
+    pub(crate) fn stopped(&self, consumer: &str, topic: &str, delta: i64) {
+        let now = {
+            let mut by_topic = self.stopped_by_topic.lock().expect("stopped partitions");
+            let n = by_topic.entry(topic.to_owned()).or_default();
+            *n = n.saturating_add_signed(delta);
+            *n
+        };
+        if delta >= 0 {
+            self.partitions_stopped
+                .fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
+        } else {
+            self.partitions_stopped
+                .fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+        }
+        metrics::gauge!("postal_consumer_partitions_stopped", "consumer" => consumer.to_owned(), "topic" => topic.to_owned())
+            .set(now as f64);
     }
 
     /// Records of `bytes` entered (positive) or left (negative) a partition buffer. Entries

@@ -3,11 +3,13 @@
 //!
 //! - `own`: taking the partition over (claim, seek to the stored offset), stalls, fencing;
 //! - `process`: one record's transaction, its attempts and the handler body;
-//! - `dead`: dead letters, written in the transaction that moves the partition past them.
+//! - `dead`: dead letters, written in the transaction that moves the partition past them;
+//! - `stop`: a topic stopped because a partition's log was replaced under the stored offset.
 
 mod dead;
 mod own;
 mod process;
+mod stop;
 
 pub(crate) use dead::Dead;
 pub(crate) use process::{run_body, Attempt, BodyFailure};

@@ -17,6 +17,13 @@ impl Worker {
         let Some(own) = self.claim().await else {
             return Owned::Ended;
         };
+        if self.topic_stopped().await {
+            return self.parked(own.epoch).await;
+        }
+        if *self.paused.lock().expect("pause flag") {
+            // Parked by an earlier ownership (its topic was stopped, and has been reset since).
+            self.resume_fetching();
+        }
         // Nothing committed yet: records from `floor` on were dropped by an earlier, fenced
         // ownership of this worker and must be read again.
         let mut next = own.next_offset.or(floor);
@@ -44,6 +51,8 @@ impl Worker {
         let max_batch = self.shared.config.max_batch;
         // The (stored offset, high watermark) of the last stall recovery (see `check_stall`).
         let mut last_stall = None;
+        // When a busy partition last looked whether the group stopped its topic.
+        let mut stop_checked = std::time::Instant::now();
         loop {
             let head = tokio::select! {
                 biased;
@@ -56,6 +65,10 @@ impl Worker {
                     if self.epoch_moved(own.epoch).await {
                         return Owned::Fenced(lowest);
                     }
+                    stop_checked = std::time::Instant::now();
+                    if self.topic_stopped().await {
+                        return self.parked(own.epoch).await;
+                    }
                     match (landing, next) {
                         // The second seek has not shown yet (lost?): issue it again.
                         (Some(seen), Some(n)) => {
@@ -65,7 +78,11 @@ impl Worker {
                                 None => return Owned::Ended,
                             }
                         }
-                        _ => self.check_stall(next, &mut last_stall).await,
+                        _ => match self.check_stall(next, &mut last_stall).await {
+                            None => return Owned::Ended,
+                            Some(true) => return self.parked(own.epoch).await,
+                            Some(false) => {}
+                        },
                     }
                     continue;
                 }
@@ -129,9 +146,43 @@ impl Worker {
                 }
             }
             first = false;
-            // Offsets strictly increase from the stored one: a record below it, or at or below
-            // one already taken (the two seeks of a takeover can both deliver a run from the
-            // stored offset), is dropped.
+            if stop_checked.elapsed() >= self.shared.config.stall_check {
+                // Another partition of the topic (here or in another process of the group)
+                // may have found its log replaced: this one's may be too, unseen.
+                stop_checked = std::time::Instant::now();
+                if self.topic_stopped().await {
+                    return self.parked(own.epoch).await;
+                }
+            }
+            if let (Some(n), Some(tail)) = (next, records.last().map(|r| r.offset)) {
+                if records.iter().any(|r| r.offset < n) {
+                    // Below the stored offset: a redelivery, or a new log (a re-created topic)?
+                    // The watermarks decide (`crate::replaced`), once for the whole run: the
+                    // run's records queued now come along (and the first one after it, which
+                    // keeps the batch within `max_batch`: the batch held only the run).
+                    if tail < n {
+                        let (mut more, mut bytes) = (0, 0);
+                        while let Ok(r) = self.rx.try_recv() {
+                            more += 1;
+                            bytes += r.weight;
+                            let done = r.offset >= n;
+                            records.push(r);
+                            if done {
+                                break;
+                            }
+                        }
+                        self.dequeued(more, bytes);
+                    }
+                    match self.log_replaced(n).await {
+                        None => return Owned::Ended,
+                        Some(true) => return self.parked(own.epoch).await,
+                        Some(false) => {}
+                    }
+                }
+            }
+            // Offsets strictly increase from the stored one: a record below it (a redelivery:
+            // checked above), or at or below one already taken (the two seeks of a takeover
+            // can both deliver a run from the stored offset), is dropped.
             let mut floor_offset = next.unwrap_or(i64::MIN);
             records.retain(|r| {
                 let below = r.offset < floor_offset;
@@ -255,9 +306,17 @@ impl Worker {
     /// (stored offset, high watermark): offsets that hold no deliverable record (transaction
     /// markers of transactional producers) keep the high watermark ahead of the stored offset
     /// without any stall, and must not warn every `stall_check`.
-    pub(super) async fn check_stall(&self, next: Option<i64>, last: &mut Option<(i64, i64)>) {
+    ///
+    /// A high watermark below the stored offset is no stall but a replaced log (a re-created
+    /// topic, another cluster; `crate::replaced`): `Some(true)`, the topic must stop. `None`
+    /// if cancelled meanwhile.
+    pub(super) async fn check_stall(
+        &self,
+        next: Option<i64>,
+        last: &mut Option<(i64, i64)>,
+    ) -> Option<bool> {
         let Some(n) = next else {
-            return;
+            return Some(false);
         };
         let consumer = self.shared.consumer.clone();
         let (topic, partition) = (self.topic.clone(), self.partition);
@@ -266,10 +325,13 @@ impl Worker {
         })
         .await;
         let Ok(Ok((_, high))) = high else {
-            return;
+            return Some(false);
         };
-        if high <= n || self.cancel.is_cancelled() || *last == Some((n, high)) {
-            return;
+        if crate::replaced::impossible(n, high) {
+            return self.log_replaced(n).await;
+        }
+        if high == n || self.cancel.is_cancelled() || *last == Some((n, high)) {
+            return Some(false);
         }
         *last = Some((n, high));
         tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, high_watermark = high,
@@ -287,6 +349,7 @@ impl Worker {
         ) {
             tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed");
         }
+        Some(false)
     }
 
     /// Resumes fetching from the partition (it may have been paused when its buffer filled).

@@ -36,6 +36,7 @@ mod protocol;
 mod rabbit_random;
 mod rabbitmq;
 mod rebalance;
+mod recreated_topic;
 mod relay;
 mod relay_random;
 mod replay_partitions;
