@@ -493,6 +493,9 @@ async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Resu
     postal_shared::env::warn_unknown();
     let config = relay_config(&args);
     config.validate()?;
+    // Checked before any client starts: a mistyped URL is one line, not a Kafka client's
+    // connection errors first.
+    connect_options(db)?;
     let allowed = if args.allow_topics.is_empty() {
         postal_producer::TopicAllowList::any()
     } else {

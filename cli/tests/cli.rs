@@ -34,6 +34,27 @@ fn migrate_against_unreachable_database_fails_fast_with_one_line() {
     assert!(!stderr.contains("panicked"));
 }
 
+/// Guarantee: a mistyped `DATABASE_URL` (no `://`) is refused in one line that never shows its
+/// password, by every command that connects (before: `postgres//app:S3cr3tPW@db…` was printed
+/// whole).
+#[test]
+fn a_mistyped_database_url_is_refused_without_its_password() {
+    for url in [
+        "postgres//app:S3cr3tPW@db.internal:5432/shop",
+        "postgres:/app:S3cr3tPW@db.internal:5432/shop",
+    ] {
+        for cmd in [&["status"][..], &["migrate"][..], &["relay"][..]] {
+            let mut c = postal();
+            c.args(cmd).env("DATABASE_URL", url);
+            let line = one_error_line(c);
+            assert!(
+                line.contains("DATABASE_URL") && !line.contains("S3cr3tPW"),
+                "{cmd:?}: {line}"
+            );
+        }
+    }
+}
+
 /// Guarantee: invalid relay settings (including `--kafka` overrides that break durability or
 /// per-key order) stop the process at start-up with a clear error.
 #[test]

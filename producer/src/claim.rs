@@ -524,7 +524,7 @@ pub async fn claim(
     {
         use futures::TryStreamExt as _;
         let mut stream = sqlx::query(sql)
-            .bind(filter)
+            .bind(filter.clone())
             .bind(limit as i64)
             .bind(only)
             .bind(except)
@@ -552,7 +552,21 @@ pub async fn claim(
         }
     }
     if rows.is_empty() {
-        own.claimed(0, Vec::new(), limit, None);
+        // Nothing is pending, or every candidate is locked: by this relay's running claims
+        // (their rows come first), or by other sessions. Only the last widens the next window.
+        let (candidates, foreign): (i64, i64) = sqlx::query_as(WINDOW)
+            .bind(filter)
+            .bind(limit as i64)
+            .bind(only)
+            .bind(except)
+            .bind(lo)
+            .bind(hi)
+            .bind(others.window as i64)
+            .bind(&others.plain)
+            .fetch_one(&mut *tx)
+            .await?;
+        let full = candidates as usize >= limit + others.window;
+        own.empty(limit, full, foreign as usize);
         tx.rollback().await?;
         return Ok(None);
     }
@@ -571,12 +585,7 @@ pub async fn claim(
         .filter(|(_, w)| **w)
         .map(|(e, _)| e.seq)
         .collect();
-    own.claimed(
-        events.len() - left_behind.len(),
-        left_behind,
-        limit,
-        Some(passed),
-    );
+    own.claimed(events.len() - left_behind.len(), left_behind, limit, passed);
     if let Err(e) = leave_keys_behind_locked_rows(
         &mut tx,
         delete_on_claim,
@@ -723,7 +732,7 @@ macro_rules! skipped_column {
 macro_rules! publishable {
     () => {
         r#"
-            SELECT o.ctid, o.seq
+            SELECT o.ctid, o.seq, o.xmax
             FROM postal.outbox o
             WHERE o.status = 'pending'
               AND (NOT o.held OR o.available_at <= now())
@@ -796,6 +805,15 @@ pub const CLAIM_DELETE: &str = concat!(
     returned!(),
     ", ",
     skipped_column!()
+);
+
+/// After a claim that took nothing: how many candidates its window held and how many of them
+/// another session locks (not this claim, not a settled plain claim of this relay: `$8`). The
+/// same parameters as the claim statements.
+const WINDOW: &str = concat!(
+    "SELECT count(*), count(*) FILTER (WHERE c.xmax::text::int8 <> ALL($8::int8[])) FROM (",
+    publishable!(),
+    ") c"
 );
 
 const CLAIM_LOCK: &str = concat!(

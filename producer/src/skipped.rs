@@ -27,12 +27,15 @@
 //!
 //! A claim reads as many candidates as it may take, plus the rows the relay's running claims
 //! hold (they come first), plus the rows of other sessions' that the last claims passed; a
-//! claim that took nothing doubles that extra (up to eight batches), so that rows locked
-//! elsewhere never keep a relay from the rows after them.
+//! claim that took nothing from a window full of rows locked elsewhere doubles that extra (up
+//! to 64 batches, with a WARN line), so that rows locked elsewhere do not keep a relay from
+//! the rows after them.
 //!
-//! A lock taken by two sessions at once shows as a multixact id in `xmax`, which never matches
-//! a registered transaction id of this relay except by a coincidence of counters; it then
-//! counts as not this relay's, the safe side.
+//! Known limit: a row is recognised as one of this relay's claims' by its `xmax` alone. A lock
+//! shared by several sessions shows a multixact id there, from a counter of its own; should it
+//! equal the transaction id of one of the relay's last claims, the row counts as that claim's
+//! and its key's later rows can go out before it (`review_locks2::` makes the counters meet on
+//! purpose; they are normally far apart).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,7 +58,11 @@ const REMEMBERED: usize = 64;
 
 /// The most rows a claim reads past its limit and the rows the relay's other claims hold,
 /// in limits: the window grows by the rows other sessions lock (see [`Own::window`]).
-const MAX_EXTRA_WINDOWS: usize = 8;
+const MAX_EXTRA_WINDOWS: usize = 64;
+
+/// One line every 30 s about windows full of rows locked elsewhere.
+static FULL_WINDOW_LOG: LazyLock<postal_shared::LogThrottle> =
+    LazyLock::new(|| postal_shared::LogThrottle::new(Duration::from_secs(30)));
 
 /// One claim's transaction id (32-bit, as `xmax` shows it) and the rows it left behind
 /// (written back in its own transaction, holding their key: until it commits, others still
@@ -119,16 +126,48 @@ pub(crate) fn register(relay: Uuid, xid: i64) -> OwnClaim {
 }
 
 impl OwnClaim {
+    /// After a claim that took nothing: `full` when its window held as many candidates as it
+    /// could, `foreign` of them locked by other sessions. A window full of those doubles the
+    /// relay's extra window (up to [`MAX_EXTRA_WINDOWS`] batches: 128,000 rows at the default
+    /// batch size; past it the rows after them wait for the locks to go), with a WARN line
+    /// every 30 s; any other empty claim (nothing pending, or only the relay's own rows in
+    /// flight) resets it.
+    pub(crate) fn empty(&self, limit: usize, full: bool, foreign: usize) {
+        let mut all = claims();
+        let Some(c) = all.get_mut(&self.relay) else {
+            return;
+        };
+        if let Some((x, _)) = c.running.get_mut(&self.id) {
+            x.settled = true;
+        }
+        let cap = limit.saturating_mul(MAX_EXTRA_WINDOWS);
+        if full && foreign > 0 {
+            let at_cap = c.extra >= cap;
+            c.extra = (c.extra.saturating_mul(2) + limit).min(cap);
+            if let Some(suppressed) = FULL_WINDOW_LOG.admit("full window") {
+                tracing::warn!(
+                    locked_elsewhere = foreign,
+                    window = limit + c.extra,
+                    suppressed,
+                    "the oldest publishable rows are row-locked by sessions that are not claims of this relay (an open transaction on postal.outbox?); {}",
+                    if at_cap {
+                        "the relay reads no further: the rows after them wait until the locks are gone"
+                    } else {
+                        "the relay reads further past them"
+                    }
+                );
+            }
+        } else {
+            c.extra = 0;
+        }
+        drop(all);
+        SETTLED.notify_waiters();
+    }
+
     /// Records how many rows the claim holds (they come first in the relay's next claims),
-    /// which rows it left behind, and how many rows of other sessions' it passed (`passed`)
-    /// or, when it claimed nothing, that its window may have been full of them.
-    pub(crate) fn claimed(
-        &self,
-        rows: usize,
-        left_behind: Vec<i64>,
-        limit: usize,
-        passed: Option<usize>,
-    ) {
+    /// which rows it left behind, and how many rows of other sessions' it passed (`passed`:
+    /// the next window reads that many more).
+    pub(crate) fn claimed(&self, rows: usize, left_behind: Vec<i64>, limit: usize, passed: usize) {
         let mut all = claims();
         let Some(c) = all.get_mut(&self.relay) else {
             return;
@@ -138,14 +177,7 @@ impl OwnClaim {
             x.left_behind = left_behind;
             x.settled = true;
         }
-        let cap = limit.saturating_mul(MAX_EXTRA_WINDOWS);
-        c.extra = match passed {
-            Some(p) => p.min(cap),
-            // Nothing claimed: either nothing is pending, or every candidate was locked. A
-            // wider window costs nothing in the first case and gets past the locks in the
-            // second.
-            None => (c.extra.saturating_mul(2) + limit).min(cap),
-        };
+        c.extra = passed.min(limit.saturating_mul(MAX_EXTRA_WINDOWS));
         drop(all);
         SETTLED.notify_waiters();
     }
@@ -360,7 +392,7 @@ mod tests {
     async fn only_the_keys_behind_a_row_locked_elsewhere_wait() {
         let relay = Uuid::now_v7();
         let mine = register(relay, 700);
-        mine.claimed(1, Vec::new(), 10, Some(0));
+        mine.claimed(1, Vec::new(), 10, 0);
         let me = register(relay, 701);
         let events = [
             event(10, "t", "a"), // passed row 5, locked by the relay's own claim 700
@@ -428,7 +460,7 @@ mod tests {
             (v, later)
         });
         tokio::task::yield_now().await;
-        earlier.claimed(1, vec![7], 10, Some(0));
+        earlier.claimed(1, vec![7], 10, 0);
         let ((verdicts, _), later) = judged.await.unwrap();
         assert_eq!(verdicts, [true, false]);
         drop(earlier);
@@ -449,9 +481,9 @@ mod tests {
         let relay = Uuid::now_v7();
         let a = register(relay, 1);
         assert!(!own(relay).plain.contains(&1), "not settled yet");
-        a.claimed(30, Vec::new(), 100, Some(0));
+        a.claimed(30, Vec::new(), 100, 0);
         let b = register(relay, 2);
-        b.claimed(12, Vec::new(), 100, Some(0));
+        b.claimed(12, Vec::new(), 100, 0);
         let own_now = own(relay);
         assert_eq!(own_now.window, 42);
         assert!(own_now.plain.contains(&1) && own_now.plain.contains(&2));
@@ -466,21 +498,31 @@ mod tests {
         assert!(!own_later.plain.contains(&1) && own_later.window == 0);
     }
 
-    /// A claim that took nothing widens the next window (doubling, up to a bound); one that
-    /// took rows sets it to the other sessions' rows it passed.
+    /// A claim that took nothing from a window full of rows locked elsewhere widens the next
+    /// window (doubling, up to a bound); an empty claim that found nothing locked elsewhere
+    /// resets it (an idle relay keeps a small window); one that took rows sets it to the other
+    /// sessions' rows it passed.
     #[test]
     fn the_window_grows_past_rows_locked_elsewhere() {
         let relay = Uuid::now_v7();
         let claim = register(relay, 1);
-        claim.claimed(0, Vec::new(), 10, None);
+        claim.empty(10, true, 10);
         assert_eq!(own(relay).window, 10);
-        claim.claimed(0, Vec::new(), 10, None);
+        claim.empty(10, true, 10);
         assert_eq!(own(relay).window, 30);
-        for _ in 0..10 {
-            claim.claimed(0, Vec::new(), 10, None);
+        for _ in 0..20 {
+            claim.empty(10, true, 10);
         }
         assert_eq!(own(relay).window, 10 * MAX_EXTRA_WINDOWS);
-        claim.claimed(5, Vec::new(), 10, Some(3));
+        claim.empty(10, false, 0);
+        assert_eq!(own(relay).window, 0, "idle: reset");
+        claim.empty(10, true, 0);
+        assert_eq!(
+            own(relay).window,
+            0,
+            "full of the relay's own rows only: no growth"
+        );
+        claim.claimed(5, Vec::new(), 10, 3);
         assert_eq!(own(relay).window, 5 + 3);
     }
 

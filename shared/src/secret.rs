@@ -34,9 +34,21 @@ pub fn is_secret_name(name: &str) -> bool {
 pub fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         // Not a URL: a `key=value` connection string's quoting and spacing (`password = 'a
-        // b'`) is not worth parsing here; one that names a secret is not shown at all.
+        // b'`) is not worth parsing here; one that names a secret is not shown at all. A
+        // mistyped URL (`postgres//app:pw@db/shop`, `postgres:/app:pw@db`) may still carry
+        // a user part: everything before its `@` is hidden, the host and the rest shown.
         return if is_secret_name(url) {
             "<not a URL; not shown, it may hold a password>".to_owned()
+        } else if let Some(at) = user_part_end(url) {
+            let rest = &url[at..];
+            match rest.find('?') {
+                Some(q) => format!(
+                    "{REDACTED}{}{}",
+                    &rest[..=q],
+                    redact_pairs(&rest[q + 1..], &['&'])
+                ),
+                None => format!("{REDACTED}{rest}"),
+            }
         } else {
             url.to_owned()
         };
@@ -309,6 +321,16 @@ mod tests {
                 "<not a URL; not shown, it may hold a password>",
             ),
             ("postgres://db:5432/app", "postgres://db:5432/app"),
+            // Mistyped schemes: the user part is still hidden.
+            (
+                "postgres//app:PLANTED@db.internal:5432/shop",
+                "<redacted>@db.internal:5432/shop",
+            ),
+            (
+                "postgres:/app:PLANTED@db/shop?sslmode=require",
+                "<redacted>@db/shop?sslmode=require",
+            ),
+            ("postgresql:db/shop", "postgresql:db/shop"),
         ];
         for (url, want) in cases {
             let got = redact_url(url);
