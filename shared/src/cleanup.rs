@@ -51,49 +51,13 @@ pub async fn delete_in_batches(
 ) -> Result<Option<u64>, sqlx::Error> {
     // Closed instead of returned to the pool if this job is dropped inside a batch.
     let mut conn = crate::cancel_safe::CloseUnlessFinished::new(pool.acquire().await?);
-    let timeout = format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis());
-    let try_lock = || {
-        let q = match lock {
-            CleanupLock::Key(key) => sqlx::query_scalar::<_, bool>(
-                "SELECT pg_try_advisory_xact_lock($1) FROM set_config('lock_timeout', $2, true)",
-            )
-            .bind(key),
-            CleanupLock::Named(key, _) => sqlx::query_scalar::<_, bool>(
-                "SELECT pg_try_advisory_xact_lock($1, hashtext($3)) \
-                 FROM set_config('lock_timeout', $2, true)",
-            )
-            .bind(key),
-        };
-        let q = q.bind(timeout.clone()).persistent(false);
-        match lock {
-            CleanupLock::Named(_, name) => q.bind(name),
-            CleanupLock::Key(_) => q,
-        }
-    };
     let mut total = 0u64;
     let mut first = true;
     loop {
-        sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
-        let batch_run = async {
-            if !try_lock().fetch_one(&mut *conn).await? {
-                return Ok::<_, sqlx::Error>(None);
-            }
-            // A batch waits at most CLEANUP_LOCK_TIMEOUT for a row or table lock, then the job
-            // ends with an error and runs again next time, instead of queueing behind a long
-            // transaction.
-            let mut q = sqlx::query(delete)
-                .bind(retention.as_millis() as i64)
-                .bind(batch as i64)
-                .persistent(false);
-            if let CleanupLock::Named(_, name) = lock {
-                q = q.bind(name);
-            }
-            Ok(Some(q.execute(&mut *conn).await?.rows_affected()))
-        }
-        .await;
-        let end = if batch_run.is_ok() { "COMMIT" } else { "ROLLBACK" };
-        sqlx::raw_sql(end).execute(&mut *conn).await?;
-        let Some(n) = batch_run? else {
+        let ran = one_batch(&mut conn, lock, delete, retention, batch).await;
+        let end = if ran.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        sqlx::Executor::execute(&mut *conn, end).await?;
+        let Some(n) = ran? else {
             conn.finish();
             return Ok(if first { None } else { Some(total) });
         };
@@ -105,4 +69,53 @@ pub async fn delete_in_batches(
             return Ok(Some(total));
         }
     }
+}
+
+/// One batch of [`delete_in_batches`]: `BEGIN`, the lock and the transaction's `lock_timeout`,
+/// the `DELETE`. `None` when another instance holds the lock. The caller ends the transaction.
+async fn one_batch(
+    conn: &mut sqlx::PgConnection,
+    lock: CleanupLock<'_>,
+    delete: &'static str,
+    retention: Duration,
+    batch: usize,
+) -> Result<Option<u64>, sqlx::Error> {
+    sqlx::Executor::execute(&mut *conn, "BEGIN").await?;
+    let timeout = format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis());
+    // A batch waits at most CLEANUP_LOCK_TIMEOUT for a row or table lock, then the job ends
+    // with an error and runs again next time, instead of queueing behind a long transaction.
+    let locked: bool =
+        match lock {
+            CleanupLock::Key(key) => sqlx::query_scalar(
+                "SELECT pg_try_advisory_xact_lock($1) FROM set_config('lock_timeout', $2, true)",
+            )
+            .bind(key)
+            .bind(timeout)
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await?,
+            CleanupLock::Named(key, name) => {
+                sqlx::query_scalar(
+                    "SELECT pg_try_advisory_xact_lock($1, hashtext($3)) \
+                 FROM set_config('lock_timeout', $2, true)",
+                )
+                .bind(key)
+                .bind(timeout)
+                .bind(name)
+                .persistent(false)
+                .fetch_one(&mut *conn)
+                .await?
+            }
+        };
+    if !locked {
+        return Ok(None);
+    }
+    let mut q = sqlx::query(delete)
+        .bind(retention.as_millis() as i64)
+        .bind(batch as i64)
+        .persistent(false);
+    if let CleanupLock::Named(_, name) = lock {
+        q = q.bind(name);
+    }
+    Ok(Some(q.execute(&mut *conn).await?.rows_affected()))
 }

@@ -201,7 +201,7 @@ async fn apply(
                 // sqlx recorded it elsewhere (a search_path that is not `postal`): stop
                 // instead of applying it again and again.
                 return Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
-                    format!("migration {last} ran but postal._sqlx_migrations does not record it")
+                    format!("migration {last} ran but postal._sqlx_migrations does not record it"),
                 )));
             }
         }
@@ -215,7 +215,10 @@ const RESET: &str = "RESET search_path; RESET lock_timeout";
 
 /// Makes `conn`'s session a migrator's: `search_path` `postal` (sqlx's bookkeeping table is
 /// `postal._sqlx_migrations`) and `lock_timeout`; then checks that both took.
-async fn postal_session(conn: &mut PgConnection, lock_timeout: Duration) -> Result<(), sqlx::Error> {
+async fn postal_session(
+    conn: &mut PgConnection,
+    lock_timeout: Duration,
+) -> Result<(), sqlx::Error> {
     use sqlx::{Executor as _, Row as _};
     let set = format!(
         "SET search_path = {POSTAL_SCHEMA}; SET lock_timeout = '{}ms'",
@@ -248,7 +251,7 @@ async fn session_pool(
 /// Resets the session of `pool`'s connection ([`RESET`]) and closes it.
 async fn reset_and_close(pool: PgPool) {
     if let Ok(mut conn) = pool.acquire().await {
-        if sqlx::raw_sql(RESET).execute(&mut *conn).await.is_err() {
+        if sqlx::Executor::execute(&mut *conn, RESET).await.is_err() {
             // Not reset: closed rather than handed back.
             conn.detach().close().await.ok();
         }
@@ -297,7 +300,7 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
             |(pid, app)| format!("backend pid {pid} ({})", crate::text::quoted(&app)),
         );
         if started.elapsed() >= lock_wait {
-            if sqlx::raw_sql(RESET).execute(&mut lock).await.is_ok() {
+            if sqlx::Executor::execute(&mut lock, RESET).await.is_ok() {
                 lock.close().await.ok();
             }
             return Err(Error::LockBusy {
@@ -350,7 +353,7 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
         Ok::<(), Error>(())
     }
     .await;
-    if sqlx::raw_sql(RESET).execute(&mut lock).await.is_ok() {
+    if sqlx::Executor::execute(&mut lock, RESET).await.is_ok() {
         lock.close().await.ok();
     }
     result?;
