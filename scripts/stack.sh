@@ -21,7 +21,8 @@
 #                                     controller; topics replicated 3 times, min.insync.replicas 2)
 #                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
 #                                     .stack/kafka-cluster; kafka-kill 2 kill -9s node 2 only
-#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server / iproute2 / chromium (apt),
+#   scripts/stack.sh pooler-up | pooler-down   the two PgBouncer instances only (below)
+#   scripts/stack.sh ensure-tools     install PostgreSQL 15 / rabbitmq-server / pgbouncer / iproute2 / chromium (apt),
 #                                     fetch Kafka's jars (Maven, scripts/kafka/pom.xml) and
 #                                     playwright-core (npm ci in admin/browser) if missing
 #   scripts/stack.sh browser          chromium and playwright-core only; prints their exports
@@ -30,6 +31,14 @@
 # on POSTAL_KAFKA_CONTROLLER_PORT, default the next port), POSTAL_AMQP_PORT (default 25672; Erlang
 # distribution on the next port). All below Linux's ephemeral range (32768+), so that no client
 # socket can hold them while a server boots. POSTAL_NO_RABBITMQ=1 leaves RabbitMQ out.
+# PgBouncer (Debian's 1.18, installed if missing; POSTAL_NO_PGBOUNCER=1 leaves it out): two
+# instances in front of the stack's PostgreSQL, any database name passed through, trust auth,
+# `ignore_startup_parameters = extra_float_digits`, 20 server connections per database and
+# user — one in transaction mode on POSTAL_PGBOUNCER_PORT (default 16432, folder
+# .stack/pgbouncer-transaction), one in session mode on the next port (16433,
+# .stack/pgbouncer-session). `env` prints their URLs (POSTAL_PGBOUNCER_TRANSACTION_URL,
+# POSTAL_PGBOUNCER_SESSION_URL) and the binary (POSTAL_PGBOUNCER_BIN), with which the suite's
+# poolers:: tests start private instances of their own (docs/operations.md#poolers).
 # POSTAL_STACK_HOST (127.0.0.1): the address PostgreSQL and Kafka listen on and advertise.
 # Kafka: POSTAL_KAFKA_VERSION (4.4.0), POSTAL_KAFKA_HEAP (1g), POSTAL_KAFKA_LIB (jar folder,
 # .stack/kafka-lib). Broker logs: .stack/kafka/logs (server.log; broker.log has warnings).
@@ -56,6 +65,10 @@ AMQP_PORT="${POSTAL_AMQP_PORT:-25672}"
 RABBITMQ_BIN="${POSTAL_RABBITMQ_BIN:-/usr/lib/rabbitmq/bin/rabbitmq-server}"
 WITH_RABBITMQ=1
 [ "${POSTAL_NO_RABBITMQ:-0}" = "1" ] && WITH_RABBITMQ=0
+PGBOUNCER_BIN="${POSTAL_PGBOUNCER_BIN:-/usr/sbin/pgbouncer}"
+PGBOUNCER_PORT="${POSTAL_PGBOUNCER_PORT:-16432}"
+WITH_PGBOUNCER=1
+[ "${POSTAL_NO_PGBOUNCER:-0}" = "1" ] && WITH_PGBOUNCER=0
 
 log() { echo "stack: $*" >&2; }
 die() { echo "stack: error: $*" >&2; exit 1; }
@@ -119,6 +132,74 @@ ensure_browser() {
       || die "npm ci failed in admin/browser (is the npm registry reachable? see the output above)"
   fi
   echo "export CHROMIUM=$chromium POSTAL_REQUIRE_BROWSER=1"
+}
+
+ensure_pgbouncer() {
+  if [ -x "$PGBOUNCER_BIN" ]; then return; fi
+  apt_install pgbouncer "$PGBOUNCER_BIN"
+}
+
+# pgbouncer_dir MODE: the folder of the instance in pool mode MODE; pgbouncer_port MODE its port.
+pgbouncer_dir() { echo "$STACK/pgbouncer-$1"; }
+pgbouncer_port() { if [ "$1" = "transaction" ]; then echo "$PGBOUNCER_PORT"; else echo "$((PGBOUNCER_PORT + 1))"; fi; }
+
+pgbouncer_pid() {
+  local f; f="$(pgbouncer_dir "$1")/pgbouncer.pid"
+  [ -f "$f" ] || return 1
+  local pid; pid="$(cat "$f")"
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "pgbouncer.*$(pgbouncer_dir "$1")/pgbouncer.ini" && echo "$pid"
+}
+
+# One instance: its own folder, config, log and pid file; run as the postgres user when this
+# script runs as root (PgBouncer refuses root). The system's pgbouncer service is never used.
+pgbouncer_up_one() {
+  local mode="$1" d port
+  d="$(pgbouncer_dir "$mode")"; port="$(pgbouncer_port "$mode")"
+  mkdir -p "$d"
+  if pid="$(pgbouncer_pid "$mode")"; then log "pgbouncer ($mode) already running (pid $pid) on $HOST:$port"; return; fi
+  cat > "$d/pgbouncer.ini" <<CONF
+; Written by scripts/stack.sh on each start; edit the script, not this file.
+[databases]
+* = host=$HOST port=$PG_PORT
+[pgbouncer]
+listen_addr = $HOST
+listen_port = $port
+unix_socket_dir =
+auth_type = trust
+auth_file = $d/userlist.txt
+pool_mode = $mode
+default_pool_size = 20
+max_client_conn = 1000
+ignore_startup_parameters = extra_float_digits
+logfile = $d/pgbouncer.log
+pidfile = $d/pgbouncer.pid
+admin_users = postgres
+CONF
+  echo '"postgres" ""' > "$d/userlist.txt"
+  if [ "$(id -u)" = "0" ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
+    chown -R postgres "$d"; open_path_for_postgres "$d"
+  fi
+  log "starting pgbouncer ($mode pooling) on $HOST:$port"
+  as_postgres "$PGBOUNCER_BIN" -d "$d/pgbouncer.ini" || { tail -5 "$d/pgbouncer.log" >&2; die "pgbouncer ($mode) did not start"; }
+  for _ in $(seq 1 100); do
+    if (exec 3<>"/dev/tcp/$HOST/$port") 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  tail -5 "$d/pgbouncer.log" >&2; die "pgbouncer ($mode) did not open port $port"
+}
+
+pooler_up() { ensure_pgbouncer; pgbouncer_up_one transaction; pgbouncer_up_one session; }
+
+pooler_down() {
+  local mode pid
+  for mode in transaction session; do
+    if pid="$(pgbouncer_pid "$mode")"; then
+      log "stopping pgbouncer ($mode, pid $pid)"
+      kill -TERM "$pid"
+      for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+  done
 }
 
 ensure_rabbitmq() {
@@ -560,6 +641,11 @@ print_env() {
   echo "export DATABASE_URL=postgres://postgres@$HOST:$PG_PORT/postgres"
   echo "export KAFKA_BOOTSTRAP_SERVERS=$(kafka_bootstrap)"
   if [ "$WITH_RABBITMQ" = "1" ]; then echo "export AMQP_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"; fi
+  if [ "$WITH_PGBOUNCER" = "1" ]; then
+    echo "export POSTAL_PGBOUNCER_BIN=$PGBOUNCER_BIN"
+    echo "export POSTAL_PGBOUNCER_TRANSACTION_URL=postgres://postgres@$HOST:$(pgbouncer_port transaction)/postgres"
+    echo "export POSTAL_PGBOUNCER_SESSION_URL=postgres://postgres@$HOST:$(pgbouncer_port session)/postgres"
+  fi
 }
 
 cmd="${1:-}"; shift || true
@@ -576,13 +662,15 @@ done
 case "$NODES" in 0|3|5) ;; *) die "--cluster takes 3 or 5 nodes (a KRaft quorum needs a majority)" ;; esac
 
 case "$cmd" in
-  up) pg_up; kafka_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
+  up) pg_up; if [ "$WITH_PGBOUNCER" = "1" ]; then pooler_up; fi; kafka_up; if [ "$WITH_RABBITMQ" = "1" ]; then rabbit_up; fi; print_env ;;
+  pooler-up) pooler_up; print_env ;;
+  pooler-down) pooler_down ;;
   pg-up) if [ "$SECURE" = "1" ]; then pg_secure_up; print_pg_secure_env; else pg_up; print_env; fi ;;
   kafka-up) kafka_up "${ARGS[@]}"; print_env ;;
   kafka-down) kafka_down TERM "${ARGS[@]}" ;;
   kafka-kill) kafka_down KILL "${ARGS[@]}" ;;
   restart-broker) kafka_down KILL; kafka_up; print_env ;;
-  down) rabbit_down; kafka_down TERM; (SECURE=1; kafka_down TERM); pg_down ;;
+  down) rabbit_down; kafka_down TERM; (SECURE=1; kafka_down TERM); pooler_down; pg_down ;;
   env) print_env ;;
   acl)
     [ "$SECURE" = "1" ] || die "acl is for the --secure node"
@@ -590,7 +678,7 @@ case "$cmd" in
     java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$KDIR/logs" \
       org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$KPORT" \
       --command-config "$KDIR/tls/admin.properties" "${ARGS[@]}" ;;
-  ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi; ensure_browser >/dev/null ;;
+  ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi; if [ "$WITH_PGBOUNCER" = "1" ]; then ensure_pgbouncer; fi; ensure_browser >/dev/null ;;
   browser) ensure_browser ;;
   status)
     if pg_running; then echo "postgres: running on $HOST:$PG_PORT"; else echo "postgres: stopped"; fi
@@ -598,6 +686,9 @@ case "$cmd" in
       kafka_node "$i"
       if pid="$(kafka_pid)"; then echo "kafka node $i: running (pid $pid) on $HOST:$KPORT"; else echo "kafka node $i: stopped"; fi
     done
-    if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi ;;
-  *) sed -n '2,25p' "$0"; exit 2 ;;
+    if pid="$(rabbit_pid)"; then echo "rabbitmq: running (pid $pid) on 127.0.0.1:$AMQP_PORT"; else echo "rabbitmq: stopped"; fi
+    for m in transaction session; do
+      if pid="$(pgbouncer_pid "$m")"; then echo "pgbouncer ($m): running (pid $pid) on $HOST:$(pgbouncer_port "$m")"; else echo "pgbouncer ($m): stopped"; fi
+    done ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

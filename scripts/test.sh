@@ -13,10 +13,13 @@ cd "$ROOT"
 
 step() { echo; echo "=== $* ==="; }
 
-step "local stack (PostgreSQL 15 + Apache Kafka + RabbitMQ, no Docker)"
+step "local stack (PostgreSQL 15 + PgBouncer + Apache Kafka + RabbitMQ, no Docker)"
 eval "$(bash scripts/stack.sh up)"
 export DATABASE_URL KAFKA_BOOTSTRAP_SERVERS AMQP_URL
 echo "DATABASE_URL=$DATABASE_URL KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS AMQP_URL=$AMQP_URL"
+# PgBouncer (the stack installs Debian's 1.18): the poolers:: tests start instances of their
+# own with this binary, and fail rather than skip without it.
+export POSTAL_PGBOUNCER_BIN POSTAL_PGBOUNCER_TRANSACTION_URL POSTAL_PGBOUNCER_SESSION_URL POSTAL_REQUIRE_PGBOUNCER=1
 
 step "a second Kafka node with SASL_SSL, SCRAM and ACLs, and a PostgreSQL that takes only TLS (the security tests)"
 eval "$(bash scripts/stack.sh kafka-up --secure)"

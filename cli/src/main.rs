@@ -602,19 +602,25 @@ async fn run_relay<T: postal_producer::Transport>(
             }
         }
     }
+    tracing::info!(database = %url, "starting relay");
+    let relay = postal_producer::Relay::new(pool.clone(), transport, config)?;
+    // Ready while the database answers and claims do not wait on it (a pooler without a
+    // server connection for the relay answers the readiness query and holds the claims).
+    let health = relay.health();
     let _ops = match args.metrics_addr {
         Some(addr) => {
             let ready_pool = pool.clone();
             let ready = move || {
-                let pool = ready_pool.clone();
-                async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+                let (pool, health) = (ready_pool.clone(), health.clone());
+                async move {
+                    health.problem().is_none()
+                        && sqlx::query("SELECT 1").execute(&pool).await.is_ok()
+                }
             };
             Some(postal_ops::serve(addr, ready).await?)
         }
         None => None,
     };
-    tracing::info!(database = %url, "starting relay");
-    let relay = postal_producer::Relay::new(pool, transport, config)?;
     let stats = relay.run(stop).await?;
     tracing::info!(published = stats.published, parked = stats.parked, "bye");
     Ok(())

@@ -15,6 +15,7 @@ pub mod delay;
 pub mod hosts;
 pub mod http;
 pub mod kafka;
+pub mod pgbouncer;
 pub mod private;
 pub mod rabbit;
 pub mod raw_produce;

@@ -69,7 +69,29 @@ pub async fn enqueue_once(conn: &mut PgConnection, event: NewEvent) -> Result<Ev
     Ok(id)
 }
 
+/// [`write_in`] inside the caller's transaction, or inside one of its own when `conn` is not in
+/// one: through a transaction pooler (PgBouncer `pool_mode = transaction`) only a transaction
+/// keeps one server session across the statement's round trips (docs/operations.md#poolers).
 async fn write(
+    conn: &mut PgConnection,
+    events: Vec<NewEvent>,
+    once: bool,
+) -> Result<Vec<EventId>, Error> {
+    use sqlx::Connection as _;
+    if conn.is_in_transaction() {
+        return write_in(conn, events, once).await;
+    }
+    let mut tx = conn.begin().await?;
+    let ids = write_in(&mut tx, events, once).await?;
+    tx.commit().await?;
+    Ok(ids)
+}
+
+/// Writes `events` on `conn`, which is inside a transaction. Its statements are not prepared
+/// by name ([`sqlx::query::Query::persistent`] `false`): a transaction pooler hands the next
+/// transaction of this connection to another server session, where a named statement does
+/// not exist (or another client's of the same name does).
+async fn write_in(
     conn: &mut PgConnection,
     events: Vec<NewEvent>,
     once: bool,
@@ -127,6 +149,7 @@ async fn write(
         .bind(&deliver_at)
         .bind(NOTIFY_CHANNEL)
         .bind(KEY_LOCK_CLASS)
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await
         .map_err(Error::from_insert)?;
@@ -149,6 +172,7 @@ async fn write(
         .bind(versions[0])
         .bind(&content_types[0])
         .bind(&headers[0])
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await?;
         if !same {

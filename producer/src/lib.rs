@@ -69,7 +69,7 @@ pub use postal_shared::{ContentType, EventId, EventKey, EventType, SchemaVersion
 pub use postal_shared::{FromRef, State};
 #[cfg(feature = "rabbitmq")]
 pub use rabbitmq::{RabbitConfig, RabbitTransport};
-pub use relay::{Relay, RelayStats};
+pub use relay::{Relay, RelayHealth, RelayStats, STALL_AFTER};
 pub use route::{DynTransport, Router};
 pub use tasks::{Task, TaskConfig, TaskError, TaskHandler, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};

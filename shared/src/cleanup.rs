@@ -18,20 +18,29 @@ pub const MIN_DEDUP_RETENTION: Duration = Duration::from_secs(3600);
 /// The longest one batch of a cleanup job waits for a lock (`lock_timeout`).
 pub const CLEANUP_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The session advisory lock that makes a cleanup job run in one instance at a time.
+/// The advisory lock that makes a cleanup job run in one instance at a time. It is taken
+/// transaction-scoped, anew by every batch (`pg_try_advisory_xact_lock`), so that a job holds
+/// no session state: it works the same through a transaction pooler and leaves nothing behind
+/// on a server session when it is dropped. A session lock on the same key (taken by an older
+/// release) excludes it too.
 #[derive(Clone, Copy, Debug)]
 pub enum CleanupLock<'a> {
-    /// `pg_try_advisory_lock(key)`.
+    /// `pg_try_advisory_xact_lock(key)`.
     Key(i64),
-    /// `pg_try_advisory_lock(key, hashtext(name))`: one lock per name (e.g. per consumer).
+    /// `pg_try_advisory_xact_lock(key, hashtext(name))`: one lock per name (e.g. per consumer).
     Named(i32, &'a str),
 }
 
-/// Runs `delete` until a run deletes fewer than `batch` rows, holding `lock` for the whole job.
-/// `delete` is a `DELETE` of at most `$2` rows older than `$1` milliseconds; with
-/// [`CleanupLock::Named`], `$3` is the name. Returns `None` (doing nothing) when another
-/// instance holds the lock, else the number of rows deleted; `progress` gets the running total
-/// after every batch.
+/// Runs `delete` until a run deletes fewer than `batch` rows, each run a transaction of its own
+/// that first takes `lock` and sets a transaction-local `lock_timeout`
+/// ([`CLEANUP_LOCK_TIMEOUT`]). `delete` is a `DELETE` of at most `$2` rows older than `$1`
+/// milliseconds; with [`CleanupLock::Named`], `$3` is the name. Returns `None` (doing nothing)
+/// when another instance holds the lock at the first batch, else the number of rows deleted
+/// (a job that finds the lock taken at a later batch ends there: the other instance goes on);
+/// `progress` gets the running total after every batch.
+///
+/// No statement is prepared by name (a transaction pooler would lose it), and no session
+/// setting is changed.
 pub async fn delete_in_batches(
     pool: &PgPool,
     lock: CleanupLock<'_>,
@@ -40,54 +49,73 @@ pub async fn delete_in_batches(
     batch: usize,
     mut progress: impl FnMut(u64),
 ) -> Result<Option<u64>, sqlx::Error> {
-    // Closed instead of returned to the pool if this job is dropped while it holds the lock.
+    // Closed instead of returned to the pool if this job is dropped inside a batch.
     let mut conn = crate::cancel_safe::CloseUnlessFinished::new(pool.acquire().await?);
-    let (try_lock, unlock) = match lock {
-        CleanupLock::Key(_) => (
-            "SELECT pg_try_advisory_lock($1)",
-            "SELECT pg_advisory_unlock($1)",
-        ),
-        CleanupLock::Named(..) => (
-            "SELECT pg_try_advisory_lock($1, hashtext($2))",
-            "SELECT pg_advisory_unlock($1, hashtext($2))",
-        ),
-    };
-    let bind_lock = |sql| match lock {
-        CleanupLock::Key(key) => sqlx::query_scalar::<_, bool>(sql).bind(key),
-        CleanupLock::Named(key, name) => sqlx::query_scalar::<_, bool>(sql).bind(key).bind(name),
-    };
-    if !bind_lock(try_lock).fetch_one(&mut *conn).await? {
-        conn.finish();
-        return Ok(None);
-    }
-    let result = async {
-        // A batch waits at most this long for a row or table lock, then the job ends with an
-        // error and runs again next time, instead of queueing behind a long transaction.
-        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-            .bind(format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis()))
-            .execute(&mut *conn)
-            .await?;
-        let mut total = 0u64;
-        loop {
-            let mut q = sqlx::query(delete)
-                .bind(retention.as_millis() as i64)
-                .bind(batch as i64);
-            if let CleanupLock::Named(_, name) = lock {
-                q = q.bind(name);
-            }
-            let n = q.execute(&mut *conn).await?.rows_affected();
-            total += n;
-            progress(total);
-            if (n as usize) < batch {
-                return Ok::<u64, sqlx::Error>(total);
-            }
+    let mut total = 0u64;
+    let mut first = true;
+    loop {
+        let ran = one_batch(&mut conn, lock, delete, retention, batch).await;
+        let end = if ran.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        sqlx::Executor::execute(&mut *conn, end).await?;
+        let Some(n) = ran? else {
+            conn.finish();
+            return Ok(if first { None } else { Some(total) });
+        };
+        first = false;
+        total += n;
+        progress(total);
+        if (n as usize) < batch {
+            conn.finish();
+            return Ok(Some(total));
         }
     }
-    .await;
-    // Returned to the pool only as it was taken: lock released, no lock timeout of ours.
-    let reset = sqlx::query("RESET lock_timeout").execute(&mut *conn).await;
-    if let (Ok(true), Ok(_)) = (bind_lock(unlock).fetch_one(&mut *conn).await, reset) {
-        conn.finish();
+}
+
+/// One batch of [`delete_in_batches`]: `BEGIN`, the lock and the transaction's `lock_timeout`,
+/// the `DELETE`. `None` when another instance holds the lock. The caller ends the transaction.
+async fn one_batch(
+    conn: &mut sqlx::PgConnection,
+    lock: CleanupLock<'_>,
+    delete: &'static str,
+    retention: Duration,
+    batch: usize,
+) -> Result<Option<u64>, sqlx::Error> {
+    sqlx::Executor::execute(&mut *conn, "BEGIN").await?;
+    let timeout = format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis());
+    // A batch waits at most CLEANUP_LOCK_TIMEOUT for a row or table lock, then the job ends
+    // with an error and runs again next time, instead of queueing behind a long transaction.
+    let locked: bool =
+        match lock {
+            CleanupLock::Key(key) => sqlx::query_scalar(
+                "SELECT pg_try_advisory_xact_lock($1) FROM set_config('lock_timeout', $2, true)",
+            )
+            .bind(key)
+            .bind(timeout)
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await?,
+            CleanupLock::Named(key, name) => {
+                sqlx::query_scalar(
+                    "SELECT pg_try_advisory_xact_lock($1, hashtext($3)) \
+                 FROM set_config('lock_timeout', $2, true)",
+                )
+                .bind(key)
+                .bind(timeout)
+                .bind(name)
+                .persistent(false)
+                .fetch_one(&mut *conn)
+                .await?
+            }
+        };
+    if !locked {
+        return Ok(None);
     }
-    result.map(Some)
+    let mut q = sqlx::query(delete)
+        .bind(retention.as_millis() as i64)
+        .bind(batch as i64)
+        .persistent(false);
+    if let CleanupLock::Named(_, name) = lock {
+        q = q.bind(name);
+    }
+    Ok(Some(q.execute(&mut *conn).await?.rows_affected()))
 }

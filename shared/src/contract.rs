@@ -34,7 +34,11 @@ async fn missing(pool: &PgPool) -> Error {
 /// Checks that this binary may run on the database's Postal schema (see the module docs).
 /// An unreachable database is an `Err` whose [`Error::is_unavailable`] is true: wait and
 /// check again.
+///
+/// First of all it refuses a connection through a transaction pooler
+/// ([`crate::pooler::require_session`]): every process that checks the schema needs a session.
 pub async fn check_schema(pool: &PgPool) -> Result<(), Error> {
+    crate::pooler::require_session(pool).await?;
     let known = known_version();
     let applied: Option<i64> =
         match sqlx::query_scalar("SELECT max(version) FROM postal._sqlx_migrations WHERE success")

@@ -51,6 +51,10 @@ pub enum Error {
         /// The newest migration this binary knows.
         known: i64,
     },
+    /// The database connection goes through a pooler in transaction (or statement) mode, and
+    /// the part that connected needs a session of its own (docs/operations.md, "Poolers").
+    #[error("the database connection goes through a transaction pooler (PgBouncer pool_mode = transaction): this part of Postal needs a session of its own; connect it directly to PostgreSQL or through a session-mode pool (only the application's enqueue works through transaction pooling, see docs/operations.md#poolers)")]
+    TransactionPooling,
     /// The database's schema no longer admits binaries as old as this one.
     #[error("this database's Postal schema (migration {applied}) needs binaries that know migration {oldest} or later, and this one knows up to {known}: upgrade it")]
     SchemaTooNew {

@@ -197,22 +197,81 @@ async fn apply(
                 .last()
                 .map_or(first.version, |m| m.version);
             up_to(last).run(pool).await?;
+            if !applied(lock).await?.contains(&last) {
+                // sqlx recorded it elsewhere (a search_path that is not `postal`): stop
+                // instead of applying it again and again.
+                return Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::Protocol(
+                    format!("migration {last} ran but postal._sqlx_migrations does not record it"),
+                )));
+            }
         }
     }
 }
 
+/// What a migrator's connection resets before it closes: a session pooler hands its server
+/// session to the next client (PgBouncer runs `server_reset_query`, `DISCARD ALL`, too; this
+/// does not count on it).
+const RESET: &str = "RESET search_path; RESET lock_timeout";
+
+/// Makes `conn`'s session a migrator's: `search_path` `postal` (sqlx's bookkeeping table is
+/// `postal._sqlx_migrations`) and `lock_timeout`; then checks that both took.
+async fn postal_session(
+    conn: &mut PgConnection,
+    lock_timeout: Duration,
+) -> Result<(), sqlx::Error> {
+    use sqlx::{Executor as _, Row as _};
+    let set = format!(
+        "SET search_path = {POSTAL_SCHEMA}; SET lock_timeout = '{}ms'",
+        lock_timeout.as_millis()
+    );
+    conn.execute(set.as_str()).await?;
+    let path: String = conn.fetch_one("SHOW search_path").await?.try_get(0)?;
+    if path != POSTAL_SCHEMA {
+        return Err(sqlx::Error::Protocol(format!(
+            "the migrator's search_path did not take (it is {path:?}): is a pooler in between rewriting sessions?"
+        )));
+    }
+    Ok(())
+}
+
+/// A one-connection pool whose connection is a migrator's ([`postal_session`]).
+async fn session_pool(
+    options: &sqlx::postgres::PgConnectOptions,
+    lock_timeout: Duration,
+) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            Box::pin(async move { postal_session(conn, lock_timeout).await })
+        })
+        .connect_with(options.clone())
+        .await
+}
+
+/// Resets the session of `pool`'s connection ([`RESET`]) and closes it.
+async fn reset_and_close(pool: PgPool) {
+    if let Ok(mut conn) = pool.acquire().await {
+        if sqlx::Executor::execute(&mut *conn, RESET).await.is_err() {
+            // Not reset: closed rather than handed back.
+            conn.detach().close().await.ok();
+        }
+    }
+    pool.close().await;
+}
+
 /// [`migrate`], waiting at most `lock_wait` for the migration lock (and for table locks).
 pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Error> {
-    let options = pool.connect_options().as_ref().clone().options([
-        ("search_path", POSTAL_SCHEMA.to_owned()),
-        (
-            "lock_timeout",
-            format!("{}ms", MIGRATION_LOCK_TIMEOUT.as_millis()),
-        ),
-    ]);
+    // A transaction pooler would run the statements of one migration run on different server
+    // sessions (the search_path below, the migration lock): refused with one line.
+    crate::pooler::require_session(pool).await?;
+    // No startup `options` (PgBouncer refuses them, or drops them when told to ignore them,
+    // and sqlx's bookkeeping would then land in `public`): each connection sets its session
+    // after connecting, checks it took, and resets it before it closes (see `session`).
+    let options = pool.connect_options().as_ref().clone();
     // Serialise concurrent migrators from the very first statement (CREATE SCHEMA IF NOT
     // EXISTS races otherwise); the session lock goes away with its connection.
     let mut lock = PgConnection::connect_with(&options).await?;
+    postal_session(&mut lock, MIGRATION_LOCK_TIMEOUT).await?;
     let started = Instant::now();
     let mut logged = false;
     loop {
@@ -241,7 +300,9 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
             |(pid, app)| format!("backend pid {pid} ({})", crate::text::quoted(&app)),
         );
         if started.elapsed() >= lock_wait {
-            lock.close().await.ok();
+            if sqlx::Executor::execute(&mut lock, RESET).await.is_ok() {
+                lock.close().await.ok();
+            }
             return Err(Error::LockBusy {
                 what: "Postal's migration lock",
                 waited: lock_wait,
@@ -260,14 +321,8 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
             .await?;
         // One-connection pools whose search_path is `postal`: sqlx's bookkeeping table lands
         // in the `postal` schema. `wait` has no lock timeout (concurrent index builds).
-        let pool = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await?;
-        let wait = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone().options([("lock_timeout", "0")]))
-            .await?;
+        let pool = session_pool(&options, MIGRATION_LOCK_TIMEOUT).await?;
+        let wait = session_pool(&options, Duration::ZERO).await?;
         // A migration that needs a lock held by a long transaction (an open claim, a
         // `pg_dump`) gives up after `MIGRATION_LOCK_TIMEOUT` and is tried again after a
         // growing pause, instead of queueing its exclusive lock in front of every enqueue and
@@ -283,8 +338,8 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
                 other => break other,
             }
         };
-        wait.close().await;
-        pool.close().await;
+        reset_and_close(wait).await;
+        reset_and_close(pool).await;
         if let Err(e) = &run {
             if lock_timed_out(e) {
                 return Err(Error::LockBusy {
@@ -298,7 +353,9 @@ pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Er
         Ok::<(), Error>(())
     }
     .await;
-    lock.close().await.ok();
+    if sqlx::Executor::execute(&mut lock, RESET).await.is_ok() {
+        lock.close().await.ok();
+    }
     result?;
     tracing::debug!("postal schema is up to date");
     Ok(())

@@ -30,6 +30,7 @@ mod monitoring;
 mod netsplit;
 mod order;
 mod pg_security;
+mod poolers;
 mod previous_release;
 mod procs;
 mod protocol;

@@ -83,7 +83,9 @@ impl<T: Transport> Shared<T> {
             // Held until the batch is handed over (see `record_gate`).
             let gate = self.record_gate.read().await;
             let claim_started = Instant::now();
+            self.claim_clock.started(lane);
             let claimed = self.claim(&partitions, limit).await;
+            self.claim_clock.ended(lane);
             let mut claim = match claimed {
                 Ok(Some(c)) => {
                     if db_failures > 0 {

@@ -32,6 +32,9 @@ mod lane;
 mod listen;
 mod notice;
 mod share;
+mod stall;
+
+pub use stall::{RelayHealth, STALL_AFTER};
 
 /// Totals of one relay run, returned when it stops.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -53,6 +56,7 @@ pub struct Relay<T: Transport> {
     transport: Arc<T>,
     config: RelayConfig,
     id: Uuid,
+    health: RelayHealth,
 }
 
 impl<T: Transport> Relay<T> {
@@ -85,12 +89,19 @@ impl<T: Transport> Relay<T> {
             transport: Arc::new(transport),
             config,
             id: Uuid::now_v7(),
+            health: RelayHealth::default(),
         })
     }
 
     /// The connections `config` can use at once ([`RelayConfig::connections_wanted`]).
     pub fn connections_wanted(config: &RelayConfig) -> u32 {
         config.connections_wanted()
+    }
+
+    /// Whether this relay, once running, makes progress: for a readiness check (`/readyz`).
+    /// A claim that waits [`STALL_AFTER`] or more for the database makes it a problem.
+    pub fn health(&self) -> RelayHealth {
+        self.health.clone()
     }
 
     /// This instance's id (in its log lines).
@@ -146,6 +157,8 @@ impl<T: Transport> Relay<T> {
                 .checks_out()
                 .map(|n| Arc::new(Semaphore::new(n.max(1)))),
             wake: wake_tx.clone(),
+            claim_clock: stall::ClaimClock::default(),
+            health: self.health.clone(),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
         // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
@@ -163,6 +176,7 @@ impl<T: Transport> Relay<T> {
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
         background.spawn(shared.clone().housekeeping());
+        background.spawn(shared.clone().watch_claims());
         // Not in `background`: it writes the last activity as the relay stops (below).
         let report_stop = CancellationToken::new();
         // A set of its own, which aborts it if this future is dropped (the relay killed
@@ -344,6 +358,10 @@ struct Shared<T: Transport> {
     /// For every other transport: the relay's own chain of keys across its batches in flight
     /// ([`crate::key_chain`]), behind the same record gate.
     key_chain: KeyChain,
+    /// When each lane's claim under way started ([`stall`]).
+    claim_clock: stall::ClaimClock,
+    /// What the claim watchdog found ([`Relay::health`]).
+    health: RelayHealth,
 }
 
 impl<T: Transport> Shared<T> {
