@@ -41,6 +41,7 @@ fn alert_rules_parse_and_use_real_metrics() {
         "PostalConsumerLagHigh",
         "PostalDeadLettersUnpublished",
         "PostalConsumerTopicStopped",
+        "PostalRelayClaimsWaiting",
     ] {
         assert!(names.contains(wanted), "missing alert {wanted}");
     }

@@ -726,7 +726,7 @@ macro_rules! skipped_column {
 /// is due and whether it holds its key back are read with the same `now()`, so a due row is
 /// taken, a row not yet due holds its key's later rows back. (A due row that another session
 /// has row-locked is skipped, `SKIP LOCKED`; the claim then leaves its key's later rows behind,
-/// see [`claimed!`] and the `skipped` module.) A key's scope is its topic and key
+/// see `claimed!` and the `skipped` module.) A key's scope is its topic and key
 /// ([`crate::OutboundEvent::order_key`]): the topic filters of relay groups pass or stop both
 /// rows alike.
 macro_rules! publishable {
@@ -765,7 +765,7 @@ macro_rules! publishable {
 /// holds this claim's own transaction id too): their `xmax`, read after `l` locked its rows,
 /// names the session that locks them (read only when `l` passed a candidate: nearly always it
 /// took every one up to its last). A claimed row of the same topic and key after one of
-/// those must not go out before it: see [`skipped_column!`] and the `skipped` module. (`$8` is
+/// those must not go out before it: see `skipped_column!` and the `skipped` module. (`$8` is
 /// read before the statement; the relay checks again after it, with claims registered
 /// meanwhile.)
 macro_rules! claimed {
@@ -795,7 +795,7 @@ macro_rules! claimed {
 /// on the index (`outbox_pending_seq_partition`), so that rows outside that range are skipped
 /// without reading the table; `$7` how many rows this relay's other claims hold (`int8`, 0
 /// when none), `$8` the transaction ids of this relay's claims (`int8[]`, empty when none; see
-/// [`claimed!`]). Public for `EXPLAIN`.
+/// `claimed!`). Public for `EXPLAIN`.
 ///
 /// The picked rows are deleted by tuple id: this statement holds their row locks until the
 /// transaction ends, so nobody can move them, and the delete needs no index lookup per row.
