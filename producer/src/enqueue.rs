@@ -69,22 +69,17 @@ pub async fn enqueue_once(conn: &mut PgConnection, event: NewEvent) -> Result<Ev
     Ok(id)
 }
 
-/// [`write_in`] inside the caller's transaction, or inside one of its own when `conn` is not in
-/// one: through a transaction pooler (PgBouncer `pool_mode = transaction`) only a transaction
-/// keeps one server session across the statement's round trips (docs/operations.md#poolers).
+/// [`write_in`] on the caller's connection, in whatever transaction the caller has open. It
+/// never begins or commits one of its own: a transaction the caller opened with plain SQL
+/// (`BEGIN`, then `SAVEPOINT`s) is not known to sqlx, and a `begin`/`commit` here would commit
+/// it (`review_order::an_enqueue_in_a_released_savepoint_keeps_its_key_locked_until_commit`).
+/// Through a transaction pooler, call it inside a transaction (docs/operations.md#poolers).
 async fn write(
     conn: &mut PgConnection,
     events: Vec<NewEvent>,
     once: bool,
 ) -> Result<Vec<EventId>, Error> {
-    use sqlx::Connection as _;
-    if conn.is_in_transaction() {
-        return write_in(conn, events, once).await;
-    }
-    let mut tx = conn.begin().await?;
-    let ids = write_in(&mut tx, events, once).await?;
-    tx.commit().await?;
-    Ok(ids)
+    write_in(conn, events, once).await
 }
 
 /// Writes `events` on `conn`, which is inside a transaction. Its statements are not prepared
