@@ -1291,6 +1291,7 @@ async fn one_shot_commands_reach_a_secured_cluster_or_fail_in_one_line() {
                 &topic,
                 "--to",
                 "earliest",
+                "--new-group",
                 "--bootstrap-servers",
                 &s.bootstrap,
             ])
