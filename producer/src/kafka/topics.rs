@@ -157,9 +157,8 @@ const GONE_LOOKUP: Duration = Duration::from_secs(5);
 /// `Waiting`: no attempt used, the relay not paused, their keys held in order; the next batches
 /// hold the topic's events back until it exists again. With topic creation on, the topic is
 /// forgotten instead and its records released at once (`HeldBack`): the next claim creates
-/// it again. A topic that exists: a record the client did not know the topic of yet is released
-/// without an attempt (`HeldBack`); timeouts stand. A look-up that fails (the cluster is
-/// unreachable) leaves every failure as it is.
+/// it again. A topic that exists, or a look-up that fails (the cluster is unreachable), leaves
+/// every failure as it is.
 pub(super) async fn gone(
     producer: super::SharedProducer,
     cache: &std::sync::Mutex<std::collections::HashMap<String, TopicState>>,
@@ -199,22 +198,8 @@ pub(super) async fn gone(
                 topic,
                 "was deleted after the relay found it (topic creation is off)",
             ),
-            Ok(Ok(true)) => {
-                for &(i, t) in suspects {
-                    if t == topic
-                        && outcomes[i]
-                            .as_ref()
-                            .err()
-                            .is_some_and(|e| e.reason.contains("UnknownTopic"))
-                    {
-                        outcomes[i] = Err(PublishError::new(
-                            FailureKind::HeldBack,
-                            format!("topic {topic:?} was not known to the client yet"),
-                        ));
-                    }
-                }
-                continue;
-            }
+            // It exists: the failures stand as they are.
+            Ok(Ok(true)) => continue,
             _ => continue,
         };
         let was = cache.lock().expect("topic cache").insert(

@@ -251,6 +251,10 @@ impl Transport for KafkaTransport {
         // created again). Other topics are not held up.
         let cache = Arc::clone(&self.topics);
         let create = self.config.create_topics;
+        // Weak, and the current producer only when it is needed: holding this batch's producer
+        // would keep a replaced producer (and its queued records) alive.
+        let slot = Arc::downgrade(&self.producer);
+        drop(producer);
         // The batch's topics, and each event's among them (a batch mostly holds one topic).
         let mut topics: Vec<String> = Vec::new();
         let topic_of: Vec<u32> = batch
@@ -274,7 +278,11 @@ impl Transport for KafkaTransport {
                     .into_iter()
                     .map(|i| (i, topics[topic_of[i] as usize].as_str()))
                     .collect();
-                super::topics::gone(producer, &cache, create, &suspects, &mut outcomes).await;
+                if let Some(slot) = slot.upgrade() {
+                    let current = slot.current().1;
+                    drop(slot);
+                    super::topics::gone(current, &cache, create, &suspects, &mut outcomes).await;
+                }
             }
             // A topic refused for a missing ACL waits like a missing one: later batches hold
             // its events back until the next look-up, and the cause is said once.
