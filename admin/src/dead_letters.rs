@@ -319,9 +319,16 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         let mut failed = Vec::new();
         let mut first_error = None;
         for (r, res) in chunk.iter().zip(results) {
+            let res = match res {
+                Ok(d) if !postal_shared::kafka_producer::written(d.offset) => {
+                    Err(postal_shared::kafka_producer::UNCONFIRMED.to_owned())
+                }
+                Ok(_) => Ok(()),
+                Err((e, _)) => Err(e.to_string()),
+            };
             match res {
-                Ok(_) => sent += 1,
-                Err((e, _)) => {
+                Ok(()) => sent += 1,
+                Err(e) => {
                     first_error.get_or_insert_with(|| {
                         format!(
                             "replaying dead letter {} to {:?} failed: {e}",

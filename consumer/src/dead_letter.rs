@@ -261,7 +261,16 @@ impl Publisher {
         let mut done = Vec::with_capacity(rows.len());
         for (row, res) in rows.iter().zip(results) {
             match res {
-                Ok(_) => done.push(row.id),
+                Ok(d) if postal_shared::kafka_producer::written(d.offset) => done.push(row.id),
+                Ok(_) => {
+                    first_error.get_or_insert_with(|| {
+                        format!(
+                            "dead letter {}: {}",
+                            row.id,
+                            postal_shared::kafka_producer::UNCONFIRMED
+                        )
+                    });
+                }
                 Err((e, _)) => {
                     first_error.get_or_insert_with(|| format!("dead letter {}: {e}", row.id));
                 }

@@ -226,6 +226,18 @@ fn check(properties: &BTreeMap<&str, &str>) -> Result<(), Error> {
     Ok(())
 }
 
+/// Whether a delivery report shows the record written: with `acks=all` the broker gives the
+/// record's offset. librdkafka reports a record delivered without one when it infers the record
+/// from a later request's success ("implicitly acked"), an inference that is wrong on a
+/// partition the broker had just started before Kafka 4.5 (KAFKA-15591): the record was lost.
+/// Such a record must be treated as not sent.
+pub fn written(offset: i64) -> bool {
+    offset >= 0
+}
+
+/// The error for a delivery report without an offset (see [`written`]).
+pub const UNCONFIRMED: &str = "the producer reported the record delivered without an offset (inferred from a later request's success), which does not show it was written";
+
 #[cfg(test)]
 mod tests {
     use rdkafka::producer::BaseProducer;

@@ -20,6 +20,7 @@ mod enqueue;
 mod examples;
 mod explorer;
 mod fence;
+mod fresh_topic;
 mod handlers;
 mod hostile;
 mod interop;

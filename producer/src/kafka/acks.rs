@@ -34,6 +34,16 @@ impl ProducerContext for AckContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, mut ack: Box<Ack>) {
         ack.delivered = true;
+        if let Ok(msg) = result {
+            use rdkafka::Message as _;
+            // With `acks=all` a record the broker wrote has its offset. librdkafka reports a
+            // record "implicitly acked" by a later request's success without one, and that
+            // inference is wrong on a partition the broker had just started (see `served`):
+            // not taken as published.
+            if !postal_shared::kafka_producer::written(msg.offset()) {
+                ack.unconfirmed = true;
+            }
+        }
         if let Err((err, msg)) = result {
             if err.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAuthorizationFailed) {
                 use rdkafka::Message as _;
@@ -134,11 +144,30 @@ pub(super) struct Ack {
     pub(super) failure: Option<KafkaError>,
     /// The record's topic, when the broker refused it for a missing ACL.
     pub(super) denied_topic: Option<String>,
+    /// Reported delivered without an offset (implicitly acked): not known to be written.
+    pub(super) unconfirmed: bool,
 }
+
+/// The failure of a record reported delivered without an offset (see `Ack::unconfirmed`).
+const UNCONFIRMED: &str = postal_shared::kafka_producer::UNCONFIRMED;
+
+/// One line every 30 s about records reported delivered without an offset.
+static UNCONFIRMED_LOG: std::sync::LazyLock<postal_shared::LogThrottle> =
+    std::sync::LazyLock::new(|| postal_shared::LogThrottle::new(Duration::from_secs(30)));
 
 impl Drop for Ack {
     fn drop(&mut self) {
         let failure = match (self.delivered, self.failure.take()) {
+            (true, None) if self.unconfirmed => {
+                if let Some(held) = UNCONFIRMED_LOG.admit("unconfirmed") {
+                    tracing::warn!(
+                        index = self.index,
+                        more_since_last_line = held,
+                        "{UNCONFIRMED}"
+                    );
+                }
+                Some(PublishError::new(FailureKind::HeldBack, UNCONFIRMED))
+            }
             (true, None) => None,
             (true, Some(err)) => {
                 if needs_reset(&err) {

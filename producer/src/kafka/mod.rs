@@ -20,6 +20,7 @@ mod acks;
 mod classify;
 mod config;
 mod key_fence;
+mod served;
 mod topics;
 mod transport;
 

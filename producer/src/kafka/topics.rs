@@ -54,8 +54,11 @@ impl KafkaTransport {
             _ => {}
         }
         let outcome = match self.topic_exists(topic).await {
-            Ok(true) => Ok(()),
-            Ok(false) if self.config.create_topics => self.create_topic(topic).await,
+            Ok(true) => self.served(topic).await,
+            Ok(false) if self.config.create_topics => match self.create_topic(topic).await {
+                Ok(()) => self.served(topic).await,
+                Err(e) => Err(e),
+            },
             Ok(false) => Err(PublishError::new(
                 FailureKind::Waiting,
                 missing_topic(topic, "topic creation is off (--no-create-topics)"),
@@ -90,6 +93,21 @@ impl KafkaTransport {
             _ => {}
         }
         outcome
+    }
+
+    /// Waits until the leaders serve every partition of `topic` (see [`super::served`]): the
+    /// relay's first records must not race a partition's start. A partition still unserved
+    /// after the wait is said once; the topic is used all the same.
+    async fn served(&self, topic: &str) -> Result<(), PublishError> {
+        let unserved = super::served::await_partitions_served(self.producer(), topic).await?;
+        if !unserved.is_empty() {
+            tracing::warn!(
+                topic,
+                ?unserved,
+                "partitions of topic {topic:?} are still not served by a leader; its records to them wait for the broker"
+            );
+        }
+        Ok(())
     }
 
     async fn topic_exists(&self, topic: &str) -> Result<bool, PublishError> {

@@ -188,6 +188,7 @@ impl Transport for KafkaTransport {
                 delivered: false,
                 failure: None,
                 denied_topic: None,
+                unconfirmed: false,
             });
             let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
                 .key(e.key.as_bytes())
