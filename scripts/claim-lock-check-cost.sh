@@ -25,12 +25,12 @@ RET="d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version, d.
 OLD="DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT o.ctid FROM postal.outbox o WHERE $COND ORDER BY o.seq, o.key_partition LIMIT \$1 FOR UPDATE OF o SKIP LOCKED)) RETURNING $RET"
 NEW="WITH c AS MATERIALIZED (SELECT o.ctid, o.seq FROM postal.outbox o WHERE $COND ORDER BY o.seq, o.key_partition LIMIT \$1 + \$2),
 l AS MATERIALIZED (SELECT o.ctid, c.seq FROM c JOIN postal.outbox o ON o.ctid = c.ctid LIMIT \$1 FOR UPDATE OF o SKIP LOCKED),
-s AS MATERIALIZED (SELECT o.seq, o.topic, o.event_key, o.xmax::text::int8 AS xmax FROM c JOIN postal.outbox o ON o.ctid = c.ctid WHERE c.seq < (SELECT max(l.seq) FROM l) AND (SELECT count(*) FROM l) < (SELECT count(*) FROM c WHERE c.seq <= (SELECT max(l.seq) FROM l)) AND o.xmax::text::int8 <> ALL(\$3::int8[] || pg_current_xact_id()::xid::text::int8))
+s AS MATERIALIZED (SELECT o.seq, o.topic, o.event_key, o.xmax::text::int8 AS xmax FROM c JOIN postal.outbox o ON o.ctid = c.ctid WHERE c.seq < (SELECT max(l.seq) FROM l) AND (SELECT count(*) FROM l) < (SELECT count(*) FROM c WHERE c.seq <= (SELECT max(l.seq) FROM l)) AND c.seq NOT IN (SELECT l.seq FROM l) AND NOT (o.xmax::text::int8 = ANY(\$3::int8[]) AND c.seq IN (SELECT unnest(\$4::int8[]))))
 DELETE FROM postal.outbox d WHERE d.ctid = ANY(ARRAY(SELECT l.ctid FROM l)) RETURNING $RET, CASE WHEN (d.topic, d.event_key) IN (SELECT s.topic, s.event_key FROM s) THEN (SELECT array_agg(s.seq ORDER BY s.seq) || array_agg(s.xmax ORDER BY s.seq) FROM s WHERE s.topic = d.topic AND s.event_key = d.event_key) END AS skipped, (SELECT count(*) FROM s) AS passed"
 # Prepared and run with a generic plan, as the relay runs its claim.
-( printf 'PREPARE new(int8, int8, int8[]) AS %s;\nPREPARE old(int8) AS %s;\n' "$NEW" "$OLD"
+( printf 'PREPARE new(int8, int8, int8[], int8[]) AS %s;\nPREPARE old(int8) AS %s;\n' "$NEW" "$OLD"
   echo '\timing on'; for _ in $(seq 1 15); do
-    printf 'BEGIN;\n%s;\n%s;\nROLLBACK;\nBEGIN;\n%s;\n%s;\nROLLBACK;\n' "$P" "EXECUTE new(2000, 0, '{}')" "$P" "EXECUTE old(2000)"
+    printf 'BEGIN;\n%s;\n%s;\nROLLBACK;\nBEGIN;\n%s;\n%s;\nROLLBACK;\n' "$P" "EXECUTE new(2000, 0, '{}', '{}')" "$P" "EXECUTE old(2000)"
   done ) | psql "$D" -o /dev/null 2>&1 | awk '/^Time/ {print $2}' | paste - - - - - - - - \
   | python3 -c "
 import statistics, sys

@@ -1278,6 +1278,7 @@ async fn explain_claim(
     .bind(hi)
     .bind(0i64)
     .bind(Vec::<i64>::new())
+    .bind(Vec::<i64>::new())
     .fetch_all(&mut *tx)
     .await?;
     tx.rollback().await?;

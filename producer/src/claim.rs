@@ -490,9 +490,7 @@ pub async fn claim(
     // (`skipped`). The relay's other claims: their transaction ids, and how many rows they
     // hold (the claim reads that many more candidates, see `claimed!`).
     let own = skipped::register(relay, xid);
-    let mut others = skipped::own(relay);
-    // The rows this statement locks carry its own transaction id: never reported.
-    others.plain.push(xid);
+    let others = skipped::own(relay);
     let left = Duration::from_secs_f64(left_ms.unwrap_or(0.0).max(0.0) / 1e3);
     let send_by = checked_at + left.saturating_sub(send_margin(lease));
     // The range of the owned partitions is checked inside the index; the mask (one array
@@ -532,6 +530,7 @@ pub async fn claim(
             .bind(hi)
             .bind(others.window as i64)
             .bind(&others.plain)
+            .bind(&others.held)
             .fetch(&mut *tx);
         while let Some(row) = stream.try_next().await? {
             // The columns are the statement's, the same for every row: checked once.
@@ -563,6 +562,7 @@ pub async fn claim(
             .bind(hi)
             .bind(others.window as i64)
             .bind(&others.plain)
+            .bind(&others.held)
             .fetch_one(&mut *tx)
             .await?;
         let full = candidates as usize >= limit + others.window;
@@ -585,7 +585,12 @@ pub async fn claim(
         .filter(|(_, w)| **w)
         .map(|(e, _)| e.seq)
         .collect();
-    own.claimed(events.len() - left_behind.len(), left_behind, limit, passed);
+    own.claimed(
+        events.iter().map(|e| e.seq).collect(),
+        left_behind,
+        limit,
+        passed,
+    );
     if let Err(e) = leave_keys_behind_locked_rows(
         &mut tx,
         delete_on_claim,
@@ -700,7 +705,7 @@ macro_rules! returned {
 
 /// The last column a claim returns: the rows of the claimed row's topic and key that the
 /// statement passed but could not lock (`SKIP LOCKED`) and that no claim of this relay locks
-/// by the list it was given (`$8`), as `[seq…, xmax…]` (their sequence numbers, then the
+/// by the lists it was given (`$8`, `$9`), as `[seq…, xmax…]` (their sequence numbers, then the
 /// transactions that lock them, both in sequence order), or NULL when there are none. The
 /// relay checks them against its claims once more ([`crate::skipped`]). Nearly always NULL:
 /// the hashed `IN` costs one lookup per row.
@@ -760,10 +765,12 @@ macro_rules! publishable {
 /// sessions locked in the last claims' window), read without locking. `l`: the first `$2` of
 /// them that the statement can lock, in that order (`SKIP LOCKED`, by tuple id: the nested
 /// loop keeps `c`'s order; any other plan would only leave more rows unlocked, which makes
-/// their keys wait, never the reverse). `s`: the candidates before the last row taken that are
-/// locked by a transaction other than this claim and this relay's plain claims (`$8`, which
-/// holds this claim's own transaction id too): their `xmax`, read after `l` locked its rows,
-/// names the session that locks them (read only when `l` passed a candidate: nearly always it
+/// their keys wait, never the reverse). `s`: the candidates before the last row taken that `l`
+/// did not take and that are not rows of this relay's plain claims — locked by one of their
+/// transaction ids (`$8`) *and* among the rows those claims took (`$9`): a lock shared by
+/// several sessions shows a multixact id, from a counter of its own, that can equal a claim's
+/// transaction id. Their `xmax`, read after `l` locked its rows, names the session that locks
+/// them (read only when `l` passed a candidate: nearly always it
 /// took every one up to its last). A claimed row of the same topic and key after one of
 /// those must not go out before it: see `skipped_column!` and the `skipped` module. (`$8` is
 /// read before the statement; the relay checks again after it, with claims registered
@@ -782,7 +789,9 @@ macro_rules! claimed {
                 WHERE c.seq < (SELECT max(l.seq) FROM l)
                   AND (SELECT count(*) FROM l)
                       < (SELECT count(*) FROM c WHERE c.seq <= (SELECT max(l.seq) FROM l))
-                  AND o.xmax::text::int8 <> ALL($8::int8[])
+                  AND c.seq NOT IN (SELECT l.seq FROM l)
+                  AND NOT (o.xmax::text::int8 = ANY($8::int8[])
+                           AND c.seq IN (SELECT unnest($9::int8[])))
             ) "
         )
     };
@@ -794,8 +803,8 @@ macro_rules! claimed {
 /// highest key partition in the mask (`int2`): a condition
 /// on the index (`outbox_pending_seq_partition`), so that rows outside that range are skipped
 /// without reading the table; `$7` how many rows this relay's other claims hold (`int8`, 0
-/// when none), `$8` the transaction ids of this relay's claims (`int8[]`, empty when none; see
-/// `claimed!`). Public for `EXPLAIN`.
+/// when none), `$8` the transaction ids of this relay's claims (`int8[]`, empty when none), `$9`
+/// the rows its running claims took (`int8[]`; see `claimed!`). Public for `EXPLAIN`.
 ///
 /// The picked rows are deleted by tuple id: this statement holds their row locks until the
 /// transaction ends, so nobody can move them, and the delete needs no index lookup per row.
@@ -808,12 +817,13 @@ pub const CLAIM_DELETE: &str = concat!(
 );
 
 /// After a claim that took nothing: how many candidates its window held and how many of them
-/// another session locks (not this claim, not a settled plain claim of this relay: `$8`). The
+/// another session locks (not a row a settled plain claim of this relay took: `$8`, `$9`). The
 /// same parameters as the claim statements.
 const WINDOW: &str = concat!(
-    "SELECT count(*), count(*) FILTER (WHERE c.xmax::text::int8 <> ALL($8::int8[])) FROM (",
+    "SELECT count(*), count(*) - count(h.seq) FROM (",
     publishable!(),
-    ") c"
+    ") c LEFT JOIN (SELECT DISTINCT unnest($9::int8[]) AS seq) h
+         ON h.seq = c.seq AND c.xmax::text::int8 = ANY($8::int8[])"
 );
 
 const CLAIM_LOCK: &str = concat!(

@@ -31,11 +31,11 @@
 //! to 64 batches, with a WARN line), so that rows locked elsewhere do not keep a relay from
 //! the rows after them.
 //!
-//! Known limit: a row is recognised as one of this relay's claims' by its `xmax` alone. A lock
-//! shared by several sessions shows a multixact id there, from a counter of its own; should it
-//! equal the transaction id of one of the relay's last claims, the row counts as that claim's
-//! and its key's later rows can go out before it (`review_locks2::` makes the counters meet on
-//! purpose; they are normally far apart).
+//! A row counts as one of this relay's claims' only when its `xmax` is that claim's transaction
+//! id *and* the row is one the claim took: a lock shared by several sessions shows a multixact
+//! id in `xmax`, from a counter of its own, which can equal a claim's transaction id
+//! (`review_locks2::a_multixact_equal_to_a_remembered_claims_xid_still_holds_the_key` makes the
+//! counters meet on purpose).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -69,6 +69,10 @@ static FULL_WINDOW_LOG: LazyLock<postal_shared::LogThrottle> =
 /// see them as they were, locked by it).
 struct Xact {
     xid: i64,
+    /// The rows its claim statement locked (sorted): a row it passed is this claim's only if
+    /// it is one of them (a multixact id, from a counter of its own, can equal the claim's
+    /// transaction id).
+    taken: Vec<i64>,
     left_behind: Vec<i64>,
     /// Whether its rows that wait are known (its claim statement returned and was judged, or
     /// it ended).
@@ -116,6 +120,7 @@ pub(crate) fn register(relay: Uuid, xid: i64) -> OwnClaim {
         (
             Xact {
                 xid,
+                taken: Vec::new(),
                 left_behind: Vec::new(),
                 settled: false,
             },
@@ -164,16 +169,24 @@ impl OwnClaim {
         SETTLED.notify_waiters();
     }
 
-    /// Records how many rows the claim holds (they come first in the relay's next claims),
-    /// which rows it left behind, and how many rows of other sessions' it passed (`passed`:
-    /// the next window reads that many more).
-    pub(crate) fn claimed(&self, rows: usize, left_behind: Vec<i64>, limit: usize, passed: usize) {
+    /// Records the rows the claim locked (`taken`, those it left behind among them: the rows
+    /// it holds come first in the relay's next claims), and how many rows of other sessions'
+    /// it passed (`passed`: the next window reads that many more).
+    pub(crate) fn claimed(
+        &self,
+        mut taken: Vec<i64>,
+        left_behind: Vec<i64>,
+        limit: usize,
+        passed: usize,
+    ) {
+        taken.sort_unstable();
         let mut all = claims();
         let Some(c) = all.get_mut(&self.relay) else {
             return;
         };
         if let Some((x, n)) = c.running.get_mut(&self.id) {
-            *n = rows;
+            *n = taken.len().saturating_sub(left_behind.len());
+            x.taken = taken;
             x.left_behind = left_behind;
             x.settled = true;
         }
@@ -282,8 +295,13 @@ impl Drop for OwnClaim {
 #[derive(Default)]
 pub(crate) struct Own {
     /// The transaction ids of its claims (running and lately ended) that left no row behind:
-    /// rows they lock are theirs, ordered by the key chain (`$8`).
+    /// rows they lock are theirs, ordered by the key chain (`$8`) — provided the row is one
+    /// they took (`held`).
     pub(crate) plain: Vec<i64>,
+    /// The rows the running ones of those claims took (`$9`): a row locked by an id in `plain`
+    /// that is not one of these is locked by someone else (a multixact whose id happens to
+    /// equal the claim's transaction id), and reported.
+    pub(crate) held: Vec<i64>,
     /// How many more candidates to read: the rows its running claims hold, plus the rows of
     /// other sessions' that the last claims passed (`$7`).
     pub(crate) window: usize,
@@ -296,10 +314,15 @@ pub(crate) fn own(relay: Uuid) -> Own {
         return Own::default();
     };
     let xacts = c.running.values().map(|(x, _)| x).chain(c.ended.iter());
+    let plain = |x: &&Xact| x.settled && x.left_behind.is_empty();
     Own {
-        plain: xacts
-            .filter(|x| x.settled && x.left_behind.is_empty())
-            .map(|x| x.xid)
+        plain: xacts.filter(plain).map(|x| x.xid).collect(),
+        held: c
+            .running
+            .values()
+            .map(|(x, _)| x)
+            .filter(plain)
+            .flat_map(|x| x.taken.iter().copied())
             .collect(),
         window: c.running.values().map(|(_, n)| n).sum::<usize>() + c.extra,
     }
@@ -317,14 +340,23 @@ fn elsewhere(c: Option<&Claims>, me: u64, seq: i64, xmax: i64) -> Option<bool> {
     };
     if let Some((id, (x, _))) = c.running.iter().find(|(_, (x, _))| x.xid == xmax) {
         return match (x.settled, *id < me) {
-            (true, _) => Some(x.left_behind.contains(&seq)),
+            (true, _) => Some(x.not_in_flight(seq)),
             (false, true) => None,
             (false, false) => Some(true),
         };
     }
     match c.ended.iter().find(|x| x.xid == xmax) {
-        Some(x) => Some(x.left_behind.contains(&seq)),
+        Some(x) => Some(x.not_in_flight(seq)),
         None => Some(true),
+    }
+}
+
+impl Xact {
+    /// Whether row `seq`, locked by this claim's transaction id, is not one the claim has in
+    /// flight: one it left behind, or one it never took (the lock is a multixact's whose id
+    /// equals this transaction id).
+    fn not_in_flight(&self, seq: i64) -> bool {
+        self.left_behind.contains(&seq) || self.taken.binary_search(&seq).is_err()
     }
 }
 
@@ -392,7 +424,7 @@ mod tests {
     async fn only_the_keys_behind_a_row_locked_elsewhere_wait() {
         let relay = Uuid::now_v7();
         let mine = register(relay, 700);
-        mine.claimed(1, Vec::new(), 10, 0);
+        mine.claimed(vec![5], Vec::new(), 10, 0);
         let me = register(relay, 701);
         let events = [
             event(10, "t", "a"), // passed row 5, locked by the relay's own claim 700
@@ -423,7 +455,9 @@ mod tests {
     async fn another_relays_claim_is_not_this_relays() {
         let (mine, theirs) = (Uuid::now_v7(), Uuid::now_v7());
         let theirs_claim = register(theirs, 42);
-        drop(register(mine, 43));
+        let ended = register(mine, 43);
+        ended.claimed(vec![1], Vec::new(), 10, 0);
+        drop(ended);
         let me = register(mine, 44);
         let (verdicts, _) = me
             .verdicts(
@@ -460,7 +494,7 @@ mod tests {
             (v, later)
         });
         tokio::task::yield_now().await;
-        earlier.claimed(1, vec![7], 10, 0);
+        earlier.claimed(vec![6, 7], vec![7], 10, 0);
         let ((verdicts, _), later) = judged.await.unwrap();
         assert_eq!(verdicts, [true, false]);
         drop(earlier);
@@ -481,12 +515,13 @@ mod tests {
         let relay = Uuid::now_v7();
         let a = register(relay, 1);
         assert!(!own(relay).plain.contains(&1), "not settled yet");
-        a.claimed(30, Vec::new(), 100, 0);
+        a.claimed((0..30).collect(), Vec::new(), 100, 0);
         let b = register(relay, 2);
-        b.claimed(12, Vec::new(), 100, 0);
+        b.claimed((100..112).collect(), Vec::new(), 100, 0);
         let own_now = own(relay);
         assert_eq!(own_now.window, 42);
         assert!(own_now.plain.contains(&1) && own_now.plain.contains(&2));
+        assert_eq!(own_now.held.len(), 42, "the rows they took");
         drop(a);
         assert_eq!(own(relay).window, 12);
         assert!(own(relay).plain.contains(&1));
@@ -522,8 +557,41 @@ mod tests {
             0,
             "full of the relay's own rows only: no growth"
         );
-        claim.claimed(5, Vec::new(), 10, 3);
+        claim.claimed((0..5).collect(), Vec::new(), 10, 3);
         assert_eq!(own(relay).window, 5 + 3);
+    }
+
+    /// A row locked by an id equal to one of the relay's claims' transaction ids, but that
+    /// the claim never took, is locked by someone else (a multixact whose id is the same
+    /// number): its key waits. Before, the id alone decided.
+    #[tokio::test]
+    async fn a_lock_with_a_claims_id_on_a_row_it_never_took_is_someone_elses() {
+        let relay = Uuid::now_v7();
+        let running = register(relay, 500);
+        running.claimed(vec![3], Vec::new(), 10, 0);
+        let ended = register(relay, 501);
+        ended.claimed(vec![4], Vec::new(), 10, 0);
+        drop(ended);
+        let me = register(relay, 502);
+        let events = [
+            event(10, "t", "a"),
+            event(11, "t", "b"),
+            event(12, "t", "c"),
+            event(13, "t", "d"),
+        ];
+        let skipped = [
+            Some(Skipped::of(&[(3, 500)])), // taken by the running claim: its own
+            Some(Skipped::of(&[(9, 500)])), // same id, never taken by it: someone else's
+            Some(Skipped::of(&[(4, 501)])), // taken by the ended claim: its own
+            Some(Skipped::of(&[(8, 501)])), // same id, never taken: someone else's
+        ];
+        let (verdicts, _) = me.verdicts(&events, &skipped).await;
+        assert_eq!(verdicts, [false, true, false, true]);
+        assert!(
+            !own(relay).held.contains(&4),
+            "only running claims' rows go to the statement"
+        );
+        drop(running);
     }
 
     /// The column splits into (seq, xmax) pairs.

@@ -239,6 +239,7 @@ async fn claimed_payloads(conn: &mut PgConnection) -> Vec<String> {
         .bind(255i16)
         .bind(0i64)
         .bind(Vec::<i64>::new())
+        .bind(Vec::<i64>::new())
         .fetch_all(conn)
         .await
         .unwrap();

@@ -368,6 +368,7 @@ async fn a_claim_that_began_before_a_release_never_takes_the_keys_next_event_alo
         .bind(255i16)
         .bind(0i64)
         .bind(Vec::<i64>::new())
+        .bind(Vec::<i64>::new())
         .fetch_all(&mut *claim)
         .await
         .unwrap();

@@ -418,7 +418,6 @@ async fn advance_multixacts(b: &mut PgConnection, pairs: usize, n: i64) {
 /// by two sessions); `first`, `second` of key k are enqueued; sessions A and B both take `FOR
 /// SHARE` on `first` (multixact X); claim L takes `second` alone.
 #[tokio::test]
-#[ignore = "known: a multixact id equal to one of the relay's last claims' transaction ids counts as that claim's lock (src/skipped.rs, known limit)"]
 async fn a_multixact_equal_to_a_remembered_claims_xid_still_holds_the_key() {
     let db = fresh_postgres_db().await;
     let relay = crate::common::held_up::relay_in(&db.pool, lease::DEFAULT_GROUP, LEASE).await;

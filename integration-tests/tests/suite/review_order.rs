@@ -328,6 +328,7 @@ async fn a_retry_written_back_is_not_overtaken_by_a_claim_that_began_earlier() {
         .bind(255i16)
         .bind(0i64)
         .bind(Vec::<i64>::new())
+        .bind(Vec::<i64>::new())
         .fetch_all(&mut c2)
         .await
         .unwrap()
