@@ -59,6 +59,10 @@ pub const DLQ_CONSUMER: &str = "postal_dlq_consumer";
 pub const DLQ_ATTEMPTS: &str = "postal_dlq_attempts";
 /// Dead-letter records: the id of the row in `postal.dead_letters`.
 pub const DLQ_ID: &str = "postal_dlq_id";
+/// Dead-letter records: what the copy leaves out because the whole record does not fit
+/// (`value`, `value,headers` or `value,headers,key`); absent on a whole copy. The row in
+/// `postal.dead_letters` ([`DLQ_ID`]) keeps the record whole.
+pub const DLQ_CUT: &str = "postal_dlq_cut";
 
 /// The CloudEvents spec version Postal writes.
 pub const SPEC_VERSION: &str = "1.0";
