@@ -40,6 +40,7 @@ fn alert_rules_parse_and_use_real_metrics() {
         "PostalReplicationSlotHoldsHorizon",
         "PostalConsumerLagHigh",
         "PostalDeadLettersUnpublished",
+        "PostalDeadLettersUnpublishable",
         "PostalConsumerTopicStopped",
         "PostalRelayClaimsWaiting",
     ] {

@@ -1,21 +1,22 @@
 //! Dead letters: recorded in the transaction that moves the partition past them, then
-//! published to `<topic>.dlq` with the original key, value and headers plus the error.
+//! published to `<topic>.dlq` with the original key, value and headers plus the error (cut to
+//! fit when too large, `crate::dlq_copy`). A dead letter whose copy the broker refuses even
+//! cut is marked (`dlq_unpublishable`, the reason) and passed over.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::join_all;
-use postal_shared::headers;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::dlq_copy::Cut;
 use crate::record::Record;
 use crate::Backoff;
 
@@ -70,20 +71,21 @@ pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result
     .await
 }
 
+/// An unpublished dead letter, as its copy is made from it (`crate::dlq_copy`).
 #[derive(sqlx::FromRow)]
-struct Row {
-    id: i64,
-    topic: String,
-    partition: i32,
-    kafka_offset: i64,
-    record_key: Option<Vec<u8>>,
-    payload: Option<Vec<u8>>,
-    header_names: Vec<String>,
-    header_values: Vec<Vec<u8>>,
-    reason: String,
-    error: String,
-    attempts: i32,
-    dlq_topic: String,
+pub(crate) struct Row {
+    pub(crate) id: i64,
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    pub(crate) kafka_offset: i64,
+    pub(crate) record_key: Option<Vec<u8>>,
+    pub(crate) payload: Option<Vec<u8>>,
+    pub(crate) header_names: Vec<String>,
+    pub(crate) header_values: Vec<Vec<u8>>,
+    pub(crate) reason: String,
+    pub(crate) error: String,
+    pub(crate) attempts: i32,
+    pub(crate) dlq_topic: String,
 }
 
 /// Publishes this consumer's unpublished dead letters; woken after every dead letter and
@@ -129,7 +131,8 @@ impl Publisher {
                     // database answers.
                     if let Ok(n) = sqlx::query_scalar::<_, i64>(
                         "SELECT count(*) FROM postal.dead_letters
-                         WHERE consumer_name = $1 AND published_at IS NULL",
+                         WHERE consumer_name = $1 AND published_at IS NULL
+                           AND dlq_unpublishable IS NULL",
                     )
                     .bind(&self.consumer)
                     .fetch_one(&self.pool)
@@ -176,7 +179,8 @@ impl Publisher {
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic
              FROM postal.dead_letters
-             WHERE consumer_name = $1 AND published_at IS NULL AND dlq_topic <> ALL($3)
+             WHERE consumer_name = $1 AND published_at IS NULL AND dlq_unpublishable IS NULL
+               AND dlq_topic <> ALL($3)
              ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
@@ -220,49 +224,44 @@ impl Publisher {
             .filter(|r| !skipped.contains(&r.dlq_topic))
             .collect();
         let producer = self.producer.lock().expect("dlq producer").clone();
-        let sends = rows.iter().map(|r| {
-            let mut h = OwnedHeaders::new_with_capacity(r.header_names.len() + 8);
-            for (n, v) in r.header_names.iter().zip(&r.header_values) {
-                h = h.insert(Header {
-                    key: n,
-                    value: Some(v),
-                });
-            }
-            let partition = r.partition.to_string();
-            let offset = r.kafka_offset.to_string();
-            let attempts = r.attempts.to_string();
-            let id = r.id.to_string();
-            for (k, v) in [
-                (headers::DLQ_REASON, r.reason.as_str()),
-                (headers::DLQ_ERROR, r.error.as_str()),
-                (headers::DLQ_TOPIC, r.topic.as_str()),
-                (headers::DLQ_PARTITION, partition.as_str()),
-                (headers::DLQ_OFFSET, offset.as_str()),
-                (headers::DLQ_CONSUMER, self.consumer.as_str()),
-                (headers::DLQ_ATTEMPTS, attempts.as_str()),
-                (headers::DLQ_ID, id.as_str()),
-            ] {
-                h = h.insert(Header {
-                    key: k,
-                    value: Some(v),
-                });
-            }
-            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.dlq_topic).headers(h);
-            if let Some(k) = &r.record_key {
-                rec = rec.key(k.as_slice());
-            }
-            if let Some(p) = &r.payload {
-                rec = rec.payload(p.as_slice());
-            }
-            producer.send(rec, Duration::from_secs(30))
+        // Each copy cut to what the producer takes (`dlq_copy`); the table keeps it whole.
+        let limit = crate::dlq_copy::limit(&self.producer_config);
+        let cuts: Vec<Cut> = rows
+            .iter()
+            .map(|r| Cut::to_fit(r, &self.consumer, limit))
+            .collect();
+        let sends = rows.iter().zip(&cuts).map(|(r, cut)| {
+            producer.send(
+                crate::dlq_copy::record(r, &self.consumer, *cut),
+                Duration::from_secs(30),
+            )
         });
-        let results = join_all(sends).await;
+        let mut results = join_all(sends).await;
+        // A copy refused for its own size (a topic that takes less than the producer) is sent
+        // again with only Postal's headers; refused again, the dead letter is marked and
+        // passed over, so that it never holds back the later ones.
+        let again: Vec<usize> = (0..rows.len())
+            .filter(|&i| {
+                cuts[i] != Cut::All
+                    && matches!(&results[i], Err((e, _)) if crate::dlq_copy::refused_for_itself(e))
+            })
+            .collect();
+        let resent = join_all(again.iter().map(|&i| {
+            producer.send(
+                crate::dlq_copy::record(&rows[i], &self.consumer, Cut::All),
+                Duration::from_secs(30),
+            )
+        }))
+        .await;
+        for (i, res) in again.into_iter().zip(resent) {
+            results[i] = res;
+        }
         self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
-        for (row, res) in rows.iter().zip(results) {
+        let mut unpublishable: Vec<(i64, String)> = Vec::new();
+        for ((row, res), cut) in rows.iter().zip(results).zip(&cuts) {
             match res {
-                Ok(d) if postal_shared::kafka_producer::written(d.offset) => done.push(row.id),
-                Ok(_) => {
+                Ok(d) if !postal_shared::kafka_producer::written(d.offset) => {
                     first_error.get_or_insert_with(|| {
                         format!(
                             "dead letter {}: {}",
@@ -271,10 +270,37 @@ impl Publisher {
                         )
                     });
                 }
+                Ok(_) => {
+                    if let Some(marker) = cut.marker() {
+                        tracing::info!(dead_letter = row.id, cut = marker, limit, "dead letter too large for its .dlq topic: published without its {marker} (whole in postal.dead_letters)");
+                        metrics::counter!("postal_consumer_dead_letters_cut_total", "consumer" => self.consumer.clone()).increment(1);
+                    }
+                    done.push(row.id);
+                }
+                Err((e, _)) if crate::dlq_copy::refused_for_itself(&e) => {
+                    let reason = format!(
+                        "the broker refuses even its copy without value, headers and key ({e})"
+                    );
+                    tracing::warn!(dead_letter = row.id, topic = %postal_shared::text::quoted(&row.dlq_topic), reason = %reason, "dead letter cannot be published to its .dlq topic: passed over (it stays in postal.dead_letters; replay it with `postal dead-letters replay`)");
+                    metrics::counter!("postal_consumer_dead_letters_unpublishable_total", "consumer" => self.consumer.clone()).increment(1);
+                    unpublishable.push((row.id, reason));
+                }
                 Err((e, _)) => {
                     first_error.get_or_insert_with(|| format!("dead letter {}: {e}", row.id));
                 }
             }
+        }
+        if !unpublishable.is_empty() {
+            let (ids, reasons): (Vec<i64>, Vec<String>) = unpublishable.into_iter().unzip();
+            sqlx::query(
+                "UPDATE postal.dead_letters d SET dlq_unpublishable = u.reason
+                 FROM unnest($1::int8[], $2::text[]) AS u(id, reason) WHERE d.id = u.id",
+            )
+            .bind(&ids)
+            .bind(&reasons)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
         }
         sqlx::query("UPDATE postal.dead_letters SET published_at = now() WHERE id = ANY($1)")
             .bind(&done)

@@ -83,6 +83,7 @@ mod config;
 mod context;
 mod dead_letter;
 mod dedup;
+mod dlq_copy;
 mod error;
 mod event;
 mod handler;

@@ -126,6 +126,15 @@ async fn write_in(
                     .or_insert_with(|| state.clone());
             }
         }
+        // The trace context is added here: the headers' total is checked again with it.
+        if let Some(reason) =
+            postal_shared::headers::size_problem(h.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        {
+            return Err(Error::Invalid(postal_shared::Error::Invalid {
+                what: "headers",
+                reason,
+            }));
+        }
         headers.push(serde_json::to_value(h).map_err(Error::Serialize)?);
         deliver_at.push(e.deliver_at);
     }

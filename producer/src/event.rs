@@ -108,7 +108,8 @@ impl NewEvent {
 
     /// Adds a user header, copied to the Kafka record. Names Postal sets itself
     /// (`ce_*` attributes, `content-type`) are rejected, as is a header beyond the
-    /// [`MAX_USER_HEADERS`]th.
+    /// [`MAX_USER_HEADERS`]th, a value over [`headers::MAX_HEADER_VALUE_BYTES`] (8 KiB) and
+    /// headers over [`headers::MAX_HEADERS_BYTES`] (64 KiB, names and values) together.
     pub fn with_header(
         mut self,
         name: impl Into<String>,
@@ -133,7 +134,20 @@ impl NewEvent {
                 ),
             }));
         }
-        self.headers.insert(name, value.into());
+        let value = value.into();
+        let others = self
+            .headers
+            .iter()
+            .filter(|(k, _)| **k != name)
+            .map(|(k, v)| (k.as_str(), v.as_str()));
+        if let Some(reason) = headers::size_problem(others.chain([(name.as_str(), value.as_str())]))
+        {
+            return Err(Error::Invalid(postal_shared::Error::Invalid {
+                what: "headers",
+                reason,
+            }));
+        }
+        self.headers.insert(name, value);
         Ok(self)
     }
 
@@ -173,5 +187,27 @@ mod tests {
         let e = e.with_header("h0", "again").expect("replacing is fine");
         let err = e.with_header("one-more", "v").unwrap_err().to_string();
         assert!(err.contains("at most 128 user headers"), "{err}");
+    }
+
+    /// Guarantee: a header value over 8 KiB, or headers over 64 KiB together, are refused at
+    /// the call with a one-line reason; replacing a header counts its new value only.
+    #[test]
+    fn header_sizes_are_capped() {
+        let e = NewEvent::json("orders", "k", "t", &1).unwrap();
+        let err = e
+            .clone()
+            .with_header("x-big", "v".repeat(200_000))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"x-big\"") && !err.contains('\n'), "{err}");
+        let mut e = e;
+        for i in 0..8 {
+            e = e.with_header(format!("h{i}"), "v".repeat(8190)).unwrap();
+        }
+        let e = e
+            .with_header("h0", "v".repeat(8190))
+            .expect("a replacement");
+        let err = e.with_header("h8", "v").unwrap_err().to_string();
+        assert!(err.contains("65536"), "{err}");
     }
 }

@@ -156,14 +156,22 @@ pub trait Transport: Send + Sync + 'static {
 
 /// The refusal of an event whose stored headers use a name Postal sets itself (`ce_id`,
 /// `ce_type`, …: published, it would carry two values, and a consumer could take the event
-/// for another), or a `ce_<name>` name CloudEvents consumers refuse. `enqueue` refuses such
-/// headers; a row written around it is parked with this (permanent) reason.
-pub(crate) fn reserved_header(e: &OutboundEvent) -> Option<PublishError> {
-    use postal_shared::headers::{shown_name, user_header_problem, HeaderProblem};
-    let (name, problem) = e
+/// for another), a `ce_<name>` name CloudEvents consumers refuse, or are larger than `enqueue`
+/// accepts ([`postal_shared::headers::size_problem`]: on RabbitMQ a content-header frame
+/// larger than the connection's `frame_max` makes the broker close the connection). `enqueue`
+/// refuses such headers; a row written around it, or before the size limits existed, is
+/// parked with this (permanent) reason.
+pub(crate) fn stored_headers_refused(e: &OutboundEvent) -> Option<PublishError> {
+    use postal_shared::headers::{shown_name, size_problem, user_header_problem, HeaderProblem};
+    let Some((name, problem)) = e
         .headers
         .iter()
-        .find_map(|(k, _)| user_header_problem(k).map(|p| (k, p)))?;
+        .find_map(|(k, _)| user_header_problem(k).map(|p| (k, p)))
+    else {
+        let sizes = e.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        return size_problem(sizes)
+            .map(|reason| PublishError::new(FailureKind::Permanent, format!("stored {reason}")));
+    };
     let shown = shown_name(name);
     let reason = match problem {
         HeaderProblem::Reserved => format!(
@@ -204,12 +212,27 @@ mod tests {
     fn a_stored_reserved_header_is_refused() {
         let mut e = sample_event("t", 1);
         e.headers = vec![("traceparent".into(), "00-x".into())];
-        assert!(reserved_header(&e).is_none());
+        assert!(stored_headers_refused(&e).is_none());
         e.headers.push(("CE_Type".into(), "invoice.created".into()));
-        let err = reserved_header(&e).expect("refused");
+        let err = stored_headers_refused(&e).expect("refused");
         assert_eq!(err.kind, FailureKind::Permanent);
         assert!(
             err.reason.contains("\"CE_Type\" is reserved"),
+            "{}",
+            err.reason
+        );
+    }
+
+    /// Guarantee: a stored header value over the enqueue limit (a row written before it
+    /// existed) is refused permanently, naming the header, not sent.
+    #[test]
+    fn a_stored_oversized_header_is_refused() {
+        let mut e = sample_event("t", 1);
+        e.headers = vec![("x-big".into(), "v".repeat(200_000))];
+        let err = stored_headers_refused(&e).expect("refused");
+        assert_eq!(err.kind, FailureKind::Permanent);
+        assert!(
+            err.reason.starts_with("stored header \"x-big\""),
             "{}",
             err.reason
         );

@@ -59,6 +59,10 @@ pub const DLQ_CONSUMER: &str = "postal_dlq_consumer";
 pub const DLQ_ATTEMPTS: &str = "postal_dlq_attempts";
 /// Dead-letter records: the id of the row in `postal.dead_letters`.
 pub const DLQ_ID: &str = "postal_dlq_id";
+/// Dead-letter records: what the copy leaves out because the whole record does not fit
+/// (`value`, `value,headers` or `value,headers,key`); absent on a whole copy. The row in
+/// `postal.dead_letters` ([`DLQ_ID`]) keeps the record whole.
+pub const DLQ_CUT: &str = "postal_dlq_cut";
 
 /// The CloudEvents spec version Postal writes.
 pub const SPEC_VERSION: &str = "1.0";
@@ -98,6 +102,38 @@ const CONTEXT_ATTRIBUTES: &[&str] = &[
 
 /// The longest user header name (RabbitMQ's header names are AMQP short strings).
 pub const MAX_HEADER_NAME_BYTES: usize = 255;
+
+/// The largest user header value (bytes). Header values travel in every copy of the record
+/// and, on RabbitMQ, in the message's content-header frame, which AMQP cannot split: large
+/// data belongs in the payload. 8 KiB, like the per-header limit of common HTTP servers.
+pub const MAX_HEADER_VALUE_BYTES: usize = 8 * 1024;
+
+/// The most bytes all user headers of an event may hold together (names and values). With
+/// Postal's own headers and properties this stays well inside RabbitMQ's default `frame_max`
+/// (128 KiB, one frame for all headers) and Kafka's default record limit (1 MB).
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
+
+/// Why an event's user headers are too large to send, if they are: one value over
+/// [`MAX_HEADER_VALUE_BYTES`], or names and values together over [`MAX_HEADERS_BYTES`]. One
+/// line, naming the header.
+pub fn size_problem<'a>(headers: impl IntoIterator<Item = (&'a str, &'a str)>) -> Option<String> {
+    let mut total = 0usize;
+    for (name, value) in headers {
+        if value.len() > MAX_HEADER_VALUE_BYTES {
+            return Some(format!(
+                "header \"{}\" has a value of {} bytes, more than the {MAX_HEADER_VALUE_BYTES} a header value may hold (put large data in the payload)",
+                shown_name(name),
+                value.len()
+            ));
+        }
+        total += name.len() + value.len();
+    }
+    (total > MAX_HEADERS_BYTES).then(|| {
+        format!(
+            "the headers hold {total} bytes (names and values), more than the {MAX_HEADERS_BYTES} an event's headers may hold together (put large data in the payload)"
+        )
+    })
+}
 
 /// Why a user header may not be sent as it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,6 +284,24 @@ mod tests {
         ] {
             assert!(user_header_problem(bad).is_some(), "{bad}");
         }
+    }
+
+    /// Guarantee: a header value over MAX_HEADER_VALUE_BYTES, or headers over
+    /// MAX_HEADERS_BYTES together, are refused with a reason naming the limit; headers at the
+    /// limits pass.
+    #[test]
+    fn header_sizes() {
+        let at = "v".repeat(MAX_HEADER_VALUE_BYTES);
+        assert_eq!(size_problem([("a", at.as_str())]), None);
+        let over = "v".repeat(MAX_HEADER_VALUE_BYTES + 1);
+        let err = size_problem([("x-big", over.as_str())]).expect("refused");
+        assert!(err.contains("\"x-big\"") && err.contains("8192"), "{err}");
+        let names: Vec<String> = (0..8).map(|i| format!("h{i}")).collect();
+        let value = "v".repeat(MAX_HEADER_VALUE_BYTES - 2);
+        let fits: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), value.as_str())).collect();
+        assert_eq!(size_problem(fits.iter().copied()), None);
+        let err = size_problem(fits.iter().copied().chain([("h8", "v")])).expect("refused");
+        assert!(err.contains("65536"), "{err}");
     }
 
     /// Guarantee: a source that is not a URI-reference is refused, with the reason.

@@ -30,6 +30,7 @@ mod missing_topic;
 mod monitoring;
 mod netsplit;
 mod order;
+mod oversized;
 mod pg_security;
 mod poolers;
 mod previous_release;

@@ -105,7 +105,7 @@ impl Transport for KafkaTransport {
                     continue;
                 }
             }
-            if let Some(err) = crate::transport::reserved_header(e) {
+            if let Some(err) = crate::transport::stored_headers_refused(e) {
                 outcomes[index] = Err(err);
                 blocked.insert(e.order_key());
                 fence.hold_key(&tracked, index);

@@ -11,6 +11,7 @@ mod batch;
 mod config;
 mod exchange;
 mod failure;
+mod frame;
 mod link;
 
 pub use config::RabbitConfig;
@@ -43,6 +44,10 @@ use crate::Error;
 /// (seconds), `app-id` = source, and the same headers as Kafka records: `ce_id`, `ce_type`,
 /// `ce_source`, `ce_time`, `ce_specversion`, `ce_subject` (key), `ce_schemaversion`,
 /// `ce_postalseq`, `content-type`, then user headers (including `traceparent`).
+///
+/// A message whose body exceeds `max_message_bytes`, or whose properties and headers do not
+/// fit in one frame of the connection's negotiated `frame_max` (AMQP cannot split them, and
+/// RabbitMQ closes the whole connection on such a frame), is parked before it is sent.
 ///
 /// Every message is published `mandatory`: a message no queue is bound for comes back and
 /// counts as a failed attempt ("unroutable"), as does a nack; a lost connection or a confirm
@@ -183,6 +188,9 @@ impl Transport for RabbitTransport {
                 exchange_ok.insert(e.topic.as_str(), r);
             }
         }
+        // Negotiated when the connection opened (the broker's `frame_max`, 128 KiB by
+        // default, or a lower one asked for with `?frame_max=` in the URI).
+        let frame_max = link.connection.configuration().frame_max() as usize;
         // Refused before sending: the later events of their keys are held back.
         let mut outcomes: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
@@ -197,7 +205,7 @@ impl Transport for RabbitTransport {
                 ))
             } else if let Err(err) = &exchange_ok[e.topic.as_str()] {
                 Some(err.clone())
-            } else if let Some(err) = crate::transport::reserved_header(e) {
+            } else if let Some(err) = crate::transport::stored_headers_refused(e) {
                 Some(err)
             } else if e.content_type.len() > 255 || e.event_type.len() > 255 {
                 // AMQP short strings (the content-type and type properties) hold 255 bytes.
@@ -217,6 +225,20 @@ impl Transport for RabbitTransport {
             } else {
                 None
             };
+            let properties = self.properties(e);
+            // AMQP carries all properties and headers in one content-header frame: one over
+            // the connection's frame_max would make the broker close the connection.
+            let refused = refused.or_else(|| {
+                let size = frame::content_header_bytes(&properties);
+                (size > frame_max).then(|| {
+                    PublishError::new(
+                        FailureKind::Permanent,
+                        format!(
+                            "the message's properties and headers take {size} bytes, more than the connection's frame_max of {frame_max} bytes (AMQP cannot split them; RabbitMQ would close the connection)"
+                        ),
+                    )
+                })
+            });
             if let Some(err) = refused {
                 blocked.insert(e.order_key());
                 outcomes[index] = Some(Err(err));
@@ -234,7 +256,7 @@ impl Transport for RabbitTransport {
                 exchange: e.topic.clone(),
                 routing_key: self.config.routing_key(&e.event_type).to_owned(),
                 payload: e.payload.clone(),
-                properties: self.properties(e),
+                properties,
             });
         }
         if prepared.is_empty() {
