@@ -1,5 +1,6 @@
 //! `postal failed`: parked outbox events — list, show, requeue, discard.
 
+use crate::out::say;
 use std::io::Write as _;
 
 use clap::{Args, Subcommand};
@@ -152,15 +153,18 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             let rows = parked::search(pool, &filter, limit).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                say!("{}", crate::shown::json(&rows, true)?);
                 return Ok(());
             }
-            println!(
+            say!(
                 "{:<36}  {:<24} {:<16} {:>8}  ERROR",
-                "EVENT ID", "TOPIC", "KEY", "ATTEMPTS"
+                "EVENT ID",
+                "TOPIC",
+                "KEY",
+                "ATTEMPTS"
             );
             for r in &rows {
-                println!(
+                say!(
                     "{:<36}  {:<24} {:<16} {:>8}  {}",
                     r.event_id,
                     shown(&r.topic, raw),
@@ -170,7 +174,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 );
             }
             if rows.is_empty() {
-                println!("(no parked events)");
+                say!("(no parked events)");
             }
             Ok(())
         }
@@ -199,28 +203,28 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                     payload.len()
                 );
             }
-            println!("event id:     {id}");
-            println!("status:       {status}");
-            println!(
+            say!("event id:     {id}");
+            say!("status:       {status}");
+            say!(
                 "topic / key:  {} / {}",
                 shown(&topic, raw),
                 shown(&key, raw)
             );
-            println!(
+            say!(
                 "type:         {} (schema version {version})",
                 shown(&ty, raw)
             );
-            println!("attempts:     {attempts}");
-            println!(
+            say!("attempts:     {attempts}");
+            say!(
                 "last error:   {}",
                 shown(err.as_deref().unwrap_or("-"), raw)
             );
             // JSON text escapes control characters itself; bidi overrides it keeps.
-            println!("headers:      {}", shown(&headers.to_string(), raw));
-            println!("content type: {}", shown(&ct, raw));
+            say!("headers:      {}", shown(&headers.to_string(), raw));
+            say!("content type: {}", shown(&ct, raw));
             match std::str::from_utf8(&payload) {
-                Ok(text) => println!("payload:      {}", shown(text, raw)),
-                Err(_) => println!("payload:      {} bytes (binary)", payload.len()),
+                Ok(text) => say!("payload:      {}", shown(text, raw)),
+                Err(_) => say!("payload:      {} bytes (binary)", payload.len()),
             }
             Ok(())
         }
@@ -248,7 +252,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                     writeln!(
                         out,
                         "{}",
-                        serde_json::to_string(d).map_err(std::io::Error::other)?
+                        crate::shown::json(d, false).map_err(std::io::Error::other)?
                     )?;
                 }
                 out.flush()?;
@@ -291,9 +295,9 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             let progress = Progress::new(matched.len() as u64, "requeued");
             let done = parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
             progress.finish();
-            println!("requeued {done} event(s); the relay publishes them with their original ids");
+            say!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {
-                println!(
+                say!(
                     "({} of the given ids were not parked)",
                     ids.len() - done as usize
                 );

@@ -10,6 +10,8 @@ use postal_producer::parse_property;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+use crate::out::say;
+
 /// The relay and consumers allocate a few small buffers per event from several threads; mimalloc
 /// serves that with less contention than glibc's malloc.
 #[global_allocator]
@@ -22,6 +24,7 @@ mod dead_letters;
 mod failed;
 mod grant;
 mod kafka_client;
+mod out;
 mod progress;
 mod shown;
 mod status;
@@ -316,6 +319,8 @@ fn main() -> ExitCode {
     }
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of standard output is gone (`postal status | head -1`): nothing to say.
+        Err(e) if out::closed_stdout(&e) => ExitCode::from(out::CLOSED_STDOUT_STATUS),
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
@@ -324,7 +329,8 @@ fn main() -> ExitCode {
 }
 
 /// The error and its causes on one line, each said once: a cause whose text the line already
-/// holds (sqlx repeats the database's message in its own) is left out.
+/// holds (sqlx repeats the database's message in its own) is left out. Escaped as everything
+/// else the CLI prints ([`shown::shown`]): a database error may quote a stored value.
 fn one_line(e: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in e.chain() {
@@ -337,7 +343,7 @@ fn one_line(e: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    line.replace('\n', " ")
+    shown::shown(&line.replace('\n', " "), false).into_owned()
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -347,7 +353,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             postal_shared::migrate(&pool)
                 .await
                 .context("applying migrations")?;
-            println!("postal schema is up to date");
+            say!("postal schema is up to date");
             Ok(())
         }
         Command::Status {

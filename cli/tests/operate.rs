@@ -1484,3 +1484,108 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     assert!(ok(c).contains("-> next offset 5"));
 }
+
+/// Guarantee: one escaping rule for everything the CLI prints for people, its JSON included:
+/// for each class of dangerous character — C0 (ESC), DEL, C1 (U+009B, a one-character CSI)
+/// and bidirectional controls (U+202E, U+2067, U+061C) — written into a parked event, a dead
+/// letter and a topic name, no output of `failed list/show`, `dead-letters list/show`, `status`
+/// (text and `--json`) or `failed discard`'s line passes it raw, and every JSON output stays
+/// valid and parses back to the stored text. (Before, the JSON outputs escaped only
+/// U+0000–U+001F.)
+#[tokio::test]
+async fn every_output_escapes_every_class_of_control_character() {
+    let Some(e) = env().await else { return };
+    let classes = [
+        ("C0", '\u{1b}'),
+        ("DEL", '\u{7f}'),
+        ("C1", '\u{9b}'),
+        ("bidi override", '\u{202e}'),
+        ("bidi isolate", '\u{2067}'),
+        ("Arabic letter mark", '\u{61c}'),
+    ];
+    for (class, c) in classes {
+        let hostile = format!("key{c}[2Jfed");
+        let topic = unique("hostile");
+        let id = uuid::Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                        held, last_error)
+             VALUES ($1, $2, $3, 'job', convert_to($3, 'UTF8'), 'failed', true, $3)",
+        )
+        .bind(id)
+        .bind(format!("{topic}{c}"))
+        .bind(&hostile)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+        let dead: i64 = sqlx::query_scalar(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                              kafka_offset, reason, error, dlq_topic, record_key,
+                                              payload, header_names, header_values)
+             VALUES ($1, 'g', $1, 0, 7, 'undecodable', $1, 'hostile.dlq',
+                     convert_to($1, 'UTF8'), convert_to($1, 'UTF8'), ARRAY[$1],
+                     ARRAY[convert_to($1, 'UTF8')])
+             RETURNING id",
+        )
+        .bind(&hostile)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        let run = |args: &[&str]| {
+            let mut cmd = postal(&e.url);
+            cmd.args(args);
+            ok(cmd)
+        };
+        let (id, dead) = (id.to_string(), dead.to_string());
+        let text = [
+            vec!["failed", "list"],
+            vec!["failed", "show", &id],
+            vec!["dead-letters", "list"],
+            vec!["dead-letters", "show", &dead],
+            vec!["status"],
+        ];
+        for args in text {
+            let out = run(&args);
+            assert!(
+                !out.contains(c),
+                "{class}: {args:?} printed {c:?} raw: {out:?}"
+            );
+            assert!(
+                out.contains(&format!("\\u{{{:x}}}", c as u32)),
+                "{class}: {args:?} shows it escaped: {out:?}"
+            );
+        }
+        let json = [
+            vec!["failed", "list", "--json"],
+            vec!["dead-letters", "list", "--json"],
+            vec!["status", "--json"],
+            vec!["failed", "discard", "--id", &id],
+        ];
+        for args in json {
+            let out = run(&args);
+            assert!(
+                !out.contains(c),
+                "{class}: {args:?} printed {c:?} raw: {out:?}"
+            );
+            let first: serde_json::Value = if args[1] == "discard" {
+                serde_json::from_str(out.lines().next().unwrap()).expect("a JSON line")
+            } else {
+                serde_json::from_str(&out).expect("valid JSON")
+            };
+            assert!(
+                holds_text(&first, &hostile),
+                "{class}: {args:?} parses back to the stored text: {out}"
+            );
+        }
+    }
+}
+
+/// Whether a string in `v` (at any depth) contains `s`.
+fn holds_text(v: &serde_json::Value, s: &str) -> bool {
+    match v {
+        serde_json::Value::String(t) => t.contains(s),
+        serde_json::Value::Array(a) => a.iter().any(|v| holds_text(v, s)),
+        serde_json::Value::Object(o) => o.values().any(|v| holds_text(v, s)),
+        _ => false,
+    }
+}
