@@ -1589,3 +1589,56 @@ fn holds_text(v: &serde_json::Value, s: &str) -> bool {
         _ => false,
     }
 }
+
+/// Guarantee: a command whose standard output was closed (`postal status | head -1`, the
+/// reader gone) ends quietly — no panic, nothing on stderr, the exit status a shell reports for
+/// a process SIGPIPE ended (141) — and `failed discard` deletes nothing it could not print.
+/// (Before, `println!` panicked: "failed printing to stdout: Broken pipe".)
+#[tokio::test]
+async fn a_closed_stdout_ends_every_command_quietly() {
+    let Some(e) = env().await else { return };
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                    held, last_error)
+         VALUES (gen_random_uuid(), 'closed', 'k', 'job', '\\x7b7d', 'failed', true, 'x')
+         RETURNING event_id",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    let id = id.to_string();
+    for args in [
+        vec!["status"],
+        vec!["status", "--json"],
+        vec!["failed", "list"],
+        vec!["failed", "list", "--json"],
+        vec!["failed", "show", &id],
+        vec!["dead-letters", "list"],
+        vec!["failed", "discard", "--id", &id],
+    ] {
+        // A pipe whose reading end is closed before the command starts: its first write fails.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = postal(&e.url)
+            .args(&args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let status: String = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+        .bind(uuid::Uuid::parse_str(&id).unwrap())
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        status, "failed",
+        "a discard that could not print deletes nothing"
+    );
+}
