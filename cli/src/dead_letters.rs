@@ -170,12 +170,20 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             let filter = consumer
                 .iter()
                 .fold(Filter::default(), |f, c| f.consumer(c));
+            let target = if !ids.is_empty() {
+                serde_json::json!({ "ids": ids })
+            } else {
+                serde_json::json!({ "filter": filter })
+            };
             let ids = dead_letters::matched(pool, &ids, &filter, None).await?;
             let producer: FutureProducer<crate::kafka_client::Capture> =
                 crate::kafka_client::producer_config(&bootstrap_servers)?
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
-            let replayed = dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;
+            let by = crate::audit::operator();
+            let replayed =
+                dead_letters::replay(pool, &producer, &by, &target, &ids, |n| progress.set(n))
+                    .await;
             let done = match replayed {
                 Ok(n) => n,
                 Err(e) => {

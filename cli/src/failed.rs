@@ -54,8 +54,8 @@ pub enum FailedCommand {
         select: Selection,
     },
     /// Delete parked events for good, so that the later events of their keys flow: by id, by
-    /// topic, or all. Each discarded event is printed first, whole, as one JSON line (keep the
-    /// output: it is the only copy left).
+    /// topic, or all. Each discarded event is printed first, whole, as one JSON line, and kept
+    /// whole in the audit trail (`postal audit show <id>`).
     Discard {
         #[command(flatten)]
         select: Selection,
@@ -80,18 +80,20 @@ pub struct Selection {
 }
 
 /// The parked events `select` matches now, by sequence number in outbox order (the shared
-/// implementation the dashboard uses too): a command acts on these only.
+/// implementation the dashboard uses too): a command acts on these only. With the selection as
+/// the audit trail records it.
 async fn matched_at_start(
     pool: &PgPool,
     ids: &[Uuid],
     topic: &Option<String>,
-) -> anyhow::Result<Vec<i64>> {
+) -> anyhow::Result<(Vec<i64>, serde_json::Value)> {
     let selection = if ids.is_empty() {
         parked::Selection::Filter(topic.iter().fold(Filter::default(), |f, t| f.topic(t)))
     } else {
         parked::Selection::Ids(ids.to_vec())
     };
-    Ok(parked::matched(pool, &selection, None).await?)
+    let target = serde_json::to_value(&selection)?;
+    Ok((parked::matched(pool, &selection, None).await?, target))
 }
 
 /// `--dry-run`: prints the matched events (id, topic, key, type, attempts, last error), one
@@ -240,13 +242,14 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
             }
-            let matched = matched_at_start(pool, &ids, &topic).await?;
+            let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {
                 return show_matched(pool, &matched, "discard").await;
             }
             // Each batch is printed (and stdout flushed) before its deletion commits: an
             // interrupted run loses nothing it did not print.
-            let done = parked::discard_seqs(pool, &matched, |batch| {
+            let by = crate::audit::operator();
+            let done = parked::discard_seqs(pool, &by, &target, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
                 for d in &batch {
                     writeln!(
@@ -288,12 +291,14 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
             }
-            let matched = matched_at_start(pool, &ids, &topic).await?;
+            let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {
                 return show_matched(pool, &matched, "requeue").await;
             }
             let progress = Progress::new(matched.len() as u64, "requeued");
-            let done = parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
+            let by = crate::audit::operator();
+            let done =
+                parked::requeue_seqs(pool, &by, &target, &matched, |n| progress.set(n)).await?;
             progress.finish();
             say!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {

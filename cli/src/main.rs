@@ -17,6 +17,7 @@ use crate::out::say;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod audit;
 mod cleanup;
 mod consumer;
 mod dashboard;
@@ -124,6 +125,9 @@ enum Command {
     /// Grant roles the least privileges they need on Postal's tables: --app (enqueue only),
     /// --relay, --consumer. Run it as the schema's owner, again after `postal migrate`.
     Grant(grant::GrantArgs),
+    /// The audit trail of operator actions (this CLI's and the dashboard's): list, show.
+    #[command(subcommand)]
+    Audit(audit::AuditCommand),
     /// Serve the operator dashboard (overview, parked events, blocked keys, dead letters,
     /// dedup lookup, audit) until SIGINT/SIGTERM: read-only unless --allow-actions, on
     /// 127.0.0.1 unless given --listen and --token.
@@ -369,6 +373,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
+        Command::Audit(cmd) => audit::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Dashboard(args) => dashboard::run(connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, &cli.kafka, *args).await,

@@ -1642,3 +1642,141 @@ async fn a_closed_stdout_ends_every_command_quietly() {
         "a discard that could not print deletes nothing"
     );
 }
+
+/// Guarantee: every action from the CLI is in the audit trail, through the dashboard's code
+/// path: `failed requeue`, `failed discard` and `dead-letters replay` each leave a row naming
+/// the OS user, `via` `cli`, the database role (`current_user`), the action, the ids given,
+/// how many matched and were affected; the discard's row holds the discarded events whole — the
+/// same events, payloads included (a 3 kB text payload, a binary one, UTF-8 with a NUL), as
+/// the lines it printed — and `postal audit show` prints them back; `postal audit list` (text and `--json`)
+/// lists the rows. (Before, CLI actions left no row: the printed line was the only copy.)
+#[tokio::test]
+async fn cli_actions_are_audited_with_the_discarded_events_whole() {
+    let Some(e) = env().await else { return };
+    let topic = unique("audited");
+    let mut ids = Vec::new();
+    for payload in [
+        format!("{{\"pad\":\"{}\"}}", "x".repeat(3000)).into_bytes(),
+        vec![0xff, 0x00, 0x9b, 0x1b],
+        // UTF-8, but with a NUL that a jsonb string cannot hold.
+        b"a\0b".to_vec(),
+        b"{}".to_vec(),
+    ] {
+        let id: uuid::Uuid = sqlx::query_scalar(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                        held, last_error)
+             VALUES (gen_random_uuid(), $1, 'k', 'job', $2, 'failed', true, 'timeout')
+             RETURNING event_id",
+        )
+        .bind(&topic)
+        .bind(payload)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        ids.push(id.to_string());
+    }
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args).env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        ok(c)
+    };
+    let printed = run(&[
+        "failed", "discard", "--id", &ids[0], "--id", &ids[1], "--id", &ids[2],
+    ]);
+    run(&["failed", "requeue", "--id", &ids[3]]);
+    let dead_topic = unique("audited-dl");
+    create_topic(&e.bootstrap, &dead_topic).await;
+    let dead: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                          kafka_offset, reason, error, dlq_topic, payload,
+                                          header_names, header_values)
+         VALUES ('billing', 'g', $1, 0, 7, 'permanent', 'boom', 'x.dlq', '\\x7b7d', '{}', '{}')
+         RETURNING id",
+    )
+    .bind(&dead_topic)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    run(&["dead-letters", "replay", "--id", &dead.to_string()]);
+
+    let role: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let os_user = nix::unistd::User::from_uid(nix::unistd::getuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    type Row = (
+        i64,
+        String,
+        Option<String>,
+        Option<String>,
+        String,
+        serde_json::Value,
+        Option<i64>,
+        i64,
+        Option<serde_json::Value>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT id, actor, via, db_role, action, target, matched, affected, removed
+         FROM postal.operator_audit ORDER BY id",
+    )
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    let actions: Vec<(&str, i64, i64)> = rows
+        .iter()
+        .map(|r| (r.4.as_str(), r.6.unwrap(), r.7))
+        .collect();
+    assert_eq!(
+        actions,
+        [("discard", 3, 3), ("requeue", 1, 1), ("replay", 1, 1)]
+    );
+    for r in &rows {
+        assert_eq!(
+            (r.1.as_str(), r.2.as_deref(), r.3.as_deref()),
+            (os_user.as_str(), Some("cli"), Some(role.as_str())),
+            "{r:?}"
+        );
+    }
+    assert_eq!(
+        rows[0].5,
+        serde_json::json!({ "ids": [ids[0], ids[1], ids[2]] })
+    );
+    assert_eq!(rows[2].5, serde_json::json!({ "ids": [dead] }));
+    let lines: Vec<serde_json::Value> = printed
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let removed = rows[0].8.as_ref().expect("the discarded events are kept");
+    assert_eq!(removed, &serde_json::Value::Array(lines.clone()));
+    assert_eq!(removed[0]["payload"].as_str().unwrap().len(), 3010);
+    assert_eq!(removed[1]["payload_base64"], "/wCbGw==");
+    assert_eq!(removed[2]["payload_base64"], "YQBi");
+    assert!(rows[1].8.is_none() && rows[2].8.is_none());
+
+    let shown = run(&["audit", "show", &rows[0].0.to_string()]);
+    let shown: Vec<serde_json::Value> = shown
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(shown[0]["action"], "discard");
+    assert_eq!(
+        shown[1..],
+        lines[..],
+        "audit show prints the discarded events whole"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&run(&["audit", "list", "--json"])).unwrap();
+    let listed: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["replay", "requeue", "discard"], "newest first");
+    let text = run(&["audit", "list"]);
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(text.contains(&os_user) && text.contains(" cli "), "{text}");
+}
