@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::audit::{self, Operator};
 use crate::Error;
 
 /// Which dead letters: every field set must match.
@@ -222,18 +223,29 @@ pub async fn matched(
     Ok(found)
 }
 
-/// Marks open dead letters resolved by `actor` (settled without a replay: their dedup rows
-/// stay, so no copy of their events is ever applied). Returns how many.
-pub async fn resolve(pool: &PgPool, ids: &[i64], actor: &str) -> Result<u64, Error> {
-    Ok(sqlx::query(
+/// Marks open dead letters resolved by `by` (settled without a replay: their dedup rows
+/// stay, so no copy of their events is ever applied), recorded in the audit trail as `resolve`
+/// on `target` (what the operator gave: ids or a filter). Returns how many.
+pub async fn resolve(
+    pool: &PgPool,
+    by: &Operator,
+    target: &serde_json::Value,
+    ids: &[i64],
+) -> Result<u64, Error> {
+    let recording = audit::open(pool, by, "resolve", target, ids.len()).await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
+    let n = sqlx::query(
         "UPDATE postal.dead_letters SET resolved_at = now(), resolved_by = $2
          WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL",
     )
     .bind(ids)
-    .bind(actor)
-    .execute(pool)
+    .bind(recording.actor())
+    .execute(&mut *tx)
     .await?
-    .rows_affected())
+    .rows_affected();
+    recording.add(&mut tx, n, None).await?;
+    tx.commit().await?;
+    Ok(n)
 }
 
 #[derive(sqlx::FromRow)]
@@ -252,13 +264,17 @@ struct Record {
 /// replay removes that row just before sending, so the event goes through the handler once
 /// more — once. `progress` gets the running total. On a failed send, the dead letters of that
 /// chunk that were not sent stand again (with their dedup rows) and the error says how many
-/// were replayed before it.
+/// were replayed before it. Recorded in the audit trail as `replay` by `by` on `target` (what
+/// the operator gave: ids or a filter), each chunk's count in the chunk's transaction.
 pub async fn replay<C: rdkafka::ClientContext + 'static>(
     pool: &PgPool,
     producer: &FutureProducer<C>,
+    by: &Operator,
+    target: &serde_json::Value,
     ids: &[i64],
     mut progress: impl FnMut(u64),
 ) -> Result<u64, Error> {
+    let recording = audit::open(pool, by, "replay", target, ids.len()).await?;
     let rows: Vec<Record> = sqlx::query_as(
         "SELECT id, topic, record_key, payload, header_names, header_values
          FROM postal.dead_letters
@@ -355,6 +371,7 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
             .execute(&mut *tx)
             .await?;
         }
+        recording.add(&mut tx, sent, None).await?;
         tx.commit().await?;
         if let Some(e) = first_error {
             return Err(Error::Kafka(format!(

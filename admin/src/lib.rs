@@ -9,15 +9,18 @@
 //! - [`dead_letters`]: search, replay to their topic, or mark resolved;
 //! - [`lookup`]: did consumer X process event Y?
 //! - [`overview`]: backlog, relays, consumers, dead letters and the last hour per minute;
-//! - [`audit`]: every dashboard action, recorded.
+//! - [`audit`]: every operator action, from the dashboard or the CLI, recorded through the
+//!   actions above (who, via, database role, what, on what, how many; a discard's events whole).
 //!
 //! ```no_run
 //! # async fn run(pool: sqlx::PgPool) -> Result<(), postal_admin::Error> {
 //! use postal_admin::parked::{self, Selection};
 //!
-//! // Requeue every parked event of one topic, refusing if more than 1,000 match.
+//! // Requeue every parked event of one topic, refusing if more than 1,000 match (recorded in
+//! // the audit trail as done by alice).
 //! let filter = parked::Filter::default().topic("orders");
-//! let requeued = parked::requeue(&pool, &Selection::Filter(filter), Some(1000)).await?;
+//! let by = postal_admin::audit::Operator::cli("alice");
+//! let requeued = parked::requeue(&pool, &by, &Selection::Filter(filter), Some(1000)).await?;
 //! println!("requeued {requeued}");
 //! # Ok(()) }
 //! ```

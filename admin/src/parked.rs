@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::audit::{self, Operator};
 use crate::Error;
 
 /// Which parked events: every field set must match (none set: all of them).
@@ -78,8 +79,10 @@ impl Filter {
     }
 }
 
-/// What an action acts on.
-#[derive(Debug, Clone)]
+/// What an action acts on (recorded in the audit trail as `{"ids": [..]}` or
+/// `{"filter": {..}}`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Selection {
     /// These events (those of them still parked).
@@ -318,25 +321,42 @@ async fn notify(pool: &PgPool) -> Result<(), Error> {
 
 /// Makes parked events pending again (attempts reset, event ids unchanged, the previous error
 /// kept in `last_error`): the relay publishes them in their original order, each ahead of the
-/// later events of its key. Returns how many were requeued.
+/// later events of its key. Recorded in the audit trail as `requeue` by `by`, with the
+/// selection as its target. Returns how many were requeued.
 pub async fn requeue(
     pool: &PgPool,
+    by: &Operator,
     selection: &Selection,
     cap: Option<usize>,
 ) -> Result<u64, Error> {
     let seqs = matched(pool, selection, cap).await?;
-    requeue_seqs(pool, &seqs, |_| {}).await
+    let target = serde_json::to_value(selection).unwrap_or_default();
+    requeue_seqs(pool, by, &target, &seqs, |_| {}).await
 }
 
-/// [`requeue`] of the matched `seqs`, calling `progress` with the running total.
+/// [`requeue`] of the matched `seqs`, recorded as `requeue` by `by` on `target` (what the
+/// operator gave: ids or a filter), calling `progress` with the running total.
 pub async fn requeue_seqs(
     pool: &PgPool,
+    by: &Operator,
+    target: &serde_json::Value,
+    seqs: &[i64],
+    progress: impl FnMut(u64),
+) -> Result<u64, Error> {
+    let recording = audit::open(pool, by, "requeue", target, seqs.len()).await?;
+    requeue_recorded(pool, &recording, seqs, progress).await
+}
+
+async fn requeue_recorded(
+    pool: &PgPool,
+    recording: &audit::Recording,
     seqs: &[i64],
     mut progress: impl FnMut(u64),
 ) -> Result<u64, Error> {
     let mut done = 0u64;
     for chunk in seqs.chunks(1000) {
-        done += sqlx::query(
+        let mut tx = postal_shared::cancel_safe::begin(pool).await?;
+        let n = sqlx::query(
             // Pending again as a retry that is due now: `held` keeps it ahead of its key's
             // later events even for a claim whose transaction began before this one (to which
             // `now()` here is in the future, so the row is not due yet: without `held` that
@@ -348,9 +368,12 @@ pub async fn requeue_seqs(
               WHERE o.status = 'failed' AND o.seq = ANY($1)",
         )
         .bind(chunk)
-        .execute(pool)
+        .execute(&mut *tx)
         .await?
         .rows_affected();
+        recording.add(&mut tx, n, None).await?;
+        tx.commit().await?;
+        done += n;
         progress(done);
     }
     notify(pool).await?;
@@ -381,11 +404,11 @@ pub struct Discarded {
     pub attempts: i32,
     /// Why it was parked.
     pub last_error: Option<String>,
-    /// The payload as text when it is UTF-8 (JSON payloads are).
+    /// The payload as text when it is UTF-8 without NUL (JSON payloads are).
     #[sqlx(skip)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
-    /// The payload in base64 when it is not UTF-8.
+    /// The payload in base64 when it is not UTF-8, or holds NUL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload_base64: Option<String>,
 }
@@ -393,14 +416,19 @@ pub struct Discarded {
 /// Deletes the matched parked events for good, so that the later events of their keys flow.
 /// A row another transaction holds (a requeue of it in progress) is skipped, never waited for:
 /// waiting would leave it locked by this discard, and the relay's claim skips locked rows.
-/// Each batch of up to 1,000 is handed to `keep` before its deletion commits (an error from
-/// `keep` stops the action with that batch not deleted): it is the only copy left. Returns how
-/// many were discarded.
+/// Recorded as `discard` by `by` on `target` (what the operator gave: ids or a filter); each
+/// batch's deleted events, whole, are added to the audit row in the transaction that deletes
+/// them. Each batch of up to 1,000 is also handed to `keep` before its deletion commits (an
+/// error from `keep` stops the action with that batch not deleted). Returns how many were
+/// discarded.
 pub async fn discard_seqs(
     pool: &PgPool,
+    by: &Operator,
+    target: &serde_json::Value,
     seqs: &[i64],
     mut keep: impl FnMut(Vec<Discarded>) -> Result<(), Error>,
 ) -> Result<u64, Error> {
+    let recording = audit::open(pool, by, "discard", target, seqs.len()).await?;
     let mut done = 0u64;
     for chunk in seqs.chunks(1000) {
         let mut tx = postal_shared::cancel_safe::begin(pool).await?;
@@ -426,13 +454,21 @@ pub async fn discard_seqs(
         let batch = rows
             .into_iter()
             .map(|(mut d, payload)| {
-                if let Ok(text) = String::from_utf8(payload) {
-                    d.payload = Some(text);
-                    d.payload_base64 = None;
+                // As text when it is UTF-8 without NUL (a `jsonb` string, as the audit trail
+                // keeps it, cannot hold U+0000); else in base64.
+                match String::from_utf8(payload) {
+                    Ok(text) if !text.contains('\0') => {
+                        d.payload = Some(text);
+                        d.payload_base64 = None;
+                    }
+                    _ => {}
                 }
                 d
             })
-            .collect();
+            .collect::<Vec<Discarded>>();
+        let removed = serde_json::to_value(&batch)
+            .map_err(|e| Error::Invalid(format!("a discarded event as JSON: {e}")))?;
+        recording.add(&mut tx, n, Some(&removed)).await?;
         keep(batch)?;
         tx.commit().await?;
         done += n;
@@ -498,12 +534,30 @@ pub async fn blocked_keys(pool: &PgPool, limit: i64) -> Result<Vec<BlockedKey>, 
 /// Releases the key held by the parked event `head`: requeues all the key's parked events on
 /// the head's topic (the head first, in their original order), after which the relay publishes
 /// the head, then the events that waited behind it. Returns how many were requeued; 0 if `head`
-/// is no longer parked.
-pub async fn release_key(pool: &PgPool, head: Uuid, cap: Option<usize>) -> Result<u64, Error> {
-    match key_of_head(pool, head, cap).await? {
-        Some((_, seqs)) => requeue_seqs(pool, &seqs, |_| {}).await,
-        None => Ok(0),
-    }
+/// is no longer parked. Recorded as `release-key` by `by`.
+pub async fn release_key(
+    pool: &PgPool,
+    by: &Operator,
+    head: Uuid,
+    cap: Option<usize>,
+) -> Result<u64, Error> {
+    let seqs = key_of_head(pool, head, cap)
+        .await?
+        .map(|(_, seqs)| seqs)
+        .unwrap_or_default();
+    release_seqs(pool, by, &serde_json::json!({ "head": head }), &seqs).await
+}
+
+/// [`release_key`] of the key's parked events `seqs` (from [`key_of_head`]), recorded as
+/// `release-key` by `by` on `target`.
+pub async fn release_seqs(
+    pool: &PgPool,
+    by: &Operator,
+    target: &serde_json::Value,
+    seqs: &[i64],
+) -> Result<u64, Error> {
+    let recording = audit::open(pool, by, "release-key", target, seqs.len()).await?;
+    requeue_recorded(pool, &recording, seqs, |_| {}).await
 }
 
 /// The key of the parked event `head` and the key's parked events on its topic, in outbox

@@ -1,5 +1,6 @@
 //! `postal cleanup`: run retention once.
 
+use crate::out::say;
 use std::time::Duration;
 
 use clap::Args;
@@ -48,11 +49,11 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 .await?;
         progress.finish();
         match done {
-            Some(n) => println!(
+            Some(n) => say!(
                 "outbox: deleted {n} published row(s) older than {}",
                 humantime::format_duration(r)
             ),
-            None => println!("outbox: another instance is cleaning right now; nothing done"),
+            None => say!("outbox: another instance is cleaning right now; nothing done"),
         }
     }
     if let Some(r) = args.dedup_retention {
@@ -71,13 +72,16 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
         };
         for c in consumers {
             let declared = postal_consumer::retention::declared_retention(pool, &c).await?;
+            let name = c;
+            // The name for the lines below: it came from the database.
+            let c = crate::shown::shown(&name, false);
             let r = match declared {
                 Some(None) if !args.ignore_declared => {
-                    println!("dedup {c}: the consumer keeps its dedup rows for good (it declares no retention); nothing done (--ignore-declared deletes them anyway)");
+                    say!("dedup {c}: the consumer keeps its dedup rows for good (it declares no retention); nothing done (--ignore-declared deletes them anyway)");
                     continue;
                 }
                 Some(Some(d)) if d > r && !args.ignore_declared => {
-                    println!(
+                    say!(
                         "dedup {c}: the consumer declares a retention of {}; keeping rows that young (--ignore-declared uses {} anyway)",
                         humantime::format_duration(d),
                         humantime::format_duration(r)
@@ -86,22 +90,22 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 }
                 _ => r,
             };
-            match postal_consumer::retention::cleanup_processed(pool, &c, r, args.batch).await? {
-                Some(n) => println!(
+            match postal_consumer::retention::cleanup_processed(pool, &name, r, args.batch).await? {
+                Some(n) => say!(
                     "dedup {c}: deleted {n} row(s) older than {}",
                     humantime::format_duration(r)
                 ),
-                None => println!("dedup {c}: another instance is cleaning right now; nothing done"),
+                None => say!("dedup {c}: another instance is cleaning right now; nothing done"),
             }
         }
     }
     if let Some(r) = args.dead_letter_retention {
         match postal_consumer::retention::cleanup_dead_letters(pool, r, args.batch).await? {
-            Some(n) => println!(
+            Some(n) => say!(
                 "dead letters: deleted {n} published row(s) older than {}",
                 humantime::format_duration(r)
             ),
-            None => println!("dead letters: another instance is cleaning right now; nothing done"),
+            None => say!("dead letters: another instance is cleaning right now; nothing done"),
         }
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! `postal consumer`: stored consumer positions.
 
+use crate::out::say;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -295,15 +296,15 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             }
             _ => plan_line(stored.get(partition).copied(), *offset),
         };
-        println!("plan: {group} {topic}[{partition}]: {line}");
+        say!("plan: {group} {topic}[{partition}]: {line}");
     }
     if recreated {
-        println!(
+        say!(
             "topic {topic} was re-created (or the group moved to another Kafka cluster): its stored offsets belong to the old log. Events applied before are not applied again while their dedup rows in postal.processed_events last (the consumers' dedup retention; `postal status` shows each dedup horizon)."
         );
     }
     if !execute {
-        println!("dry run: nothing changed; add --execute to apply this plan");
+        say!("dry run: nothing changed; add --execute to apply this plan");
         return Ok(());
     }
     // Kafka's group offsets must never be ahead of the stored ones: a restarted consumer
@@ -334,10 +335,10 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         );
     }
     for (partition, offset) in &positions {
-        println!("{group} {topic}[{partition}] -> next offset {offset}");
+        say!("{group} {topic}[{partition}] -> next offset {offset}");
     }
     if recreated {
-        println!("{group} {topic}: stop lifted; the group's consumers apply the topic from the offsets above");
+        say!("{group} {topic}: stop lifted; the group's consumers apply the topic from the offsets above");
     }
     if !forward.is_empty() {
         if let Err(e) = commit(forward).await? {

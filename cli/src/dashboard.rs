@@ -1,5 +1,6 @@
 //! `postal dashboard`: the operator dashboard, served until SIGINT/SIGTERM.
 
+use crate::out::say;
 use std::net::SocketAddr;
 
 use anyhow::Context;
@@ -44,7 +45,7 @@ pub async fn run(pool: PgPool, args: DashboardArgs) -> anyhow::Result<()> {
         dashboard = dashboard.kafka(crate::kafka_client::config(b));
     }
     let (addr, task) = postal_admin::web::serve(args.listen, dashboard).await?;
-    println!(
+    say!(
         "postal dashboard on http://{addr}/ ({}{})",
         if args.allow_actions {
             "actions enabled"

@@ -1,5 +1,6 @@
 //! `postal dead-letters`: records consumers gave up on — list, show, replay.
 
+use crate::out::say;
 use crate::shown::{shown, shown_bytes};
 
 use clap::Subcommand;
@@ -80,15 +81,19 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             }
             let rows = dead_letters::oldest(pool, &filter, limit).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                say!("{}", crate::shown::json(&rows, true)?);
                 return Ok(());
             }
-            println!(
+            say!(
                 "{:>6}  {:<12} {:<24} {:>9}  {:<18} ERROR",
-                "ID", "CONSUMER", "TOPIC", "PART/OFF", "REASON"
+                "ID",
+                "CONSUMER",
+                "TOPIC",
+                "PART/OFF",
+                "REASON"
             );
             for r in &rows {
-                println!(
+                say!(
                     "{:>6}  {:<12} {:<24} {:>9}  {:<18} {}",
                     r.id,
                     shown(&r.consumer_name, raw),
@@ -99,7 +104,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 );
             }
             if rows.is_empty() {
-                println!("(no dead letters)");
+                say!("(no dead letters)");
             }
             Ok(())
         }
@@ -127,27 +132,27 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 anyhow::bail!("no dead letter {id}");
             };
             let text = |b: &[u8]| shown_bytes(b, raw);
-            println!("dead letter:  {id} (consumer {})", shown(&consumer, raw));
-            println!(
+            say!("dead letter:  {id} (consumer {})", shown(&consumer, raw));
+            say!(
                 "from:         {} partition {partition} offset {offset}",
                 shown(&topic, raw)
             );
-            println!(
+            say!(
                 "event id:     {}",
                 event_id
                     .map(|e| e.to_string())
                     .unwrap_or_else(|| "-".into())
             );
-            println!("reason:       {reason} after {attempts} attempt(s)");
-            println!("error:        {}", shown(&error, raw));
-            println!(
+            say!("reason:       {reason} after {attempts} attempt(s)");
+            say!("error:        {}", shown(&error, raw));
+            say!(
                 "key:          {}",
                 key.as_deref().map(text).unwrap_or_else(|| "-".into())
             );
             for (n, v) in names.iter().zip(&values) {
-                println!("header:       {} = {}", shown(n, raw), text(v));
+                say!("header:       {} = {}", shown(n, raw), text(v));
             }
-            println!(
+            say!(
                 "payload:      {}",
                 payload.as_deref().map(text).unwrap_or_else(|| "-".into())
             );
@@ -165,12 +170,20 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             let filter = consumer
                 .iter()
                 .fold(Filter::default(), |f, c| f.consumer(c));
+            let target = if !ids.is_empty() {
+                serde_json::json!({ "ids": ids })
+            } else {
+                serde_json::json!({ "filter": filter })
+            };
             let ids = dead_letters::matched(pool, &ids, &filter, None).await?;
             let producer: FutureProducer<crate::kafka_client::Capture> =
                 crate::kafka_client::producer_config(&bootstrap_servers)?
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
-            let replayed = dead_letters::replay(pool, &producer, &ids, |n| progress.set(n)).await;
+            let by = crate::audit::operator();
+            let replayed =
+                dead_letters::replay(pool, &producer, &by, &target, &ids, |n| progress.set(n))
+                    .await;
             let done = match replayed {
                 Ok(n) => n,
                 Err(e) => {
@@ -179,7 +192,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 }
             };
             progress.finish();
-            println!("replayed {done} dead letter(s) to their original topics");
+            say!("replayed {done} dead letter(s) to their original topics");
             Ok(())
         }
     }

@@ -1,5 +1,6 @@
 //! `postal failed`: parked outbox events — list, show, requeue, discard.
 
+use crate::out::say;
 use std::io::Write as _;
 
 use clap::{Args, Subcommand};
@@ -53,8 +54,8 @@ pub enum FailedCommand {
         select: Selection,
     },
     /// Delete parked events for good, so that the later events of their keys flow: by id, by
-    /// topic, or all. Each discarded event is printed first, whole, as one JSON line (keep the
-    /// output: it is the only copy left).
+    /// topic, or all. Each discarded event is printed first, whole, as one JSON line, and kept
+    /// whole in the audit trail (`postal audit show <id>`).
     Discard {
         #[command(flatten)]
         select: Selection,
@@ -79,18 +80,20 @@ pub struct Selection {
 }
 
 /// The parked events `select` matches now, by sequence number in outbox order (the shared
-/// implementation the dashboard uses too): a command acts on these only.
+/// implementation the dashboard uses too): a command acts on these only. With the selection as
+/// the audit trail records it.
 async fn matched_at_start(
     pool: &PgPool,
     ids: &[Uuid],
     topic: &Option<String>,
-) -> anyhow::Result<Vec<i64>> {
+) -> anyhow::Result<(Vec<i64>, serde_json::Value)> {
     let selection = if ids.is_empty() {
         parked::Selection::Filter(topic.iter().fold(Filter::default(), |f, t| f.topic(t)))
     } else {
         parked::Selection::Ids(ids.to_vec())
     };
-    Ok(parked::matched(pool, &selection, None).await?)
+    let target = serde_json::to_value(&selection)?;
+    Ok((parked::matched(pool, &selection, None).await?, target))
 }
 
 /// `--dry-run`: prints the matched events (id, topic, key, type, attempts, last error), one
@@ -152,15 +155,18 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             }
             let rows = parked::search(pool, &filter, limit).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                say!("{}", crate::shown::json(&rows, true)?);
                 return Ok(());
             }
-            println!(
+            say!(
                 "{:<36}  {:<24} {:<16} {:>8}  ERROR",
-                "EVENT ID", "TOPIC", "KEY", "ATTEMPTS"
+                "EVENT ID",
+                "TOPIC",
+                "KEY",
+                "ATTEMPTS"
             );
             for r in &rows {
-                println!(
+                say!(
                     "{:<36}  {:<24} {:<16} {:>8}  {}",
                     r.event_id,
                     shown(&r.topic, raw),
@@ -170,7 +176,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 );
             }
             if rows.is_empty() {
-                println!("(no parked events)");
+                say!("(no parked events)");
             }
             Ok(())
         }
@@ -199,28 +205,28 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                     payload.len()
                 );
             }
-            println!("event id:     {id}");
-            println!("status:       {status}");
-            println!(
+            say!("event id:     {id}");
+            say!("status:       {status}");
+            say!(
                 "topic / key:  {} / {}",
                 shown(&topic, raw),
                 shown(&key, raw)
             );
-            println!(
+            say!(
                 "type:         {} (schema version {version})",
                 shown(&ty, raw)
             );
-            println!("attempts:     {attempts}");
-            println!(
+            say!("attempts:     {attempts}");
+            say!(
                 "last error:   {}",
                 shown(err.as_deref().unwrap_or("-"), raw)
             );
             // JSON text escapes control characters itself; bidi overrides it keeps.
-            println!("headers:      {}", shown(&headers.to_string(), raw));
-            println!("content type: {}", shown(&ct, raw));
+            say!("headers:      {}", shown(&headers.to_string(), raw));
+            say!("content type: {}", shown(&ct, raw));
             match std::str::from_utf8(&payload) {
-                Ok(text) => println!("payload:      {}", shown(text, raw)),
-                Err(_) => println!("payload:      {} bytes (binary)", payload.len()),
+                Ok(text) => say!("payload:      {}", shown(text, raw)),
+                Err(_) => say!("payload:      {} bytes (binary)", payload.len()),
             }
             Ok(())
         }
@@ -236,19 +242,20 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
             }
-            let matched = matched_at_start(pool, &ids, &topic).await?;
+            let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {
                 return show_matched(pool, &matched, "discard").await;
             }
             // Each batch is printed (and stdout flushed) before its deletion commits: an
             // interrupted run loses nothing it did not print.
-            let done = parked::discard_seqs(pool, &matched, |batch| {
+            let by = crate::audit::operator();
+            let done = parked::discard_seqs(pool, &by, &target, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
                 for d in &batch {
                     writeln!(
                         out,
                         "{}",
-                        serde_json::to_string(d).map_err(std::io::Error::other)?
+                        crate::shown::json(d, false).map_err(std::io::Error::other)?
                     )?;
                 }
                 out.flush()?;
@@ -284,16 +291,18 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if ids.is_empty() && topic.is_none() && !all {
                 anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
             }
-            let matched = matched_at_start(pool, &ids, &topic).await?;
+            let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {
                 return show_matched(pool, &matched, "requeue").await;
             }
             let progress = Progress::new(matched.len() as u64, "requeued");
-            let done = parked::requeue_seqs(pool, &matched, |n| progress.set(n)).await?;
+            let by = crate::audit::operator();
+            let done =
+                parked::requeue_seqs(pool, &by, &target, &matched, |n| progress.set(n)).await?;
             progress.finish();
-            println!("requeued {done} event(s); the relay publishes them with their original ids");
+            say!("requeued {done} event(s); the relay publishes them with their original ids");
             if !ids.is_empty() && (done as usize) < ids.len() {
-                println!(
+                say!(
                     "({} of the given ids were not parked)",
                     ids.len() - done as usize
                 );

@@ -11,6 +11,7 @@
 //!
 //! Grants cover the objects that exist: run it again after `postal migrate` added some.
 
+use crate::out::say;
 use clap::Args;
 use sqlx::PgPool;
 
@@ -101,7 +102,7 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
     let stats: Vec<String> = args.relays.iter().map(|r| relay_stats(&ident(r))).collect();
     if args.print {
         for s in all.iter().chain(&stats) {
-            println!("{s};");
+            say!("{s};");
         }
         return Ok(());
     }
@@ -117,14 +118,14 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
         })?;
     }
     tx.commit().await?;
-    println!("granted: {} statement(s)", all.len());
+    say!("granted: {} statement(s)", all.len());
     for s in &stats {
         if let Err(e) = sqlx::query(s).execute(pool).await {
             let why = e
                 .as_database_error()
                 .map(|d| d.message().to_owned())
                 .unwrap_or_else(|| e.to_string());
-            println!("not granted ({why}): {s}; without it the relay's oldest-transaction gauge sees only its own sessions");
+            say!("not granted ({why}): {s}; without it the relay's oldest-transaction gauge sees only its own sessions");
         }
     }
     Ok(())

@@ -10,11 +10,14 @@ use postal_producer::parse_property;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+use crate::out::say;
+
 /// The relay and consumers allocate a few small buffers per event from several threads; mimalloc
 /// serves that with less contention than glibc's malloc.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod audit;
 mod cleanup;
 mod consumer;
 mod dashboard;
@@ -22,6 +25,7 @@ mod dead_letters;
 mod failed;
 mod grant;
 mod kafka_client;
+mod out;
 mod progress;
 mod shown;
 mod status;
@@ -121,6 +125,9 @@ enum Command {
     /// Grant roles the least privileges they need on Postal's tables: --app (enqueue only),
     /// --relay, --consumer. Run it as the schema's owner, again after `postal migrate`.
     Grant(grant::GrantArgs),
+    /// The audit trail of operator actions (this CLI's and the dashboard's): list, show.
+    #[command(subcommand)]
+    Audit(audit::AuditCommand),
     /// Serve the operator dashboard (overview, parked events, blocked keys, dead letters,
     /// dedup lookup, audit) until SIGINT/SIGTERM: read-only unless --allow-actions, on
     /// 127.0.0.1 unless given --listen and --token.
@@ -316,6 +323,8 @@ fn main() -> ExitCode {
     }
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of standard output is gone (`postal status | head -1`): nothing to say.
+        Err(e) if out::closed_stdout(&e) => ExitCode::from(out::CLOSED_STDOUT_STATUS),
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
@@ -324,7 +333,8 @@ fn main() -> ExitCode {
 }
 
 /// The error and its causes on one line, each said once: a cause whose text the line already
-/// holds (sqlx repeats the database's message in its own) is left out.
+/// holds (sqlx repeats the database's message in its own) is left out. Escaped as everything
+/// else the CLI prints ([`shown::shown`]): a database error may quote a stored value.
 fn one_line(e: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in e.chain() {
@@ -337,7 +347,7 @@ fn one_line(e: &anyhow::Error) -> String {
         }
         line.push_str(&text);
     }
-    line.replace('\n', " ")
+    shown::shown(&line.replace('\n', " "), false).into_owned()
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -347,7 +357,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             postal_shared::migrate(&pool)
                 .await
                 .context("applying migrations")?;
-            println!("postal schema is up to date");
+            say!("postal schema is up to date");
             Ok(())
         }
         Command::Status {
@@ -363,6 +373,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
+        Command::Audit(cmd) => audit::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Dashboard(args) => dashboard::run(connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, &cli.kafka, *args).await,

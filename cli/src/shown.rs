@@ -3,7 +3,9 @@
 //! (an escape sequence that sets the window title, moves the cursor or writes a hyperlink), a
 //! line break that fakes another line of output, or a bidirectional override that shows text
 //! in another order than it is stored reaches the terminal only with `--raw`. Everything else
-//! prints as it is, non-ASCII text included; JSON output is escaped by JSON itself.
+//! prints as it is, non-ASCII text included. JSON output follows the same rule
+//! ([`postal_shared::text::unsafe_char`]), as JSON `\uXXXX` escapes: it stays valid JSON and
+//! parses back to the stored text.
 
 use std::borrow::Cow;
 
@@ -14,6 +16,18 @@ pub fn shown(s: &str, raw: bool) -> Cow<'_, str> {
         return Cow::Borrowed(s);
     }
     postal_shared::text::escaped(s)
+}
+
+/// `value` as JSON for a terminal (one line, or indented when `pretty`): every unsafe
+/// character in its strings written as a `\uXXXX` escape, not only those below U+0020 that JSON
+/// escapes itself.
+pub fn json<T: serde::Serialize + ?Sized>(value: &T, pretty: bool) -> serde_json::Result<String> {
+    let text = if pretty {
+        serde_json::to_string_pretty(value)?
+    } else {
+        serde_json::to_string(value)?
+    };
+    Ok(postal_shared::text::json_escaped(&text).into_owned())
 }
 
 /// Bytes as text for a terminal: UTF-8 (invalid sequences replaced), escaped unless `raw`.
@@ -37,5 +51,24 @@ mod tests {
         assert_eq!(shown("abc\u{202e}fed", false), "abc\\u{202e}fed");
         assert_eq!(shown("k\u{1b}[2J", true), "k\u{1b}[2J");
         assert_eq!(shown_bytes(b"\xff\x1b", false), "\u{fffd}\\u{1b}");
+    }
+
+    /// Guarantee: the CLI's text and JSON outputs escape the same characters — C0, DEL, C1
+    /// (U+009B CSI) and bidirectional controls — and its JSON parses back to the stored text.
+    #[test]
+    fn text_and_json_output_escape_the_same_characters() {
+        for c in [
+            '\u{1b}', '\u{7f}', '\u{9b}', '\u{202e}', '\u{2067}', '\u{61c}',
+        ] {
+            let key = format!("order{c}[31m");
+            assert!(!shown(&key, false).contains(c), "{c:?} in text");
+            let row = serde_json::json!({ "event_key": key });
+            for pretty in [false, true] {
+                let out = json(&row, pretty).unwrap();
+                assert!(!out.contains(c), "{c:?} in JSON {out:?}");
+                let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+                assert_eq!(back["event_key"], key.as_str());
+            }
+        }
     }
 }

@@ -1,5 +1,7 @@
 //! `postal status`: what the outbox holds.
 
+use crate::out::say;
+use crate::shown::shown;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -167,17 +169,21 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         dedup_horizons,
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        say!("{}", crate::shown::json(&status, true)?);
         return Ok(());
     }
-    println!(
+    say!(
         "{:<40} {:>10} {:>10} {:>8} {:>14}",
-        "TOPIC", "PENDING", "SCHEDULED", "FAILED", "OLDEST (s)"
+        "TOPIC",
+        "PENDING",
+        "SCHEDULED",
+        "FAILED",
+        "OLDEST (s)"
     );
     for t in &status.topics {
-        println!(
+        say!(
             "{:<40} {:>10} {:>10} {:>8} {:>14}",
-            crate::shown::shown(&t.topic, false),
+            shown(&t.topic, false),
             t.pending,
             t.scheduled,
             t.failed,
@@ -186,32 +192,36 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
                 .unwrap_or_else(|| "-".into())
         );
         if let Some(w) = &t.waiting {
-            println!("  waiting: {}", crate::shown::shown(w, false));
+            say!("  waiting: {}", shown(w, false));
         }
     }
     if status.topics.is_empty() {
-        println!("(outbox empty)");
+        say!("(outbox empty)");
     }
-    println!(
+    say!(
         "oldest open transaction: {}",
         status
             .oldest_transaction_s
             .map(|a| format!("{a:.1}s"))
             .unwrap_or_else(|| "none".into())
     );
-    println!("relays:");
+    say!("relays:");
     for r in &status.relays {
-        println!(
+        say!(
             "  {}  group {:<12} host {:<20} heartbeat {:>6.1}s ago  partitions {}",
-            r.relay_id, r.relay_group, r.host, r.heartbeat_age_s, r.partitions
+            r.relay_id,
+            shown(&r.relay_group, false),
+            shown(&r.host, false),
+            r.heartbeat_age_s,
+            r.partitions
         );
     }
-    println!("consumers (positions stored beside their effects):");
+    say!("consumers (positions stored beside their effects):");
     for c in &status.consumers {
-        println!(
+        say!(
             "  {:<24} {:<32} [{:>3}] next offset {:>10}  lag {:>8}  updated {:>8.1}s ago",
-            c.group_id,
-            crate::shown::shown(&c.topic, false),
+            shown(&c.group_id, false),
+            shown(&c.topic, false),
             c.partition,
             c.next_offset
                 .map(|o| o.to_string())
@@ -232,23 +242,27 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         .collect();
     stopped.dedup();
     for (group, topic) in stopped {
-        println!(
-            "  STOPPED {group} {}: a stored offset is above its partition's high watermark (the topic was re-created, or the group moved to another Kafka cluster); nothing of it is applied until: postal consumer reset --group {group} --topic {} --to earliest --execute",
-            crate::shown::shown(topic, false),
-            crate::shown::shown(topic, false)
+        say!(
+            "  STOPPED {} {}: a stored offset is above its partition's high watermark (the topic was re-created, or the group moved to another Kafka cluster); nothing of it is applied until: postal consumer reset --group {} --topic {} --to earliest --execute",
+            shown(group, false),
+            shown(topic, false),
+            shown(group, false),
+            shown(topic, false)
         );
     }
     for d in &status.dead_letters {
-        println!(
+        say!(
             "dead letters of {}: {} ({} not yet published to the DLQ, {} not replayed)",
-            d.consumer_name, d.total, d.unpublished, d.not_replayed
+            shown(&d.consumer_name, false),
+            d.total,
+            d.unpublished,
+            d.not_replayed
         );
     }
     for h in &status.dedup_horizons {
-        println!(
+        say!(
             "dedup horizon of {}: {} (rows processed up to then were deleted; resets to older records are refused)",
-            h.consumer_name,
-            h.horizon.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            shown(&h.consumer_name, false), h.horizon.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
         );
     }
     Ok(())

@@ -1484,3 +1484,299 @@ async fn consumer_reset_refuses_an_offset_outside_the_partition() {
     .env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
     assert!(ok(c).contains("-> next offset 5"));
 }
+
+/// Guarantee: one escaping rule for everything the CLI prints for people, its JSON included:
+/// for each class of dangerous character — C0 (ESC), DEL, C1 (U+009B, a one-character CSI)
+/// and bidirectional controls (U+202E, U+2067, U+061C) — written into a parked event, a dead
+/// letter and a topic name, no output of `failed list/show`, `dead-letters list/show`, `status`
+/// (text and `--json`) or `failed discard`'s line passes it raw, and every JSON output stays
+/// valid and parses back to the stored text. (Before, the JSON outputs escaped only
+/// U+0000–U+001F.)
+#[tokio::test]
+async fn every_output_escapes_every_class_of_control_character() {
+    let Some(e) = env().await else { return };
+    let classes = [
+        ("C0", '\u{1b}'),
+        ("DEL", '\u{7f}'),
+        ("C1", '\u{9b}'),
+        ("bidi override", '\u{202e}'),
+        ("bidi isolate", '\u{2067}'),
+        ("Arabic letter mark", '\u{61c}'),
+    ];
+    for (class, c) in classes {
+        let hostile = format!("key{c}[2Jfed");
+        let topic = unique("hostile");
+        let id = uuid::Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                        held, last_error)
+             VALUES ($1, $2, $3, 'job', convert_to($3, 'UTF8'), 'failed', true, $3)",
+        )
+        .bind(id)
+        .bind(format!("{topic}{c}"))
+        .bind(&hostile)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+        let dead: i64 = sqlx::query_scalar(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                              kafka_offset, reason, error, dlq_topic, record_key,
+                                              payload, header_names, header_values)
+             VALUES ($1, 'g', $1, 0, 7, 'undecodable', $1, 'hostile.dlq',
+                     convert_to($1, 'UTF8'), convert_to($1, 'UTF8'), ARRAY[$1],
+                     ARRAY[convert_to($1, 'UTF8')])
+             RETURNING id",
+        )
+        .bind(&hostile)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        let run = |args: &[&str]| {
+            let mut cmd = postal(&e.url);
+            cmd.args(args);
+            ok(cmd)
+        };
+        let (id, dead) = (id.to_string(), dead.to_string());
+        let text = [
+            vec!["failed", "list"],
+            vec!["failed", "show", &id],
+            vec!["dead-letters", "list"],
+            vec!["dead-letters", "show", &dead],
+            vec!["status"],
+        ];
+        for args in text {
+            let out = run(&args);
+            assert!(
+                !out.contains(c),
+                "{class}: {args:?} printed {c:?} raw: {out:?}"
+            );
+            assert!(
+                out.contains(&format!("\\u{{{:x}}}", c as u32)),
+                "{class}: {args:?} shows it escaped: {out:?}"
+            );
+        }
+        let json = [
+            vec!["failed", "list", "--json"],
+            vec!["dead-letters", "list", "--json"],
+            vec!["status", "--json"],
+            vec!["failed", "discard", "--id", &id],
+        ];
+        for args in json {
+            let out = run(&args);
+            assert!(
+                !out.contains(c),
+                "{class}: {args:?} printed {c:?} raw: {out:?}"
+            );
+            let first: serde_json::Value = if args[1] == "discard" {
+                serde_json::from_str(out.lines().next().unwrap()).expect("a JSON line")
+            } else {
+                serde_json::from_str(&out).expect("valid JSON")
+            };
+            assert!(
+                holds_text(&first, &hostile),
+                "{class}: {args:?} parses back to the stored text: {out}"
+            );
+        }
+    }
+}
+
+/// Whether a string in `v` (at any depth) contains `s`.
+fn holds_text(v: &serde_json::Value, s: &str) -> bool {
+    match v {
+        serde_json::Value::String(t) => t.contains(s),
+        serde_json::Value::Array(a) => a.iter().any(|v| holds_text(v, s)),
+        serde_json::Value::Object(o) => o.values().any(|v| holds_text(v, s)),
+        _ => false,
+    }
+}
+
+/// Guarantee: a command whose standard output was closed (`postal status | head -1`, the
+/// reader gone) ends quietly — no panic, nothing on stderr, the exit status a shell reports for
+/// a process SIGPIPE ended (141) — and `failed discard` deletes nothing it could not print.
+/// (Before, `println!` panicked: "failed printing to stdout: Broken pipe".)
+#[tokio::test]
+async fn a_closed_stdout_ends_every_command_quietly() {
+    let Some(e) = env().await else { return };
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                    held, last_error)
+         VALUES (gen_random_uuid(), 'closed', 'k', 'job', '\\x7b7d', 'failed', true, 'x')
+         RETURNING event_id",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    let id = id.to_string();
+    for args in [
+        vec!["status"],
+        vec!["status", "--json"],
+        vec!["failed", "list"],
+        vec!["failed", "list", "--json"],
+        vec!["failed", "show", &id],
+        vec!["dead-letters", "list"],
+        vec!["failed", "discard", "--id", &id],
+    ] {
+        // A pipe whose reading end is closed before the command starts: its first write fails.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = postal(&e.url)
+            .args(&args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let status: String = sqlx::query_scalar("SELECT status FROM postal.outbox WHERE event_id = $1")
+        .bind(uuid::Uuid::parse_str(&id).unwrap())
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        status, "failed",
+        "a discard that could not print deletes nothing"
+    );
+}
+
+/// Guarantee: every action from the CLI is in the audit trail, through the dashboard's code
+/// path: `failed requeue`, `failed discard` and `dead-letters replay` each leave a row naming
+/// the OS user, `via` `cli`, the database role (`current_user`), the action, the ids given,
+/// how many matched and were affected; the discard's row holds the discarded events whole — the
+/// same events, payloads included (a 3 kB text payload, a binary one, UTF-8 with a NUL), as
+/// the lines it printed — and `postal audit show` prints them back; `postal audit list` (text and `--json`)
+/// lists the rows. (Before, CLI actions left no row: the printed line was the only copy.)
+#[tokio::test]
+async fn cli_actions_are_audited_with_the_discarded_events_whole() {
+    let Some(e) = env().await else { return };
+    let topic = unique("audited");
+    let mut ids = Vec::new();
+    for payload in [
+        format!("{{\"pad\":\"{}\"}}", "x".repeat(3000)).into_bytes(),
+        vec![0xff, 0x00, 0x9b, 0x1b],
+        // UTF-8, but with a NUL that a jsonb string cannot hold.
+        b"a\0b".to_vec(),
+        b"{}".to_vec(),
+    ] {
+        let id: uuid::Uuid = sqlx::query_scalar(
+            "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                        held, last_error)
+             VALUES (gen_random_uuid(), $1, 'k', 'job', $2, 'failed', true, 'timeout')
+             RETURNING event_id",
+        )
+        .bind(&topic)
+        .bind(payload)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        ids.push(id.to_string());
+    }
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args).env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        ok(c)
+    };
+    let printed = run(&[
+        "failed", "discard", "--id", &ids[0], "--id", &ids[1], "--id", &ids[2],
+    ]);
+    run(&["failed", "requeue", "--id", &ids[3]]);
+    let dead_topic = unique("audited-dl");
+    create_topic(&e.bootstrap, &dead_topic).await;
+    let dead: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                          kafka_offset, reason, error, dlq_topic, payload,
+                                          header_names, header_values)
+         VALUES ('billing', 'g', $1, 0, 7, 'permanent', 'boom', 'x.dlq', '\\x7b7d', '{}', '{}')
+         RETURNING id",
+    )
+    .bind(&dead_topic)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    run(&["dead-letters", "replay", "--id", &dead.to_string()]);
+
+    let role: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let os_user = nix::unistd::User::from_uid(nix::unistd::getuid())
+        .unwrap()
+        .unwrap()
+        .name;
+    type Row = (
+        i64,
+        String,
+        Option<String>,
+        Option<String>,
+        String,
+        serde_json::Value,
+        Option<i64>,
+        i64,
+        Option<serde_json::Value>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT id, actor, via, db_role, action, target, matched, affected, removed
+         FROM postal.operator_audit ORDER BY id",
+    )
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    let actions: Vec<(&str, i64, i64)> = rows
+        .iter()
+        .map(|r| (r.4.as_str(), r.6.unwrap(), r.7))
+        .collect();
+    assert_eq!(
+        actions,
+        [("discard", 3, 3), ("requeue", 1, 1), ("replay", 1, 1)]
+    );
+    for r in &rows {
+        assert_eq!(
+            (r.1.as_str(), r.2.as_deref(), r.3.as_deref()),
+            (os_user.as_str(), Some("cli"), Some(role.as_str())),
+            "{r:?}"
+        );
+    }
+    assert_eq!(
+        rows[0].5,
+        serde_json::json!({ "ids": [ids[0], ids[1], ids[2]] })
+    );
+    assert_eq!(rows[2].5, serde_json::json!({ "ids": [dead] }));
+    let lines: Vec<serde_json::Value> = printed
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let removed = rows[0].8.as_ref().expect("the discarded events are kept");
+    assert_eq!(removed, &serde_json::Value::Array(lines.clone()));
+    assert_eq!(removed[0]["payload"].as_str().unwrap().len(), 3010);
+    assert_eq!(removed[1]["payload_base64"], "/wCbGw==");
+    assert_eq!(removed[2]["payload_base64"], "YQBi");
+    assert!(rows[1].8.is_none() && rows[2].8.is_none());
+
+    let shown = run(&["audit", "show", &rows[0].0.to_string()]);
+    let shown: Vec<serde_json::Value> = shown
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(shown[0]["action"], "discard");
+    assert_eq!(
+        shown[1..],
+        lines[..],
+        "audit show prints the discarded events whole"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&run(&["audit", "list", "--json"])).unwrap();
+    let listed: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["replay", "requeue", "discard"], "newest first");
+    let text = run(&["audit", "list"]);
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(text.contains(&os_user) && text.contains(" cli "), "{text}");
+}

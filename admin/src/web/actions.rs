@@ -213,10 +213,10 @@ async fn parked_action(
     if let Some(r) = refused(&state, &p) {
         return r;
     }
-    let (verb, path) = if discard {
-        ("discard", "/parked/discard")
+    let path = if discard {
+        "/parked/discard"
     } else {
-        ("requeue", "/parked/requeue")
+        "/parked/requeue"
     };
     let seqs = match carried(&state, &p) {
         Ok(Some(seqs)) => seqs,
@@ -247,29 +247,11 @@ async fn parked_action(
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
     };
+    let by = audit::Operator::dashboard(&actor.0);
     let result = if discard {
-        let mut removed = Vec::new();
-        let n = parked::discard_seqs(&state.pool, &seqs, |batch| {
-            removed.extend(batch);
-            Ok(())
-        })
-        .await;
-        match n {
-            Ok(n) => {
-                let removed = serde_json::to_value(&removed).unwrap_or_default();
-                audit::record(&state.pool, &actor.0, verb, &target(&p), n, Some(&removed))
-                    .await
-                    .map(|_| n)
-            }
-            Err(e) => Err(e),
-        }
+        parked::discard_seqs(&state.pool, &by, &target(&p), &seqs, |_| Ok(())).await
     } else {
-        match parked::requeue_seqs(&state.pool, &seqs, |_| {}).await {
-            Ok(n) => audit::record(&state.pool, &actor.0, verb, &target(&p), n, None)
-                .await
-                .map(|_| n),
-            Err(e) => Err(e),
-        }
+        parked::requeue_seqs(&state.pool, &by, &target(&p), &seqs, |_| {}).await
     };
     let rest = |n| left_out(n, seqs.len(), "parked");
     match result {
@@ -348,13 +330,9 @@ pub(crate) async fn release(
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
     };
-    match parked::requeue_seqs(&state.pool, &seqs, |_| {}).await {
+    let by = audit::Operator::dashboard(&actor.0);
+    match parked::release_seqs(&state.pool, &by, &target(&p), &seqs).await {
         Ok(n) => {
-            if let Err(e) =
-                audit::record(&state.pool, &actor.0, "release-key", &target(&p), n, None).await
-            {
-                return failed(&e);
-            }
             done(
                 &state,
                 "/blocked",
@@ -379,10 +357,10 @@ async fn dead_action(
     if let Some(r) = refused(&state, &p) {
         return r;
     }
-    let (verb, path) = if replay {
-        ("replay", "/dead-letters/replay")
+    let path = if replay {
+        "/dead-letters/replay"
     } else {
-        ("resolve", "/dead-letters/resolve")
+        "/dead-letters/resolve"
     };
     let found = match carried(&state, &p) {
         Ok(Some(ids)) => ids,
@@ -422,21 +400,19 @@ async fn dead_action(
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
     };
+    let by = audit::Operator::dashboard(&actor.0);
     let result = if replay {
         let Some(producer) = &state.producer else {
             return failed(&Error::Invalid(
                 "replay needs the broker: start the dashboard with --bootstrap-servers".into(),
             ));
         };
-        dead_letters::replay(&state.pool, producer, &found, |_| {}).await
+        dead_letters::replay(&state.pool, producer, &by, &target(&p), &found, |_| {}).await
     } else {
-        dead_letters::resolve(&state.pool, &found, &actor.0).await
+        dead_letters::resolve(&state.pool, &by, &target(&p), &found).await
     };
     match result {
         Ok(n) => {
-            if let Err(e) = audit::record(&state.pool, &actor.0, verb, &target(&p), n, None).await {
-                return failed(&e);
-            }
             let rest = left_out(n, found.len(), "open");
             let message = if replay {
                 format!("Replayed {n} dead letter(s) to their topics.{rest}")

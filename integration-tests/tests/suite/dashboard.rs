@@ -206,6 +206,83 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     );
 }
 
+/// Guarantee: the CLI's actions go through the dashboard's audited path: after `postal failed
+/// requeue` and `postal failed discard` (the real binary), the Audit page lists both with who
+/// ran them (the OS user, via `cli`, the database role) and how many they matched and
+/// affected, beside a dashboard action (via `dashboard`). (Before, CLI actions left no row and
+/// the page said "No actions yet".)
+#[tokio::test]
+async fn cli_actions_appear_on_the_audit_page() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dash-cli-audit");
+    let ids = park(
+        &db.pool,
+        (0..3)
+            .map(|i| NewEvent::json(topic.as_str(), format!("k{i}"), "order.placed", &i).unwrap())
+            .collect(),
+        "timeout",
+    )
+    .await;
+    for (verb, id) in [("requeue", ids[0]), ("discard", ids[1])] {
+        let out = std::process::Command::new(crate::procs::bin_dir().join("postal"))
+            .args(["failed", verb, "--id", &id.to_string()])
+            .env("DATABASE_URL", &db.url)
+            .env("POSTAL_LOG", "warn")
+            .output()
+            .expect("postal runs");
+        assert!(
+            out.status.success(),
+            "{verb}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
+    let page = request(addr, "GET", "/parked", &[], "").await;
+    let token = csrf(&page.body).expect("the page's forms carry a CSRF token");
+    let (_, done) = click_and_confirm(
+        addr,
+        "/parked/requeue",
+        &[("csrf", &token), ("id", &ids[2].to_string())],
+    )
+    .await;
+    assert!(done.body.contains("Requeued 1 event(s)"), "{}", done.body);
+
+    let role: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let os_user = nix::unistd::User::from_uid(nix::unistd::getuid())
+        .unwrap()
+        .expect("the test's OS user")
+        .name;
+    let page = request(addr, "GET", "/audit", &[], "").await;
+    assert!(!page.body.contains("No actions yet"), "{}", page.body);
+    let rows: Vec<&str> = page.body.split("<tr>").skip(2).collect();
+    assert_eq!(rows.len(), 3, "three actions: {}", page.body);
+    // Newest first: the dashboard's requeue, then the CLI's discard and requeue.
+    assert!(
+        rows[0].contains(">local<") && rows[0].contains(">dashboard<"),
+        "{}",
+        rows[0]
+    );
+    for (row, action) in [(rows[1], "discard"), (rows[2], "requeue")] {
+        for cell in [os_user.as_str(), "cli", role.as_str(), action] {
+            assert!(
+                row.contains(&format!(">{cell}<")),
+                "{action}: no {cell:?} in {row}"
+            );
+        }
+        assert!(
+            row.contains(&format!(
+                "{}",
+                if action == "discard" { ids[1] } else { ids[0] }
+            )),
+            "{row}"
+        );
+    }
+}
+
 /// Guarantee: by default the dashboard is read-only (no action buttons; an action POST is
 /// refused and changes nothing), and an action matching more events than the cap is refused
 /// with the count and changes nothing.

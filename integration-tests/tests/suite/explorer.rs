@@ -642,9 +642,15 @@ impl Harness {
                 return;
             }
             if !parked.is_empty() {
-                postal_admin::parked::requeue_seqs(direct, &parked, |_| {})
-                    .await
-                    .unwrap();
+                postal_admin::parked::requeue_seqs(
+                    direct,
+                    &postal_admin::audit::Operator::cli("test"),
+                    &serde_json::Value::Null,
+                    &parked,
+                    |_| {},
+                )
+                .await
+                .unwrap();
             }
             relay.round(true).await;
         }
@@ -801,9 +807,15 @@ async fn requeue(pool: PgPool, log: Shared) {
         .fetch_all(&pool)
         .await
         .unwrap();
-        let n = postal_admin::parked::requeue_seqs(&pool, &parked, |_| {})
-            .await
-            .unwrap();
+        let n = postal_admin::parked::requeue_seqs(
+            &pool,
+            &postal_admin::audit::Operator::cli("test"),
+            &serde_json::Value::Null,
+            &parked,
+            |_| {},
+        )
+        .await
+        .unwrap();
         if n > 0 {
             note(
                 &log,

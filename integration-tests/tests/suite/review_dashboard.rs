@@ -252,7 +252,14 @@ async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake()
     let requeue = {
         let admin = admin.clone();
         tokio::spawn(async move {
-            postal_admin::parked::requeue_seqs(&admin, &[head_seq], |_| {}).await
+            postal_admin::parked::requeue_seqs(
+                &admin,
+                &postal_admin::audit::Operator::cli("test"),
+                &serde_json::Value::Null,
+                &[head_seq],
+                |_| {},
+            )
+            .await
         })
     };
     wait::until(Duration::from_secs(10), "the requeue waiting", || async {
@@ -272,15 +279,21 @@ async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake()
                 .unwrap();
             rt.block_on(async move {
                 let pool = PgPool::connect(&url).await.unwrap();
-                postal_admin::parked::discard_seqs(&pool, &[head_seq], move |_| {
-                    in_keep.store(true, Ordering::SeqCst);
-                    // Until the key's next event went out, or 5 s.
-                    let deadline = Instant::now() + Duration::from_secs(5);
-                    while Instant::now() < deadline && !ledger.of("k").contains(&1) {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    Ok(())
-                })
+                postal_admin::parked::discard_seqs(
+                    &pool,
+                    &postal_admin::audit::Operator::cli("test"),
+                    &serde_json::Value::Null,
+                    &[head_seq],
+                    move |_| {
+                        in_keep.store(true, Ordering::SeqCst);
+                        // Until the key's next event went out, or 5 s.
+                        let deadline = Instant::now() + Duration::from_secs(5);
+                        while Instant::now() < deadline && !ledger.of("k").contains(&1) {
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                        Ok(())
+                    },
+                )
                 .await
             })
         })
@@ -481,6 +494,7 @@ async fn a_confirmed_discard_never_deletes_an_event_parked_after_the_confirmatio
     // parks another one of the topic.
     postal_admin::parked::requeue(
         &db.pool,
+        &postal_admin::audit::Operator::cli("test"),
         &postal_admin::parked::Selection::Ids(vec![seen]),
         None,
     )
@@ -1030,9 +1044,16 @@ async fn dead_letter_replays_and_resolves_racing_apply_at_most_once() {
         let one = [dl];
         let (pool, producer) = (&db.pool, &producer);
         let replay = || async move {
-            postal_admin::dead_letters::replay(pool, producer, &one, |_| {})
-                .await
-                .unwrap()
+            postal_admin::dead_letters::replay(
+                pool,
+                producer,
+                &postal_admin::audit::Operator::cli("test"),
+                &serde_json::Value::Null,
+                &one,
+                |_| {},
+            )
+            .await
+            .unwrap()
         };
         let clicks = futures::future::join_all(
             confirms
@@ -1041,9 +1062,14 @@ async fn dead_letter_replays_and_resolves_racing_apply_at_most_once() {
         );
         let resolve = async {
             if with_resolve {
-                postal_admin::dead_letters::resolve(pool, &one, "cli")
-                    .await
-                    .unwrap()
+                postal_admin::dead_letters::resolve(
+                    pool,
+                    &postal_admin::audit::Operator::cli("test"),
+                    &serde_json::Value::Null,
+                    &one,
+                )
+                .await
+                .unwrap()
             } else {
                 0
             }

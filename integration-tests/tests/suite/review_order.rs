@@ -276,9 +276,15 @@ async fn a_requeue_racing_a_claim_that_began_first_keeps_the_keys_order() {
     let t = topic.clone();
     let claiming = tokio::spawn(async move { claim_of(&pool, relay, &t, 100).await });
     claim_waits_for_the_lock(&db.pool).await;
-    let n = postal_admin::parked::requeue_seqs(&db.pool, &[first], |_| {})
-        .await
-        .unwrap();
+    let n = postal_admin::parked::requeue_seqs(
+        &db.pool,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::Value::Null,
+        &[first],
+        |_| {},
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 1);
     lock.release().await;
     let c = claiming.await.unwrap();

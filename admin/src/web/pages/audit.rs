@@ -18,18 +18,30 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
             vec![
                 e.at.format("%Y-%m-%d %H:%M:%S").to_string(),
                 esc(&e.actor),
+                esc(e.via.as_deref().unwrap_or("-")),
+                esc(e.db_role.as_deref().unwrap_or("-")),
                 esc(&e.action),
                 format!(
                     "<code>{}</code>",
                     esc(&postal_shared::text::bounded(&e.target.to_string(), 400))
                 ),
+                e.matched.map_or_else(|| "-".to_owned(), |m| m.to_string()),
                 e.affected.to_string(),
             ]
         })
         .collect();
     let body = table(
         "audit",
-        &["When (UTC)", "Who", "Action", "On", "Affected"],
+        &[
+            "When (UTC)",
+            "Who",
+            "Via",
+            "Database role",
+            "Action",
+            "On",
+            "Matched",
+            "Affected",
+        ],
         &rows,
         "No actions yet.",
     );
