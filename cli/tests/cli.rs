@@ -67,6 +67,78 @@ fn a_mistyped_database_url_is_refused_without_its_password() {
     }
 }
 
+/// Guarantee: a password planted in `DATABASE_URL` appears in nothing a command prints — its
+/// error line, and every log line at `trace` level — whatever the shape of the string: a URL
+/// with the password in its user part (with an `@` in it, or percent-encoded), under a query
+/// parameter (known, misspelt or unknown to sqlx), after an `@` in the query, a mistyped
+/// scheme, or a libpq `key=value` string with a misspelt key. One-shot commands (`status`,
+/// `migrate`) and the long-running relay (killed after its first retries).
+#[test]
+fn a_planted_password_appears_in_no_output_at_any_log_level() {
+    const PW: &str = "Pl4ntedPw";
+    let shapes = [
+        format!("postgres://app:{PW}@127.0.0.1:1/shop"),
+        format!("postgres://app:{PW}x@y@127.0.0.1:1/shop"),
+        format!("postgres://app:{PW}%40x@127.0.0.1:1/shop"),
+        format!("postgres://app@127.0.0.1:1/shop?password={PW}"),
+        format!("postgres://app@127.0.0.1:1/shop?pasword={PW}"),
+        format!("postgres://app@127.0.0.1:1/shop?sslmode=disable&x={PW}@y"),
+        format!("postgres//app:{PW}@127.0.0.1:1/shop"),
+        format!("host=127.0.0.1 port=1 user=app pass={PW}"),
+        format!("host=127.0.0.1 port=1 user=app password = '{PW} x'"),
+    ];
+    for url in &shapes {
+        for cmd in [
+            &["status", "--connect-timeout", "2s"][..],
+            &["migrate", "--connect-timeout", "2s"][..],
+        ] {
+            let out = postal()
+                .args(cmd)
+                .env("DATABASE_URL", url)
+                .env("POSTAL_LOG", "trace")
+                .env("RUST_LOG", "trace")
+                .output()
+                .unwrap();
+            let all = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(!out.status.success(), "{cmd:?} {url}: {all}");
+            assert!(
+                !all.contains(PW),
+                "{cmd:?} with {url:?} printed the password: {all}"
+            );
+        }
+    }
+    // The relay waits for its database and retries, logging as it goes: a few seconds of it.
+    for url in &shapes[..4] {
+        let mut child = postal()
+            .args(["relay"])
+            .env("DATABASE_URL", url)
+            .env("POSTAL_LOG", "trace")
+            .env("RUST_LOG", "trace")
+            .env("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!all.is_empty(), "the relay logged something for {url}");
+        assert!(
+            !all.contains(PW),
+            "relay with {url:?} printed the password: {all}"
+        );
+    }
+}
+
 /// Guarantee: invalid relay settings (including `--kafka` overrides that break durability or
 /// per-key order) stop the process at start-up with a clear error.
 #[test]
