@@ -44,7 +44,12 @@ pub(crate) async fn seq_of(pool: &PgPool, payload: &str) -> i64 {
         .unwrap()
 }
 
-pub(crate) async fn claim_in(pool: &PgPool, relay: Uuid, topic: &str, limit: usize) -> Option<claim::Claim> {
+pub(crate) async fn claim_in(
+    pool: &PgPool,
+    relay: Uuid,
+    topic: &str,
+    limit: usize,
+) -> Option<claim::Claim> {
     claim::claim(
         pool,
         relay,
