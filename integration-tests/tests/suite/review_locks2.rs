@@ -23,20 +23,20 @@ use uuid::Uuid;
 use crate::common::held_up::connect;
 use crate::common::{create_topic, fast_config, kafka_transport, RunningRelay};
 
-const LEASE: Duration = Duration::from_secs(60);
+pub(crate) const LEASE: Duration = Duration::from_secs(60);
 
-async fn exec(c: &mut PgConnection, sql: &str) {
+pub(crate) async fn exec(c: &mut PgConnection, sql: &str) {
     sqlx::query(sql).execute(c).await.unwrap();
 }
 
-async fn put(pool: &PgPool, topic: &str, key: &str, payload: &str) {
+pub(crate) async fn put(pool: &PgPool, topic: &str, key: &str, payload: &str) {
     let mut c = pool.acquire().await.unwrap();
     enqueue(&mut c, NewEvent::json(topic, key, "e", &payload).unwrap())
         .await
         .unwrap();
 }
 
-async fn seq_of(pool: &PgPool, payload: &str) -> i64 {
+pub(crate) async fn seq_of(pool: &PgPool, payload: &str) -> i64 {
     sqlx::query_scalar("SELECT seq FROM postal.outbox WHERE payload = convert_to($1, 'UTF8')")
         .bind(serde_json::to_string(payload).unwrap())
         .fetch_one(pool)
@@ -44,7 +44,12 @@ async fn seq_of(pool: &PgPool, payload: &str) -> i64 {
         .unwrap()
 }
 
-async fn claim_in(pool: &PgPool, relay: Uuid, topic: &str, limit: usize) -> Option<claim::Claim> {
+pub(crate) async fn claim_in(
+    pool: &PgPool,
+    relay: Uuid,
+    topic: &str,
+    limit: usize,
+) -> Option<claim::Claim> {
     claim::claim(
         pool,
         relay,
@@ -58,7 +63,7 @@ async fn claim_in(pool: &PgPool, relay: Uuid, topic: &str, limit: usize) -> Opti
     .unwrap()
 }
 
-fn payloads(c: &Option<claim::Claim>) -> Vec<String> {
+pub(crate) fn payloads(c: &Option<claim::Claim>) -> Vec<String> {
     c.as_ref().map_or_else(Vec::new, |c| {
         c.events()
             .iter()
@@ -340,7 +345,7 @@ async fn more_locked_rows_than_the_window_cap_do_not_stall_unrelated_keys() {
 
 /// Creates exactly one multixact (two sessions `FOR SHARE` on row 0 of `mx`) and returns its
 /// id.
-async fn probe_multixact(a: &mut PgConnection, b: &mut PgConnection) -> i64 {
+pub(crate) async fn probe_multixact(a: &mut PgConnection, b: &mut PgConnection) -> i64 {
     exec(a, "BEGIN").await;
     exec(b, "BEGIN").await;
     exec(a, "SELECT 1 FROM mx WHERE id = 0 FOR SHARE").await;
@@ -358,7 +363,7 @@ async fn probe_multixact(a: &mut PgConnection, b: &mut PgConnection) -> i64 {
 /// `1000 + p` of `mx` share-locked by pair `p` of them (a multixact of its own each).
 const HOLDERS: usize = 30;
 
-async fn hold_pairs(url: &str) -> (Vec<PgConnection>, usize) {
+pub(crate) async fn hold_pairs(url: &str) -> (Vec<PgConnection>, usize) {
     let mut hs = Vec::new();
     for _ in 0..HOLDERS {
         let mut c = connect(url).await;
@@ -380,7 +385,7 @@ async fn hold_pairs(url: &str) -> (Vec<PgConnection>, usize) {
 /// Advances the multixact counter by about `n` (PostgreSQL reuses a multixact for the same
 /// member set within a transaction, so each locking transaction meets `pairs` rows of distinct
 /// pairs and makes a multixact per row: `pairs` multixacts per transaction id).
-async fn advance_multixacts(b: &mut PgConnection, pairs: usize, n: i64) {
+pub(crate) async fn advance_multixacts(b: &mut PgConnection, pairs: usize, n: i64) {
     let rounds = (n as usize) / pairs;
     let q = format!(
         "SELECT count(*) FROM (SELECT 1 FROM mx WHERE id BETWEEN 1000 AND {} FOR SHARE) s",
