@@ -74,6 +74,9 @@ struct Xact {
     /// transaction id).
     taken: Vec<i64>,
     left_behind: Vec<i64>,
+    /// When it ended, on the registration counter ([`NEXT`]; `u64::MAX` while it runs): a
+    /// claim that ended before another registered held no lock during that one's statement.
+    ended_at: u64,
     /// Whether its rows that wait are known (its claim statement returned and was judged, or
     /// it ended).
     settled: bool,
@@ -122,6 +125,7 @@ pub(crate) fn register(relay: Uuid, xid: i64) -> OwnClaim {
                 xid,
                 taken: Vec::new(),
                 left_behind: Vec::new(),
+                ended_at: u64::MAX,
                 settled: false,
             },
             0,
@@ -281,6 +285,7 @@ impl Drop for OwnClaim {
         };
         if let Some((mut x, _)) = c.running.remove(&self.id) {
             x.settled = true;
+            x.ended_at = NEXT.fetch_add(1, Ordering::Relaxed);
             if c.ended.len() == REMEMBERED {
                 c.ended.pop_front();
             }
@@ -345,8 +350,12 @@ fn elsewhere(c: Option<&Claims>, me: u64, seq: i64, xmax: i64) -> Option<bool> {
             (false, false) => Some(true),
         };
     }
+    // An ended claim locks nothing: its lock can only have been met if it ended after this
+    // claim registered (before its statement). One that ended earlier gave its rows back or
+    // finished them before this statement began, so a lock with its id is someone else's (a
+    // multixact of the same number on a row it gave back).
     match c.ended.iter().find(|x| x.xid == xmax) {
-        Some(x) => Some(x.not_in_flight(seq)),
+        Some(x) => Some(x.ended_at < me || x.not_in_flight(seq)),
         None => Some(true),
     }
 }
@@ -457,8 +466,8 @@ mod tests {
         let theirs_claim = register(theirs, 42);
         let ended = register(mine, 43);
         ended.claimed(vec![1], Vec::new(), 10, 0);
-        drop(ended);
         let me = register(mine, 44);
+        drop(ended); // during `me`'s statement
         let (verdicts, _) = me
             .verdicts(
                 &[event(2, "t", "k"), event(3, "t", "j")],
@@ -571,22 +580,27 @@ mod tests {
         running.claimed(vec![3], Vec::new(), 10, 0);
         let ended = register(relay, 501);
         ended.claimed(vec![4], Vec::new(), 10, 0);
-        drop(ended);
+        let gone = register(relay, 503);
+        gone.claimed(vec![5], Vec::new(), 10, 0);
+        drop(gone); // before `me` registered: it held no lock during `me`'s statement
         let me = register(relay, 502);
+        drop(ended); // during `me`'s statement
         let events = [
             event(10, "t", "a"),
             event(11, "t", "b"),
             event(12, "t", "c"),
             event(13, "t", "d"),
+            event(14, "t", "e"),
         ];
         let skipped = [
             Some(Skipped::of(&[(3, 500)])), // taken by the running claim: its own
             Some(Skipped::of(&[(9, 500)])), // same id, never taken by it: someone else's
-            Some(Skipped::of(&[(4, 501)])), // taken by the ended claim: its own
+            Some(Skipped::of(&[(4, 501)])), // taken by a claim that ended meanwhile: its own
             Some(Skipped::of(&[(8, 501)])), // same id, never taken: someone else's
+            Some(Skipped::of(&[(5, 503)])), // taken by a claim that had ended before: not its lock
         ];
         let (verdicts, _) = me.verdicts(&events, &skipped).await;
-        assert_eq!(verdicts, [false, true, false, true]);
+        assert_eq!(verdicts, [false, true, false, true, true]);
         assert!(
             !own(relay).held.contains(&4),
             "only running claims' rows go to the statement"

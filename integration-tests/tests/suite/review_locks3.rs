@@ -50,7 +50,6 @@ use crate::review_locks2::{
 /// on `first` (multixact X, checked); claim L must take nothing of key k. It fails if L takes
 /// `second`.
 #[tokio::test]
-#[ignore = "known: a multixact xmax equal to an ended claim's xid, on a row that claim took and gave back, passes for the relay's own lock (skipped::elsewhere / Xact::not_in_flight): the key's later event is claimed first"]
 async fn a_multixact_equal_to_an_ended_claims_xid_on_a_row_it_gave_back_still_holds_the_key() {
     let db = fresh_postgres_db().await;
     let relay = crate::common::held_up::relay_in(&db.pool, lease::DEFAULT_GROUP, LEASE).await;
@@ -470,7 +469,7 @@ async fn partitions_added_under_a_publishing_relay_lose_nothing() {
 /// Schedule: as [`publish_across_a_partition_increase`]. Fails when some key's events are on
 /// more than one partition.
 #[tokio::test]
-#[ignore = "known: partitions added to a topic move keys (murmur2 mod n): a key's later events land on a new partition, so per-key order of application is gone; undocumented, no warning"]
+#[ignore = "known: partitions added to a topic move keys (murmur2 mod n), as for every Kafka producer; docs/guarantees.md says so; the relay does not notice the change"]
 async fn partitions_added_under_a_publishing_relay_keep_each_key_on_one_partition() {
     let (records, n, _) = publish_across_a_partition_increase().await;
     let by_key = first_copies(&records);
