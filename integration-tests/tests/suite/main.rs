@@ -52,6 +52,7 @@ mod review_dashboard;
 mod review_locks;
 mod review_locks2;
 mod review_locks3;
+mod review_locks4;
 mod review_marks;
 mod review_order;
 mod review_rabbit;

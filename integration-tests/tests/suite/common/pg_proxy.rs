@@ -97,6 +97,16 @@ pub struct Ctl {
     pub cut_minutes_commit: AtomicBool,
     /// Connections cut so far.
     pub cuts: AtomicU64,
+    /// Claim statements (`claim::claimed!`: `FOR UPDATE OF o SKIP LOCKED`) executed through
+    /// the proxy so far (counted at their `Bind`).
+    pub claim_execs: AtomicU64,
+    /// Hold the claim statement execution with this index (0-based, `u64::MAX`: none) until
+    /// `claim_release` is set: the claim has registered its transaction id and read its
+    /// leases, and its claim statement has not reached the server (no snapshot yet).
+    pub hold_claim_at: AtomicU64,
+    /// Claim statements held so far.
+    pub claims_held: AtomicU64,
+    pub claim_release: tokio::sync::watch::Sender<bool>,
 }
 
 /// A TCP proxy in front of PostgreSQL that reads the client's protocol messages.
@@ -118,6 +128,10 @@ impl PgProxy {
             hold_commit: AtomicBool::new(false),
             cut_minutes_commit: AtomicBool::new(false),
             cuts: AtomicU64::new(0),
+            claim_execs: AtomicU64::new(0),
+            hold_claim_at: AtomicU64::new(u64::MAX),
+            claims_held: AtomicU64::new(0),
+            claim_release: tokio::sync::watch::channel(false).0,
         });
         let c = ctl.clone();
         tokio::spawn(async move {
@@ -166,6 +180,8 @@ async fn to_server(
     let mut started = false;
     // Prepared statements (by name) that are the activity upsert.
     let mut minutes: HashSet<Vec<u8>> = HashSet::new();
+    // Prepared statements (by name) that are claim statements.
+    let mut claims: HashSet<Vec<u8>> = HashSet::new();
     let mut in_minutes_tx = false;
     loop {
         let n = from.read(&mut chunk).await?;
@@ -234,10 +250,23 @@ async fn to_server(
                         } else {
                             minutes.remove(name);
                         }
+                        if contains(sql, b"FOR UPDATE OF o SKIP LOCKED") {
+                            claims.insert(name.to_vec());
+                        } else {
+                            claims.remove(name);
+                        }
                     }
                     b'B' => {
                         let (_portal, rest) = cstr(body);
                         let (statement, _) = cstr(rest);
+                        if claims.contains(statement) {
+                            let n = ctl.claim_execs.fetch_add(1, Ordering::SeqCst);
+                            if n == ctl.hold_claim_at.load(Ordering::SeqCst) {
+                                ctl.claims_held.fetch_add(1, Ordering::SeqCst);
+                                let mut released = ctl.claim_release.subscribe();
+                                let _ = released.wait_for(|r| *r).await;
+                            }
+                        }
                         if minutes.contains(statement) {
                             in_minutes_tx = true;
                             if ctl.hold_minutes.swap(false, Ordering::SeqCst) {
