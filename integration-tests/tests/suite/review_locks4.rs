@@ -186,7 +186,7 @@ fn held_back(seq: i64) -> claim::Failure {
 /// or simply never count a row as an ended claim's once that claim wrote it back (add the
 /// written-back rows to `left_behind` at completion).
 #[tokio::test]
-#[ignore = "known: a claim ending during the next claim's registration-to-statement gap, having written a row back untried, still counts as holding it in $8/$9: a multixact xmax equal to its xid lets the next claim take the key's later event (masked in a relay by the key chain)"]
+#[ignore = "known, claim statement alone: a claim that writes a row back untried and ends between the next claim's registration and its statement still counts as holding the row ($8/$9), so a multixact equal to its xid lets that claim take the key's later event; in a relay the key chain holds it (a_relay_holds_the_key_when_its_claim_passes_a_written_back_row_as_an_ended_claims)"]
 async fn a_multixact_equal_to_a_claim_that_ended_during_the_next_claim_on_a_row_it_wrote_back_holds_the_key(
 ) {
     let db = fresh_postgres_db().await;
