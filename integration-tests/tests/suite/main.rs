@@ -49,6 +49,7 @@ mod review_break;
 mod review_checkout;
 mod review_consumer;
 mod review_dashboard;
+mod review_hostile;
 mod review_locks;
 mod review_locks2;
 mod review_locks3;
