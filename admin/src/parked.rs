@@ -1,7 +1,9 @@
 //! Parked events: the outbox rows the relay gave up on (`status = 'failed'`). Each holds back
 //! the later events of its key until it is requeued or discarded.
 //!
-//! A parked row's `available_at` is when it was parked.
+//! A parked row's `available_at` is when it was parked. Times are read clamped to the years
+//! 1–262,000: a row written around `postal.enqueue` may hold `'infinity'`, which the time type
+//! cannot (`review_hostile::`, `hostile_cli::`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -146,7 +148,7 @@ pub struct Parked {
 pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Parked>, Error> {
     let sql = format!(
         "SELECT seq, event_id, topic, event_key, event_type, attempts, last_error,
-                available_at AS parked_at
+                least(greatest(available_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS parked_at
          FROM postal.outbox WHERE {WHERE} ORDER BY seq LIMIT $8"
     );
     Ok(bind(sqlx::query_as(&sql), filter)
@@ -160,7 +162,7 @@ pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<Pa
 pub async fn by_seqs(pool: &PgPool, seqs: &[i64]) -> Result<Vec<Parked>, Error> {
     Ok(sqlx::query_as(
         "SELECT seq, event_id, topic, event_key, event_type, attempts, last_error,
-                available_at AS parked_at
+                least(greatest(available_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS parked_at
          FROM postal.outbox WHERE status = 'failed' AND seq = ANY($1) ORDER BY seq",
     )
     .bind(seqs)
@@ -212,7 +214,7 @@ pub async fn groups(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Groups
         "SELECT fingerprint, sum(n)::int8 AS events, count(*) AS topics, min(example) AS example,
                 max(last_parked_at) AS last_parked_at, (sum(sum(n)) OVER ())::int8 AS total
          FROM (SELECT {FINGERPRINT_SQL} AS fingerprint, topic, count(*) AS n,
-                      min(last_error) AS example, max(available_at) AS last_parked_at
+                      min(last_error) AS example, max(least(greatest(available_at, '0001-01-01 00:00:00+00'), '262000-01-01')) AS last_parked_at
                FROM postal.outbox WHERE {WHERE} GROUP BY 1, 2) AS g
          GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT $8"
     );
@@ -266,7 +268,9 @@ pub struct Event {
 pub async fn show(pool: &PgPool, id: Uuid, payload_cap: i32) -> Result<Option<Event>, Error> {
     Ok(sqlx::query_as(
         "SELECT seq, event_id, status, topic, event_key, event_type, schema_version,
-                content_type, headers, attempts, last_error, created_at, available_at,
+                content_type, headers, attempts, last_error,
+                least(greatest(created_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS created_at,
+                least(greatest(available_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS available_at,
                 octet_length(payload) AS payload_bytes, substring(payload FROM 1 FOR $2) AS payload
          FROM postal.outbox WHERE event_id = $1",
     )
@@ -439,7 +443,8 @@ pub async fn discard_seqs(
                  ORDER BY seq FOR UPDATE SKIP LOCKED)
              DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
              RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
-                       o.schema_version, o.occurred_at, o.content_type, o.headers,
+                       o.schema_version, least(greatest(o.occurred_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS occurred_at,
+                       o.content_type, o.headers,
                        o.attempts, o.last_error, o.payload,
                        translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
         )
@@ -518,7 +523,7 @@ pub(crate) const BLOCKED_SQL: &str = "WITH r AS (
                     (SELECT count(*) FROM unnest(pending) AS s WHERE s > head_seq) AS waiting
              FROM k ORDER BY 4 DESC, head_seq LIMIT $1)
          SELECT o.topic, w.event_key, o.event_id AS head_event_id, o.last_error AS head_error,
-                o.available_at AS parked_at, w.parked, w.waiting
+                least(greatest(o.available_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS parked_at, w.parked, w.waiting
          FROM w JOIN postal.outbox o ON o.seq = w.head_seq
          ORDER BY w.waiting DESC, w.head_seq";
 

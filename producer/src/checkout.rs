@@ -161,7 +161,7 @@ pub(crate) async fn settle(
             FROM done WHERE $10
         ), failed AS (
             UPDATE postal.outbox o
-            SET attempts = o.attempts + u.inc,
+            SET attempts = least(o.attempts::int8 + u.inc, 2147483647)::int4,
                 running = false,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',

@@ -72,7 +72,7 @@ macro_rules! plan_settings {
 pub const PLAN_SETTINGS: &str = concat!("SELECT ", plan_settings!());
 
 /// The names of the columns in [`returned!`], in order: what [`decode`]'s positions mean.
-const RETURNED_NAMES: [&str; 15] = [
+const RETURNED_NAMES: [&str; 16] = [
     "seq",
     "event_id",
     "topic",
@@ -86,6 +86,7 @@ const RETURNED_NAMES: [&str; 15] = [
     "attempts",
     "created_at",
     "last_error",
+    "raw_times",
     "skipped",
     "passed",
 ];
@@ -130,17 +131,22 @@ fn decode(
             key: row.try_get(3)?,
             event_type: row.try_get(4)?,
             schema_version: row.try_get(5)?,
-            occurred_at: row.try_get(6)?,
+            occurred_at: row
+                .try_get::<Option<DateTime<Utc>>, _>(6)?
+                .unwrap_or(DateTime::UNIX_EPOCH),
             content_type: row.try_get(7)?,
             payload: row.try_get(8)?,
             headers,
             attempts: row.try_get(10)?,
         },
         Kept {
-            created_at: row.try_get(11)?,
+            created_at: row
+                .try_get::<Option<DateTime<Utc>>, _>(11)?
+                .unwrap_or(DateTime::UNIX_EPOCH),
             last_error: row.try_get(12)?,
+            raw_times: row.try_get(13)?,
         },
-        Skipped::from_column(row.try_get(13)?),
+        Skipped::from_column(row.try_get(14)?),
     ))
 }
 
@@ -148,13 +154,16 @@ fn decode(
 /// row).
 fn passed(row: &sqlx::postgres::PgRow) -> Result<usize, sqlx::Error> {
     use sqlx::Row as _;
-    Ok(usize::try_from(row.try_get::<i64, _>(14)?).unwrap_or(0))
+    Ok(usize::try_from(row.try_get::<i64, _>(15)?).unwrap_or(0))
 }
 
 /// What is needed to write a row back after a failed publish (delete-on-claim mode).
 struct Kept {
     created_at: DateTime<Utc>,
     last_error: Option<String>,
+    /// `occurred_at|created_at` as stored, when either lies outside the times the relay can
+    /// carry (see [`returned!`]): the row is parked and written back with them unchanged.
+    raw_times: Option<String>,
 }
 
 /// Rows claimed in one open transaction.
@@ -285,11 +294,11 @@ impl Claim {
     ) -> Result<Vec<(i64, i32, i32, bool)>, crate::Error> {
         let marked: Result<Vec<(i64, i32, i32, bool)>, sqlx::Error> = sqlx::query_as(
             "WITH r AS (
-                 SELECT seq, attempts + (running::int) AS attempts,
-                        running AND attempts + 1 >= $3 AS park
+                 SELECT seq, least(attempts::int8 + running::int, 2147483647)::int4 AS attempts,
+                        running AND attempts::int8 + 1 >= $3 AS park
                  FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending')
              UPDATE postal.outbox o
-             SET runs = o.runs + 1,
+             SET runs = least(o.runs::int8 + 1, 2147483647)::int4,
                  attempts = r.attempts,
                  running = NOT r.park,
                  status = CASE WHEN r.park THEN 'failed' ELSE 'pending' END,
@@ -575,6 +584,21 @@ pub async fn claim(
     let (rows, skipped): (Vec<(OutboundEvent, Kept)>, Vec<Option<Skipped>>) =
         rows.into_iter().map(|(e, k, b)| ((e, k), b)).unzip();
     let (mut events, mut kept): (Vec<OutboundEvent>, Vec<Kept>) = rows.into_iter().unzip();
+    let mut skipped = skipped;
+    if kept.iter().any(|k| k.raw_times.is_some()) {
+        if let Err(e) = park_rows_with_times_out_of_range(
+            &mut tx,
+            delete_on_claim,
+            &mut events,
+            &mut kept,
+            &mut skipped,
+        )
+        .await
+        {
+            let _ = tx.rollback().await;
+            return Err(e);
+        }
+    }
     // Which rows wait behind a row locked elsewhere (or left behind by an earlier claim of
     // this relay, which this one may have to wait for to know), recorded before anything else
     // (a later claim of the relay that passes this one's locks waits for it to know).
@@ -676,6 +700,67 @@ async fn leave_keys_behind_locked_rows(
     }
 }
 
+/// Takes out of the claim the rows whose `occurred_at` or `created_at` the relay cannot carry
+/// (see [`returned!`]; written around `enqueue`, e.g. `'infinity'`) and the rows of their (topic,
+/// key) after them, and writes them back in the claim's transaction: the first parked with the
+/// reason, holding its key like any parked event, the rest released behind it (no attempt
+/// used). Their stored times are written back unchanged.
+async fn park_rows_with_times_out_of_range(
+    tx: &mut Transaction<'static, Postgres>,
+    delete_on_claim: bool,
+    events: &mut Vec<OutboundEvent>,
+    kept: &mut Vec<Kept>,
+    skipped: &mut Vec<Option<Skipped>>,
+) -> Result<(), sqlx::Error> {
+    let mut parked_keys: Vec<(String, String)> = Vec::new();
+    let mut failures = Vec::new();
+    let (mut out_events, mut out_kept) = (Vec::new(), Vec::new());
+    let all = std::mem::take(events)
+        .into_iter()
+        .zip(std::mem::take(kept))
+        .zip(std::mem::take(skipped));
+    for ((e, k), s) in all {
+        let key = (e.topic.clone(), e.key.clone());
+        if let Some(raw) = &k.raw_times {
+            let (occurred, created) = raw.split_once('|').unwrap_or((raw.as_str(), ""));
+            let reason = format!(
+                "occurred_at {occurred:?} or created_at {created:?} lies outside the times Postal can carry (a row written around postal.enqueue): parked; fix the row and requeue it, or discard it"
+            );
+            tracing::warn!(seq = e.seq, topic = %postal_shared::text::field(&e.topic), "{reason}");
+            failures.push(Failure {
+                seq: e.seq,
+                counts: false,
+                park: true,
+                hold: true,
+                retry_in: Duration::ZERO,
+                reason: Some(reason),
+            });
+            parked_keys.push(key);
+        } else if parked_keys.contains(&key) {
+            failures.push(Failure {
+                seq: e.seq,
+                counts: false,
+                park: false,
+                hold: false,
+                retry_in: Duration::ZERO,
+                reason: None,
+            });
+        } else {
+            events.push(e);
+            kept.push(k);
+            skipped.push(s);
+            continue;
+        }
+        out_events.push(e);
+        out_kept.push(k);
+    }
+    if delete_on_claim {
+        complete::restore(tx, &out_events, kept_view(&out_kept), &failures).await
+    } else {
+        complete::mark(tx, &[], &failures).await
+    }
+}
+
 /// The key partitions as a `bool[256]` mask (`true` = included), or `None` for all of them:
 /// one array lookup per row instead of a search through a list.
 fn mask(partitions: &[i16]) -> Option<Vec<bool>> {
@@ -688,18 +773,35 @@ fn mask(partitions: &[i16]) -> Option<Vec<bool>> {
     (!mask.iter().all(|&m| m)).then_some(mask)
 }
 
-fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>)> {
+fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>, Option<&str>)> {
     kept.iter()
-        .map(|k| (k.created_at, k.last_error.as_deref()))
+        .map(|k| {
+            (
+                k.created_at,
+                k.last_error.as_deref(),
+                k.raw_times.as_deref(),
+            )
+        })
         .collect()
 }
 
 /// The columns a claim returns, in the order [`decode`] reads them by position.
+///
+/// `occurred_at` and `created_at` are NULL when they lie outside the times the relay can carry
+/// (`infinity`, `-infinity`, or past the year 262,000: PostgreSQL stores them, chrono cannot
+/// hold them, and decoding one panicked inside sqlx, leaving the claim's locks behind:
+/// `review_hostile::`); `raw_times` then holds both as stored, and the claim parks the row
+/// with its reason ([`park_rows_with_times_out_of_range`]).
 macro_rules! returned {
     () => {
         "d.seq, d.event_id, d.topic, d.event_key, d.event_type, d.schema_version, \
-         d.occurred_at, d.content_type, d.payload, d.headers, d.attempts, d.created_at, \
-         d.last_error"
+         CASE WHEN d.occurred_at > '-infinity' AND d.occurred_at < '262000-01-01' \
+         THEN d.occurred_at END AS occurred_at, d.content_type, d.payload, d.headers, \
+         d.attempts, CASE WHEN d.created_at > '-infinity' AND d.created_at < '262000-01-01' \
+         THEN d.created_at END AS created_at, d.last_error, \
+         CASE WHEN NOT (d.occurred_at > '-infinity' AND d.occurred_at < '262000-01-01' \
+         AND d.created_at > '-infinity' AND d.created_at < '262000-01-01') \
+         THEN d.occurred_at::text || '|' || d.created_at::text END AS raw_times"
     };
 }
 
@@ -845,7 +947,12 @@ mod tests {
     fn the_claim_returns_the_columns_decode_expects() {
         let listed: Vec<&str> = returned!()
             .split(',')
-            .map(|c| c.trim().trim_start_matches("d."))
+            .map(|c| {
+                let c = c.trim();
+                c.rsplit_once(" AS ")
+                    .map_or(c, |(_, alias)| alias)
+                    .trim_start_matches("d.")
+            })
             .collect();
         assert_eq!(listed, RETURNED_NAMES[..RETURNED_NAMES.len() - 2]);
         assert!(skipped_column!().ends_with(" AS passed"));

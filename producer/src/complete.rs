@@ -49,7 +49,7 @@ pub(crate) async fn mark(
             RETURNING 1
         ), failed AS (
             UPDATE postal.outbox o
-            SET attempts = o.attempts + u.inc,
+            SET attempts = least(o.attempts::int8 + u.inc, 2147483647)::int4,
                 status = CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                 available_at = now() + u.delay_ms * interval '1 millisecond',
                 held = u.hold,
@@ -79,7 +79,7 @@ pub(crate) async fn mark(
 pub(crate) async fn restore(
     conn: &mut PgConnection,
     batch: &[OutboundEvent],
-    kept: Vec<(DateTime<Utc>, Option<&str>)>,
+    kept: Vec<(DateTime<Utc>, Option<&str>, Option<&str>)>,
     failures: &[Failure],
 ) -> Result<(), sqlx::Error> {
     let by_seq: std::collections::HashMap<i64, (usize, &OutboundEvent)> = batch
@@ -95,17 +95,19 @@ pub(crate) async fn restore(
     let mut hold = Vec::with_capacity(n);
     let mut err: Vec<Option<&str>> = Vec::with_capacity(n);
     let mut created = Vec::with_capacity(n);
+    let mut raw: Vec<Option<&str>> = Vec::with_capacity(n);
     for f in failures {
         let Some((i, e)) = by_seq.get(&f.seq) else {
             continue;
         };
         cols.push(e);
-        attempts.push(e.attempts + i32::from(f.counts));
+        attempts.push(e.attempts.saturating_add(i32::from(f.counts)));
         park.push(f.park);
         delay.push(f.retry_in.as_millis() as i64);
         hold.push(f.hold);
         err.push(f.reason.as_deref().or(kept[*i].1));
         created.push(kept[*i].0);
+        raw.push(kept[*i].2);
     }
     cols.bind(sqlx::query(
         r#"
@@ -116,11 +118,16 @@ pub(crate) async fn restore(
         SELECT u.seq, u.id, u.topic, u.k, u.typ, u.ver, u.occ, u.ct, u.payload, u.hdr, u.attempts,
                CASE WHEN u.park THEN 'failed' ELSE 'pending' END,
                now() + u.delay_ms * interval '1 millisecond', u.hold, u.err, u.created
-        FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::int4[],
-                    $7::timestamptz[], $8::text[], $9::bytea[], $10::jsonb[], $11::int4[],
-                    $12::bool[], $13::int8[], $14::bool[], $15::text[], $16::timestamptz[])
-             AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, park, delay_ms,
-                  hold, err, created)
+        FROM (SELECT u.seq, u.id, u.topic, u.k, u.typ, u.ver,
+                     coalesce(split_part(u.raw, '|', 1)::timestamptz, u.occ) AS occ,
+                     u.ct, u.payload, u.hdr, u.attempts, u.park, u.delay_ms, u.hold, u.err,
+                     coalesce(split_part(u.raw, '|', 2)::timestamptz, u.created) AS created
+              FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
+                          $6::int4[], $7::timestamptz[], $8::text[], $9::bytea[], $10::jsonb[],
+                          $11::int4[], $12::bool[], $13::int8[], $14::bool[], $15::text[],
+                          $16::timestamptz[], $17::text[])
+                   AS u(seq, id, topic, k, typ, ver, occ, ct, payload, hdr, attempts, park,
+                        delay_ms, hold, err, created, raw)) u
         "#,
     ))
     .bind(&attempts)
@@ -129,6 +136,7 @@ pub(crate) async fn restore(
     .bind(&hold)
     .bind(&err)
     .bind(&created)
+    .bind(&raw)
     .execute(conn)
     .await?;
     Ok(())
@@ -142,7 +150,7 @@ pub(crate) async fn restore(
 pub(crate) async fn archive(
     conn: &mut PgConnection,
     batch: &[OutboundEvent],
-    kept: Vec<(DateTime<Utc>, Option<&str>)>,
+    kept: Vec<(DateTime<Utc>, Option<&str>, Option<&str>)>,
     published: &[i64],
 ) -> Result<(), sqlx::Error> {
     let published: std::collections::HashSet<i64> = published.iter().copied().collect();

@@ -94,7 +94,7 @@ impl Judge {
                 Err(err) => {
                     let counts =
                         !matches!(err.kind, FailureKind::Unavailable | FailureKind::Waiting);
-                    let attempts = event.attempts + i32::from(counts);
+                    let attempts = event.attempts.saturating_add(i32::from(counts));
                     // Only a failure that counts can use up the attempts (an event whose count
                     // is already at a lowered `max_attempts` is not parked for an outage).
                     let park = err.kind == FailureKind::Permanent

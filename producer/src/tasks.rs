@@ -425,7 +425,7 @@ impl<S: Send + Sync + 'static> Transport for TaskTransport<S> {
                             content_type: e.content_type,
                             payload: e.payload,
                             headers: e.headers,
-                            attempt: e.attempts + 1,
+                            attempt: e.attempts.saturating_add(1),
                         };
                         Self::run_one(handler, task, running.clone(), timeout, stop.clone()).await
                     } else {
