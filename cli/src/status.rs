@@ -19,7 +19,15 @@ struct TopicRow {
     /// e.g. a missing topic or a missing ACL), if one did.
     #[sqlx(default)]
     waiting: Option<String>,
+    /// The oldest due event has waited [`STALLED_AFTER_S`] or more: no relay publishes this
+    /// topic now (see `waiting`, the relays below and their logs).
+    #[sqlx(default)]
+    stalled: bool,
 }
+
+/// How long a due event, or a consumer's lag, may go without progress before `postal status`
+/// marks its topic or partition stalled.
+const STALLED_AFTER_S: f64 = 60.0;
 
 #[derive(Serialize)]
 struct Status {
@@ -58,6 +66,11 @@ struct ConsumerRow {
     /// under the stored offset (the topic was re-created, or the group moved to another Kafka
     /// cluster). Nothing of the topic is applied until `postal consumer reset`.
     stopped: bool,
+    /// Records wait (lag above 0) and the stored offset has not moved for
+    /// [`STALLED_AFTER_S`] or more: the group's consumer of the partition is stalled or gone
+    /// (its `/readyz` and `postal_consumer_stalled_seconds` say which).
+    #[sqlx(default)]
+    stalled: bool,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -76,6 +89,9 @@ struct RelayRow {
     host: String,
     heartbeat_age_s: f64,
     partitions: i64,
+    /// What holds the relay up, as its claim watchdog last recorded it (its claims wait on the
+    /// database); none while it makes progress.
+    stalled: Option<String>,
 }
 
 pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow::Result<()> {
@@ -92,6 +108,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             .bind(&t.topic)
             .fetch_optional(pool)
             .await?;
+            t.stalled = t.oldest_pending_age_s.is_some_and(|a| a >= STALLED_AFTER_S);
         }
     }
     let oldest_transaction_s: Option<f64> = sqlx::query_scalar(
@@ -102,7 +119,8 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     .await?;
     let relays: Vec<RelayRow> = sqlx::query_as(
         "SELECT i.relay_id, i.relay_group, i.host, extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
-                count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions
+                count(p.key_partition) FILTER (WHERE p.lease_until > now()) AS partitions,
+                i.stalled
          FROM postal.relay_instances i
          LEFT JOIN postal.relay_partitions p ON p.owner = i.relay_id
          GROUP BY i.relay_id ORDER BY i.relay_group, i.relay_id",
@@ -146,6 +164,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         if c.stopped {
             c.lag = None;
         }
+        c.stalled = c.lag.is_some_and(|l| l > 0) && c.updated_age_s >= STALLED_AFTER_S;
     }
     let dead_letters: Vec<DeadLetterRow> = sqlx::query_as(
         "SELECT consumer_name, count(*) AS total,
@@ -191,6 +210,12 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
                 .map(|a| format!("{a:.1}"))
                 .unwrap_or_else(|| "-".into())
         );
+        if t.stalled {
+            say!(
+                "  STALLED: its oldest due event has waited {:.0}s; no relay publishes it now (see waiting, the relays below, their logs)",
+                t.oldest_pending_age_s.unwrap_or_default()
+            );
+        }
         if let Some(w) = &t.waiting {
             say!("  waiting: {}", shown(w, false));
         }
@@ -215,6 +240,9 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             r.heartbeat_age_s,
             r.partitions
         );
+        if let Some(problem) = &r.stalled {
+            say!("    STALLED: {}", shown(problem, false));
+        }
     }
     say!("consumers (positions stored beside their effects):");
     for c in &status.consumers {
@@ -241,6 +269,16 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         .map(|c| (c.group_id.as_str(), c.topic.as_str()))
         .collect();
     stopped.dedup();
+    for c in status.consumers.iter().filter(|c| c.stalled) {
+        say!(
+            "  STALLED {} {} [{}]: {} records behind and the stored offset unchanged for {:.0}s: the group's consumer of it is stalled or gone (its log, /readyz and postal_consumer_stalled_seconds say why)",
+            shown(&c.group_id, false),
+            shown(&c.topic, false),
+            c.partition,
+            c.lag.unwrap_or_default(),
+            c.updated_age_s
+        );
+    }
     for (group, topic) in stopped {
         say!(
             "  STOPPED {} {}: a stored offset is above its partition's high watermark (the topic was re-created, or the group moved to another Kafka cluster); nothing of it is applied until: postal consumer reset --group {} --topic {} --to earliest --execute",

@@ -43,6 +43,10 @@ fn alert_rules_parse_and_use_real_metrics() {
         "PostalDeadLettersUnpublishable",
         "PostalConsumerTopicStopped",
         "PostalRelayClaimsWaiting",
+        "PostalRelayTopicStuck",
+        "PostalConsumerStalled",
+        "PostalConsumerRecordsExpired",
+        "PostalConsumerAbsent",
     ] {
         assert!(names.contains(wanted), "missing alert {wanted}");
     }

@@ -95,6 +95,7 @@ mod replaced;
 pub mod retention;
 mod route;
 mod runtime;
+mod stall;
 mod stats;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
@@ -118,6 +119,7 @@ pub use postal_shared::{Backoff, EventId};
 pub use private::apply;
 pub use replaced::impossible as log_replaced;
 pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
+pub use stall::STALL_AFTER;
 pub use stats::{Stats, StatsSnapshot};
 
 /// Turns a plain `async fn([state,] tx, event) -> Result<(), HandlerError>` into an idempotent

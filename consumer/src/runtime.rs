@@ -159,6 +159,7 @@ impl<S> ConsumerBuilder<S> {
                 permits,
                 owner,
                 assigned: Default::default(),
+                watch: Default::default(),
             }),
             events: events_rx,
             dlq,
@@ -243,7 +244,9 @@ impl Consumer {
     /// dead letters (each waited for at most `shutdown_timeout`).
     ///
     /// An unreachable database or broker is waited for (with log lines), not an error; a
-    /// database without Postal's schema is.
+    /// database without Postal's schema is, and so is a schema this binary must not run on,
+    /// checked at start and every [`postal_shared::SCHEMA_RECHECK`] (the consumer then stops
+    /// gracefully and returns that error).
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
         let Consumer {
             shared,
@@ -257,10 +260,15 @@ impl Consumer {
         }
         let ops = match config.ops_addr {
             Some(addr) => {
-                let pool = shared.pool.clone();
+                // Ready while the database answers and every owned partition advances
+                // (records do not wait on a pooler, a lock or a failing handler: `stall`).
+                let watched = shared.clone();
                 let ready = move || {
-                    let pool = pool.clone();
-                    async move { sqlx::query("SELECT 1").execute(&pool).await.is_ok() }
+                    let shared = watched.clone();
+                    async move {
+                        shared.watch.health.problem().is_none()
+                            && sqlx::query("SELECT 1").execute(&shared.pool).await.is_ok()
+                    }
                 };
                 Some(AbortOnDropHandle::new(
                     postal_ops::serve(addr, ready)
@@ -288,6 +296,17 @@ impl Consumer {
             config.cleanup_interval,
             stop.clone(),
         )));
+        let watchdog = {
+            let shared = shared.clone();
+            let stop = stop.clone();
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                let size = shared.pool.options().get_max_connections();
+                shared
+                    .watch
+                    .run(shared.config.consumer.clone(), size, &shared.stats, stop)
+                    .await
+            }))
+        };
         let mut partitions: HashMap<Tp, Partition> = HashMap::new();
         // One turn per partition, held by its worker for the worker's whole life (see `apply`).
         let mut turns: HashMap<Tp, Arc<tokio::sync::Mutex<()>>> = HashMap::new();
@@ -295,12 +314,22 @@ impl Consumer {
         let mut commit_tick = tokio::time::interval(config.kafka_commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut errors_logged = 0u64;
+        // The upgrade contract again while running: a migration this binary must not run on
+        // stops it (gracefully, like a shutdown) with that one line as its error.
+        let mut broken = None;
+        let schema_pool = shared.pool.clone();
+        let schema = postal_shared::watch_schema(&schema_pool, postal_shared::SCHEMA_RECHECK);
+        tokio::pin!(schema);
         {
             let mut stream = shared.consumer.stream();
             loop {
                 tokio::select! {
                     biased;
                     _ = &mut shutdown => break,
+                    e = &mut schema => {
+                        broken = Some(e);
+                        break;
+                    }
                     Some(ev) = events.recv() => {
                         apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
                     }
@@ -377,6 +406,7 @@ impl Consumer {
                 let _ = closed_tx.send(());
             });
         housekeeping.abort();
+        watchdog.abort();
         if tokio::time::timeout(shutdown_timeout, &mut dlq)
             .await
             .is_err()
@@ -403,7 +433,10 @@ impl Consumer {
             ops.abort();
         }
         tracing::info!("consumer stopped");
-        Ok(())
+        match broken {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -427,6 +460,12 @@ fn apply(
                 if let Some(p) = partitions.remove(&tp) {
                     p.cancel.cancel();
                 }
+                shared
+                    .watch
+                    .partitions
+                    .lock()
+                    .expect("watched partitions")
+                    .remove(&tp);
             }
         }
         RebalanceEvent::Assigned(tps) => {
@@ -443,6 +482,12 @@ fn apply(
                     .insert(tp.clone(), cancel.clone());
                 let (tx, rx) = mpsc::unbounded_channel();
                 let queued = Arc::new(crate::partition::Queued::default());
+                shared
+                    .watch
+                    .partitions
+                    .lock()
+                    .expect("watched partitions")
+                    .insert(tp.clone(), queued.waiting.clone());
                 let paused = Arc::new(Mutex::new(false));
                 let _ = shared.consumer.resume(&crate::partition::tpl(&tp.0, tp.1));
                 workers.spawn(

@@ -15,6 +15,7 @@ pub struct Stats {
     retries: AtomicU64,
     fenced: AtomicU64,
     stalls_recovered: AtomicU64,
+    records_expired: AtomicU64,
     buffered_bytes: AtomicU64,
     buffered_bytes_peak: AtomicU64,
     partitions_stopped: AtomicU64,
@@ -43,6 +44,9 @@ pub struct StatsSnapshot {
     /// Times an owned partition delivered nothing for `stall_check` although the broker had
     /// more, and the consumer sought to the stored offset again.
     pub stalls_recovered: u64,
+    /// Records removed from the broker (retention, delete-records) before this consumer's
+    /// group processed them: never applied nor dead-lettered.
+    pub records_expired: u64,
     /// Bytes of records fetched and not yet processed, over all partitions (see
     /// `ConsumerConfig::partition_buffer_bytes`).
     pub buffered_bytes: u64,
@@ -75,6 +79,7 @@ impl Stats {
     bump!(retries, "postal_consumer_retries_total",);
     bump!(fenced, "postal_consumer_fenced_total",);
     bump!(stalls_recovered, "postal_consumer_stalls_recovered_total",);
+    bump!(records_expired, "postal_consumer_records_expired_total",);
 
     /// The current values.
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -88,6 +93,7 @@ impl Stats {
             retries: l(&self.retries),
             fenced: l(&self.fenced),
             stalls_recovered: l(&self.stalls_recovered),
+            records_expired: l(&self.records_expired),
             buffered_bytes: l(&self.buffered_bytes),
             buffered_bytes_peak: l(&self.buffered_bytes_peak),
             partitions_stopped: l(&self.partitions_stopped),
@@ -112,6 +118,15 @@ impl Stats {
         }
         metrics::gauge!("postal_consumer_partitions_stopped", "consumer" => consumer.to_owned(), "topic" => topic.to_owned())
             .set(now as f64);
+    }
+
+    /// Whether partitions of `topic` owned here are stopped (`stopped`).
+    pub(crate) fn topic_stopped(&self, topic: &str) -> bool {
+        self.stopped_by_topic
+            .lock()
+            .expect("stopped partitions")
+            .get(topic)
+            .is_some_and(|n| *n > 0)
     }
 
     /// Records of `bytes` entered (positive) or left (negative) a partition buffer. Entries

@@ -36,6 +36,23 @@ pub async fn cleanup_published(
 /// Advisory lock held while maintaining the history partitions (`'posthist'`).
 pub const HISTORY_LOCK: i64 = 0x706f_7374_6869_7374;
 
+/// The session that holds [`HISTORY_LOCK`], in a few words (its pid, application and how
+/// long it has been in its state), if one does.
+pub async fn history_lock_holder(pool: &PgPool) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT format('pid %s (application %L, %s for %ss)', a.pid, a.application_name, a.state,
+                       round(extract(epoch FROM now() - a.state_change)))
+         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.classid = $1::oid AND l.objid = $2::oid AND l.objsubid = 1
+         LIMIT 1",
+    )
+    .bind(HISTORY_LOCK >> 32)
+    .bind(HISTORY_LOCK & 0xffff_ffff)
+    .fetch_optional(pool)
+    .await
+}
+
 /// The longest a maintenance statement waits for a lock (`lock_timeout`): behind a long reader
 /// (a `pg_dump`, a report) it gives up and runs again at the next maintenance, instead of
 /// queueing an exclusive lock that every relay's archive insert would then queue behind.

@@ -1,5 +1,5 @@
 //! The upgrade contract: which binaries may run on which schema, checked when a long-running
-//! process starts.
+//! process starts and again while it runs ([`watch_schema`]).
 //!
 //! A binary knows the migrations it embeds. It runs on a schema that has all of them applied
 //! (newer, additive migrations it does not know are fine: services sharing a database upgrade
@@ -75,6 +75,38 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), Error> {
             known,
         }),
         _ => Ok(()),
+    }
+}
+
+/// How often a running relay or consumer checks the upgrade contract again ([`watch_schema`]).
+pub const SCHEMA_RECHECK: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Whether `e` says this binary must not run on the database's schema (missing, behind, for
+/// newer binaries only, or reached through a transaction pooler), as opposed to a database
+/// that did not answer this time.
+pub fn breaks_contract(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::SchemaMissing { .. }
+            | Error::SchemaBehind { .. }
+            | Error::SchemaTooNew { .. }
+            | Error::TransactionPooling
+    )
+}
+
+/// [`check_schema`] every `every` while a relay or consumer runs: returns the first error that
+/// [`breaks_contract`] — a migration applied meanwhile that this binary must not run on (its
+/// one line says what to do); the process stops with it. A check that fails otherwise (the
+/// database unreachable for a while) is logged at debug level and made again.
+pub async fn watch_schema(pool: &PgPool, every: std::time::Duration) -> Error {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tick.tick().await;
+        match check_schema(pool).await {
+            Ok(()) => {}
+            Err(e) if breaks_contract(&e) => return e,
+            Err(e) => tracing::debug!(error = %e, "schema re-check failed; checking again later"),
+        }
     }
 }
 

@@ -40,7 +40,10 @@ pub mod text;
 
 pub use availability::database_unavailable;
 pub use backoff::Backoff;
-pub use contract::{check_schema, connect_hint, known_version, unreachable_cause, wait_for_schema};
+pub use contract::{
+    breaks_contract, check_schema, connect_hint, known_version, unreachable_cause, wait_for_schema,
+    watch_schema, SCHEMA_RECHECK,
+};
 pub use detached_drop::DetachedDrop;
 pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_NAME_LEN};
 pub use error::Error;

@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     pub owner: String,
     /// Partitions assigned now (their buffers share the memory budget).
     pub assigned: AtomicUsize,
+    /// The partitions' waiting clocks and the consumer's health ([`crate::stall`]).
+    pub watch: crate::stall::Watch,
 }
 
 impl Shared {
@@ -74,6 +76,8 @@ impl Shared {
 pub(crate) struct Queued {
     records: AtomicUsize,
     bytes: AtomicUsize,
+    /// Since when records have waited without a transaction completing ([`crate::stall`]).
+    pub waiting: Arc<crate::stall::Waiting>,
 }
 
 impl Queued {
@@ -85,6 +89,11 @@ impl Queued {
     fn sub(&self, records: usize, bytes: usize) {
         self.records.fetch_sub(records, Ordering::AcqRel);
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// Whether records wait in the buffer.
+    pub(crate) fn any(&self) -> bool {
+        self.records.load(Ordering::Acquire) > 0
     }
 
     /// Full: fetching pauses.
@@ -117,6 +126,7 @@ impl Inbox {
         let (topic, partition, weight) = (record.topic.clone(), record.partition, record.weight);
         // Counted before it is sent, so the worker never counts below zero.
         self.queued.add(1, weight);
+        self.queued.waiting.arrived();
         shared.stats.buffered(weight as i64);
         if self.tx.send(record).is_err() {
             // The worker stopped (fenced or revoked): the next owner reads the record.

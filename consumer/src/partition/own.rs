@@ -54,6 +54,8 @@ impl Worker {
         // When a busy partition last looked whether the group stopped its topic.
         let mut stop_checked = std::time::Instant::now();
         loop {
+            // About to wait for records: with none queued, nothing waits ([`crate::stall`]).
+            self.queued.waiting.idle_unless(|| self.queued.any());
             let head = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Owned::Ended,
@@ -214,6 +216,7 @@ impl Worker {
             match step {
                 Step::Done => {
                     next = Some(last + 1);
+                    self.queued.waiting.advanced();
                     if !self.cancel.is_cancelled() {
                         self.shared
                             .state
@@ -258,6 +261,11 @@ impl Worker {
             Some(low) if low > n => {
                 tracing::warn!(topic = %self.topic, partition = self.partition, stored = n, log_start = low,
                     "records from the stored offset to the partition's log start were removed (retention or delete-records) before this group processed them; resuming from the log start");
+                self.shared.stats.records_expired(
+                    &self.shared.config.consumer,
+                    &self.topic,
+                    (low - n) as u64,
+                );
                 low
             }
             _ => n,

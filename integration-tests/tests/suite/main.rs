@@ -23,6 +23,7 @@ mod fence;
 mod fresh_topic;
 mod handlers;
 mod hostile;
+mod idle;
 mod interop;
 mod key_order;
 mod migrations;

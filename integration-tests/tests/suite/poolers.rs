@@ -364,7 +364,8 @@ async fn migrate_through_a_session_pooler_keeps_its_bookkeeping_in_postal() {
 /// Guarantee: a relay behind a session-mode PgBouncer whose pool is smaller than the relay's
 /// (4 server connections for a pool of 12) does not idle without a sign: within a minute it
 /// logs one "relay stalled" line saying what to change, `/readyz` answers not ready, and
-/// `postal_relay_claim_waiting_seconds` shows the wait.
+/// `postal_relay_claim_waiting_seconds` shows the wait; and `postal status` shows the relay
+/// STALLED with that line (before issue 51's last part it showed only the heartbeat).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_pool_smaller_than_the_relays_shows_within_a_minute() {
     let Some(bin) = pgbouncer::binary("poolers::a_session_pool_smaller_than_the_relays") else {
@@ -415,6 +416,28 @@ async fn a_session_pool_smaller_than_the_relays_shows_within_a_minute() {
         line.contains("default_pool_size"),
         "says what to change: {line}"
     );
+    // `postal status` (connected directly) shows the relay STALLED with the same line, as the
+    // relay records it in its row of postal.relay_instances.
+    let status = || {
+        let out = std::process::Command::new(bin_dir().join("postal"))
+            .arg("status")
+            .env("DATABASE_URL", &db.url)
+            .env_remove("KAFKA_BOOTSTRAP_SERVERS")
+            .output()
+            .expect("postal status runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    wait::until(
+        Duration::from_secs(60),
+        "the stall in postal status",
+        || async {
+            status()
+                .lines()
+                .any(|l| l.trim_start().starts_with("STALLED: a claim"))
+        },
+    )
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(90));
     // Killed: a stalled relay's graceful stop waits for its claims (up to twice
     // POSTAL_SHUTDOWN_TIMEOUT).
     relay.kill();

@@ -149,6 +149,13 @@ impl Proc {
         }
     }
 
+    /// Its exit status, once it has exited on its own.
+    pub(crate) fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
     /// Whether its log so far contains `text`.
     pub(crate) fn logged(&self, text: &str) -> bool {
         std::fs::read_to_string(&self.log)

@@ -70,8 +70,10 @@ async fn delete_records(bootstrap: &str, topic: &str, before: i64) {
 /// on is dropped as "from before the seek" — forever, re-seeking every `stall_check`.
 ///
 /// Guarantee: the records still on the broker (25..) and every new one are applied (with a
-/// warning that the records in between were removed). The second seek goes to the log start
-/// and lands at or below it. (Failed before: nothing was applied, ever.)
+/// warning that the records in between were removed, and the 20 removed records counted in
+/// `postal_consumer_records_expired_total`, alert `PostalConsumerRecordsExpired`). The second
+/// seek goes to the log start and lands at or below it. (Failed before: nothing was applied,
+/// ever; and before issue 51 the removed records were a warning only.)
 #[tokio::test]
 async fn a_second_seek_landing_above_the_first_record_seen_does_not_stall_the_partition() {
     let svc = services().await;
@@ -148,6 +150,10 @@ async fn a_second_seek_landing_above_the_first_record_seen_does_not_stall_the_pa
     assert!(
         result,
         "records 25..40 still on the broker were never applied (stats {snapshot:?}); applied: {applied:?}"
+    );
+    assert_eq!(
+        snapshot.records_expired, 20,
+        "the 20 records removed before they were processed (5..25) are counted"
     );
 }
 

@@ -12,7 +12,10 @@ impl<T: Transport> Shared<T> {
     /// cleanup (when configured).
     pub(super) async fn housekeeping(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_secs(15).min(self.config.lease));
-        let summary = crate::backlog::summary_sql(false);
+        let summary = crate::backlog::summary_sql(true);
+        // Topics whose oldest-pending gauge was set last round (set to 0 once drained).
+        let mut shown_topics = std::collections::HashSet::<String>::new();
+        let mut history = HistoryWatch::new();
         loop {
             tick.tick().await;
             // Each check in a transaction of its own whose statements end after
@@ -29,8 +32,8 @@ impl<T: Transport> Shared<T> {
             );
             let backlog = async {
                 let mut tx = checks.await?;
-                let row = sqlx::query_as::<_, (i64, i64, i64, Option<f64>)>(&summary)
-                    .fetch_one(&mut *tx)
+                let rows = sqlx::query_as::<_, (String, i64, i64, i64, Option<f64>)>(&summary)
+                    .fetch_all(&mut *tx)
                     .await?;
                 // The oldest transaction of this database that holds back the visibility
                 // horizon (and the keys it wrote), and how far a replication slot holds it.
@@ -46,10 +49,31 @@ impl<T: Transport> Shared<T> {
                 .fetch_one(&mut *tx)
                 .await?;
                 tx.commit().await?;
-                Ok::<_, sqlx::Error>((row, oldest_tx, slot_age))
+                Ok::<_, sqlx::Error>((rows, oldest_tx, slot_age))
             };
             match backlog.await {
-                Ok(((pending, scheduled, failed, oldest), oldest_tx, slot_age)) => {
+                Ok((rows, oldest_tx, slot_age)) => {
+                    let (mut pending, mut scheduled, mut failed) = (0, 0, 0);
+                    let mut oldest: Option<f64> = None;
+                    let mut topics = std::collections::HashSet::new();
+                    for (topic, p, s, f, age) in rows {
+                        (pending, scheduled, failed) = (pending + p, scheduled + s, failed + f);
+                        oldest = match (oldest, age) {
+                            (Some(a), Some(b)) => Some(a.max(b)),
+                            (a, b) => a.or(b),
+                        };
+                        // Per topic: one stuck topic shows while the others flow.
+                        if let Some(age) = age {
+                            metrics::gauge!("postal_relay_topic_oldest_pending_seconds", "topic" => topic.clone())
+                                .set(age);
+                            topics.insert(topic);
+                        }
+                    }
+                    for gone in shown_topics.difference(&topics) {
+                        metrics::gauge!("postal_relay_topic_oldest_pending_seconds", "topic" => gone.clone())
+                            .set(0.0);
+                    }
+                    shown_topics = topics;
                     metrics::gauge!("postal_relay_backlog").set(pending as f64);
                     metrics::gauge!("postal_relay_oldest_pending_seconds")
                         .set(oldest.unwrap_or(0.0));
@@ -65,6 +89,7 @@ impl<T: Transport> Shared<T> {
             if let Some(retention) = self.config.history {
                 match crate::retention::maintain_history(&self.pool, retention).await {
                     Ok(Some(m)) => {
+                        history.ran(m.ok());
                         if !m.created.is_empty() || m.moved_rows > 0 {
                             tracing::info!(created = ?m.created, moved_rows = m.moved_rows, "history partitions created");
                         }
@@ -82,13 +107,16 @@ impl<T: Transport> Shared<T> {
                             0.0
                         });
                     }
-                    // Another instance maintains the history now.
-                    Ok(None) => {}
+                    // Another session holds the maintenance lock: said, counted, and the age
+                    // of the last successful run here keeps growing.
+                    Ok(None) => history.skipped(&self.pool).await,
                     Err(e) => {
                         metrics::gauge!("postal_relay_history_maintenance_ok").set(0.0);
                         check_failed("history", &e);
                     }
                 }
+                metrics::gauge!("postal_relay_history_maintenance_age_seconds")
+                    .set(history.last_ok.elapsed().as_secs_f64());
             }
             if let Err(e) = crate::activity::prune(&self.pool).await {
                 check_failed("activity", &e);
@@ -117,4 +145,61 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 fn check_failed(check: &'static str, e: &sqlx::Error) {
     metrics::counter!("postal_relay_check_failures_total", "check" => check).increment(1);
     tracing::warn!(check, error = %e, "relay housekeeping failed; will retry");
+}
+
+/// How long history maintenance may go without a successful run here, skipped because another
+/// session holds its lock, before the relay warns.
+const HISTORY_SKIPS_WARN_AFTER: Duration = Duration::from_secs(300);
+
+/// History maintenance as this relay saw it: when it last succeeded here (or the relay
+/// started), and whether the last runs were skipped.
+struct HistoryWatch {
+    last_ok: std::time::Instant,
+    skipping: bool,
+    warned: bool,
+}
+
+impl HistoryWatch {
+    fn new() -> Self {
+        HistoryWatch {
+            last_ok: std::time::Instant::now(),
+            skipping: false,
+            warned: false,
+        }
+    }
+
+    /// A run took the lock (`ok`: every step succeeded).
+    fn ran(&mut self, ok: bool) {
+        if ok {
+            self.last_ok = std::time::Instant::now();
+        }
+        if self.skipping {
+            tracing::info!("history maintenance took its lock again");
+        }
+        (self.skipping, self.warned) = (false, false);
+    }
+
+    /// The lock was held by another session: counted (`postal_relay_history_maintenance_skipped_total`),
+    /// logged with the holder once per run of skips, and a warning once maintenance has not
+    /// succeeded here for [`HISTORY_SKIPS_WARN_AFTER`].
+    async fn skipped(&mut self, pool: &sqlx::PgPool) {
+        metrics::counter!("postal_relay_history_maintenance_skipped_total").increment(1);
+        let stale = self.last_ok.elapsed() >= HISTORY_SKIPS_WARN_AFTER;
+        if self.skipping && (self.warned || !stale) {
+            return;
+        }
+        let holder = match crate::retention::history_lock_holder(pool).await {
+            Ok(Some(h)) => h,
+            Ok(None) => "a session that has let it go since".into(),
+            Err(e) => format!("a session not known ({e})"),
+        };
+        if stale {
+            tracing::warn!(holder = %holder, since_last_run_s = self.last_ok.elapsed().as_secs(),
+                "history maintenance skipped again: another session holds its lock; tomorrow's partition may be missing (end that session if it is stuck)");
+            self.warned = true;
+        } else {
+            tracing::info!(holder = %holder, "history maintenance skipped: another session holds its lock");
+        }
+        self.skipping = true;
+    }
 }

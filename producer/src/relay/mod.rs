@@ -122,7 +122,8 @@ impl<T: Transport> Relay<T> {
     /// holds while lanes claim in parallel. When the owned set changes, the split changes only
     /// while no batch is in flight.
     /// Database or broker outages never end the loop: it logs one line per failed attempt and
-    /// retries with backoff.
+    /// retries with backoff. A schema this binary must not run on (checked at start and every
+    /// [`postal_shared::SCHEMA_RECHECK`]) ends it with that error, after a graceful stop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<RelayStats, Error> {
         let mut shutdown = std::pin::pin!(shutdown);
         // The upgrade contract: a schema this relay must not run on (missing, behind, or for
@@ -196,7 +197,12 @@ impl<T: Transport> Relay<T> {
                     .lane(lane, lanes, wake_rx.clone(), owned_rx.clone()),
             );
         }
-        shutdown.await;
+        // The upgrade contract again while running: a migration this binary must not run on
+        // stops it (gracefully, like a shutdown) with that one line as its error.
+        let broken = tokio::select! {
+            () = &mut shutdown => None,
+            e = postal_shared::watch_schema(&self.pool, postal_shared::SCHEMA_RECHECK) => Some(e),
+        };
         tracing::info!(relay = %self.id, "relay stopping: waiting for in-flight acknowledgements");
         shared.stop.cancel();
         drop(wake_tx);
@@ -290,7 +296,10 @@ impl<T: Transport> Relay<T> {
             held_back: c.held_back.load(Ordering::Relaxed),
         };
         tracing::info!(relay = %self.id, published = stats.published, parked = stats.parked, "relay stopped");
-        Ok(stats)
+        match broken {
+            Some(e) => Err(e.into()),
+            None => Ok(stats),
+        }
     }
 }
 

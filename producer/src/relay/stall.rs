@@ -63,8 +63,32 @@ impl<T: Transport> Shared<T> {
     pub(super) async fn watch_claims(self: Arc<Self>) {
         let mut tick = tokio::time::interval(TICK);
         let mut stalled = false;
+        // What `postal.relay_instances.stalled` holds for this relay, once written.
+        let recorded = Arc::new(Mutex::new(None::<String>));
+        let mut recording: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             tick.tick().await;
+            // For `postal status`: the problem (or its end) into the relay's row, in a task of
+            // its own, bounded (the database may be what holds the claims), tried each tick
+            // until it lands.
+            let wanted = self.health.problem();
+            let landed = recorded.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if wanted.as_deref().map(first_words) != landed.as_deref().map(first_words)
+                && recording.as_ref().is_none_or(|r| r.is_finished())
+            {
+                let (pool, id, recorded) = (self.pool.clone(), self.id, recorded.clone());
+                recording = Some(tokio::spawn(async move {
+                    let write = sqlx::query(
+                        "UPDATE postal.relay_instances SET stalled = $2 WHERE relay_id = $1",
+                    )
+                    .bind(id)
+                    .bind(wanted.as_deref())
+                    .execute(&pool);
+                    if let Ok(Ok(_)) = tokio::time::timeout(TICK, write).await {
+                        *recorded.lock().unwrap_or_else(|p| p.into_inner()) = wanted;
+                    }
+                }));
+            }
             let waiting = self.claim_clock.oldest().unwrap_or_default();
             metrics::gauge!("postal_relay_claim_waiting_seconds").set(waiting.as_secs_f64());
             if waiting >= STALL_AFTER {
@@ -85,4 +109,10 @@ impl<T: Transport> Shared<T> {
             }
         }
     }
+}
+
+/// A problem line without its growing figures (how long a claim waited): what is recorded
+/// changes only when the problem does.
+fn first_words(problem: &str) -> &str {
+    problem.split(" has waited").next().unwrap_or(problem)
 }
