@@ -293,8 +293,8 @@ async fn page(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
     (got.status != 0).then_some((got.status, got.body))
 }
 
-/// Input: `postal.enqueue(…, p_deliver_at => 'infinity')` (an event scheduled for ever: a
-/// valid call, which holds its key) and a row the application role inserted already parked
+/// Input: a row scheduled for ever (`available_at = 'infinity'`, held: `postal.enqueue` refuses
+/// `p_deliver_at => 'infinity'`, the application role can INSERT it; it holds its key) and a row the application role inserted already parked
 /// with `occurred_at`, `created_at` and `available_at` = `infinity`; then every dashboard page
 /// that lists or shows them (overview, parked list and detail, blocked keys, lookup by id).
 /// Guarantee: each page answers (a page, or a one-line error page); none ends the connection
@@ -303,11 +303,16 @@ async fn page(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
 async fn dashboard_pages_answer_over_timestamps_outside_chronos_range() {
     use postal_admin::web::Dashboard;
     let db = services().await.fresh_db().await;
-    let scheduled: Uuid = sqlx::query_scalar(
-        "SELECT postal.enqueue('orders', 'sched', 'order.created', '{}'::jsonb,
-                               p_deliver_at => 'infinity')",
+    // `postal.enqueue` refuses `p_deliver_at => 'infinity'` now (migration 0023); the
+    // application role can still INSERT such a row.
+    let scheduled = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, held,
+                                    available_at)
+         VALUES ($1, 'orders', 'sched', 'order.created', '{}'::bytea, true, 'infinity')",
     )
-    .fetch_one(&db.pool)
+    .bind(scheduled)
+    .execute(&db.pool)
     .await
     .unwrap();
     sqlx::query("SELECT postal.enqueue('orders', 'sched', 'order.created', '{}'::jsonb)")
