@@ -57,12 +57,8 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         all: bool,
         /// Kafka bootstrap servers.
-        #[arg(
-            long,
-            env = "KAFKA_BOOTSTRAP_SERVERS",
-            default_value = "127.0.0.1:9092"
-        )]
-        bootstrap_servers: String,
+        #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+        bootstrap_servers: Option<String>,
     },
 }
 
@@ -167,6 +163,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             if ids.is_empty() && consumer.is_none() && !all {
                 anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
             }
+            let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
             let filter = consumer
                 .iter()
                 .fold(Filter::default(), |f, c| f.consumer(c));
