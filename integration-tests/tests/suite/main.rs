@@ -36,6 +36,7 @@ mod poolers;
 mod previous_release;
 mod procs;
 mod protocol;
+mod quiet_start;
 mod rabbit_random;
 mod rabbitmq;
 mod rebalance;
