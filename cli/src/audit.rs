@@ -23,9 +23,13 @@ pub enum AuditCommand {
     },
     /// Show one recorded action; for a discard, the discarded events whole, one JSON line each
     /// (the lines `postal failed discard` printed).
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "id_flag"])))]
     Show {
-        /// The entry's id (first column of `list`).
-        id: i64,
+        /// The entry's id (first column of `list`; or `--id`).
+        id: Option<i64>,
+        /// The entry's id.
+        #[arg(long = "id", value_name = "ID", conflicts_with = "id")]
+        id_flag: Option<i64>,
     },
 }
 
@@ -79,7 +83,8 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
                 say!("(no actions yet)");
             }
         }
-        AuditCommand::Show { id } => {
+        AuditCommand::Show { id, id_flag } => {
+            let id = id.or(id_flag).expect("clap requires one");
             let Some((entry, removed)) = audit::get(pool, id).await? else {
                 anyhow::bail!("no audit entry {id}");
             };

@@ -78,12 +78,8 @@ pub enum ConsumerCommand {
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         clock_tolerance: Duration,
         /// Kafka bootstrap servers (for the topic's partitions, watermarks and group members).
-        #[arg(
-            long,
-            env = "KAFKA_BOOTSTRAP_SERVERS",
-            default_value = "127.0.0.1:9092"
-        )]
-        bootstrap_servers: String,
+        #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+        bootstrap_servers: Option<String>,
     },
 }
 
@@ -126,6 +122,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
+    let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
     let known: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1)",
     )

@@ -32,14 +32,22 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         raw: bool,
     },
-    /// Show one dead letter with its error, headers and payload.
+    /// Show one dead letter with its error, headers and payload (its first 64 KiB unless
+    /// `--full`).
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "id_flag"])))]
     Show {
-        /// The dead letter's id (first column of `list`).
-        id: i64,
+        /// The dead letter's id (first column of `list`; or `--id`).
+        id: Option<i64>,
+        /// The dead letter's id.
+        #[arg(long = "id", value_name = "ID", conflicts_with = "id")]
+        id_flag: Option<i64>,
         /// Print key, headers, payload and error as stored, control characters included
         /// (else escaped).
         #[arg(long)]
         raw: bool,
+        /// Print the payload whole (else its first 64 KiB and how many bytes were cut).
+        #[arg(long)]
+        full: bool,
     },
     /// Send dead letters back to the topic they came from, with their original key, value and
     /// headers (so their original event id), for the consumer's handler to process again: by
@@ -47,8 +55,11 @@ pub enum DeadLetterCommand {
     /// that no copy of it is ever applied by itself; replay removes that row just before
     /// sending, so the event goes through the handler once more — once.
     Replay {
+        /// Dead letter ids (or `--id`, repeatable).
+        #[arg(value_name = "ID", conflicts_with_all = ["consumer", "all"])]
+        listed: Vec<i64>,
         /// Dead letter ids (repeatable).
-        #[arg(long = "id", conflicts_with_all = ["consumer", "all"])]
+        #[arg(long = "id", value_name = "ID", conflicts_with_all = ["consumer", "all"])]
         ids: Vec<i64>,
         /// Every unreplayed dead letter of this consumer.
         #[arg(long, conflicts_with = "all")]
@@ -57,12 +68,8 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         all: bool,
         /// Kafka bootstrap servers.
-        #[arg(
-            long,
-            env = "KAFKA_BOOTSTRAP_SERVERS",
-            default_value = "127.0.0.1:9092"
-        )]
-        bootstrap_servers: String,
+        #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+        bootstrap_servers: Option<String>,
     },
 }
 
@@ -108,7 +115,13 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        DeadLetterCommand::Show { id, raw } => {
+        DeadLetterCommand::Show {
+            id,
+            id_flag,
+            raw,
+            full,
+        } => {
+            let id = id.or(id_flag).expect("clap requires one");
             let Some(Full {
                 listed:
                     DeadLetter {
@@ -152,21 +165,31 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             for (n, v) in names.iter().zip(&values) {
                 say!("header:       {} = {}", shown(n, raw), text(v));
             }
-            say!(
-                "payload:      {}",
-                payload.as_deref().map(text).unwrap_or_else(|| "-".into())
-            );
+            let payload = payload.as_deref().map(|p| {
+                let head = crate::shown::cut(p, full);
+                format!(
+                    "{}{}",
+                    text(head),
+                    crate::shown::cut_note(head.len(), p.len())
+                )
+            });
+            say!("payload:      {}", payload.unwrap_or_else(|| "-".into()));
             Ok(())
         }
         DeadLetterCommand::Replay {
-            ids,
+            listed,
+            mut ids,
             consumer,
             all,
             bootstrap_servers,
         } => {
+            ids.extend(listed);
             if ids.is_empty() && consumer.is_none() && !all {
-                anyhow::bail!("say what to replay: --id <id>, --consumer <name> or --all");
+                anyhow::bail!(
+                    "say what to replay: dead letter ids (or --id <id>), --consumer <name> or --all"
+                );
             }
+            let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
             let filter = consumer
                 .iter()
                 .fold(Filter::default(), |f, c| f.consumer(c));

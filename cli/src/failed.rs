@@ -38,14 +38,22 @@ pub enum FailedCommand {
         #[arg(long)]
         raw: bool,
     },
-    /// Show one parked event with its error, headers and payload.
+    /// Show one parked event with its error, headers and payload (its first 64 KiB unless
+    /// `--full`).
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["event_id", "id"])))]
     Show {
+        /// The event id (or `--id`).
+        event_id: Option<Uuid>,
         /// The event id.
-        event_id: Uuid,
+        #[arg(long = "id", value_name = "EVENT_ID", conflicts_with = "event_id")]
+        id: Option<Uuid>,
         /// Print key, headers, payload and error as stored, control characters included
         /// (else escaped).
         #[arg(long)]
         raw: bool,
+        /// Print the payload whole (else its first 64 KiB and how many bytes were cut).
+        #[arg(long)]
+        full: bool,
     },
     /// Make parked events pending again (attempts reset, event ids unchanged): by id, by topic,
     /// or all. The relay publishes them in their original order.
@@ -65,8 +73,11 @@ pub enum FailedCommand {
 /// Which parked events a command acts on.
 #[derive(Args, Debug)]
 pub struct Selection {
+    /// Event ids (or `--id`, repeatable).
+    #[arg(value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"])]
+    listed: Vec<Uuid>,
     /// Event ids (repeatable).
-    #[arg(long = "id", conflicts_with_all = ["topic", "all"])]
+    #[arg(long = "id", value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"])]
     ids: Vec<Uuid>,
     /// Every parked event of this topic.
     #[arg(long, conflicts_with = "all")]
@@ -125,8 +136,8 @@ async fn show_matched(pool: &PgPool, seqs: &[i64], verb: &str) -> anyhow::Result
     Ok(())
 }
 
-/// `show` prints the payload whole: the cap is larger than any payload (a `bytea` holds at
-/// most 1 GB).
+/// `show --full` prints the payload whole: the cap is larger than any payload (a `bytea`
+/// holds at most 1 GB).
 const WHOLE_PAYLOAD: i32 = i32::MAX;
 
 pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
@@ -141,6 +152,7 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             raw,
         } => {
             let mut filter = Filter::default();
+            let topic_filter = topic.clone();
             if let Some(topic) = topic {
                 filter = filter.topic(topic);
             }
@@ -176,11 +188,36 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 );
             }
             if rows.is_empty() {
-                say!("(no parked events)");
+                // Consumer failures are not parked outbox events: say where they are.
+                let dead = postal_admin::dead_letters::count(
+                    pool,
+                    &topic_filter
+                        .iter()
+                        .fold(postal_admin::dead_letters::Filter::default(), |f, t| {
+                            f.topic(t)
+                        }),
+                )
+                .await?;
+                if dead > 0 {
+                    say!("(no parked events; consumers have {dead} open dead letter(s): postal dead-letters list)");
+                } else {
+                    say!("(no parked events)");
+                }
             }
             Ok(())
         }
-        FailedCommand::Show { event_id, raw } => {
+        FailedCommand::Show {
+            event_id,
+            id,
+            raw,
+            full,
+        } => {
+            let event_id = event_id.or(id).expect("clap requires one");
+            let cap = if full {
+                WHOLE_PAYLOAD
+            } else {
+                crate::shown::PAYLOAD_SHOWN as i32
+            };
             let Some(parked::Event {
                 event_id: id,
                 status,
@@ -195,11 +232,11 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
                 payload_bytes,
                 payload,
                 ..
-            }) = parked::show(pool, event_id, WHOLE_PAYLOAD).await?
+            }) = parked::show(pool, event_id, cap).await?
             else {
                 anyhow::bail!("no outbox event {event_id}");
             };
-            if payload.len() < payload_bytes as usize {
+            if payload.len() < (payload_bytes.min(cap)) as usize {
                 anyhow::bail!(
                     "event {event_id}: read {} of its {payload_bytes} payload bytes",
                     payload.len()
@@ -224,23 +261,27 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             // JSON text escapes control characters itself; bidi overrides it keeps.
             say!("headers:      {}", shown(&headers.to_string(), raw));
             say!("content type: {}", shown(&ct, raw));
-            match std::str::from_utf8(&payload) {
-                Ok(text) => say!("payload:      {}", shown(text, raw)),
-                Err(_) => say!("payload:      {} bytes (binary)", payload.len()),
-            }
+            say!(
+                "payload:      {}",
+                crate::shown::payload(&payload, payload_bytes as usize, raw)
+            );
             Ok(())
         }
         FailedCommand::Discard {
             select:
                 Selection {
-                    ids,
+                    listed,
+                    mut ids,
                     topic,
                     all,
                     dry_run,
                 },
         } => {
+            ids.extend(listed);
             if ids.is_empty() && topic.is_none() && !all {
-                anyhow::bail!("say what to discard: --id <event id>, --topic <topic> or --all");
+                anyhow::bail!(
+                    "say what to discard: event ids (or --id <event id>), --topic <topic> or --all"
+                );
             }
             let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {
@@ -282,14 +323,18 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
         FailedCommand::Requeue {
             select:
                 Selection {
-                    ids,
+                    listed,
+                    mut ids,
                     topic,
                     all,
                     dry_run,
                 },
         } => {
+            ids.extend(listed);
             if ids.is_empty() && topic.is_none() && !all {
-                anyhow::bail!("say what to requeue: --id <event id>, --topic <topic> or --all");
+                anyhow::bail!(
+                    "say what to requeue: event ids (or --id <event id>), --topic <topic> or --all"
+                );
             }
             let (matched, target) = matched_at_start(pool, &ids, &topic).await?;
             if dry_run {

@@ -138,13 +138,9 @@ enum Command {
 /// connections as `KAFKA_BOOTSTRAP_SERVERS` and `AMQP_URL`).
 #[derive(Args, Debug)]
 struct RelayArgs {
-    /// Kafka bootstrap servers.
-    #[arg(
-        long,
-        env = "KAFKA_BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
+    /// Kafka bootstrap servers (required when a topic goes to Kafka).
+    #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
+    bootstrap_servers: Option<String>,
     /// CloudEvents `source` written on every record.
     #[arg(long, env = "POSTAL_SOURCE", default_value = "postal")]
     source: String,
@@ -200,8 +196,14 @@ struct RelayArgs {
     /// Partitions of topics the relay creates.
     #[arg(long, env = "POSTAL_TOPIC_PARTITIONS", default_value_t = 12)]
     topic_partitions: i32,
-    /// Replication factor of topics the relay creates.
-    #[arg(long, env = "POSTAL_TOPIC_REPLICATION", default_value_t = 1)]
+    /// Replication factor of topics the relay creates: -1 takes the broker's
+    /// `default.replication.factor`.
+    #[arg(
+        long,
+        env = "POSTAL_TOPIC_REPLICATION",
+        default_value_t = -1,
+        allow_negative_numbers = true
+    )]
     topic_replication: i32,
     /// How long shutdown waits for a batch still being handed over, and then for in-flight
     /// acknowledgements (each).
@@ -485,7 +487,8 @@ fn kafka_config(
     client: &KafkaArgs,
     allowed: postal_producer::TopicAllowList,
 ) -> anyhow::Result<postal_producer::KafkaConfig> {
-    let mut kafka = postal_producer::KafkaConfig::new(args.bootstrap_servers.clone());
+    let bootstrap = required_bootstrap(args.bootstrap_servers.as_deref())?;
+    let mut kafka = postal_producer::KafkaConfig::new(bootstrap);
     kafka.source = args.source.clone();
     kafka.create_topics = !args.no_create_topics;
     kafka.topic_partitions = args.topic_partitions;
@@ -637,6 +640,17 @@ async fn run_relay<T: postal_producer::Transport>(
     Ok(())
 }
 
+/// The Kafka bootstrap servers of a command that needs them: there is no default broker
+/// (README's configuration table), so a missing one is a one-line error saying how to give it.
+fn required_bootstrap(given: Option<&str>) -> anyhow::Result<String> {
+    match given.map(str::trim) {
+        Some(b) if !b.is_empty() => Ok(b.to_owned()),
+        _ => Err(anyhow!(
+            "no Kafka brokers given: set KAFKA_BOOTSTRAP_SERVERS or pass --bootstrap-servers host:port"
+        )),
+    }
+}
+
 /// Migration errors that another attempt may not meet although the server is reachable:
 /// serialization failures, deadlocks, lock and statement timeouts (another session held a
 /// lock the migration needs).
@@ -674,7 +688,10 @@ mod tests {
         let env = |name: &str| std::env::var(name).ok();
         type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
         let cases: [Case; 3] = [
-            (&[], &[]),
+            (
+                &["--bootstrap-servers=b:9092"],
+                &[("KAFKA_BOOTSTRAP_SERVERS", "b:9092")],
+            ),
             (
                 &[
                     "--lease=30s",
@@ -720,10 +737,15 @@ mod tests {
                 ],
             ),
             (
-                &["--history=3d", "--exclude-topics=reports"],
+                &[
+                    "--history=3d",
+                    "--exclude-topics=reports",
+                    "--bootstrap-servers=b:9092",
+                ],
                 &[
                     ("POSTAL_HISTORY", "3d"),
                     ("POSTAL_EXCLUDE_TOPICS", "reports"),
+                    ("KAFKA_BOOTSTRAP_SERVERS", "b:9092"),
                 ],
             ),
         ];

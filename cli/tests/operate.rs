@@ -1780,3 +1780,150 @@ async fn cli_actions_are_audited_with_the_discarded_events_whole() {
     assert_eq!(text.lines().count(), 4, "{text}");
     assert!(text.contains(&os_user) && text.contains(" cli "), "{text}");
 }
+
+/// A parked outbox event of `topic` whose payload is `pad` repeated `n` times (enqueued, then
+/// marked parked as the relay would).
+async fn parked_event(e: &Env, topic: &str, n: i32) -> uuid::Uuid {
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "SELECT postal.enqueue($1, 'k', 'job', jsonb_build_object('pad', repeat('x', $2)))",
+    )
+    .bind(topic)
+    .bind(n)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE postal.outbox SET status = 'failed', last_error = 'parked by the test' WHERE event_id = $1")
+        .bind(id)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    id
+}
+
+/// Guarantee: every subcommand that takes ids takes them the same way — positionally and as
+/// `--id` — and both forms address the same event, dead letter or audit entry: `failed show`,
+/// `failed requeue`, `failed discard`, `dead-letters show`, `dead-letters replay`, `audit
+/// show`. (Failed before: `dead-letters replay 1` and `failed requeue <id>` stopped with
+/// "unexpected argument", `failed show --id` and `dead-letters show --id` too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_are_taken_the_same_way_by_every_subcommand() {
+    let Some(e) = env().await else { return };
+    let id = parked_event(&e, &unique("ids"), 10).await.to_string();
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args).env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        ok(c)
+    };
+    let shown = run(&["failed", "show", &id]);
+    assert!(shown.contains(&id), "{shown}");
+    assert_eq!(run(&["failed", "show", "--id", &id]), shown);
+    for verb in ["requeue", "discard"] {
+        for form in [vec![id.as_str()], vec!["--id", id.as_str()]] {
+            let mut args = vec!["failed", verb, "--dry-run"];
+            args.extend(&form);
+            let mut c = postal(&e.url);
+            c.args(&args);
+            let out = c.output().unwrap();
+            assert!(
+                out.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains(&id),
+                "{args:?}"
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("would ")
+                    && String::from_utf8_lossy(&out.stderr).contains(" 1 parked event(s)"),
+                "{args:?}"
+            );
+        }
+    }
+
+    let (_ids, stop, task, _stats) = one_dead_letter(&e).await;
+    let listed: serde_json::Value =
+        serde_json::from_str(&run(&["dead-letters", "list", "--json"])).unwrap();
+    let dl = listed[0]["id"].as_i64().unwrap().to_string();
+    let shown = run(&["dead-letters", "show", &dl]);
+    assert!(shown.contains("the ledger is broken"), "{shown}");
+    assert_eq!(run(&["dead-letters", "show", "--id", &dl]), shown);
+    assert!(run(&["dead-letters", "replay", &dl]).contains("replayed 1 dead letter(s)"));
+    stop.send(()).unwrap();
+    task.await.unwrap();
+
+    let audit: serde_json::Value =
+        serde_json::from_str(&run(&["audit", "list", "--json"])).unwrap();
+    let entry = audit[0]["id"].as_i64().unwrap().to_string();
+    let shown = run(&["audit", "show", &entry]);
+    assert!(shown.contains("replay"), "{shown}");
+    assert_eq!(run(&["audit", "show", "--id", &entry]), shown);
+
+    // Both forms at once is one line saying so, not a guess.
+    let mut both = postal(&e.url);
+    both.args(["failed", "show", &id, "--id", &id]);
+    let err = fails(both);
+    assert!(err.contains("cannot be used with"), "{err}");
+}
+
+/// Guarantee: `postal failed list` with nothing parked says where consumer failures are —
+/// `postal dead-letters list`, with their count — when consumers have open dead letters, and
+/// only then. (Failed before: "(no parked events)" and nothing else, right after a consumer
+/// dead-lettered an event.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_list_points_at_dead_letters_when_consumers_have_some() {
+    let Some(e) = env().await else { return };
+    let mut list = postal(&e.url);
+    list.args(["failed", "list"]);
+    let out = ok(list);
+    assert!(out.contains("(no parked events)\n"), "{out}");
+    assert!(
+        !out.contains("dead-letters"),
+        "no hint without dead letters: {out}"
+    );
+    let (_ids, stop, task, _stats) = one_dead_letter(&e).await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let mut list = postal(&e.url);
+    list.args(["failed", "list"]);
+    let out = ok(list);
+    assert!(
+        out.contains("consumers have 1 open dead letter(s): postal dead-letters list"),
+        "{out}"
+    );
+}
+
+/// Guarantee: `postal failed show` prints a large payload's first 64 KiB and says how many
+/// bytes it cut and how to see them; `--full` prints it whole. (Failed before: a 1.5 MB
+/// payload was printed whole, 1.5 MB on the terminal.)
+#[tokio::test]
+async fn failed_show_cuts_a_large_payload_unless_full() {
+    let Some(e) = env().await else { return };
+    let id = parked_event(&e, &unique("large"), 1_500_000)
+        .await
+        .to_string();
+    let total: i32 = sqlx::query_scalar(
+        "SELECT octet_length(payload) FROM postal.outbox WHERE event_id = $1::uuid",
+    )
+    .bind(&id)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    let mut show = postal(&e.url);
+    show.args(["failed", "show", &id]);
+    let out = ok(show);
+    assert!(out.len() < 70_000, "{} bytes printed", out.len());
+    let cut = total as usize - 64 * 1024;
+    assert!(
+        out.contains(&format!(
+            "[{cut} of its {total} bytes not shown; --full prints the whole payload]"
+        )),
+        "{}",
+        &out[out.len().saturating_sub(200)..]
+    );
+    let mut full = postal(&e.url);
+    full.args(["failed", "show", &id, "--full"]);
+    let out = ok(full);
+    assert!(out.contains(&"x".repeat(1_500_000)), "whole");
+    assert!(!out.contains("not shown"));
+}

@@ -65,7 +65,8 @@ pub struct ConsumerConfig {
     pub dlq_suffix: String,
     /// Partitions of dead-letter topics the consumer creates (default 1).
     pub dlq_partitions: i32,
-    /// Replication factor of dead-letter topics the consumer creates (default 1).
+    /// Replication factor of dead-letter topics the consumer creates (default -1: the broker's
+    /// `default.replication.factor`); -1 or at least 1.
     pub dlq_replication: i32,
     /// How often processed offsets are also committed to Kafka, asynchronously, for lag
     /// tools (default 1 s). The database copy is the one the consumer resumes from.
@@ -234,7 +235,7 @@ impl ConsumerConfig {
             unknown_types: UnknownTypes::DeadLetter,
             dlq_suffix: ".dlq".into(),
             dlq_partitions: 1,
-            dlq_replication: 1,
+            dlq_replication: -1,
             kafka_commit_interval: Duration::from_secs(1),
             partition_buffer: 1000,
             partition_buffer_bytes: 16 * 1024 * 1024,
@@ -428,8 +429,11 @@ impl ConsumerConfig {
         if self.backoff.base.is_zero() || self.backoff.max < self.backoff.base {
             return bad("backoff base must be positive and not above the backoff max");
         }
-        if self.dlq_partitions < 1 || self.dlq_replication < 1 {
-            return bad("dead-letter topic partitions and replication must be at least 1");
+        if self.dlq_partitions < 1 {
+            return bad("dead-letter topic partitions must be at least 1");
+        }
+        if self.dlq_replication < 1 && self.dlq_replication != -1 {
+            return bad("dead-letter topic replication must be -1 (the broker's default.replication.factor) or at least 1");
         }
         if self.kafka_commit_interval.is_zero() {
             return bad("kafka commit interval must be positive");
@@ -664,5 +668,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("managed by Postal"));
+    }
+
+    /// Guarantee: dead-letter topics the consumer creates take the broker's
+    /// `default.replication.factor` unless given (`-1`); an explicit factor is accepted, and
+    /// 0 or another negative one is refused with the setting named.
+    #[test]
+    fn dead_letter_topics_take_the_brokers_replication_unless_given() {
+        let c = ConsumerConfig::new("b:9092", "g");
+        assert_eq!(c.dlq_replication, -1);
+        c.validate().unwrap();
+        for ok in [1, 3] {
+            let mut c = ConsumerConfig::new("b:9092", "g");
+            c.dlq_replication = ok;
+            c.validate().unwrap();
+        }
+        for bad in [0, -2] {
+            let mut c = ConsumerConfig::new("b:9092", "g");
+            c.dlq_replication = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("dead-letter topic replication"), "{e}");
+        }
     }
 }

@@ -37,6 +37,47 @@ pub(crate) struct Context {
     pub state: Arc<Mutex<Ownership>>,
     pub events: UnboundedSender<RebalanceEvent>,
     pub group: String,
+    /// Subscribed topics the broker said do not exist: since when, and whether that was
+    /// warned about.
+    pub missing_topics: Mutex<HashMap<String, (std::time::Instant, bool)>>,
+}
+
+/// How long a subscribed topic may be missing before the consumer warns: at a normal start the
+/// consumer often subscribes before the relay created the topic with its first event.
+const MISSING_TOPIC_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// librdkafka's reason for a subscribed topic the broker does not know:
+/// `Subscribed topic not available: <topic>: Broker: Unknown topic or partition`.
+fn missing_subscribed_topic(reason: &str) -> Option<&str> {
+    let rest = reason.split("Subscribed topic not available: ").nth(1)?;
+    Some(rest.split(": ").next().unwrap_or(rest))
+}
+
+impl Context {
+    /// A subscribed topic does not exist (yet): said at INFO the first time (librdkafka
+    /// retries; the topic is assigned once it exists), warned about once when it is still
+    /// missing after [`MISSING_TOPIC_PATIENCE`].
+    fn topic_missing(&self, topic: &str) {
+        let mut missing = self.missing_topics.lock().expect("missing topics");
+        match missing.get_mut(topic) {
+            None => {
+                missing.insert(topic.to_owned(), (std::time::Instant::now(), false));
+                tracing::info!(
+                    topic,
+                    "waiting for topic {topic:?} to exist (a relay creates it with its first event)"
+                );
+            }
+            Some((since, warned @ false)) if since.elapsed() >= MISSING_TOPIC_PATIENCE => {
+                *warned = true;
+                tracing::warn!(
+                    topic,
+                    waited_s = since.elapsed().as_secs(),
+                    "topic {topic:?} still does not exist: create it, or check the topic the consumer subscribes to"
+                );
+            }
+            Some(_) => tracing::debug!(topic, "subscribed topic still missing"),
+        }
+    }
 }
 
 impl ClientContext for Context {
@@ -44,6 +85,14 @@ impl ClientContext for Context {
     /// thread on every failed connection attempt); other global errors are logged as errors.
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         use rdkafka::types::RDKafkaErrorCode as C;
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(C::UnknownTopicOrPartition | C::UnknownTopic)
+        ) {
+            if let Some(topic) = missing_subscribed_topic(reason) {
+                return self.topic_missing(topic);
+            }
+        }
         static UNREACHABLE_LOG: std::sync::LazyLock<postal_shared::LogThrottle> =
             std::sync::LazyLock::new(|| {
                 postal_shared::LogThrottle::new(std::time::Duration::from_secs(30))

@@ -126,6 +126,7 @@ impl<S> ConsumerBuilder<S> {
             state: state.clone(),
             events: events_tx,
             group: self.config.group.clone(),
+            missing_topics: Default::default(),
         };
         let consumer: StreamConsumer<Context> =
             self.config.client_config().create_with_context(context)?;
@@ -352,6 +353,13 @@ impl Consumer {
                                 Some(p) => p.inbox.push(&shared, record),
                                 None => tracing::debug!(topic = %tp.0, partition = tp.1, "record of a partition not owned here; left for its owner"),
                             }
+                        }
+                        // A subscribed topic that does not exist yet: the client context
+                        // says so (once, at INFO); the topic is assigned once it exists.
+                        Some(Err(e)) if e.rdkafka_error_code()
+                            == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) =>
+                        {
+                            tracing::debug!(error = %e, "consumer error of a missing topic");
                         }
                         Some(Err(e)) => {
                             errors_logged += 1;

@@ -85,7 +85,7 @@ pub const VARIABLES: &[Variable] = &[
     var("POSTAL_NO_CREATE_TOPICS", Reader::Relay, "false"),
     var("POSTAL_ALLOW_TOPICS", Reader::Relay, "all but *.dlq"),
     var("POSTAL_TOPIC_PARTITIONS", Reader::Relay, "12"),
-    var("POSTAL_TOPIC_REPLICATION", Reader::Relay, "1"),
+    var("POSTAL_TOPIC_REPLICATION", Reader::Relay, "-1"),
     var("POSTAL_DESTINATION", Reader::Relay, "kafka"),
     var("POSTAL_ROUTE", Reader::Relay, "-"),
     var("POSTAL_RABBITMQ_ROUTING_KEY", Reader::Relay, "-"),

@@ -211,17 +211,19 @@ async fn apply(
 /// What a migrator's connection resets before it closes: a session pooler hands its server
 /// session to the next client (PgBouncer runs `server_reset_query`, `DISCARD ALL`, too; this
 /// does not count on it).
-const RESET: &str = "RESET search_path; RESET lock_timeout";
+const RESET: &str = "RESET search_path; RESET lock_timeout; RESET client_min_messages";
 
 /// Makes `conn`'s session a migrator's: `search_path` `postal` (sqlx's bookkeeping table is
-/// `postal._sqlx_migrations`) and `lock_timeout`; then checks that both took.
+/// `postal._sqlx_migrations`), `lock_timeout`, and `client_min_messages = warning` (the
+/// notices of `CREATE … IF NOT EXISTS` on every start — `schema "postal" already exists,
+/// skipping` — are not news; sqlx would log each); then checks that the first two took.
 async fn postal_session(
     conn: &mut PgConnection,
     lock_timeout: Duration,
 ) -> Result<(), sqlx::Error> {
     use sqlx::{Executor as _, Row as _};
     let set = format!(
-        "SET search_path = {POSTAL_SCHEMA}; SET lock_timeout = '{}ms'",
+        "SET search_path = {POSTAL_SCHEMA}; SET lock_timeout = '{}ms'; SET client_min_messages = warning",
         lock_timeout.as_millis()
     );
     conn.execute(set.as_str()).await?;

@@ -37,6 +37,7 @@ mod poolers;
 mod previous_release;
 mod procs;
 mod protocol;
+mod quiet_start;
 mod rabbit_random;
 mod rabbitmq;
 mod rebalance;

@@ -18,7 +18,8 @@ pub struct KafkaConfig {
     pub create_topics: bool,
     /// Partition count of created topics (default 12).
     pub topic_partitions: i32,
-    /// Replication factor of created topics (default 1).
+    /// Replication factor of created topics (default -1: the broker's
+    /// `default.replication.factor`, so a replicated cluster's policy applies); -1 or at least 1.
     pub topic_replication: i32,
     /// Extra librdkafka properties (TLS, SASL, tuning); they override Postal's defaults.
     pub properties: BTreeMap<String, String>,
@@ -60,7 +61,7 @@ impl KafkaConfig {
             source: "postal".into(),
             create_topics: true,
             topic_partitions: 12,
-            topic_replication: 1,
+            topic_replication: -1,
             properties: BTreeMap::new(),
             allowed_topics: crate::TopicAllowList::any(),
         }
@@ -98,5 +99,28 @@ mod tests {
             shown.contains("relay") && shown.contains("broker:9092"),
             "{shown}"
         );
+    }
+
+    /// Guarantee: topics the relay creates take the cluster's own replication factor unless
+    /// told otherwise (`-1`, the broker's `default.replication.factor`, never a fixed 1 that a
+    /// replicated cluster would not choose); an explicit factor is kept; anything else (0, -2)
+    /// is refused with one line naming the setting and the value.
+    #[test]
+    fn created_topics_take_the_brokers_replication_unless_given() {
+        assert_eq!(KafkaConfig::new("b:9092").topic_replication, -1);
+        for ok in [-1, 1, 3] {
+            let c = KafkaConfig::new("b:9092").topic_replication(ok);
+            let t = crate::KafkaTransport::new(c).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert!(format!("{t:?}").contains(&format!("topic_replication: {ok}")));
+        }
+        for bad in [0, -2] {
+            let c = KafkaConfig::new("b:9092").topic_replication(bad);
+            let e = crate::KafkaTransport::new(c).unwrap_err().to_string();
+            assert!(
+                e.contains("replication factor must be -1") && e.contains(&bad.to_string()),
+                "{e}"
+            );
+            assert!(!e.contains('\n'), "{e}");
+        }
     }
 }

@@ -61,10 +61,17 @@ impl KafkaTransport {
             postal_shared::kafka_producer::config(&config.bootstrap_servers, &config.properties)
                 .map_err(|e| Error::Config(e.to_string()))?;
         postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
-        if config.topic_partitions < 1 || config.topic_replication < 1 {
-            return Err(Error::Config(
-                "topic partitions and replication factor must be at least 1".into(),
-            ));
+        if config.topic_partitions < 1 {
+            return Err(Error::Config(format!(
+                "topic partitions must be at least 1, got {}",
+                config.topic_partitions
+            )));
+        }
+        if config.topic_replication < 1 && config.topic_replication != -1 {
+            return Err(Error::Config(format!(
+                "topic replication factor must be -1 (the broker's default.replication.factor) or at least 1, got {}",
+                config.topic_replication
+            )));
         }
         if client_config.get("message.timeout.ms") == Some("0") {
             tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");

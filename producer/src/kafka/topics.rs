@@ -124,9 +124,13 @@ impl KafkaTransport {
         let results = self.admin.create_topics([&new], &opts).await.map_err(|e| {
             PublishError::new(classify(&e), format!("creating topic {topic:?}: {e}"))
         })?;
+        // Several lanes (and relays) find a new topic missing at once and each asks to create
+        // it: only the request that created it says so.
+        let mut created = false;
         for r in results {
             match r {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Ok(_) => created = true,
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                 Err((_, RDKafkaErrorCode::InvalidTopic)) => {
                     return Err(PublishError::new(
                         FailureKind::Permanent,
@@ -156,11 +160,20 @@ impl KafkaTransport {
                 }
             }
         }
-        tracing::info!(
-            topic,
-            partitions = self.config.topic_partitions,
-            "created topic"
-        );
+        if created {
+            let replication = match self.config.topic_replication {
+                -1 => "the broker's default".to_owned(),
+                n => n.to_string(),
+            };
+            tracing::info!(
+                topic,
+                partitions = self.config.topic_partitions,
+                %replication,
+                "created topic"
+            );
+        } else {
+            tracing::debug!(topic, "topic created meanwhile by another lane or relay");
+        }
         Ok(())
     }
 }
