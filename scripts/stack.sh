@@ -488,7 +488,12 @@ CONF
 kafka_start() {
   local d="$KDIR"
   mkdir -p "$d/logs" "$d/data" "$d/tmp"
-  if pid="$(kafka_pid)"; then log "kafka node $KNODE already running (pid $pid) on $HOST:$KPORT"; return; fi
+  if pid="$(kafka_pid)"; then
+    log "kafka node $KNODE already running (pid $pid) on $HOST:$KPORT"
+    # Nothing to wait for (its log may have rolled over since its "started" line).
+    echo running > "$d/start-offset"
+    return
+  fi
   kafka_config
   if [ ! -f "$d/data/meta.properties" ]; then
     local id idfile="$STACK/kafka-cluster/cluster-id"
@@ -531,6 +536,7 @@ kafka_wait() {
   for _ in $(seq 1 50); do pid="$(kafka_pid)" && break; sleep 0.1; done
   [ -n "$pid" ] || die "kafka node $KNODE is not running (logs: $d/logs)"
   offset="$(cat "$d/start-offset" 2>/dev/null || echo 0)"
+  [ "$offset" = running ] && return 0
   for _ in $(seq 1 1200); do
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
       return 0

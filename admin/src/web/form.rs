@@ -31,6 +31,18 @@ pub(crate) fn failed(e: &Error) -> Response {
         .into_response()
 }
 
+/// Refuses a query or form any of whose values holds a NUL character (no stored text can:
+/// PostgreSQL refused it as an encoding error, a 500), with a one-line 400.
+pub(crate) fn refuse_nul(pairs: &[(String, String)]) -> Result<(), Error> {
+    match pairs.iter().find(|(_, v)| v.contains('\0')) {
+        Some((k, _)) => Err(Error::Invalid(format!(
+            "{}: holds a NUL character, which no stored value can",
+            postal_shared::text::bounded(k, 40)
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The value of `name` in the query or form, empty ones as absent.
 pub(crate) fn get<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
     pairs
@@ -69,6 +81,7 @@ pub(crate) fn uuid(v: Option<&str>, name: &str) -> Result<Option<Uuid>, Error> {
 
 /// The parked-events filter in a query or form.
 pub(crate) fn parked_filter(p: &[(String, String)]) -> Result<parked::Filter, Error> {
+    refuse_nul(p)?;
     Ok(parked::Filter {
         event_id: uuid(get(p, "event_id"), "event id")?,
         topic: get(p, "topic").map(str::to_owned),
@@ -82,6 +95,7 @@ pub(crate) fn parked_filter(p: &[(String, String)]) -> Result<parked::Filter, Er
 
 /// The dead-letters filter in a query or form.
 pub(crate) fn dead_filter(p: &[(String, String)]) -> Result<dead_letters::Filter, Error> {
+    refuse_nul(p)?;
     Ok(dead_letters::Filter {
         consumer: get(p, "consumer").map(str::to_owned),
         topic: get(p, "topic").map(str::to_owned),

@@ -220,7 +220,6 @@ async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow() {
 /// colliding topic's events are parked with a one-line reason that says why (names the
 /// collision, so an operator knows what to rename), nothing else stalls.
 #[tokio::test]
-#[ignore = "known: parked and the rest flows, but the reason is only `invalid topic \"<u>_col\"` (kafka/topics.rs:130 drops the broker's 'collides with existing topic' message), so the operator cannot tell why a valid name is invalid"]
 async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -424,7 +423,6 @@ async fn short_answers(addr: std::net::SocketAddr, paths: &[String]) -> Vec<Stri
 /// wrong with the field (no stored key, topic or consumer can hold a NUL), not a 500 carrying
 /// PostgreSQL's encoding error.
 #[tokio::test]
-#[ignore = "known: a NUL in a filter value reaches PostgreSQL as a text parameter: 500 'database: error returned from database: invalid byte sequence for encoding \"UTF8\": 0x00' (admin/src/web/form.rs passes get(p, …) through unchecked)"]
 async fn a_nul_in_a_filter_gets_a_400_not_a_database_error() {
     use postal_admin::web::Dashboard;
     let db = services().await.fresh_db().await;

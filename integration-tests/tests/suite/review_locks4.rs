@@ -235,10 +235,13 @@ async fn a_multixact_equal_to_a_claim_that_ended_during_the_next_claim_on_a_row_
 
 /// A transport that logs every batch handed to it, returns its first batch untried
 /// (`HeldBack`) once `gate` opens, and acknowledges every later one at once.
+/// Per batch handed over, in order: its payloads and whether they were acknowledged.
+type BatchLog = Arc<Mutex<Vec<(Vec<String>, bool)>>>;
+
 #[derive(Clone)]
 struct GatedFirst {
     /// Per batch handed over, in order: its payloads and whether they were acknowledged.
-    log: Arc<Mutex<Vec<(Vec<String>, bool)>>>,
+    log: BatchLog,
     gate: tokio::sync::watch::Sender<bool>,
     first_seen: Arc<AtomicBool>,
 }

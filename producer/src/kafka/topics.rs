@@ -132,10 +132,24 @@ impl KafkaTransport {
                 Ok(_) => created = true,
                 Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                 Err((_, RDKafkaErrorCode::InvalidTopic)) => {
+                    // The client does not pass the broker's message on; a name of valid
+                    // characters and length is refused for colliding with a topic whose name
+                    // differs only in `.` against `_` (Kafka's metric names cannot tell them
+                    // apart).
+                    let valid_chars = topic.len() <= 249
+                        && !matches!(topic, "." | "..")
+                        && topic
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+                    let why = if valid_chars {
+                        "it collides with an existing topic whose name differs only in '.' and '_' (Kafka refuses such pairs)"
+                    } else {
+                        "Kafka takes only letters, digits, '.', '_' and '-', at most 249 of them, and not '.' or '..'"
+                    };
                     return Err(PublishError::new(
                         FailureKind::Permanent,
-                        format!("invalid topic {topic:?}"),
-                    ))
+                        format!("invalid topic {topic:?}: {why}"),
+                    ));
                 }
                 Err((
                     _,

@@ -6,7 +6,7 @@ use axum::extract::{Query, State as Extract};
 use axum::response::{Html, IntoResponse, Response};
 
 use crate::lookup;
-use crate::web::form::{failed, get, input, uuid, Pairs};
+use crate::web::form::{failed, get, input, refuse_nul, uuid, Pairs};
 use crate::web::html::{esc, page};
 use crate::web::State;
 
@@ -18,6 +18,9 @@ pub(crate) async fn lookup(Extract(state): Extract<State>, Query(p): Pairs) -> R
         input(&p, "consumer", "Consumer", "text"),
         input(&p, "event_id", "Event id", "text"),
     );
+    if let Err(e) = refuse_nul(&p) {
+        return failed(&e);
+    }
     if let (Some(consumer), Some(id)) = (get(&p, "consumer"), get(&p, "event_id")) {
         let id = match uuid(Some(id), "event id") {
             Ok(Some(id)) => id,
