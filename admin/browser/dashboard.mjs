@@ -149,7 +149,7 @@ try {
     check((await text(page, "#verdict")).startsWith("Yes"), "the dedup row is found");
     await page.screenshot({ path: `${shots}/lookup.png`, fullPage: true });
     await page.goto(`${url}/audit`);
-    const actions = await page.locator("#audit tbody tr td:nth-child(3)").allTextContents();
+    const actions = await page.locator("#audit tbody tr td:nth-child(5)").allTextContents();
     check(JSON.stringify(actions) === JSON.stringify(["release-key", "requeue", "discard", "requeue"]), `audit rows ${JSON.stringify(actions)}`);
     await page.screenshot({ path: `${shots}/audit.png`, fullPage: true });
   });
