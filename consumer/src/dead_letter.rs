@@ -1,7 +1,8 @@
 //! Dead letters: recorded in the transaction that moves the partition past them, then
 //! published to `<topic>.dlq` with the original key, value and headers plus the error (cut to
 //! fit when too large, `crate::dlq_copy`). A dead letter whose copy the broker refuses even
-//! cut is marked (`dlq_unpublishable`, the reason) and passed over.
+//! cut is marked (`dlq_unpublishable`, the reason) and passed over: it comes after every other
+//! dead letter, and is tried again when a batch has room.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -122,25 +123,11 @@ impl Publisher {
                 }
                 Ok(false) => {
                     failures = 0;
-                    metrics::gauge!("postal_consumer_dead_letters_unpublished", "consumer" => self.consumer.clone())
-                        .set(0.0);
+                    self.count_unpublished().await;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "publishing dead letters failed; retrying");
-                    // How many wait (alert `PostalDeadLettersUnpublished`), when the
-                    // database answers.
-                    if let Ok(n) = sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM postal.dead_letters
-                         WHERE consumer_name = $1 AND published_at IS NULL
-                           AND dlq_unpublishable IS NULL",
-                    )
-                    .bind(&self.consumer)
-                    .fetch_one(&self.pool)
-                    .await
-                    {
-                        metrics::gauge!("postal_consumer_dead_letters_unpublished", "consumer" => self.consumer.clone())
-                            .set(n as f64);
-                    }
+                    self.count_unpublished().await;
                     let wait = self.backoff.delay(failures);
                     failures = failures.saturating_add(1);
                     tokio::select! {
@@ -163,6 +150,23 @@ impl Publisher {
         }
     }
 
+    /// Sets `postal_consumer_dead_letters_unpublished` (alert `PostalDeadLettersUnpublished`):
+    /// how many dead letters are not in their `.dlq` topic, those refused even cut included,
+    /// when the database answers.
+    async fn count_unpublished(&self) {
+        if let Ok(n) = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.dead_letters
+             WHERE consumer_name = $1 AND published_at IS NULL",
+        )
+        .bind(&self.consumer)
+        .fetch_one(&self.pool)
+        .await
+        {
+            metrics::gauge!("postal_consumer_dead_letters_unpublished", "consumer" => self.consumer.clone())
+                .set(n as f64);
+        }
+    }
+
     /// Publishes one batch; `Ok(true)` when a full batch went out (there may be more).
     async fn publish_pending(&self) -> Result<bool, String> {
         let mut tx = postal_shared::cancel_safe::begin(&self.pool)
@@ -179,9 +183,9 @@ impl Publisher {
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic
              FROM postal.dead_letters
-             WHERE consumer_name = $1 AND published_at IS NULL AND dlq_unpublishable IS NULL
+             WHERE consumer_name = $1 AND published_at IS NULL
                AND dlq_topic <> ALL($3)
-             ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
+             ORDER BY dlq_unpublishable IS NOT NULL, id LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
         .bind(BATCH)
@@ -192,7 +196,9 @@ impl Publisher {
         if rows.is_empty() {
             return Ok(false);
         }
-        let full = rows.len() as i64 == BATCH;
+        // Dead letters refused even cut (`dlq_unpublishable`) come after every other, so they
+        // never hold one back, and are tried again when the batch has room: a topic whose
+        // limit an operator raises takes them then.
         // A topic that cannot take its dead letters holds back only its own.
         let mut first_error = None;
         let mut skipped = HashSet::new();
@@ -302,13 +308,19 @@ impl Publisher {
             .await
             .map_err(|e| e.to_string())?;
         }
-        sqlx::query("UPDATE postal.dead_letters SET published_at = now() WHERE id = ANY($1)")
-            .bind(&done)
+        sqlx::query(
+            "UPDATE postal.dead_letters SET published_at = now(), dlq_unpublishable = NULL
+             WHERE id = ANY($1)",
+        )
+        .bind(&done)
             .execute(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
         tracing::debug!(count = done.len(), "published dead letters");
+        // More may wait only when a whole batch went out (a batch holding a dead letter that
+        // cannot go waits for the next round instead of spinning on it).
+        let full = done.len() as i64 == BATCH;
         match first_error {
             Some(e) => Err(e),
             None => Ok(full),
