@@ -33,6 +33,7 @@ mod netsplit;
 mod order;
 mod oversized;
 mod pg_security;
+mod pooler_churn;
 mod poolers;
 mod previous_release;
 mod procs;
