@@ -313,9 +313,9 @@ impl Publisher {
              WHERE id = ANY($1)",
         )
         .bind(&done)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
         tracing::debug!(count = done.len(), "published dead letters");
         // More may wait only when a whole batch went out (a batch holding a dead letter that

@@ -286,7 +286,8 @@ async fn writer(
                     if sh.errors.load(Ordering::Relaxed) % 50 == 1 {
                         eprintln!("[churn] writer {w}: {e}; again");
                     }
-                    if sh.stop.load(Ordering::SeqCst) && sh.errors.load(Ordering::Relaxed) > 100_000 {
+                    if sh.stop.load(Ordering::SeqCst) && sh.errors.load(Ordering::Relaxed) > 100_000
+                    {
                         break 'orders;
                     }
                     // Back-off while the pooler is down (not synchronization).
@@ -334,7 +335,8 @@ async fn create_topic_racing(bootstrap: &str, topic: &str) -> bool {
             .expect("create topic");
         match res.into_iter().next().unwrap() {
             Ok(_) => return true,
-            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) if !crate::missing_topic::topic_exists(bootstrap, topic) => {}
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists))
+                if !crate::missing_topic::topic_exists(bootstrap, topic) => {}
             Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => return false,
             Err(e) => assert!(Instant::now() < deadline, "cannot create {topic}: {e:?}"),
         }
@@ -407,6 +409,7 @@ struct Stalls {
 /// The reset is retried while the broker still lists the stopped consumer as a live member
 /// (observed once for 45 s, the session timeout, after a clean exit: reported, not failed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "soak (several minutes, 70 s pooler outages): run with `-- --ignored pooler_churn::` and POSTAL_REQUIRE_PGBOUNCER=1"]
 async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
     let Some(bin) = pgbouncer::binary("pooler_churn::relay_and_consumer_survive") else {
         return;
@@ -443,25 +446,36 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             if let Some(s) = refused.exited() {
                 break s;
             }
-            assert!(Instant::now() < deadline, "postal relay through a transaction pooler did not stop");
+            assert!(
+                Instant::now() < deadline,
+                "postal relay through a transaction pooler did not stop"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         assert!(!status.success());
         let log = std::fs::read_to_string(&refused.log).unwrap();
         assert_eq!(
-            log.lines().filter(|l| l.contains("transaction pooler")).count(),
+            log.lines()
+                .filter(|l| l.contains("transaction pooler"))
+                .count(),
             1,
             "one line: {log}"
         );
     }
 
-    let mut relay = Proc::new(&bin_dir(), &logs, "relay", "postal", &["relay", "--topic-partitions", "3"])
-        .env(&[
-            ("DATABASE_URL", session.url(&db.name)),
-            ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
-            ("RUST_LOG", "info,rdkafka=warn".into()),
-        ])
-        .with_metrics();
+    let mut relay = Proc::new(
+        &bin_dir(),
+        &logs,
+        "relay",
+        "postal",
+        &["relay", "--topic-partitions", "3"],
+    )
+    .env(&[
+        ("DATABASE_URL", session.url(&db.name)),
+        ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+        ("RUST_LOG", "info,rdkafka=warn".into()),
+    ])
+    .with_metrics();
     let mut billing = Proc::new(&bin_dir(), &logs, "billing", "billing_service", &[])
         .env(&[
             ("DATABASE_URL", session.url(&db.name)),
@@ -499,7 +513,8 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             done.clone(),
             operator_window.clone(),
         );
-        let (relay_log, billing_log, orders) = (relay.log.clone(), billing.log.clone(), orders.clone());
+        let (relay_log, billing_log, orders) =
+            (relay.log.clone(), billing.log.clone(), orders.clone());
         let db_url = db.url.clone();
         tokio::spawn(async move {
             let mut applied_last = -1i64;
@@ -508,10 +523,11 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             let mut relay_since = Instant::now();
             let (mut consumer_reported, mut relay_reported) = (false, false);
             while !done.load(Ordering::SeqCst) {
-                let applied: i64 = sqlx::query_scalar("SELECT count(DISTINCT event_id) FROM ledger")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap_or(applied_last);
+                let applied: i64 =
+                    sqlx::query_scalar("SELECT count(DISTINCT event_id) FROM ledger")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap_or(applied_last);
                 let written = sh.written.lock().unwrap().len() as i64;
                 let due: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM postal.outbox WHERE status = 'pending' AND available_at <= now()",
@@ -519,7 +535,8 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 .fetch_one(&pool)
                 .await
                 .unwrap_or(0);
-                let published = metric_sum(relay_port, "postal_relay_published_total", &[]).unwrap_or(published_last);
+                let published = metric_sum(relay_port, "postal_relay_published_total", &[])
+                    .unwrap_or(published_last);
                 let now = Instant::now();
                 if applied != applied_last || applied >= written || op.load(Ordering::SeqCst) {
                     applied_last = applied;
@@ -541,8 +558,14 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 }
                 if c_idle > Duration::from_secs(60) && !consumer_reported {
                     consumer_reported = true;
-                    let stopped = metric_sum(billing_port, "postal_consumer_partitions_stopped", &[&topic_label]).unwrap_or(0.0);
-                    let stalled = metric_sum(billing_port, "postal_consumer_stalled_seconds", &[]).unwrap_or(0.0);
+                    let stopped = metric_sum(
+                        billing_port,
+                        "postal_consumer_partitions_stopped",
+                        &[&topic_label],
+                    )
+                    .unwrap_or(0.0);
+                    let stalled = metric_sum(billing_port, "postal_consumer_stalled_seconds", &[])
+                        .unwrap_or(0.0);
                     let nr = not_ready(billing_port);
                     let line = logged(&billing_log, "consumer stalled");
                     let what = format!(
@@ -561,7 +584,8 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 }
                 if r_idle > Duration::from_secs(60) && !relay_reported {
                     relay_reported = true;
-                    let waiting = metric_sum(relay_port, "postal_relay_claim_waiting_seconds", &[]).unwrap_or(0.0);
+                    let waiting = metric_sum(relay_port, "postal_relay_claim_waiting_seconds", &[])
+                        .unwrap_or(0.0);
                     let nr = not_ready(relay_port);
                     let line = logged(&relay_log, "relay stalled")
                         || logged(&relay_log, "does not exist")
@@ -615,7 +639,12 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let took = started.elapsed();
-            eprintln!("[churn] {} {}: progress again after {:.1}s", stamp(), $what, took.as_secs_f64());
+            eprintln!(
+                "[churn] {} {}: progress again after {:.1}s",
+                stamp(),
+                $what,
+                took.as_secs_f64()
+            );
             recoveries.push(format!("{}: {:.1}s", $what, took.as_secs_f64()));
         }};
     }
@@ -639,7 +668,12 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            eprintln!("[churn] {} {}: {want} applied after {:.1}s", stamp(), $what, started.elapsed().as_secs_f64());
+            eprintln!(
+                "[churn] {} {}: {want} applied after {:.1}s",
+                stamp(),
+                $what,
+                started.elapsed().as_secs_f64()
+            );
         }};
     }
 
@@ -653,7 +687,10 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
         tokio::time::sleep(Duration::from_secs(8)).await;
         if cycle == 2 {
             session.signal("STOP");
-            eprintln!("[churn] {} cycle {cycle}: session pooler frozen (SIGSTOP)", stamp());
+            eprintln!(
+                "[churn] {} cycle {cycle}: session pooler frozen (SIGSTOP)",
+                stamp()
+            );
             tokio::time::sleep(Duration::from_secs(70)).await; // the fault's length
             session.signal("CONT");
         } else {
@@ -663,14 +700,23 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             tokio::time::sleep(Duration::from_secs(outage)).await; // the fault's length
             session.restart();
         }
-        await_progress!(format!("cycle {cycle}: session pooler restart"), Duration::from_secs(120));
+        await_progress!(
+            format!("cycle {cycle}: session pooler restart"),
+            Duration::from_secs(120)
+        );
         // The writers' transaction pooler.
         tokio::time::sleep(Duration::from_secs(5)).await;
         txn.kill9();
-        eprintln!("[churn] {} cycle {cycle}: transaction pooler killed", stamp());
+        eprintln!(
+            "[churn] {} cycle {cycle}: transaction pooler killed",
+            stamp()
+        );
         tokio::time::sleep(Duration::from_secs(3)).await;
         txn.restart();
-        await_progress!(format!("cycle {cycle}: transaction pooler restart"), Duration::from_secs(120));
+        await_progress!(
+            format!("cycle {cycle}: transaction pooler restart"),
+            Duration::from_secs(120)
+        );
         tokio::time::sleep(Duration::from_secs(5)).await;
 
         // Drain, then delete the topic while the writers go on.
@@ -680,13 +726,25 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
         })
         .await;
         await_drained!(format!("cycle {cycle}: before the deletion"));
-        let skipped0 = metric_sum(billing_port, "postal_consumer_skipped_total", &["reason=\"below_stored_offset\""]).unwrap_or(0.0);
+        let skipped0 = metric_sum(
+            billing_port,
+            "postal_consumer_skipped_total",
+            &["reason=\"below_stored_offset\""],
+        )
+        .unwrap_or(0.0);
         delete_topic(&svc.bootstrap, &orders).await;
         sh.paused.store(false, Ordering::SeqCst);
-        eprintln!("[churn] {} cycle {cycle}: topic deleted, writers resumed", stamp());
+        eprintln!(
+            "[churn] {} cycle {cycle}: topic deleted, writers resumed",
+            stamp()
+        );
         if cycle % 2 == 1 {
             let mine = create_topic_racing(&svc.bootstrap, &orders).await;
-            eprintln!("[churn] {} cycle {cycle}: re-created by {}", stamp(), if mine { "the test" } else { "the relay" });
+            eprintln!(
+                "[churn] {} cycle {cycle}: re-created by {}",
+                stamp(),
+                if mine { "the test" } else { "the relay" }
+            );
         }
         // The consumer stops the topic (or, the failure, goes on past new records).
         let started = Instant::now();
@@ -696,7 +754,13 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
         while started.elapsed() < Duration::from_secs(180) {
             relay.assert_alive();
             billing.assert_alive();
-            if metric_sum(billing_port, "postal_consumer_partitions_stopped", &[&topic_label]).unwrap_or(0.0) > 0.0
+            if metric_sum(
+                billing_port,
+                "postal_consumer_partitions_stopped",
+                &[&topic_label],
+            )
+            .unwrap_or(0.0)
+                > 0.0
                 && count_logged(&billing.log, stop_line) > lines_before
             {
                 stopped = true;
@@ -704,7 +768,12 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let skipped1 = metric_sum(billing_port, "postal_consumer_skipped_total", &["reason=\"below_stored_offset\""]).unwrap_or(0.0);
+        let skipped1 = metric_sum(
+            billing_port,
+            "postal_consumer_skipped_total",
+            &["reason=\"below_stored_offset\""],
+        )
+        .unwrap_or(0.0);
         skipped_before_reset.push(skipped1 - skipped0);
         eprintln!(
             "[churn] {} cycle {cycle}: stopped={stopped} after {:.1}s; below_stored_offset skips meanwhile {}",
@@ -713,7 +782,9 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             skipped1 - skipped0
         );
         if !stopped {
-            problems.push(format!("cycle {cycle}: the re-created topic was not stopped within 180 s"));
+            problems.push(format!(
+                "cycle {cycle}: the re-created topic was not stopped within 180 s"
+            ));
         }
         if skipped1 > skipped0 {
             problems.push(format!(
@@ -726,15 +797,26 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
             session.kill9();
             tokio::time::sleep(Duration::from_secs(4)).await;
             session.restart();
-            until(Duration::from_secs(120), "the relay publishing again after the restart", || {
-                let before = metric_sum(relay_port, "postal_relay_published_total", &[]).unwrap_or(0.0);
-                async move {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    metric_sum(relay_port, "postal_relay_published_total", &[]).unwrap_or(0.0) > before
-                }
-            })
+            until(
+                Duration::from_secs(120),
+                "the relay publishing again after the restart",
+                || {
+                    let before =
+                        metric_sum(relay_port, "postal_relay_published_total", &[]).unwrap_or(0.0);
+                    async move {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        metric_sum(relay_port, "postal_relay_published_total", &[]).unwrap_or(0.0)
+                            > before
+                    }
+                },
+            )
             .await;
-            let still = metric_sum(billing_port, "postal_consumer_partitions_stopped", &[&topic_label]).unwrap_or(0.0);
+            let still = metric_sum(
+                billing_port,
+                "postal_consumer_partitions_stopped",
+                &[&topic_label],
+            )
+            .unwrap_or(0.0);
             eprintln!("[churn] {} cycle {cycle}: session pooler restarted while stopped; stopped gauge {still}", stamp());
             if still <= 0.0 {
                 problems.push("the stop was lost with a session pooler restart".into());
@@ -748,7 +830,17 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
         let mut refusals = 0;
         loop {
             let out = Command::new(bin_dir().join("postal"))
-                .args(["consumer", "reset", "--group", &group, "--topic", &orders, "--to", "earliest", "--execute"])
+                .args([
+                    "consumer",
+                    "reset",
+                    "--group",
+                    &group,
+                    "--topic",
+                    &orders,
+                    "--to",
+                    "earliest",
+                    "--execute",
+                ])
                 .env("DATABASE_URL", session.url(&db.name))
                 .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
                 .env("POSTAL_LOG", "warn")
@@ -762,12 +854,15 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
                 eprintln!("[churn] {} cycle {cycle}: reset: {stdout}", stamp());
                 break;
             }
-            if stderr.contains("live member") && reset_started.elapsed() < Duration::from_secs(120) {
+            if stderr.contains("live member") && reset_started.elapsed() < Duration::from_secs(120)
+            {
                 refusals += 1;
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
-            problems.push(format!("cycle {cycle}: postal consumer reset failed: {stderr}"));
+            problems.push(format!(
+                "cycle {cycle}: postal consumer reset failed: {stderr}"
+            ));
             break;
         }
         if refusals > 0 {
@@ -780,7 +875,10 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
         }
         billing.start();
         operator_window.store(false, Ordering::SeqCst);
-        await_progress!(format!("cycle {cycle}: after the reset"), Duration::from_secs(120));
+        await_progress!(
+            format!("cycle {cycle}: after the reset"),
+            Duration::from_secs(120)
+        );
     }
     tokio::time::sleep(Duration::from_secs(8)).await;
     sh.stop.store(true, Ordering::SeqCst);
@@ -802,7 +900,10 @@ async fn relay_and_consumer_survive_topic_recreation_and_pooler_restarts() {
     for r in &rows {
         *per_id.entry(r.3).or_default() += 1;
     }
-    let missing = written_all.iter().filter(|w| !per_id.contains_key(&w.2)).count();
+    let missing = written_all
+        .iter()
+        .filter(|w| !per_id.contains_key(&w.2))
+        .count();
     let duplicates: usize = per_id.values().map(|n| n - 1).sum();
     let mut last: BTreeMap<&str, i32> = BTreeMap::new();
     let mut out_of_order = Vec::new();
