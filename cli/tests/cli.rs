@@ -72,7 +72,8 @@ fn a_mistyped_database_url_is_refused_without_its_password() {
 /// with the password in its user part (with an `@` in it, or percent-encoded), under a query
 /// parameter (known, misspelt or unknown to sqlx), after an `@` in the query, a mistyped
 /// scheme, or a libpq `key=value` string with a misspelt key. One-shot commands (`status`,
-/// `migrate`) and the long-running relay (killed after its first retries).
+/// `migrate`), the long-running relay (killed after its first retries), and the dashboard
+/// (its log, and its overview page and `/metrics` when it serves them).
 #[test]
 fn a_planted_password_appears_in_no_output_at_any_log_level() {
     const PW: &str = "Pl4ntedPw";
@@ -135,6 +136,44 @@ fn a_planted_password_appears_in_no_output_at_any_log_level() {
         assert!(
             !all.contains(PW),
             "relay with {url:?} printed the password: {all}"
+        );
+    }
+    // The dashboard: its log and, when it serves, its overview page and metrics.
+    for url in &shapes[..4] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut child = postal()
+            .args(["dashboard", "--listen", &format!("127.0.0.1:{port}")])
+            .env("DATABASE_URL", url)
+            .env("POSTAL_LOG", "trace")
+            .env("RUST_LOG", "trace")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        let mut served = String::new();
+        for path in ["/", "/metrics"] {
+            if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                use std::io::{Read as _, Write as _};
+                let _ = c.set_read_timeout(Some(Duration::from_secs(10)));
+                let _ = write!(c, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+                let _ = c.read_to_string(&mut served);
+            }
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        let all = format!(
+            "{served}{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !all.contains(PW),
+            "dashboard with {url:?} showed the password: {all}"
         );
     }
 }
