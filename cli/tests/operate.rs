@@ -929,7 +929,7 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
     );
 
     // Naming only a consumer whose rows were never deleted: nothing to protect. (A name that
-    // never deduplicated here is refused: review_reset::a_wrong_consumer_name_…)
+    // never deduplicated here is refused: reset_horizon::a_wrong_consumer_name_…)
     sqlx::query(
         "INSERT INTO postal.processed_events (consumer_name, event_id) VALUES ('other', gen_random_uuid())",
     )

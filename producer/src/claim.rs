@@ -790,7 +790,7 @@ fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>, Option<&str>)> 
 /// `occurred_at` and `created_at` are NULL when they lie outside the times the relay can carry
 /// (`infinity`, `-infinity`, or past the year 262,000: PostgreSQL stores them, chrono cannot
 /// hold them, and decoding one panicked inside sqlx, leaving the claim's locks behind:
-/// `review_hostile::`); `raw_times` then holds both as stored, and the claim parks the row
+/// `hostile_sizes::`); `raw_times` then holds both as stored, and the claim parks the row
 /// with its reason ([`park_rows_with_times_out_of_range`]).
 macro_rules! returned {
     () => {
