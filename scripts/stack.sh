@@ -537,14 +537,21 @@ kafka_wait() {
   [ -n "$pid" ] || die "kafka node $KNODE is not running (logs: $d/logs)"
   offset="$(cat "$d/start-offset" 2>/dev/null || echo 0)"
   [ "$offset" = running ] && return 0
-  for _ in $(seq 1 1200); do
+  # A node with much data (thousands of test topics) loads its logs for minutes: wait while its
+  # log grows, and give up after 120 s without a new line (or 15 minutes in all).
+  local quiet=0 size=0 now total=0
+  while [ "$quiet" -lt 1200 ] && [ "$total" -lt 9000 ]; do
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE exited during start-up (logs: $d/logs)"; }
+    now="$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)"
+    if [ "$now" != "$size" ]; then size="$now"; quiet=0; else quiet=$((quiet + 1)); fi
+    total=$((total + 1))
     sleep 0.1
   done
-  tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE did not start within 120 s (logs: $d/logs)"
+  tail -20 "$d/logs/broker.log" >&2
+  die "kafka node $KNODE did not start (no progress for 120 s, or 15 minutes in all; data: $(du -sh "$d/data" 2>/dev/null | cut -f1); logs: $d/logs); to start afresh: scripts/stack.sh down && rm -rf $d/data"
 }
 
 # Starts the given nodes (all by default) and waits for them: a cluster's nodes start together,
