@@ -9,7 +9,8 @@
 # terminal it offers to stop what it started.
 #
 #   DEMO_ORDERS / DEMO_RATE / DEMO_CUSTOMERS   tune the run (2000 orders, 200/s, 50 customers)
-#   DEMO_STOP=1                                stop the stack at the end without asking
+#   DEMO_STOP=1                                stop the stack at the end without asking (when
+#                                              the demo started it)
 #   DEMO_STOP=0                                leave it running without asking
 #   POSTAL_PG_PORT, POSTAL_KAFKA_PORT, …       the stack's ports and folders (CONTRIBUTING.md,
 #                                              "The stack's settings")
@@ -66,7 +67,7 @@ if [ -n "$running_before" ]; then
   say "stop them with: $down"
   exit "$rc"
 fi
-say "still running, started by this demo (data in ${POSTAL_STACK_DIR:-.stack/}; README's tests and examples use them too):"
+say "still running, started by this demo (data in ${POSTAL_STACK_DIR:-.stack/}):"
 echo "$running_now" | sed 's/^/  /' >&2
 stop="${DEMO_STOP:-}"
 if [ -z "$stop" ] && [ -t 0 ] && [ -t 2 ]; then
