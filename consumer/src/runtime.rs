@@ -263,12 +263,21 @@ impl Consumer {
             Some(addr) => {
                 // Ready while the database answers and every owned partition advances
                 // (records do not wait on a pooler, a lock or a failing handler: `stall`).
-                let watched = shared.clone();
+                // The endpoint holds no handle on the runtime (nor so on its Kafka client):
+                // a check in flight, or the endpoint itself, must not keep the client from
+                // leaving its group when the consumer stops (see the end of `run`).
+                let watched = Arc::downgrade(&shared);
                 let ready = move || {
-                    let shared = watched.clone();
+                    let checked = watched.upgrade().map(|shared| {
+                        (shared.watch.health.problem().is_none(), shared.pool.clone())
+                    });
                     async move {
-                        shared.watch.health.problem().is_none()
-                            && sqlx::query("SELECT 1").execute(&shared.pool).await.is_ok()
+                        match checked {
+                            Some((healthy, pool)) => {
+                                healthy && sqlx::query("SELECT 1").execute(&pool).await.is_ok()
+                            }
+                            None => false,
+                        }
                     }
                 };
                 Some(AbortOnDropHandle::new(
@@ -394,8 +403,14 @@ impl Consumer {
         // waits for the group coordinator without a limit of its own (up to the session
         // timeout with the broker down), and a close can hang inside librdkafka: the thread is
         // waited for at most `shutdown_timeout`; the broker expires a member that did not
-        // leave after its session timeout. When another handle is still alive (a test's fault
-        // injector), the close happens where that one goes, on a thread of its own too.
+        // leave after its session timeout. The thread closes the client once it holds its
+        // last handle: a cancelled worker's blocking call (a seek, a watermark read) may still
+        // hold one for a few seconds. Closed anywhere else, on the detached thread of the last
+        // handle to go, the close would race the process's exit, and a member that did not
+        // leave keeps the group "live" for `postal consumer reset` until the broker expires it
+        // (seen: refused for 45 s after a clean exit). Only if another handle outlives
+        // `shutdown_timeout` (a test's fault injector) does the close happen where that one
+        // goes.
         let final_commits = take_commits(&mut shared.state.lock().expect("ownership state"));
         let shutdown_timeout = config.shutdown_timeout;
         let consumer = shared.consumer.clone();
@@ -410,7 +425,13 @@ impl Consumer {
                     }
                 }
                 consumer.unsubscribe();
-                drop(consumer.into_last());
+                match consumer.into_last_within(shutdown_timeout) {
+                    // Dropping it closes it: the member leaves the group, here.
+                    Ok(client) => drop(client),
+                    Err(_still_shared) => tracing::warn!(
+                        "another handle on the Kafka client outlived the shutdown timeout; the client leaves the group when that one goes, or the broker expires this member after its session timeout"
+                    ),
+                }
                 let _ = closed_tx.send(());
             });
         housekeeping.abort();

@@ -420,6 +420,9 @@ async fn a_partition_that_stops_fetching_is_recovered() {
     )
     .await;
     assert!(stats.snapshot().stalls_recovered >= 1);
+    // The injector's handle on the client would keep the stopping consumer waiting for it
+    // (up to its shutdown timeout) before it leaves the group.
+    drop(fault);
     running.stop().await;
     assert_eq!(effects(&db.pool).await, (40, 40));
 }

@@ -10,6 +10,7 @@ mod cancel;
 mod chain;
 mod chaos;
 mod claim_schedules;
+mod clean_exit;
 mod cluster;
 mod common;
 mod concurrent_writers;
