@@ -146,6 +146,7 @@ impl<S> ConsumerBuilder<S> {
             wake: Arc::new(Notify::new()),
             created: Mutex::new(HashSet::new()),
             invalid: Mutex::new(HashSet::new()),
+            cooling: Default::default(),
             backoff: self.config.backoff,
         };
         Ok(Consumer {

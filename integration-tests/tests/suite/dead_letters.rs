@@ -236,3 +236,291 @@ async fn a_consumer_expires_its_own_published_dead_letters() {
         "the unpublished, the young and the other consumer's stay"
     );
 }
+
+// Adversarial review of dead-letter publishing (issue 46 item 2 and after): what a real
+// cluster does to `.dlq` topics that no test modelled before.
+
+/// An admin client for `bootstrap`.
+fn admin(bootstrap: &str) -> rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client")
+}
+
+/// Creates `topic` (one partition, one replica) with the topic settings `config`.
+async fn create_topic_with(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+    let mut new = NewTopic::new(topic, 1, TopicReplication::Fixed(1));
+    for (k, v) in config {
+        new = new.set(k, v);
+    }
+    for r in admin(bootstrap)
+        .create_topics([&new], &AdminOptions::new())
+        .await
+        .expect("create topic")
+    {
+        r.expect("topic created");
+    }
+}
+
+/// Sets the topic settings of `topic` to `config`.
+async fn alter_topic(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
+    let mut alter = AlterConfig::new(ResourceSpecifier::Topic(topic));
+    for (k, v) in config {
+        alter = alter.set(k, v);
+    }
+    for r in admin(bootstrap)
+        .alter_configs([&alter], &AdminOptions::new())
+        .await
+        .expect("alter topic")
+    {
+        r.expect("topic altered");
+    }
+}
+
+/// How many of the dead letters match `condition` (SQL over `postal.dead_letters`).
+async fn dead_letters_where(pool: &sqlx::PgPool, condition: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM postal.dead_letters WHERE {condition}"
+    ))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// `n` records without `ce_id` (dead letters `missing_event_id`), each with a value of `value`
+/// random bytes (which no compression shrinks) and a header of its own.
+fn incompressible_records(n: usize, value: usize) -> Vec<RawRecord> {
+    use rand::RngCore;
+    (0..n)
+        .map(|i| {
+            let mut payload = vec![0u8; value];
+            rand::rng().fill_bytes(&mut payload);
+            RawRecord {
+                key: Some(format!("k{i}")),
+                payload,
+                headers: vec![("x-origin", format!("legacy-{i}"))],
+            }
+        })
+        .collect()
+}
+
+/// Dead letters that each fit their `.dlq` topic alone, published together after the topic's
+/// `max.message.bytes` was raised to `limit`: returns their copies once all are published.
+async fn publish_together_under(limit: usize, value: usize, kafka: &[(&str, &str)]) {
+    const N: usize = 30;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("dlq-together");
+    let dlq = format!("{topic}.dlq");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    // At first the topic takes nothing: every dead letter waits, marked, in the table.
+    create_topic_with(&svc.bootstrap, &dlq, &[("max.message.bytes", "1")]).await;
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &incompressible_records(N, value),
+    )
+    .await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    for (k, v) in kafka {
+        config.kafka.insert((*k).into(), (*v).into());
+    }
+    let running = start_apply(&db.pool, &topic, config);
+    wait::until(WAIT, "every dead letter refused and marked", || async {
+        dead_letters_where(&db.pool, "dlq_unpublishable IS NOT NULL").await == N as i64
+    })
+    .await;
+    // Now each copy fits the topic, whole, on its own (a few hundred bytes of Postal's headers
+    // on top of the value).
+    alter_topic(
+        &svc.bootstrap,
+        &dlq,
+        &[("max.message.bytes", &limit.to_string())],
+    )
+    .await;
+    wait::until(WAIT, "every dead letter published", || async {
+        dead_letters_where(&db.pool, "published_at IS NOT NULL").await == N as i64
+    })
+    .await;
+    let copies = kafka::read_all(&svc.bootstrap, &dlq, N, WAIT).await;
+    running.stop().await;
+    assert_eq!(copies.len(), N, "one copy per dead letter");
+    for c in &copies {
+        let key = c.key.as_deref().unwrap_or("(no key)");
+        assert_eq!(
+            c.header("postal_dlq_cut"),
+            None,
+            "{key}: its copy fits the topic alone, yet it was cut"
+        );
+        assert_eq!(c.payload.len(), value, "{key}: value kept");
+        assert!(
+            c.header("x-origin")
+                .is_some_and(|o| o.starts_with("legacy-")),
+            "{key}: original headers kept"
+        );
+    }
+    assert_eq!(
+        dead_letters_where(&db.pool, "dlq_unpublishable IS NOT NULL").await,
+        0
+    );
+}
+
+/// Guarantee (docs/consumer.md: a copy is cut only when it does not fit): dead letters whose
+/// copies each fit their `.dlq` topic reach it whole, also when many are published at once.
+///
+/// Broken: the publisher hands a batch's copies to its producer together; librdkafka packs
+/// them into one record batch, and the broker checks the whole batch against the topic's
+/// `max.message.bytes` (MESSAGE_TOO_LARGE for all of them). Each copy was then taken as too
+/// large itself and sent again with Postal's headers only: key, value and original headers
+/// dropped (`postal_dlq_cut: value,headers,key`), though each fits whole (30 copies of about
+/// 4.5 kB under a limit of 20,000 bytes).
+#[tokio::test]
+async fn dead_letters_that_fit_their_topic_alone_are_not_cut_for_sharing_a_batch() {
+    publish_together_under(20_000, 4_000, &[]).await;
+}
+
+/// Guarantee (docs/consumer.md: only a dead letter whose copy the broker refuses even without
+/// value, headers and key is marked unpublishable, and a topic that takes it takes it):
+/// dead letters whose copies each fit their `.dlq` topic are all published.
+///
+/// Broken: as above, with `compression.type=none` and a topic that takes one copy (about
+/// 390 bytes whole with a 50-byte value; a record batch of one copy of Postal's headers only is
+/// about 355 bytes, of two about 660) but not two: the copies of Postal's headers only were
+/// sent together too, over the topic's 540 bytes, and marked `dlq_unpublishable`; they went out
+/// on later passes only when librdkafka happened to send one in a batch of its own, and then
+/// without key, value and original headers, though each copy, whole, fits alone.
+#[tokio::test]
+async fn dead_letters_that_fit_their_topic_alone_are_never_marked_unpublishable() {
+    publish_together_under(540, 50, &[("compression.type", "none")]).await;
+}
+
+/// Deletes `topic`.
+async fn delete_topic(bootstrap: &str, topic: &str) {
+    use rdkafka::admin::AdminOptions;
+    for r in admin(bootstrap)
+        .delete_topics(&[topic], &AdminOptions::new())
+        .await
+        .expect("delete topic")
+    {
+        r.expect("topic deleted");
+    }
+}
+
+/// A record without `ce_id` (a dead letter `missing_event_id`) with key `key`.
+fn without_id(key: &str) -> RawRecord {
+    RawRecord {
+        key: Some(key.into()),
+        payload: format!("{key} without ce_id").into_bytes(),
+        headers: vec![("x-origin", "legacy".into())],
+    }
+}
+
+/// Whether the dead letter of the record with key `key` is marked published.
+async fn published(pool: &sqlx::PgPool, key: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.dead_letters
+         WHERE record_key = $1 AND published_at IS NOT NULL)",
+    )
+    .bind(key.as_bytes())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Guarantee: every dead letter reaches its `.dlq` topic; one deleted under a running consumer
+/// (an operator's cleanup, a topic re-created with other settings) is created again, as at
+/// start, and the dead letters after the deletion go out.
+///
+/// Broken: the publisher remembers the topics it created and never looks again; with the topic
+/// gone (and auto-creation off, as Postal sets it) every later dead letter of that topic failed
+/// with "unknown topic" on every pass, until the consumer restarted.
+#[tokio::test]
+async fn a_dead_letter_topic_deleted_under_a_running_consumer_is_created_again() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("dlq-deleted");
+    let dlq = format!("{topic}.dlq");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    produce(&svc.bootstrap, &topic, None, &[without_id("before")]).await;
+    wait::until(WAIT, "the first dead letter published", || {
+        published(&db.pool, "before")
+    })
+    .await;
+    delete_topic(&svc.bootstrap, &dlq).await;
+    wait::until(WAIT, "the dead-letter topic gone", || async {
+        !crate::missing_topic::topic_exists(&svc.bootstrap, &dlq)
+    })
+    .await;
+    produce(&svc.bootstrap, &topic, None, &[without_id("after")]).await;
+    wait::until(WAIT, "the dead letter after the deletion published", || {
+        published(&db.pool, "after")
+    })
+    .await;
+    let copies = kafka::read_all(&svc.bootstrap, &dlq, 1, WAIT).await;
+    running.stop().await;
+    assert!(
+        copies.iter().any(|c| c.key.as_deref() == Some("after")),
+        "the copy is on the re-created topic: {:?}",
+        copies.iter().map(|c| c.key.clone()).collect::<Vec<_>>()
+    );
+}
+
+/// Guarantee (dead_letter.rs: "a topic that cannot take its dead letters holds back only its
+/// own"): dead letters of a topic whose `.dlq` topic cannot be created do not hold back those
+/// of other topics, however many they are.
+///
+/// Broken: each pass takes the consumer's oldest 100 unpublished dead letters. Here 101 come
+/// from a topic `<x>.a` whose dead-letter topic `<x>.a.dlq` the broker refuses to create (it
+/// collides with an existing `<x>_a_dlq`: Kafka takes `.` and `_` as the same): every pass
+/// took those 100, failed to create their topic, and backed off; the other topic's dead letter
+/// was never taken, never published.
+#[tokio::test]
+async fn dead_letters_of_a_topic_that_cannot_be_created_do_not_hold_back_other_topics() {
+    const STUCK: usize = 101;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let stuck = format!("{}.a", unique("dlq-collide"));
+    let other = unique("dlq-other");
+    create_topic(&svc.bootstrap, &stuck, 1).await;
+    create_topic(&svc.bootstrap, &other, 1).await;
+    create_topic(&svc.bootstrap, &format!("{stuck}.dlq").replace('.', "_"), 1).await;
+    let consumer = postal_consumer::Consumer::builder(
+        db.pool.clone(),
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    )
+    .state(handlers::Probe::default())
+    .on(&stuck, "job", handlers::apply)
+    .on(&other, "job", handlers::apply)
+    .build()
+    .expect("valid consumer");
+    let running = crate::common::RunningConsumer::start(consumer);
+    let records: Vec<RawRecord> = (0..STUCK).map(|i| without_id(&format!("s{i}"))).collect();
+    produce(&svc.bootstrap, &stuck, None, &records).await;
+    wait::until(WAIT, "the stuck topic's dead letters recorded", || async {
+        dead_letters_where(&db.pool, "true").await == STUCK as i64
+    })
+    .await;
+    produce(&svc.bootstrap, &other, None, &[without_id("other")]).await;
+    wait::until(WAIT, "the other topic's dead letter published", || {
+        published(&db.pool, "other")
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(
+        dead_letters_where(&db.pool, "published_at IS NULL").await,
+        STUCK as i64,
+        "the stuck ones wait in the table"
+    );
+}
