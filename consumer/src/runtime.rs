@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::batch_handler::{BatchHandler, IntoBatchHandler};
 use crate::client::Client;
 use crate::config::ConsumerConfig;
 use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
@@ -68,6 +69,31 @@ impl<S> ConsumerBuilder<S> {
         self.route(topic, event_type, Some(schema_version), handler)
     }
 
+    /// Routes events of `event_type` on `topic` (any schema version without a more specific
+    /// route) to the batch handler `handler`: in throughput mode (`max_batch` above 1) it is
+    /// called once per transaction with the run of new events routed to it, see
+    /// [`BatchHandler`](crate::BatchHandler). The topic is subscribed.
+    pub fn on_batch<H: IntoBatchHandler<S>>(
+        self,
+        topic: &str,
+        event_type: &str,
+        handler: H,
+    ) -> Self {
+        self.route_batch(topic, event_type, None, handler)
+    }
+
+    /// Routes events of `event_type` with exactly `schema_version` on `topic` to the batch
+    /// handler `handler`.
+    pub fn on_batch_version<H: IntoBatchHandler<S>>(
+        self,
+        topic: &str,
+        event_type: &str,
+        schema_version: i32,
+        handler: H,
+    ) -> Self {
+        self.route_batch(topic, event_type, Some(schema_version), handler)
+    }
+
     fn route<H: IntoHandler<S>>(
         mut self,
         topic: &str,
@@ -76,6 +102,38 @@ impl<S> ConsumerBuilder<S> {
         handler: H,
     ) -> Self {
         let handler = handler.into_handler(&self.state);
+        let name = handler.name().to_owned();
+        self.check(topic, event_type, handler.consumer(), &name);
+        if !self.router.add(topic, event_type, version, handler) {
+            self.twice(topic, event_type, version, &name);
+        }
+        self
+    }
+
+    fn route_batch<H: IntoBatchHandler<S>>(
+        mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        handler: H,
+    ) -> Self {
+        let handler = handler.into_batch_handler(&self.state);
+        let name = handler.name().to_owned();
+        self.check(topic, event_type, handler.consumer(), &name);
+        if !self.router.add_batch(topic, event_type, version, handler) {
+            self.twice(topic, event_type, version, &name);
+        }
+        self
+    }
+
+    fn twice(&mut self, topic: &str, event_type: &str, version: Option<i32>, name: &str) {
+        self.errors.push(format!(
+            "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
+        ));
+    }
+
+    /// The checks of a route: valid names, one dedup scope.
+    fn check(&mut self, topic: &str, event_type: &str, consumer: &str, name: &str) {
         if let Err(e) = postal_shared::Topic::new(topic) {
             self.errors.push(e.to_string());
         }
@@ -84,28 +142,20 @@ impl<S> ConsumerBuilder<S> {
         }
         // The dedup scope is the handlers' (`#[idempotent(consumer = ...)]`): the first one
         // names this runtime's consumer unless the configuration did; every other must agree.
-        if handler.consumer().trim().is_empty() {
+        if consumer.trim().is_empty() {
             self.errors.push(format!(
-                "handler {} has an empty dedup scope (consumer name): give it one",
-                handler.name()
+                "handler {name} has an empty dedup scope (consumer name): give it one"
             ));
         } else if self.config.consumer.is_empty() {
-            self.config.consumer = handler.consumer().to_owned();
-        } else if handler.consumer() != self.config.consumer {
+            self.config.consumer = consumer.to_owned();
+        } else if consumer != self.config.consumer {
             self.errors.push(format!(
                 "handler {} deduplicates as consumer {:?} but this runtime is consumer {:?} (one runtime is one consumer)",
-                handler.name(),
-                handler.consumer(),
+                name,
+                consumer,
                 self.config.consumer
             ));
         }
-        let name = handler.name().to_owned();
-        if !self.router.add(topic, event_type, version, handler) {
-            self.errors.push(format!(
-                "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
-            ));
-        }
-        self
     }
 
     /// Checks the configuration and routes and creates the Kafka clients (which connect

@@ -12,7 +12,7 @@ mod process;
 mod stop;
 
 pub(crate) use dead::Dead;
-pub(crate) use process::{run_body, Attempt, BodyFailure};
+pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
