@@ -29,6 +29,8 @@ pub struct ConsumeOpts {
     pub max_batch: usize,
     pub concurrency: usize,
     pub payload_bytes: usize,
+    /// The consumer's `partition_buffer` (records), when not its default.
+    pub partition_buffer: Option<usize>,
 }
 
 /// The benchmark handler: one row per event.
@@ -134,12 +136,16 @@ async fn postal_run(
     max_batch: usize,
     concurrency: usize,
     form: Form,
+    partition_buffer: Option<usize>,
 ) -> anyhow::Result<(f64, Duration)> {
     let pool = effects_db(url, concurrency as u32 + 4).await?;
     let group = format!("bench-{}", uuid::Uuid::now_v7().simple());
     let mut config = ConsumerConfig::new(bootstrap, group);
     config.max_batch = max_batch;
     config.max_concurrent_partitions = concurrency;
+    if let Some(b) = partition_buffer {
+        config.partition_buffer = b;
+    }
     config
         .kafka
         .insert("session.timeout.ms".into(), "6000".into());
@@ -332,6 +338,7 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         o.max_batch,
         concurrency,
         Form::Single,
+        o.partition_buffer,
     )
     .await?;
     println!(
@@ -352,6 +359,7 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         o.max_batch,
         concurrency,
         Form::Batch,
+        o.partition_buffer,
     )
     .await?;
     println!(
@@ -372,6 +380,7 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         1,
         concurrency,
         Form::Single,
+        o.partition_buffer,
     )
     .await?;
     println!(

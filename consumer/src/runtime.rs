@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
@@ -388,35 +388,27 @@ impl Consumer {
                     Some(_) = workers.join_next(), if !workers.is_empty() => {}
                     msg = stream.next() => match msg {
                         Some(Ok(m)) => {
-                            let record =
-                                crate::record::Record::from_message(&m, shared.config.max_headers);
+                            route_record(&shared, &m, &mut events, &mut partitions, &mut turns, &mut workers, &stop);
                             drop(m);
-                            let tp = (record.topic.clone(), record.partition);
-                            tracing::trace!(topic = %tp.0, partition = tp.1, offset = record.offset, "record received");
-                            if !partitions.contains_key(&tp) {
-                                // The assignment callback may have run inside this poll.
-                                while let Ok(ev) = events.try_recv() {
-                                    apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
+                            // The records librdkafka holds ready are taken at once (up to a
+                            // burst), not one per turn of this loop: with many records per
+                            // second the loop's other branches cost more than a record. A
+                            // rebalance waiting ends the burst (the loop applies it first).
+                            for _ in 1..PUMP_BURST {
+                                if !events.is_empty() {
+                                    break;
+                                }
+                                match stream.next().now_or_never() {
+                                    Some(Some(Ok(m))) => route_record(&shared, &m, &mut events, &mut partitions, &mut turns, &mut workers, &stop),
+                                    Some(Some(Err(e))) => {
+                                        consumer_error(&e, &mut errors_logged);
+                                        break;
+                                    }
+                                    _ => break,
                                 }
                             }
-                            match partitions.get(&tp) {
-                                Some(p) => p.inbox.push(&shared, record),
-                                None => tracing::debug!(topic = %tp.0, partition = tp.1, "record of a partition not owned here; left for its owner"),
-                            }
                         }
-                        // A subscribed topic that does not exist yet: the client context
-                        // says so (once, at INFO); the topic is assigned once it exists.
-                        Some(Err(e)) if e.rdkafka_error_code()
-                            == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) =>
-                        {
-                            tracing::debug!(error = %e, "consumer error of a missing topic");
-                        }
-                        Some(Err(e)) => {
-                            errors_logged += 1;
-                            if errors_logged.is_power_of_two() {
-                                tracing::warn!(error = %e, occurrences = errors_logged, "kafka consumer error; the client keeps retrying");
-                            }
-                        }
+                        Some(Err(e)) => consumer_error(&e, &mut errors_logged),
                         None => break,
                     },
                 }
@@ -495,6 +487,50 @@ impl Consumer {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
+    }
+}
+
+/// Most records the runtime's loop takes from librdkafka in one turn.
+const PUMP_BURST: usize = 256;
+
+/// Hands a fetched record to its partition's worker.
+fn route_record(
+    shared: &Arc<Shared>,
+    m: &rdkafka::message::BorrowedMessage<'_>,
+    events: &mut mpsc::UnboundedReceiver<RebalanceEvent>,
+    partitions: &mut HashMap<Tp, Partition>,
+    turns: &mut HashMap<Tp, Arc<tokio::sync::Mutex<()>>>,
+    workers: &mut JoinSet<()>,
+    stop: &CancellationToken,
+) {
+    let record = crate::record::Record::from_message(m, shared.config.max_headers);
+    tracing::trace!(topic = %record.topic, partition = record.partition, offset = record.offset, "record received");
+    let mut inbox = partitions.get(&(record.topic.clone(), record.partition));
+    if inbox.is_none() {
+        // The assignment callback may have run inside this poll.
+        while let Ok(ev) = events.try_recv() {
+            apply(shared, ev, partitions, turns, workers, stop);
+        }
+        inbox = partitions.get(&(record.topic.clone(), record.partition));
+    }
+    match inbox {
+        Some(p) => p.inbox.push(shared, record),
+        None => {
+            tracing::debug!(topic = %record.topic, partition = record.partition, "record of a partition not owned here; left for its owner")
+        }
+    }
+}
+
+/// Logs a consumer error (a missing topic at DEBUG: the client context says so once, at INFO,
+/// and the topic is assigned once it exists; others at powers of two).
+fn consumer_error(e: &rdkafka::error::KafkaError, errors_logged: &mut u64) {
+    if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) {
+        tracing::debug!(error = %e, "consumer error of a missing topic");
+        return;
+    }
+    *errors_logged += 1;
+    if errors_logged.is_power_of_two() {
+        tracing::warn!(error = %e, occurrences = *errors_logged, "kafka consumer error; the client keeps retrying");
     }
 }
 
