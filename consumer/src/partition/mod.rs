@@ -12,7 +12,7 @@ mod process;
 mod stop;
 
 pub(crate) use dead::Dead;
-pub(crate) use process::{run_body, Attempt, BodyFailure};
+pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,6 +102,13 @@ impl Queued {
             || self.bytes.load(Ordering::Acquire) >= s.partition_bytes()
     }
 
+    /// Whether adding a record of `weight` bytes could make the buffer [`full`](Self::full):
+    /// only the runtime's loop adds, so the counts after adding are at most these.
+    fn would_fill(&self, s: &Shared, weight: usize) -> bool {
+        self.records.load(Ordering::Acquire) + 1 >= s.config.partition_buffer
+            || self.bytes.load(Ordering::Acquire) + weight >= s.partition_bytes()
+    }
+
     /// Down to half on both counts: fetching resumes.
     fn drained(&self, s: &Shared) -> bool {
         self.records.load(Ordering::Acquire) <= s.config.partition_buffer / 2
@@ -123,7 +130,12 @@ impl Inbox {
     /// Queues a record; pauses fetching from the partition when its buffer is full (by
     /// records or by bytes).
     pub fn push(&self, shared: &Shared, record: Record) {
-        let (topic, partition, weight) = (record.topic.clone(), record.partition, record.weight);
+        let weight = record.weight;
+        // Kept only if the buffer fills (the partition is then paused by name).
+        let tp = self
+            .queued
+            .would_fill(shared, weight)
+            .then(|| (record.topic.clone(), record.partition));
         // Counted before it is sent, so the worker never counts below zero.
         self.queued.add(1, weight);
         self.queued.waiting.arrived();
@@ -134,7 +146,7 @@ impl Inbox {
             shared.stats.buffered(-(weight as i64));
             return;
         }
-        if self.queued.full(shared) {
+        if let (true, Some((topic, partition))) = (self.queued.full(shared), tp) {
             // Decided under the lock on a fresh count: the worker resumes under the same lock
             // after draining, so a partition is never left paused with an empty buffer.
             let mut paused = self.paused.lock().expect("pause flag");

@@ -215,16 +215,35 @@ pub(crate) async fn run_body(
     record: &Record,
     meta: &Meta,
 ) -> Result<(), BodyFailure> {
+    let caught = AssertUnwindSafe(route.call(tx, record, meta))
+        .catch_unwind()
+        .await;
+    body_outcome(route, caught)
+}
+
+/// Runs a batch handler's body once for `items`, as [`run_body`] does for one record.
+pub(crate) async fn run_batch_body(
+    route: &dyn crate::route::Route,
+    tx: &mut Transaction<'_, Postgres>,
+    items: &[(&Record, &Meta)],
+) -> Result<(), BodyFailure> {
+    let caught = AssertUnwindSafe(route.call_batch(tx, items))
+        .catch_unwind()
+        .await;
+    body_outcome(route, caught)
+}
+
+fn body_outcome(
+    route: &dyn crate::route::Route,
+    caught: Result<Result<(), Failure>, Box<dyn std::any::Any + Send>>,
+) -> Result<(), BodyFailure> {
     // Handler errors and panic messages may quote the record (a payload's string in a decode
     // error): bounded and escaped before they are logged or stored.
     let bounded = |e: &dyn std::fmt::Display| {
         postal_shared::text::bounded(&e.to_string(), postal_shared::text::MAX_ERROR_BYTES)
             .into_owned()
     };
-    match AssertUnwindSafe(route.call(tx, record, meta))
-        .catch_unwind()
-        .await
-    {
+    match caught {
         Ok(Ok(())) => Ok(()),
         Ok(Err(Failure::Undecodable(e))) => {
             Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))
