@@ -105,6 +105,38 @@ impl TopicFilter {
             TopicFilter::Except(t) => (None, Some(t)),
         }
     }
+
+    /// This filter less the paused topics (`paused_all`: every topic is paused), or `None`
+    /// when nothing is left to claim.
+    pub(crate) fn without(&self, paused_all: bool, paused: &[String]) -> Option<TopicFilter> {
+        if paused_all {
+            return None;
+        }
+        if paused.is_empty() {
+            return Some(self.clone());
+        }
+        match self {
+            TopicFilter::All => Some(TopicFilter::Except(paused.to_vec())),
+            TopicFilter::Only(t) => {
+                let left: Vec<String> = t.iter().filter(|t| !paused.contains(t)).cloned().collect();
+                (!left.is_empty()).then_some(TopicFilter::Only(left))
+            }
+            TopicFilter::Except(t) => {
+                let mut all = t.clone();
+                all.extend(paused.iter().filter(|p| !t.contains(p)).cloned());
+                Some(TopicFilter::Except(all))
+            }
+        }
+    }
+
+    /// Whether this filter lets `topic` through.
+    pub(crate) fn claims(&self, topic: &str) -> bool {
+        match self {
+            TopicFilter::All => true,
+            TopicFilter::Only(t) => t.iter().any(|t| t == topic),
+            TopicFilter::Except(t) => !t.iter().any(|t| t == topic),
+        }
+    }
 }
 
 impl Default for RelayConfig {

@@ -505,6 +505,7 @@ async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
                     Delivered::Done => owner.position = end,
                     Delivered::Fenced => return Err("the current owner was fenced".into()),
                     Delivered::Stopped => return Err("the worker stopped".into()),
+                    Delivered::Paused => return Err("nothing pauses this group".into()),
                 }
                 // The stored offset is never ahead of the effects: every record below it is
                 // finished (applied, dead-lettered, or a copy of one of those).
