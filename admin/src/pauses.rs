@@ -236,20 +236,20 @@ pub async fn wait_for_relay_claims(
     // claim holds its partitions' locks shared for its transaction's whole life, and asks for
     // them with `try`, so a claim that starts meanwhile skips a partition held here (and sees
     // the pause on the next).
-    let groups: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT g.relay_group)
+    let locked: Vec<(String, String)> = sqlx::query_as(
+        "SELECT g.relay_group,
+                pg_advisory_xact_lock(hashtext('postal.relay:' || g.relay_group), p)::text
          FROM (SELECT DISTINCT relay_group FROM postal.relay_partitions
-               WHERE $1::text IS NULL OR relay_group = $1) g
-         CROSS JOIN LATERAL (
-             SELECT pg_advisory_xact_lock(hashtext('postal.relay:' || g.relay_group), p)
-             FROM generate_series(0, 255) p) l",
+               WHERE $1::text IS NULL OR relay_group = $1) g,
+              generate_series(0, 255) p",
     )
     .bind(&scope.group)
-    .fetch_one(&mut *tx)
+    .fetch_all(&mut *tx)
     .await
     .map_err(|e| timed_out(e, wait, "relay claims", scope))?;
+    let groups: std::collections::HashSet<String> = locked.into_iter().map(|(g, _)| g).collect();
     tx.rollback().await?;
-    Ok(groups as usize)
+    Ok(groups.len())
 }
 
 /// The pauses in force, oldest first.
