@@ -29,3 +29,10 @@ CREATE TABLE postal.pauses (
 );
 CREATE UNIQUE INDEX pauses_one_per_scope
     ON postal.pauses (side, coalesce(group_name, ''), coalesce(topic, ''));
+
+-- Every relay claim and every consumer transaction reads this table. Readable by every role
+-- (with USAGE on the schema, which relays and consumers have): a relay or consumer role granted
+-- by an earlier `postal grant` keeps working after the upgrade instead of failing each claim or
+-- transaction with "permission denied" until `postal grant` is run again. It holds no secret:
+-- scopes, times, operator names and reasons.
+GRANT SELECT ON postal.pauses TO PUBLIC;

@@ -218,3 +218,34 @@ impl RelayConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TopicFilter;
+
+    /// Guarantee: a relay's topic filter less the paused topics lets through exactly the
+    /// topics it let through that are not paused, and nothing when every topic is paused or
+    /// every topic it claims is.
+    #[test]
+    fn a_filter_without_the_paused_topics_claims_exactly_the_rest() {
+        let p = |t: &[&str]| t.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let filters = [
+            TopicFilter::All,
+            TopicFilter::Only(p(&["a", "b"])),
+            TopicFilter::Except(p(&["c"])),
+        ];
+        for f in &filters {
+            assert_eq!(f.without(true, &[]), None);
+            assert_eq!(f.without(false, &[]).as_ref(), Some(f));
+            let left = f.without(false, &p(&["a", "x"])).expect("something left");
+            for t in ["a", "b", "c", "x", "y"] {
+                let want = f.claims(t) && t != "a" && t != "x";
+                assert_eq!(left.claims(t), want, "{f:?} less a, x: {t}");
+            }
+        }
+        assert_eq!(
+            TopicFilter::Only(p(&["a"])).without(false, &p(&["a"])),
+            None
+        );
+    }
+}

@@ -72,10 +72,14 @@ async fn records_in(bootstrap: &str, topic: &str) -> i64 {
     .unwrap()
 }
 
-/// Whether some session waits for an advisory lock (a pause waiting for work in flight).
+/// Whether some session of this test's database waits for an advisory lock (a pause waiting
+/// for work in flight).
 async fn a_pause_waits(pool: &PgPool) -> bool {
     sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)",
+        "SELECT EXISTS (SELECT 1 FROM pg_locks
+                        WHERE locktype = 'advisory' AND NOT granted
+                          AND database = (SELECT oid FROM pg_database
+                                          WHERE datname = current_database())))",
     )
     .fetch_one(pool)
     .await
@@ -237,7 +241,7 @@ async fn a_claim_takes_nothing_a_pause_covers() {
     for t in [&a, &b] {
         let mut conn = pool.acquire().await.unwrap();
         enqueue(
-            &mut *conn,
+            &mut conn,
             NewEvent::json(t.as_str(), "k", "job", &serde_json::json!({"n": 1})).unwrap(),
         )
         .await
@@ -317,7 +321,7 @@ async fn a_relay_pause_returns_only_after_the_batch_claimed_before_it_ended() {
     let mut conn = pool.acquire().await.unwrap();
     for n in 0..3 {
         enqueue(
-            &mut *conn,
+            &mut conn,
             NewEvent::json(a.as_str(), "k", "job", &serde_json::json!({"n": n})).unwrap(),
         )
         .await
@@ -637,7 +641,7 @@ async fn the_cli_pauses_resumes_shows_and_audits() {
     let topic = unique("cli-pause");
     let mut conn = db.pool.acquire().await.unwrap();
     enqueue(
-        &mut *conn,
+        &mut conn,
         NewEvent::json(topic.as_str(), "k", "job", &serde_json::json!({"n": 1})).unwrap(),
     )
     .await
