@@ -89,6 +89,7 @@ impl Worker {
                         }
                     }
                 }
+                Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
@@ -128,7 +129,11 @@ impl Worker {
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
+        let mut tx = self
+            .shared
+            .begin_for(&self.topic)
+            .await
+            .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
         let ids: Vec<EventId> = metas
             .iter()
@@ -337,8 +342,10 @@ impl Worker {
             )
             .await
             .map_err(Attempt::db)?;
-            if !owned {
-                return Err(Attempt::Fenced);
+            match owned {
+                offsets::Advance::Advanced => {}
+                offsets::Advance::Fenced => return Err(Attempt::Fenced),
+                offsets::Advance::Paused => return Err(Attempt::Paused),
             }
         }
         tx.commit().await.map_err(Attempt::db)?;
@@ -484,6 +491,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
                 false,
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
+            Attempt::Paused => Err(Attempt::Paused),
         },
     }
 }

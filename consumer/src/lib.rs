@@ -91,6 +91,7 @@ mod event;
 mod handler;
 mod offsets;
 mod partition;
+mod pause;
 mod reason;
 mod record;
 mod replaced;

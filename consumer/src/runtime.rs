@@ -212,6 +212,7 @@ impl<S> ConsumerBuilder<S> {
                 owner,
                 assigned: Default::default(),
                 watch: Default::default(),
+                pauses: Default::default(),
             }),
             events: events_rx,
             dlq,
@@ -364,7 +365,25 @@ impl Consumer {
                 let size = shared.pool.options().get_max_connections();
                 shared
                     .watch
-                    .run(shared.config.consumer.clone(), size, &shared.stats, stop)
+                    .run(
+                        shared.config.consumer.clone(),
+                        size,
+                        &shared.stats,
+                        &shared.pauses,
+                        stop,
+                    )
+                    .await
+            }))
+        };
+        let pauses = {
+            let shared = shared.clone();
+            let stop = stop.clone();
+            let topics = topics.clone();
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                let c = &shared.config;
+                shared
+                    .pauses
+                    .run(&shared.pool, &c.group, &c.consumer, &topics, stop)
                     .await
             }))
         };
@@ -479,6 +498,7 @@ impl Consumer {
             });
         housekeeping.abort();
         watchdog.abort();
+        pauses.abort();
         if tokio::time::timeout(shutdown_timeout, &mut dlq)
             .await
             .is_err()

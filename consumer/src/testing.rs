@@ -279,6 +279,8 @@ pub enum Delivered {
     Fenced,
     /// Cancelled (the harness never cancels: not expected).
     Stopped,
+    /// The group or the topic is paused (`postal.pauses`): nothing was committed.
+    Paused,
 }
 
 impl Protocol {
@@ -348,6 +350,7 @@ impl Protocol {
             Step::Done => Delivered::Done,
             Step::Fenced => Delivered::Fenced,
             Step::Stop => Delivered::Stopped,
+            Step::Paused => Delivered::Paused,
         }
     }
 }

@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     pub assigned: AtomicUsize,
     /// The partitions' waiting clocks and the consumer's health ([`crate::stall`]).
     pub watch: crate::stall::Watch,
+    /// The group's pauses as last read ([`crate::pause`]).
+    pub pauses: crate::pause::Pauses,
 }
 
 impl Shared {
@@ -63,11 +65,20 @@ impl Shared {
         }
     }
 
-    /// Opens a processing transaction, with the session settings of `lost_connection_timeout`.
-    pub(crate) async fn begin(
+    /// Opens a processing transaction of `topic`, with the session settings of
+    /// `lost_connection_timeout`. Its `BEGIN` also takes the group's and the topic's pause locks, shared
+    /// ([`postal_shared::pause`]; no extra round trip), so that a pause waits for it and it
+    /// sees a pause that committed before.
+    pub(crate) async fn begin_for(
         &self,
+        topic: &str,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
-        postal_shared::cancel_safe::begin_with(&self.pool, self.config.begin_statement()).await
+        let statement = format!(
+            "{}; {}",
+            self.config.begin_statement(),
+            postal_shared::pause::consumer_lock_sql(&self.config.group, topic)
+        );
+        postal_shared::cancel_safe::begin_with(&self.pool, statement).await
     }
 }
 
@@ -175,6 +186,8 @@ pub(crate) enum Step {
     Stop,
     /// Another owner's claim bumped the partition's epoch: this transaction rolled back.
     Fenced,
+    /// The group or the topic is paused: this transaction rolled back, nothing applied.
+    Paused,
 }
 
 /// How one ownership of a partition ended.
@@ -184,6 +197,9 @@ enum Owned {
     /// Fenced by another claim while still assigned here; the lowest offset this ownership
     /// received while the stored offset was NULL (nothing committed yet), if any.
     Fenced(Option<i64>),
+    /// Held while its topic was paused, and resumed: take it over again from the stored
+    /// offset (the same lowest offset as `Fenced`).
+    Resumed(Option<i64>),
 }
 
 pub(crate) struct Worker {
@@ -227,6 +243,20 @@ impl Worker {
         loop {
             match self.own(floor).await {
                 Owned::Ended => return,
+                Owned::Resumed(seen) => {
+                    floor = match (floor, seen) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    // Dropped while held: read again after the seek to the stored offset.
+                    let (mut dropped, mut bytes) = (0, 0);
+                    while let Ok(r) = self.rx.try_recv() {
+                        dropped += 1;
+                        bytes += r.weight;
+                        floor = Some(floor.map_or(r.offset, |f| f.min(r.offset)));
+                    }
+                    self.dequeued(dropped, bytes);
+                }
                 Owned::Fenced(seen) => {
                     floor = match (floor, seen) {
                         (Some(a), Some(b)) => Some(a.min(b)),

@@ -41,6 +41,7 @@ mod odd_input_moves_on;
 mod operator_actions;
 mod order;
 mod oversized;
+mod pause;
 mod pg_security;
 mod pooler_churn;
 mod poolers;

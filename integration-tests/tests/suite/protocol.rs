@@ -748,6 +748,7 @@ async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
                     Delivered::Done => owner.position = end,
                     Delivered::Fenced => return Err("the current owner was fenced".into()),
                     Delivered::Stopped => return Err("the worker stopped".into()),
+                    Delivered::Paused => return Err("nothing pauses this group".into()),
                 }
                 stored_not_ahead(pool, &group, &topic, &case, part).await?;
             }
