@@ -719,3 +719,92 @@ async fn the_cli_pauses_resumes_shows_and_audits() {
         .unwrap();
     assert_eq!(left, 1, "the consumer pause is still in force");
 }
+
+/// Guarantee (dashboard): pausing and resuming from the dashboard ask first (saying what, in
+/// words) and change nothing until confirmed; confirmed, they pause and resume as the CLI does,
+/// recorded in the audit trail with the dashboard user; the pauses page lists what is paused,
+/// and a read-only dashboard refuses both.
+#[tokio::test]
+async fn the_dashboard_pauses_and_resumes_after_asking_and_audits() {
+    use crate::common::dashboard::{click_and_confirm, post, start};
+    use postal_admin::web::Dashboard;
+    use postal_integration_tests::http::{csrf, form_fields, pairs, request};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let count = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.pauses")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let read_only = start(Dashboard::new(db.pool.clone())).await;
+    let page = request(read_only, "GET", "/pauses", &[], "").await;
+    assert!(page.body.contains("Nothing is paused."), "{}", page.body);
+    let refused = post(
+        read_only,
+        "/pauses/pause",
+        &[("side", "relay"), ("topic", "orders"), ("confirm", "yes")],
+    )
+    .await;
+    assert_eq!(refused.status, 403, "{}", refused.body);
+
+    let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
+    let page = request(addr, "GET", "/pauses", &[], "").await;
+    let token = csrf(&page.body).expect("a CSRF token");
+    let fields = [
+        ("csrf", token.as_str()),
+        ("side", "consumer"),
+        ("group", "billing"),
+        ("topic", "refunds"),
+        ("reason", "INC-9"),
+    ];
+    let asked = post(addr, "/pauses/pause", &fields).await;
+    assert!(
+        asked.body.contains("Pause consumer group") && asked.body.contains("refunds"),
+        "{}",
+        asked.body
+    );
+    assert_eq!(
+        count(db.pool.clone()).await,
+        0,
+        "nothing paused before the confirmation"
+    );
+    let done = post(
+        addr,
+        "/pauses/pause",
+        &pairs(&form_fields(&asked.body, "confirm", 0)),
+    )
+    .await;
+    assert!(done.body.contains("Paused consumer group"), "{}", done.body);
+    assert_eq!(count(db.pool.clone()).await, 1);
+    let page = request(addr, "GET", "/pauses", &[], "").await;
+    assert!(
+        page.body.contains("INC-9") && page.body.contains("refunds"),
+        "{}",
+        page.body
+    );
+
+    // The list's Resume button carries the scope.
+    let resume_fields = form_fields(&page.body, "resume", 0);
+    let (_, done) = click_and_confirm(addr, "/pauses/resume", &pairs(&resume_fields)).await;
+    assert!(
+        done.body.contains("Resumed consumer group"),
+        "{}",
+        done.body
+    );
+    assert_eq!(count(db.pool.clone()).await, 0);
+
+    let (actions, via, actor, reason): (Vec<String>, Vec<String>, Vec<String>, Option<String>) =
+        sqlx::query_as(
+            "SELECT array_agg(action ORDER BY id), array_agg(via ORDER BY id),
+                    array_agg(actor ORDER BY id), min(target->>'reason')
+             FROM postal.operator_audit",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(actions, ["pause", "resume"]);
+    assert_eq!(via, ["dashboard", "dashboard"]);
+    assert_eq!(actor, ["local", "local"]);
+    assert_eq!(reason.as_deref(), Some("INC-9"));
+}
