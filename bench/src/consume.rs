@@ -66,6 +66,15 @@ async fn record_rows(
     Ok(())
 }
 
+/// How a Postal run is configured.
+#[derive(Clone, Copy)]
+struct RunOpts {
+    max_batch: usize,
+    concurrency: usize,
+    form: Form,
+    partition_buffer: Option<usize>,
+}
+
 /// Which handler a Postal run routes to.
 #[derive(Clone, Copy)]
 enum Form {
@@ -133,11 +142,14 @@ async fn postal_run(
     bootstrap: &str,
     topic: &str,
     n: usize,
-    max_batch: usize,
-    concurrency: usize,
-    form: Form,
-    partition_buffer: Option<usize>,
+    run: RunOpts,
 ) -> anyhow::Result<(f64, Duration)> {
+    let RunOpts {
+        max_batch,
+        concurrency,
+        form,
+        partition_buffer,
+    } = run;
     let pool = effects_db(url, concurrency as u32 + 4).await?;
     let group = format!("bench-{}", uuid::Uuid::now_v7().simple());
     let mut config = ConsumerConfig::new(bootstrap, group);
@@ -335,10 +347,12 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         bootstrap,
         &topic,
         o.n,
-        o.max_batch,
-        concurrency,
-        Form::Single,
-        o.partition_buffer,
+        RunOpts {
+            max_batch: o.max_batch,
+            concurrency,
+            form: Form::Single,
+            partition_buffer: o.partition_buffer,
+        },
     )
     .await?;
     println!(
@@ -356,10 +370,12 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         bootstrap,
         &topic,
         o.n,
-        o.max_batch,
-        concurrency,
-        Form::Batch,
-        o.partition_buffer,
+        RunOpts {
+            max_batch: o.max_batch,
+            concurrency,
+            form: Form::Batch,
+            partition_buffer: o.partition_buffer,
+        },
     )
     .await?;
     println!(
@@ -377,10 +393,12 @@ pub async fn consume_bench(url: &str, bootstrap: &str, o: ConsumeOpts) -> anyhow
         bootstrap,
         &sample_topic,
         o.sample,
-        1,
-        concurrency,
-        Form::Single,
-        o.partition_buffer,
+        RunOpts {
+            max_batch: 1,
+            concurrency,
+            form: Form::Single,
+            partition_buffer: o.partition_buffer,
+        },
     )
     .await?;
     println!(
