@@ -118,6 +118,9 @@ pub(crate) struct Publisher {
     /// failed): left out of the passes until their backoff is over, so that their dead letters,
     /// however many, never fill the batch the other topics' wait behind.
     pub cooling: Mutex<HashMap<String, Cooling>>,
+    /// The last dead letter refused even cut (`dlq_unpublishable`) that a pass tried: the
+    /// next pass tries those after it first, and then from the oldest again.
+    pub marked_after: Mutex<i64>,
     pub backoff: Backoff,
 }
 
@@ -243,6 +246,7 @@ impl Publisher {
                 failing.push(topic.clone());
             }
         }
+        let marked_after = *self.marked_after.lock().expect("marked cursor");
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic,
@@ -250,13 +254,15 @@ impl Publisher {
              FROM postal.dead_letters
              WHERE consumer_name = $1 AND published_at IS NULL
                AND dlq_topic <> ALL($3)
-             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4), id
+             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4),
+                      dlq_unpublishable IS NOT NULL AND id <= $5, id
              LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
         .bind(BATCH)
         .bind(&excluded)
         .bind(&failing)
+        .bind(marked_after)
         .fetch_all(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
@@ -265,7 +271,12 @@ impl Publisher {
         }
         // Dead letters refused even cut (`dlq_unpublishable`) come after every other, so they
         // never hold one back, and are tried again when the batch has room: a topic whose
-        // limit an operator raises takes them then.
+        // limit an operator raises takes them then. They take turns (those after the last one
+        // tried first, [`Publisher::marked_after`]), so that those the topic takes now are not
+        // left behind a full batch of older ones it still refuses.
+        if let Some(last) = rows.iter().filter(|r| r.marked).map(|r| r.id).max() {
+            *self.marked_after.lock().expect("marked cursor") = last;
+        }
         // A topic that cannot take its dead letters holds back only its own: the first error
         // of each such topic this pass.
         let mut failed: HashMap<String, String> = HashMap::new();
