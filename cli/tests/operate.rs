@@ -484,7 +484,8 @@ async fn effects(pool: &PgPool) -> (i64, i64) {
         .unwrap()
 }
 
-/// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members,
+/// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members
+/// (one line, saying what to wait for when they are consumers that stopped without leaving),
 /// only prints its plan without `--execute`, moves the stored offsets once it is stopped, and the replay that follows applies nothing
 /// twice (every replayed event is recognised as a duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,7 +523,15 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     .await;
     let refused = reset().output().unwrap();
     assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("live member"));
+    let why = String::from_utf8_lossy(&refused.stderr);
+    // What to wait for when the member is a consumer that stopped without leaving.
+    assert!(
+        why.contains("live member")
+            && why.contains("nothing changed")
+            && why.contains("session.timeout.ms, 45 s unless they set it")
+            && why.lines().count() == 1,
+        "{why}"
+    );
     stop.send(()).unwrap();
     task.await.unwrap();
 

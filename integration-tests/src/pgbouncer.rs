@@ -141,6 +141,15 @@ impl PgBouncer {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// Sends `signal` (`STOP`: a pooler that hangs with every connection open; `CONT`).
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} pgbouncer");
+    }
+
     /// Its log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
@@ -149,6 +158,11 @@ impl PgBouncer {
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
+        // A frozen one (SIGSTOP) would not act on SIGTERM.
+        Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status()
+            .ok();
         Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()

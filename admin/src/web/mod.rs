@@ -30,6 +30,7 @@ mod form;
 mod guard;
 mod html;
 mod pages;
+mod pauses;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -204,6 +205,7 @@ impl Dashboard {
             .route("/dead-letters/{id}", get(pages::dead_letter))
             .route("/lookup", get(pages::lookup))
             .route("/audit", get(pages::audit))
+            .route("/pauses", get(pauses::list))
             .route("/login", get(guard::login_form).post(guard::login))
             .route("/assets/style.css", get(assets::style))
             .route("/assets/app.js", get(assets::script))
@@ -213,6 +215,8 @@ impl Dashboard {
             .route("/blocked/release", post(actions::release))
             .route("/dead-letters/replay", post(actions::replay))
             .route("/dead-letters/resolve", post(actions::resolve))
+            .route("/pauses/pause", post(pauses::pause))
+            .route("/pauses/resume", post(pauses::resume))
             .layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 guard::guard,
