@@ -372,6 +372,9 @@ impl Publisher {
         }
         self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
+        // What each published copy left out (the table keeps the whole record: retention
+        // keeps the row until the dead letter is replayed or resolved).
+        let mut done_cuts: Vec<Option<&'static str>> = Vec::with_capacity(rows.len());
         let mut unpublishable: Vec<(i64, String)> = Vec::new();
         for ((row, outcome), cut) in rows.iter().zip(outcomes).zip(&cuts) {
             match outcome {
@@ -381,6 +384,7 @@ impl Publisher {
                         metrics::counter!("postal_consumer_dead_letters_cut_total", "consumer" => self.consumer.clone()).increment(1);
                     }
                     done.push(row.id);
+                    done_cuts.push(cut.marker());
                 }
                 Some(Sent::Refused(e)) => {
                     let reason = format!(
@@ -407,10 +411,12 @@ impl Publisher {
             .map_err(|e| e.to_string())?;
         }
         sqlx::query(
-            "UPDATE postal.dead_letters SET published_at = now(), dlq_unpublishable = NULL
-             WHERE id = ANY($1)",
+            "UPDATE postal.dead_letters d
+             SET published_at = now(), dlq_unpublishable = NULL, dlq_cut = u.cut
+             FROM unnest($1::int8[], $2::text[]) AS u(id, cut) WHERE d.id = u.id",
         )
         .bind(&done)
+        .bind(&done_cuts)
         .execute(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;

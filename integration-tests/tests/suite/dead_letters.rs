@@ -717,3 +717,104 @@ async fn dead_letters_a_raised_limit_takes_are_published_behind_many_it_still_re
         "the large ones wait, marked"
     );
 }
+
+/// Guarantee (docs/consumer.md: a copy cut to fit "leaves out its value …, and the row in
+/// `postal.dead_letters` keeps the record whole for `postal dead-letters replay`"; retention
+/// never deletes a dead letter whose only copy is the table): dead-letter retention keeps a
+/// dead letter published cut until it is replayed or resolved, while it deletes the whole ones
+/// as old.
+///
+/// Broken: retention deleted every dead letter published longer ago than the retention, cut or
+/// not. A 1,040,000-byte record's copy went to `.dlq` without its value; 30 days later the
+/// consumer's retention deleted the row, the only copy of the value left anywhere (the `.dlq`
+/// copy never had it), though the dead letter was neither replayed nor resolved.
+#[tokio::test]
+async fn a_dead_letter_published_cut_is_kept_until_replayed_or_resolved() {
+    const BIG: usize = 1_040_000;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("dlq-cut-kept");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let big = RawRecord {
+        key: Some("big".into()),
+        payload: vec![b'x'; BIG],
+        headers: vec![("x-origin", "legacy".into())],
+    };
+    crate::oversized::produce_large(&svc.bootstrap, &topic, &[big, without_id("whole")]).await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    config.dead_letter_retention = Some(Duration::from_secs(30 * 86_400));
+    config.cleanup_interval = Duration::from_millis(200);
+    let running = start_apply(&db.pool, &topic, config);
+    for key in ["big", "whole"] {
+        wait::until(WAIT, "both dead letters published", || {
+            published(&db.pool, key)
+        })
+        .await;
+    }
+    let copies = kafka::read_all(&svc.bootstrap, &format!("{topic}.dlq"), 2, WAIT).await;
+    let cut = copies
+        .iter()
+        .find(|c| c.key.as_deref() == Some("big"))
+        .expect("the big one's copy");
+    assert_eq!(cut.header("postal_dlq_cut"), Some("value"));
+    assert!(cut.payload.is_empty(), "the copy lacks the value");
+    // Both 40 days old: past the retention.
+    sqlx::query(
+        "UPDATE postal.dead_letters SET created_at = now() - interval '40 days',
+                                        published_at = now() - interval '40 days'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let exists = |key: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM postal.dead_letters WHERE record_key = $1)",
+            )
+            .bind(key.as_bytes())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait::until(WAIT, "retention deleted the old whole one", || async {
+        !exists("whole").await
+    })
+    .await;
+    let kept: Option<i32> = sqlx::query_scalar(
+        "SELECT octet_length(payload) FROM postal.dead_letters WHERE record_key = 'big'",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        Some(BIG as i32),
+        "the cut one stays whole while neither replayed nor resolved"
+    );
+    // `postal cleanup --dead-letter-retention` keeps it too.
+    postal_consumer::retention::cleanup_dead_letters(&db.pool, Duration::from_secs(86_400), 100)
+        .await
+        .unwrap();
+    assert!(exists("big").await, "postal cleanup kept it");
+    // Resolved, it goes as the others.
+    let id: i64 = sqlx::query_scalar("SELECT id FROM postal.dead_letters WHERE record_key = 'big'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    postal_admin::dead_letters::resolve(
+        &db.pool,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::json!({ "ids": [id] }),
+        &[id],
+    )
+    .await
+    .unwrap();
+    wait::until(WAIT, "retention deleted it once resolved", || async {
+        !exists("big").await
+    })
+    .await;
+    running.stop().await;
+}
