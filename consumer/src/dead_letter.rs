@@ -512,3 +512,37 @@ impl Publisher {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::producer::future_producer::Delivery;
+
+    use super::Sent;
+
+    fn delivered(offset: i64) -> Sent {
+        Sent::of(Ok(Delivery {
+            partition: 0,
+            offset,
+            timestamp: rdkafka::Timestamp::NotAvailable,
+        }))
+    }
+
+    /// Guarantee: a copy is marked published only when its delivery report has an offset; one
+    /// reported delivered without (librdkafka's "implicit ack", which before Kafka 4.5 can
+    /// stand for a record never written, KAFKA-15591) stays unpublished and fails its topic's
+    /// pass, to be sent again.
+    #[test]
+    fn a_copy_reported_delivered_without_an_offset_is_not_published() {
+        assert!(matches!(delivered(0), Sent::Written));
+        assert!(matches!(delivered(41), Sent::Written));
+        for offset in [-1, -1001] {
+            match delivered(offset) {
+                Sent::Failed(e, gone) => {
+                    assert_eq!(e, postal_shared::kafka_producer::UNCONFIRMED);
+                    assert!(!gone);
+                }
+                _ => panic!("offset {offset} taken as written"),
+            }
+        }
+    }
+}

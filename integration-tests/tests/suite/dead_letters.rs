@@ -818,3 +818,105 @@ async fn a_dead_letter_published_cut_is_kept_until_replayed_or_resolved() {
     .await;
     running.stop().await;
 }
+
+/// The values of `topic`'s partition 0 on `mock` (waits up to 10 s for at least `n`).
+fn mock_values(
+    mock: &rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    topic: &str,
+    n: usize,
+) -> Vec<Vec<u8>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::Message;
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", mock.bootstrap_servers())
+        .set("group.id", "read-back")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)
+        .expect("offset");
+    consumer.assign(&tpl).expect("assign");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut values = Vec::new();
+    while values.len() < n && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            values.push(m.payload().unwrap_or_default().to_vec());
+        }
+    }
+    values
+}
+
+/// Guarantee (`postal_shared::kafka_producer::written`): a replay whose record the producer
+/// reports delivered without an offset — librdkafka's "implicit ack", inferred from a later
+/// request's success on a partition whose earlier request was refused, which before Kafka 4.5
+/// can leave the record unwritten (KAFKA-15591) — is not reported as replayed: the dead letter
+/// stands again with its dedup row, and whatever replay reports as replayed is in the topic.
+/// librdkafka's mock cluster refuses the first produce request (`NOT_LEADER_FOR_PARTITION`)
+/// and appends a later one sent while it is in flight, as those brokers did. (Held: replay
+/// checked the offset already; no test modelled it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_reported_delivered_without_an_offset_is_not_taken_as_replayed() {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::FutureRecord;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("jobs", 1, 1).expect("topic");
+    let producer = replay_producer(mock.bootstrap_servers().as_str());
+    // The producer has its id and a connection before the refused request.
+    let warm = || FutureRecord::<[u8], [u8]>::to("jobs").payload(b"warm".as_slice());
+    producer
+        .send(warm(), Duration::from_secs(10))
+        .await
+        .expect("warm-up record");
+    let ids = dead_letters_of(&db.pool, "jobs", 1, 16).await;
+    mock.broker_round_trip_time(1, Duration::from_millis(200))
+        .expect("round trip time");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
+    );
+    // The replay's record in a request of its own (refused), another record sent behind it
+    // while it is in flight (appended).
+    let behind = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        producer
+            .send(
+                FutureRecord::<[u8], [u8]>::to("jobs").payload(b"behind".as_slice()),
+                Duration::from_secs(10),
+            )
+            .await
+    };
+    let (replayed, _) = tokio::join!(replay(&db.pool, &producer, &ids), behind);
+    let payload: Vec<u8> = sqlx::query_scalar("SELECT payload FROM postal.dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (open, dedup): (bool, i64) = sqlx::query_as(
+        "SELECT replayed_at IS NULL,
+                (SELECT count(*) FROM postal.processed_events)
+         FROM postal.dead_letters",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    match replayed {
+        Ok(n) => {
+            assert_eq!(n, 1);
+            assert!(!open, "reported replayed: marked so");
+            assert_eq!(dedup, 0, "reported replayed: its dedup row removed");
+            let values = mock_values(&mock, "jobs", 3);
+            assert!(
+                values.contains(&payload),
+                "reported replayed, but the record is not in the topic ({} records)",
+                values.len()
+            );
+        }
+        Err(e) => {
+            assert!(open, "not replayed: the dead letter stands again ({e})");
+            assert_eq!(dedup, 1, "not replayed: its dedup row is back ({e})");
+        }
+    }
+}
