@@ -118,6 +118,9 @@ pub(crate) struct Publisher {
     /// failed): left out of the passes until their backoff is over, so that their dead letters,
     /// however many, never fill the batch the other topics' wait behind.
     pub cooling: Mutex<HashMap<String, Cooling>>,
+    /// The last dead letter refused even cut (`dlq_unpublishable`) that a pass tried: the
+    /// next pass tries those after it first, and then from the oldest again.
+    pub marked_after: Mutex<i64>,
     pub backoff: Backoff,
 }
 
@@ -243,6 +246,7 @@ impl Publisher {
                 failing.push(topic.clone());
             }
         }
+        let marked_after = *self.marked_after.lock().expect("marked cursor");
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
                     header_values, reason, error, attempts, dlq_topic,
@@ -250,13 +254,15 @@ impl Publisher {
              FROM postal.dead_letters
              WHERE consumer_name = $1 AND published_at IS NULL
                AND dlq_topic <> ALL($3)
-             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4), id
+             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4),
+                      dlq_unpublishable IS NOT NULL AND id <= $5, id
              LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
         .bind(BATCH)
         .bind(&excluded)
         .bind(&failing)
+        .bind(marked_after)
         .fetch_all(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
@@ -265,7 +271,12 @@ impl Publisher {
         }
         // Dead letters refused even cut (`dlq_unpublishable`) come after every other, so they
         // never hold one back, and are tried again when the batch has room: a topic whose
-        // limit an operator raises takes them then.
+        // limit an operator raises takes them then. They take turns (those after the last one
+        // tried first, [`Publisher::marked_after`]), so that those the topic takes now are not
+        // left behind a full batch of older ones it still refuses.
+        if let Some(last) = rows.iter().filter(|r| r.marked).map(|r| r.id).max() {
+            *self.marked_after.lock().expect("marked cursor") = last;
+        }
         // A topic that cannot take its dead letters holds back only its own: the first error
         // of each such topic this pass.
         let mut failed: HashMap<String, String> = HashMap::new();
@@ -361,6 +372,9 @@ impl Publisher {
         }
         self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
+        // What each published copy left out (the table keeps the whole record: retention
+        // keeps the row until the dead letter is replayed or resolved).
+        let mut done_cuts: Vec<Option<&'static str>> = Vec::with_capacity(rows.len());
         let mut unpublishable: Vec<(i64, String)> = Vec::new();
         for ((row, outcome), cut) in rows.iter().zip(outcomes).zip(&cuts) {
             match outcome {
@@ -370,6 +384,7 @@ impl Publisher {
                         metrics::counter!("postal_consumer_dead_letters_cut_total", "consumer" => self.consumer.clone()).increment(1);
                     }
                     done.push(row.id);
+                    done_cuts.push(cut.marker());
                 }
                 Some(Sent::Refused(e)) => {
                     let reason = format!(
@@ -396,10 +411,12 @@ impl Publisher {
             .map_err(|e| e.to_string())?;
         }
         sqlx::query(
-            "UPDATE postal.dead_letters SET published_at = now(), dlq_unpublishable = NULL
-             WHERE id = ANY($1)",
+            "UPDATE postal.dead_letters d
+             SET published_at = now(), dlq_unpublishable = NULL, dlq_cut = u.cut
+             FROM unnest($1::int8[], $2::text[]) AS u(id, cut) WHERE d.id = u.id",
         )
         .bind(&done)
+        .bind(&done_cuts)
         .execute(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
@@ -493,5 +510,39 @@ impl Publisher {
             .expect("topic set")
             .insert(topic.to_owned());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::producer::future_producer::Delivery;
+
+    use super::Sent;
+
+    fn delivered(offset: i64) -> Sent {
+        Sent::of(Ok(Delivery {
+            partition: 0,
+            offset,
+            timestamp: rdkafka::Timestamp::NotAvailable,
+        }))
+    }
+
+    /// Guarantee: a copy is marked published only when its delivery report has an offset; one
+    /// reported delivered without (librdkafka's "implicit ack", which before Kafka 4.5 can
+    /// stand for a record never written, KAFKA-15591) stays unpublished and fails its topic's
+    /// pass, to be sent again.
+    #[test]
+    fn a_copy_reported_delivered_without_an_offset_is_not_published() {
+        assert!(matches!(delivered(0), Sent::Written));
+        assert!(matches!(delivered(41), Sent::Written));
+        for offset in [-1, -1001] {
+            match delivered(offset) {
+                Sent::Failed(e, gone) => {
+                    assert_eq!(e, postal_shared::kafka_producer::UNCONFIRMED);
+                    assert!(!gone);
+                }
+                _ => panic!("offset {offset} taken as written"),
+            }
+        }
     }
 }

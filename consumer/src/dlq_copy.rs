@@ -13,7 +13,7 @@
 //! was, and then cut further ([`Cut::and_further`]) while the broker refuses it alone.
 
 use postal_shared::headers;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 
@@ -68,17 +68,9 @@ pub(crate) fn limit(config: &rdkafka::ClientConfig) -> usize {
 }
 
 /// Whether a send failed because of the record itself (its size or form), so that sending it
-/// again as it is can never succeed.
+/// again as it is can never succeed (or, sent with others, that its record batch was too large).
 pub(crate) fn refused_for_itself(e: &KafkaError) -> bool {
-    matches!(
-        e.rdkafka_error_code(),
-        Some(
-            RDKafkaErrorCode::MessageSizeTooLarge
-                | RDKafkaErrorCode::MessageBatchTooLarge
-                | RDKafkaErrorCode::InvalidMessageSize
-                | RDKafkaErrorCode::InvalidRecord
-        )
-    )
+    postal_shared::kafka_producer::refused_for_itself(e)
 }
 
 /// Postal's headers of the copy of `r`.

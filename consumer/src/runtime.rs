@@ -197,6 +197,7 @@ impl<S> ConsumerBuilder<S> {
             created: Mutex::new(HashSet::new()),
             invalid: Mutex::new(HashSet::new()),
             cooling: Default::default(),
+            marked_after: Mutex::new(0),
             backoff: self.config.backoff,
         };
         Ok(Consumer {

@@ -137,7 +137,7 @@ impl Dashboard {
 
     /// Kafka client settings (at least `bootstrap.servers`), for consumer lag on the overview
     /// and for replaying dead letters. Without them both are unavailable. Replays go through
-    /// a producer made as the relay's ([`postal_shared::kafka_producer::config`]: Java's
+    /// a producer made as the relay's ([`postal_shared::kafka_producer::replay_config`]: Java's
     /// partitioner, idempotent, `acks=all`) with these settings but the consumer-only ones; a
     /// setting that would break durability or per-key order makes the dashboard an error.
     pub fn kafka(mut self, config: rdkafka::ClientConfig) -> Self {
@@ -170,8 +170,9 @@ impl Dashboard {
         let producer = match &self.kafka {
             Some(c) => {
                 let bootstrap = c.get("bootstrap.servers").unwrap_or_default();
-                let config = postal_shared::kafka_producer::config(bootstrap, c.config_map())
-                    .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?;
+                let config =
+                    postal_shared::kafka_producer::replay_config(bootstrap, c.config_map())
+                        .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?;
                 Some(client(&config)?)
             }
             None => None,
