@@ -43,6 +43,7 @@ mod order;
 mod oversized;
 mod pg_security;
 mod pooler_churn;
+mod pooler_keepalive;
 mod poolers;
 mod previous_release;
 mod procs;
