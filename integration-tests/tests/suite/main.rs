@@ -44,6 +44,7 @@ mod oversized;
 mod pause;
 mod pg_security;
 mod pooler_churn;
+mod pooler_keepalive;
 mod poolers;
 mod previous_release;
 mod procs;
