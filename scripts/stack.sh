@@ -271,8 +271,9 @@ CONF
   fi
   log "starting postgres on $HOST:$PG_PORT"
   # The port and address on the command line win over the ones initdb wrote, so POSTAL_PG_PORT
-  # and POSTAL_STACK_HOST also apply to an existing cluster.
-  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT -h $HOST" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
+  # and POSTAL_STACK_HOST also apply to an existing cluster; so does wal_level=logical (the WAL
+  # relay's logical replication slots; tests drop the slots they create).
+  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT -h $HOST -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$STACK/pg/postgres.log" >&2; die "postgres did not start"; }
 }
 
