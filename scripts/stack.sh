@@ -73,17 +73,22 @@ WITH_PGBOUNCER=1
 log() { echo "stack: $*" >&2; }
 die() { echo "stack: error: $*" >&2; exit 1; }
 
-# apt_install PACKAGE EXECUTABLE: installs the Debian package that provides EXECUTABLE.
+# apt_install PACKAGE EXECUTABLE: installs the Debian package that provides EXECUTABLE, showing
+# its progress (apt's download size and one line per package set up) on stderr.
 apt_install() {
-  local pkg="$1" exe="$2"
-  log "$exe missing: installing the Debian package $pkg"
+  local pkg="$1" exe="$2" t0=$SECONDS
+  log "$exe missing: installing the Debian package $pkg (apt-get update, then apt-get install)"
   command -v apt-get >/dev/null || die "no $exe and no apt-get to install $pkg"
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  log "  apt-get update done ($((SECONDS - t0)) s)"
   # policy-rc.d keeps the package from starting its own server.
   printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o Dpkg::Progress-Fancy=0 "$pkg" 2>&1 \
+    | awk '/^(Need to get|Setting up|E:)/ { print "stack:   apt: " $0; fflush() }' >&2 \
+    || { rm -f /usr/sbin/policy-rc.d; die "apt-get install $pkg failed (see the apt lines above)"; }
   rm -f /usr/sbin/policy-rc.d
   [ -x "$exe" ] || die "$pkg installed but $exe is missing"
+  log "  $pkg installed ($((SECONDS - t0)) s)"
 }
 
 ensure_postgres() {
@@ -104,12 +109,18 @@ ensure_kafka() {
   if [ -f "$KAFKA_LIB/.complete-$KAFKA_VERSION" ]; then return; fi
   command -v mvn >/dev/null || die "mvn is missing: Maven fetches Kafka's jars (apt-get install maven), or set POSTAL_KAFKA_LIB to a folder holding them"
   log "fetching Apache Kafka $KAFKA_VERSION jars into $KAFKA_LIB (about 55 MB from Maven Central; Maven's ~/.m2 keeps them for later clones):"
+  local t0=$SECONDS
   rm -rf "$KAFKA_LIB.partial"
-  mvn -B -q -Dstyle.color=never -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+  # Progress: a count of the files Maven downloads (none when ~/.m2 has them; about 490 into an
+  # empty one), every 100, and its errors; the rest of its output is left out.
+  mvn -B -Dstyle.color=never -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
     org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial" >&2 \
+    -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIB.partial" 2>&1 \
+    | awk '/^\[ERROR\]/ { print "stack:   " $0; fflush(); next }
+           /^\[INFO\] Downloaded from/ { n++; if (n % 100 == 0) { print "stack:   maven: " n " files downloaded"; fflush() } }
+           END { print "stack:   maven: " n + 0 " files downloaded" }' >&2 \
     || die "Maven could not fetch Kafka's jars (is Maven Central reachable? see the output above)"
-  ls "$KAFKA_LIB.partial" | sed 's/^/stack:   /' >&2
+  log "  Kafka's jars: $(ls "$KAFKA_LIB.partial" | wc -l) files, $(du -sm "$KAFKA_LIB.partial" | cut -f1) MB ($((SECONDS - t0)) s)"
   rm -rf "$KAFKA_LIB"; mv "$KAFKA_LIB.partial" "$KAFKA_LIB"
   touch "$KAFKA_LIB/.complete-$KAFKA_VERSION"
 }
@@ -260,8 +271,9 @@ CONF
   fi
   log "starting postgres on $HOST:$PG_PORT"
   # The port and address on the command line win over the ones initdb wrote, so POSTAL_PG_PORT
-  # and POSTAL_STACK_HOST also apply to an existing cluster.
-  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT -h $HOST" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
+  # and POSTAL_STACK_HOST also apply to an existing cluster; so does wal_level=logical (the WAL
+  # relay's logical replication slots; tests drop the slots they create).
+  as_postgres "$PG_BIN/pg_ctl" -D "$STACK/pg/data" -o "-p $PG_PORT -h $HOST -c wal_level=logical -c max_replication_slots=32 -c max_wal_senders=32" -l "$STACK/pg/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$STACK/pg/postgres.log" >&2; die "postgres did not start"; }
 }
 
@@ -537,14 +549,21 @@ kafka_wait() {
   [ -n "$pid" ] || die "kafka node $KNODE is not running (logs: $d/logs)"
   offset="$(cat "$d/start-offset" 2>/dev/null || echo 0)"
   [ "$offset" = running ] && return 0
-  for _ in $(seq 1 1200); do
+  # A node with much data (thousands of test topics) loads its logs for minutes: wait while its
+  # log grows, and give up after 120 s without a new line (or 15 minutes in all).
+  local quiet=0 size=0 now total=0
+  while [ "$quiet" -lt 1200 ] && [ "$total" -lt 9000 ]; do
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE exited during start-up (logs: $d/logs)"; }
+    now="$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)"
+    if [ "$now" != "$size" ]; then size="$now"; quiet=0; else quiet=$((quiet + 1)); fi
+    total=$((total + 1))
     sleep 0.1
   done
-  tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE did not start within 120 s (logs: $d/logs)"
+  tail -20 "$d/logs/broker.log" >&2
+  die "kafka node $KNODE did not start (no progress for 120 s, or 15 minutes in all; data: $(du -sh "$d/data" 2>/dev/null | cut -f1); logs: $d/logs); to start afresh: scripts/stack.sh down && rm -rf $d/data"
 }
 
 # Starts the given nodes (all by default) and waits for them: a cluster's nodes start together,

@@ -42,9 +42,10 @@ eval "$(bash scripts/stack.sh browser)"
 export CHROMIUM POSTAL_REQUIRE_BROWSER
 
 step "binaries the suite runs: postal, the fixture services (order_service, billing_service, …), the examples"
-# The fixture services are postal-integration-tests' own binaries (integration-tests/src/bin/),
+# The services are postal-demo's binaries (demo/src/bin/, which the demo runs too), the task
+# worker and roundtrip postal-integration-tests' own (integration-tests/src/bin/),
 # built with its tests anyway; the examples (examples/*.rs) are run by the suite's examples::.
-cargo build -p postal-cli -p postal-integration-tests --bins -p postal-examples --examples
+cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins -p postal-examples --examples
 
 step "workspace tests against the local stack (external-services mode)"
 # Four at a time: most tests wait on the broker or the database, not on the two cores

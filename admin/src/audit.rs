@@ -64,7 +64,7 @@ pub struct Entry {
     pub via: Option<String>,
     /// The database role of the session that acted (`current_user`).
     pub db_role: Option<String>,
-    /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`.
+    /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`, `pause`, `resume`.
     pub action: String,
     /// On what: the ids or the filter it was given.
     pub target: serde_json::Value,
@@ -143,6 +143,44 @@ pub async fn open(
     .bind(target)
     .bind(matched as i64)
     .fetch_one(pool)
+    .await?;
+    Ok(Recording {
+        id,
+        actor: by.name.clone(),
+    })
+}
+
+/// Records a whole action in the caller's transaction (an action that changes one thing,
+/// in one transaction: a pause, a resume), and logs it at INFO: its row commits with the
+/// change, or neither does.
+pub async fn record(
+    tx: &mut PgConnection,
+    by: &Operator,
+    action: &str,
+    target: &serde_json::Value,
+    matched: usize,
+    affected: u64,
+) -> Result<Recording, Error> {
+    tracing::info!(
+        actor = %postal_shared::text::field(&by.name),
+        via = by.via,
+        action,
+        target = %postal_shared::text::field(&target.to_string()),
+        matched,
+        affected,
+        "operator action"
+    );
+    let id = sqlx::query_scalar(
+        "INSERT INTO postal.operator_audit (actor, via, db_role, action, target, matched, affected)
+         VALUES ($1, $2, current_user, $3, $4, $5, $6) RETURNING id",
+    )
+    .bind(&by.name)
+    .bind(by.via)
+    .bind(action)
+    .bind(target)
+    .bind(matched as i64)
+    .bind(affected as i64)
+    .fetch_one(tx)
     .await?;
     Ok(Recording {
         id,

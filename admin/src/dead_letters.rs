@@ -248,6 +248,25 @@ pub async fn resolve(
     Ok(n)
 }
 
+/// The original record of a dead letter, as it is replayed.
+fn record(r: &Record) -> FutureRecord<'_, [u8], [u8]> {
+    let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
+    for (n, v) in r.header_names.iter().zip(&r.header_values) {
+        h = h.insert(Header {
+            key: n,
+            value: Some(v),
+        });
+    }
+    let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).headers(h);
+    if let Some(k) = &r.record_key {
+        rec = rec.key(k.as_slice());
+    }
+    if let Some(p) = &r.payload {
+        rec = rec.payload(p.as_slice());
+    }
+    rec
+}
+
 #[derive(sqlx::FromRow)]
 struct Record {
     id: i64,
@@ -313,24 +332,18 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         .execute(&mut *tx)
         .await?;
         let chunk: Vec<&Record> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
-        let sends = chunk.iter().map(|r| {
-            let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
-            for (n, v) in r.header_names.iter().zip(&r.header_values) {
-                h = h.insert(Header {
-                    key: n,
-                    value: Some(v),
-                });
+        let sends = chunk
+            .iter()
+            .map(|r| producer.send(record(r), Duration::from_secs(15)));
+        let mut results = futures::future::join_all(sends).await;
+        // A record refused for its size may have been refused for the record batch librdkafka
+        // packed it into with others (the broker checks a whole batch against the topic's
+        // `max.message.bytes`): sent again alone, one at a time, before it counts as failed.
+        for (r, res) in chunk.iter().zip(results.iter_mut()) {
+            if matches!(res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
+                *res = producer.send(record(r), Duration::from_secs(15)).await;
             }
-            let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).headers(h);
-            if let Some(k) = &r.record_key {
-                rec = rec.key(k.as_slice());
-            }
-            if let Some(p) = &r.payload {
-                rec = rec.payload(p.as_slice());
-            }
-            producer.send(rec, Duration::from_secs(15))
-        });
-        let results = futures::future::join_all(sends).await;
+        }
         let mut sent = 0u64;
         let mut failed = Vec::new();
         let mut first_error = None;

@@ -18,6 +18,9 @@ pub enum Error {
         /// The cap.
         cap: usize,
     },
+    /// A pause could not wait for the work in flight it pauses (what and for how long).
+    #[error("{0}")]
+    StillRunning(String),
     /// Sending to Kafka failed (dead-letter replay).
     #[error("{0}")]
     Kafka(String),

@@ -8,6 +8,8 @@
 //!   filter, with a cap), and the keys they hold back ([`parked::blocked_keys`]);
 //! - [`dead_letters`]: search, replay to their topic, or mark resolved;
 //! - [`lookup`]: did consumer X process event Y?
+//! - [`pauses`]: pause and resume a topic or relay group at the relay, a consumer group or one
+//!   of its topics at the consumer;
 //! - [`overview`]: backlog, relays, consumers, dead letters and the last hour per minute;
 //! - [`audit`]: every operator action, from the dashboard or the CLI, recorded through the
 //!   actions above (who, via, database role, what, on what, how many; a discard's events whole).
@@ -31,6 +33,7 @@ mod error;
 pub mod lookup;
 pub mod overview;
 pub mod parked;
+pub mod pauses;
 #[doc(hidden)]
 pub mod plans;
 #[cfg(feature = "web")]

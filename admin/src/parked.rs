@@ -3,7 +3,7 @@
 //!
 //! A parked row's `available_at` is when it was parked. Times are read clamped to the years
 //! 1–262,000: a row written around `postal.enqueue` may hold `'infinity'`, which the time type
-//! cannot (`review_hostile::`, `hostile_cli::`).
+//! cannot (`hostile_sizes::`, `hostile_cli::`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

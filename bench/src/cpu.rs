@@ -109,17 +109,24 @@ impl Cpu {
         };
         let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
         let steal = (self.steal - start.steal) / total;
+        let idle_share = (self.idle - start.idle) / total;
+        // The machine's busy cores (from `/proc/stat`, all CPUs) less the three measured
+        // components: other processes on the machine (other workloads disturb a figure).
+        let cores = std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64);
+        let others =
+            ((1.0 - idle_share - steal) * cores - (pg + br + me) / wall.max(1e-9)).max(0.0);
         let line = format!(
             "cpu ms per 1000 events: postgres {:.1}, broker {:.1}, bench process {:.1} \
-             (sum {:.1}); over {:.2} s: {:.2} cores busy, idle {:.0} %, steal {:.0} %; \
-             {threads} threads in this process",
+             (sum {:.1}); over {:.2} s: {:.2} cores busy, other processes {:.2} cores, \
+             idle {:.0} %, steal {:.0} %; {threads} threads in this process",
             per_k(pg),
             per_k(br),
             per_k(me),
             per_k(pg + br + me),
             wall,
             (pg + br + me) / wall.max(1e-9),
-            100.0 * (self.idle - start.idle) / total,
+            others,
+            100.0 * idle_share,
             100.0 * steal,
         );
         Report {

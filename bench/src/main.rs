@@ -133,6 +133,9 @@ enum Command {
         /// Payload size in bytes.
         #[arg(long, default_value_t = 200)]
         payload_bytes: usize,
+        /// The consumer's `partition_buffer` (records; default: the consumer's default).
+        #[arg(long)]
+        partition_buffer: Option<usize>,
     },
     /// Order commit to ledger commit through relay, broker and consumer at a steady rate, with
     /// the wake-up and with polling only, next to the broker path alone.
@@ -261,6 +264,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             max_batch,
             concurrency,
             payload_bytes,
+            partition_buffer,
         } => {
             let opts = consume::ConsumeOpts {
                 n: events,
@@ -269,6 +273,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 max_batch,
                 concurrency,
                 payload_bytes,
+                partition_buffer,
             };
             consume::consume_bench(&cli.database_url, &cli.bootstrap, opts).await
         }

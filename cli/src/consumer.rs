@@ -563,17 +563,33 @@ fn positions(
     let groups = client
         .fetch_group_list(Some(group), timeout)
         .map_err(|e| crate::kafka_client::why(&client, bootstrap, e))?;
-    let (members, state) = groups
+    let (members, state, hosts) = groups
         .groups()
         .iter()
         .find(|g| g.name() == group)
-        .map(|g| (g.members().len(), g.state().to_owned()))
-        .unwrap_or((0, String::new()));
+        .map(|g| {
+            let mut hosts: Vec<String> = g
+                .members()
+                .iter()
+                .map(|m| format!("{} on {}", m.client_id(), m.client_host()))
+                .collect();
+            hosts.sort();
+            hosts.dedup();
+            (g.members().len(), g.state().to_owned(), hosts)
+        })
+        .unwrap_or((0, String::new(), Vec::new()));
     // A group is stopped when it has no members and is not rebalancing.
     let stopped = members == 0 && matches!(state.as_str(), "" | "Empty" | "Dead");
     if !stopped && !force {
+        // A consumer that stopped cleanly has left the group; one that was killed, cut off
+        // or hung stays a member until the group coordinator expires it.
         anyhow::bail!(
-            "consumer group {group:?} has {members} live member(s) (state {state}): stop them first (or pass --force)"
+            "consumer group {group:?} has {members} live member(s) (state {state}{}): stop them first (or pass --force); nothing changed. A consumer killed or cut off without leaving the group stays a member until the broker expires it, one session timeout after its last heartbeat (the consumers' session.timeout.ms, 45 s unless they set it): if every consumer of the group is stopped, re-run after that",
+            if hosts.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", crate::shown::shown(&hosts.join(", "), false))
+            }
         );
     }
     let md = client

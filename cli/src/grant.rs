@@ -52,7 +52,7 @@ fn relay(role: &str) -> Vec<String> {
         format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
         format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions, postal.relay_minutes TO {role}"),
-        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
+        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations, postal.pauses TO {role}"),
     ]
 }
 
@@ -68,6 +68,7 @@ fn consumer(role: &str) -> Vec<String> {
     let mut out = app(role);
     out.extend([
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks, postal.consumer_stops TO {role}"),
+        format!("GRANT SELECT ON postal.pauses TO {role}"),
         format!("GRANT USAGE ON SEQUENCE postal.dead_letters_id_seq TO {role}"),
     ]);
     out

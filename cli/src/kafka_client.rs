@@ -22,10 +22,12 @@ pub fn config(bootstrap: &str) -> rdkafka::ClientConfig {
     cfg
 }
 
-/// A producer configuration for `bootstrap`: the relay's (the one every Postal producer is made
-/// from, `postal_shared::kafka_producer`) with the command's properties.
+/// A producer configuration for `bootstrap` to replay dead letters: the relay's (the one every
+/// Postal producer is made from, `postal_shared::kafka_producer`) with the command's
+/// properties, taking records as large as the topic does
+/// (`postal_shared::kafka_producer::replay_config`).
 pub fn producer_config(bootstrap: &str) -> anyhow::Result<rdkafka::ClientConfig> {
-    Ok(postal_shared::kafka_producer::config(
+    Ok(postal_shared::kafka_producer::replay_config(
         bootstrap,
         PROPERTIES.get().into_iter().flatten(),
     )?)

@@ -26,6 +26,7 @@ mod failed;
 mod grant;
 mod kafka_client;
 mod out;
+mod pause;
 mod progress;
 mod shown;
 mod status;
@@ -128,6 +129,13 @@ enum Command {
     /// The audit trail of operator actions (this CLI's and the dashboard's): list, show.
     #[command(subcommand)]
     Audit(audit::AuditCommand),
+    /// Pause a topic or relay group at the relay, or a consumer group or one of its topics at
+    /// the consumer (durable, audited); `list` the pauses in force.
+    #[command(subcommand)]
+    Pause(pause::PauseCommand),
+    /// Lift a pause given with the same flags.
+    #[command(subcommand)]
+    Resume(pause::ResumeCommand),
     /// Serve the operator dashboard (overview, parked events, blocked keys, dead letters,
     /// dedup lookup, audit) until SIGINT/SIGTERM: read-only unless --allow-actions, on
     /// 127.0.0.1 unless given --listen and --token.
@@ -376,6 +384,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Audit(cmd) => audit::run(&connect_migrated(&cli.db).await?, cmd).await,
+        Command::Pause(cmd) => pause::pause(&connect_migrated(&cli.db).await?, cmd).await,
+        Command::Resume(cmd) => pause::resume(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Grant(args) => grant::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Dashboard(args) => dashboard::run(connect_migrated(&cli.db).await?, args).await,
         Command::Relay(args) => relay(&cli.db, &cli.kafka, *args).await,

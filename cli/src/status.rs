@@ -23,6 +23,10 @@ struct TopicRow {
     /// topic now (see `waiting`, the relays below and their logs).
     #[sqlx(default)]
     stalled: bool,
+    /// Relay groups that pause the topic (`postal pause relay`; `*`: a pause of every relay
+    /// group): nothing of it is published by their relays until it is resumed.
+    #[sqlx(skip)]
+    paused: Vec<String>,
 }
 
 /// How long a due event, or a consumer's lag, may go without progress before `postal status`
@@ -38,6 +42,8 @@ struct Status {
     consumers: Vec<ConsumerRow>,
     dead_letters: Vec<DeadLetterRow>,
     dedup_horizons: Vec<HorizonRow>,
+    /// The pauses in force (`postal pause`).
+    pauses: Vec<postal_admin::pauses::Pause>,
 }
 
 /// A consumer's dedup retention horizon: dedup rows processed up to it were deleted, so
@@ -71,6 +77,10 @@ struct ConsumerRow {
     /// (its `/readyz` and `postal_consumer_stalled_seconds` say which).
     #[sqlx(default)]
     stalled: bool,
+    /// The group, or this topic of it, is paused (`postal pause consumer`): nothing of it is
+    /// applied until it is resumed (never `stalled` then).
+    #[sqlx(default)]
+    paused: bool,
 }
 
 #[derive(Serialize, sqlx::FromRow)]
@@ -98,6 +108,14 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     let mut topics: Vec<TopicRow> = sqlx::query_as(&postal_producer::backlog::summary_sql(true))
         .fetch_all(pool)
         .await?;
+    let pauses = postal_admin::pauses::list(pool).await?;
+    for t in &mut topics {
+        t.paused = pauses
+            .iter()
+            .filter(|p| p.side == "relay" && p.topic.as_ref().is_none_or(|x| *x == t.topic))
+            .map(|p| p.group_name.clone().unwrap_or_else(|| "*".into()))
+            .collect();
+    }
     for t in &mut topics {
         if t.pending > 0 {
             t.waiting = sqlx::query_scalar(
@@ -108,7 +126,10 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             .bind(&t.topic)
             .fetch_optional(pool)
             .await?;
-            t.stalled = t.oldest_pending_age_s.is_some_and(|a| a >= STALLED_AFTER_S);
+            // A topic paused in every relay group waits on purpose. (Paused in some groups
+            // only, it may still be stalled in the others.)
+            t.stalled = t.oldest_pending_age_s.is_some_and(|a| a >= STALLED_AFTER_S)
+                && !t.paused.iter().any(|g| g == "*");
         }
     }
     let oldest_transaction_s: Option<f64> = sqlx::query_scalar(
@@ -131,7 +152,10 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         "SELECT o.group_id, o.topic, o.partition, o.next_offset,
                 extract(epoch FROM now() - o.updated_at)::float8 AS updated_age_s,
                 EXISTS (SELECT 1 FROM postal.consumer_stops s
-                        WHERE s.group_id = o.group_id AND s.topic = o.topic) AS stopped
+                        WHERE s.group_id = o.group_id AND s.topic = o.topic) AS stopped,
+                EXISTS (SELECT 1 FROM postal.pauses p
+                        WHERE p.side = 'consumer' AND p.group_name = o.group_id
+                          AND (p.topic IS NULL OR p.topic = o.topic)) AS paused
          FROM postal.consumer_offsets o ORDER BY o.group_id, o.topic, o.partition",
     )
     .fetch_all(pool)
@@ -164,7 +188,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         if c.stopped {
             c.lag = None;
         }
-        c.stalled = c.lag.is_some_and(|l| l > 0) && c.updated_age_s >= STALLED_AFTER_S;
+        c.stalled = !c.paused && c.lag.is_some_and(|l| l > 0) && c.updated_age_s >= STALLED_AFTER_S;
     }
     let dead_letters: Vec<DeadLetterRow> = sqlx::query_as(
         "SELECT consumer_name, count(*) AS total,
@@ -186,6 +210,7 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
         consumers,
         dead_letters,
         dedup_horizons,
+        pauses,
     };
     if json {
         say!("{}", crate::shown::json(&status, true)?);
@@ -214,6 +239,20 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             say!(
                 "  STALLED: its oldest due event has waited {:.0}s; no relay publishes it now (see waiting, the relays below, their logs)",
                 t.oldest_pending_age_s.unwrap_or_default()
+            );
+        }
+        if !t.paused.is_empty() {
+            let groups: Vec<String> = t
+                .paused
+                .iter()
+                .map(|g| match g.as_str() {
+                    "*" => "every relay group".to_owned(),
+                    g => format!("relay group {}", shown(g, false)),
+                })
+                .collect();
+            say!(
+                "  PAUSED in {}: not published until postal resume relay",
+                groups.join(", ")
             );
         }
         if let Some(w) = &t.waiting {
@@ -254,10 +293,12 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             c.next_offset
                 .map(|o| o.to_string())
                 .unwrap_or_else(|| "-".into()),
-            match (c.stopped, c.lag) {
-                (true, _) => "STOPPED".into(),
-                (false, Some(l)) => l.to_string(),
-                (false, None) => "?".into(),
+            match (c.stopped, c.paused, c.lag) {
+                (true, _, _) => "STOPPED".into(),
+                (false, true, Some(l)) => format!("{l} PAUSED"),
+                (false, true, None) => "PAUSED".into(),
+                (false, false, Some(l)) => l.to_string(),
+                (false, false, None) => "?".into(),
             },
             c.updated_age_s
         );
@@ -286,6 +327,27 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
             shown(topic, false),
             shown(group, false),
             shown(topic, false)
+        );
+    }
+    if !status.pauses.is_empty() {
+        say!("pauses (postal pause list; lifted with postal resume):");
+    }
+    for p in &status.pauses {
+        let (group, topic) = (
+            p.group_name.as_deref().unwrap_or("(every)"),
+            p.topic.as_deref().unwrap_or("(every)"),
+        );
+        say!(
+            "  PAUSED {:<8} group {} topic {} since {} by {}{}",
+            p.side,
+            shown(group, false),
+            shown(topic, false),
+            p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+            shown(&p.paused_by, false),
+            p.reason
+                .as_deref()
+                .map(|r| format!(": {}", shown(r, false)))
+                .unwrap_or_default()
         );
     }
     for d in &status.dead_letters {

@@ -484,7 +484,8 @@ async fn effects(pool: &PgPool) -> (i64, i64) {
         .unwrap()
 }
 
-/// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members,
+/// Guarantee: `postal consumer reset --to earliest` refuses while the group has live members
+/// (one line, saying what to wait for when they are consumers that stopped without leaving),
 /// only prints its plan without `--execute`, moves the stored offsets once it is stopped, and the replay that follows applies nothing
 /// twice (every replayed event is recognised as a duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,7 +523,15 @@ async fn consumer_reset_then_replay_applies_nothing_twice() {
     .await;
     let refused = reset().output().unwrap();
     assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("live member"));
+    let why = String::from_utf8_lossy(&refused.stderr);
+    // What to wait for when the member is a consumer that stopped without leaving.
+    assert!(
+        why.contains("live member")
+            && why.contains("nothing changed")
+            && why.contains("session.timeout.ms, 45 s unless they set it")
+            && why.lines().count() == 1,
+        "{why}"
+    );
     stop.send(()).unwrap();
     task.await.unwrap();
 
@@ -929,7 +938,7 @@ async fn consumer_reset_refuses_targets_past_the_dedup_horizon() {
     );
 
     // Naming only a consumer whose rows were never deleted: nothing to protect. (A name that
-    // never deduplicated here is refused: review_reset::a_wrong_consumer_name_…)
+    // never deduplicated here is refused: reset_horizon::a_wrong_consumer_name_…)
     sqlx::query(
         "INSERT INTO postal.processed_events (consumer_name, event_id) VALUES ('other', gen_random_uuid())",
     )

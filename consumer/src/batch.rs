@@ -17,8 +17,9 @@ use tracing::Instrument;
 use crate::config::UnknownTypes;
 use crate::dead_letter::Reason;
 use crate::offsets::{self, Ownership};
-use crate::partition::{run_body, Attempt, BodyFailure, Dead, Step, Worker};
+use crate::partition::{run_batch_body, run_body, Attempt, BodyFailure, Dead, Step, Worker};
 use crate::record::{meta, Meta, Record};
+use crate::route::Route;
 
 /// What one batch transaction committed.
 #[derive(Default)]
@@ -88,6 +89,7 @@ impl Worker {
                         }
                     }
                 }
+                Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
@@ -127,7 +129,11 @@ impl Worker {
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
+        let mut tx = self
+            .shared
+            .begin_for(&self.topic)
+            .await
+            .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
         let ids: Vec<EventId> = metas
             .iter()
@@ -146,20 +152,24 @@ impl Worker {
         // path can leave an applied event without its row or keep the row of one not applied.
         let mut finished: HashSet<EventId> = HashSet::new();
         let mut c = Committed::default();
-        for (i, (record, m)) in queue.iter().zip(&metas).enumerate() {
-            let m = match m {
+        let mut i = 0;
+        while i < queue.len() {
+            let record = &queue[i];
+            let m = match &metas[i] {
                 Ok(m) => m,
                 Err((reason, error)) => {
                     self.dead_in(&mut tx, record, None, *reason, error, 0)
                         .await?;
                     c.dead += 1;
                     c.done += 1;
+                    i += 1;
                     continue;
                 }
             };
             if !fresh.contains(&m.id) || !claimed.insert(m.id) {
                 c.duplicates += 1;
                 c.done += 1;
+                i += 1;
                 continue;
             }
             let route = self
@@ -183,6 +193,7 @@ impl Worker {
                     c.dead += 1;
                 }
                 c.done += 1;
+                i += 1;
                 continue;
             };
             if i == 0 && head_exhausted {
@@ -199,6 +210,73 @@ impl Worker {
                 finished.insert(m.id);
                 c.dead += 1;
                 c.done += 1;
+                i += 1;
+                continue;
+            }
+            if route.batched() {
+                // The run of records from here that this batch handler applies: new events
+                // routed to it, and copies of events already taken (duplicates: no effects);
+                // anything else ends it.
+                let mut items = vec![i];
+                let mut end = i + 1;
+                while end < queue.len() {
+                    let Ok(mj) = &metas[end] else { break };
+                    if fresh.contains(&mj.id) && !claimed.contains(&mj.id) {
+                        let same = self
+                            .shared
+                            .router
+                            .find(&queue[end].topic, &mj.event_type, mj.schema_version)
+                            .is_some_and(|r| same_route(r, &route));
+                        if !same {
+                            break;
+                        }
+                        claimed.insert(mj.id);
+                        items.push(end);
+                    }
+                    end += 1;
+                }
+                let run = self
+                    .batch_run(&mut tx, route.as_ref(), queue, &metas, &items, isolate)
+                    .await?;
+                let run = match run {
+                    Ok(run) => run,
+                    Err(f) => {
+                        return Err(match f {
+                            BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
+                            BodyFailure::Retry(e, _) => Attempt::Retryable(e),
+                        })
+                    }
+                };
+                // Where the run's records stop being finished (a retryable failure).
+                let upto = run.stopped.as_ref().map_or(end, |s| s.0);
+                for &k in &run.applied {
+                    if let Ok(mk) = &metas[k] {
+                        finished.insert(mk.id);
+                    }
+                }
+                c.applied += run.applied.len() as u64;
+                for (k, reason, error) in &run.dead {
+                    let mk = metas[*k].as_ref().ok();
+                    let ran = if *reason == Reason::Undecodable {
+                        0
+                    } else {
+                        head_attempts + 1
+                    };
+                    self.dead_in(&mut tx, &queue[*k], mk, *reason, error, ran as i32)
+                        .await?;
+                    if let Some(mk) = mk {
+                        finished.insert(mk.id);
+                    }
+                    c.dead += 1;
+                }
+                let taken = run.applied.len() + run.dead.len();
+                c.duplicates += ((i..upto).count() - taken) as u64;
+                c.done += upto - i;
+                if let Some((_, error, outage)) = run.stopped {
+                    c.stopped = Some((error, outage));
+                    break;
+                }
+                i = end;
                 continue;
             }
             let span = tracing::info_span!("postal.handle", handler = route.name(), event_id = %m.id, topic = %record.topic, partition = record.partition, offset = record.offset);
@@ -220,6 +298,7 @@ impl Worker {
                     .instrument(span)
                     .await
             };
+            i += 1;
             match outcome {
                 Ok(()) => {
                     finished.insert(m.id);
@@ -263,12 +342,87 @@ impl Worker {
             )
             .await
             .map_err(Attempt::db)?;
-            if !owned {
-                return Err(Attempt::Fenced);
+            match owned {
+                offsets::Advance::Advanced => {}
+                offsets::Advance::Fenced => return Err(Attempt::Fenced),
+                offsets::Advance::Paused => return Err(Attempt::Paused),
             }
         }
         tx.commit().await.map_err(Attempt::db)?;
         Ok(c)
+    }
+
+    /// Runs a batch handler over the records `items` (indices into `queue`, in order).
+    ///
+    /// Without `isolate` the body runs once in `tx`; its failure is returned as `Ok(Err)` and
+    /// aborts the transaction (the caller runs the batch again with `isolate`). With `isolate`
+    /// each call runs under a savepoint: a failed call is rolled back and its records are
+    /// split in halves, run in order, until the failing record is alone — it is the culprit:
+    /// a permanent failure (or panic, or a payload that does not decode) makes it a dead letter
+    /// (returned in `dead`, for the caller to write) and the records after it go on; a retryable
+    /// failure stops the run there. A dependency outage stops the run at the failed call's
+    /// first record without splitting (it names no culprit). Nothing a failed call wrote
+    /// survives its savepoint, so no record's effects are kept twice.
+    async fn batch_run(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        route: &dyn Route,
+        queue: &VecDeque<Record>,
+        metas: &[Result<Meta, crate::record::Rejection>],
+        items: &[usize],
+        isolate: bool,
+    ) -> Result<Result<Run, BodyFailure>, Attempt> {
+        let pair = |k: usize| {
+            let m = metas[k].as_ref().expect("batch items have their meta");
+            (&queue[k], m)
+        };
+        let first = &queue[items[0]];
+        let span = tracing::info_span!("postal.handle_batch", handler = route.name(), events = items.len(), topic = %first.topic, partition = first.partition, offset = first.offset);
+        let mut run = Run::default();
+        if !isolate {
+            let all: Vec<(&Record, &Meta)> = items.iter().map(|&k| pair(k)).collect();
+            return Ok(run_batch_body(route, tx, &all)
+                .instrument(span)
+                .await
+                .map(|()| {
+                    run.applied = items.to_vec();
+                    run
+                }));
+        }
+        // Ranges of `items` still to run, the next on top: processed in partition order.
+        let mut todo = vec![(0, items.len())];
+        while let Some((lo, hi)) = todo.pop() {
+            let part: Vec<(&Record, &Meta)> = items[lo..hi].iter().map(|&k| pair(k)).collect();
+            let mut sp = (**tx).begin().await.map_err(Attempt::db)?;
+            let r = run_batch_body(route, &mut sp, &part)
+                .instrument(span.clone())
+                .await;
+            let r = match r {
+                Ok(()) => release(sp).await?,
+                Err(f) => {
+                    sp.rollback().await.map_err(Attempt::db)?;
+                    Err(f)
+                }
+            };
+            match r {
+                Ok(()) => run.applied.extend_from_slice(&items[lo..hi]),
+                Err(BodyFailure::Retry(error, true)) => {
+                    run.stopped = Some((items[lo], error, true));
+                    break;
+                }
+                Err(_) if hi - lo > 1 => {
+                    let mid = lo + (hi - lo) / 2;
+                    todo.push((mid, hi));
+                    todo.push((lo, mid));
+                }
+                Err(BodyFailure::Dead(reason, error)) => run.dead.push((items[lo], reason, error)),
+                Err(BodyFailure::Retry(error, false)) => {
+                    run.stopped = Some((items[lo], error, false));
+                    break;
+                }
+            }
+        }
+        Ok(Ok(run))
     }
 
     async fn dead_in(
@@ -290,6 +444,22 @@ impl Worker {
             .await
             .map_err(Attempt::db)
     }
+}
+
+/// What a batch handler's run did (indices into the queue).
+#[derive(Default)]
+struct Run {
+    /// Applied (committed with the transaction).
+    applied: Vec<usize>,
+    /// Culprits to dead-letter: (index, reason, error).
+    dead: Vec<(usize, Reason, String)>,
+    /// The record the run stopped at, retryably: (index, error, outage?).
+    stopped: Option<(usize, String, bool)>,
+}
+
+/// Whether two routes are the same handler.
+fn same_route(a: &std::sync::Arc<dyn Route>, b: &std::sync::Arc<dyn Route>) -> bool {
+    std::ptr::addr_eq(std::sync::Arc::as_ptr(a), std::sync::Arc::as_ptr(b))
 }
 
 /// Deletes the dedup rows this transaction inserted (`fresh`) for events it did not finish
@@ -321,6 +491,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
                 false,
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
+            Attempt::Paused => Err(Attempt::Paused),
         },
     }
 }

@@ -45,7 +45,8 @@ pub struct ConsumerConfig {
     /// window in which a relay can republish an event (docs/consumer.md: "Dedup retention").
     pub dedup_retention: Option<Duration>,
     /// Delete this consumer's dead letters published to their dead-letter topic more than this
-    /// long ago (unpublished ones are kept: the table is their only copy), in batches, every
+    /// long ago (unpublished ones are kept: the table is their only copy; so are ones published
+    /// cut until replayed or resolved: the table is their only whole copy), in batches, every
     /// `cleanup_interval`; `None` (the default) keeps them. A deleted dead letter can no longer
     /// be replayed with `postal dead-letters replay`, and its copy on the `.dlq` topic lasts only
     /// as long as that topic's retention (the broker's default, 7 days on stock Kafka): set it

@@ -1,12 +1,17 @@
 //! Dead letters: recorded in the transaction that moves the partition past them, then
 //! published to `<topic>.dlq` with the original key, value and headers plus the error (cut to
-//! fit when too large, `crate::dlq_copy`). A dead letter whose copy the broker refuses even
-//! cut is marked (`dlq_unpublishable`, the reason) and passed over: it comes after every other
-//! dead letter, and is tried again when a batch has room.
+//! fit when too large, `crate::dlq_copy`). A copy the broker refuses for its size is sent again
+//! alone (refused with others, it may fit alone: the broker checks whole record batches), then
+//! cut further. A dead letter whose copy the broker refuses even cut is marked
+//! (`dlq_unpublishable`, the reason) and passed over: it comes after every other dead letter,
+//! and is tried again when a batch has room. A topic that cannot take its dead letters now (it
+//! cannot be created, a send failed) backs off on its own, and its dead letters come after the
+//! other topics' when it is tried again: they never fill the batch the others wait behind. A
+//! topic found missing (deleted under a running consumer) is created again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -87,6 +92,8 @@ pub(crate) struct Row {
     pub(crate) error: String,
     pub(crate) attempts: i32,
     pub(crate) dlq_topic: String,
+    /// Refused even cut before (`dlq_unpublishable` set).
+    pub(crate) marked: bool,
 }
 
 /// Publishes this consumer's unpublished dead letters; woken after every dead letter and
@@ -107,7 +114,53 @@ pub(crate) struct Publisher {
     /// 249-character limit): their dead letters stay in the table, and are not picked again
     /// until a restart, so that they do not hold back the others.
     pub invalid: Mutex<HashSet<String>>,
+    /// Dead-letter topics whose last pass failed (the topic could not be created, a send
+    /// failed): left out of the passes until their backoff is over, so that their dead letters,
+    /// however many, never fill the batch the other topics' wait behind.
+    pub cooling: Mutex<HashMap<String, Cooling>>,
+    /// The last dead letter refused even cut (`dlq_unpublishable`) that a pass tried: the
+    /// next pass tries those after it first, and then from the oldest again.
+    pub marked_after: Mutex<i64>,
     pub backoff: Backoff,
+}
+
+/// A dead-letter topic's backoff after failures in a row.
+pub(crate) struct Cooling {
+    until: Instant,
+    failures: u32,
+}
+
+/// What became of one copy sent.
+enum Sent {
+    /// The broker wrote it (its delivery report has an offset).
+    Written,
+    /// Refused for its size or form (`dlq_copy::refused_for_itself`): this copy as it is can
+    /// never be sent to this topic.
+    Refused(String),
+    /// Not written, for a cause that may pass: the error, and whether the broker does not know
+    /// the topic (deleted under the consumer, or never created).
+    Failed(String, bool),
+}
+
+impl Sent {
+    fn of(res: rdkafka::producer::future_producer::OwnedDeliveryResult) -> Sent {
+        match res {
+            Ok(d) if !postal_shared::kafka_producer::written(d.offset) => {
+                Sent::Failed(postal_shared::kafka_producer::UNCONFIRMED.to_owned(), false)
+            }
+            Ok(_) => Sent::Written,
+            Err((e, _)) if crate::dlq_copy::refused_for_itself(&e) => Sent::Refused(e.to_string()),
+            Err((e, _)) => {
+                let missing = matches!(
+                    e.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::UnknownTopic | RDKafkaErrorCode::UnknownTopicOrPartition
+                    )
+                );
+                Sent::Failed(e.to_string(), missing)
+            }
+        }
+    }
 }
 
 const BATCH: i64 = 100;
@@ -167,29 +220,49 @@ impl Publisher {
         }
     }
 
-    /// Publishes one batch; `Ok(true)` when a full batch went out (there may be more).
+    /// Publishes one batch; `Ok(true)` when a full batch went out (there may be more). `Err`
+    /// only when the database failed; a topic that cannot take its dead letters now (it cannot
+    /// be created, a send failed) is logged and left out of the next passes for a backoff of
+    /// its own ([`Publisher::cooling`]), so that it holds back only its own dead letters.
     async fn publish_pending(&self) -> Result<bool, String> {
         let mut tx = postal_shared::cancel_safe::begin(&self.pool)
             .await
             .map_err(|e| e.to_string())?;
-        let invalid: Vec<String> = self
+        let now = Instant::now();
+        let mut excluded: Vec<String> = self
             .invalid
             .lock()
             .expect("invalid topics")
             .iter()
             .cloned()
             .collect();
+        // Topics that failed lately: left out until their backoff is over, then taken after
+        // the others' dead letters, so that theirs never fill the batch the others wait behind.
+        let mut failing: Vec<String> = Vec::new();
+        for (topic, c) in self.cooling.lock().expect("cooling topics").iter() {
+            if c.until > now {
+                excluded.push(topic.clone());
+            } else {
+                failing.push(topic.clone());
+            }
+        }
+        let marked_after = *self.marked_after.lock().expect("marked cursor");
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
-                    header_values, reason, error, attempts, dlq_topic
+                    header_values, reason, error, attempts, dlq_topic,
+                    dlq_unpublishable IS NOT NULL AS marked
              FROM postal.dead_letters
              WHERE consumer_name = $1 AND published_at IS NULL
                AND dlq_topic <> ALL($3)
-             ORDER BY dlq_unpublishable IS NOT NULL, id LIMIT $2 FOR UPDATE SKIP LOCKED",
+             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4),
+                      dlq_unpublishable IS NOT NULL AND id <= $5, id
+             LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(&self.consumer)
         .bind(BATCH)
-        .bind(&invalid)
+        .bind(&excluded)
+        .bind(&failing)
+        .bind(marked_after)
         .fetch_all(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
@@ -198,10 +271,17 @@ impl Publisher {
         }
         // Dead letters refused even cut (`dlq_unpublishable`) come after every other, so they
         // never hold one back, and are tried again when the batch has room: a topic whose
-        // limit an operator raises takes them then.
-        // A topic that cannot take its dead letters holds back only its own.
-        let mut first_error = None;
-        let mut skipped = HashSet::new();
+        // limit an operator raises takes them then. They take turns (those after the last one
+        // tried first, [`Publisher::marked_after`]), so that those the topic takes now are not
+        // left behind a full batch of older ones it still refuses.
+        if let Some(last) = rows.iter().filter(|r| r.marked).map(|r| r.id).max() {
+            *self.marked_after.lock().expect("marked cursor") = last;
+        }
+        // A topic that cannot take its dead letters holds back only its own: the first error
+        // of each such topic this pass.
+        let mut failed: HashMap<String, String> = HashMap::new();
+        // Topics the broker does not know: created again on the next pass.
+        let mut missing: HashSet<String> = HashSet::new();
         for topic in rows
             .iter()
             .map(|r| r.dlq_topic.clone())
@@ -213,77 +293,100 @@ impl Publisher {
                     .lock()
                     .expect("invalid topics")
                     .insert(topic.clone());
-                first_error.get_or_insert_with(|| {
-                    format!(
-                        "dead-letter topic {} is not a valid topic name",
-                        postal_shared::text::quoted(&topic)
-                    )
-                });
-                skipped.insert(topic);
+                // Left out until a restart; not a failure to retry.
+                failed.insert(topic, String::new());
             } else if let Err(e) = self.ensure_topic(&topic).await {
-                first_error.get_or_insert(e);
-                skipped.insert(topic);
+                failed.insert(topic, e);
             }
         }
-        let rows: Vec<Row> = rows
-            .into_iter()
-            .filter(|r| !skipped.contains(&r.dlq_topic))
-            .collect();
         let producer = self.producer.lock().expect("dlq producer").clone();
         // Each copy cut to what the producer takes (`dlq_copy`); the table keeps it whole.
         let limit = crate::dlq_copy::limit(&self.producer_config);
-        let cuts: Vec<Cut> = rows
+        let mut cuts: Vec<Cut> = rows
             .iter()
             .map(|r| Cut::to_fit(r, &self.consumer, limit))
             .collect();
-        let sends = rows.iter().zip(&cuts).map(|(r, cut)| {
-            producer.send(
-                crate::dlq_copy::record(r, &self.consumer, *cut),
-                Duration::from_secs(30),
-            )
-        });
-        let mut results = join_all(sends).await;
-        // A copy refused for its own size (a topic that takes less than the producer) is sent
-        // again with only Postal's headers; refused again, the dead letter is marked and
-        // passed over, so that it never holds back the later ones.
-        let again: Vec<usize> = (0..rows.len())
-            .filter(|&i| {
-                cuts[i] != Cut::All
-                    && matches!(&results[i], Err((e, _)) if crate::dlq_copy::refused_for_itself(e))
-            })
+        let mut outcomes: Vec<Option<Sent>> = rows.iter().map(|_| None).collect();
+        // First the dead letters not refused before, all at once.
+        let fresh: Vec<usize> = (0..rows.len())
+            .filter(|&i| !rows[i].marked && !failed.contains_key(&rows[i].dlq_topic))
             .collect();
-        let resent = join_all(again.iter().map(|&i| {
+        let results = join_all(fresh.iter().map(|&i| {
             producer.send(
-                crate::dlq_copy::record(&rows[i], &self.consumer, Cut::All),
+                crate::dlq_copy::record(&rows[i], &self.consumer, cuts[i]),
                 Duration::from_secs(30),
             )
         }))
         .await;
-        for (i, res) in again.into_iter().zip(resent) {
-            results[i] = res;
+        for (&i, res) in fresh.iter().zip(results) {
+            outcomes[i] = match Sent::of(res) {
+                // Refused for size: maybe not for its own, but for the record batch librdkafka
+                // packed it into with others (the broker checks a whole batch against the
+                // topic's `max.message.bytes`). Sent again alone below.
+                Sent::Refused(_) => None,
+                other => Some(other),
+            };
+            if let Some(Sent::Failed(e, gone)) = &outcomes[i] {
+                if *gone {
+                    missing.insert(rows[i].dlq_topic.clone());
+                }
+                failed
+                    .entry(rows[i].dlq_topic.clone())
+                    .or_insert_with(|| format!("dead letter {}: {e}", rows[i].id));
+            }
+        }
+        // Then, one at a time (so that each is a record batch of its own), those refused for
+        // size and those refused before: as cut above, then cut further while the broker
+        // refuses it for its size (a topic that takes less than the producer), down to Postal's
+        // headers only. Refused even so, the dead letter is marked and passed over, so that it
+        // never holds back the later ones.
+        for i in 0..rows.len() {
+            if outcomes[i].is_some() || failed.contains_key(&rows[i].dlq_topic) {
+                continue;
+            }
+            let mut outcome = Sent::Refused(String::new());
+            for cut in cuts[i].and_further() {
+                let sent = producer
+                    .send(
+                        crate::dlq_copy::record(&rows[i], &self.consumer, cut),
+                        Duration::from_secs(30),
+                    )
+                    .await;
+                outcome = Sent::of(sent);
+                if let Sent::Written = outcome {
+                    cuts[i] = cut;
+                }
+                if !matches!(outcome, Sent::Refused(_)) {
+                    break;
+                }
+            }
+            if let Sent::Failed(e, gone) = &outcome {
+                if *gone {
+                    missing.insert(rows[i].dlq_topic.clone());
+                }
+                failed
+                    .entry(rows[i].dlq_topic.clone())
+                    .or_insert_with(|| format!("dead letter {}: {e}", rows[i].id));
+            }
+            outcomes[i] = Some(outcome);
         }
         self.replace_if_fatal(&producer);
         let mut done = Vec::with_capacity(rows.len());
+        // What each published copy left out (the table keeps the whole record: retention
+        // keeps the row until the dead letter is replayed or resolved).
+        let mut done_cuts: Vec<Option<&'static str>> = Vec::with_capacity(rows.len());
         let mut unpublishable: Vec<(i64, String)> = Vec::new();
-        for ((row, res), cut) in rows.iter().zip(results).zip(&cuts) {
-            match res {
-                Ok(d) if !postal_shared::kafka_producer::written(d.offset) => {
-                    first_error.get_or_insert_with(|| {
-                        format!(
-                            "dead letter {}: {}",
-                            row.id,
-                            postal_shared::kafka_producer::UNCONFIRMED
-                        )
-                    });
-                }
-                Ok(_) => {
+        for ((row, outcome), cut) in rows.iter().zip(outcomes).zip(&cuts) {
+            match outcome {
+                Some(Sent::Written) => {
                     if let Some(marker) = cut.marker() {
                         tracing::info!(dead_letter = row.id, cut = marker, limit, "dead letter too large for its .dlq topic: published without its {marker} (whole in postal.dead_letters)");
                         metrics::counter!("postal_consumer_dead_letters_cut_total", "consumer" => self.consumer.clone()).increment(1);
                     }
                     done.push(row.id);
+                    done_cuts.push(cut.marker());
                 }
-                Err((e, _)) if crate::dlq_copy::refused_for_itself(&e) => {
+                Some(Sent::Refused(e)) => {
                     let reason = format!(
                         "the broker refuses even its copy without value, headers and key ({e})"
                     );
@@ -291,9 +394,8 @@ impl Publisher {
                     metrics::counter!("postal_consumer_dead_letters_unpublishable_total", "consumer" => self.consumer.clone()).increment(1);
                     unpublishable.push((row.id, reason));
                 }
-                Err((e, _)) => {
-                    first_error.get_or_insert_with(|| format!("dead letter {}: {e}", row.id));
-                }
+                // Failed, or not sent because its topic failed: left for a later pass.
+                Some(Sent::Failed(..)) | None => {}
             }
         }
         if !unpublishable.is_empty() {
@@ -309,21 +411,49 @@ impl Publisher {
             .map_err(|e| e.to_string())?;
         }
         sqlx::query(
-            "UPDATE postal.dead_letters SET published_at = now(), dlq_unpublishable = NULL
-             WHERE id = ANY($1)",
+            "UPDATE postal.dead_letters d
+             SET published_at = now(), dlq_unpublishable = NULL, dlq_cut = u.cut
+             FROM unnest($1::int8[], $2::text[]) AS u(id, cut) WHERE d.id = u.id",
         )
         .bind(&done)
+        .bind(&done_cuts)
         .execute(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
         tracing::debug!(count = done.len(), "published dead letters");
+        for topic in &missing {
+            self.created.lock().expect("topic set").remove(topic);
+        }
+        self.cool(&rows, &failed);
         // More may wait only when a whole batch went out (a batch holding a dead letter that
         // cannot go waits for the next round instead of spinning on it).
-        let full = done.len() as i64 == BATCH;
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(full),
+        Ok(done.len() as i64 == BATCH)
+    }
+
+    /// Leaves the topics that failed this pass (`failed`: topic → error) out of the next
+    /// passes for a backoff that grows with each failure in a row, and forgets the others of
+    /// `rows`.
+    fn cool(&self, rows: &[Row], failed: &HashMap<String, String>) {
+        let now = Instant::now();
+        let mut cooling = self.cooling.lock().expect("cooling topics");
+        for topic in rows.iter().map(|r| &r.dlq_topic) {
+            if !failed.contains_key(topic) {
+                cooling.remove(topic);
+            }
+        }
+        for (topic, error) in failed {
+            if error.is_empty() {
+                continue;
+            }
+            let c = cooling.entry(topic.clone()).or_insert(Cooling {
+                until: now,
+                failures: 0,
+            });
+            let wait = self.backoff.delay(c.failures);
+            c.failures = c.failures.saturating_add(1);
+            c.until = now + wait;
+            tracing::warn!(topic = %postal_shared::text::quoted(topic), error = %error, retry_in = ?wait, "publishing dead letters to their .dlq topic failed; retrying (the other topics' go on)");
         }
     }
 
@@ -380,5 +510,39 @@ impl Publisher {
             .expect("topic set")
             .insert(topic.to_owned());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::producer::future_producer::Delivery;
+
+    use super::Sent;
+
+    fn delivered(offset: i64) -> Sent {
+        Sent::of(Ok(Delivery {
+            partition: 0,
+            offset,
+            timestamp: rdkafka::Timestamp::NotAvailable,
+        }))
+    }
+
+    /// Guarantee: a copy is marked published only when its delivery report has an offset; one
+    /// reported delivered without (librdkafka's "implicit ack", which before Kafka 4.5 can
+    /// stand for a record never written, KAFKA-15591) stays unpublished and fails its topic's
+    /// pass, to be sent again.
+    #[test]
+    fn a_copy_reported_delivered_without_an_offset_is_not_published() {
+        assert!(matches!(delivered(0), Sent::Written));
+        assert!(matches!(delivered(41), Sent::Written));
+        for offset in [-1, -1001] {
+            match delivered(offset) {
+                Sent::Failed(e, gone) => {
+                    assert_eq!(e, postal_shared::kafka_producer::UNCONFIRMED);
+                    assert!(!gone);
+                }
+                _ => panic!("offset {offset} taken as written"),
+            }
+        }
     }
 }

@@ -6,9 +6,14 @@
 //! Then the value goes first, then the original headers, then the key, and the header
 //! `postal_dlq_cut` names what went (`value`, `value,headers` or `value,headers,key`). The
 //! dead letter in `postal.dead_letters` always stays whole (`postal dead-letters replay`).
+//!
+//! The broker checks a whole record batch against a topic's `max.message.bytes`, and
+//! librdkafka packs the copies sent together into one batch: a refusal for size of a copy sent
+//! with others says nothing of the copy alone. So a refused copy is sent again alone, as it
+//! was, and then cut further ([`Cut::and_further`]) while the broker refuses it alone.
 
 use postal_shared::headers;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 
@@ -38,6 +43,13 @@ impl Cut {
         }
     }
 
+    /// This cut and the further ones, least first.
+    pub(crate) fn and_further(self) -> impl Iterator<Item = Cut> {
+        [Cut::Nothing, Cut::Value, Cut::ValueAndHeaders, Cut::All]
+            .into_iter()
+            .skip_while(move |c| *c != self)
+    }
+
     /// The least cut whose copy of `r` fits in `limit` bytes (`All` when none does).
     pub(crate) fn to_fit(r: &Row, consumer: &str, limit: usize) -> Cut {
         [Cut::Nothing, Cut::Value, Cut::ValueAndHeaders]
@@ -56,17 +68,9 @@ pub(crate) fn limit(config: &rdkafka::ClientConfig) -> usize {
 }
 
 /// Whether a send failed because of the record itself (its size or form), so that sending it
-/// again as it is can never succeed.
+/// again as it is can never succeed (or, sent with others, that its record batch was too large).
 pub(crate) fn refused_for_itself(e: &KafkaError) -> bool {
-    matches!(
-        e.rdkafka_error_code(),
-        Some(
-            RDKafkaErrorCode::MessageSizeTooLarge
-                | RDKafkaErrorCode::MessageBatchTooLarge
-                | RDKafkaErrorCode::InvalidMessageSize
-                | RDKafkaErrorCode::InvalidRecord
-        )
-    )
+    postal_shared::kafka_producer::refused_for_itself(e)
 }
 
 /// Postal's headers of the copy of `r`.
@@ -165,6 +169,7 @@ mod tests {
             error: "no ce_id".into(),
             attempts: 1,
             dlq_topic: "orders.dlq".into(),
+            marked: false,
         }
     }
 
@@ -185,5 +190,18 @@ mod tests {
         assert_eq!(Cut::Nothing.marker(), None);
         let copy = bytes(&row(1_040_000, 10, 10), "c", Cut::Value);
         assert!(copy < 2_000, "{copy}");
+    }
+
+    /// Guarantee: a copy the broker refuses for its size is tried again cut further, one step
+    /// at a time, down to Postal's headers only, never less cut than before.
+    #[test]
+    fn further_cuts_go_down_to_postals_headers_only() {
+        let all = |c: Cut| c.and_further().collect::<Vec<_>>();
+        assert_eq!(
+            all(Cut::Nothing),
+            [Cut::Nothing, Cut::Value, Cut::ValueAndHeaders, Cut::All]
+        );
+        assert_eq!(all(Cut::ValueAndHeaders), [Cut::ValueAndHeaders, Cut::All]);
+        assert_eq!(all(Cut::All), [Cut::All]);
     }
 }

@@ -60,7 +60,8 @@
 //! # Throughput mode
 //! [`ConsumerConfig::max_batch`] above 1 processes up to that many records of a partition in
 //! one transaction (one multi-row dedup insert, one offset update); a failing record is isolated
-//! under a savepoint and the partition's order holds.
+//! under a savepoint and the partition's order holds. A [`BatchHandler`] (`#[idempotent]` on an
+//! `async fn` taking [`Batch<T>`](Batch)) gets the batch's new events in one call.
 //!
 //! # Testing handlers
 //! `testing::deliver` and `testing::assert_applied_once` (feature `test-util`, for
@@ -78,6 +79,7 @@
 //! of the dead letter; re-driving it later applies it after them.
 
 mod batch;
+mod batch_handler;
 mod client;
 mod config;
 mod context;
@@ -89,6 +91,7 @@ mod event;
 mod handler;
 mod offsets;
 mod partition;
+mod pause;
 mod reason;
 mod record;
 mod replaced;
@@ -109,6 +112,7 @@ use __private as private;
 #[doc(hidden)]
 pub mod fuzzing;
 
+pub use batch_handler::{Batch, BatchHandler, IntoBatchHandler};
 pub use config::{ConsumerConfig, UnknownTypes};
 pub use dead_letter::Reason as DeadLetterReason;
 pub use error::Error;
@@ -118,7 +122,7 @@ pub use handler::{
     BoxError, FromRef, Handler, HandlerError, IntoHandler, IntoHandlerError, Outcome, State,
 };
 pub use postal_shared::{Backoff, EventId};
-pub use private::apply;
+pub use private::{apply, apply_batch};
 pub use replaced::impossible as log_replaced;
 pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
 /// The `sqlx` Postal is built with (0.8). Its types are part of Postal's API (handlers and
@@ -152,4 +156,10 @@ pub use stats::{Stats, StatsSnapshot};
 /// a part of it by [`FromRef`]; `call` then takes it first too); `&mut Transaction<'_, Postgres>`
 /// (or `&mut PgConnection`); `Event<T>` where `T` is any `serde` type (decoded from JSON) or
 /// [`Raw`]. Other signatures fail to compile with an error at the offending part.
+///
+/// With [`Batch<T>`](Batch) or `&[Event<T>]` as the last parameter it makes a batch handler
+/// instead ([`BatchHandler`], routed with
+/// [`on_batch`](ConsumerBuilder::on_batch)): the body gets the new events of a partition batch
+/// at once, and `call(&mut tx, events)` takes a `Vec` of events and returns one [`Outcome`]
+/// per event.
 pub use postal_macros::idempotent;

@@ -42,8 +42,24 @@ pub async fn claim(
     Ok(Ownership { epoch, next_offset })
 }
 
-/// Sets the next offset in the caller's transaction. Returns `false` when the epoch moved on
-/// (another consumer owns the partition now): the caller must roll back.
+/// What [`advance`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Advance {
+    /// The offset moved: the caller may commit.
+    Advanced,
+    /// The epoch moved on (another consumer owns the partition now): the caller must roll back.
+    Fenced,
+    /// The group, or this topic of it, is paused (`postal.pauses`): the caller must roll back.
+    Paused,
+}
+
+/// Sets the next offset in the caller's transaction, unless the epoch moved on or the group
+/// (or the topic) is paused.
+///
+/// The pause is read here, in the statement every processing transaction runs last before it
+/// commits, with a snapshot taken after the transaction's `BEGIN` took the shared pause locks
+/// ([`crate::partition`]'s `begin_for`, [`postal_shared::pause`]): a pause that committed
+/// before then is seen, and one that commits later waited for this transaction to end.
 pub async fn advance(
     conn: &mut PgConnection,
     group: &str,
@@ -51,20 +67,29 @@ pub async fn advance(
     partition: i32,
     epoch: i64,
     next_offset: i64,
-) -> Result<bool, sqlx::Error> {
-    let n = sqlx::query(
-        "UPDATE postal.consumer_offsets SET next_offset = $5, updated_at = now()
-         WHERE group_id = $1 AND topic = $2 AND partition = $3 AND epoch = $4",
+) -> Result<Advance, sqlx::Error> {
+    let (advanced, paused): (bool, bool) = sqlx::query_as(
+        "WITH p AS (SELECT EXISTS (SELECT 1 FROM postal.pauses
+                                   WHERE side = 'consumer' AND group_name = $1
+                                     AND (topic IS NULL OR topic = $2)) AS paused),
+              u AS (UPDATE postal.consumer_offsets SET next_offset = $5, updated_at = now()
+                    WHERE group_id = $1 AND topic = $2 AND partition = $3 AND epoch = $4
+                      AND NOT (SELECT paused FROM p)
+                    RETURNING 1)
+         SELECT EXISTS (SELECT 1 FROM u), (SELECT paused FROM p)",
     )
     .bind(group)
     .bind(topic)
     .bind(partition)
     .bind(epoch)
     .bind(next_offset)
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(n == 1)
+    .fetch_one(conn)
+    .await?;
+    Ok(match (advanced, paused) {
+        (true, _) => Advance::Advanced,
+        (false, true) => Advance::Paused,
+        (false, false) => Advance::Fenced,
+    })
 }
 
 /// The stored next offsets of a group on a topic, by partition.

@@ -202,7 +202,8 @@ pub fn report_oldest_dedup_age(consumer: &str, age: Option<f64>) {
 pub const DEAD_LETTER_CLEANUP_LOCK: i64 = 0x706f_7374_646c_7163;
 
 /// [`cleanup_dead_letters`] for one consumer's dead letters (its own lock per name): what the
-/// consumer runtime runs with [`crate::ConsumerConfig::dead_letter_retention`].
+/// consumer runtime runs with [`crate::ConsumerConfig::dead_letter_retention`]. It keeps those
+/// published cut (`dlq_cut`) until replayed or resolved, as [`cleanup_dead_letters`] does.
 pub async fn cleanup_dead_letters_of(
     pool: &PgPool,
     consumer: &str,
@@ -216,6 +217,7 @@ pub async fn cleanup_dead_letters_of(
              SELECT id FROM postal.dead_letters
              WHERE consumer_name = $3
                AND published_at < now() - $1 * interval '1 millisecond'
+               AND (dlq_cut IS NULL OR replayed_at IS NOT NULL OR resolved_at IS NOT NULL)
              ORDER BY id LIMIT $2)",
         retention,
         batch,
@@ -230,7 +232,9 @@ pub const DEAD_LETTER_CONSUMER_LOCK: i32 = 0x7064_6c71;
 
 /// Deletes dead letters created more than `retention` ago whose record was published to their
 /// dead-letter topic (a dead letter not published yet is never deleted: the table is its only
-/// copy), `batch` rows per statement, until none are left. Replayed ones go the same way.
+/// copy; nor one published cut, `dlq_cut`, until it is replayed or resolved: the table is its
+/// only whole copy), `batch` rows per statement, until none are left. Replayed ones go the
+/// same way.
 /// Returns `None` (doing nothing) when another instance is cleaning right now, else the number
 /// of rows deleted.
 pub async fn cleanup_dead_letters(
@@ -245,6 +249,7 @@ pub async fn cleanup_dead_letters(
              SELECT id FROM postal.dead_letters
              WHERE published_at IS NOT NULL
                AND created_at < now() - $1 * interval '1 millisecond'
+               AND (dlq_cut IS NULL OR replayed_at IS NOT NULL OR resolved_at IS NOT NULL)
              ORDER BY id LIMIT $2)",
         retention,
         batch,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use sqlx::{Postgres, Transaction};
 
+use crate::batch_handler::{Batch, BatchHandler};
 use crate::handler::{Handler, HandlerError};
 use crate::record::{decode, Meta, Record};
 
@@ -25,9 +26,71 @@ pub(crate) trait Route: Send + Sync {
         record: &'a Record,
         meta: &'a Meta,
     ) -> BoxFuture<'a, Result<(), Failure>>;
+    /// Whether the handler takes batches ([`call_batch`](Self::call_batch)).
+    fn batched(&self) -> bool {
+        false
+    }
+    /// Calls the handler once with all of `items` (in order); a record that does not decode
+    /// fails the call. Only for batch routes.
+    fn call_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        items: &'a [(&'a Record, &'a Meta)],
+    ) -> BoxFuture<'a, Result<(), Failure>>;
 }
 
 struct Routed<H>(H);
+
+/// A batch handler with its payload type erased.
+struct BatchRouted<H>(H);
+
+impl<H: BatchHandler> Route for BatchRouted<H> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn consumer(&self) -> &str {
+        self.0.consumer()
+    }
+
+    fn batched(&self) -> bool {
+        true
+    }
+
+    /// One record: a batch of one.
+    fn call<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        record: &'a Record,
+        meta: &'a Meta,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            let event = decode::<H::Payload>(record, meta).map_err(Failure::Undecodable)?;
+            self.0
+                .handle_batch(tx, Batch::new(vec![event]))
+                .await
+                .map_err(Failure::Handler)
+        })
+    }
+
+    fn call_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        items: &'a [(&'a Record, &'a Meta)],
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            let events = items
+                .iter()
+                .map(|(r, m)| decode::<H::Payload>(r, m))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(Failure::Undecodable)?;
+            self.0
+                .handle_batch(tx, Batch::new(events))
+                .await
+                .map_err(Failure::Handler)
+        })
+    }
+}
 
 impl<H: Handler> Route for Routed<H> {
     fn name(&self) -> &str {
@@ -47,6 +110,20 @@ impl<H: Handler> Route for Routed<H> {
         Box::pin(async move {
             let event = decode::<H::Payload>(record, meta).map_err(Failure::Undecodable)?;
             self.0.handle(tx, event).await.map_err(Failure::Handler)
+        })
+    }
+
+    /// Not called for single-event routes; one call per record, in order, if it were.
+    fn call_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        items: &'a [(&'a Record, &'a Meta)],
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            for (record, meta) in items {
+                self.call(tx, record, meta).await?;
+            }
+            Ok(())
         })
     }
 }
@@ -69,6 +146,27 @@ impl Router {
         version: Option<i32>,
         handler: H,
     ) -> bool {
+        self.insert(topic, event_type, version, Arc::new(Routed(handler)))
+    }
+
+    /// Adds a batch route; `false` if the same (topic, type, version) is already routed.
+    pub fn add_batch<H: BatchHandler>(
+        &mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        handler: H,
+    ) -> bool {
+        self.insert(topic, event_type, version, Arc::new(BatchRouted(handler)))
+    }
+
+    fn insert(
+        &mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        route: Arc<dyn Route>,
+    ) -> bool {
         let list = self
             .routes
             .entry(topic.to_owned())
@@ -78,7 +176,7 @@ impl Router {
         if list.iter().any(|(v, _)| *v == version) {
             return false;
         }
-        list.push((version, Arc::new(Routed(handler))));
+        list.push((version, route));
         true
     }
 

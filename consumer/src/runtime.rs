@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::batch_handler::{BatchHandler, IntoBatchHandler};
 use crate::client::Client;
 use crate::config::ConsumerConfig;
 use crate::context::{take_commits, Context, Ownership, RebalanceEvent, Tp};
@@ -68,6 +69,31 @@ impl<S> ConsumerBuilder<S> {
         self.route(topic, event_type, Some(schema_version), handler)
     }
 
+    /// Routes events of `event_type` on `topic` (any schema version without a more specific
+    /// route) to the batch handler `handler`: in throughput mode (`max_batch` above 1) it is
+    /// called once per transaction with the run of new events routed to it, see
+    /// [`BatchHandler`](crate::BatchHandler). The topic is subscribed.
+    pub fn on_batch<H: IntoBatchHandler<S>>(
+        self,
+        topic: &str,
+        event_type: &str,
+        handler: H,
+    ) -> Self {
+        self.route_batch(topic, event_type, None, handler)
+    }
+
+    /// Routes events of `event_type` with exactly `schema_version` on `topic` to the batch
+    /// handler `handler`.
+    pub fn on_batch_version<H: IntoBatchHandler<S>>(
+        self,
+        topic: &str,
+        event_type: &str,
+        schema_version: i32,
+        handler: H,
+    ) -> Self {
+        self.route_batch(topic, event_type, Some(schema_version), handler)
+    }
+
     fn route<H: IntoHandler<S>>(
         mut self,
         topic: &str,
@@ -76,6 +102,38 @@ impl<S> ConsumerBuilder<S> {
         handler: H,
     ) -> Self {
         let handler = handler.into_handler(&self.state);
+        let name = handler.name().to_owned();
+        self.check(topic, event_type, handler.consumer(), &name);
+        if !self.router.add(topic, event_type, version, handler) {
+            self.twice(topic, event_type, version, &name);
+        }
+        self
+    }
+
+    fn route_batch<H: IntoBatchHandler<S>>(
+        mut self,
+        topic: &str,
+        event_type: &str,
+        version: Option<i32>,
+        handler: H,
+    ) -> Self {
+        let handler = handler.into_batch_handler(&self.state);
+        let name = handler.name().to_owned();
+        self.check(topic, event_type, handler.consumer(), &name);
+        if !self.router.add_batch(topic, event_type, version, handler) {
+            self.twice(topic, event_type, version, &name);
+        }
+        self
+    }
+
+    fn twice(&mut self, topic: &str, event_type: &str, version: Option<i32>, name: &str) {
+        self.errors.push(format!(
+            "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
+        ));
+    }
+
+    /// The checks of a route: valid names, one dedup scope.
+    fn check(&mut self, topic: &str, event_type: &str, consumer: &str, name: &str) {
         if let Err(e) = postal_shared::Topic::new(topic) {
             self.errors.push(e.to_string());
         }
@@ -84,28 +142,20 @@ impl<S> ConsumerBuilder<S> {
         }
         // The dedup scope is the handlers' (`#[idempotent(consumer = ...)]`): the first one
         // names this runtime's consumer unless the configuration did; every other must agree.
-        if handler.consumer().trim().is_empty() {
+        if consumer.trim().is_empty() {
             self.errors.push(format!(
-                "handler {} has an empty dedup scope (consumer name): give it one",
-                handler.name()
+                "handler {name} has an empty dedup scope (consumer name): give it one"
             ));
         } else if self.config.consumer.is_empty() {
-            self.config.consumer = handler.consumer().to_owned();
-        } else if handler.consumer() != self.config.consumer {
+            self.config.consumer = consumer.to_owned();
+        } else if consumer != self.config.consumer {
             self.errors.push(format!(
                 "handler {} deduplicates as consumer {:?} but this runtime is consumer {:?} (one runtime is one consumer)",
-                handler.name(),
-                handler.consumer(),
+                name,
+                consumer,
                 self.config.consumer
             ));
         }
-        let name = handler.name().to_owned();
-        if !self.router.add(topic, event_type, version, handler) {
-            self.errors.push(format!(
-                "{topic:?} / {event_type:?} (version {version:?}) is routed twice (second: {name})"
-            ));
-        }
-        self
     }
 
     /// Checks the configuration and routes and creates the Kafka clients (which connect
@@ -146,6 +196,8 @@ impl<S> ConsumerBuilder<S> {
             wake: Arc::new(Notify::new()),
             created: Mutex::new(HashSet::new()),
             invalid: Mutex::new(HashSet::new()),
+            cooling: Default::default(),
+            marked_after: Mutex::new(0),
             backoff: self.config.backoff,
         };
         Ok(Consumer {
@@ -161,6 +213,7 @@ impl<S> ConsumerBuilder<S> {
                 owner,
                 assigned: Default::default(),
                 watch: Default::default(),
+                pauses: Default::default(),
             }),
             events: events_rx,
             dlq,
@@ -263,12 +316,21 @@ impl Consumer {
             Some(addr) => {
                 // Ready while the database answers and every owned partition advances
                 // (records do not wait on a pooler, a lock or a failing handler: `stall`).
-                let watched = shared.clone();
+                // The endpoint holds no handle on the runtime (nor so on its Kafka client):
+                // a check in flight, or the endpoint itself, must not keep the client from
+                // leaving its group when the consumer stops (see the end of `run`).
+                let watched = Arc::downgrade(&shared);
                 let ready = move || {
-                    let shared = watched.clone();
+                    let checked = watched.upgrade().map(|shared| {
+                        (shared.watch.health.problem().is_none(), shared.pool.clone())
+                    });
                     async move {
-                        shared.watch.health.problem().is_none()
-                            && sqlx::query("SELECT 1").execute(&shared.pool).await.is_ok()
+                        match checked {
+                            Some((healthy, pool)) => {
+                                healthy && sqlx::query("SELECT 1").execute(&pool).await.is_ok()
+                            }
+                            None => false,
+                        }
                     }
                 };
                 Some(AbortOnDropHandle::new(
@@ -304,7 +366,25 @@ impl Consumer {
                 let size = shared.pool.options().get_max_connections();
                 shared
                     .watch
-                    .run(shared.config.consumer.clone(), size, &shared.stats, stop)
+                    .run(
+                        shared.config.consumer.clone(),
+                        size,
+                        &shared.stats,
+                        &shared.pauses,
+                        stop,
+                    )
+                    .await
+            }))
+        };
+        let pauses = {
+            let shared = shared.clone();
+            let stop = stop.clone();
+            let topics = topics.clone();
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                let c = &shared.config;
+                shared
+                    .pauses
+                    .run(&shared.pool, &c.group, &c.consumer, &topics, stop)
                     .await
             }))
         };
@@ -338,35 +418,27 @@ impl Consumer {
                     Some(_) = workers.join_next(), if !workers.is_empty() => {}
                     msg = stream.next() => match msg {
                         Some(Ok(m)) => {
-                            let record =
-                                crate::record::Record::from_message(&m, shared.config.max_headers);
+                            route_record(&shared, &m, &mut events, &mut partitions, &mut turns, &mut workers, &stop);
                             drop(m);
-                            let tp = (record.topic.clone(), record.partition);
-                            tracing::trace!(topic = %tp.0, partition = tp.1, offset = record.offset, "record received");
-                            if !partitions.contains_key(&tp) {
-                                // The assignment callback may have run inside this poll.
-                                while let Ok(ev) = events.try_recv() {
-                                    apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
+                            // The records librdkafka holds ready are taken at once (up to a
+                            // burst), not one per turn of this loop: with many records per
+                            // second the loop's other branches cost more than a record. A
+                            // rebalance waiting ends the burst (the loop applies it first).
+                            for _ in 1..PUMP_BURST {
+                                if !events.is_empty() {
+                                    break;
+                                }
+                                match stream.next().now_or_never() {
+                                    Some(Some(Ok(m))) => route_record(&shared, &m, &mut events, &mut partitions, &mut turns, &mut workers, &stop),
+                                    Some(Some(Err(e))) => {
+                                        consumer_error(&e, &mut errors_logged);
+                                        break;
+                                    }
+                                    _ => break,
                                 }
                             }
-                            match partitions.get(&tp) {
-                                Some(p) => p.inbox.push(&shared, record),
-                                None => tracing::debug!(topic = %tp.0, partition = tp.1, "record of a partition not owned here; left for its owner"),
-                            }
                         }
-                        // A subscribed topic that does not exist yet: the client context
-                        // says so (once, at INFO); the topic is assigned once it exists.
-                        Some(Err(e)) if e.rdkafka_error_code()
-                            == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) =>
-                        {
-                            tracing::debug!(error = %e, "consumer error of a missing topic");
-                        }
-                        Some(Err(e)) => {
-                            errors_logged += 1;
-                            if errors_logged.is_power_of_two() {
-                                tracing::warn!(error = %e, occurrences = errors_logged, "kafka consumer error; the client keeps retrying");
-                            }
-                        }
+                        Some(Err(e)) => consumer_error(&e, &mut errors_logged),
                         None => break,
                     },
                 }
@@ -394,8 +466,14 @@ impl Consumer {
         // waits for the group coordinator without a limit of its own (up to the session
         // timeout with the broker down), and a close can hang inside librdkafka: the thread is
         // waited for at most `shutdown_timeout`; the broker expires a member that did not
-        // leave after its session timeout. When another handle is still alive (a test's fault
-        // injector), the close happens where that one goes, on a thread of its own too.
+        // leave after its session timeout. The thread closes the client once it holds its
+        // last handle: a cancelled worker's blocking call (a seek, a watermark read) may still
+        // hold one for a few seconds. Closed anywhere else, on the detached thread of the last
+        // handle to go, the close would race the process's exit, and a member that did not
+        // leave keeps the group "live" for `postal consumer reset` until the broker expires it
+        // (seen: refused for 45 s after a clean exit). Only if another handle outlives
+        // `shutdown_timeout` (a test's fault injector) does the close happen where that one
+        // goes.
         let final_commits = take_commits(&mut shared.state.lock().expect("ownership state"));
         let shutdown_timeout = config.shutdown_timeout;
         let consumer = shared.consumer.clone();
@@ -410,11 +488,18 @@ impl Consumer {
                     }
                 }
                 consumer.unsubscribe();
-                drop(consumer.into_last());
+                match consumer.into_last_within(shutdown_timeout) {
+                    // Dropping it closes it: the member leaves the group, here.
+                    Ok(client) => drop(client),
+                    Err(_still_shared) => tracing::warn!(
+                        "another handle on the Kafka client outlived the shutdown timeout; the client leaves the group when that one goes, or the broker expires this member after its session timeout"
+                    ),
+                }
                 let _ = closed_tx.send(());
             });
         housekeeping.abort();
         watchdog.abort();
+        pauses.abort();
         if tokio::time::timeout(shutdown_timeout, &mut dlq)
             .await
             .is_err()
@@ -445,6 +530,50 @@ impl Consumer {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
+    }
+}
+
+/// Most records the runtime's loop takes from librdkafka in one turn.
+const PUMP_BURST: usize = 256;
+
+/// Hands a fetched record to its partition's worker.
+fn route_record(
+    shared: &Arc<Shared>,
+    m: &rdkafka::message::BorrowedMessage<'_>,
+    events: &mut mpsc::UnboundedReceiver<RebalanceEvent>,
+    partitions: &mut HashMap<Tp, Partition>,
+    turns: &mut HashMap<Tp, Arc<tokio::sync::Mutex<()>>>,
+    workers: &mut JoinSet<()>,
+    stop: &CancellationToken,
+) {
+    let record = crate::record::Record::from_message(m, shared.config.max_headers);
+    tracing::trace!(topic = %record.topic, partition = record.partition, offset = record.offset, "record received");
+    let mut inbox = partitions.get(&(record.topic.clone(), record.partition));
+    if inbox.is_none() {
+        // The assignment callback may have run inside this poll.
+        while let Ok(ev) = events.try_recv() {
+            apply(shared, ev, partitions, turns, workers, stop);
+        }
+        inbox = partitions.get(&(record.topic.clone(), record.partition));
+    }
+    match inbox {
+        Some(p) => p.inbox.push(shared, record),
+        None => {
+            tracing::debug!(topic = %record.topic, partition = record.partition, "record of a partition not owned here; left for its owner")
+        }
+    }
+}
+
+/// Logs a consumer error (a missing topic at DEBUG: the client context says so once, at INFO,
+/// and the topic is assigned once it exists; others at powers of two).
+fn consumer_error(e: &rdkafka::error::KafkaError, errors_logged: &mut u64) {
+    if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) {
+        tracing::debug!(error = %e, "consumer error of a missing topic");
+        return;
+    }
+    *errors_logged += 1;
+    if errors_logged.is_power_of_two() {
+        tracing::warn!(error = %e, occurrences = *errors_logged, "kafka consumer error; the client keeps retrying");
     }
 }
 

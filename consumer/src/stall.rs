@@ -76,13 +76,14 @@ impl Watch {
     /// Every [`TICK`] until cancelled: each owned partition's wait as the gauge
     /// `postal_consumer_stalled_seconds{consumer, topic, partition}` (0 while it advances or
     /// nothing waits); a partition waiting [`STALL_AFTER`] or more (and not in a stopped
-    /// topic, which has its own gauge) is one warning and makes the consumer not ready, until
+    /// topic, which has its own gauge, nor in a paused one) is one warning and makes the consumer not ready, until
     /// it advances again.
     pub(crate) async fn run(
         &self,
         consumer: String,
         pool_size: u32,
         stats: &Stats,
+        pauses: &crate::pause::Pauses,
         stop: tokio_util::sync::CancellationToken,
     ) {
         let mut tick = tokio::time::interval(TICK);
@@ -108,7 +109,8 @@ impl Watch {
             for ((topic, partition), waited) in now {
                 let tp = (topic.clone(), partition);
                 seen.insert(tp.clone());
-                let waited = if stats.topic_stopped(&topic) {
+                // A stopped topic has a gauge of its own; a paused one waits on purpose.
+                let waited = if stats.topic_stopped(&topic) || pauses.covers(&topic) {
                     Duration::ZERO
                 } else {
                     waited

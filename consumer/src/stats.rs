@@ -19,6 +19,7 @@ pub struct Stats {
     buffered_bytes: AtomicU64,
     buffered_bytes_peak: AtomicU64,
     partitions_stopped: AtomicU64,
+    partitions_paused: AtomicU64,
     /// Partitions stopped here, per topic (the gauge's value).
     stopped_by_topic: Mutex<HashMap<String, u64>>,
 }
@@ -56,6 +57,9 @@ pub struct StatsSnapshot {
     /// replaced under the stored offset (a topic deleted and re-created, another Kafka
     /// cluster; see `postal consumer reset`).
     pub partitions_stopped: u64,
+    /// Partitions owned here that wait, applying nothing, because their group or topic is
+    /// paused (`postal pause consumer`); they go on from their stored offsets once resumed.
+    pub partitions_paused: u64,
 }
 
 macro_rules! bump {
@@ -97,6 +101,16 @@ impl Stats {
             buffered_bytes: l(&self.buffered_bytes),
             buffered_bytes_peak: l(&self.buffered_bytes_peak),
             partitions_stopped: l(&self.partitions_stopped),
+            partitions_paused: l(&self.partitions_paused),
+        }
+    }
+
+    /// A partition started (`true`) or stopped waiting while its topic is paused.
+    pub(crate) fn held(&self, start: bool) {
+        if start {
+            self.partitions_paused.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.partitions_paused.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

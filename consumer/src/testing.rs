@@ -125,6 +125,49 @@ pub async fn deliver<H: Handler>(
     Ok(Outcome::Applied)
 }
 
+/// Delivers `events` to the batch handler `handler` as the runtime does with one partition
+/// batch, in a transaction of its own: the dedup rows (one multi-row insert), the body once with
+/// the events whose rows were new (the first of a repeated id), commit. Returns one
+/// [`Outcome`] per event given. On error the transaction rolls back and the error is returned
+/// (the runtime would then look for the failing event; see [`BatchHandler`]).
+///
+/// ```no_run
+/// # use postal_consumer::{idempotent, Batch, Event, EventId, HandlerError, Outcome};
+/// # use postal_consumer::testing::deliver_batch;
+/// # use sqlx::{Postgres, Transaction};
+/// # #[idempotent(consumer = "billing")]
+/// # async fn on_orders(tx: &mut Transaction<'_, Postgres>, events: Batch<serde_json::Value>) -> Result<(), HandlerError> { Ok(()) }
+/// # async fn test(pool: sqlx::PgPool) -> Result<(), HandlerError> {
+/// let a = Event::new(EventId::new(), "order.created", serde_json::json!({"order_id": 1}));
+/// let b = Event::new(EventId::new(), "order.created", serde_json::json!({"order_id": 2}));
+/// let outcomes = deliver_batch(&pool, &on_orders, vec![a.clone(), b, a]).await?;
+/// assert_eq!(outcomes, [Outcome::Applied, Outcome::Applied, Outcome::Duplicate]);
+/// # Ok(()) }
+/// ```
+///
+/// [`BatchHandler`]: crate::BatchHandler
+pub async fn deliver_batch<H: crate::BatchHandler>(
+    pool: &PgPool,
+    handler: &H,
+    events: Vec<Event<H::Payload>>,
+) -> Result<Vec<Outcome>, HandlerError> {
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
+    let ids: Vec<_> = events.iter().map(|e| e.id).collect();
+    let fresh: std::collections::HashSet<_> =
+        crate::dedup::record_many(&mut tx, handler.consumer(), &ids)
+            .await?
+            .into_iter()
+            .collect();
+    let (outcomes, new) = crate::private::first_fresh(events, &fresh);
+    if !new.is_empty() {
+        handler
+            .handle_batch(&mut tx, crate::Batch::new(new))
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(outcomes)
+}
+
 /// Why [`assert_applied_once`] failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -236,6 +279,8 @@ pub enum Delivered {
     Fenced,
     /// Cancelled (the harness never cancels: not expected).
     Stopped,
+    /// The group or the topic is paused (`postal.pauses`): nothing was committed.
+    Paused,
 }
 
 impl Protocol {
@@ -305,6 +350,7 @@ impl Protocol {
             Step::Done => Delivered::Done,
             Step::Fenced => Delivered::Fenced,
             Step::Stop => Delivered::Stopped,
+            Step::Paused => Delivered::Paused,
         }
     }
 }

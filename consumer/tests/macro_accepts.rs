@@ -2,7 +2,8 @@
 //! `tests/ui/fail`, checked by `macro_ui.rs`).
 
 use postal_consumer::{
-    idempotent, Event, EventId, FromRef, Handler, HandlerError, IntoHandler, Outcome, Raw, State,
+    idempotent, Batch, BatchHandler, Event, EventId, FromRef, Handler, HandlerError,
+    IntoBatchHandler, IntoHandler, Outcome, Raw, State,
 };
 use serde::Deserialize;
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -142,4 +143,70 @@ fn stateful_handlers_bind_to_the_state() {
     // A stateless handler is routed to whatever the state is.
     let plain = IntoHandler::<App>::into_handler(on_order, &app);
     assert_eq!(Handler::name(&plain), "on_order");
+}
+
+// Batch handlers: the events of a batch as `Batch<T>` ...
+#[idempotent(consumer = "billing")]
+async fn on_orders(
+    tx: &mut Transaction<'_, Postgres>,
+    events: Batch<OrderCreated>,
+) -> Result<(), HandlerError> {
+    let ids: Vec<i64> = events.iter().map(|e| e.payload.order_id).collect();
+    sqlx::query("SELECT $1::bigint[]")
+        .bind(&ids)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+// ... or as a slice, with the state first if wanted.
+#[idempotent(consumer = "billing")]
+async fn on_invoices(
+    State(topics): State<Topics>,
+    conn: &mut PgConnection,
+    events: &[Event<Raw>],
+) -> Result<(), HandlerError> {
+    let _ = (topics.invoices, conn, events.len());
+    Ok(())
+}
+
+async fn standalone_batch(pool: sqlx::PgPool, topics: Topics) -> Result<(), HandlerError> {
+    let mut tx = pool.begin().await?;
+    let order = |id| {
+        Event::new(
+            EventId::new(),
+            "order.created",
+            OrderCreated { order_id: id },
+        )
+    };
+    let outcomes: Vec<Outcome> = on_orders::call(&mut tx, vec![order(1), order(2)]).await?;
+    let raw = Raw {
+        content_type: None,
+        bytes: Vec::new(),
+    };
+    let invoice = Event::new(EventId::new(), "invoice", raw);
+    let more: Vec<Outcome> = on_invoices::call(State(topics), &mut tx, vec![invoice]).await?;
+    tx.commit().await?;
+    let _ = (outcomes, more);
+    Ok(())
+}
+
+/// Guarantee: the batch forms compile (`Batch<T>` or `&[Event<T>]`, with or without state),
+/// implement `BatchHandler` (bound to the state when routed) and expose `call`.
+#[test]
+fn batch_signatures() {
+    assert_eq!(on_orders::CONSUMER, "billing");
+    assert_eq!(BatchHandler::name(&on_orders), "on_orders");
+    let app = App {
+        topics: Topics {
+            invoices: "invoices".into(),
+        },
+        greeting: "hello".into(),
+    };
+    let bound = on_invoices.into_batch_handler(&app);
+    assert_eq!(BatchHandler::consumer(&bound), "billing");
+    assert_eq!(BatchHandler::name(&bound), "on_invoices");
+    let plain = IntoBatchHandler::<App>::into_batch_handler(on_orders, &app);
+    assert_eq!(BatchHandler::name(&plain), "on_orders");
+    let _ = standalone_batch;
 }

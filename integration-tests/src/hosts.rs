@@ -61,7 +61,11 @@ impl TestHosts {
 
     /// Creates one namespace per name, each with one address on a shared bridge.
     pub fn create(names: &[&str]) -> TestHosts {
-        let id = std::process::id() % 10_000;
+        // Unique per set within the process too: tests running at once each have their own
+        // (the addresses may repeat: each set is a bridge of its own).
+        static SETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("{}{}", std::process::id() % 10_000, suffix(set));
         let subnet = 20 + std::process::id() % 200;
         let switch = format!("pn{id}-switch");
         must(&["netns", "add", &switch]);
@@ -180,6 +184,15 @@ impl TestHosts {
     }
 }
 
+/// The first set of a process has no suffix (its names as before), later ones `-1`, `-2`, …
+fn suffix(set: u32) -> String {
+    if set == 0 {
+        String::new()
+    } else {
+        format!("-{set}")
+    }
+}
+
 /// Moves the calling thread into network namespace `netns` (a name under `/var/run/netns`).
 pub fn enter_netns(netns: &str) {
     let path = format!("/var/run/netns/{netns}");
@@ -218,5 +231,57 @@ impl Drop for TestHosts {
         }
         // Deleting a namespace deletes its interfaces, the bridge and veth ends with it.
         let _ = ip(&["netns", "del", &self.switch]);
+    }
+}
+
+/// A TCP forwarder from 127.0.0.1 of the caller's network namespace into a test host: each
+/// connection accepted on [`Forwarder::port`] is relayed to `target` over a socket opened in
+/// the host's namespace, so that a client here talks to a server on the bridge as if it ran
+/// on that host, and [`TestHosts::cut`] of the host leaves the server facing silence. Stops
+/// (its connections dropped) when dropped.
+pub struct Forwarder {
+    /// The port on 127.0.0.1.
+    pub port: u16,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Forwarder {
+    /// Starts forwarding to `target` from host namespace `netns`.
+    pub async fn start(netns: &str, target: std::net::SocketAddr) -> Forwarder {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("forwarder listens");
+        let port = listener.local_addr().expect("its address").port();
+        let netns = netns.to_owned();
+        let accept = tokio::spawn(async move {
+            let mut relays = tokio::task::JoinSet::new();
+            while let Ok((mut client, _)) = listener.accept().await {
+                // A thread of its own enters the namespace (and ends there): the socket it
+                // opens stays in that namespace.
+                let ns = netns.clone();
+                let opened = std::thread::spawn(move || {
+                    enter_netns(&ns);
+                    let s = std::net::TcpStream::connect(target)?;
+                    s.set_nonblocking(true)?;
+                    Ok::<_, std::io::Error>(s)
+                })
+                .join()
+                .expect("connect thread");
+                let Ok(server) = opened.and_then(tokio::net::TcpStream::from_std) else {
+                    continue;
+                };
+                let mut server = server;
+                relays.spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                });
+            }
+        });
+        Forwarder { port, accept }
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        self.accept.abort();
     }
 }

@@ -7,9 +7,10 @@
 //! database ([`Services::fresh_db`]) and unique topic and group names ([`unique`]). Tests that
 //! kill or restart a server start a private one ([`private`]) in every mode.
 //!
-//! The package's binaries (`src/bin/`: `order_service`, `billing_service`, `invoice_recorder`,
-//! `report_worker`, `demo`, `roundtrip`) are the fixture services the process-level suites run;
-//! [`service`] holds their start-up helpers.
+//! The process-level suites run the demo's services (`order_service`, `billing_service`,
+//! `invoice_recorder`: package `postal-demo`, `demo/src/bin/`) and this package's own
+//! binaries (`src/bin/`: `report_worker`, the task worker, and `roundtrip`, a smoke check of
+//! the stack); [`service`] (re-exported from `postal-demo`) holds their start-up helpers.
 
 pub mod delay;
 pub mod hosts;
@@ -19,7 +20,7 @@ pub mod pgbouncer;
 pub mod private;
 pub mod rabbit;
 pub mod raw_produce;
-pub mod service;
+pub use postal_demo::service;
 pub mod wait;
 
 use std::sync::OnceLock;

@@ -50,6 +50,20 @@ pub fn binary(test: &str) -> Option<PathBuf> {
     None
 }
 
+/// Whether `addr:port` accepts a connection, tried from network namespace `netns` (on a
+/// thread of its own, which ends there).
+fn listening(netns: Option<&str>, addr: &str, port: u16) -> bool {
+    let (netns, addr) = (netns.map(str::to_owned), addr.to_owned());
+    std::thread::spawn(move || {
+        if let Some(ns) = &netns {
+            crate::hosts::enter_netns(ns);
+        }
+        std::net::TcpStream::connect((addr.as_str(), port)).is_ok()
+    })
+    .join()
+    .unwrap_or(false)
+}
+
 /// One running PgBouncer; stopped (SIGTERM, then SIGKILL) when dropped.
 pub struct PgBouncer {
     /// The port it listens on (loopback).
@@ -67,6 +81,21 @@ fn postgres_user() -> Option<(u32, u32)> {
     })
 }
 
+/// Where and how a [`PgBouncer`] runs besides its mode and pool ([`PgBouncer::start_with`]).
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// The network namespace (a test host, [`crate::hosts::TestHosts::netns`]) it runs in;
+    /// `None`: this one, on 127.0.0.1.
+    pub netns: Option<String>,
+    /// The address it listens on (default 127.0.0.1).
+    pub listen_addr: Option<String>,
+    /// The PostgreSQL server it connects to as `host=…` (a unix socket directory reaches a
+    /// server of another network namespace); default: `database_url`'s host.
+    pub server_host: Option<String>,
+    /// More `[pgbouncer]` settings, one `name = value` each.
+    pub settings: Vec<String>,
+}
+
 impl PgBouncer {
     /// Starts `bin` in `mode` with `pool_size` server connections per database and user, in
     /// front of the PostgreSQL of `database_url` (any database name passes through), with
@@ -79,31 +108,61 @@ impl PgBouncer {
         pool_size: u32,
         ignore: &[&str],
     ) -> PgBouncer {
+        PgBouncer::start_with(
+            bin,
+            database_url,
+            mode,
+            pool_size,
+            ignore,
+            Options::default(),
+        )
+    }
+
+    /// [`PgBouncer::start`] with [`Options`]: in a network namespace of a test host, on
+    /// another address, with more settings.
+    pub fn start_with(
+        bin: &Path,
+        database_url: &str,
+        mode: PoolMode,
+        pool_size: u32,
+        ignore: &[&str],
+        options: Options,
+    ) -> PgBouncer {
         let target: sqlx::postgres::PgConnectOptions =
             database_url.parse().expect("a PostgreSQL URL");
         let port = crate::free_port();
+        let listen = options
+            .listen_addr
+            .clone()
+            .unwrap_or_else(|| "127.0.0.1".into());
         let dir = std::env::temp_dir().join(format!("postal-pgbouncer-{}", crate::unique("t")));
         std::fs::create_dir_all(&dir).expect("pgbouncer folder");
         let mut ignored = vec!["extra_float_digits"];
         ignored.extend_from_slice(ignore);
-        let config = format!(
+        let mut config = format!(
             "[databases]\n* = host={host} port={pg_port}\n\
-             [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+             [pgbouncer]\nlisten_addr = {listen}\nlisten_port = {port}\nunix_socket_dir =\n\
              auth_type = trust\nauth_file = {dir}/userlist.txt\npool_mode = {mode}\n\
              default_pool_size = {pool_size}\nmax_client_conn = 1000\n\
              ignore_startup_parameters = {ignored}\nlogfile = {dir}/pgbouncer.log\n\
              admin_users = postgres\n",
-            host = target.get_host(),
+            host = options
+                .server_host
+                .clone()
+                .unwrap_or_else(|| target.get_host().to_owned()),
             pg_port = target.get_port(),
             dir = dir.display(),
             mode = mode.name(),
             ignored = ignored.join(","),
         );
+        for setting in &options.settings {
+            config.push_str(setting);
+            config.push('\n');
+        }
         std::fs::write(dir.join("pgbouncer.ini"), config).expect("pgbouncer.ini");
         std::fs::write(dir.join("userlist.txt"), "\"postgres\" \"\"\n").expect("userlist");
-        let mut command = Command::new(bin);
-        command.arg(dir.join("pgbouncer.ini"));
-        if nix::unistd::getuid().is_root() {
+        let root = nix::unistd::getuid().is_root();
+        if root {
             let (uid, gid) = postgres_user().expect("a postgres user to run PgBouncer as");
             for entry in [
                 dir.clone(),
@@ -112,9 +171,27 @@ impl PgBouncer {
             ] {
                 std::os::unix::fs::chown(&entry, Some(uid), Some(gid)).expect("chown");
             }
-            use std::os::unix::process::CommandExt as _;
-            command.uid(uid).gid(gid);
         }
+        let mut command = match &options.netns {
+            // `ip netns exec` needs root; PgBouncer then drops to `postgres` itself.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns])
+                    .arg(bin)
+                    .args(["-u", "postgres"]);
+                c
+            }
+            None => {
+                let mut c = Command::new(bin);
+                if root {
+                    let (uid, gid) = postgres_user().expect("a postgres user");
+                    use std::os::unix::process::CommandExt as _;
+                    c.uid(uid).gid(gid);
+                }
+                c
+            }
+        };
+        command.arg(dir.join("pgbouncer.ini"));
         let child = command
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -122,7 +199,7 @@ impl PgBouncer {
             .expect("start pgbouncer");
         let mut bouncer = PgBouncer { port, dir, child };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while !listening(options.netns.as_deref(), &listen, port) {
             if let Ok(Some(status)) = bouncer.child.try_wait() {
                 panic!("pgbouncer exited ({status}): {}", bouncer.log());
             }
@@ -141,6 +218,15 @@ impl PgBouncer {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// Sends `signal` (`STOP`: a pooler that hangs with every connection open; `CONT`).
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} pgbouncer");
+    }
+
     /// Its log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
@@ -149,6 +235,11 @@ impl PgBouncer {
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
+        // A frozen one (SIGSTOP) would not act on SIGTERM.
+        Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status()
+            .ok();
         Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()

@@ -197,6 +197,9 @@ pub(crate) type InFlight = futures::future::BoxFuture<'static, Result<(), Publis
 /// What [`drive`] needs from the relay.
 pub(crate) struct Driver<'a> {
     pub(crate) pool: &'a PgPool,
+    /// The relay's stall watchdog's clock: recording outcomes holds the permits the next
+    /// claims need.
+    pub(crate) waits: &'a crate::relay::ClaimClock,
     pub(crate) lease: Duration,
     pub(crate) keeping: Keeping,
     pub(crate) judge: &'a crate::outcome::Judge,
@@ -352,6 +355,9 @@ async fn record(
     deadline: tokio::time::Instant,
 ) {
     let verdict = d.judge.verdict(batch, outcomes);
+    let _waiting = d
+        .waits
+        .start("recording the outcomes of checked-out events");
     let mut wait = Duration::from_millis(100);
     loop {
         let result = tokio::time::timeout_at(

@@ -471,10 +471,21 @@ pub async fn claim(
     // relay-only drain's median was lower, within a wide spread (BENCHMARKS.md).
     let checked_at = std::time::Instant::now();
     let half = format!("{}ms", (lease / 2).as_millis().max(1));
-    let (owned, left_ms, _, xid): (Vec<i16>, Option<f64>, String, i64) = sqlx::query_as(concat!(
-        "WITH o AS (SELECT key_partition, lease_until FROM postal.relay_partitions
+    // The same statement reads the pauses in force for this relay's group
+    // (`postal.pauses`, `postal pause relay`): a pause committed before this statement began
+    // stops the claim, so that a claim whose transaction began after a pause committed takes
+    // nothing it pauses. (`postal pause` also waits for the claims that hold a partition lock
+    // of the group when it commits, so that it returns only once the batches claimed before
+    // it have finished: `crate::pause`.)
+    type Checked = (Vec<i16>, Option<f64>, String, i64, bool, Vec<String>);
+    let (owned, left_ms, _, xid, paused_all, paused_topics): Checked = sqlx::query_as(concat!(
+        "WITH o AS (SELECT key_partition, lease_until, relay_group FROM postal.relay_partitions
                 WHERE owner = $1 AND key_partition = ANY($2)
-                  AND lease_until > clock_timestamp() + make_interval(secs => $4))
+                  AND lease_until > clock_timestamp() + make_interval(secs => $4)),
+              p AS (SELECT topic FROM postal.pauses
+                    WHERE side = 'relay'
+                      AND (group_name IS NULL
+                           OR group_name = (SELECT relay_group FROM o LIMIT 1)))
          SELECT ARRAY(SELECT key_partition FROM o ORDER BY key_partition),
                 (extract(epoch FROM (SELECT min(lease_until) FROM o) - clock_timestamp())
                     * 1000)::float8,
@@ -482,7 +493,9 @@ pub async fn claim(
         plan_settings!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true),
            set_config('tcp_user_timeout', $3, true)),
-                pg_current_xact_id()::xid::text::int8"
+                pg_current_xact_id()::xid::text::int8,
+                EXISTS (SELECT 1 FROM p WHERE p.topic IS NULL),
+                ARRAY(SELECT p.topic FROM p WHERE p.topic IS NOT NULL ORDER BY p.topic)"
     ))
     .bind(relay)
     .bind(&locked)
@@ -490,10 +503,15 @@ pub async fn claim(
     .bind(reserve)
     .fetch_one(&mut *tx)
     .await?;
-    if owned.is_empty() {
-        tx.rollback().await?;
-        return Ok(None);
-    }
+    // A paused group claims nothing; paused topics leave the claim's topic filter. A key's
+    // scope is its topic and key, so leaving a whole topic out keeps every key's order.
+    let topics = match topics.without(paused_all, &paused_topics) {
+        Some(t) if !owned.is_empty() => t,
+        _ => {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    };
     // This claim's transaction id, registered before its claim statement locks a row: a
     // concurrent claim of this relay that meets one of those locks knows it for its own
     // (`skipped`). The relay's other claims: their transaction ids, and how many rows they
@@ -790,7 +808,7 @@ fn kept_view(kept: &[Kept]) -> Vec<(DateTime<Utc>, Option<&str>, Option<&str>)> 
 /// `occurred_at` and `created_at` are NULL when they lie outside the times the relay can carry
 /// (`infinity`, `-infinity`, or past the year 262,000: PostgreSQL stores them, chrono cannot
 /// hold them, and decoding one panicked inside sqlx, leaving the claim's locks behind:
-/// `review_hostile::`); `raw_times` then holds both as stored, and the claim parks the row
+/// `hostile_sizes::`); `raw_times` then holds both as stored, and the claim parks the row
 /// with its reason ([`park_rows_with_times_out_of_range`]).
 macro_rules! returned {
     () => {

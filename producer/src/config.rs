@@ -105,6 +105,38 @@ impl TopicFilter {
             TopicFilter::Except(t) => (None, Some(t)),
         }
     }
+
+    /// This filter less the paused topics (`paused_all`: every topic is paused), or `None`
+    /// when nothing is left to claim.
+    pub(crate) fn without(&self, paused_all: bool, paused: &[String]) -> Option<TopicFilter> {
+        if paused_all {
+            return None;
+        }
+        if paused.is_empty() {
+            return Some(self.clone());
+        }
+        match self {
+            TopicFilter::All => Some(TopicFilter::Except(paused.to_vec())),
+            TopicFilter::Only(t) => {
+                let left: Vec<String> = t.iter().filter(|t| !paused.contains(t)).cloned().collect();
+                (!left.is_empty()).then_some(TopicFilter::Only(left))
+            }
+            TopicFilter::Except(t) => {
+                let mut all = t.clone();
+                all.extend(paused.iter().filter(|p| !t.contains(p)).cloned());
+                Some(TopicFilter::Except(all))
+            }
+        }
+    }
+
+    /// Whether this filter lets `topic` through.
+    pub(crate) fn claims(&self, topic: &str) -> bool {
+        match self {
+            TopicFilter::All => true,
+            TopicFilter::Only(t) => t.iter().any(|t| t == topic),
+            TopicFilter::Except(t) => !t.iter().any(|t| t == topic),
+        }
+    }
 }
 
 impl Default for RelayConfig {
@@ -184,5 +216,36 @@ impl RelayConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TopicFilter;
+
+    /// Guarantee: a relay's topic filter less the paused topics lets through exactly the
+    /// topics it let through that are not paused, and nothing when every topic is paused or
+    /// every topic it claims is.
+    #[test]
+    fn a_filter_without_the_paused_topics_claims_exactly_the_rest() {
+        let p = |t: &[&str]| t.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let filters = [
+            TopicFilter::All,
+            TopicFilter::Only(p(&["a", "b"])),
+            TopicFilter::Except(p(&["c"])),
+        ];
+        for f in &filters {
+            assert_eq!(f.without(true, &[]), None);
+            assert_eq!(f.without(false, &[]).as_ref(), Some(f));
+            let left = f.without(false, &p(&["a", "x"])).expect("something left");
+            for t in ["a", "b", "c", "x", "y"] {
+                let want = f.claims(t) && t != "a" && t != "x";
+                assert_eq!(left.claims(t), want, "{f:?} less a, x: {t}");
+            }
+        }
+        assert_eq!(
+            TopicFilter::Only(p(&["a"])).without(false, &p(&["a"])),
+            None
+        );
     }
 }

@@ -72,7 +72,7 @@ pub async fn enqueue_once(conn: &mut PgConnection, event: NewEvent) -> Result<Ev
 /// [`write_in`] on the caller's connection, in whatever transaction the caller has open. It
 /// never begins or commits one of its own: a transaction the caller opened with plain SQL
 /// (`BEGIN`, then `SAVEPOINT`s) is not known to sqlx, and a `begin`/`commit` here would commit
-/// it (`review_order::an_enqueue_in_a_released_savepoint_keeps_its_key_locked_until_commit`).
+/// it (`claim_schedules::an_enqueue_in_a_released_savepoint_keeps_its_key_locked_until_commit`).
 /// Through a transaction pooler, call it inside a transaction (docs/operations.md#poolers).
 async fn write(
     conn: &mut PgConnection,

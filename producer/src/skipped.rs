@@ -34,9 +34,9 @@
 //! A row counts as one of this relay's claims' only when its `xmax` is that claim's transaction
 //! id *and* the row is one the claim took: a lock shared by several sessions shows a multixact
 //! id in `xmax`, from a counter of its own, which can equal a claim's transaction id
-//! (`review_locks2::a_multixact_equal_to_a_remembered_claims_xid_still_holds_the_key` makes the
+//! (`row_locks_relay::a_multixact_equal_to_a_remembered_claims_xid_still_holds_the_key` makes the
 //! counters meet on purpose). An *ended* claim holds no lock: a lock with its id counts as its
-//! own only if it ended after the judging claim registered (`review_locks3::`).
+//! own only if it ended after the judging claim registered (`row_locks_ended_claims::`).
 //!
 //! Known limit of the claim statement alone: the own claims' ids and rows (`$8`, `$9`) are read
 //! when a claim registers, so a claim that writes a row back untried (`HeldBack`) and commits
@@ -44,7 +44,7 @@
 //! multixact with its id on that row would then let the later claim take the key's next event.
 //! In the relay this cannot reach the destination: the failed batch's key stays in the key
 //! chain until its outcome is recorded, and the later batch holds the key's events back
-//! (`review_locks4::a_relay_holds_the_key_when_its_claim_passes_a_written_back_row_as_an_ended_claims`;
+//! (`row_locks_ended_mid_claim::a_relay_holds_the_key_when_its_claim_passes_a_written_back_row_as_an_ended_claims`;
 //! the statement-level schedule is the ignored test beside it).
 
 use std::collections::{HashMap, VecDeque};

@@ -101,6 +101,47 @@ pub fn config<'a>(
     Ok(build(bootstrap_servers, &properties))
 }
 
+/// The configuration of a producer that replays dead letters (`postal dead-letters replay`, the
+/// dashboard): [`config`], with `message.max.bytes` at [`REPLAY_MESSAGE_MAX_BYTES`] unless
+/// given. A replay sends a record back to the topic it was read from, which took it: the topic
+/// decides whether it still fits, not librdkafka's default of 1,000,000 bytes (below the
+/// broker's default record limit of 1,048,588, so a record near that limit, the kind whose
+/// `.dlq` copy is cut and whose dead letter is kept whole for replay, could not be replayed).
+pub fn replay_config<'a>(
+    bootstrap_servers: &str,
+    properties: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<ClientConfig, Error> {
+    let properties = producer_properties(properties);
+    check(&properties)?;
+    let mut cfg = build(bootstrap_servers, &properties);
+    if !properties.contains_key("message.max.bytes") {
+        cfg.set("message.max.bytes", REPLAY_MESSAGE_MAX_BYTES.to_string());
+    }
+    Ok(cfg)
+}
+
+/// A replay producer's `message.max.bytes` unless given: within a broker's default
+/// `socket.request.max.bytes` (104,857,600), far above any topic's usual record limit.
+pub const REPLAY_MESSAGE_MAX_BYTES: usize = 100_000_000;
+
+/// Whether a send failed because of the record itself (its size or form), so that sending it
+/// again as it is, to the same topic, can never succeed. A refusal for size of a record sent
+/// with others may be the record batch's: the broker checks a whole batch against the topic's
+/// `max.message.bytes`, and librdkafka packs records sent together into one batch (it does not
+/// split a refused batch as the Java client does). Send such a record again alone to know.
+pub fn refused_for_itself(e: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::error::RDKafkaErrorCode;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::MessageBatchTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidRecord
+        )
+    )
+}
+
 /// [`config`] without the check, to read the settings of properties checked before (the
 /// relay's `KafkaConfig::client_config`).
 pub fn config_unchecked<'a>(
@@ -329,6 +370,27 @@ mod tests {
         for pairs in accepted {
             producer(pairs).unwrap_or_else(|e| panic!("{pairs:?}: {e}"));
         }
+    }
+
+    /// Guarantee: a replay producer takes any record its topic takes (a record of
+    /// 1,040,000 bytes under the broker's default limit was refused by librdkafka's default
+    /// `message.max.bytes` of 1,000,000), keeps a `message.max.bytes` given, and is checked as
+    /// every Postal producer is.
+    #[test]
+    fn replay_producers_take_records_as_large_as_their_topic_does() {
+        let none = std::collections::BTreeMap::<String, String>::new();
+        let cfg = super::replay_config("b:9092", &none).unwrap();
+        assert_eq!(cfg.get("message.max.bytes"), Some("100000000"));
+        assert_eq!(cfg.get("acks"), Some("all"));
+        let given: std::collections::BTreeMap<String, String> =
+            [("message.max.bytes".to_owned(), "2000000".to_owned())].into();
+        let cfg = super::replay_config("b:9092", &given).unwrap();
+        assert_eq!(cfg.get("message.max.bytes"), Some("2000000"));
+        let refused: std::collections::BTreeMap<String, String> =
+            [("acks".to_owned(), "1".to_owned())].into();
+        assert!(super::replay_config("b:9092", &refused).is_err());
+        cfg.create::<rdkafka::producer::BaseProducer>()
+            .expect("a producer");
     }
 
     /// Guarantee: every Postal producer partitions with murmur2 (Java's partitioner), is

@@ -31,6 +31,7 @@ mod log_throttle;
 #[cfg(feature = "logging")]
 mod logging;
 mod migrate;
+pub mod pause;
 pub mod pooler;
 pub mod secret;
 mod setters;

@@ -21,7 +21,7 @@ use crate::{audit, dead_letters, parked, Error};
 type Pairs = Form<Vec<(String, String)>>;
 
 /// Refuses a POST without this dashboard's CSRF token, or with actions disabled.
-fn refused(state: &State, p: &[(String, String)]) -> Option<Response> {
+pub(super) fn refused(state: &State, p: &[(String, String)]) -> Option<Response> {
     if !state.actions {
         return Some((
             StatusCode::FORBIDDEN,

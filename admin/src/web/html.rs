@@ -68,6 +68,7 @@ pub fn page(base: &str, here: &str, title: &str, body: &str, live: bool, notice:
         ("/blocked", "Blocked keys"),
         ("/dead-letters", "Dead letters"),
         ("/lookup", "Dedup lookup"),
+        ("/pauses", "Pauses"),
         ("/audit", "Audit"),
     ] {
         let current = if path == here {

@@ -30,6 +30,7 @@ mod form;
 mod guard;
 mod html;
 mod pages;
+mod pauses;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -136,7 +137,7 @@ impl Dashboard {
 
     /// Kafka client settings (at least `bootstrap.servers`), for consumer lag on the overview
     /// and for replaying dead letters. Without them both are unavailable. Replays go through
-    /// a producer made as the relay's ([`postal_shared::kafka_producer::config`]: Java's
+    /// a producer made as the relay's ([`postal_shared::kafka_producer::replay_config`]: Java's
     /// partitioner, idempotent, `acks=all`) with these settings but the consumer-only ones; a
     /// setting that would break durability or per-key order makes the dashboard an error.
     pub fn kafka(mut self, config: rdkafka::ClientConfig) -> Self {
@@ -169,8 +170,9 @@ impl Dashboard {
         let producer = match &self.kafka {
             Some(c) => {
                 let bootstrap = c.get("bootstrap.servers").unwrap_or_default();
-                let config = postal_shared::kafka_producer::config(bootstrap, c.config_map())
-                    .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?;
+                let config =
+                    postal_shared::kafka_producer::replay_config(bootstrap, c.config_map())
+                        .map_err(|e| Error::Kafka(format!("Kafka settings: {e}")))?;
                 Some(client(&config)?)
             }
             None => None,
@@ -203,6 +205,7 @@ impl Dashboard {
             .route("/dead-letters/{id}", get(pages::dead_letter))
             .route("/lookup", get(pages::lookup))
             .route("/audit", get(pages::audit))
+            .route("/pauses", get(pauses::list))
             .route("/login", get(guard::login_form).post(guard::login))
             .route("/assets/style.css", get(assets::style))
             .route("/assets/app.js", get(assets::script))
@@ -212,6 +215,8 @@ impl Dashboard {
             .route("/blocked/release", post(actions::release))
             .route("/dead-letters/replay", post(actions::replay))
             .route("/dead-letters/resolve", post(actions::resolve))
+            .route("/pauses/pause", post(pauses::pause))
+            .route("/pauses/resume", post(pauses::resume))
             .layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 guard::guard,

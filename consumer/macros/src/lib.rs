@@ -100,6 +100,51 @@ fn event_payload(ty: &Type) -> Option<&Type> {
     single_argument(ty, "Event")
 }
 
+/// What the last parameter takes: one event, or the events of a batch.
+enum Input<'a> {
+    /// `Event<T>`.
+    Event(&'a Type),
+    /// `Batch<T>`.
+    Batch(&'a Type),
+    /// `&[Event<T>]`.
+    Slice(&'a Type),
+}
+
+impl<'a> Input<'a> {
+    fn payload(&self) -> &'a Type {
+        match self {
+            Input::Event(t) | Input::Batch(t) | Input::Slice(t) => t,
+        }
+    }
+}
+
+/// The last parameter's kind, or the error pointing at it.
+fn input(ty: &Type) -> syn::Result<Input<'_>> {
+    if let Some(t) = event_payload(ty) {
+        return Ok(Input::Event(t));
+    }
+    if let Some(t) = single_argument(ty, "Batch") {
+        return Ok(Input::Batch(t));
+    }
+    if let Type::Reference(r) = ty {
+        if let Type::Slice(slice) = &*r.elem {
+            if let Some(t) = event_payload(&slice.elem) {
+                if let Some(m) = r.mutability {
+                    return Err(Error::new(
+                        m.span(),
+                        "a batch handler takes its events as `&[Event<YourPayload>]` (not `&mut`) or `Batch<YourPayload>`",
+                    ));
+                }
+                return Ok(Input::Slice(t));
+            }
+        }
+    }
+    Err(Error::new(
+        ty.span(),
+        "the last parameter must be the event: `Event<YourPayload>`, or for a batch handler the events: `Batch<YourPayload>` or `&[Event<YourPayload>]`",
+    ))
+}
+
 /// `T` of a type written `<path>::Name<T>`.
 fn single_argument<'a>(ty: &'a Type, name: &str) -> Option<&'a Type> {
     let Type::Path(p) = ty else { return None };
@@ -184,7 +229,7 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
     if !(2..=3).contains(&inputs.len()) {
         return Err(Error::new(
             sig.paren_token.span.join(),
-            "expected the parameters `[State<YourState>,] tx: &mut Transaction<'_, Postgres>, event: Event<YourPayload>`",
+            "expected the parameters `[State<YourState>,] tx: &mut Transaction<'_, Postgres>, event: Event<YourPayload>` (or, for a batch handler, `events: Batch<YourPayload>` or `&[Event<YourPayload>]` last)",
         ));
     }
     let typed = |a: &FnArg| match a {
@@ -216,12 +261,8 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
             ))
         }
     }
-    let payload = event_payload(&ev_arg.ty).ok_or_else(|| {
-        Error::new(
-            ev_arg.ty.span(),
-            "the last parameter must be the event: `Event<YourPayload>`",
-        )
-    })?;
+    let input = input(&ev_arg.ty)?;
+    let payload = input.payload();
     match &sig.output {
         ReturnType::Default => {
             return Err(Error::new(
@@ -256,6 +297,27 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
         #[derive(Clone, Copy, Debug, Default)]
         #vis struct #name;
     };
+    if !matches!(input, Input::Event(_)) {
+        let pass = match input {
+            Input::Slice(_) => quote_spanned!(ev_ty_span=> events.events()),
+            _ => quote_spanned!(ev_ty_span=> events),
+        };
+        return Ok(expand_batch(BatchParts {
+            header,
+            name,
+            vis,
+            consumer,
+            krate: &krate,
+            payload,
+            state,
+            other_attrs: &other_attrs,
+            body_sig: &body_sig,
+            body_ident: &body_ident,
+            block,
+            tx_pass: &tx_pass,
+            pass,
+        }));
+    }
     let Some(state) = state else {
         return Ok(quote! {
             #header
@@ -363,6 +425,155 @@ fn expand(args: Args, func: ItemFn) -> syn::Result<proc_macro2::TokenStream> {
             }
         }
     })
+}
+
+/// What the expansion of a batch handler needs.
+struct BatchParts<'a> {
+    header: proc_macro2::TokenStream,
+    name: &'a syn::Ident,
+    vis: &'a syn::Visibility,
+    consumer: &'a LitStr,
+    krate: &'a proc_macro2::TokenStream,
+    payload: &'a Type,
+    state: Option<&'a Type>,
+    other_attrs: &'a [&'a syn::Attribute],
+    body_sig: &'a syn::Signature,
+    body_ident: &'a syn::Ident,
+    block: &'a syn::Block,
+    tx_pass: &'a proc_macro2::TokenStream,
+    /// How the `Batch` named `events` is passed to the body.
+    pass: proc_macro2::TokenStream,
+}
+
+/// A batch handler: `BatchHandler` (through `StatefulBatchHandler` and `IntoBatchHandler` when
+/// it takes a state) and a standalone `call` taking the events as a `Vec`.
+fn expand_batch(b: BatchParts<'_>) -> proc_macro2::TokenStream {
+    let BatchParts {
+        header,
+        name,
+        vis,
+        consumer,
+        krate,
+        payload,
+        state,
+        other_attrs,
+        body_sig,
+        body_ident,
+        block,
+        tx_pass,
+        pass,
+    } = b;
+    let p = quote!(#krate::__private);
+    let Some(state) = state else {
+        return quote! {
+            #header
+
+            impl #name {
+                /// The dedup scope of this handler (`processed_events.consumer_name`).
+                #vis const CONSUMER: &'static str = #consumer;
+
+                /// Runs the batch handler inside the caller's transaction, under a savepoint:
+                /// records the events' dedup rows with `ON CONFLICT DO NOTHING` and runs the
+                /// body once with the events whose rows were new (the first of a repeated id),
+                /// in the order given. Returns one `Outcome` per event given. On error the
+                /// savepoint is rolled back (dedup rows and effects together) and the caller's
+                /// transaction stays usable. The caller commits.
+                #[allow(dead_code)]
+                #vis async fn call<'c>(
+                    tx: &mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                    events: ::std::vec::Vec<#krate::Event<#payload>>,
+                ) -> ::core::result::Result<::std::vec::Vec<#krate::Outcome>, #krate::HandlerError> {
+                    #p::standalone_batch(&#name, tx, events).await
+                }
+
+                #(#other_attrs)*
+                #[doc(hidden)]
+                #body_sig #block
+            }
+
+            impl #krate::BatchHandler for #name {
+                type Payload = #payload;
+
+                fn consumer(&self) -> &str {
+                    Self::CONSUMER
+                }
+
+                fn name(&self) -> &str {
+                    ::core::stringify!(#name)
+                }
+
+                fn handle_batch<'a, 'c>(
+                    &'a self,
+                    tx: &'a mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                    events: #krate::Batch<#payload>,
+                ) -> #p::BoxFuture<'a, ::core::result::Result<(), #krate::HandlerError>> {
+                    ::std::boxed::Box::pin(async move { Self::#body_ident(#tx_pass, #pass).await })
+                }
+            }
+        };
+    };
+    let state_span = state.span();
+    let bound = quote_spanned!(state_span=> #state: #krate::FromRef<__PostalState>);
+    quote! {
+        #header
+
+        impl #name {
+            /// The dedup scope of this handler (`processed_events.consumer_name`).
+            #vis const CONSUMER: &'static str = #consumer;
+
+            /// Runs the batch handler with `state` inside the caller's transaction, under a
+            /// savepoint: records the events' dedup rows with `ON CONFLICT DO NOTHING` and runs
+            /// the body once with the events whose rows were new (the first of a repeated id),
+            /// in the order given. Returns one `Outcome` per event given. On error the
+            /// savepoint is rolled back (dedup rows and effects together) and the caller's
+            /// transaction stays usable. The caller commits.
+            #[allow(dead_code)]
+            #vis async fn call<'c>(
+                state: #krate::State<#state>,
+                tx: &mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                events: ::std::vec::Vec<#krate::Event<#payload>>,
+            ) -> ::core::result::Result<::std::vec::Vec<#krate::Outcome>, #krate::HandlerError> {
+                #p::standalone_batch(&#p::WithBatchState::<#name>::new(state.0), tx, events).await
+            }
+
+            #(#other_attrs)*
+            #[doc(hidden)]
+            #body_sig #block
+        }
+
+        impl #p::StatefulBatchHandler for #name {
+            type State = #state;
+            type Payload = #payload;
+            const CONSUMER: &'static str = #consumer;
+            const NAME: &'static str = ::core::stringify!(#name);
+
+            fn handle_batch<'a, 'c>(
+                state: &'a #state,
+                tx: &'a mut #p::sqlx::Transaction<'c, #p::sqlx::Postgres>,
+                events: #krate::Batch<#payload>,
+            ) -> #p::BoxFuture<'a, ::core::result::Result<(), #krate::HandlerError>> {
+                ::std::boxed::Box::pin(async move {
+                    Self::#body_ident(
+                        #krate::State(::core::clone::Clone::clone(state)),
+                        #tx_pass,
+                        #pass,
+                    )
+                    .await
+                })
+            }
+        }
+
+        impl<__PostalState> #krate::IntoBatchHandler<__PostalState> for #name
+        where
+            #bound,
+        {
+            type Handler = #p::WithBatchState<#name>;
+
+            fn into_batch_handler(self, state: &__PostalState) -> Self::Handler {
+                #p::WithBatchState::new(<#state as #krate::FromRef<__PostalState>>::from_ref(state))
+            }
+        }
+    }
 }
 
 /// Where `postal_consumer` is for the crate being compiled: `::postal_consumer` when it depends

@@ -40,6 +40,7 @@ impl Worker {
             Written::Offset => Step::Done,
             Written::Stop => Step::Stop,
             Written::Fenced => Step::Fenced,
+            Written::Paused => Step::Paused,
         }
     }
 
@@ -59,8 +60,8 @@ impl Worker {
     ) -> Written {
         let mut failures = 0u32;
         loop {
-            let result: Result<(bool, Written), sqlx::Error> = async {
-                let mut tx = self.shared.begin().await?;
+            let result: Result<(offsets::Advance, Written), sqlx::Error> = async {
+                let mut tx = self.shared.begin_for(&record.topic).await?;
                 let mut written = Written::Offset;
                 if let Some(d) = dead {
                     let fresh = match d.meta {
@@ -92,15 +93,16 @@ impl Worker {
                     record.offset + 1,
                 )
                 .await?;
-                if owned {
+                if owned == offsets::Advance::Advanced {
                     tx.commit().await?;
                 }
                 Ok((owned, written))
             }
             .await;
             match result {
-                Ok((true, written)) => return written,
-                Ok((false, _)) => {
+                Ok((offsets::Advance::Advanced, written)) => return written,
+                Ok((offsets::Advance::Paused, _)) => return Written::Paused,
+                Ok((offsets::Advance::Fenced, _)) => {
                     self.shared
                         .stats
                         .fenced(&self.shared.config.consumer, &record.topic, 1);
@@ -130,6 +132,8 @@ pub(super) enum Written {
     Stop,
     /// Nothing: another owner's claim bumped the epoch.
     Fenced,
+    /// Nothing: the group or topic is paused.
+    Paused,
 }
 
 /// What a dead letter says about its record.

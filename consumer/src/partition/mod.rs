@@ -12,7 +12,7 @@ mod process;
 mod stop;
 
 pub(crate) use dead::Dead;
-pub(crate) use process::{run_body, Attempt, BodyFailure};
+pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     pub assigned: AtomicUsize,
     /// The partitions' waiting clocks and the consumer's health ([`crate::stall`]).
     pub watch: crate::stall::Watch,
+    /// The group's pauses as last read ([`crate::pause`]).
+    pub pauses: crate::pause::Pauses,
 }
 
 impl Shared {
@@ -63,11 +65,20 @@ impl Shared {
         }
     }
 
-    /// Opens a processing transaction, with the session settings of `lost_connection_timeout`.
-    pub(crate) async fn begin(
+    /// Opens a processing transaction of `topic`, with the session settings of
+    /// `lost_connection_timeout`. Its `BEGIN` also takes the group's and the topic's pause locks, shared
+    /// ([`postal_shared::pause`]; no extra round trip), so that a pause waits for it and it
+    /// sees a pause that committed before.
+    pub(crate) async fn begin_for(
         &self,
+        topic: &str,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
-        postal_shared::cancel_safe::begin_with(&self.pool, self.config.begin_statement()).await
+        let statement = format!(
+            "{}; {}",
+            self.config.begin_statement(),
+            postal_shared::pause::consumer_lock_sql(&self.config.group, topic)
+        );
+        postal_shared::cancel_safe::begin_with(&self.pool, statement).await
     }
 }
 
@@ -102,6 +113,13 @@ impl Queued {
             || self.bytes.load(Ordering::Acquire) >= s.partition_bytes()
     }
 
+    /// Whether adding a record of `weight` bytes could make the buffer [`full`](Self::full):
+    /// only the runtime's loop adds, so the counts after adding are at most these.
+    fn would_fill(&self, s: &Shared, weight: usize) -> bool {
+        self.records.load(Ordering::Acquire) + 1 >= s.config.partition_buffer
+            || self.bytes.load(Ordering::Acquire) + weight >= s.partition_bytes()
+    }
+
     /// Down to half on both counts: fetching resumes.
     fn drained(&self, s: &Shared) -> bool {
         self.records.load(Ordering::Acquire) <= s.config.partition_buffer / 2
@@ -123,7 +141,12 @@ impl Inbox {
     /// Queues a record; pauses fetching from the partition when its buffer is full (by
     /// records or by bytes).
     pub fn push(&self, shared: &Shared, record: Record) {
-        let (topic, partition, weight) = (record.topic.clone(), record.partition, record.weight);
+        let weight = record.weight;
+        // Kept only if the buffer fills (the partition is then paused by name).
+        let tp = self
+            .queued
+            .would_fill(shared, weight)
+            .then(|| (record.topic.clone(), record.partition));
         // Counted before it is sent, so the worker never counts below zero.
         self.queued.add(1, weight);
         self.queued.waiting.arrived();
@@ -134,7 +157,7 @@ impl Inbox {
             shared.stats.buffered(-(weight as i64));
             return;
         }
-        if self.queued.full(shared) {
+        if let (true, Some((topic, partition))) = (self.queued.full(shared), tp) {
             // Decided under the lock on a fresh count: the worker resumes under the same lock
             // after draining, so a partition is never left paused with an empty buffer.
             let mut paused = self.paused.lock().expect("pause flag");
@@ -163,6 +186,8 @@ pub(crate) enum Step {
     Stop,
     /// Another owner's claim bumped the partition's epoch: this transaction rolled back.
     Fenced,
+    /// The group or the topic is paused: this transaction rolled back, nothing applied.
+    Paused,
 }
 
 /// How one ownership of a partition ended.
@@ -172,6 +197,9 @@ enum Owned {
     /// Fenced by another claim while still assigned here; the lowest offset this ownership
     /// received while the stored offset was NULL (nothing committed yet), if any.
     Fenced(Option<i64>),
+    /// Held while its topic was paused, and resumed: take it over again from the stored
+    /// offset (the same lowest offset as `Fenced`).
+    Resumed(Option<i64>),
 }
 
 pub(crate) struct Worker {
@@ -215,6 +243,20 @@ impl Worker {
         loop {
             match self.own(floor).await {
                 Owned::Ended => return,
+                Owned::Resumed(seen) => {
+                    floor = match (floor, seen) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    // Dropped while held: read again after the seek to the stored offset.
+                    let (mut dropped, mut bytes) = (0, 0);
+                    while let Ok(r) = self.rx.try_recv() {
+                        dropped += 1;
+                        bytes += r.weight;
+                        floor = Some(floor.map_or(r.offset, |f| f.min(r.offset)));
+                    }
+                    self.dequeued(dropped, bytes);
+                }
                 Owned::Fenced(seen) => {
                     floor = match (floor, seen) {
                         (Some(a), Some(b)) => Some(a.min(b)),

@@ -202,6 +202,9 @@ impl Worker {
             let Some(last) = records.last().map(|r| r.offset) else {
                 continue;
             };
+            if self.shared.pauses.covers(&self.topic) {
+                return self.held(lowest, records, false).await;
+            }
             let permit = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Owned::Ended,
@@ -214,6 +217,7 @@ impl Worker {
             };
             drop(permit);
             match step {
+                Step::Paused => return self.held(lowest, Vec::new(), true).await,
                 Step::Done => {
                     next = Some(last + 1);
                     self.queued.waiting.advanced();
@@ -358,6 +362,76 @@ impl Worker {
             tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "seek to the stored offset failed");
         }
         Some(false)
+    }
+
+    /// The partition's topic (or group) is paused: stops fetching from it, drops what was
+    /// fetched (`taken`, and what arrives), and waits until it is resumed. `found`: a
+    /// transaction found the pause before this runtime's view of the pauses did; the view is
+    /// read once more before it counts. Then the partition is taken over again from the stored
+    /// offset ([`Owned::Resumed`]); nothing of it was applied meanwhile.
+    pub(super) async fn held(
+        &mut self,
+        lowest: Option<i64>,
+        taken: Vec<crate::record::Record>,
+        found: bool,
+    ) -> Owned {
+        // Dequeued already (and counted in `lowest`): read again after the resume.
+        drop(taken);
+        {
+            let mut paused = self.paused.lock().expect("pause flag");
+            match self
+                .shared
+                .consumer
+                .pause(&tpl(&self.topic, self.partition))
+            {
+                Ok(()) => *paused = true,
+                Err(e) => {
+                    tracing::debug!(error = %e, topic = %self.topic, partition = self.partition, "pausing the partition at the broker failed; its records are dropped as they come")
+                }
+            }
+        }
+        tracing::debug!(group = %self.shared.config.group, topic = %self.topic, partition = self.partition, "partition held: its topic is paused");
+        // Counted while it waits here (`StatsSnapshot::partitions_paused`), whichever way the
+        // wait ends.
+        struct Held<'a>(&'a crate::stats::Stats);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.held(false);
+            }
+        }
+        self.shared.stats.held(true);
+        let stats = self.shared.stats.clone();
+        let _held = Held(&stats);
+        let mut view = self.shared.pauses.subscribe();
+        if found {
+            view.mark_unchanged();
+        } else {
+            view.mark_changed();
+        }
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return Owned::Ended,
+                r = self.rx.recv() => match r {
+                    Some(r) => {
+                        self.queued.sub(1, r.weight);
+                        self.shared.stats.buffered(-(r.weight as i64));
+                    }
+                    None => return Owned::Ended,
+                },
+                changed = view.changed() => {
+                    if changed.is_err() {
+                        return Owned::Ended;
+                    }
+                    if !view.borrow_and_update().covers(&self.topic) {
+                        break;
+                    }
+                }
+            }
+        }
+        // Records waiting from now on: the wait while paused was no stall.
+        self.queued.waiting.advanced();
+        Owned::Resumed(lowest)
     }
 
     /// Resumes fetching from the partition (it may have been paused when its buffer filled).

@@ -70,6 +70,7 @@ impl Worker {
                     }
                     return Step::Done;
                 }
+                Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
                     tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
@@ -125,7 +126,11 @@ impl Worker {
         meta: &Meta,
         route: &dyn Route,
     ) -> Result<bool, Attempt> {
-        let mut tx = self.shared.begin().await.map_err(Attempt::db)?;
+        let mut tx = self
+            .shared
+            .begin_for(&record.topic)
+            .await
+            .map_err(Attempt::db)?;
         let fresh = crate::dedup::record(&mut tx, route.consumer(), meta.id)
             .await
             .map_err(|e| match e {
@@ -151,8 +156,10 @@ impl Worker {
         )
         .await
         .map_err(Attempt::db)?;
-        if !owned {
-            return Err(Attempt::Fenced);
+        match owned {
+            offsets::Advance::Advanced => {}
+            offsets::Advance::Fenced => return Err(Attempt::Fenced),
+            offsets::Advance::Paused => return Err(Attempt::Paused),
         }
         tx.commit().await.map_err(Attempt::db)?;
         Ok(fresh)
@@ -163,6 +170,7 @@ impl Worker {
         let step = match self.write_with_retry(own, record, None).await {
             Written::Stop => Step::Stop,
             Written::Fenced => Step::Fenced,
+            Written::Paused => Step::Paused,
             _ => Step::Done,
         };
         if matches!(step, Step::Done) {
@@ -177,6 +185,8 @@ impl Worker {
 /// How one attempt failed.
 pub(crate) enum Attempt {
     Fenced,
+    /// The group or topic is paused: rolled back, nothing applied.
+    Paused,
     Unavailable(String),
     Retryable(String),
     Permanent(Reason, String),
@@ -215,16 +225,35 @@ pub(crate) async fn run_body(
     record: &Record,
     meta: &Meta,
 ) -> Result<(), BodyFailure> {
+    let caught = AssertUnwindSafe(route.call(tx, record, meta))
+        .catch_unwind()
+        .await;
+    body_outcome(route, caught)
+}
+
+/// Runs a batch handler's body once for `items`, as [`run_body`] does for one record.
+pub(crate) async fn run_batch_body(
+    route: &dyn crate::route::Route,
+    tx: &mut Transaction<'_, Postgres>,
+    items: &[(&Record, &Meta)],
+) -> Result<(), BodyFailure> {
+    let caught = AssertUnwindSafe(route.call_batch(tx, items))
+        .catch_unwind()
+        .await;
+    body_outcome(route, caught)
+}
+
+fn body_outcome(
+    route: &dyn crate::route::Route,
+    caught: Result<Result<(), Failure>, Box<dyn std::any::Any + Send>>,
+) -> Result<(), BodyFailure> {
     // Handler errors and panic messages may quote the record (a payload's string in a decode
     // error): bounded and escaped before they are logged or stored.
     let bounded = |e: &dyn std::fmt::Display| {
         postal_shared::text::bounded(&e.to_string(), postal_shared::text::MAX_ERROR_BYTES)
             .into_owned()
     };
-    match AssertUnwindSafe(route.call(tx, record, meta))
-        .catch_unwind()
-        .await
-    {
+    match caught {
         Ok(Ok(())) => Ok(()),
         Ok(Err(Failure::Undecodable(e))) => {
             Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))

@@ -9,8 +9,8 @@
 //! outbox is drained with nothing parked or held, and nothing was dead-lettered.
 //!
 //! The binaries are found next to the test binary (`target/<profile>/`) or in
-//! `POSTAL_BIN_DIR`: the services are this package's own (`src/bin/`, built with the suite),
-//! `postal` is built by `scripts/test.sh` first (`cargo build -p postal-cli`). Knobs: `POSTAL_CHAOS_ORDERS` (default 20,000), `POSTAL_CHAOS_KILLS`
+//! `POSTAL_BIN_DIR`: the services are the demo's (package `postal-demo`, `demo/src/bin/`),
+//! built with `postal` by `scripts/test.sh` first (`cargo build -p postal-cli -p postal-demo`). Knobs: `POSTAL_CHAOS_ORDERS` (default 20,000), `POSTAL_CHAOS_KILLS`
 //! (kills of each of relay, billing and invoices; default 12), `POSTAL_CHAOS_RATE` (orders/s,
 //! default 120, so orders keep flowing while the kills go on), `POSTAL_CHAOS_SEED` (replays a
 //! kill schedule), `POSTAL_CHAOS_SOAK=1` (soak mode: 200,000 orders and 60 kills each unless

@@ -12,8 +12,8 @@
 //!
 //! `..._short` (12,000 orders at 60/s) runs in `scripts/test.sh`'s fault step, after the suite; the full
 //! run (20,000 orders) is ignored by default: `cargo test -p postal-integration-tests --test
-//! suite -- --ignored --nocapture cluster::` after `cargo build -p postal-cli` (the
-//! services are this package's binaries, built with the suite). `POSTAL_CLUSTER_ORDERS` (default 20,000) and `POSTAL_CLUSTER_RATE`
+//! suite -- --ignored --nocapture cluster::` after `cargo build -p postal-cli -p postal-demo`
+//! (the services are the demo's, `demo/src/bin/`). `POSTAL_CLUSTER_ORDERS` (default 20,000) and `POSTAL_CLUSTER_RATE`
 //! (orders/s, default 150) tune it.
 
 use std::time::{Duration, Instant};

@@ -74,7 +74,8 @@ async fn consumed(pool: &PgPool, group: &str, topic: &str) -> i64 {
 /// Guarantee: the examples do what their headers say. `enqueue` commits N orders, each with
 /// its event; `relay` publishes them; `consumer_with_state` books exactly one invoice per order
 /// although two instances in different Kafka groups each receive every order; the
-/// `throughput_consumer`'s totals count each order once; `chain` records one shipment per
+/// `throughput_consumer`'s totals count each order once; `batch_consumer`'s batch handler
+/// writes one ledger row per order; `chain` records one shipment per
 /// order and enqueues one follow-up each, which the relay publishes with ids derived from the
 /// orders'. Each long-running example stops on SIGTERM with exit status 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,6 +85,7 @@ async fn examples_apply_each_order_once_and_stop_cleanly() {
         "relay",
         "consumer_with_state",
         "throughput_consumer",
+        "batch_consumer",
         "chain",
     ]);
     let svc = services().await;
@@ -122,6 +124,7 @@ async fn examples_apply_each_order_once_and_stop_cleanly() {
         unique("billing-b"),
         unique("totals"),
         unique("shipping"),
+        unique("ledger"),
     ];
     let process = |name: &str, program: &str, group: Option<&String>| {
         let mut p = Proc::new(&dir, &logs, name, program, &[]).env(&env);
@@ -135,6 +138,7 @@ async fn examples_apply_each_order_once_and_stop_cleanly() {
         process("billing-a", "consumer_with_state", Some(&groups[0])),
         process("totals", "throughput_consumer", Some(&groups[2])),
         process("chain", "chain", Some(&groups[3])),
+        process("ledger", "batch_consumer", Some(&groups[4])),
     ];
     for p in &mut procs {
         p.start();
@@ -197,6 +201,12 @@ async fn examples_apply_each_order_once_and_stop_cleanly() {
     .await
     .unwrap();
     assert_eq!((totals, cents), (n, 0), "the totals count each order once");
+    let ledger: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT event_id FROM order_ledger")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger.len() as i64, n, "one ledger row per order");
+    assert_eq!(ledger.into_iter().collect::<BTreeSet<_>>(), order_events);
     let shipped = count(
         &db.pool,
         "SELECT count(DISTINCT order_event_id) FROM shipments",

@@ -161,3 +161,59 @@ pub async fn apply_value(
         .await?;
     Ok(())
 }
+
+/// [`apply`] as a batch handler: writes the batch's `effects` rows in one statement (in the
+/// batch's order), then fails as the first event that asks for a failure does (`permanent`,
+/// `retry` while its runs are at most `retries`, `panic`, `swallow`). Each call counts a run
+/// for every event in it.
+#[idempotent(consumer = "effects")]
+pub async fn apply_batch(
+    State(probe): State<Probe>,
+    tx: &mut Transaction<'_, Postgres>,
+    events: &[Event<Job>],
+) -> Result<(), HandlerError> {
+    let runs: Vec<u32> = {
+        let mut a = probe.0.attempts.lock().unwrap();
+        events
+            .iter()
+            .map(|e| {
+                let c = a.entry(e.id.as_uuid()).or_default();
+                *c += 1;
+                *c
+            })
+            .collect()
+    };
+    let ids: Vec<Uuid> = events.iter().map(|e| e.id.as_uuid()).collect();
+    let ns: Vec<i64> = events.iter().map(|e| e.payload.n).collect();
+    sqlx::query(
+        "INSERT INTO effects (event_id, n, consumer)
+         SELECT id, n, $3 FROM unnest($1::uuid[], $2::bigint[]) WITH ORDINALITY AS t(id, n, i)
+         ORDER BY i",
+    )
+    .bind(&ids)
+    .bind(&ns)
+    .bind(CONSUMER)
+    .execute(&mut **tx)
+    .await?;
+    for (e, run) in events.iter().zip(runs) {
+        let id = e.id;
+        match e.payload.fail.as_deref() {
+            Some("permanent") => {
+                return Err(HandlerError::permanent(format!(
+                    "event {id} rejected by a business rule"
+                )))
+            }
+            Some("retry") if run <= e.payload.retries => {
+                return Err(HandlerError::retryable(format!(
+                    "flaky dependency for event {id} (run {run})"
+                )))
+            }
+            Some("panic") => panic!("handler bug for event {id}"),
+            Some("swallow") => {
+                let _ = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}

@@ -636,7 +636,7 @@ async fn a_consumer_process_stays_small_on_records_with_huge_header_counts() {
     let program = crate::procs::bin_dir().join("billing_service");
     assert!(
         program.is_file(),
-        "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-integration-tests --bins)",
+        "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins)",
         program.display()
     );
     let child = postal_integration_tests::KillOnDrop(

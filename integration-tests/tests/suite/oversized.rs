@@ -309,7 +309,7 @@ async fn oversized_dead_letters_do_not_block_later_ones() {
 }
 
 /// Writes `records` (each up to about 1 MiB) to `topic`, with a producer that takes them.
-async fn produce_large(bootstrap: &str, topic: &str, records: &[RawRecord]) {
+pub(crate) async fn produce_large(bootstrap: &str, topic: &str, records: &[RawRecord]) {
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = rdkafka::ClientConfig::new()

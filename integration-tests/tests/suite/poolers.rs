@@ -431,9 +431,10 @@ async fn a_session_pool_smaller_than_the_relays_shows_within_a_minute() {
         Duration::from_secs(60),
         "the stall in postal status",
         || async {
-            status()
-                .lines()
-                .any(|l| l.trim_start().starts_with("STALLED: a claim"))
+            status().lines().any(|l| {
+                let l = l.trim_start();
+                l.starts_with("STALLED: ") && l.contains(" has waited")
+            })
         },
     )
     .await;
@@ -441,5 +442,131 @@ async fn a_session_pool_smaller_than_the_relays_shows_within_a_minute() {
     // Killed: a stalled relay's graceful stop waits for its claims (up to twice
     // POSTAL_SHUTDOWN_TIMEOUT).
     relay.kill();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The value of the unlabelled metric `name` on `port`'s `/metrics` (0 when absent).
+fn gauge(port: u16, name: &str) -> f64 {
+    crate::procs::http_get(port, "/metrics")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+/// Guarantee (alert `PostalRelayClaimsWaiting`): a relay publishing a steady flow through a
+/// session-mode PgBouncer that freezes (SIGSTOP: every connection stays open, nothing
+/// answers) shows it within a minute of the freeze — one "relay stalled" line,
+/// `postal_relay_claim_waiting_seconds` at 30 s or more and `/readyz` 503 — whatever its claim
+/// path was waiting on when the pooler froze (a claim, or the commit recording a published
+/// batch, which holds the slot the next claim needs); and once the pooler runs again the
+/// relay says it resumes, the gauge falls to 0 and every event is published. (Before: the
+/// gauge stayed 0 and no line was logged, because the waits were in the batches' commits
+/// and the lanes waited for slots, not in a claim: the pooler soak's frozen cycle.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_pooler_shows_as_a_relay_stall_within_a_minute() {
+    let Some(bin) = pgbouncer::binary("poolers::a_frozen_pooler_shows_as_a_relay_stall") else {
+        return;
+    };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = postal_integration_tests::unique("frozen");
+    let bouncer = PgBouncer::start(&bin, &svc.database_url, PoolMode::Session, 20, &[]);
+    let dir = tempdir();
+    let mut relay = crate::procs::Proc::new(&bin_dir(), &dir, "relay", "postal", &["relay"])
+        .env(&[
+            ("DATABASE_URL", bouncer.url(&db.name)),
+            ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+            ("RUST_LOG", "info,rdkafka=warn".into()),
+        ])
+        .with_metrics();
+    relay.start();
+    let port = relay.metrics_port().unwrap();
+    // A steady flow, written straight to PostgreSQL (not through the pooler).
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let writer = {
+        let (pool, topic, writing) = (db.pool.clone(), topic.clone(), writing.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while writing.load(std::sync::atomic::Ordering::SeqCst) {
+                let events = (0..20)
+                    .map(|i| {
+                        NewEvent::json(topic.as_str(), format!("k{}", (n + i) % 64), "e", &(n + i))
+                            .unwrap()
+                    })
+                    .collect();
+                let mut conn = pool.acquire().await.unwrap();
+                enqueue_batch(&mut conn, events).await.unwrap();
+                drop(conn);
+                n += 20;
+                tokio::time::sleep(Duration::from_millis(20)).await; // the flow's pace
+            }
+            n
+        })
+    };
+    let published = || gauge(port, "postal_relay_published_total");
+    wait::until(Duration::from_secs(60), "the relay publishing", || async {
+        published() >= 200.0
+    })
+    .await;
+    bouncer.signal("STOP");
+    let frozen = Instant::now();
+    let stall = postal_producer::STALL_AFTER.as_secs_f64();
+    let mut seen = Vec::new();
+    let shown = loop {
+        relay.assert_alive();
+        let waiting = gauge(port, "postal_relay_claim_waiting_seconds");
+        let not_ready = crate::procs::http_get(port, "/readyz")
+            .unwrap_or_default()
+            .lines()
+            .next()
+            .is_some_and(|l| l.contains(" 503"));
+        let line = relay.logged("relay stalled");
+        if seen.last().map(|s: &(u64, f64, bool, bool)| s.1) != Some(waiting) {
+            seen.push((frozen.elapsed().as_secs(), waiting, not_ready, line));
+        }
+        if waiting >= stall && not_ready && line {
+            break true;
+        }
+        if frozen.elapsed() > Duration::from_secs(60) {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    bouncer.signal("CONT");
+    assert!(
+        shown,
+        "within a minute of the freeze: the gauge at {stall}s or more, /readyz 503 and a 'relay stalled' line; seen (s, gauge, 503, line): {seen:?}"
+    );
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("relay stalled"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line: {log}");
+    assert!(
+        lines[0].contains(" has waited "),
+        "says what waits: {}",
+        lines[0]
+    );
+    eprintln!(
+        "shown {:.1}s after the freeze: {}",
+        frozen.elapsed().as_secs_f64(),
+        lines[0]
+    );
+    writing.store(false, std::sync::atomic::Ordering::SeqCst);
+    let written = writer.await.unwrap();
+    wait::until(
+        Duration::from_secs(120),
+        "every event published, the gauge at 0 and 'relay resumes' logged",
+        || async {
+            published() >= written as f64
+                && gauge(port, "postal_relay_claim_waiting_seconds") == 0.0
+                && relay.logged("relay resumes")
+        },
+    )
+    .await;
+    relay.stop();
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -18,9 +18,10 @@ pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Directory holding `postal` (`postal-cli`) and this package's fixture services
-/// (`order_service`, `billing_service`, `invoice_recorder`, `report_worker`, … from `src/bin/`):
-/// `target/<profile>/`, where cargo puts both, or `POSTAL_BIN_DIR`.
+/// Directory holding `postal` (`postal-cli`), the demo's services (`order_service`,
+/// `billing_service`, `invoice_recorder`, `demo` from `postal-demo`) and this package's
+/// fixtures (`report_worker`, `roundtrip` from `src/bin/`):
+/// `target/<profile>/`, where cargo puts them all, or `POSTAL_BIN_DIR`.
 pub(crate) fn bin_dir() -> PathBuf {
     if let Ok(d) = std::env::var("POSTAL_BIN_DIR") {
         return PathBuf::from(d);
@@ -62,7 +63,7 @@ impl Proc {
         let program = dir.join(program);
         assert!(
             program.is_file(),
-            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-integration-tests --bins)",
+            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins)",
             program.display()
         );
         Proc {

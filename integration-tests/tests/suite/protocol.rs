@@ -80,6 +80,31 @@ fn record(
     }
 }
 
+/// A protocol driver whose `job` handler is the batch handler [`handlers::apply_batch`].
+fn protocol_batch(
+    pool: &PgPool,
+    topic: &str,
+    group: &str,
+    probe: handlers::Probe,
+) -> (Consumer, Protocol) {
+    let consumer = Consumer::builder(pool.clone(), config(group))
+        .state(probe)
+        .on_batch(topic, "job", handlers::apply_batch)
+        .build()
+        .expect("consumer");
+    let protocol = consumer.protocol();
+    (consumer, protocol)
+}
+
+/// The `effects` rows of `ids`, in the order they were written.
+async fn effects_in_order(pool: &PgPool, ids: &[Uuid]) -> Vec<Uuid> {
+    sqlx::query_scalar("SELECT event_id FROM effects WHERE event_id = ANY($1) ORDER BY id")
+        .bind(ids)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 /// A record without an event id (dead-lettered as `missing_event_id`).
 fn junk(topic: &str, partition: i32, offset: i64) -> TestRecord {
     TestRecord {
@@ -219,6 +244,152 @@ async fn a_handler_that_swallows_a_database_error_is_dead_lettered_in_throughput
     assert_eq!(probe.attempts(bad), MAX_ATTEMPTS + 1);
 }
 
+/// Guarantee: a batch handler gets a partition batch's new events in one call, in partition
+/// order, each event id once: a batch holding A, B, A again, C and B again applies A, B and C
+/// once each, in that order, in one call; delivered again (a restart before the Kafka commit),
+/// nothing is applied.
+#[tokio::test]
+async fn a_batch_handler_applies_each_event_of_a_batch_once_in_order() {
+    let db = fresh_postgres_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("proto");
+    let probe = handlers::Probe::default();
+    let (_c, p) = protocol_batch(&db.pool, &topic, &unique("g"), probe.clone());
+    let (a, b, c) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let log = [a, b, a, c, b];
+    let records: Vec<TestRecord> = log
+        .iter()
+        .enumerate()
+        .map(|(o, id)| record(&topic, 0, o as i64, *id, "k", json!({"n": o})))
+        .collect();
+    let own = p.claim(&topic, 0).await.unwrap();
+    assert_eq!(p.deliver(&own, records.clone()).await, Delivered::Done);
+    assert_eq!(effects_in_order(&db.pool, &[a, b, c]).await, vec![a, b, c]);
+    for id in [a, b, c] {
+        assert_eq!(probe.attempts(id), 1, "one call for the whole batch");
+    }
+    // Delivered again by a new owner from offset 0: every record is a duplicate.
+    let own = p.claim(&topic, 0).await.unwrap();
+    assert_eq!(p.deliver(&own, records).await, Delivered::Done);
+    assert_eq!(effects_in_order(&db.pool, &[a, b, c]).await, vec![a, b, c]);
+    assert_eq!(probe.attempts(a), 1, "duplicates do not reach the handler");
+}
+
+/// Guarantee: a failing event in the middle of a batch is isolated without applying any other
+/// event twice — a permanent failure, a panic, a handler that swallows a database error, a
+/// payload that does not decode and a retryable failure that never ends are each dead-lettered
+/// alone (the last after `max_attempts` transactions), every other event is applied once and
+/// in partition order.
+#[tokio::test]
+async fn a_failing_event_in_the_middle_of_a_batch_is_dead_lettered_alone() {
+    let db = fresh_postgres_db().await;
+    effects_table(&db.pool).await;
+    for failure in ["permanent", "panic", "swallow", "undecodable", "retry"] {
+        let topic = unique("proto");
+        let probe = handlers::Probe::default();
+        let (_c, p) = protocol_batch(&db.pool, &topic, &unique("g"), probe.clone());
+        let ids: Vec<Uuid> = (0..9).map(|_| Uuid::now_v7()).collect();
+        let bad = 5;
+        let records: Vec<TestRecord> = ids
+            .iter()
+            .enumerate()
+            .map(|(o, id)| {
+                let payload = if o != bad {
+                    json!({"n": o})
+                } else if failure == "undecodable" {
+                    json!({"n": "not a number"})
+                } else {
+                    json!({"n": o, "fail": failure, "retries": 1_000_000})
+                };
+                record(&topic, 0, o as i64, *id, "k", payload)
+            })
+            .collect();
+        let own = p.claim(&topic, 0).await.unwrap();
+        let done = tokio::time::timeout(Duration::from_secs(60), p.deliver(&own, records))
+            .await
+            .expect("the batch finishes");
+        assert_eq!(done, Delivered::Done, "{failure}");
+        let good: Vec<Uuid> = ids
+            .iter()
+            .enumerate()
+            .filter(|(o, _)| *o != bad)
+            .map(|(_, id)| *id)
+            .collect();
+        assert_eq!(
+            effects_in_order(&db.pool, &ids).await,
+            good,
+            "{failure}: every other event once, in order; the culprit not at all"
+        );
+        assert_eq!(
+            dead_lettered(&db.pool, &topic).await,
+            vec![(bad as i64, Some(ids[bad]))],
+            "{failure}: the culprit is the one dead letter"
+        );
+        let reason: String =
+            sqlx::query_scalar("SELECT reason FROM postal.dead_letters WHERE topic = $1")
+                .bind(&topic)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        let expected = match failure {
+            "swallow" | "retry" => "retries_exhausted",
+            other => other,
+        };
+        assert_eq!(reason, expected, "{failure}");
+    }
+}
+
+/// Guarantee: `testing::deliver_batch` runs a batch handler as the runtime does — one call with
+/// the new events (a repeated id once), dedup rows and effects committed together — and a
+/// second delivery of the same events is all duplicates; a failing batch commits nothing.
+#[tokio::test]
+async fn deliver_batch_applies_new_events_once() {
+    use postal_consumer::testing::deliver_batch;
+    use postal_consumer::{Event, EventId, IntoBatchHandler, Outcome};
+    let db = fresh_postgres_db().await;
+    effects_table(&db.pool).await;
+    let probe = handlers::Probe::default();
+    let handler = handlers::apply_batch.into_batch_handler(&probe);
+    let job = |n: i64, fail: Option<&str>| handlers::Job {
+        n,
+        fail: fail.map(str::to_owned),
+        retries: 0,
+        next: None,
+    };
+    let (a, b) = (EventId::new(), EventId::new());
+    let events = || {
+        vec![
+            Event::new(a, "job", job(1, None)),
+            Event::new(b, "job", job(2, None)),
+            Event::new(a, "job", job(1, None)),
+        ]
+    };
+    use Outcome::{Applied, Duplicate};
+    let first = deliver_batch(&db.pool, &handler, events()).await.unwrap();
+    assert_eq!(first, [Applied, Applied, Duplicate]);
+    let again = deliver_batch(&db.pool, &handler, events()).await.unwrap();
+    assert_eq!(again, [Duplicate, Duplicate, Duplicate]);
+    let ids = [a.as_uuid(), b.as_uuid()];
+    assert_eq!(effects_in_order(&db.pool, &ids).await, ids.to_vec());
+    let c = EventId::new();
+    let failing = vec![
+        Event::new(c, "job", job(3, None)),
+        Event::new(EventId::new(), "job", job(4, Some("permanent"))),
+    ];
+    assert!(deliver_batch(&db.pool, &handler, failing).await.is_err());
+    let kept: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.processed_events WHERE event_id = $1")
+            .bind(c.as_uuid())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (applied(&db.pool, c.as_uuid()).await, kept),
+        (0, 0),
+        "nothing of a failed batch commits"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The randomized protocol test.
 
@@ -278,6 +449,8 @@ struct Case {
     logs: Vec<Vec<Entry>>,
     /// Largest batch handed over at once (1: per-message mode only).
     max_batch: usize,
+    /// Whether the handler is the batch handler ([`handlers::apply_batch`]).
+    batch_handler: bool,
 }
 
 fn generate(rng: &mut StdRng) -> Case {
@@ -314,6 +487,10 @@ fn generate(rng: &mut StdRng) -> Case {
                 .collect();
             log.push(Entry::Copy(earlier[rng.random_range(0..earlier.len())]));
         }
+        // A copy right after the original: mostly in the same batch (a duplicate inside it).
+        if rng.random_bool(0.1) {
+            log.push(Entry::Copy(i));
+        }
         if rng.random_bool(0.03) {
             log.push(Entry::Junk);
         }
@@ -326,6 +503,7 @@ fn generate(rng: &mut StdRng) -> Case {
         events,
         logs,
         max_batch,
+        batch_handler: rng.random_bool(0.5),
     }
 }
 
@@ -384,13 +562,49 @@ async fn observed(
     (effects, dead)
 }
 
+/// The stored offset is never ahead of the effects: every record of `part` below it is
+/// finished (applied, dead-lettered, or a copy of one of those).
+async fn stored_not_ahead(
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    case: &Case,
+    part: usize,
+) -> Result<(), String> {
+    // The offset first: a transaction of a killed delivery may still commit meanwhile, and
+    // what it commits with the offset is then visible to the later read of the effects.
+    let below = stored(pool, group, topic, part).await;
+    let (effects, dead) = observed(pool, topic, case).await;
+    let applied: HashSet<Uuid> = effects.iter().copied().collect();
+    let dead_ids: HashSet<Uuid> = dead.iter().filter_map(|d| d.2).collect();
+    for o in 0..below {
+        let finished = match case.logs[part][o] {
+            Entry::Original(i) | Entry::Copy(i) => {
+                let id = case.events[i].id;
+                applied.contains(&id) || dead_ids.contains(&id)
+            }
+            Entry::Junk => dead.iter().any(|d| d.0 == part as i32 && d.1 == o as i64),
+        };
+        if !finished {
+            return Err(format!(
+                "stored offset {below} of partition {part} is ahead of offset {o}, which is neither applied nor dead-lettered"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Runs one case; `Err` describes the first invariant that broke.
 async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let case = generate(&mut rng);
     let topic = unique("proto");
     let group = unique("g");
-    let (_consumer, p) = protocol(pool, &topic, &group);
+    let (_consumer, p) = if case.batch_handler {
+        protocol_batch(pool, &topic, &group, handlers::Probe::default())
+    } else {
+        protocol(pool, &topic, &group)
+    };
     let partitions = case.logs.len();
     let mut owners: Vec<Option<Owner>> = (0..partitions).map(|_| None).collect();
     // Owners that lost their partition to a later claim, still "running" somewhere.
@@ -485,6 +699,35 @@ async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
                     stale.push((part, old));
                 }
             }
+            // A kill -9 mid-transaction: the owner's delivery is dropped after a random number
+            // of polls (each a wait on the database), whatever it was doing; the process is
+            // gone, the next owner claims.
+            4 if owners[part].is_some() => {
+                let owner = owners[part].take().expect("owner");
+                let len = case.logs[part].len();
+                let end = (owner.position + rng.random_range(1..=case.max_batch)).min(len);
+                let batch = (owner.position..end)
+                    .map(|o| to_record(&case, &topic, part, o))
+                    .collect();
+                let mut polls = rng.random_range(1..=30u32);
+                let delivery = p.deliver(&owner.own, batch);
+                tokio::pin!(delivery);
+                let _finished = std::future::poll_fn(|cx| {
+                    match std::future::Future::poll(delivery.as_mut(), cx) {
+                        std::task::Poll::Ready(r) => std::task::Poll::Ready(Some(r)),
+                        std::task::Poll::Pending => {
+                            polls -= 1;
+                            if polls == 0 {
+                                std::task::Poll::Ready(None)
+                            } else {
+                                std::task::Poll::Pending
+                            }
+                        }
+                    }
+                })
+                .await;
+                stored_not_ahead(pool, &group, &topic, &case, part).await?;
+            }
             // The owner hands over its next records.
             _ => {
                 if owners[part].is_none() {
@@ -505,27 +748,9 @@ async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
                     Delivered::Done => owner.position = end,
                     Delivered::Fenced => return Err("the current owner was fenced".into()),
                     Delivered::Stopped => return Err("the worker stopped".into()),
+                    Delivered::Paused => return Err("nothing pauses this group".into()),
                 }
-                // The stored offset is never ahead of the effects: every record below it is
-                // finished (applied, dead-lettered, or a copy of one of those).
-                let (effects, dead) = observed(pool, &topic, &case).await;
-                let applied: HashSet<Uuid> = effects.iter().copied().collect();
-                let dead_ids: HashSet<Uuid> = dead.iter().filter_map(|d| d.2).collect();
-                let below = stored(pool, &group, &topic, part).await;
-                for o in 0..below {
-                    let finished = match case.logs[part][o] {
-                        Entry::Original(i) | Entry::Copy(i) => {
-                            let id = case.events[i].id;
-                            applied.contains(&id) || dead_ids.contains(&id)
-                        }
-                        Entry::Junk => dead.iter().any(|d| d.0 == part as i32 && d.1 == o as i64),
-                    };
-                    if !finished {
-                        return Err(format!(
-                            "stored offset {below} of partition {part} is ahead of offset {o}, which is neither applied nor dead-lettered"
-                        ));
-                    }
-                }
+                stored_not_ahead(pool, &group, &topic, &case, part).await?;
             }
         }
     }

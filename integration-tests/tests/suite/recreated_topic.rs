@@ -388,3 +388,233 @@ async fn a_reset_of_a_group_without_stored_offsets_is_refused() {
         "{stdout}"
     );
 }
+
+/// The series of `name` on a `/metrics` page: (labels, value) each.
+fn scraped(page: &str, name: &str) -> Vec<(Vec<(String, String)>, f64)> {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (set, value) = match rest.strip_prefix('{') {
+                Some(r) => r.rsplit_once("} ")?,
+                None => ("", rest.strip_prefix(' ')?),
+            };
+            let labels = set
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let (k, v) = p.split_once('=').expect("label=value");
+                    (k.to_owned(), v.trim_matches('"').to_owned())
+                })
+                .collect();
+            Some((labels, value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Guarantee (alert `PostalConsumerTopicStopped`, on a real consumer process): a
+/// `billing_service` process (serving `/metrics`) whose topic is deleted and re-created under
+/// it stops the topic, and its `/metrics` then exposes what the alert rule of
+/// `deploy/prometheus-alerts.yml` reads: the metric the rule's expression names, above 0,
+/// with every label the rule groups by (`consumer` = the service's consumer name, `topic` = the
+/// re-created topic), and no stop on its other partitions' topics. Where promtool is
+/// available (`POSTAL_PROMTOOL`, or on `PATH`), the rule file itself is evaluated over the
+/// scraped series (as Prometheus would scrape them, plus an `instance` label): the alert
+/// fires with those labels after its `for`, and not before. (Before, only an in-process
+/// consumer's `StatsSnapshot::partitions_stopped` was checked, and the rule's metric name and
+/// labels only against the source text.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_process_that_stops_a_recreated_topic_exposes_what_its_alert_reads() {
+    use crate::procs::{bin_dir, http_get, Proc};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let orders = unique("orders-stopped");
+    let group = unique("billing-stopped");
+    create_topic(&svc.bootstrap, &orders, 2).await;
+    let dir = bin_dir();
+    let logs = dir.join(format!("topic-stopped-{}", db.name));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[])
+        .env(&[
+            ("DATABASE_URL", db.url.clone()),
+            ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+            ("ORDERS_TOPIC", orders.clone()),
+            ("INVOICES_TOPIC", unique("invoices-stopped")),
+            ("POSTAL_CONSUMER_GROUP", group.clone()),
+            ("RUST_LOG", "info,rdkafka=warn".into()),
+        ])
+        .with_metrics();
+    billing.start();
+    let port = billing.metrics_port().unwrap();
+    let order = |n: i64| {
+        RawRecord::event(
+            Uuid::now_v7(),
+            &format!("c{n}"),
+            "order.created",
+            json!({"order_id": n, "customer": format!("c{n}"), "seq": 1}),
+        )
+    };
+    // The old log: 10 orders on each partition, applied.
+    for p in 0..2 {
+        let old: Vec<RawRecord> = (0..10).map(|n| order(p * 100 + n)).collect();
+        produce(&svc.bootstrap, &orders, Some(p as i32), &old).await;
+    }
+    let booked = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ledger")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while booked().await < 20 {
+        billing.assert_alive();
+        assert!(std::time::Instant::now() < deadline, "the old log applied");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metric = "postal_consumer_partitions_stopped";
+    // Re-created under the running process, with a shorter new log.
+    delete_topic(&svc.bootstrap, &orders).await;
+    recreate_topic(&svc.bootstrap, &orders, 2).await;
+    let new: Vec<RawRecord> = (1000..1003).map(order).collect();
+    produce(&svc.bootstrap, &orders, Some(0), &new).await;
+    let stopped_series = || {
+        scraped(&http_get(port, "/metrics").unwrap_or_default(), metric)
+            .into_iter()
+            .filter(|(labels, v)| {
+                *v > 0.0 && labels.iter().any(|(k, t)| k == "topic" && *t == orders)
+            })
+            .collect::<Vec<_>>()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while stopped_series().is_empty()
+        || !billing.logged("stored offset above the partition's high watermark")
+    {
+        billing.assert_alive();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the topic stopped: {metric} above 0 for it and the ERROR line"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let page = http_get(port, "/metrics").unwrap();
+    let series = scraped(&page, metric);
+    billing.stop();
+    assert_eq!(booked().await, 20, "nothing of the new log applied");
+
+    // The rule, as shipped.
+    let rules_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/prometheus-alerts.yml")
+        .canonicalize()
+        .unwrap();
+    let rules: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&rules_path).unwrap()).unwrap();
+    let rule = rules["groups"][0]["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|r| r["alert"].as_str() == Some("PostalConsumerTopicStopped"))
+        .expect("the rule")
+        .clone();
+    let expr = rule["expr"].as_str().unwrap();
+    let named: Vec<&str> = expr
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("postal_"))
+        .collect();
+    assert_eq!(
+        named,
+        [metric],
+        "the rule reads the metric the process exposes: {expr}"
+    );
+    let by: Vec<&str> = expr
+        .split_once("by (")
+        .and_then(|(_, r)| r.split_once(')'))
+        .map(|(l, _)| l.split(',').map(str::trim).collect())
+        .expect("the rule groups by labels");
+    let stopped: Vec<_> = series.iter().filter(|(_, v)| *v > 0.0).collect();
+    assert_eq!(stopped.len(), 1, "one stopped series: {series:?}");
+    let (labels, value) = stopped[0];
+    let label = |k: &str| labels.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    for l in &by {
+        assert!(
+            label(l).is_some(),
+            "the series has the rule's label {l}: {labels:?}"
+        );
+    }
+    assert_eq!(label("consumer"), Some("billing"), "{labels:?}");
+    assert_eq!(label("topic"), Some(orders.as_str()), "{labels:?}");
+    assert!(*value >= 1.0, "{value}");
+
+    // promtool, where available: the rule file over the scraped series.
+    let promtool = std::env::var_os("POSTAL_PROMTOOL")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::split_paths(&std::env::var_os("PATH")?)
+                .map(|d| d.join("promtool"))
+                .find(|p| p.is_file())
+        });
+    match promtool {
+        None => eprintln!(
+            "recreated_topic::a_consumer_process_that_stops…: promtool not found (POSTAL_PROMTOOL or PATH): the rule was checked by its text only"
+        ),
+        Some(promtool) => {
+            let selector = |labels: &[(String, String)]| {
+                let mut all: Vec<String> =
+                    labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+                all.push("instance=\"billing-1\"".into());
+                format!("{metric}{{{}}}", all.join(","))
+            };
+            let input: Vec<serde_yaml::Value> = series
+                .iter()
+                .map(|(labels, v)| {
+                    serde_yaml::to_value(serde_json::json!({
+                        "series": selector(labels),
+                        "values": format!("{v}x10"),
+                    }))
+                    .unwrap()
+                })
+                .collect();
+            let render = |text: &str| {
+                text.replace("{{ $labels.consumer }}", "billing")
+                    .replace("{{ $labels.topic }}", &orders)
+            };
+            let annotations: serde_yaml::Mapping = rule["annotations"]
+                .as_mapping()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), render(v.as_str().unwrap()).into()))
+                .collect();
+            let mut expected = rule["labels"].as_mapping().cloned().unwrap_or_default();
+            expected.insert("consumer".into(), "billing".into());
+            expected.insert("topic".into(), orders.clone().into());
+            let test = serde_json::json!({
+                "rule_files": [rules_path.display().to_string()],
+                "evaluation_interval": "1m",
+                "tests": [{
+                    "interval": "1m",
+                    "input_series": input,
+                    "alert_rule_test": [
+                        {"eval_time": "0m", "alertname": "PostalConsumerTopicStopped", "exp_alerts": []},
+                        {"eval_time": "2m", "alertname": "PostalConsumerTopicStopped", "exp_alerts": [{
+                            "exp_labels": expected,
+                            "exp_annotations": annotations,
+                        }]},
+                    ],
+                }],
+            });
+            let file = logs.join("scraped.test.yml");
+            std::fs::write(&file, serde_yaml::to_string(&test).unwrap()).unwrap();
+            let out = std::process::Command::new(promtool)
+                .args(["test", "rules"])
+                .arg(&file)
+                .output()
+                .expect("promtool runs");
+            assert!(
+                out.status.success(),
+                "promtool test rules over the scraped series:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    std::fs::remove_dir_all(&logs).ok();
+}

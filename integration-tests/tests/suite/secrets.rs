@@ -206,7 +206,7 @@ async fn no_binary_prints_a_planted_secret() {
         };
         assert!(
             path.is_file(),
-            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-integration-tests --bins)",
+            "{} is missing: build the binaries first (cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins)",
             path.display()
         );
         let out = output_of(&path, args, &env(extra), marker);

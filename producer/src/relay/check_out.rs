@@ -47,10 +47,14 @@ impl<T: Transport> Shared<T> {
         let seqs: Vec<i64> = heads.iter().map(|&i| batch[i].seq).collect();
         // Not raced against a timeout: it commits or rolls back before the lane claims again.
         let enqueued = claim.take_enqueued();
-        let marked = match claim
+        let waiting = self
+            .claim_clock
+            .start("the commit checking a claimed batch out");
+        let checked_out = claim
             .check_out(&seqs, lease, self.config.max_attempts)
-            .await
-        {
+            .await;
+        drop(waiting);
+        let marked = match checked_out {
             Ok(marked) => marked,
             Err(e) => {
                 tracing::warn!(error = %e, events = batch.len(), "could not check out claimed events; they are claimed again");
@@ -145,6 +149,7 @@ impl<T: Transport> Shared<T> {
             };
             let driver = checkout::Driver {
                 pool: &shared.pool,
+                waits: &shared.claim_clock,
                 lease,
                 keeping: checkout::Keeping {
                     delete: shared.config.delete_on_publish,

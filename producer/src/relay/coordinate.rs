@@ -57,11 +57,15 @@ impl<T: Transport> Shared<T> {
         let every = self.config.lease / 4;
         let host = std::env::var("HOSTNAME").unwrap_or_default();
         let mut failures = 0u32;
+        // From the first attempt of a heartbeat until one succeeds (the stall watchdog's
+        // clock: failed attempts and their back-off count; claims need the leases).
+        let mut beating: Option<super::stall::Waiting> = None;
         loop {
             let round = tokio::time::Instant::now();
             let held = self.owned.read().expect("owned lock").clone();
             // In-flight slots held across a change of `owned` (see below).
             let mut drained = None;
+            beating.get_or_insert_with(|| self.claim_clock.start("the lease heartbeat"));
             let mut result = lease::heartbeat(
                 &self.pool,
                 &self.config.group,
@@ -73,6 +77,9 @@ impl<T: Transport> Shared<T> {
             )
             .await;
             self.renewed(round, &result);
+            if result.is_ok() {
+                beating = None;
+            }
             if let Ok(l) = &result {
                 if l.wants_release {
                     // Record everything in flight before giving partitions away, so the next
@@ -85,6 +92,7 @@ impl<T: Transport> Shared<T> {
                     .await
                     {
                         let beat = tokio::time::Instant::now();
+                        let waiting = self.claim_clock.start("the lease heartbeat");
                         result = lease::heartbeat(
                             &self.pool,
                             &self.config.group,
@@ -95,6 +103,7 @@ impl<T: Transport> Shared<T> {
                             true,
                         )
                         .await;
+                        drop(waiting);
                         self.renewed(beat, &result);
                         drained = Some(permits);
                     }

@@ -15,6 +15,8 @@ impl<T: Transport> Shared<T> {
         let summary = crate::backlog::summary_sql(true);
         // Topics whose oldest-pending gauge was set last round (set to 0 once drained).
         let mut shown_topics = std::collections::HashSet::<String>::new();
+        // Topics whose paused gauge was 1 last round (set to 0 once resumed).
+        let mut shown_paused = std::collections::HashSet::<String>::new();
         let mut history = HistoryWatch::new();
         loop {
             tick.tick().await;
@@ -48,11 +50,38 @@ impl<T: Transport> Shared<T> {
                 )
                 .fetch_one(&mut *tx)
                 .await?;
+                // The pauses in force for this relay's group (`None`: every topic).
+                let paused: Vec<Option<String>> = sqlx::query_scalar(
+                    "SELECT topic FROM postal.pauses
+                     WHERE side = 'relay' AND (group_name IS NULL OR group_name = $1)",
+                )
+                .bind(&self.config.group)
+                .fetch_all(&mut *tx)
+                .await?;
                 tx.commit().await?;
-                Ok::<_, sqlx::Error>((rows, oldest_tx, slot_age))
+                Ok::<_, sqlx::Error>((rows, oldest_tx, slot_age, paused))
             };
             match backlog.await {
-                Ok((rows, oldest_tx, slot_age)) => {
+                Ok((rows, oldest_tx, slot_age, paused)) => {
+                    // Per topic this relay claims: 1 while a pause keeps it from claiming
+                    // the topic (the alerts on a topic's age leave it out), 0 once resumed.
+                    let all_paused = paused.iter().any(Option::is_none);
+                    let mut now_paused = std::collections::HashSet::new();
+                    for topic in rows.iter().map(|r| &r.0).chain(paused.iter().flatten()) {
+                        let is_paused = all_paused || paused.iter().flatten().any(|p| p == topic);
+                        if is_paused && self.config.topics.claims(topic) {
+                            now_paused.insert(topic.clone());
+                        }
+                    }
+                    for topic in &now_paused {
+                        metrics::gauge!("postal_relay_topic_paused", "topic" => topic.clone())
+                            .set(1.0);
+                    }
+                    for resumed in shown_paused.difference(&now_paused) {
+                        metrics::gauge!("postal_relay_topic_paused", "topic" => resumed.clone())
+                            .set(0.0);
+                    }
+                    shown_paused = now_paused;
                     let (mut pending, mut scheduled, mut failed) = (0, 0, 0);
                     let mut oldest: Option<f64> = None;
                     let mut topics = std::collections::HashSet::new();

@@ -157,7 +157,12 @@ async fn give_up<T: Transport>(
     // does not answer, the wait ends after a quarter of the lease, about
     // when the leases end; PostgreSQL ends the claim by its idle limit,
     // which the keep-alives kept within the leases.
+    let waiting = notice
+        .shared
+        .claim_clock
+        .start("the rollback of a batch given up");
     let _ = tokio::time::timeout(judge.config.lease / 4, claim.release()).await;
+    drop(waiting);
     notice.recorded(false).await;
 }
 
@@ -179,7 +184,14 @@ async fn record_outcomes<T: Transport>(
     let acked = started.elapsed();
     metrics::histogram!("postal_relay_batch_seconds").record(acked.as_secs_f64());
     let n = notice.batch.len();
+    // The commit holds the batch's slot: behind a pooler that stopped answering, lanes wait
+    // for slots with no claim under way, and this wait is what the stall watchdog sees.
+    let waiting = notice
+        .shared
+        .claim_clock
+        .start("the commit recording a published batch");
     let committed = judge.record(claim, &notice.batch, outcomes).await;
+    drop(waiting);
     notice.recorded(committed).await;
     tracing::trace!(
         events = n,

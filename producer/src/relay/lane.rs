@@ -52,6 +52,9 @@ impl<T: Transport> Shared<T> {
         };
         let own_slots = Arc::new(Semaphore::new(per_lane));
         let mut db_failures: u32 = 0;
+        // The claim this lane is trying to make, from its first attempt until one returns
+        // (the stall watchdog's clock: failed attempts and their back-off count).
+        let mut claiming: Option<super::stall::Waiting> = None;
         loop {
             if self.wait_out_pause().await.is_break() {
                 break;
@@ -68,6 +71,11 @@ impl<T: Transport> Shared<T> {
             };
             let partitions = self.partitions(lane, light);
             if partitions.is_empty() || !self.may_claim() {
+                if partitions.is_empty() {
+                    // Nothing of this lane's to claim (not a wait for the database; leases
+                    // run out unrenewed are: the heartbeat's wait shows those).
+                    claiming = None;
+                }
                 drop(permit);
                 if self
                     .wait_for_partitions(&mut owned_changed)
@@ -83,9 +91,11 @@ impl<T: Transport> Shared<T> {
             // Held until the batch is handed over (see `record_gate`).
             let gate = self.record_gate.read().await;
             let claim_started = Instant::now();
-            self.claim_clock.started(lane);
+            claiming.get_or_insert_with(|| self.claim_clock.start("a claim"));
             let claimed = self.claim(&partitions, limit).await;
-            self.claim_clock.ended(lane);
+            if claimed.is_ok() {
+                claiming = None;
+            }
             let mut claim = match claimed {
                 Ok(Some(c)) => {
                     if db_failures > 0 {

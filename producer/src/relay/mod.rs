@@ -34,6 +34,7 @@ mod notice;
 mod share;
 mod stall;
 
+pub(crate) use stall::ClaimClock;
 pub use stall::{RelayHealth, STALL_AFTER};
 
 /// Totals of one relay run, returned when it stops.

@@ -32,34 +32,67 @@ impl RelayHealth {
     }
 }
 
-/// When each lane's claim under way started.
+/// The relay's waits for the database along its claim path, each from when it started: a
+/// claim (from its first attempt until one returns: failed attempts and their back-off count,
+/// as when the pool has no connection to give), the commit recording a published batch or
+/// checking a claimed batch out (it holds the slot or permit the next claim needs), the
+/// recording of checked-out events' outcomes, and the lease heartbeat (claims need its
+/// leases). Behind a frozen pooler the lanes wait for slots held by commits that never return,
+/// with no claim under way: the commits' waits are what shows.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ClaimClock(Arc<Mutex<Waits>>);
+
 #[derive(Debug, Default)]
-pub(super) struct ClaimClock(Mutex<std::collections::HashMap<usize, Instant>>);
+struct Waits {
+    next: u64,
+    open: std::collections::HashMap<u64, (Instant, &'static str)>,
+}
+
+/// One wait under way on the [`ClaimClock`]; it ends when dropped.
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    clock: ClaimClock,
+    id: u64,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.clock.lock().open.remove(&self.id);
+    }
+}
 
 impl ClaimClock {
-    pub(super) fn started(&self, lane: usize) {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(lane, Instant::now());
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waits> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) fn ended(&self, lane: usize) {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&lane);
+    /// Starts a wait for the database: `what` names it in the stall line ("a claim").
+    pub(crate) fn start(&self, what: &'static str) -> Waiting {
+        let mut waits = self.lock();
+        let id = waits.next;
+        waits.next += 1;
+        waits.open.insert(id, (Instant::now(), what));
+        Waiting {
+            clock: self.clone(),
+            id,
+        }
     }
 
-    fn oldest(&self) -> Option<Duration> {
-        let claims = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        claims.values().min().map(Instant::elapsed)
+    /// The oldest wait under way: how long, and what.
+    fn oldest(&self) -> Option<(Duration, &'static str)> {
+        let waits = self.lock();
+        waits
+            .open
+            .values()
+            .min_by_key(|(started, _)| *started)
+            .map(|(started, what)| (started.elapsed(), *what))
     }
 }
 
 impl<T: Transport> Shared<T> {
-    /// Every [`TICK`]: the longest wait of a claim under way; past [`STALL_AFTER`], one
-    /// warning, the gauge and [`RelayHealth`] say so until claims answer again.
+    /// Every [`TICK`]: the longest wait for the database under way on the claim path
+    /// ([`ClaimClock`]); past [`STALL_AFTER`], one warning, the gauge and [`RelayHealth`] say
+    /// so until the database answers again.
     pub(super) async fn watch_claims(self: Arc<Self>) {
         let mut tick = tokio::time::interval(TICK);
         let mut stalled = false;
@@ -89,11 +122,11 @@ impl<T: Transport> Shared<T> {
                     }
                 }));
             }
-            let waiting = self.claim_clock.oldest().unwrap_or_default();
+            let (waiting, what) = self.claim_clock.oldest().unwrap_or_default();
             metrics::gauge!("postal_relay_claim_waiting_seconds").set(waiting.as_secs_f64());
             if waiting >= STALL_AFTER {
                 let problem = format!(
-                    "a claim has waited {}s for the database: no connection of the relay's pool gets an answer (a pooler with fewer server connections than the relay's pool of {}? raise PgBouncer's default_pool_size for this database, or connect the relay directly) or a long lock holds it",
+                    "{what} has waited {}s for the database: no connection of the relay's pool gets an answer (a pooler with fewer server connections than the relay's pool of {}? raise PgBouncer's default_pool_size for this database, or connect the relay directly), the pooler or the database does not answer, or a long lock holds it",
                     waiting.as_secs(),
                     self.pool.options().get_max_connections()
                 );

@@ -1,7 +1,7 @@
 //! Claims held up right after their `BEGIN`, as production holds them up: another session
 //! holds a lock on `postal.relay_partitions` (a migration, `VACUUM FULL`, `pg_repack`), and
 //! the test waits until PostgreSQL reports the claim's backend waiting for it. Used by the
-//! deterministic schedules of `concurrent_writers` and `review_order`.
+//! deterministic schedules of `concurrent_writers` and `claim_schedules`.
 
 use std::time::Duration;
 

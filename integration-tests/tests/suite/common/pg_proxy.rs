@@ -1,5 +1,5 @@
 //! A PostgreSQL wire-protocol proxy for the reviews of the relay's activity report
-//! (`review_activity`, `review_activity2`) and the randomized relay tests (`relay_random`):
+//! (`activity_off_publish_path`, `activity_totals`) and the randomized relay tests (`relay_random`):
 //! it passes everything through, and on request delays every `BEGIN` (a slow database or
 //! link), delays statements at random ([`Ctl::jitter`]: a database in another zone, a
 //! pooler's queue, a starved CPU, between a transaction's `BEGIN` and its next statement

@@ -6,8 +6,13 @@
 //!
 //! Environment: `DATABASE_URL` (a server; the demo creates its own database on it),
 //! `KAFKA_BOOTSTRAP_SERVERS`, `DEMO_ORDERS` (default 2000), `DEMO_RATE` (orders/s, default 200),
-//! `DEMO_CUSTOMERS` (default 50); `POSTAL_DEDUP_RETENTION` / `POSTAL_CLEANUP_INTERVAL`
-//! are passed to the consumers (a sustained run shows the cleanup keeping up).
+//! `DEMO_CUSTOMERS` (default 50), `DEMO_LOGS` (the folder for the processes' logs; default a
+//! new `demo-<run>` folder next to this binary), `DEMO_STOP_HINT` (a line printed last, saying
+//! what still runs and how to stop it: the Docker route sets it); `POSTAL_DEDUP_RETENTION` /
+//! `POSTAL_CLEANUP_INTERVAL` are passed to the consumers (a sustained run shows the cleanup
+//! keeping up).
+//!
+//! The programs it starts ([`postal_demo::DEMO_PROGRAMS`]) are found next to this binary.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -45,9 +50,7 @@ impl Proc {
             .stderr(log)
             .spawn()
             .with_context(|| {
-                format!(
-                    "starting {name} (build with `cargo build -p postal-cli -p postal-integration-tests --bins`)"
-                )
+                format!("starting {name} (build with `cargo build -p postal-cli -p postal-demo`)")
             })?;
         Ok(Proc { name, child })
     }
@@ -91,12 +94,39 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let result = run().await;
+    if let Ok(hint) = std::env::var("DEMO_STOP_HINT") {
+        if let Err(e) = &result {
+            eprintln!("error: {e:#}");
+        }
+        println!("{hint}");
+        if result.is_err() {
+            std::process::exit(1);
+        }
+    }
+    result
+}
+
+/// The demo; `Ok` only when every order was applied exactly once, in order.
+async fn run() -> anyhow::Result<()> {
     let server = std::env::var("DATABASE_URL").context("DATABASE_URL is not set")?;
     let bootstrap =
         std::env::var("KAFKA_BOOTSTRAP_SERVERS").context("KAFKA_BOOTSTRAP_SERVERS is not set")?;
     let orders = env_or("DEMO_ORDERS", 2000)?;
     let rate = env_or("DEMO_RATE", 200)?;
     let customers = env_or("DEMO_CUSTOMERS", 50)?;
+    let dir: PathBuf = std::env::current_exe()?
+        .parent()
+        .context("binary directory")?
+        .to_owned();
+    for program in postal_demo::DEMO_PROGRAMS {
+        if !dir.join(program).is_file() {
+            bail!(
+                "{} is missing: build it with `cargo build -p postal-cli -p postal-demo`",
+                dir.join(program).display()
+            );
+        }
+    }
 
     let run = uuid::Uuid::now_v7().simple().to_string();
     let name = format!("postal_demo_{run}");
@@ -109,11 +139,10 @@ async fn main() -> anyhow::Result<()> {
     let pool = PgPool::connect(&url).await?;
     postal_shared::migrate(&pool).await?;
 
-    let dir: PathBuf = std::env::current_exe()?
-        .parent()
-        .context("binary directory")?
-        .to_owned();
-    let logs = dir.join(format!("demo-{run}"));
+    let logs = match std::env::var_os("DEMO_LOGS") {
+        Some(d) => PathBuf::from(d).join(format!("demo-{run}")),
+        None => dir.join(format!("demo-{run}")),
+    };
     std::fs::create_dir_all(&logs)?;
     let (orders_topic, invoices_topic) = (format!("orders-{run}"), format!("invoices-{run}"));
     let env = vec![
@@ -293,10 +322,7 @@ async fn main() -> anyhow::Result<()> {
         sizes.3 / 1024
     );
     if not_once > 0 || out_of_order > 0 || created as u64 != orders {
-        println!(
-            "FAILED: {not_once} order(s) not applied exactly once, {out_of_order} out of order"
-        );
-        std::process::exit(1);
+        bail!("FAILED: {not_once} order(s) not applied exactly once, {out_of_order} out of order");
     }
     println!("OK: every order applied exactly once in the ledger and the invoices, in order per customer");
     Ok(())

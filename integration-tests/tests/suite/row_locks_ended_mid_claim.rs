@@ -1,5 +1,5 @@
 //! Fourth adversarial review of the row-lock check (claim.rs `claimed!`, skipped.rs
-//! `elsewhere`, `Xact::ended_at`), aimed at what `review_locks::`…`review_locks3::` do not
+//! `elsewhere`, `Xact::ended_at`), aimed at what `row_locks_by_hand::`…`row_locks_ended_claims::` do not
 //! model:
 //!
 //! - a claim that *ended during the next claim* (after that claim registered, before its claim
@@ -36,7 +36,7 @@ use uuid::Uuid;
 use crate::common::held_up::{connect, relay_in};
 use crate::common::pg_proxy::{pool_through, proxy_for, PgProxy};
 use crate::common::{fast_config, RunningRelay};
-use crate::review_locks2::{
+use crate::row_locks_relay::{
     advance_multixacts, exec, hold_pairs, payloads, probe_multixact, put, seq_of,
 };
 

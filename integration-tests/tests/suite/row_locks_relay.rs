@@ -1,5 +1,5 @@
 //! Second adversarial review of the row-lock check (65745bc, 320df37, f5d02a5: a row that
-//! another session row-locks holds its key). `review_locks::` drove claims by hand; this module
+//! another session row-locks holds its key). `row_locks_by_hand::` drove claims by hand; this module
 //! adds a real pipelined Kafka relay under stranger row locks and concurrent writers, the count
 //! of false-positive WARN lines under plain pipelined load (none), and two schedules that broke
 //! the check at f5d02a5: more locked rows than the candidate window's cap (unrelated keys

@@ -4,7 +4,7 @@
 //! `invoices`), and the consumer settings of `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, …).
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
-use postal_integration_tests::service::{connect, env_required, init_tracing};
+use postal_demo::service::{connect, env_required, init_tracing};
 use postal_shared::stop_signal;
 use serde::Deserialize;
 use sqlx::{Postgres, Transaction};

@@ -102,7 +102,7 @@ async fn late_grant(topics: usize) -> (u64, i64, f64) {
 /// The attack: the relay's writes are refused for long enough that its unwritten totals
 /// number a few hundred thousand (minute, topic) rows — e.g. 50 topics over a week with the
 /// previous release's grants (the supported, charts-empty case of
-/// `review_activity::a_relay_role_without_rights_on_the_activity_table_still_publishes`);
+/// `activity_off_publish_path::a_relay_role_without_rights_on_the_activity_table_still_publishes`);
 /// here compressed into one minute as 500,000 topics. Nothing is ever forgotten while writes
 /// fail (`Activity::written`, the only place that prunes, runs only after a write succeeded),
 /// and every write is a single upsert of the whole backlog under a 2 s statement timeout. Once
@@ -131,7 +131,7 @@ async fn charts_catch_up_once_a_small_backlog_can_be_written() {
 }
 
 /// Found by review, fixed (minor: charts only; now the stop lets a write under way finish,
-/// for up to 3 s, before the last one) — a variant of `review_activity::
+/// for up to 3 s, before the last one) — a variant of `activity_off_publish_path::
 /// a_clean_stop_during_an_activity_write_keeps_its_counts` that the fix does not cover.
 ///
 /// Guarantee: a relay that stops cleanly, with the database up, charts every event it

@@ -16,7 +16,7 @@ use postal_integration_tests::{services, unique};
 use uuid::Uuid;
 
 use crate::common::{consumer_config, effects, effects_table};
-use crate::review_reset::produce_jobs_at;
+use crate::reset_horizon::produce_jobs_at;
 
 async fn create_topic_keep_forever(bootstrap: &str, topic: &str) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};

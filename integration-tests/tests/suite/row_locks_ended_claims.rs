@@ -1,6 +1,6 @@
 //! Third adversarial review of the row-lock check (claim.rs `claimed!`, skipped.rs) and of the
-//! Kafka topic readiness (kafka/served.rs, acks.rs), aimed at what `review_locks::`,
-//! `review_locks2::` and `fresh_topic::` do not model:
+//! Kafka topic readiness (kafka/served.rs, acks.rs), aimed at what `row_locks_by_hand::`,
+//! `row_locks_relay::` and `fresh_topic::` do not model:
 //!
 //! - the own-claim recognition once a claim has *ended* having taken a row and given it back
 //!   (released, or written back untried): the registry still lists the row among the ended
@@ -22,7 +22,7 @@ use sqlx::PgPool;
 
 use crate::common::held_up::connect;
 use crate::common::{create_topic, fast_config, kafka_transport, RunningRelay};
-use crate::review_locks2::{
+use crate::row_locks_relay::{
     advance_multixacts, claim_in, exec, hold_pairs, payloads, probe_multixact, put, seq_of, LEASE,
 };
 

@@ -13,9 +13,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use postal_integration_tests::service::{
-    connect, env_or, env_required, init_tracing, retry_while_unreachable,
-};
+use postal_demo::service::{connect, env_or, env_required, init_tracing, retry_while_unreachable};
 use postal_producer::{enqueue, NewEvent};
 use sqlx::PgPool;
 

@@ -1,7 +1,8 @@
-//! Start-up pieces the fixture services share (the binaries in `src/bin/` that the chaos,
-//! netsplit, cluster, monitoring and task suites run as real processes): logging, typed
-//! environment values, and a database connection that waits for PostgreSQL instead of failing
-//! (a long-running service started while the database restarts should come up when it is back).
+//! Start-up pieces the services share (this package's binaries, and the integration suite's
+//! `report_worker`, which the chaos, netsplit, cluster, monitoring and task suites run as real
+//! processes): logging, typed environment values, and a database connection that waits for
+//! PostgreSQL instead of failing (a long-running service started while the database restarts
+//! should come up when it is back).
 
 use std::future::Future;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! the claim reads its candidates in sequence order without locking, locks what it can, and
 //! leaves behind the claimed rows of a (topic, key) after a passed row that no claim of this
 //! relay locks). Deterministic schedules against real PostgreSQL, driving claims by hand
-//! (`postal_producer::testing`), as `review_order` does.
+//! (`postal_producer::testing`), as `claim_schedules` does.
 //!
 //! The first four tests broke 320df37 (a key left behind by a claim still in flight was
 //! overtaken by the relay's next claim, in both claim forms; the candidate window stalled

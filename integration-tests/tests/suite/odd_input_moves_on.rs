@@ -1,4 +1,7 @@
-//! Adversarial review (branch `break`): reproductions of guarantees found broken.
+//! Odd input moves on: a handler with an empty scope, a stored header that is not a string or is
+//! longer than AMQP allows, and an unpublishable dead letter neither stall their partition or
+//! relay nor hold back other events; a forced reset of a live group neither re-applies nor skips.
+//! (The reproductions of an adversarial review, each of which failed before its fix.)
 
 use std::time::Duration;
 
@@ -672,7 +675,7 @@ async fn a_forced_reset_of_a_live_group_neither_reapplies_nor_skips() {
 /// a content type longer than 255 bytes (`ContentType::new` refuses it; an AMQP short string,
 /// so the RabbitMQ transport panics on it as on a long header name).
 #[tokio::test]
-#[ignore = "known: the SQL postal.enqueue does not check header names or the content type's length; the relay parks such rows with the reason (review_break::a_row_parked_for_its_header_holds_back_its_key)"]
+#[ignore = "known: the SQL postal.enqueue does not check header names or the content type's length; the relay parks such rows with the reason (odd_input_moves_on::a_row_parked_for_its_header_holds_back_its_key)"]
 async fn the_sql_enqueue_refuses_what_the_rust_enqueue_refuses() {
     let svc = services().await;
     let db = svc.fresh_db().await;

@@ -7,7 +7,7 @@
 //! `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, `POSTAL_MAX_BATCH`, `POSTAL_METRICS_ADDR`, …).
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
-use postal_integration_tests::service::{connect, env_required, init_tracing};
+use postal_demo::service::{connect, env_required, init_tracing};
 use postal_producer::{enqueue_once, Error, NewEvent};
 use postal_shared::stop_signal;
 use serde::Deserialize;
