@@ -19,8 +19,9 @@
 use anyhow::Context;
 use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
 use postal::producer::{enqueue_once, NewEvent};
+use postal::sqlx;
+use postal::sqlx::{Postgres, Transaction};
 use serde::{Deserialize, Serialize};
-use sqlx::{Postgres, Transaction};
 
 #[derive(Deserialize, Serialize)]
 struct Order {
@@ -46,23 +47,20 @@ async fn request_shipment(
         .bind(event.id.as_uuid())
         .execute(&mut **tx)
         .await?;
+    // `?` on Postal's producer errors classifies them as on sqlx's: an event that cannot be
+    // written is permanent (a dead letter), a lost connection an outage.
     let follow_up = NewEvent::json(
         shipping.topic.as_str(),
         order.customer.as_str(), // same key: the customer's events stay in order downstream
         "shipment.requested",
         order,
-    )
-    .map_err(HandlerError::permanent)?
+    )?
     // An id derived from the input's: should this order ever be applied again (a replay
     // past the dedup retention), the SAME follow-up is emitted and the next hop drops it.
     .with_id(EventId::derived(event.id, "shipment.requested"));
     // `enqueue_once` writes nothing if the outbox still holds that id. The handler's
     // transaction is the outbox's transaction: it commits only with the effect above.
-    enqueue_once(tx, follow_up).await.map_err(|e| match e {
-        // Classified like the handler's own sqlx errors (a lost connection is an outage).
-        postal::producer::Error::Database(db) => HandlerError::from(db),
-        other => HandlerError::permanent(other),
-    })?;
+    enqueue_once(tx, follow_up).await?;
     Ok(())
 }
 

@@ -17,8 +17,9 @@
 
 use anyhow::Context;
 use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, FromRef, HandlerError, State};
+use postal::sqlx;
+use postal::sqlx::{Postgres, Transaction};
 use serde::Deserialize;
-use sqlx::{Postgres, Transaction};
 
 /// The part of `order.created` this consumer reads (serde ignores the other fields).
 #[derive(Deserialize)]

@@ -16,6 +16,7 @@
 
 use anyhow::Context;
 use postal::producer::{enqueue, NewEvent};
+use postal::sqlx;
 use serde::Serialize;
 
 /// The event's payload: any `serde` type, stored as JSON.

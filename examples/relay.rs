@@ -17,7 +17,7 @@
 
 use anyhow::Context;
 use postal::producer::{KafkaConfig, KafkaTransport, Relay, RelayConfig};
-use sqlx::postgres::PgPoolOptions;
+use postal::sqlx::postgres::PgPoolOptions;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -18,8 +18,9 @@ use postal::producer::{
     enqueue, NewEvent, Relay, RelayConfig, State, Task, TaskConfig, TaskError, TaskTransport,
     TopicFilter,
 };
+use postal::sqlx;
+use postal::sqlx::{postgres::PgPoolOptions, PgPool};
 use serde::{Deserialize, Serialize};
-use sqlx::{postgres::PgPoolOptions, PgPool};
 
 #[derive(Serialize, Deserialize)]
 struct SendReceipt {

@@ -19,8 +19,9 @@
 
 use anyhow::Context;
 use postal::consumer::{idempotent, Consumer, ConsumerConfig, Event, HandlerError};
+use postal::sqlx;
+use postal::sqlx::{Postgres, Transaction};
 use serde::Deserialize;
-use sqlx::{Postgres, Transaction};
 
 #[derive(Deserialize)]
 struct OrderCreated {

@@ -1,8 +1,8 @@
 //! Operator actions on Postal's tables, and the dashboard that serves them.
 //!
 //! One implementation of each action, shared by the `postal` CLI (`postal failed`,
-//! `postal dead-letters`) and the dashboard (`postal dashboard`, or [`web::Dashboard`] mounted in
-//! your own axum service):
+//! `postal dead-letters`) and the dashboard (`postal dashboard`, or `web::Dashboard`, feature
+//! `web`, mounted in your own axum service):
 //!
 //! - [`parked`]: search parked events, group them by error, requeue or discard them (by id, by
 //!   filter, with a cap), and the keys they hold back ([`parked::blocked_keys`]);

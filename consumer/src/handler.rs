@@ -44,30 +44,182 @@ impl HandlerError {
     }
 }
 
-/// Database errors are classified so handlers can use `?` on sqlx calls:
-/// connection-level failures (I/O, TLS, pool timeouts, SQLSTATE class 08, server shutdown) are
-/// [`HandlerError::Unavailable`]; data exceptions and integrity violations (classes 22 and 23)
-/// are [`HandlerError::Permanent`]; everything else (serialization failures, deadlocks, lock
-/// timeouts, …) is [`HandlerError::Retryable`].
-impl From<sqlx::Error> for HandlerError {
-    fn from(e: sqlx::Error) -> Self {
-        match classify_sqlx(&e) {
-            Class::Unavailable => HandlerError::Unavailable(Box::new(e)),
-            Class::Permanent => HandlerError::Permanent(Box::new(e)),
-            Class::Retryable => HandlerError::Retryable(Box::new(e)),
+/// An error that `?` turns into a [`HandlerError`] inside a handler, classified as
+/// [`Permanent`](HandlerError::Permanent), [`Retryable`](HandlerError::Retryable) or
+/// [`Unavailable`](HandlerError::Unavailable).
+///
+/// Postal implements it for the errors a handler meets most:
+///
+/// | error | class |
+/// |---|---|
+/// | `sqlx::Error` | connection-level failures (I/O, TLS, pool timeouts, SQLSTATE class 08, server shutdown) `Unavailable`; data exceptions and integrity violations (classes 22 and 23) `Permanent`; everything else (serialization failures, deadlocks, lock timeouts, …) `Retryable` |
+/// | `serde_json::Error` | a payload that does not decode (syntax, data, end of input) `Permanent`; an I/O error while reading `Retryable` |
+/// | `std::io::Error` | `Retryable` |
+/// | `anyhow::Error`, [`BoxError`] | by the first error of their chain ([`source`](std::error::Error::source)) that is one of these (a wrapped `HandlerError` keeps its class); otherwise `Retryable` |
+/// | [`postal_consumer::Error`](crate::Error), [`postal_shared::Error`] | a database error as `sqlx::Error`; an invalid value `Permanent`; otherwise `Retryable` |
+/// | `postal_producer::Error` | a database error as `sqlx::Error`; an event that cannot be written (invalid, too large, a reserved header, a duplicate id) `Permanent`; otherwise `Retryable` |
+///
+/// An error Postal cannot classify is `Retryable`: retried with backoff, then dead-lettered
+/// after `max_attempts`, so a transient failure is not dead-lettered at once. Say what an error
+/// is where you know better: `.map_err(HandlerError::permanent)?`. Implement this trait for an
+/// error type of your own to use `?` on it.
+#[diagnostic::on_unimplemented(
+    message = "`?` cannot turn `{Self}` into a `HandlerError`: Postal does not know whether it is permanent or retryable",
+    label = "say whether `{Self}` is permanent or retryable: `.map_err(HandlerError::permanent)?` or `.map_err(HandlerError::retryable)?`",
+    note = "say which: `.map_err(HandlerError::permanent)?` (dead-lettered at once) or `.map_err(HandlerError::retryable)?` (retried with backoff, then dead-lettered); or implement `IntoHandlerError` for your own error type"
+)]
+pub trait IntoHandlerError {
+    /// The classified failure.
+    fn into_handler_error(self) -> HandlerError;
+}
+
+impl<E: IntoHandlerError> From<E> for HandlerError {
+    fn from(e: E) -> Self {
+        e.into_handler_error()
+    }
+}
+
+impl HandlerError {
+    fn of_class(class: Class, e: impl Into<BoxError>) -> Self {
+        match class {
+            Class::Unavailable => HandlerError::Unavailable(e.into()),
+            Class::Permanent => HandlerError::Permanent(e.into()),
+            Class::Retryable => HandlerError::Retryable(e.into()),
         }
     }
 }
 
-impl From<crate::Error> for HandlerError {
-    fn from(e: crate::Error) -> Self {
-        match e {
+impl IntoHandlerError for sqlx::Error {
+    fn into_handler_error(self) -> HandlerError {
+        HandlerError::of_class(classify_sqlx(&self), self)
+    }
+}
+
+impl IntoHandlerError for serde_json::Error {
+    fn into_handler_error(self) -> HandlerError {
+        HandlerError::of_class(classify_json(&self), self)
+    }
+}
+
+impl IntoHandlerError for std::io::Error {
+    fn into_handler_error(self) -> HandlerError {
+        HandlerError::Retryable(Box::new(self))
+    }
+}
+
+impl IntoHandlerError for BoxError {
+    fn into_handler_error(self) -> HandlerError {
+        match self.downcast::<HandlerError>() {
+            Ok(handler_error) => *handler_error,
+            Err(e) => {
+                let class = classify_chain(std::iter::successors(
+                    Some(&*e as &(dyn std::error::Error + 'static)),
+                    |e| e.source(),
+                ));
+                HandlerError::of_class(class, e)
+            }
+        }
+    }
+}
+
+impl IntoHandlerError for anyhow::Error {
+    fn into_handler_error(self) -> HandlerError {
+        match self.downcast::<HandlerError>() {
+            Ok(handler_error) => handler_error,
+            Err(e) => HandlerError::of_class(classify_chain(e.chain()), e),
+        }
+    }
+}
+
+impl IntoHandlerError for crate::Error {
+    fn into_handler_error(self) -> HandlerError {
+        match self {
             crate::Error::Database(db) => db.into(),
+            crate::Error::Schema(shared) => shared.into(),
             other => HandlerError::Retryable(Box::new(other)),
         }
     }
 }
 
+impl IntoHandlerError for postal_shared::Error {
+    fn into_handler_error(self) -> HandlerError {
+        let class = classify_shared(&self);
+        match self {
+            postal_shared::Error::Database(db) => db.into(),
+            other => HandlerError::of_class(class, other),
+        }
+    }
+}
+
+impl IntoHandlerError for postal_producer::Error {
+    fn into_handler_error(self) -> HandlerError {
+        let class = classify_producer(&self);
+        match self {
+            postal_producer::Error::Database(db) => db.into(),
+            other => HandlerError::of_class(class, other),
+        }
+    }
+}
+
+fn classify_json(e: &serde_json::Error) -> Class {
+    if e.is_io() {
+        Class::Retryable
+    } else {
+        Class::Permanent
+    }
+}
+
+fn classify_shared(e: &postal_shared::Error) -> Class {
+    match e {
+        postal_shared::Error::Database(db) => classify_sqlx(db),
+        postal_shared::Error::Invalid { .. } => Class::Permanent,
+        _ => Class::Retryable,
+    }
+}
+
+fn classify_producer(e: &postal_producer::Error) -> Class {
+    use postal_producer::Error as P;
+    match e {
+        P::Database(db) => classify_sqlx(db),
+        P::Invalid(shared) => classify_shared(shared),
+        P::Serialize(_)
+        | P::PayloadTooLarge { .. }
+        | P::ReservedHeader(_)
+        | P::DuplicateEventId => Class::Permanent,
+        _ => Class::Retryable,
+    }
+}
+
+/// The class of the first error in `chain` that Postal knows; `Retryable` when none is.
+fn classify_chain<'a>(chain: impl Iterator<Item = &'a (dyn std::error::Error + 'static)>) -> Class {
+    for e in chain {
+        if let Some(e) = e.downcast_ref::<HandlerError>() {
+            return match e {
+                HandlerError::Unavailable(_) => Class::Unavailable,
+                HandlerError::Permanent(_) => Class::Permanent,
+                HandlerError::Retryable(_) => Class::Retryable,
+            };
+        }
+        if let Some(e) = e.downcast_ref::<sqlx::Error>() {
+            return classify_sqlx(e);
+        }
+        if let Some(e) = e.downcast_ref::<serde_json::Error>() {
+            return classify_json(e);
+        }
+        if e.is::<std::io::Error>() {
+            return Class::Retryable;
+        }
+        if let Some(e) = e.downcast_ref::<postal_shared::Error>() {
+            return classify_shared(e);
+        }
+        if let Some(e) = e.downcast_ref::<postal_producer::Error>() {
+            return classify_producer(e);
+        }
+    }
+    Class::Retryable
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Class {
     Unavailable,
     Permanent,
@@ -208,5 +360,72 @@ impl<H: Handler, S> IntoHandler<S> for H {
 
     fn into_handler(self, _state: &S) -> H {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(e: HandlerError) -> &'static str {
+        match e {
+            HandlerError::Permanent(_) => "permanent",
+            HandlerError::Retryable(_) => "retryable",
+            HandlerError::Unavailable(_) => "unavailable",
+        }
+    }
+
+    fn bad_json() -> serde_json::Error {
+        serde_json::from_slice::<u32>(b"{").unwrap_err()
+    }
+
+    /// Guarantee: `?` on the common errors of a handler classifies them: a payload that does
+    /// not decode is permanent, I/O retryable, a pool timeout an outage, and anyhow and boxed
+    /// errors take the class of what they wrap (a wrapped `HandlerError` keeps its own).
+    #[test]
+    fn common_errors_are_classified() {
+        assert_eq!(class(bad_json().into()), "permanent");
+        assert_eq!(class(std::io::Error::other("disk").into()), "retryable");
+        assert_eq!(class(sqlx::Error::PoolTimedOut.into()), "unavailable");
+        assert_eq!(class(sqlx::Error::RowNotFound.into()), "retryable");
+
+        let wrapped = anyhow::Error::from(bad_json()).context("decoding the invoice");
+        assert_eq!(class(wrapped.into()), "permanent");
+        let outage = anyhow::Error::from(sqlx::Error::PoolTimedOut).context("loading the customer");
+        assert_eq!(class(outage.into()), "unavailable");
+        let kept = anyhow::Error::from(HandlerError::permanent("over the limit"));
+        assert_eq!(class(kept.into()), "permanent");
+        assert_eq!(class(anyhow::anyhow!("something").into()), "retryable");
+
+        let boxed: BoxError = Box::new(bad_json());
+        assert_eq!(class(boxed.into()), "permanent");
+        let boxed: BoxError = "plain message".into();
+        assert_eq!(class(boxed.into()), "retryable");
+        let boxed: BoxError = Box::new(HandlerError::unavailable("dependency down"));
+        assert_eq!(class(boxed.into()), "unavailable");
+
+        let invalid = postal_shared::Topic::new("").unwrap_err();
+        assert_eq!(class(invalid.into()), "permanent");
+    }
+
+    /// Guarantee: a wrapped `HandlerError` comes back as itself, its message unchanged.
+    #[test]
+    fn a_wrapped_handler_error_is_returned_as_it_was() {
+        let e = HandlerError::from(anyhow::Error::from(HandlerError::permanent(
+            "over the limit",
+        )));
+        assert_eq!(e.to_string(), "permanent: over the limit");
+    }
+
+    /// Guarantee: a chain's `enqueue` errors classify as the handler's own: a database error as
+    /// sqlx's, an event that cannot be written as permanent.
+    #[test]
+    fn producer_errors_are_classified() {
+        let too_large = postal_producer::Error::PayloadTooLarge { size: 2, max: 1 };
+        assert_eq!(class(too_large.into()), "permanent");
+        let db = postal_producer::Error::Database(sqlx::Error::PoolTimedOut);
+        assert_eq!(class(db.into()), "unavailable");
+        let boxed: BoxError = Box::new(postal_producer::Error::DuplicateEventId);
+        assert_eq!(class(boxed.into()), "permanent");
     }
 }

@@ -64,8 +64,8 @@
 //! `async fn` taking [`Batch<T>`](Batch)) gets the batch's new events in one call.
 //!
 //! # Testing handlers
-//! [`testing::deliver`] and [`testing::assert_applied_once`] run a handler against a real
-//! database without a broker.
+//! `testing::deliver` and `testing::assert_applied_once` (feature `test-util`, for
+//! `[dev-dependencies]`) run a handler against a real database without a broker.
 //!
 //! # Failures
 //! A handler returns [`HandlerError::Retryable`] (retried with backoff, then dead-lettered),
@@ -118,11 +118,18 @@ pub use dead_letter::Reason as DeadLetterReason;
 pub use error::Error;
 pub use event::{Event, Headers, Payload, Position, Raw};
 pub use futures::future::BoxFuture;
-pub use handler::{BoxError, FromRef, Handler, HandlerError, IntoHandler, Outcome, State};
+pub use handler::{
+    BoxError, FromRef, Handler, HandlerError, IntoHandler, IntoHandlerError, Outcome, State,
+};
 pub use postal_shared::{Backoff, EventId};
 pub use private::{apply, apply_batch};
 pub use replaced::impossible as log_replaced;
 pub use runtime::{shutdown_signal, Consumer, ConsumerBuilder};
+/// The `sqlx` Postal is built with (0.8). Its types are part of Postal's API (handlers and
+/// `enqueue` take its `Transaction`, the relay and consumer its `PgPool`), so code that shares a
+/// transaction with Postal uses this one: `sqlx::{Postgres, Transaction}` through this path
+/// works whatever major version of `sqlx` the rest of your crate depends on.
+pub use sqlx;
 pub use stall::STALL_AFTER;
 pub use stats::{Stats, StatsSnapshot};
 

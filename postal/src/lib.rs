@@ -1,19 +1,23 @@
 //! Postal: effectively-once event delivery between services over PostgreSQL and Kafka, as one
 //! dependency. It re-exports the two halves, as `tokio` and `tracing` re-export theirs:
 //!
-//! - [`producer`] (feature `producer`): write an event in the same transaction as your rows
-//!   ([`producer::enqueue`]); the relay publishes it and marks it only once the broker has it.
-//! - [`consumer`] (feature `consumer`): handlers whose effects, dedup row and consumed offset
+//! - `producer` (feature `producer`): write an event in the same transaction as your rows
+//!   (`producer::enqueue`); the relay publishes it and marks it only once the broker has it.
+//! - `consumer` (feature `consumer`): handlers whose effects, dedup row and consumed offset
 //!   commit in one transaction (`#[idempotent]`), so each event's effects happen once.
 //! - `admin` (feature `admin`, not on by default): the operator actions and the dashboard to
 //!   mount in your axum service.
 //!
-//! The vocabulary both share ([`EventId`], [`Topic`], [`migrate`], …) is at the top level.
+//! The vocabulary both share ([`EventId`], [`Topic`], [`migrate`], …) is at the top level, and
+//! so is the [`sqlx`] Postal is built with.
+//!
+//! The package is `postal-outbox` (the name `postal` on crates.io is another project's); its
+//! library is `postal`.
 //!
 //! ```no_run
 //! use postal::consumer::{idempotent, ConsumerConfig, Event, HandlerError, State};
 //! use postal::producer::{enqueue, NewEvent};
-//! use sqlx::{PgPool, Postgres, Transaction};
+//! use postal::sqlx::{self, PgPool, Postgres, Transaction};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct OrderPlaced { order_id: i64 }
@@ -55,6 +59,14 @@ pub use postal_shared::{
 
 #[cfg(feature = "logging")]
 pub use postal_shared::init_logging;
+
+/// The `sqlx` Postal is built with (0.8). Its types are part of Postal's API (handlers and
+/// `enqueue` take its `Transaction`, the relay and consumer its `PgPool`): write
+/// `use postal::sqlx::{PgPool, Postgres, Transaction};` and a crate needs no `sqlx` dependency
+/// of its own, or may depend on another major version of it for the rest of its code (a
+/// transaction of that other version cannot be handed to Postal). `sqlx::query!` and the other
+/// checked macros need `sqlx` as a direct dependency of the same major version.
+pub use postal_shared::sqlx;
 
 /// The producer half (feature `producer`): see [`postal_producer`].
 #[cfg(feature = "producer")]

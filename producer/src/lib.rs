@@ -71,5 +71,10 @@ pub use postal_shared::{FromRef, State};
 pub use rabbitmq::{RabbitConfig, RabbitTransport};
 pub use relay::{Relay, RelayHealth, RelayStats, STALL_AFTER};
 pub use route::{DynTransport, Router};
+/// The `sqlx` Postal is built with (0.8). Its types are part of Postal's API (handlers and
+/// `enqueue` take its `Transaction`, the relay and consumer its `PgPool`), so code that shares a
+/// transaction with Postal uses this one: `sqlx::{Postgres, Transaction}` through this path
+/// works whatever major version of `sqlx` the rest of your crate depends on.
+pub use sqlx;
 pub use tasks::{Task, TaskConfig, TaskError, TaskHandler, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};

@@ -54,4 +54,9 @@ pub use log_throttle::LogThrottle;
 pub use logging::{init_logging, LogFormat};
 pub use migrate::{migrate, migrate_within, migrator, MIGRATE_LOCK_WAIT, POSTAL_SCHEMA};
 pub use signal::{stop_signal, StopSignal};
+/// The `sqlx` Postal is built with (0.8). Its types are part of Postal's API (handlers and
+/// `enqueue` take its `Transaction`, the relay and consumer its `PgPool`), so code that shares a
+/// transaction with Postal uses this one: `sqlx::{Postgres, Transaction}` through this path
+/// works whatever major version of `sqlx` the rest of your crate depends on.
+pub use sqlx;
 pub use state::{FromRef, State};

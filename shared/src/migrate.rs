@@ -1,5 +1,6 @@
-//! The embedded migrator. Postal's migrations live in the workspace's `migrations/` directory and
-//! are compiled into this crate.
+//! The embedded migrator. Postal's migrations live in the workspace's `migrations/` directory
+//! (linked as `shared/migrations`, so the packaged crate carries them) and are compiled into
+//! this crate.
 
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ const MIGRATE_LOCK: i64 = 0x706f_7374_616c_6d67;
 /// schema that a newer one already migrated: the migrator ignores applied migrations it does not
 /// know instead of refusing to start (services sharing one database upgrade one at a time).
 static MIGRATOR: std::sync::LazyLock<Migrator> = std::sync::LazyLock::new(|| {
-    let mut migrator = sqlx::migrate!("../migrations");
+    let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true);
     migrator
 });

@@ -578,7 +578,7 @@ fn expand_batch(b: BatchParts<'_>) -> proc_macro2::TokenStream {
 
 /// Where `postal_consumer` is for the crate being compiled: `::postal_consumer` when it depends
 /// on that crate (also under another name), `::postal::consumer` when it depends only on the
-/// `postal` facade. `crate = "…"` overrides it.
+/// facade (`postal-outbox`, library `postal`). `crate = "…"` overrides it.
 fn default_crate_path() -> proc_macro2::TokenStream {
     use proc_macro_crate::{crate_name, FoundCrate};
     let named = |name: &str| {
@@ -589,12 +589,17 @@ fn default_crate_path() -> proc_macro2::TokenStream {
         Ok(FoundCrate::Name(name)) => named(&name),
         // Inside postal-consumer itself (its doc tests and examples are other crates).
         Ok(FoundCrate::Itself) => quote!(::postal_consumer),
-        Err(_) => match crate_name("postal") {
+        // The facade is the package `postal-outbox` whose library is `postal`: a dependency
+        // under its own name is `::postal`, one renamed in Cargo.toml is that name.
+        Err(_) => match crate_name("postal-outbox") {
+            Ok(FoundCrate::Name(name)) if name == "postal_outbox" => quote!(::postal::consumer),
             Ok(FoundCrate::Name(name)) => {
                 let facade = named(&name);
                 quote!(#facade::consumer)
             }
-            _ => quote!(::postal_consumer),
+            // The facade's own doc tests.
+            Ok(FoundCrate::Itself) => quote!(::postal::consumer),
+            Err(_) => quote!(::postal_consumer),
         },
     }
 }
