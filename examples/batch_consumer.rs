@@ -22,7 +22,8 @@
 use anyhow::Context;
 use postal::consumer::{idempotent, Batch, Consumer, ConsumerConfig, HandlerError};
 use serde::Deserialize;
-use sqlx::{Postgres, Transaction};
+use postal::sqlx;
+use postal::sqlx::{Postgres, Transaction};
 
 #[derive(Deserialize)]
 struct OrderCreated {
