@@ -163,12 +163,13 @@ fn redact_pairs(s: &str, seps: &[char]) -> String {
         if i == s.len() || seps.contains(&c) {
             let part = &s[start..i];
             match part.split_once('=') {
-                // A value holding `=`, `;`, `#` or a space may have another parameter run into
-                // it (`sslmode=require;password=…`, JDBC's separator): not shown either.
+                // A value holding `=`, `;`, `#`, `%` or a space may have another parameter run
+                // into it (`sslmode=require;password=…`, JDBC's separator, or percent-encoded:
+                // `require%26password%3D…`): not shown either.
                 Some((name, value))
                     if is_secret_name(name)
                         || !SHOWN_PARAMETERS.contains(&name.to_ascii_lowercase().as_str())
-                        || value.contains(['=', ';', '#'])
+                        || value.contains(['=', ';', '#', '%'])
                         || value.contains(char::is_whitespace) =>
                 {
                     out.push_str(name);
@@ -240,8 +241,34 @@ pub fn database_url_options(url: &str) -> Result<sqlx::postgres::PgConnectOption
             }
         }
     }
-    url.parse()
-        .map_err(|e: sqlx::Error| invalid(format!("{} ({})", e, redact_url(url))))
+    url.parse().map_err(|e: sqlx::Error| {
+        invalid(format!(
+            "{} ({})",
+            without_quoted(&e.to_string()),
+            redact_url(url)
+        ))
+    })
+}
+
+/// `s` with every double-quoted part replaced by `"<value not shown>"`: sqlx's URL errors
+/// quote the value they refuse (`unknown value "require;password=…" for ssl_mode`), which may
+/// hold a password run into it.
+fn without_quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut parts = s.split('"');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    let rest: Vec<&str> = parts.collect();
+    // Pairs of quotes enclose values; an unpaired last quote hides the rest too.
+    for (i, part) in rest.iter().enumerate() {
+        if i % 2 == 0 {
+            out.push_str("\"<value not shown>\"");
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
 }
 
 /// A Kafka client error without the value of the property it is about: librdkafka's
@@ -617,6 +644,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!err.contains("PLANTED"), "{err}");
+    }
+
+    /// Guarantee: sqlx's own error about a URL's parameter never shows the parameter's value,
+    /// which may hold a password run into it (JDBC's `;` separator, a percent-encoded `&`).
+    ///
+    /// Broken: `?sslmode=require;password=PLANTED` failed with sqlx's `unknown value
+    /// "require;password=PLANTED" for ssl_mode`, printed as it is by `postal status` (and every
+    /// command that connects), though the URL after it was redacted.
+    #[test]
+    fn sqlx_url_errors_never_show_a_value() {
+        for url in [
+            "postgres://app@db/shop?sslmode=require;password=PLANTED",
+            "postgres://app@db/shop?sslmode=require%26password%3DPLANTED",
+        ] {
+            let err = database_url_options(url).unwrap_err().to_string();
+            assert!(!err.contains("PLANTED"), "{url}: {err}");
+            assert!(err.contains("ssl_mode"), "{url}: {err}");
+        }
+        assert_eq!(
+            without_quoted(r#"unknown value "a" for x "b" and "c"#),
+            r#"unknown value "<value not shown>" for x "<value not shown>" and "<value not shown>""#
+        );
     }
 
     /// Guarantee: a Kafka configuration error names the property but never shows its value.
