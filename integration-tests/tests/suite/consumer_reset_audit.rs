@@ -6,6 +6,16 @@ use postal_integration_tests::{services, unique};
 
 use crate::common::{create_topic, produce, RawRecord};
 
+/// An audit row: action, via, database role, target, matched, affected.
+type AuditRow = (
+    String,
+    Option<String>,
+    Option<String>,
+    serde_json::Value,
+    Option<i64>,
+    i64,
+);
+
 /// Guarantee (docs/security.md: every action that changes something is written to
 /// `postal.operator_audit`): after `postal consumer reset --execute`, the trail has a `reset`
 /// row via `cli` with the database role, the group, topic and `--to` given, and each
@@ -71,14 +81,7 @@ async fn a_consumer_reset_is_in_the_audit_trail() {
     .await
     .unwrap();
     assert_eq!(next, 0, "the reset moved the stored offset");
-    let rows: Vec<(
-        String,
-        Option<String>,
-        Option<String>,
-        serde_json::Value,
-        Option<i64>,
-        i64,
-    )> = sqlx::query_as(
+    let rows: Vec<AuditRow> = sqlx::query_as(
         "SELECT action, via, db_role, target, matched, affected FROM postal.operator_audit",
     )
     .fetch_all(&db.pool)
