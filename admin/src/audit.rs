@@ -64,7 +64,8 @@ pub struct Entry {
     pub via: Option<String>,
     /// The database role of the session that acted (`current_user`).
     pub db_role: Option<String>,
-    /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`, `pause`, `resume`.
+    /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`, `pause`, `resume`,
+    /// `reset` (`postal consumer reset --execute`).
     pub action: String,
     /// On what: the ids or the filter it was given.
     pub target: serde_json::Value,

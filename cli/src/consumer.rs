@@ -326,7 +326,32 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
             "nothing changed: cannot commit group {group:?}'s offsets to Kafka ({e:#}); make sure the broker is reachable and the group has no live members, then re-run"
         );
     }
-    if let Err(e) = store(pool, &group, &topic, &positions, recreated).await {
+    // Audited (`postal audit list`): who, the group and topic, the target and flags given,
+    // and each partition's move, in the transaction that writes the stored offsets.
+    let audit_target = serde_json::json!({
+        "group": group,
+        "topic": topic,
+        "to": to,
+        "force": force,
+        "force_past_retention": force_past_retention,
+        "partitions": positions.iter().map(|&(p, o)| serde_json::json!({
+            "partition": p,
+            "from": stored.get(&p),
+            "to": o,
+        })).collect::<Vec<_>>(),
+    });
+    let by = crate::audit::operator();
+    if let Err(e) = store(
+        pool,
+        &group,
+        &topic,
+        &positions,
+        recreated,
+        &by,
+        &audit_target,
+    )
+    .await
+    {
         anyhow::bail!(
             "Kafka's offsets of group {group:?} were moved back, but the stored offsets were not written ({e}): re-run this command before starting the group (until then it resumes from its old stored offsets)"
         );
@@ -380,15 +405,27 @@ fn replaced_line(stored: Option<i64>, target: i64, low: i64, high: i64) -> Strin
 
 /// Writes the stored offsets of `positions` (and bumps the epochs, fencing any owner). With
 /// `recreated` the topic's log was replaced: its offset marks (of the old log) are deleted and
-/// its stop lifted.
+/// its stop lifted. Recorded in the audit trail as `reset` by `by` on `target`, in the same
+/// transaction: the stored offsets move only with their audit row.
 async fn store(
     pool: &PgPool,
     group: &str,
     topic: &str,
     positions: &[(i32, i64)],
     recreated: bool,
-) -> Result<(), sqlx::Error> {
+    by: &postal_admin::audit::Operator,
+    target: &serde_json::Value,
+) -> anyhow::Result<()> {
     let mut tx = pool.begin().await?;
+    postal_admin::audit::record(
+        &mut tx,
+        by,
+        "reset",
+        target,
+        positions.len(),
+        positions.len() as u64,
+    )
+    .await?;
     let partitions: Vec<i32> = positions.iter().map(|(p, _)| *p).collect();
     if recreated {
         for table in ["postal.offset_marks", "postal.consumer_stops"] {
@@ -431,7 +468,8 @@ async fn store(
         .execute(&mut *tx)
         .await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Commits `positions` as the group's Kafka offsets and reads them back: an error unless the

@@ -135,6 +135,17 @@ impl NewEvent {
             }));
         }
         let value = value.into();
+        // PostgreSQL's jsonb holds no NUL (`\u0000`): written, the enqueue would fail with a
+        // database error that aborts the caller's transaction.
+        if name.contains('\0') || value.contains('\0') {
+            return Err(Error::Invalid(postal_shared::Error::Invalid {
+                what: "headers",
+                reason: format!(
+                    "header \"{}\" holds a NUL character, which PostgreSQL cannot store",
+                    headers::shown_name(&name)
+                ),
+            }));
+        }
         let others = self
             .headers
             .iter()
@@ -187,6 +198,26 @@ mod tests {
         let e = e.with_header("h0", "again").expect("replacing is fine");
         let err = e.with_header("one-more", "v").unwrap_err().to_string();
         assert!(err.contains("at most 128 user headers"), "{err}");
+    }
+
+    /// Guarantee: a header name or value holding a NUL character is refused at the call with a
+    /// one-line reason.
+    ///
+    /// Broken: it was taken, for `enqueue` to write it into jsonb, which holds no `\u0000`
+    /// (`SELECT '{"x":"a\u0000b"}'::jsonb` fails with `unsupported Unicode escape sequence`):
+    /// a database error in the caller's transaction, which PostgreSQL then aborts.
+    #[test]
+    fn a_nul_in_a_header_is_refused_at_the_call() {
+        let e = NewEvent::json("orders", "k", "t", &1).unwrap();
+        for (name, value) in [("x-ua", "Mozilla\0/5.0"), ("x\0y", "v")] {
+            let err = e
+                .clone()
+                .with_header(name, value)
+                .expect_err("a NUL is refused")
+                .to_string();
+            assert!(err.contains("NUL") && !err.contains('\0'), "{err:?}");
+        }
+        assert!(e.with_header("x-ua", "Mozilla/5.0").is_ok());
     }
 
     /// Guarantee: a header value over 8 KiB, or headers over 64 KiB together, are refused at

@@ -168,6 +168,25 @@ pub(crate) fn stored_headers_refused(e: &OutboundEvent) -> Option<PublishError> 
         .iter()
         .find_map(|(k, _)| user_header_problem(k).map(|p| (k, p)))
     else {
+        // As many as `enqueue` takes (the SQL `postal.enqueue` does not count them), besides
+        // the trace context `enqueue` adds: a consumer turns a record with more than its
+        // `max_headers` (256 by default, with Postal's own headers) into a dead letter.
+        let user = e
+            .headers
+            .iter()
+            .filter(|(k, _)| {
+                k != postal_shared::headers::TRACEPARENT && k != postal_shared::headers::TRACESTATE
+            })
+            .count();
+        if user > crate::MAX_USER_HEADERS {
+            return Some(PublishError::new(
+                FailureKind::Permanent,
+                format!(
+                    "stored headers: {user} user headers, more than the {} an event may carry (consumers refuse records with more than their max_headers)",
+                    crate::MAX_USER_HEADERS
+                ),
+            ));
+        }
         let sizes = e.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
         return size_problem(sizes)
             .map(|reason| PublishError::new(FailureKind::Permanent, format!("stored {reason}")));
@@ -221,6 +240,29 @@ mod tests {
             "{}",
             err.reason
         );
+    }
+
+    /// Guarantee: a row with more user headers than `enqueue` takes ([`crate::MAX_USER_HEADERS`])
+    /// is refused permanently (parked) before it is sent; as many as it takes pass, with the
+    /// trace context `enqueue` adds to them.
+    ///
+    /// Broken: the SQL `postal.enqueue` counts no headers and the relay did not either: an
+    /// event with 300 small headers (well within the size limits) was published, for every
+    /// Postal consumer (`max_headers` 256 by default) to dead-letter (`record::decode`: "record
+    /// has … headers, more than the consumer's max_headers").
+    #[test]
+    fn stored_headers_over_the_enqueue_count_are_refused() {
+        let mut e = sample_event("t", 1);
+        e.headers = (0..crate::MAX_USER_HEADERS)
+            .map(|i| (format!("x-{i}"), "v".into()))
+            .collect();
+        e.headers.push(("traceparent".into(), "00-1-2-01".into()));
+        e.headers.push(("tracestate".into(), "a=b".into()));
+        assert!(stored_headers_refused(&e).is_none());
+        e.headers.push(("x-one-more".into(), "v".into()));
+        let err = stored_headers_refused(&e).expect("refused");
+        assert_eq!(err.kind, FailureKind::Permanent);
+        assert!(err.reason.contains("129 user headers"), "{}", err.reason);
     }
 
     /// Guarantee: a stored header value over the enqueue limit (a row written before it

@@ -36,7 +36,14 @@ pub fn redact_url(url: &str) -> String {
         return "<URL not shown: an `@` after its `?` leaves unclear where a password ends>"
             .to_owned();
     }
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+    // A URL only when what comes before its first `://` is a scheme (RFC 3986: a letter, then
+    // letters, digits, `+`, `-`, `.`): a `://` inside a password or a `key=value` string's value
+    // does not make the text before it a scheme to show.
+    let scheme_end = url
+        .find("://")
+        .filter(|&i| is_scheme(&url[..i]))
+        .map(|i| i + 3);
+    let Some(scheme_end) = scheme_end else {
         // Not a URL: a `key=value` connection string's quoting and spacing (`password = 'a
         // b'`) is not worth parsing here; one that names a secret is not shown at all. A
         // mistyped URL (`postgres//app:pw@db/shop`, `postgres:/app:pw@db`) may still carry
@@ -82,6 +89,13 @@ pub fn redact_url(url: &str) -> String {
         None => out.push_str(rest),
     }
     out
+}
+
+/// Whether `s` is a URL scheme (RFC 3986): a letter, then letters, digits, `+`, `-` or `.`.
+fn is_scheme(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
 /// Where the user part of a URL (after `scheme://`) ends: its last `@`, unless a query
@@ -149,9 +163,14 @@ fn redact_pairs(s: &str, seps: &[char]) -> String {
         if i == s.len() || seps.contains(&c) {
             let part = &s[start..i];
             match part.split_once('=') {
-                Some((name, _))
+                // A value holding `=`, `;`, `#`, `%` or a space may have another parameter run
+                // into it (`sslmode=require;password=…`, JDBC's separator, or percent-encoded:
+                // `require%26password%3D…`): not shown either.
+                Some((name, value))
                     if is_secret_name(name)
-                        || !SHOWN_PARAMETERS.contains(&name.to_ascii_lowercase().as_str()) =>
+                        || !SHOWN_PARAMETERS.contains(&name.to_ascii_lowercase().as_str())
+                        || value.contains(['=', ';', '#', '%'])
+                        || value.contains(char::is_whitespace) =>
                 {
                     out.push_str(name);
                     out.push('=');
@@ -222,8 +241,34 @@ pub fn database_url_options(url: &str) -> Result<sqlx::postgres::PgConnectOption
             }
         }
     }
-    url.parse()
-        .map_err(|e: sqlx::Error| invalid(format!("{} ({})", e, redact_url(url))))
+    url.parse().map_err(|e: sqlx::Error| {
+        invalid(format!(
+            "{} ({})",
+            without_quoted(&e.to_string()),
+            redact_url(url)
+        ))
+    })
+}
+
+/// `s` with every double-quoted part replaced by `"<value not shown>"`: sqlx's URL errors
+/// quote the value they refuse (`unknown value "require;password=…" for ssl_mode`), which may
+/// hold a password run into it.
+fn without_quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut parts = s.split('"');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    let rest: Vec<&str> = parts.collect();
+    // Pairs of quotes enclose values; an unpaired last quote hides the rest too.
+    for (i, part) in rest.iter().enumerate() {
+        if i % 2 == 0 {
+            out.push_str("\"<value not shown>\"");
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
 }
 
 /// A Kafka client error without the value of the property it is about: librdkafka's
@@ -473,6 +518,41 @@ mod tests {
         assert!(checked > 2_800, "{checked} shapes");
     }
 
+    /// Guarantee: a `://` inside a value does not make the string a URL, and a parameter whose
+    /// value is shown does not show a secret run into it: a mistyped URL whose password holds
+    /// `://`, a libpq `key=value` string with a value holding `://` after the password, and a
+    /// query run together with `;` or `#` (JDBC's separator, a fragment) show no password.
+    ///
+    /// Broken: the first `://` anywhere was taken as the scheme's end and everything before it
+    /// printed (`postgres//app:PLA://NTED@db` shown whole; `host=db password=PLANTED
+    /// sslrootcert=file:///ca.pem` shown up to `file://`), and `sslmode=require;password=PLANTED`
+    /// was printed as the value of `sslmode`.
+    #[test]
+    fn a_password_next_to_a_stray_scheme_separator_or_query_separator_is_hidden() {
+        for shape in [
+            "postgres//app:PLA://NTED@db.internal:5432/shop",
+            "postgres:app:PLA://NTED@db/shop",
+            "host=db user=app password=PLANTED sslrootcert=file:///etc/ca.pem",
+            "password=PLANTED host=db application_name=svc://orders",
+            "host=db password=PLA://NTED",
+            "postgres://app@db/shop?sslmode=require;password=PLANTED",
+            "postgres://app@db/shop?sslmode=require#password=PLANTED",
+            "postgres://app@db/shop?application_name=x password=PLANTED",
+            "amqp://mq/%2f?heartbeat=10;password=PLANTED",
+        ] {
+            let shown = redact_url(shape);
+            assert!(
+                !shown.contains("PLA") && !shown.contains("NTED"),
+                "{shape:?} shown as {shown:?}"
+            );
+        }
+        // Real URLs are shown as before.
+        assert_eq!(
+            redact_url("postgres://app:PLANTED@db/shop?sslmode=require&application_name=svc"),
+            "postgres://app:<redacted>@db/shop?sslmode=require&application_name=svc"
+        );
+    }
+
     /// Guarantee: credential properties are secret, ordinary ones are shown.
     #[test]
     fn credential_properties_are_secret() {
@@ -564,6 +644,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!err.contains("PLANTED"), "{err}");
+    }
+
+    /// Guarantee: sqlx's own error about a URL's parameter never shows the parameter's value,
+    /// which may hold a password run into it (JDBC's `;` separator, a percent-encoded `&`).
+    ///
+    /// Broken: `?sslmode=require;password=PLANTED` failed with sqlx's `unknown value
+    /// "require;password=PLANTED" for ssl_mode`, printed as it is by `postal status` (and every
+    /// command that connects), though the URL after it was redacted.
+    #[test]
+    fn sqlx_url_errors_never_show_a_value() {
+        for url in [
+            "postgres://app@db/shop?sslmode=require;password=PLANTED",
+            "postgres://app@db/shop?sslmode=require%26password%3DPLANTED",
+        ] {
+            let err = database_url_options(url).unwrap_err().to_string();
+            assert!(!err.contains("PLANTED"), "{url}: {err}");
+            assert!(err.contains("ssl_mode"), "{url}: {err}");
+        }
+        assert_eq!(
+            without_quoted(r#"unknown value "a" for x "b" and "c"#),
+            r#"unknown value "<value not shown>" for x "<value not shown>" and "<value not shown>""#
+        );
     }
 
     /// Guarantee: a Kafka configuration error names the property but never shows its value.

@@ -144,6 +144,35 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow()
     relay.stop().await;
 }
 
+/// Input: `postal.enqueue` with 300 headers of a few bytes each (within the size limits; the
+/// Rust `enqueue` takes at most `MAX_USER_HEADERS`, 128), beside 20 ordinary events.
+/// Guarantee: the row is parked with a one-line reason before it is sent, and the 20 others are
+/// published.
+///
+/// Broken: the SQL `postal.enqueue` counts no headers and the relay did not either: the event
+/// was published, for every Postal consumer (`max_headers` 256 by default, Postal's own
+/// headers included) to dead-letter.
+#[tokio::test]
+async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("hostile-header-count");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let bad: Uuid = sqlx::query_scalar(
+        "SELECT postal.enqueue($1, 'bad', 'order.created', '{}'::jsonb,
+             (SELECT jsonb_object_agg('x-' || i, 'v') FROM generate_series(1, 300) AS i))",
+    )
+    .bind(&topic)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    small_events(&db.pool, &topic, 20).await;
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let reasons = only_parked_left(&db.pool, &BTreeSet::from([bad]), "300 headers").await;
+    relay.stop().await;
+    assert!(reasons[0].contains("300 user headers"), "{reasons:?}");
+}
+
 /// Input: an outbox row inserted by the application role (`postal grant --app` gives it
 /// `INSERT` on every column) with `attempts = 2147483647` (i32::MAX) on a topic the relay
 /// refuses for good (`<topic>.dlq`, a dead-letter topic outside any allow list), beside 20

@@ -16,6 +16,7 @@ mod common;
 mod concurrent_writers;
 mod consume;
 mod consumer_crash;
+mod consumer_reset_audit;
 mod consumer_takeover;
 mod dashboard;
 mod dashboard_browser;
