@@ -32,6 +32,9 @@ pub struct WalSource {
     pub slot: String,
     /// The publication's name.
     pub publication: String,
+    /// How often the relay reports its confirmed position to the server, at most (a raised
+    /// position is sent within this), and at least while idle (default 1 s).
+    pub status_interval: Duration,
 }
 
 impl std::fmt::Debug for WalSource {
@@ -40,6 +43,7 @@ impl std::fmt::Debug for WalSource {
         f.debug_struct("WalSource")
             .field("slot", &self.slot)
             .field("publication", &self.publication)
+            .field("status_interval", &self.status_interval)
             .finish()
     }
 }
@@ -55,6 +59,7 @@ impl WalSource {
             url: url.into(),
             slot: slot.into(),
             publication: publication.into(),
+            status_interval: Duration::from_secs(1),
         }
     }
 }

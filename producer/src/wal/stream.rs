@@ -182,5 +182,7 @@ fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
     )
     .with_port(url.port().unwrap_or(5432))
     .with_tls(tls)
+    .with_status_interval(source.status_interval)
+    .with_wakeup_interval(source.status_interval)
     .with_application_name("postal-wal-relay"))
 }
