@@ -148,13 +148,11 @@ fn seqs_by_key(records: &[Record]) -> BTreeMap<String, Vec<i64>> {
     by_key
 }
 
-fn outbox_pending(pool: &PgPool) -> impl std::future::Future<Output = i64> + '_ {
-    async move {
-        sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'pending'")
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
+async fn outbox_pending(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'pending'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// Guarantee: events enqueued by concurrent, overlapping transactions (8 writers, each
