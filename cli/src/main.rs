@@ -222,6 +222,17 @@ struct RelayArgs {
     /// a missing database, stops the relay).
     #[arg(long, env = "POSTAL_MIGRATE")]
     migrate: bool,
+    /// Where the relay finds committed events: `poll` claims them from the outbox; `wal` reads
+    /// them from a logical replication slot over DATABASE_URL (docs/wal-relay.md: a first
+    /// slice; the user needs REPLICATION, and the slot and publication must exist).
+    #[arg(long, env = "POSTAL_READ_FROM", value_enum, default_value_t = ReadFrom::Poll)]
+    read_from: ReadFrom,
+    /// With --read-from wal: the logical replication slot (plugin pgoutput).
+    #[arg(long, env = "POSTAL_WAL_SLOT", default_value = "postal_relay")]
+    wal_slot: String,
+    /// With --read-from wal: the publication of `postal.outbox` inserts.
+    #[arg(long, env = "POSTAL_WAL_PUBLICATION", default_value = "postal_outbox")]
+    wal_publication: String,
     /// Serve Prometheus `/metrics`, `/healthz` and `/readyz` (database reachable) on this
     /// address, e.g. `0.0.0.0:9464`. Off when not given.
     #[arg(long, env = "POSTAL_METRICS_ADDR")]
@@ -508,6 +519,15 @@ fn kafka_config(
     Ok(kafka)
 }
 
+/// Where `postal relay` finds committed events (`--read-from`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ReadFrom {
+    /// Claim them from the outbox.
+    Poll,
+    /// Read them from a logical replication slot.
+    Wal,
+}
+
 async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Result<()> {
     // Listened for from here on: SIGTERM while the relay still starts (its broker or database
     // unreachable, migrations waiting) is a graceful stop too, not the default kill.
@@ -515,7 +535,16 @@ async fn relay(db: &DbArgs, client: &KafkaArgs, args: RelayArgs) -> anyhow::Resu
     postal_shared::env::refuse_renamed(&|name: &str| std::env::var(name).ok())
         .map_err(|e| anyhow!(e))?;
     postal_shared::env::warn_unknown();
-    let config = relay_config(&args);
+    let mut config = relay_config(&args);
+    if args.read_from == ReadFrom::Wal {
+        let url = db
+            .database_url
+            .clone()
+            .ok_or_else(|| anyhow!("--read-from wal reads the slot over --database-url (DATABASE_URL), which is not set"))?;
+        config = config.source(postal_producer::RelaySource::Wal(
+            postal_producer::WalSource::new(url, &args.wal_slot, &args.wal_publication),
+        ));
+    }
     config.validate()?;
     // Checked before any client starts: a mistyped URL is one line, not a Kafka client's
     // connection errors first.

@@ -96,7 +96,7 @@ const RETURNED_NAMES: [&str; 16] = [
 /// more than the decoding itself. Debug builds (the test suite) check the names once per claim
 /// ([`claim`]), so that a reordered column list cannot silently put one text column into
 /// another.
-fn decode(
+pub(crate) fn decode(
     row: &sqlx::postgres::PgRow,
 ) -> Result<(OutboundEvent, Kept, Option<Skipped>), sqlx::Error> {
     use sqlx::Row as _;
@@ -158,7 +158,7 @@ fn passed(row: &sqlx::postgres::PgRow) -> Result<usize, sqlx::Error> {
 }
 
 /// What is needed to write a row back after a failed publish (delete-on-claim mode).
-struct Kept {
+pub(crate) struct Kept {
     created_at: DateTime<Utc>,
     last_error: Option<String>,
     /// `occurred_at|created_at` as stored, when either lies outside the times the relay can
@@ -822,6 +822,7 @@ macro_rules! returned {
          THEN d.occurred_at::text || '|' || d.created_at::text END AS raw_times"
     };
 }
+pub(crate) use returned;
 
 /// The last column a claim returns: the rows of the claimed row's topic and key that the
 /// statement passed but could not lock (`SKIP LOCKED`) and that no claim of this relay locks

@@ -60,6 +60,22 @@ pub struct RelayConfig {
     pub group: String,
     /// Which topics this relay claims (default: all).
     pub topics: TopicFilter,
+    /// Where the relay finds committed events: by polling the outbox (default) or from a
+    /// logical replication slot ([`RelaySource::Wal`], docs/wal-relay.md).
+    pub source: RelaySource,
+}
+
+/// Where a relay finds the committed events it publishes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RelaySource {
+    /// Claims from `postal.outbox` (the default).
+    #[default]
+    Poll,
+    /// Reads the outbox inserts from a logical replication slot, in commit order, and marks
+    /// the rows it published as polling does. One relay per slot (no lease yet: see
+    /// docs/wal-relay.md); do not run a polling relay on the same outbox at the same time.
+    Wal(crate::wal::WalSource),
 }
 
 postal_shared::setters!(RelayConfig {
@@ -77,6 +93,7 @@ postal_shared::setters!(RelayConfig {
     shutdown_timeout: Duration,
     group: String,
     topics: TopicFilter,
+    source: RelaySource,
 });
 
 /// The topics a relay claims from the outbox.
@@ -159,6 +176,7 @@ impl Default for RelayConfig {
             shutdown_timeout: Duration::from_secs(20),
             group: crate::lease::DEFAULT_GROUP.into(),
             topics: TopicFilter::All,
+            source: RelaySource::Poll,
         }
     }
 }
@@ -213,6 +231,14 @@ impl RelayConfig {
         if let TopicFilter::Only(t) = &self.topics {
             if t.is_empty() {
                 return bad("a relay limited to topics needs at least one topic");
+            }
+        }
+        if matches!(self.source, RelaySource::Wal(_)) {
+            if self.history.is_some() {
+                return bad("the WAL source does not write the history yet: drop the history or use the polling source");
+            }
+            if self.topics != TopicFilter::All {
+                return bad("the WAL source publishes every topic of its publication: drop the topic filter or use the polling source");
             }
         }
         Ok(())

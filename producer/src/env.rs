@@ -40,6 +40,7 @@ impl RelayConfig {
     /// | `POSTAL_SHUTDOWN_TIMEOUT` | [`shutdown_timeout`](Self::shutdown_timeout) |
     /// | `POSTAL_GROUP` | [`group`](Self::group) |
     /// | `POSTAL_TOPICS`, `POSTAL_EXCLUDE_TOPICS` | [`topics`](Self::topics) (comma-separated) |
+    /// | `POSTAL_READ_FROM` | `poll` or `wal`: [`source`](Self::source); `wal` reads slot `POSTAL_WAL_SLOT` (default `postal_relay`) with publication `POSTAL_WAL_PUBLICATION` (default `postal_outbox`) over `DATABASE_URL` |
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
         env::refuse_renamed(&var).map_err(config)?;
         if let Some(v) = var("POSTAL_BATCH_SIZE") {
@@ -95,6 +96,25 @@ impl RelayConfig {
             (Some(o), _) if !o.is_empty() => self.topics = TopicFilter::Only(o),
             (_, Some(e)) if !e.is_empty() => self.topics = TopicFilter::Except(e),
             _ => {}
+        }
+        if let Some(v) = var("POSTAL_READ_FROM") {
+            self.source = match v.trim() {
+                "poll" => crate::config::RelaySource::Poll,
+                "wal" => {
+                    let url = var("DATABASE_URL").ok_or_else(|| {
+                        config("POSTAL_READ_FROM=wal reads the slot over DATABASE_URL, which is not set".into())
+                    })?;
+                    let slot = var("POSTAL_WAL_SLOT").unwrap_or_else(|| "postal_relay".into());
+                    let publication =
+                        var("POSTAL_WAL_PUBLICATION").unwrap_or_else(|| "postal_outbox".into());
+                    crate::config::RelaySource::Wal(crate::wal::WalSource::new(
+                        url,
+                        slot.trim(),
+                        publication.trim(),
+                    ))
+                }
+                _ => return Err(config("POSTAL_READ_FROM must be poll or wal".into())),
+            };
         }
         self.validate()?;
         Ok(self)

@@ -33,6 +33,9 @@ pub enum Error {
         /// The claim's partitions that another relay (or nobody) owns now.
         partitions: Vec<i16>,
     },
+    /// The WAL source's replication stream failed or sent what the relay cannot read.
+    #[error("WAL source: {0}")]
+    Wal(String),
     /// A database call failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

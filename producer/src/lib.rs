@@ -54,9 +54,10 @@ mod tasks;
 pub mod testing;
 mod trace;
 mod transport;
+pub mod wal;
 
 pub use allow::TopicAllowList;
-pub use config::{RelayConfig, TopicFilter};
+pub use config::{RelayConfig, RelaySource, TopicFilter};
 pub use enqueue::{enqueue, enqueue_batch, enqueue_once, KEY_LOCK_CLASS, NOTIFY_CHANNEL};
 pub use error::Error;
 pub use event::{NewEvent, MAX_PAYLOAD_BYTES, MAX_USER_HEADERS};
@@ -78,3 +79,4 @@ pub use route::{DynTransport, Router};
 pub use sqlx;
 pub use tasks::{Task, TaskConfig, TaskError, TaskHandler, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};
+pub use wal::WalSource;

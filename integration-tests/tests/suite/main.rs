@@ -74,3 +74,4 @@ mod tasks;
 mod throughput;
 mod trace;
 mod upgrade;
+mod wal_relay;

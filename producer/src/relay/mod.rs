@@ -132,6 +132,10 @@ impl<T: Transport> Relay<T> {
         if !postal_shared::wait_for_schema(&self.pool, &mut shutdown).await? {
             return Ok(RelayStats::default());
         }
+        if let crate::config::RelaySource::Wal(source) = &self.config.source {
+            let source = source.clone();
+            return crate::wal::run(self.pool, self.transport, self.config, source, shutdown).await;
+        }
         let (wake_tx, wake_rx) = tokio::sync::watch::channel(0u64);
         let shared = Arc::new(Shared {
             pool: self.pool.clone(),

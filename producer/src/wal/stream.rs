@@ -1,0 +1,188 @@
+//! Reading the slot: committed transactions' outbox inserts, in commit order, gathered into
+//! batches that end at a commit.
+
+use futures::FutureExt;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+
+use super::pgoutput::{Change, Decoder};
+use super::WalSource;
+use crate::Error;
+
+/// The outbox inserts of one or more whole committed transactions, in commit order.
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    /// The inserted rows' `seq`, in commit order (per key this is also `seq` order).
+    pub seqs: Vec<i64>,
+    /// The end LSN of the batch's last commit.
+    pub end_lsn: u64,
+}
+
+/// What the stream gave the relay.
+#[derive(Debug)]
+pub(crate) enum Read {
+    /// Whole transactions, some of which may hold no outbox insert (`seqs` empty).
+    Batch(Batch),
+    /// A keepalive: the server sent everything up to here.
+    KeepAlive(u64),
+}
+
+/// A replication session on the relay's slot.
+pub(crate) struct Stream {
+    client: ReplicationClient,
+    decoder: Decoder,
+    /// The transaction being received (its inserts), when a `Begin` came without its `Commit`.
+    open: Option<Vec<i64>>,
+}
+
+impl Stream {
+    /// Starts streaming from the slot's confirmed position.
+    pub(crate) async fn start(source: &WalSource) -> Result<Stream, Error> {
+        let client = ReplicationClient::connect(replication_config(source)?)
+            .await
+            .map_err(|e| {
+                Error::Wal(format!(
+                    "could not start streaming from slot {}: {e}",
+                    source.slot
+                ))
+            })?;
+        Ok(Stream {
+            client,
+            decoder: Decoder::default(),
+            open: None,
+        })
+    }
+
+    /// Reports `lsn` to the server as flushed: the slot's confirmed position advances to it.
+    pub(crate) fn confirm(&self, lsn: u64) {
+        self.client.update_applied_lsn(Lsn::from_u64(lsn));
+    }
+
+    /// Waits for the next commit (or keepalive), then takes every further whole transaction
+    /// already received without waiting, up to about `max` inserts: a batch grows with the
+    /// backlog and costs no wait when there is none.
+    pub(crate) async fn next(&mut self, max: usize) -> Result<Read, Error> {
+        let mut batch = Batch::default();
+        let mut committed = false;
+        loop {
+            let event = if committed && self.open.is_none() {
+                if batch.seqs.len() >= max {
+                    return Ok(Read::Batch(batch));
+                }
+                match self.client.recv().now_or_never() {
+                    None => return Ok(Read::Batch(batch)),
+                    Some(event) => event,
+                }
+            } else {
+                self.client.recv().await
+            };
+            let event = event
+                .map_err(|e| Error::Wal(format!("replication stream failed: {e}")))?
+                .ok_or_else(|| Error::Wal("replication stream ended".into()))?;
+            match event {
+                ReplicationEvent::Begin { .. } => self.open = Some(Vec::new()),
+                ReplicationEvent::XLogData { data, .. } => {
+                    if let Change::Outbox(seq) = self.decoder.decode(&data).map_err(Error::Wal)? {
+                        self.open
+                            .as_mut()
+                            .ok_or_else(|| {
+                                Error::Wal("an outbox insert outside a transaction".into())
+                            })?
+                            .push(seq);
+                    }
+                }
+                ReplicationEvent::Commit { end_lsn, .. } => {
+                    let seqs = self
+                        .open
+                        .take()
+                        .ok_or_else(|| Error::Wal("a commit without its begin".into()))?;
+                    batch.seqs.extend(seqs);
+                    batch.end_lsn = end_lsn.as_u64();
+                    committed = true;
+                }
+                ReplicationEvent::KeepAlive { wal_end, .. } => {
+                    if !committed && self.open.is_none() {
+                        return Ok(Read::KeepAlive(wal_end.as_u64()));
+                    }
+                }
+                ReplicationEvent::Message { .. } => {}
+                ReplicationEvent::StoppedAt { .. } => {
+                    return Err(Error::Wal("replication stream stopped".into()))
+                }
+            }
+        }
+    }
+
+    /// Ends the session (the server keeps the slot's confirmed position).
+    pub(crate) async fn stop(mut self) {
+        let _ = self.client.shutdown().await;
+    }
+}
+
+/// `%XX` escapes of a URL part decoded (a `+` stays a `+`, as libpq reads it).
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (b[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The replication session's settings from the source's connection URL
+/// (`postgres://user:password@host:port/database?sslmode=…`).
+fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
+    use pgwire_replication::{SslMode, TlsConfig};
+    let bad = |m: &str| Error::Config(format!("WAL source connection: {m}"));
+    let url = url::Url::parse(&source.url).map_err(|_| bad("not a postgres:// URL"))?;
+    if !matches!(url.scheme(), "postgres" | "postgresql") {
+        return Err(bad("not a postgres:// URL"));
+    }
+    let user = decode(url.username());
+    let password = url.password().map(decode).unwrap_or_default();
+    let database = url.path().trim_start_matches('/');
+    let database = if database.is_empty() {
+        user.clone()
+    } else {
+        decode(database)
+    };
+    let host = url.host_str().unwrap_or("localhost").to_owned();
+    let mut tls = TlsConfig::disabled();
+    for (k, v) in url.query_pairs() {
+        if k == "sslmode" {
+            tls.mode = match v.as_ref() {
+                "disable" => SslMode::Disable,
+                "allow" | "prefer" => SslMode::Prefer,
+                "require" => SslMode::Require,
+                "verify-ca" => SslMode::VerifyCa,
+                "verify-full" => SslMode::VerifyFull,
+                _ => return Err(bad("unknown sslmode")),
+            };
+        }
+    }
+    Ok(ReplicationConfig::new(
+        host,
+        user,
+        password,
+        database,
+        source.slot.clone(),
+        source.publication.clone(),
+    )
+    .with_port(url.port().unwrap_or(5432))
+    .with_tls(tls)
+    .with_status_interval(source.status_interval)
+    .with_wakeup_interval(source.status_interval)
+    .with_application_name("postal-wal-relay"))
+}
