@@ -71,5 +71,6 @@ mod takeover;
 mod task_checkout;
 mod tasks;
 mod throughput;
+mod topology_review;
 mod trace;
 mod upgrade;
