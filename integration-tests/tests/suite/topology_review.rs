@@ -522,18 +522,18 @@ async fn enqueue_through_transaction_pooling_inside_savepoints_and_set_local() {
                     .unwrap();
                 // A savepoint rolled back: its event is gone.
                 sqlx::query("SAVEPOINT a").persistent(false).execute(&mut *tx).await.unwrap();
-                enqueue(&mut *tx, ev("rolled-back")).await.unwrap();
+                enqueue(&mut tx, ev("rolled-back")).await.unwrap();
                 sqlx::query("ROLLBACK TO SAVEPOINT a").persistent(false).execute(&mut *tx).await.unwrap();
                 // A savepoint released: its event stays.
                 sqlx::query("SAVEPOINT b").persistent(false).execute(&mut *tx).await.unwrap();
-                enqueue(&mut *tx, ev("released")).await.unwrap();
+                enqueue(&mut tx, ev("released")).await.unwrap();
                 sqlx::query("RELEASE SAVEPOINT b").persistent(false).execute(&mut *tx).await.unwrap();
                 kept.push((key.clone(), w, i, "released"));
                 // A failed statement rolled back to its savepoint, then a batch.
                 sqlx::query("SAVEPOINT c").persistent(false).execute(&mut *tx).await.unwrap();
                 assert!(sqlx::query("SELECT 1/0").persistent(false).execute(&mut *tx).await.is_err());
                 sqlx::query("ROLLBACK TO SAVEPOINT c").persistent(false).execute(&mut *tx).await.unwrap();
-                enqueue_batch(&mut *tx, vec![ev("batch-1"), ev("batch-2")]).await.unwrap();
+                enqueue_batch(&mut tx, vec![ev("batch-1"), ev("batch-2")]).await.unwrap();
                 kept.push((key.clone(), w, i, "batch-1"));
                 kept.push((key.clone(), w, i, "batch-2"));
                 // The caller's SET LOCAL still holds after enqueue, in its transaction.
@@ -728,7 +728,7 @@ async fn a_live_topic_recreated_with_fewer_partitions_behind_poolers() {
                     let key = format!("c{k}");
                     let mut tx = pool.begin().await.unwrap();
                     enqueue(
-                        &mut *tx,
+                        &mut tx,
                         NewEvent::json(
                             topic.as_str(),
                             key.as_str(),
