@@ -393,6 +393,17 @@ async fn a_relay_started_through_a_busy_transaction_pooler_is_still_refused() {
 /// pooler keeps the migrator's `search_path` or `lock_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_through_a_busy_transaction_pooler_is_refused_and_leaks_nothing() {
+    migrate_through_a_busy_transaction_pooler(Duration::from_secs(10)).await;
+}
+
+/// As above, the application's transactions 40 s long: longer than the probe waits (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known, not fixed: a transaction pooler kept busy longer than the probe's 30 s passes as 'unknown', and migrate then leaves search_path = postal and lock_timeout = 1s on a server session"]
+async fn migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits() {
+    migrate_through_a_busy_transaction_pooler(Duration::from_secs(40)).await;
+}
+
+async fn migrate_through_a_busy_transaction_pooler(hold: Duration) {
     use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
     let Some(bin) = pgbouncer::binary("topology_review::busy_transaction_pooler_migrate") else {
         return;
@@ -401,18 +412,13 @@ async fn migrate_through_a_busy_transaction_pooler_is_refused_and_leaks_nothing(
     let db = svc.empty_db().await;
     let bouncer = PgBouncer::start(&bin, &svc.database_url, PoolMode::Transaction, 2, &[]);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let app = busy_application(
-        bouncer.url(&db.name),
-        2,
-        Duration::from_secs(10),
-        stop.clone(),
-    );
+    let app = busy_application(bouncer.url(&db.name), 2, hold, stop.clone());
     tokio::time::sleep(Duration::from_secs(1)).await;
     let url = bouncer.url(&db.name);
     let stopper = {
         let stop = stop.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(20)).await;
+            tokio::time::sleep(hold * 2).await;
             stop.store(true, std::sync::atomic::Ordering::SeqCst);
             for h in app {
                 h.await.ok();
