@@ -122,6 +122,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         bootstrap_servers,
     } = cmd;
     let target = parse_target(&to)?;
+    let every_partition = partitions.is_empty();
     let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
     let known: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1)",
@@ -216,7 +217,27 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         anyhow::Ok((positions, watermarks, past))
     })
     .await??;
+    // Partitions the group stored offsets for that the topic no longer has: Kafka never takes
+    // a partition away, so the topic was re-created with fewer partitions (or the group moved
+    // to another cluster), and every stored offset of the topic belongs to the old log.
+    let vanished: Vec<(i32, Option<i64>)> = sqlx::query_as::<_, (i32, Option<i64>)>(
+        "SELECT partition, next_offset FROM postal.consumer_offsets
+         WHERE group_id = $1 AND topic = $2 ORDER BY partition",
+    )
+    .bind(&group)
+    .bind(&topic)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .filter(|(p, _)| !watermarks.contains_key(p))
+    .collect();
+    anyhow::ensure!(
+        vanished.is_empty() || every_partition,
+        "topic {topic:?} no longer has partition {} that group {group:?} stored an offset for (it was re-created with fewer partitions), so every partition's stored offset is in doubt; nothing changed: reset all its partitions (leave out --partition)",
+        vanished[0].0
+    );
     let recreated = !stops.is_empty()
+        || !vanished.is_empty()
         || stored.iter().any(|(p, s)| {
             watermarks
                 .get(p)
@@ -295,6 +316,10 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         };
         say!("plan: {group} {topic}[{partition}]: {line}");
     }
+    for (partition, stored) in &vanished {
+        let stored = stored.map_or_else(|| "none".to_owned(), |s| s.to_string());
+        say!("plan: {group} {topic}[{partition}]: the topic no longer has this partition: its stored offset ({stored}, of the old log) is deleted");
+    }
     if recreated {
         say!(
             "topic {topic} was re-created (or the group moved to another Kafka cluster): its stored offsets belong to the old log. Events applied before are not applied again while their dedup rows in postal.processed_events last (the consumers' dedup retention; `postal status` shows each dedup horizon)."
@@ -341,12 +366,13 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         })).collect::<Vec<_>>(),
     });
     let by = crate::audit::operator();
+    let current: Vec<i32> = watermarks.keys().copied().collect();
     if let Err(e) = store(
         pool,
         &group,
         &topic,
         &positions,
-        recreated,
+        recreated.then_some(current.as_slice()),
         &by,
         &audit_target,
     )
@@ -404,15 +430,16 @@ fn replaced_line(stored: Option<i64>, target: i64, low: i64, high: i64) -> Strin
 }
 
 /// Writes the stored offsets of `positions` (and bumps the epochs, fencing any owner). With
-/// `recreated` the topic's log was replaced: its offset marks (of the old log) are deleted and
-/// its stop lifted. Recorded in the audit trail as `reset` by `by` on `target`, in the same
+/// `replaced` (the partitions the topic has now) the topic's log was replaced: its offset marks
+/// (of the old log) are deleted, its stop lifted, and the stored offsets of partitions it no
+/// longer has deleted. Recorded in the audit trail as `reset` by `by` on `target`, in the same
 /// transaction: the stored offsets move only with their audit row.
 async fn store(
     pool: &PgPool,
     group: &str,
     topic: &str,
     positions: &[(i32, i64)],
-    recreated: bool,
+    replaced: Option<&[i32]>,
     by: &postal_admin::audit::Operator,
     target: &serde_json::Value,
 ) -> anyhow::Result<()> {
@@ -427,7 +454,17 @@ async fn store(
     )
     .await?;
     let partitions: Vec<i32> = positions.iter().map(|(p, _)| *p).collect();
-    if recreated {
+    let recreated = replaced.is_some();
+    if let Some(current) = replaced {
+        sqlx::query(
+            "DELETE FROM postal.consumer_offsets
+             WHERE group_id = $1 AND topic = $2 AND NOT (partition = ANY($3))",
+        )
+        .bind(group)
+        .bind(topic)
+        .bind(current)
+        .execute(&mut *tx)
+        .await?;
         for table in ["postal.offset_marks", "postal.consumer_stops"] {
             sqlx::query(&format!(
                 "DELETE FROM {table} WHERE group_id = $1 AND topic = $2"

@@ -13,7 +13,15 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 
 use crate::Error;
 
-/// How long one probe statement may wait for the pooler to give it a server connection.
+/// How long the probe may wait, in all, for the pooler to give its two connections a server
+/// connection each. A transaction pooler whose application holds every server connection in
+/// transactions of a few seconds (a batch job at peak) makes them wait as long; giving up
+/// sooner passed such a pooler as "unknown", and the relay then died on "prepared statement
+/// sqlx_s_1 does not exist" (`topology_review::a_relay_started_through_a_busy_transaction_pooler_is_still_refused`).
+const SERVER_WAIT: Duration = Duration::from_secs(30);
+
+/// How long `a`'s second statement may wait while `b` holds a transaction: a session never
+/// waits here (it keeps its server), so a wait this long means `a` lost its server.
 const PROBE_WAIT: Duration = Duration::from_secs(3);
 
 /// Probe rounds: under other clients' load a transaction pooler can hand a connection its own
@@ -54,13 +62,14 @@ pub async fn session_probe(pool: &PgPool) -> Result<Pooling, sqlx::Error> {
     let mut a = PgConnection::connect_with(&options).await?;
     let mut b = PgConnection::connect_with(&options).await?;
     let mut found = Pooling::Session;
+    let deadline = tokio::time::Instant::now() + SERVER_WAIT;
     for _ in 0..ROUNDS {
-        let Ok(p) = tokio::time::timeout(PROBE_WAIT, backend_pid(&mut a)).await else {
+        let Ok(p) = tokio::time::timeout_at(deadline, backend_pid(&mut a)).await else {
             found = Pooling::Unknown;
             break;
         };
         let p = p?;
-        let Ok(begun) = tokio::time::timeout(PROBE_WAIT, b.execute("BEGIN")).await else {
+        let Ok(begun) = tokio::time::timeout_at(deadline, b.execute("BEGIN")).await else {
             found = Pooling::Unknown;
             break;
         };
@@ -94,7 +103,7 @@ pub async fn require_session(pool: &PgPool) -> Result<(), Error> {
         Pooling::Transaction => Err(Error::TransactionPooling),
         Pooling::Session => Ok(()),
         Pooling::Unknown => {
-            tracing::warn!("could not tell whether the database connection goes through a transaction pooler: no server connection answered within {PROBE_WAIT:?}");
+            tracing::warn!("could not tell whether the database connection goes through a transaction pooler: no server connection answered within {SERVER_WAIT:?}");
             Ok(())
         }
     }

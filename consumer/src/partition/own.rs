@@ -20,6 +20,11 @@ impl Worker {
         if self.topic_stopped().await {
             return self.parked(own.epoch).await;
         }
+        match self.partitions_vanished().await {
+            None => return Owned::Ended,
+            Some(true) => return self.parked(own.epoch).await,
+            Some(false) => {}
+        }
         if *self.paused.lock().expect("pause flag") {
             // Parked by an earlier ownership (its topic was stopped, and has been reset since).
             self.resume_fetching();

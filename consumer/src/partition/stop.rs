@@ -97,6 +97,84 @@ impl Worker {
         Some(true)
     }
 
+    /// How many partitions the topic has now (a fresh metadata request); `None` when the
+    /// broker does not say (unreachable, the topic missing or still being created).
+    async fn partition_count(&self) -> Option<i32> {
+        let consumer = self.shared.consumer.clone();
+        let topic = self.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            let md = consumer
+                .fetch_metadata(Some(&topic), Duration::from_secs(5))
+                .ok()?;
+            let t = md.topics().iter().find(|t| t.name() == topic)?;
+            (t.error().is_none() && !t.partitions().is_empty())
+                .then(|| i32::try_from(t.partitions().len()).ok())?
+        })
+        .await
+        .ok()?
+    }
+
+    /// Whether the group stored an offset for a partition the topic no longer has: Kafka never
+    /// takes a partition away, so the topic was deleted and re-created with fewer partitions
+    /// (or the group moved to another cluster) and the stored offsets of the partitions it
+    /// still has belong to the old log too, even where they lie within the new log's offsets
+    /// (resuming there would never read the new log's first records). Checked when a partition
+    /// is taken over, before anything of it is applied; confirmed by a second metadata read;
+    /// then recorded like a stored offset above the high watermark (watermarks -1: no such
+    /// partition), with one ERROR line. `None` if cancelled meanwhile.
+    pub(super) async fn partitions_vanished(&self) -> Option<bool> {
+        let group = &self.shared.config.group;
+        let highest: Option<(i32, Option<i64>)> = match sqlx::query_as(
+            "SELECT partition, next_offset FROM postal.consumer_offsets
+             WHERE group_id = $1 AND topic = $2 ORDER BY partition DESC LIMIT 1",
+        )
+        .bind(group)
+        .bind(&self.topic)
+        .fetch_optional(&self.shared.pool)
+        .await
+        {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!(error = %e, topic = %self.topic, "cannot read the group's stored partitions");
+                return Some(false);
+            }
+        };
+        let Some((highest, stored)) = highest else {
+            return Some(false);
+        };
+        if self.cancel.is_cancelled() {
+            return None;
+        }
+        match self.partition_count().await {
+            Some(count) if highest >= count => {}
+            _ => return Some(false),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(CONFIRM_AFTER) => {}
+            _ = self.cancel.cancelled() => return None,
+        }
+        let count = match self.partition_count().await {
+            Some(count) if highest >= count => count,
+            _ => return Some(false),
+        };
+        let stop = Stop {
+            partition: highest,
+            stored_offset: stored.unwrap_or(0),
+            low_watermark: -1,
+            high_watermark: -1,
+        };
+        let reset = format!(
+            "postal consumer reset --group {group} --topic {} --to earliest --execute",
+            self.topic
+        );
+        tracing::error!(group = %group, topic = %self.topic, partition = highest, partitions = count, stored_offset = ?stored,
+            "the group stored an offset for a partition the topic no longer has: the topic was deleted and re-created with fewer partitions, or the group moved to another Kafka cluster; the topic is stopped (nothing applied, nothing skipped): stop the group's consumers, then run `{reset}`");
+        if let Err(e) = replaced::record(&self.shared.pool, group, &self.topic, stop).await {
+            tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot record the topic's stop in postal.consumer_stops (does the consumer's role have `postal grant --consumer`?)");
+        }
+        Some(true)
+    }
+
     /// Whether the group stopped this topic (`postal.consumer_stops`). A database error counts
     /// as "no": the next check finds out.
     pub(super) async fn topic_stopped(&self) -> bool {

@@ -72,6 +72,7 @@ mod takeover;
 mod task_checkout;
 mod tasks;
 mod throughput;
+mod topology_review;
 mod trace;
 mod upgrade;
 mod wal_relay;

@@ -25,7 +25,7 @@ async fn pool_through(bouncer: &PgBouncer, db: &str, size: u32) -> PgPool {
 
 /// Runs `postal ARGS` with `DATABASE_URL=url` until it exits or `limit` passes (then it is
 /// killed): (exited in time, success, stderr).
-fn postal(url: &str, args: &[&str], limit: Duration) -> (bool, bool, String) {
+pub(crate) fn postal(url: &str, args: &[&str], limit: Duration) -> (bool, bool, String) {
     let dir = tempdir();
     let err_path = dir.join("stderr");
     let mut child = std::process::Command::new(bin_dir().join("postal"))
@@ -58,7 +58,7 @@ fn postal(url: &str, args: &[&str], limit: Duration) -> (bool, bool, String) {
     )
 }
 
-fn tempdir() -> std::path::PathBuf {
+pub(crate) fn tempdir() -> std::path::PathBuf {
     let d = std::env::temp_dir().join(postal_integration_tests::unique("postal-poolers"));
     std::fs::create_dir_all(&d).unwrap();
     d

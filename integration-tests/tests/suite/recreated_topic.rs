@@ -19,7 +19,7 @@ use crate::common::{
 use crate::missing_topic::topic_exists;
 
 /// Runs the `postal` CLI; (success, stdout, stderr).
-fn postal(url: &str, bootstrap: &str, args: &[&str]) -> (bool, String, String) {
+pub(crate) fn postal(url: &str, bootstrap: &str, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(crate::procs::bin_dir().join("postal"))
         .args(args)
         .env("DATABASE_URL", url)
@@ -39,7 +39,12 @@ fn postal(url: &str, bootstrap: &str, args: &[&str]) -> (bool, String, String) {
 }
 
 /// `postal status --json`'s rows of `group` on `topic`.
-fn status_rows(url: &str, bootstrap: &str, group: &str, topic: &str) -> Vec<serde_json::Value> {
+pub(crate) fn status_rows(
+    url: &str,
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+) -> Vec<serde_json::Value> {
     let (ok, stdout, _) = postal(url, bootstrap, &["status", "--json"]);
     assert!(ok, "postal status");
     let status: serde_json::Value = serde_json::from_str(&stdout).expect("status JSON");
@@ -52,12 +57,12 @@ fn status_rows(url: &str, bootstrap: &str, group: &str, topic: &str) -> Vec<serd
         .collect()
 }
 
-fn job(id: Uuid, n: i64) -> RawRecord {
+pub(crate) fn job(id: Uuid, n: i64) -> RawRecord {
     RawRecord::event(id, &format!("k{n}"), "job", json!({ "n": n }))
 }
 
 /// Effects rows whose `n` lies in `range`.
-async fn applied_in(pool: &PgPool, range: std::ops::Range<i64>) -> i64 {
+pub(crate) async fn applied_in(pool: &PgPool, range: std::ops::Range<i64>) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects WHERE n >= $1 AND n < $2")
         .bind(range.start)
         .bind(range.end)
@@ -66,7 +71,7 @@ async fn applied_in(pool: &PgPool, range: std::ops::Range<i64>) -> i64 {
         .unwrap()
 }
 
-async fn delete_topic(bootstrap: &str, topic: &str) {
+pub(crate) async fn delete_topic(bootstrap: &str, topic: &str) {
     use rdkafka::admin::{AdminClient, AdminOptions};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -92,7 +97,7 @@ async fn delete_topic(bootstrap: &str, topic: &str) {
 }
 
 /// Creates `topic` again once the broker has finished deleting it.
-async fn recreate_topic(bootstrap: &str, topic: &str, partitions: i32) {
+pub(crate) async fn recreate_topic(bootstrap: &str, topic: &str, partitions: i32) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)

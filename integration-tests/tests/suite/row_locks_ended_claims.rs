@@ -315,7 +315,7 @@ async fn two_relay_groups_with_overlapping_filters_under_stranger_locks_keep_key
 // Partitions added to a topic while the relay publishes to it
 // ---------------------------------------------------------------------------------------------
 
-async fn add_partitions(bootstrap: &str, topic: &str, total: usize) {
+pub(crate) async fn add_partitions(bootstrap: &str, topic: &str, total: usize) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
