@@ -21,9 +21,9 @@
 
 use anyhow::Context;
 use postal::consumer::{idempotent, Batch, Consumer, ConsumerConfig, HandlerError};
-use serde::Deserialize;
 use postal::sqlx;
 use postal::sqlx::{Postgres, Transaction};
+use serde::Deserialize;
 
 #[derive(Deserialize)]
 struct OrderCreated {
