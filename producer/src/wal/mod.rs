@@ -122,7 +122,7 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
                     confirm.received(batch.end_lsn);
-                    let publish = publish(&pool, &*transport, &config, &batch.seqs, &mut stats);
+                    let publish = publish(&pool, &*transport, &config, &batch, &mut stats);
                     let mut publish = std::pin::pin!(publish);
                     tokio::select! {
                         () = &mut shutdown => {
@@ -157,18 +157,26 @@ async fn pause(
     }
 }
 
-/// Publishes the rows `seqs` (one batch from the slot, in commit order) until each is
-/// acknowledged and marked, or found no longer to publish. Failed events are retried with
+/// Publishes the rows of `batch` (whole transactions from the slot, in commit order) until each
+/// is acknowledged and marked, or found no longer to publish. Failed events are retried with
 /// backoff, each with its key's later events in the batch after it (the transport holds those
 /// back), before anything later is read from the slot.
 async fn publish<T: Transport>(
     pool: &PgPool,
     transport: &T,
     config: &RelayConfig,
-    seqs: &[i64],
+    batch: &stream::Batch,
     stats: &mut RelayStats,
 ) {
-    let mut todo: Vec<i64> = seqs.to_vec();
+    // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
+    // row not seen would be taken as published by someone else and skipped, and lost.
+    let mut failures = 0u32;
+    while let Err(e) = rows::visible(pool, &batch.xids).await {
+        failures += 1;
+        tracing::warn!(error = %e, "WAL relay: could not check that the batch's transactions are visible; retrying");
+        tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10))).await;
+    }
+    let mut todo: Vec<i64> = batch.seqs.clone();
     let mut failures = 0u32;
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size);

@@ -23,6 +23,49 @@ pub(crate) struct Locked {
     pub left: usize,
 }
 
+/// Waits until the transactions `xids` (32-bit ids from the stream) are visible to new
+/// snapshots. PostgreSQL writes a commit to the WAL, where the slot's stream finds it, before
+/// the committing session leaves the proc array: a snapshot taken in between does not see the
+/// transaction's rows yet, and [`lock`] would take them for rows another relay had published.
+/// The wait is that gap, normally microseconds; it is polled (1 ms, doubling to 64 ms).
+pub(crate) async fn visible(pool: &PgPool, xids: &[u32]) -> Result<(), sqlx::Error> {
+    if xids.is_empty() {
+        return Ok(());
+    }
+    // The full (epoch-qualified) ids, from the current snapshot's xmax: each id is within 2^31
+    // of it, before or after.
+    let xmax: i64 =
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8")
+            .fetch_one(pool)
+            .await?;
+    let full: Vec<i64> = xids.iter().map(|&x| widen(xmax, x)).collect();
+    let mut wait = std::time::Duration::from_millis(1);
+    loop {
+        let all: bool = sqlx::query_scalar(
+            "SELECT bool_and(pg_visible_in_snapshot(x::text::xid8, pg_current_snapshot()))
+             FROM unnest($1::int8[]) AS x",
+        )
+        .bind(&full)
+        .fetch_one(pool)
+        .await?;
+        if all {
+            return Ok(());
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(std::time::Duration::from_millis(64));
+    }
+}
+
+/// The 64-bit transaction id whose low 32 bits are `xid`, nearest to `near` (a full id).
+fn widen(near: i64, xid: u32) -> i64 {
+    let diff = (xid as i64 - (near & 0xffff_ffff)).rem_euclid(1 << 32);
+    if diff < 1 << 31 {
+        near + diff
+    } else {
+        near - ((1 << 32) - diff)
+    }
+}
+
 /// Locks the rows `seqs` that are still to publish and reads them.
 pub(crate) async fn lock(pool: &PgPool, seqs: &[i64]) -> Result<Locked, sqlx::Error> {
     let mut tx = pool.begin().await?;
@@ -67,5 +110,22 @@ impl Locked {
             crate::complete::mark(&mut self.tx, published, &[]).await?;
         }
         self.tx.commit().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::widen;
+
+    #[test]
+    fn ids_widen_to_the_nearest_epoch() {
+        let epoch1 = 1i64 << 32;
+        // Same epoch, before and after the reference.
+        assert_eq!(widen(epoch1 + 1000, 990), epoch1 + 990);
+        assert_eq!(widen(epoch1 + 1000, 1010), epoch1 + 1010);
+        // Just past a wraparound: an id near the top is the previous epoch's.
+        assert_eq!(widen(epoch1 + 5, u32::MAX - 2), epoch1 - 3);
+        // Just before a wraparound: a small id is the next epoch's.
+        assert_eq!(widen(2 * epoch1 - 3, 4), 2 * epoch1 + 4);
     }
 }

@@ -15,6 +15,9 @@ pub(crate) struct Batch {
     pub seqs: Vec<i64>,
     /// The end LSN of the batch's last commit.
     pub end_lsn: u64,
+    /// The ids (32-bit, as pgoutput's `Begin` gives them) of the transactions with outbox
+    /// inserts: their rows are read only once these are visible ([`crate::wal::rows::visible`]).
+    pub xids: Vec<u32>,
 }
 
 /// What the stream gave the relay.
@@ -30,8 +33,9 @@ pub(crate) enum Read {
 pub(crate) struct Stream {
     client: ReplicationClient,
     decoder: Decoder,
-    /// The transaction being received (its inserts), when a `Begin` came without its `Commit`.
-    open: Option<Vec<i64>>,
+    /// The transaction being received (its id and inserts), when a `Begin` came without its
+    /// `Commit`.
+    open: Option<(u32, Vec<i64>)>,
 }
 
 impl Stream {
@@ -79,7 +83,7 @@ impl Stream {
                 .map_err(|e| Error::Wal(format!("replication stream failed: {e}")))?
                 .ok_or_else(|| Error::Wal("replication stream ended".into()))?;
             match event {
-                ReplicationEvent::Begin { .. } => self.open = Some(Vec::new()),
+                ReplicationEvent::Begin { xid, .. } => self.open = Some((xid, Vec::new())),
                 ReplicationEvent::XLogData { data, .. } => {
                     if let Change::Outbox(seq) = self.decoder.decode(&data).map_err(Error::Wal)? {
                         self.open
@@ -87,14 +91,18 @@ impl Stream {
                             .ok_or_else(|| {
                                 Error::Wal("an outbox insert outside a transaction".into())
                             })?
+                            .1
                             .push(seq);
                     }
                 }
                 ReplicationEvent::Commit { end_lsn, .. } => {
-                    let seqs = self
+                    let (xid, seqs) = self
                         .open
                         .take()
                         .ok_or_else(|| Error::Wal("a commit without its begin".into()))?;
+                    if !seqs.is_empty() {
+                        batch.xids.push(xid);
+                    }
                     batch.seqs.extend(seqs);
                     batch.end_lsn = end_lsn.as_u64();
                     committed = true;
