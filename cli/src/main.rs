@@ -694,7 +694,12 @@ fn required_bootstrap(given: Option<&str>) -> anyhow::Result<String> {
 /// serialization failures, deadlocks, lock and statement timeouts (another session held a
 /// lock the migration needs).
 fn worth_retrying(e: &postal_shared::Error) -> bool {
-    if matches!(e, postal_shared::Error::LockBusy { .. }) {
+    // A pooler too busy for the session probe: the relay waits for it (`postal migrate`, a
+    // one-shot command, stops with the line).
+    if matches!(
+        e,
+        postal_shared::Error::LockBusy { .. } | postal_shared::Error::PoolingUnknown(_)
+    ) {
         return true;
     }
     let code = e

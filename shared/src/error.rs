@@ -55,6 +55,10 @@ pub enum Error {
     /// the part that connected needs a session of its own (docs/operations.md, "Poolers").
     #[error("the database connection goes through a transaction pooler (PgBouncer pool_mode = transaction): this part of Postal needs a session of its own; connect it directly to PostgreSQL or through a session-mode pool (only the application's enqueue works through transaction pooling, see docs/operations.md#poolers)")]
     TransactionPooling,
+    /// A one-shot command that needs a session could not tell whether its connection keeps
+    /// one: the pooler gave the probe no server connection in time.
+    #[error("could not tell whether the database connection goes through a transaction pooler: no server connection answered the probe within {0:?}; this command needs a session of its own, so connect it directly to PostgreSQL or through a session-mode pool, or run it again when the pool is less busy (docs/operations.md#poolers)")]
+    PoolingUnknown(std::time::Duration),
     /// The database's schema no longer admits binaries as old as this one.
     #[error("this database's Postal schema (migration {applied}) needs binaries that know migration {oldest} or later, and this one knows up to {known}: upgrade it")]
     SchemaTooNew {

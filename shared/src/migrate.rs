@@ -265,8 +265,9 @@ async fn reset_and_close(pool: PgPool) {
 /// [`migrate`], waiting at most `lock_wait` for the migration lock (and for table locks).
 pub async fn migrate_within(pool: &PgPool, lock_wait: Duration) -> Result<(), Error> {
     // A transaction pooler would run the statements of one migration run on different server
-    // sessions (the search_path below, the migration lock): refused with one line.
-    crate::pooler::require_session(pool).await?;
+    // sessions (the search_path below, the migration lock): refused with one line, and so is
+    // a pooler too busy for the probe to tell.
+    crate::pooler::require_known_session(pool).await?;
     // No startup `options` (PgBouncer refuses them, or drops them when told to ignore them,
     // and sqlx's bookkeeping would then land in `public`): each connection sets its session
     // after connecting, checks it took, and resets it before it closes (see `session`).

@@ -95,6 +95,19 @@ pub async fn session_probe(pool: &PgPool) -> Result<Pooling, sqlx::Error> {
     Ok(found)
 }
 
+/// As [`require_session`], for a one-shot command that sets session state (`postal migrate`):
+/// an unknown answer is refused too ([`Error::PoolingUnknown`]). Run through a transaction
+/// pooler the probe could not see, migrate's `search_path` and `lock_timeout` stayed on a server
+/// session the application's next transactions got
+/// (`topology_review::migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits`).
+pub async fn require_known_session(pool: &PgPool) -> Result<(), Error> {
+    match session_probe(pool).await? {
+        Pooling::Transaction => Err(Error::TransactionPooling),
+        Pooling::Session => Ok(()),
+        Pooling::Unknown => Err(Error::PoolingUnknown(SERVER_WAIT)),
+    }
+}
+
 /// Refuses, with [`Error::TransactionPooling`], a `pool` whose connections do not keep their
 /// server session (see [`session_probe`]). An unknown answer passes: a pooler with no server
 /// connection free shows later as waiting claims, which the relay reports.

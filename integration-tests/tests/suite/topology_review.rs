@@ -397,8 +397,10 @@ async fn migrate_through_a_busy_transaction_pooler_is_refused_and_leaks_nothing(
 }
 
 /// As above, the application's transactions 40 s long: longer than the probe waits (30 s).
+///
+/// Broken before: the probe's "could not tell" let migrate run, and it left `search_path =
+/// postal` and `lock_timeout = 1s` on a server session; migrate now refuses an unknown answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known, not fixed: a transaction pooler kept busy longer than the probe's 30 s passes as 'unknown', and migrate then leaves search_path = postal and lock_timeout = 1s on a server session"]
 async fn migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits() {
     migrate_through_a_busy_transaction_pooler(Duration::from_secs(40)).await;
 }
