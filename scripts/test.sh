@@ -11,7 +11,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-step() { echo; echo "=== $* ==="; }
+# Each step's heading says how long the one before took (CI's log shows where the time goes).
+step_t0=$SECONDS
+step() { echo; echo "=== (previous step: $((SECONDS - step_t0)) s) $* ==="; step_t0=$SECONDS; }
 
 step "local stack (PostgreSQL 15 + PgBouncer + Apache Kafka + RabbitMQ, no Docker)"
 eval "$(bash scripts/stack.sh up)"
@@ -47,7 +49,7 @@ step "binaries the suite runs: postal, the fixture services (order_service, bill
 # built with its tests anyway; the examples (examples/*.rs) are run by the suite's examples::.
 cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins -p postal-examples --examples
 
-step "workspace tests against the local stack (external-services mode)"
+step "workspace tests against the local stack (external-services mode; smoke:: among them)"
 # Four at a time: most tests wait on the broker or the database, not on the two cores
 # (POSTAL_TEST_THREADS to change it).
 cargo test --workspace --all-targets --no-fail-fast -- --test-threads="${POSTAL_TEST_THREADS:-4}" \
@@ -57,9 +59,6 @@ step "fault suites, one at a time: kill -9 and restarts (chaos), network partiti
 # POSTAL_CHAOS_SOAK=1 for the long chaos soak (200,000 orders, 60 kills each); the full
 # cluster run is `-- --ignored cluster::`.
 cargo test -p postal-integration-tests --test suite -- --nocapture --test-threads=1 chaos:: netsplit:: cluster::
-
-step "smoke test, external-services mode (shown on its own)"
-POSTAL_EXPECT_MODE=external cargo test -p postal-integration-tests --test suite -- --nocapture smoke
 
 step "doc tests"
 cargo test --workspace --doc
