@@ -131,22 +131,7 @@ async fn a_topic_recreated_with_fewer_partitions_loses_nothing() {
     );
     if outcome == "stopped" {
         // The documented way on applies the whole new log, and the consumer goes on.
-        let (ok, stdout, stderr) = postal(
-            &db.url,
-            &svc.bootstrap,
-            &[
-                "consumer",
-                "reset",
-                "--group",
-                &group,
-                "--topic",
-                &orders,
-                "--to",
-                "earliest",
-                "--execute",
-            ],
-        );
-        assert!(ok, "reset: {stderr}");
+        let stdout = reset_to_earliest(&db.url, &svc.bootstrap, &group, &orders);
         eprintln!("[topology] reset: {stdout}");
         let running = consumer(&db.pool, &svc.bootstrap, &group, &orders);
         until(
@@ -215,22 +200,7 @@ async fn a_topic_recreated_with_more_partitions_loses_nothing() {
         applied_in(&db.pool, 500..503).await,
     );
     running.stop().await;
-    let (ok, stdout, stderr) = postal(
-        &db.url,
-        &svc.bootstrap,
-        &[
-            "consumer",
-            "reset",
-            "--group",
-            &group,
-            "--topic",
-            &orders,
-            "--to",
-            "earliest",
-            "--execute",
-        ],
-    );
-    assert!(ok, "reset: {stderr}");
+    let stdout = reset_to_earliest(&db.url, &svc.bootstrap, &group, &orders);
     let running = consumer(&db.pool, &svc.bootstrap, &group, &orders);
     until(
         Duration::from_secs(60),
@@ -952,4 +922,26 @@ async fn partitions_added_to_a_topic_do_not_stop_it() {
     }
     let (rows, distinct) = crate::common::effects(&db.pool).await;
     assert_eq!((rows, distinct), (20, 20));
+}
+
+/// Runs `postal consumer reset --to earliest --execute` for `group` on `topic`, the documented
+/// way on from a stopped (re-created) topic; returns its output, panicking when it fails.
+fn reset_to_earliest(url: &str, bootstrap: &str, group: &str, topic: &str) -> String {
+    let (ok, stdout, stderr) = postal(
+        url,
+        bootstrap,
+        &[
+            "consumer",
+            "reset",
+            "--group",
+            group,
+            "--topic",
+            topic,
+            "--to",
+            "earliest",
+            "--execute",
+        ],
+    );
+    assert!(ok, "reset: {stderr}");
+    stdout
 }
