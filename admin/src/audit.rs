@@ -68,11 +68,13 @@ pub struct Entry {
     /// The database role of the session that acted (`current_user`).
     pub db_role: Option<String>,
     /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`, `pause`, `resume`,
-    /// `reset` (`postal consumer reset --execute`).
+    /// `reset` (`postal consumer reset --execute`), `cleanup` (`postal cleanup`: one row per
+    /// table it deletes from), `grant` (`postal grant`).
     pub action: String,
     /// On what: the ids or the filter it was given.
     pub target: serde_json::Value,
-    /// How many it matched when it started.
+    /// How many it matched when it started (none for `cleanup`, which deletes what is past
+    /// its retention as it goes).
     pub matched: Option<i64>,
     /// On how many it acted.
     pub affected: i64,
@@ -94,6 +96,16 @@ impl Recording {
     /// The actor's name.
     pub(crate) fn actor(&self) -> &str {
         &self.actor
+    }
+
+    /// Records what an action opened by [`open_uncounted`] changed, once it is done.
+    pub async fn finish(&self, pool: &PgPool, affected: u64) -> Result<(), Error> {
+        sqlx::query("UPDATE postal.operator_audit SET affected = $2 WHERE id = $1")
+            .bind(self.id)
+            .bind(affected as i64)
+            .execute(pool)
+            .await?;
+        Ok(())
     }
 
     /// Adds what one batch changed, in the batch's transaction: its count (and `removed`
@@ -119,6 +131,38 @@ impl Recording {
         .await?;
         Ok(())
     }
+}
+
+/// Opens the row of an action that counts what it changed only as it goes, in transactions
+/// of its own (`postal cleanup`'s retention): `matched` is left null, `affected` 0 until
+/// [`Recording::finish`].
+pub async fn open_uncounted(
+    pool: &PgPool,
+    by: &Operator,
+    action: &str,
+    target: &serde_json::Value,
+) -> Result<Recording, Error> {
+    tracing::info!(
+        actor = %postal_shared::text::field(&by.name),
+        via = by.via,
+        action,
+        target = %postal_shared::text::field(&target.to_string()),
+        "operator action"
+    );
+    let id = sqlx::query_scalar(
+        "INSERT INTO postal.operator_audit (actor, via, db_role, action, target, affected)
+         VALUES ($1, $2, current_user, $3, $4, 0) RETURNING id",
+    )
+    .bind(&by.name)
+    .bind(by.via)
+    .bind(action)
+    .bind(target)
+    .fetch_one(pool)
+    .await?;
+    Ok(Recording {
+        id,
+        actor: by.name.clone(),
+    })
 }
 
 /// Opens an action's row (and logs the action at INFO): who, what, on what, how many it
