@@ -461,8 +461,7 @@ impl Publisher {
         // this pass read (a batch holding a dead letter that cannot go waits for the next
         // round instead of spinning on it).
         let locked = rows.first().map_or(0, |r| r.locked);
-        Ok(done.len() as i64 == BATCH
-            || (done.len() == rows.len() && locked > rows.len() as i64))
+        Ok(done.len() as i64 == BATCH || (done.len() == rows.len() && locked > rows.len() as i64))
     }
 
     /// Leaves the topics that failed this pass (`failed`: topic → error) out of the next

@@ -126,6 +126,9 @@ mod tests {
             .collect();
         assert_eq!(back, given);
         assert_eq!(p.count(), 4);
-        assert_eq!(p.bytes.len(), (1 + 5 + 1 + 1) + (1 + 1) + (1 + 2 + 1) + (1 + 4 + 2 + 300));
+        assert_eq!(
+            p.bytes.len(),
+            (1 + 5 + 1 + 1) + (1 + 1) + (1 + 2 + 1) + (1 + 4 + 2 + 300)
+        );
     }
 }

@@ -710,7 +710,12 @@ async fn a_record_with_more_headers_than_max_headers_is_dead_lettered_and_replay
     let extra: Vec<(String, String)> = (0..297)
         .map(|i| (format!("h{i:03}"), format!("value {i}")))
         .collect();
-    let (b, t, i, x) = (svc.bootstrap.clone(), topic.clone(), id.clone(), extra.clone());
+    let (b, t, i, x) = (
+        svc.bootstrap.clone(),
+        topic.clone(),
+        id.clone(),
+        extra.clone(),
+    );
     tokio::task::spawn_blocking(move || {
         let mut headers: Vec<(&[u8], &[u8])> = vec![
             (b"ce_id", i.as_bytes()),
@@ -735,23 +740,24 @@ async fn a_record_with_more_headers_than_max_headers_is_dead_lettered_and_replay
     })
     .await;
     running.stop().await;
-    let (dl, names, values): (i64, Vec<String>, Vec<Vec<u8>>) = sqlx::query_as(
-        "SELECT id, header_names, header_values FROM postal.dead_letters",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let (dl, names, values): (i64, Vec<String>, Vec<Vec<u8>>) =
+        sqlx::query_as("SELECT id, header_names, header_values FROM postal.dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(names.len(), 300, "all the record's headers kept");
     assert_eq!(names[..3], ["ce_id", "ce_type", "content-type"]);
     for (i, (n, v)) in extra.iter().enumerate() {
         assert_eq!((&names[i + 3], &values[i + 3]), (n, &v.as_bytes().to_vec()));
     }
 
-    let producer =
-        postal_shared::kafka_producer::replay_config(&svc.bootstrap, &std::collections::BTreeMap::new())
-            .expect("producer settings")
-            .create()
-            .expect("producer");
+    let producer = postal_shared::kafka_producer::replay_config(
+        &svc.bootstrap,
+        &std::collections::BTreeMap::new(),
+    )
+    .expect("producer settings")
+    .create()
+    .expect("producer");
     let replayed = postal_admin::dead_letters::replay(
         &db.pool,
         &producer,
@@ -764,7 +770,10 @@ async fn a_record_with_more_headers_than_max_headers_is_dead_lettered_and_replay
     .unwrap();
     assert_eq!(replayed, 1);
     let read = postal_integration_tests::kafka::read_all(&svc.bootstrap, &topic, 2, WAIT).await;
-    let copy = read.iter().find(|r| r.offset == 1).expect("the replayed record");
+    let copy = read
+        .iter()
+        .find(|r| r.offset == 1)
+        .expect("the replayed record");
     for (n, v) in &extra {
         assert_eq!(copy.header(n), Some(v.as_str()), "header {n} replayed");
     }
