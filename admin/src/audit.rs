@@ -4,9 +4,12 @@
 //! here: there is no unaudited way to requeue, discard, release, replay or resolve.
 //!
 //! An action's row is written before it changes anything ([`open`]), and each batch it
-//! changes adds its count (and, for a discard, the deleted events whole) to the row in the
-//! batch's own transaction: the trail never misses a committed change, and a discarded event's
-//! copy in `removed` commits with its deletion.
+//! changes adds its count to the row in the batch's own transaction: the trail never misses a
+//! committed change. A discard's events are kept whole, one row each, in
+//! `postal.operator_audit_events` (migration 30), moved there inside the database by the
+//! statement that deletes them: a discarded event's copy commits with its deletion, and no
+//! payload passes through the process that discards. Discards recorded before migration 30
+//! kept their events in the audit row's `removed` array.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -65,11 +68,13 @@ pub struct Entry {
     /// The database role of the session that acted (`current_user`).
     pub db_role: Option<String>,
     /// What: `requeue`, `discard`, `release-key`, `replay`, `resolve`, `pause`, `resume`,
-    /// `reset` (`postal consumer reset --execute`).
+    /// `reset` (`postal consumer reset --execute`), `cleanup` (`postal cleanup`: one row per
+    /// table it deletes from), `grant` (`postal grant`).
     pub action: String,
     /// On what: the ids or the filter it was given.
     pub target: serde_json::Value,
-    /// How many it matched when it started.
+    /// How many it matched when it started (none for `cleanup`, which deletes what is past
+    /// its retention as it goes).
     pub matched: Option<i64>,
     /// On how many it acted.
     pub affected: i64,
@@ -93,8 +98,19 @@ impl Recording {
         &self.actor
     }
 
-    /// Adds what one batch changed, in the batch's transaction: its count, and for a discard
-    /// the deleted events (appended to `removed`).
+    /// Records what an action opened by [`open_uncounted`] changed, once it is done.
+    pub async fn finish(&self, pool: &PgPool, affected: u64) -> Result<(), Error> {
+        sqlx::query("UPDATE postal.operator_audit SET affected = $2 WHERE id = $1")
+            .bind(self.id)
+            .bind(affected as i64)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Adds what one batch changed, in the batch's transaction: its count (and `removed`
+    /// appended to the row's `removed` array; no action of this version passes any: a
+    /// discard's events go to `postal.operator_audit_events`).
     pub(crate) async fn add(
         &self,
         tx: &mut PgConnection,
@@ -115,6 +131,38 @@ impl Recording {
         .await?;
         Ok(())
     }
+}
+
+/// Opens the row of an action that counts what it changed only as it goes, in transactions
+/// of its own (`postal cleanup`'s retention): `matched` is left null, `affected` 0 until
+/// [`Recording::finish`].
+pub async fn open_uncounted(
+    pool: &PgPool,
+    by: &Operator,
+    action: &str,
+    target: &serde_json::Value,
+) -> Result<Recording, Error> {
+    tracing::info!(
+        actor = %postal_shared::text::field(&by.name),
+        via = by.via,
+        action,
+        target = %postal_shared::text::field(&target.to_string()),
+        "operator action"
+    );
+    let id = sqlx::query_scalar(
+        "INSERT INTO postal.operator_audit (actor, via, db_role, action, target, affected)
+         VALUES ($1, $2, current_user, $3, $4, 0) RETURNING id",
+    )
+    .bind(&by.name)
+    .bind(by.via)
+    .bind(action)
+    .bind(target)
+    .fetch_one(pool)
+    .await?;
+    Ok(Recording {
+        id,
+        actor: by.name.clone(),
+    })
 }
 
 /// Opens an action's row (and logs the action at INFO): who, what, on what, how many it
@@ -217,4 +265,58 @@ pub async fn get(
     };
     use sqlx::{FromRow as _, Row as _};
     Ok(Some((Entry::from_row(&row)?, row.try_get("removed")?)))
+}
+
+/// The outbox `seq`s of the events a discard kept in `postal.operator_audit_events`, in order
+/// (empty for other actions, and for discards recorded before migration 30, whose events are
+/// in [`get`]'s `removed`).
+pub async fn removed_seqs(pool: &PgPool, id: i64) -> Result<Vec<i64>, Error> {
+    Ok(sqlx::query_scalar(
+        "SELECT seq FROM postal.operator_audit_events WHERE audit_id = $1 ORDER BY seq",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// One event a discard kept, whole (read one at a time: an event can be large).
+pub async fn removed_event(
+    pool: &PgPool,
+    id: i64,
+    seq: i64,
+) -> Result<Option<crate::parked::Discarded>, Error> {
+    let row = sqlx::query(
+        "SELECT event_id, topic, event_key, event_type, schema_version,
+                least(greatest(occurred_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS occurred_at,
+                content_type, headers, attempts, last_error, payload,
+                NULL::text AS payload_base64
+         FROM postal.operator_audit_events WHERE audit_id = $1 AND seq = $2",
+    )
+    .bind(id)
+    .bind(seq)
+    .fetch_optional(pool)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    use sqlx::{FromRow as _, Row as _};
+    let mut d = crate::parked::Discarded::from_row(&row)?;
+    let payload: Vec<u8> = row.try_get("payload")?;
+    drop(row);
+    // As text when it is UTF-8 without NUL (as a discard printed and kept it before
+    // migration 30); else in base64, encoded by the database (read only then).
+    match String::from_utf8(payload) {
+        Ok(text) if !text.contains('\0') => d.payload = Some(text),
+        _ => {
+            d.payload_base64 = sqlx::query_scalar(
+                "SELECT translate(encode(payload, 'base64'), chr(10), '')
+                 FROM postal.operator_audit_events WHERE audit_id = $1 AND seq = $2",
+            )
+            .bind(id)
+            .bind(seq)
+            .fetch_optional(pool)
+            .await?;
+        }
+    }
+    Ok(Some(d))
 }

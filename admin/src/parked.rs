@@ -417,66 +417,143 @@ pub struct Discarded {
     pub payload_base64: Option<String>,
 }
 
+/// A discarded event as a discard reports it: which, and how big. The event itself, whole, is
+/// in the audit trail (`postal.operator_audit_events`, [`crate::audit::removed_event`]); it
+/// never goes through the process that discarded it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct DiscardedRef {
+    /// The audit row that keeps it (`postal audit show <id>`).
+    pub audit_id: i64,
+    /// Event id.
+    pub event_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub event_key: String,
+    /// Type.
+    pub event_type: String,
+    /// The payload's size in bytes.
+    pub payload_bytes: i64,
+}
+
+/// How big one batch of a discard may be: at most `rows` events and at most `bytes` bytes of
+/// them (payload, headers and texts), except that a batch always takes one event however
+/// large (an event is moved by one statement inside the database, never through the client).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiscardBatch {
+    /// At most this many events.
+    pub rows: usize,
+    /// At most this many bytes of events (the first event of a batch excepted).
+    pub bytes: u64,
+}
+
+impl Default for DiscardBatch {
+    /// 1,000 events, 64 MiB.
+    fn default() -> Self {
+        Self {
+            rows: 1000,
+            bytes: 64 << 20,
+        }
+    }
+}
+
 /// Deletes the matched parked events for good, so that the later events of their keys flow.
 /// A row another transaction holds (a requeue of it in progress) is skipped, never waited for:
 /// waiting would leave it locked by this discard, and the relay's claim skips locked rows.
 /// Recorded as `discard` by `by` on `target` (what the operator gave: ids or a filter); each
-/// batch's deleted events, whole, are added to the audit row in the transaction that deletes
-/// them. Each batch of up to 1,000 is also handed to `keep` before its deletion commits (an
-/// error from `keep` stops the action with that batch not deleted). Returns how many were
-/// discarded.
+/// batch's events are moved whole, inside the database, to `postal.operator_audit_events`
+/// (one row each, referencing the audit row) by the statement that deletes them, and counted
+/// in the audit row in the same transaction. Batches of [`DiscardBatch::default`]. Each
+/// batch's [`DiscardedRef`]s are handed to `keep` before its deletion commits (an error from
+/// `keep` stops the action with that batch not deleted). Returns how many were discarded.
 pub async fn discard_seqs(
     pool: &PgPool,
     by: &Operator,
     target: &serde_json::Value,
     seqs: &[i64],
-    mut keep: impl FnMut(Vec<Discarded>) -> Result<(), Error>,
+    keep: impl FnMut(Vec<DiscardedRef>) -> Result<(), Error>,
+) -> Result<u64, Error> {
+    discard_seqs_in(pool, by, target, seqs, DiscardBatch::default(), keep).await
+}
+
+/// [`discard_seqs`] in batches of at most `batch`.
+pub async fn discard_seqs_in(
+    pool: &PgPool,
+    by: &Operator,
+    target: &serde_json::Value,
+    seqs: &[i64],
+    batch: DiscardBatch,
+    mut keep: impl FnMut(Vec<DiscardedRef>) -> Result<(), Error>,
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "discard", target, seqs.len()).await?;
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let rows = batch.rows.max(1);
     let mut done = 0u64;
-    for chunk in seqs.chunks(1000) {
+    let mut pos = 0;
+    while pos < sorted.len() {
+        let chunk = &sorted[pos..(pos + rows).min(sorted.len())];
         let mut tx = postal_shared::cancel_safe::begin(pool).await?;
-        let rows: Vec<(Discarded, Vec<u8>)> = sqlx::query(
-            "WITH batch AS (
-                 SELECT seq FROM postal.outbox WHERE status = 'failed'
-                 AND seq = ANY($1)
-                 ORDER BY seq FOR UPDATE SKIP LOCKED)
-             DELETE FROM postal.outbox o USING batch WHERE o.seq = batch.seq
-             RETURNING o.seq, o.event_id, o.topic, o.event_key, o.event_type,
-                       o.schema_version, least(greatest(o.occurred_at, '0001-01-01 00:00:00+00'), '262000-01-01') AS occurred_at,
-                       o.content_type, o.headers,
-                       o.attempts, o.last_error, o.payload,
-                       translate(encode(o.payload, 'base64'), chr(10), '') AS payload_base64",
+        // Sizes only: octet_length of a payload reads its stored length, not the payload.
+        let locked: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT seq, (octet_length(payload) + octet_length(headers::text)
+                          + octet_length(topic) + octet_length(event_key)
+                          + octet_length(event_type) + coalesce(octet_length(last_error), 0))::int8
+             FROM postal.outbox WHERE status = 'failed' AND seq = ANY($1)
+             ORDER BY seq FOR UPDATE SKIP LOCKED",
         )
         .bind(chunk)
-        .try_map(|row: sqlx::postgres::PgRow| {
-            use sqlx::{FromRow, Row};
-            Ok((Discarded::from_row(&row)?, row.try_get("payload")?))
-        })
         .fetch_all(&mut *tx)
         .await?;
-        let n = rows.len() as u64;
-        let batch = rows
-            .into_iter()
-            .map(|(mut d, payload)| {
-                // As text when it is UTF-8 without NUL (a `jsonb` string, as the audit trail
-                // keeps it, cannot hold U+0000); else in base64.
-                match String::from_utf8(payload) {
-                    Ok(text) if !text.contains('\0') => {
-                        d.payload = Some(text);
-                        d.payload_base64 = None;
-                    }
-                    _ => {}
-                }
-                d
-            })
-            .collect::<Vec<Discarded>>();
-        let removed = serde_json::to_value(&batch)
-            .map_err(|e| Error::Invalid(format!("a discarded event as JSON: {e}")))?;
-        recording.add(&mut tx, n, Some(&removed)).await?;
-        keep(batch)?;
+        let mut picked = Vec::with_capacity(locked.len());
+        let mut bytes = 0u64;
+        for &(seq, size) in &locked {
+            let size = size.max(0) as u64;
+            if !picked.is_empty() && bytes.saturating_add(size) > batch.bytes {
+                break;
+            }
+            bytes = bytes.saturating_add(size);
+            picked.push(seq);
+        }
+        // The next batch starts at the first locked row this one left out, else after the chunk.
+        let next = match locked.get(picked.len()) {
+            Some(&(left, _)) => sorted.partition_point(|&s| s < left),
+            None => pos + chunk.len(),
+        };
+        if picked.is_empty() {
+            // Nothing of this chunk is still parked and free: an empty batch, handed to
+            // `keep` like any other.
+            keep(Vec::new())?;
+            tx.rollback().await?;
+            pos = next;
+            continue;
+        }
+        let moved: Vec<DiscardedRef> = sqlx::query_as(
+            "WITH d AS (
+                 DELETE FROM postal.outbox WHERE status = 'failed' AND seq = ANY($2)
+                 RETURNING seq, event_id, topic, event_key, event_type, schema_version,
+                           occurred_at, content_type, headers, attempts, last_error, payload)
+             INSERT INTO postal.operator_audit_events
+                 (audit_id, seq, event_id, topic, event_key, event_type, schema_version,
+                  occurred_at, content_type, headers, attempts, last_error, payload)
+             SELECT $1, seq, event_id, topic, event_key, event_type, schema_version,
+                    occurred_at, content_type, headers, attempts, last_error, payload
+             FROM d ORDER BY seq
+             RETURNING audit_id, event_id, topic, event_key, event_type,
+                       octet_length(payload)::int8 AS payload_bytes",
+        )
+        .bind(recording.id())
+        .bind(&picked)
+        .fetch_all(&mut *tx)
+        .await?;
+        let n = moved.len() as u64;
+        recording.add(&mut tx, n, None).await?;
+        keep(moved)?;
         tx.commit().await?;
         done += n;
+        pos = next;
     }
     notify(pool).await?;
     Ok(done)

@@ -22,7 +22,7 @@ pub enum AuditCommand {
         json: bool,
     },
     /// Show one recorded action; for a discard, the discarded events whole, one JSON line each
-    /// (the lines `postal failed discard` printed).
+    /// (read one at a time).
     #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "id_flag"])))]
     Show {
         /// The entry's id (first column of `list`; or `--id`).
@@ -96,6 +96,13 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
                 .flatten()
             {
                 say!("{}", json(event, false)?);
+            }
+            for seq in audit::removed_seqs(pool, id).await? {
+                if let Some(event) = audit::removed_event(pool, id, seq).await? {
+                    let line = json(&event, false)?;
+                    drop(event);
+                    say!("{line}");
+                }
             }
         }
     }

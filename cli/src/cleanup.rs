@@ -34,6 +34,24 @@ pub struct CleanupArgs {
     batch: usize,
 }
 
+/// Opens the audit row of one retention run (`cleanup` by the OS user on `target`): written
+/// before it deletes anything, its count set when it ends.
+async fn audited(
+    pool: &PgPool,
+    target: serde_json::Value,
+) -> anyhow::Result<postal_admin::audit::Recording> {
+    Ok(
+        postal_admin::audit::open_uncounted(pool, &crate::audit::operator(), "cleanup", &target)
+            .await?,
+    )
+}
+
+fn age(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// Runs the retentions asked for; each is recorded in the audit trail as `cleanup` (which
+/// table, the retention, and how many rows it deleted).
 pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.published_retention.is_some()
@@ -44,10 +62,16 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch > 0, "--batch must be positive");
     if let Some(r) = args.published_retention {
         let progress = Progress::new(0, "published rows deleted");
+        let audit = audited(
+            pool,
+            serde_json::json!({ "table": "outbox", "published_retention": age(r), "batch": args.batch }),
+        )
+        .await?;
         let done =
             postal_producer::retention::cleanup_published(pool, r, args.batch, |n| progress.set(n))
                 .await?;
         progress.finish();
+        audit.finish(pool, done.unwrap_or(0)).await?;
         match done {
             Some(n) => say!(
                 "outbox: deleted {n} published row(s) older than {}",
@@ -90,7 +114,15 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 }
                 _ => r,
             };
-            match postal_consumer::retention::cleanup_processed(pool, &name, r, args.batch).await? {
+            let audit = audited(
+                pool,
+                serde_json::json!({ "table": "processed_events", "consumer": name, "dedup_retention": age(r), "batch": args.batch }),
+            )
+            .await?;
+            let done =
+                postal_consumer::retention::cleanup_processed(pool, &name, r, args.batch).await?;
+            audit.finish(pool, done.unwrap_or(0)).await?;
+            match done {
                 Some(n) => say!(
                     "dedup {c}: deleted {n} row(s) older than {}",
                     humantime::format_duration(r)
@@ -100,7 +132,14 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(r) = args.dead_letter_retention {
-        match postal_consumer::retention::cleanup_dead_letters(pool, r, args.batch).await? {
+        let audit = audited(
+            pool,
+            serde_json::json!({ "table": "dead_letters", "dead_letter_retention": age(r), "batch": args.batch }),
+        )
+        .await?;
+        let done = postal_consumer::retention::cleanup_dead_letters(pool, r, args.batch).await?;
+        audit.finish(pool, done.unwrap_or(0)).await?;
+        match done {
             Some(n) => say!(
                 "dead letters: deleted {n} published row(s) older than {}",
                 humantime::format_duration(r)

@@ -287,12 +287,15 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             if dry_run {
                 return show_matched(pool, &matched, "discard").await;
             }
-            // Each batch is printed (and stdout flushed) before its deletion commits: an
-            // interrupted run loses nothing it did not print.
+            // Each batch's events are moved whole, inside the database, to the audit trail
+            // (`postal.operator_audit_events`) by the statement that deletes them; what
+            // is printed (and flushed before the deletion commits) is which they were.
             let by = crate::audit::operator();
+            let mut audit_id = None;
             let done = parked::discard_seqs(pool, &by, &target, &matched, |batch| {
                 let mut out = std::io::stdout().lock();
                 for d in &batch {
+                    audit_id = Some(d.audit_id);
                     writeln!(
                         out,
                         "{}",
@@ -308,6 +311,11 @@ pub async fn run(pool: &PgPool, cmd: FailedCommand) -> anyhow::Result<()> {
             })
             .await? as usize;
             eprintln!("discarded {done} parked event(s); later events of their keys are released");
+            if let Some(id) = audit_id {
+                eprintln!(
+                    "the discarded events are kept whole in the audit trail: postal audit show {id}"
+                );
+            }
             if done < matched.len() {
                 eprintln!(
                     "({} of the {} matched at the start were no longer parked)",

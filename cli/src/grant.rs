@@ -107,7 +107,15 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // Recorded in the audit trail as `grant` (the roles, how many statements), in the
+    // transaction that grants: the privileges change only with their row.
+    let by = crate::audit::operator();
+    let target = serde_json::json!({
+        "app": args.apps, "relay": args.relays, "consumer": args.consumers,
+    });
     let mut tx = pool.begin().await?;
+    postal_admin::audit::record(&mut tx, &by, "grant", &target, all.len(), all.len() as u64)
+        .await?;
     for s in &all {
         sqlx::query(s).execute(&mut *tx).await.map_err(|e| {
             anyhow::anyhow!(
@@ -120,8 +128,22 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
     }
     tx.commit().await?;
     say!("granted: {} statement(s)", all.len());
-    for s in &stats {
-        if let Err(e) = sqlx::query(s).execute(pool).await {
+    for (s, role) in stats.iter().zip(&args.relays) {
+        let mut tx = pool.begin().await?;
+        let granted = sqlx::query(s).execute(&mut *tx).await;
+        if granted.is_ok() {
+            postal_admin::audit::record(
+                &mut tx,
+                &by,
+                "grant",
+                &serde_json::json!({ "relay": [role], "pg_read_all_stats": true }),
+                1,
+                1,
+            )
+            .await?;
+            tx.commit().await?;
+        }
+        if let Err(e) = granted {
             let why = e
                 .as_database_error()
                 .map(|d| d.message().to_owned())

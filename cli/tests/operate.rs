@@ -389,10 +389,16 @@ async fn discarded_parked_event_releases_its_key() {
     assert_eq!(lines.len(), 1, "{printed}");
     assert_eq!(lines[0]["event_id"], ids[0].to_string());
     assert_eq!(lines[0]["event_key"], "k");
+    // The line names the event; the event itself is kept whole in the audit trail.
+    let mut show = postal(&e.url);
+    show.args(["audit", "show", &lines[0]["audit_id"].to_string()]);
+    let shown = ok(show);
+    let kept: serde_json::Value = serde_json::from_str(shown.lines().nth(1).unwrap()).unwrap();
+    assert_eq!(kept["event_id"], ids[0].to_string());
     let payload: serde_json::Value =
-        serde_json::from_str(lines[0]["payload"].as_str().unwrap()).unwrap();
+        serde_json::from_str(kept["payload"].as_str().unwrap()).unwrap();
     assert_eq!(payload["n"], 1);
-    assert!(lines[0]["last_error"]
+    assert!(kept["last_error"]
         .as_str()
         .unwrap()
         .contains("exceeds the producer's message.max.bytes"));
@@ -1655,10 +1661,12 @@ async fn a_closed_stdout_ends_every_command_quietly() {
 /// Guarantee: every action from the CLI is in the audit trail, through the dashboard's code
 /// path: `failed requeue`, `failed discard` and `dead-letters replay` each leave a row naming
 /// the OS user, `via` `cli`, the database role (`current_user`), the action, the ids given,
-/// how many matched and were affected; the discard's row holds the discarded events whole — the
-/// same events, payloads included (a 3 kB text payload, a binary one, UTF-8 with a NUL), as
-/// the lines it printed — and `postal audit show` prints them back; `postal audit list` (text and `--json`)
-/// lists the rows. (Before, CLI actions left no row: the printed line was the only copy.)
+/// how many matched and were affected; the discarded events are kept whole, one row each in
+/// `postal.operator_audit_events` referencing the discard's row — payloads included (a 3 kB
+/// text payload, a binary one, UTF-8 with a NUL) — the lines the discard printed name them
+/// (event id, payload size, audit id), and `postal audit show` prints them back whole;
+/// `postal audit list` (text and `--json`) lists the rows. (Before, CLI actions left no row:
+/// the printed line was the only copy.)
 #[tokio::test]
 async fn cli_actions_are_audited_with_the_discarded_events_whole() {
     let Some(e) = env().await else { return };
@@ -1758,12 +1766,25 @@ async fn cli_actions_are_audited_with_the_discarded_events_whole() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let removed = rows[0].8.as_ref().expect("the discarded events are kept");
-    assert_eq!(removed, &serde_json::Value::Array(lines.clone()));
-    assert_eq!(removed[0]["payload"].as_str().unwrap().len(), 3010);
-    assert_eq!(removed[1]["payload_base64"], "/wCbGw==");
-    assert_eq!(removed[2]["payload_base64"], "YQBi");
-    assert!(rows[1].8.is_none() && rows[2].8.is_none());
+    assert!(rows.iter().all(|r| r.8.is_none()), "nothing in `removed`");
+    let kept: Vec<(uuid::Uuid, Vec<u8>)> = sqlx::query_as(
+        "SELECT event_id, payload FROM postal.operator_audit_events WHERE audit_id = $1
+         ORDER BY seq",
+    )
+    .bind(rows[0].0)
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.len(), 3, "the discarded events are kept, one row each");
+    for (i, (id, payload)) in kept.iter().enumerate() {
+        assert_eq!(id.to_string(), ids[i]);
+        assert_eq!(lines[i]["event_id"], ids[i].as_str());
+        assert_eq!(lines[i]["audit_id"], rows[0].0);
+        assert_eq!(lines[i]["payload_bytes"], payload.len());
+    }
+    assert_eq!(kept[0].1.len(), 3010);
+    assert_eq!(kept[1].1, [0xff, 0x00, 0x9b, 0x1b]);
+    assert_eq!(kept[2].1, b"a\0b");
 
     let shown = run(&["audit", "show", &rows[0].0.to_string()]);
     let shown: Vec<serde_json::Value> = shown
@@ -1771,11 +1792,12 @@ async fn cli_actions_are_audited_with_the_discarded_events_whole() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(shown[0]["action"], "discard");
-    assert_eq!(
-        shown[1..],
-        lines[..],
-        "audit show prints the discarded events whole"
-    );
+    assert_eq!(shown.len(), 4, "the entry, then the three events");
+    assert_eq!(shown[1]["event_id"], ids[0].as_str());
+    assert_eq!(shown[1]["payload"].as_str().unwrap().len(), 3010);
+    assert_eq!(shown[2]["payload_base64"], "/wCbGw==");
+    assert_eq!(shown[3]["payload_base64"], "YQBi");
+    assert_eq!(shown[3]["last_error"], "timeout");
     let listed: serde_json::Value =
         serde_json::from_str(&run(&["audit", "list", "--json"])).unwrap();
     let listed: Vec<&str> = listed

@@ -44,12 +44,20 @@ pub(crate) struct DeadLetter<'a> {
 
 /// Inserts the dead letter in the caller's transaction; returns its id.
 pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result<i64, sqlx::Error> {
-    let (names, values): (Vec<String>, Vec<Vec<u8>>) = d
-        .record
-        .headers
-        .iter()
-        .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
-        .unzip();
+    // A record with more headers than `max_headers` is kept whole too: its headers, packed
+    // since it was read, are unpacked here for its row, one record at a time.
+    let (names, values): (Vec<String>, Vec<Vec<u8>>) = match &d.record.too_many_headers {
+        Some(all) => all
+            .iter()
+            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
+            .unzip(),
+        None => d
+            .record
+            .headers
+            .iter()
+            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
+            .unzip(),
+    };
     sqlx::query_scalar(
         "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition, kafka_offset,
              event_id, event_type, record_key, payload, header_names, header_values, reason,
@@ -94,6 +102,8 @@ pub(crate) struct Row {
     pub(crate) dlq_topic: String,
     /// Refused even cut before (`dlq_unpublishable` set).
     pub(crate) marked: bool,
+    /// How many rows the pass locked (those over its byte bound are left for the next).
+    pub(crate) locked: i64,
 }
 
 /// Publishes this consumer's unpublished dead letters; woken after every dead letter and
@@ -164,6 +174,11 @@ impl Sent {
 }
 
 const BATCH: i64 = 100;
+
+/// About how many bytes of dead letters one publishing pass reads into memory (a row over it
+/// is read alone): payload, key, and 64 bytes plus the value per header, so that rows keeping
+/// a record's many headers whole (more than `max_headers`) are read a few at a time.
+const BATCH_BYTES: i64 = 16 << 20;
 
 impl Publisher {
     pub async fn run(self, stop: CancellationToken) {
@@ -247,22 +262,38 @@ impl Publisher {
             }
         }
         let marked_after = *self.marked_after.lock().expect("marked cursor");
+        // Up to BATCH rows are locked, and read in that order while their sizes stay within
+        // BATCH_BYTES (the first always): the rest stay for the next pass.
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, topic, partition, kafka_offset, record_key, payload, header_names,
-                    header_values, reason, error, attempts, dlq_topic,
-                    dlq_unpublishable IS NOT NULL AS marked
-             FROM postal.dead_letters
-             WHERE consumer_name = $1 AND published_at IS NULL
-               AND dlq_topic <> ALL($3)
-             ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4),
-                      dlq_unpublishable IS NOT NULL AND id <= $5, id
-             LIMIT $2 FOR UPDATE SKIP LOCKED",
+            "WITH locked AS (
+                 SELECT id, dlq_unpublishable IS NOT NULL AS k1, dlq_topic = ANY($4) AS k2,
+                        (dlq_unpublishable IS NOT NULL AND id <= $5) AS k3,
+                        coalesce(octet_length(payload), 0) + coalesce(octet_length(record_key), 0)
+                        + 64 * coalesce(cardinality(header_names), 0)
+                        + coalesce(pg_column_size(header_values), 0) AS cost
+                 FROM postal.dead_letters
+                 WHERE consumer_name = $1 AND published_at IS NULL
+                   AND dlq_topic <> ALL($3)
+                 ORDER BY dlq_unpublishable IS NOT NULL, dlq_topic = ANY($4),
+                          dlq_unpublishable IS NOT NULL AND id <= $5, id
+                 LIMIT $2 FOR UPDATE SKIP LOCKED),
+             taken AS (
+                 SELECT id, k1, k2, k3,
+                        sum(cost) OVER (ORDER BY k1, k2, k3, id) - cost AS before
+                 FROM locked)
+             SELECT d.id, d.topic, d.partition, d.kafka_offset, d.record_key, d.payload,
+                    d.header_names, d.header_values, d.reason, d.error, d.attempts,
+                    d.dlq_topic, t.k1 AS marked, (SELECT count(*) FROM locked) AS locked
+             FROM taken t JOIN postal.dead_letters d ON d.id = t.id
+             WHERE t.before < $6
+             ORDER BY t.k1, t.k2, t.k3, t.id",
         )
         .bind(&self.consumer)
         .bind(BATCH)
         .bind(&excluded)
         .bind(&failing)
         .bind(marked_after)
+        .bind(BATCH_BYTES)
         .fetch_all(&mut *tx)
         .await
         .map_err(|e| e.to_string())?;
@@ -426,9 +457,11 @@ impl Publisher {
             self.created.lock().expect("topic set").remove(topic);
         }
         self.cool(&rows, &failed);
-        // More may wait only when a whole batch went out (a batch holding a dead letter that
-        // cannot go waits for the next round instead of spinning on it).
-        Ok(done.len() as i64 == BATCH)
+        // More may wait only when a whole batch went out, or all that the byte bound let
+        // this pass read (a batch holding a dead letter that cannot go waits for the next
+        // round instead of spinning on it).
+        let locked = rows.first().map_or(0, |r| r.locked);
+        Ok(done.len() as i64 == BATCH || (done.len() == rows.len() && locked > rows.len() as i64))
     }
 
     /// Leaves the topics that failed this pass (`failed`: topic → error) out of the next

@@ -170,6 +170,7 @@ mod tests {
             attempts: 1,
             dlq_topic: "orders.dlq".into(),
             marked: false,
+            locked: 1,
         }
     }
 

@@ -38,13 +38,22 @@ struct Typed {
 /// note, or holding a control character).
 pub fn decode_record(raw: &RawRecord<'_>) -> Result<(), (&'static str, String)> {
     let mut unreadable_header = None;
-    let too_many_headers = (raw.headers.len() > MAX_HEADERS).then_some(raw.headers.len());
+    let mut too_many_headers = (raw.headers.len() > MAX_HEADERS)
+        .then(|| crate::packed_headers::PackedHeaders::with_capacity(0));
     let mut pairs = Vec::with_capacity(raw.headers.len());
     for (i, (name, value)) in raw.headers.iter().enumerate() {
         match std::str::from_utf8(name) {
-            // Over the limit, only Postal's own headers are kept (as `Record::from_message`).
-            Ok(n) if too_many_headers.is_some() && !postal_shared::headers::is_reserved(n) => {}
-            Ok(n) => pairs.push((n.to_owned(), value.map(<[u8]>::to_vec))),
+            // Over the limit, all are packed and only Postal's own copied (as
+            // `Record::from_message`).
+            Ok(n) => {
+                if let Some(p) = too_many_headers.as_mut() {
+                    p.push(n, *value);
+                    if !postal_shared::headers::is_reserved(n) {
+                        continue;
+                    }
+                }
+                pairs.push((n.to_owned(), value.map(<[u8]>::to_vec)))
+            }
             Err(_) => {
                 unreadable_header.get_or_insert(i);
             }

@@ -90,6 +90,7 @@ mod error;
 mod event;
 mod handler;
 mod offsets;
+mod packed_headers;
 mod partition;
 mod pause;
 mod reason;

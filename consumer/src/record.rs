@@ -5,6 +5,7 @@ use postal_shared::{headers, EventId};
 use rdkafka::message::{Headers as _, Message};
 
 use crate::event::{Event, Headers, Payload, Position};
+use crate::packed_headers::PackedHeaders;
 use crate::reason::Reason;
 
 /// One consumed record.
@@ -21,9 +22,10 @@ pub(crate) struct Record {
     /// The position of the first header whose name could not be read (not UTF-8): the record
     /// is dead-lettered as undecodable instead of crashing the consumer.
     pub unreadable_header: Option<usize>,
-    /// How many headers the record carried when that was over the limit (`max_headers`):
-    /// only Postal's own were copied, and the event is dead-lettered as undecodable.
-    pub too_many_headers: Option<usize>,
+    /// The record's headers, whole and packed (`crate::packed_headers`), when it carried
+    /// more than the limit (`max_headers`): only Postal's own were copied to `headers`, and
+    /// the event is dead-lettered as undecodable, its dead-letter row keeping these whole.
+    pub too_many_headers: Option<PackedHeaders>,
     /// About how many bytes this copy holds (see [`weight`]).
     pub weight: usize,
 }
@@ -45,8 +47,9 @@ pub(crate) fn weight(key: Option<&[u8]>, payload: Option<&[u8]>, headers: &Heade
 
 impl Record {
     /// A copy of `m`. A record with more than `max_headers` headers keeps only Postal's own
-    /// (its envelope: the event is still identified, deduplicated and dead-lettered as
-    /// itself); [`decode`] refuses it.
+    /// in `headers` (its envelope: the event is still identified, deduplicated and
+    /// dead-lettered as itself) and all of them packed in `too_many_headers`, for its
+    /// dead-letter row; [`decode`] refuses it.
     pub fn from_message<M: Message>(m: &M, max_headers: usize) -> Self {
         let mut unreadable_header = None;
         let mut too_many_headers = None;
@@ -54,9 +57,7 @@ impl Record {
             .headers()
             .map(|h| {
                 let over = h.count() > max_headers;
-                if over {
-                    too_many_headers = Some(h.count());
-                }
+                let mut packed = over.then(|| PackedHeaders::with_capacity(2 * h.count()));
                 let mut pairs = Vec::with_capacity(if over { 16 } else { h.count() });
                 for i in 0..h.count() {
                     // The Kafka client's accessor panics on a header name that is not UTF-8
@@ -65,6 +66,9 @@ impl Record {
                     // here, per header, so the record can be dead-lettered by position.
                     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         h.try_get(i).map(|h| {
+                            if let Some(p) = packed.as_mut() {
+                                p.push(h.key, h.value);
+                            }
                             (!over || headers::is_reserved(h.key))
                                 .then(|| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
                         })
@@ -77,12 +81,14 @@ impl Record {
                         }
                     }
                 }
+                too_many_headers = packed.map(PackedHeaders::shrunk);
                 pairs
             })
             .unwrap_or_default();
         let headers = Headers::new(headers);
         Record {
-            weight: weight(m.key(), m.payload(), &headers),
+            weight: weight(m.key(), m.payload(), &headers)
+                + too_many_headers.as_ref().map_or(0, PackedHeaders::len),
             too_many_headers,
             topic: m.topic().to_owned(),
             partition: m.partition(),
@@ -213,10 +219,10 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
 /// Decodes the full event for a handler.
 /// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
-    if let Some(n) = record.too_many_headers {
+    if let Some(n) = record.too_many_headers.as_ref().map(PackedHeaders::count) {
         return Err(format!(
-            "record has {n} headers, more than the consumer's max_headers (only Postal's own \
-             were kept)"
+            "record has {n} headers, more than the consumer's max_headers (the dead letter \
+             keeps them all)"
         ));
     }
     let content_type = record.headers.get(headers::CONTENT_TYPE);

@@ -186,7 +186,11 @@ async fn actions_are_same_origin_confirmed_and_audited() {
     );
 
     let audit: Vec<(String, String, i64, Option<serde_json::Value>)> = sqlx::query_as(
-        "SELECT actor, action, affected, removed FROM postal.operator_audit ORDER BY id",
+        "SELECT actor, action, affected,
+                (SELECT jsonb_agg(jsonb_build_object('event_id', event_id,
+                                                     'payload', convert_from(payload, 'UTF8')))
+                 FROM postal.operator_audit_events WHERE audit_id = a.id)
+         FROM postal.operator_audit a ORDER BY id",
     )
     .fetch_all(&db.pool)
     .await

@@ -425,11 +425,14 @@ fn rss_bytes() -> u64 {
 }
 
 /// Guarantee: a record with more headers than `max_headers` (here 30 records of 99,990 empty
-/// headers each, a few bytes apiece on the wire but about 48 bytes each in a copy) is
-/// dead-lettered as undecodable without its headers being copied, and the partition moves on.
-/// Before, the consumer copied them all (30 such records took its RSS from 13 MB to 167 MB).
+/// headers each, 2 bytes apiece on the wire but about 48 bytes each in a copy) is
+/// dead-lettered as undecodable with its headers kept whole in its row, in order, without
+/// being copied one by one: they are held packed, about as large as on the wire (the
+/// consumer's buffered peak stays under the 30 records' own size), and the partition moves on.
+/// Before, the consumer copied them all (30 such records took its RSS from 13 MB to 167 MB);
+/// then it kept only Postal's three headers, and the row lost the other 99,990.
 #[tokio::test]
-async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them() {
+async fn records_with_huge_header_counts_are_dead_lettered_whole_without_copying_them() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -478,8 +481,9 @@ async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them(
         before / 1_000_000,
         rss_bytes() / 1_000_000
     );
-    // Without their headers, 31 small records: well under a megabyte even all at once.
-    assert!(peak < 1_000_000, "buffered peak {peak} bytes");
+    // Headers packed: no more than the records' own size (about 200 KB each on the wire),
+    // even all at once; copied one by one they were about 4.8 MB each.
+    assert!(peak < 7_500_000, "buffered peak {peak} bytes");
     let rows: Vec<(String, Option<Uuid>, Vec<String>)> = sqlx::query_as(
         "SELECT error, event_id, header_names FROM postal.dead_letters ORDER BY kafka_offset",
     )
@@ -489,12 +493,16 @@ async fn records_with_huge_header_counts_are_dead_lettered_without_copying_them(
     assert_eq!(rows.len(), 30);
     assert_eq!(
         rows[0].0,
-        "record has 99993 headers, more than the consumer's max_headers (only Postal's own were kept)"
+        "record has 99993 headers, more than the consumer's max_headers (the dead letter keeps them all)"
     );
-    // Dead-lettered as itself: its id (and dedup row, so no later copy is applied) and
-    // Postal's headers, from which `postal dead-letters replay` republishes it.
+    // Dead-lettered as itself: its id (and dedup row, so no later copy is applied) and all
+    // its headers, in order, from which `postal dead-letters replay` republishes it.
     assert!(rows.iter().all(|r| r.1.is_some()));
-    assert_eq!(rows[0].2, vec!["ce_id", "ce_type", "content-type"]);
+    for r in &rows {
+        assert_eq!(r.2.len(), 99_993);
+        assert_eq!(r.2[..3], ["ce_id", "ce_type", "content-type"]);
+        assert!(r.2[3..].iter().all(String::is_empty));
+    }
     let dedup: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events")
         .fetch_one(&db.pool)
         .await
@@ -682,4 +690,92 @@ async fn a_consumer_process_stays_small_on_records_with_huge_header_counts() {
         peak_kb / 1024
     );
     assert!(peak_kb < 120 * 1024, "peak RSS {} MB", peak_kb / 1024);
+}
+
+/// Guarantee (issue 46: the dead-letter table keeps the original whole): a record with more
+/// headers than `max_headers` (300 distinct headers, the default limit 256) is dead-lettered
+/// with all 300 in its row, names and values in order, and `postal dead-letters replay` sends
+/// them all back to the topic.
+///
+/// Broken: the row kept only Postal's own headers (`ce_id`, `ce_type`, `content-type`): the
+/// other 297 were lost for good, and a replay sent the record without them.
+#[tokio::test]
+async fn a_record_with_more_headers_than_max_headers_is_dead_lettered_and_replayed_whole() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("hostile-many-headers");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let id = Uuid::now_v7().to_string();
+    let extra: Vec<(String, String)> = (0..297)
+        .map(|i| (format!("h{i:03}"), format!("value {i}")))
+        .collect();
+    let (b, t, i, x) = (
+        svc.bootstrap.clone(),
+        topic.clone(),
+        id.clone(),
+        extra.clone(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let mut headers: Vec<(&[u8], &[u8])> = vec![
+            (b"ce_id", i.as_bytes()),
+            (b"ce_type", b"job"),
+            (b"content-type", b"application/json"),
+        ];
+        headers.extend(x.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())));
+        let code = produce_raw(&b, &t, 0, b"k", br#"{"n": 0}"#, &headers).expect("raw produce");
+        assert_eq!(code, 0, "the broker stored the raw record");
+    })
+    .await
+    .unwrap();
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    wait::until(WAIT, "the record dead-lettered", || {
+        let s = stats.snapshot();
+        async move { s.dead_letters == 1 }
+    })
+    .await;
+    running.stop().await;
+    let (dl, names, values): (i64, Vec<String>, Vec<Vec<u8>>) =
+        sqlx::query_as("SELECT id, header_names, header_values FROM postal.dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(names.len(), 300, "all the record's headers kept");
+    assert_eq!(names[..3], ["ce_id", "ce_type", "content-type"]);
+    for (i, (n, v)) in extra.iter().enumerate() {
+        assert_eq!((&names[i + 3], &values[i + 3]), (n, &v.as_bytes().to_vec()));
+    }
+
+    let producer = postal_shared::kafka_producer::replay_config(
+        &svc.bootstrap,
+        &std::collections::BTreeMap::new(),
+    )
+    .expect("producer settings")
+    .create()
+    .expect("producer");
+    let replayed = postal_admin::dead_letters::replay(
+        &db.pool,
+        &producer,
+        &postal_admin::audit::Operator::cli("test"),
+        &json!({ "ids": [dl] }),
+        &[dl],
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed, 1);
+    let read = postal_integration_tests::kafka::read_all(&svc.bootstrap, &topic, 2, WAIT).await;
+    let copy = read
+        .iter()
+        .find(|r| r.offset == 1)
+        .expect("the replayed record");
+    for (n, v) in &extra {
+        assert_eq!(copy.header(n), Some(v.as_str()), "header {n} replayed");
+    }
+    assert_eq!(copy.header("ce_id"), Some(id.as_str()));
 }

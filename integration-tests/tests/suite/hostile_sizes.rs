@@ -468,3 +468,173 @@ async fn a_nul_in_a_filter_gets_a_400_not_a_database_error() {
     let bad = short_answers(addr, &paths).await;
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// Runs `postal <args>` on `url` under `peak_rss` (which reports that one process's peak
+/// resident set), stdout to `out`: its exit code, its peak RSS in KiB, and its stderr.
+fn postal_with_peak_rss(url: &str, args: &[&str], out: &std::path::Path) -> (i32, i64, String) {
+    let file = std::fs::File::create(out).unwrap();
+    let run = std::process::Command::new(crate::procs::bin_dir().join("peak_rss"))
+        .arg(crate::procs::bin_dir().join("postal"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("POSTAL_LOG", "warn")
+        .stdout(file)
+        .output()
+        .expect("run the postal CLI");
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    let peak = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("peak_rss_kib="))
+        .unwrap_or_else(|| panic!("no peak reported: {stderr}"))
+        .parse()
+        .unwrap();
+    (run.status.code().unwrap_or(-1), peak, stderr)
+}
+
+/// Guarantee: `postal failed discard --all` discards parked events however large their sum
+/// is, with the CLI's memory bounded: each event is moved whole, inside the database, from
+/// the outbox to `postal.operator_audit_events` (one row each, under the discard's audit row)
+/// by the statement that deletes it, in batches bounded by bytes (64 MiB) as well as count;
+/// the audit row counts them; `postal audit show` still has them. Here three parked events of
+/// 90 MiB each (283,115,520 payload bytes, more than a jsonb value can hold): all three
+/// discarded, the CLI's peak RSS under 100 MiB (one event's size; 22 MiB measured), and
+/// `postal audit show`, which prints them whole, holds one at a time (under 8 times one
+/// event; 480 MiB measured).
+///
+/// Broken: every batch (up to 1,000 events by count) went through the CLI and was appended
+/// to one jsonb `removed` field of the audit row: the discard failed with `total size of
+/// jsonb array elements exceeds the maximum of 268435455 bytes`, discarded nothing, left an
+/// audit row of matched 3 / affected 0, and the CLI held the events several times over (a
+/// 1.5 GB peak for 272 MB of events).
+#[tokio::test]
+async fn discarding_parked_events_larger_than_a_jsonb_value_keeps_them_in_the_database() {
+    const MIB: i64 = 1 << 20;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("big-discard");
+    // Built by the server, parked as the relay parks them: no 90 MiB value in this process.
+    sqlx::query(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                    held, last_error)
+         SELECT gen_random_uuid(), $1, 'k' || i, 'big', convert_to(repeat('x', $2), 'UTF8'),
+                'failed', true, 'too large'
+         FROM generate_series(1, 3) AS i",
+    )
+    .bind(&topic)
+    .bind((90 * MIB) as i32)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let dir = std::env::temp_dir().join(unique("big-discard"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("discard.out");
+    let (code, peak_kib, stderr) =
+        postal_with_peak_rss(&db.url, &["failed", "discard", "--all"], &out);
+    let printed = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(code, 0, "discard: {printed}{stderr}");
+    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(parked, 0, "all three discarded: {printed}");
+    let (id, matched, affected): (i64, Option<i64>, i64) = sqlx::query_as(
+        "SELECT id, matched, affected FROM postal.operator_audit WHERE action = 'discard'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((matched, affected), (Some(3), 3));
+    let kept: Vec<i64> = sqlx::query_scalar(
+        "SELECT octet_length(payload)::int8 FROM postal.operator_audit_events
+         WHERE audit_id = $1 AND payload = convert_to(repeat('x', $2), 'UTF8')",
+    )
+    .bind(id)
+    .bind((90 * MIB) as i32)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.len(), 3, "each event kept whole");
+    assert!(
+        peak_kib < 100 * 1024,
+        "the CLI's peak RSS was {peak_kib} KiB for 270 MiB of events"
+    );
+    // `audit show` reads them back one at a time: the entry and three events.
+    let shown = dir.join("show.out");
+    let (code, show_kib, stderr) =
+        postal_with_peak_rss(&db.url, &["audit", "show", &id.to_string()], &shown);
+    assert_eq!(code, 0, "{stderr}");
+    let lines = std::io::BufRead::lines(std::io::BufReader::new(
+        std::fs::File::open(&shown).unwrap(),
+    ))
+    .count();
+    assert_eq!(lines, 4, "the entry and the three events");
+    // One event in memory at a time (a few copies of it: row, text, JSON line), not all three.
+    assert!(
+        show_kib < 8 * 90 * 1024,
+        "audit show's peak RSS was {show_kib} KiB for three 90 MiB events"
+    );
+    eprintln!("discard peak RSS {peak_kib} KiB; audit show peak RSS {show_kib} KiB");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Guarantee: a discard's batches are bounded by bytes as well as count: with a bound of
+/// 1 MiB, five parked events of 600 KiB go in five batches (`keep` sees one at a time: two
+/// would exceed the bound), every event is kept whole under the audit row, and the row counts
+/// five. An event larger than the bound still goes, alone in its batch.
+///
+/// Broken: batches were bounded by count only (1,000 events, whatever their size).
+#[tokio::test]
+async fn discard_batches_are_bounded_by_bytes() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("bounded-discard");
+    let seqs: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
+                                    held, last_error)
+         SELECT gen_random_uuid(), $1, 'k', 'big',
+                convert_to(repeat('y', CASE WHEN i = 5 THEN 3 * 1048576 ELSE 600 * 1024 END), 'UTF8'),
+                'failed', true, 'too large'
+         FROM generate_series(1, 5) AS i RETURNING seq",
+    )
+    .bind(&topic)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let mut batches = Vec::new();
+    let done = postal_admin::parked::discard_seqs_in(
+        &db.pool,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::json!({ "all": true }),
+        &seqs,
+        postal_admin::parked::DiscardBatch {
+            rows: 1000,
+            bytes: 1 << 20,
+        },
+        |batch| {
+            batches.push(batch.iter().map(|d| d.payload_bytes).collect::<Vec<_>>());
+            Ok(())
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(done, 5);
+    assert_eq!(
+        batches,
+        [
+            vec![614400],
+            vec![614400],
+            vec![614400],
+            vec![614400],
+            vec![3145728]
+        ]
+    );
+    let (affected, kept): (i64, i64) = sqlx::query_as(
+        "SELECT a.affected, (SELECT sum(octet_length(payload))::int8
+                             FROM postal.operator_audit_events WHERE audit_id = a.id)
+         FROM postal.operator_audit a",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((affected, kept), (5, 4 * 614400 + 3145728));
+}

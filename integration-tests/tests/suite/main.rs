@@ -34,6 +34,7 @@ mod hostile_sizes;
 mod idle;
 mod interop;
 mod key_order;
+mod maintenance_audit;
 mod migrations;
 mod missing_topic;
 mod monitoring;

@@ -30,7 +30,7 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
             ]
         })
         .collect();
-    let body = table(
+    let mut body = table(
         "audit",
         &[
             "When (UTC)",
@@ -44,6 +44,11 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
         ],
         &rows,
         "No actions yet.",
+    );
+    body.push_str(
+        "<p>A discard keeps the events it deleted whole, one row each, in \
+         <code>postal.operator_audit_events</code> (by the audit row's id): \
+         <code>postal audit show &lt;id&gt;</code> prints them (ids: <code>postal audit list</code>).</p>",
     );
     Html(page(&state.base, "/audit", "Audit trail", &body, true, "")).into_response()
 }
