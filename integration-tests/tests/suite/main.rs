@@ -76,3 +76,4 @@ mod topology_review;
 mod trace;
 mod upgrade;
 mod wal_relay;
+mod wal_review;
