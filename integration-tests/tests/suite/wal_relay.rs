@@ -123,7 +123,12 @@ pub(crate) async fn wal_now(conn: &mut sqlx::PgConnection) -> u64 {
 /// Enqueues one event of `key` per transaction, `n` of them. Returns their ids in order and
 /// the WAL position read in the last transaction before it committed: a slot confirmed at or
 /// past it has every one of them behind it.
-pub(crate) async fn enqueue_each(pool: &PgPool, topic: &str, key: &str, n: usize) -> (Vec<String>, u64) {
+pub(crate) async fn enqueue_each(
+    pool: &PgPool,
+    topic: &str,
+    key: &str,
+    n: usize,
+) -> (Vec<String>, u64) {
     let mut ids = Vec::new();
     let mut before_last_commit = 0;
     for i in 0..n {

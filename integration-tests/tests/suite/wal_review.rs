@@ -32,7 +32,8 @@ async fn writer(
 ) -> (Vec<String>, Vec<String>) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let (mut kept, mut gone) = (Vec::new(), Vec::new());
-    let ev = |k: usize, i: usize| NewEvent::json(topic.as_str(), format!("key-{k}"), "e", &i).unwrap();
+    let ev =
+        |k: usize, i: usize| NewEvent::json(topic.as_str(), format!("key-{k}"), "e", &i).unwrap();
     let mut i = 0;
     while !stop.load(Ordering::SeqCst) {
         let mut tx = pool.begin().await.unwrap();
@@ -54,7 +55,10 @@ async fn writer(
                 sqlx::query("SAVEPOINT s").execute(&mut *tx).await.unwrap();
                 i += 1;
                 gone.push(enqueue(&mut tx, ev(1, i)).await.unwrap().to_string());
-                sqlx::query("ROLLBACK TO SAVEPOINT s").execute(&mut *tx).await.unwrap();
+                sqlx::query("ROLLBACK TO SAVEPOINT s")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
                 i += 1;
                 kept.push(enqueue(&mut tx, ev(2, i)).await.unwrap().to_string());
             }
@@ -157,7 +161,10 @@ async fn restart_storm(keep_published: bool, kills: usize, seed: u64) {
         }
     }
     let kept_set: BTreeSet<&String> = kept.iter().collect();
-    let lost: Vec<&&String> = kept_set.iter().filter(|id| !seen.contains_key(**id)).collect();
+    let lost: Vec<&&String> = kept_set
+        .iter()
+        .filter(|id| !seen.contains_key(**id))
+        .collect();
     let unexpected: Vec<&String> = gone.iter().filter(|id| seen.contains_key(*id)).collect();
     let dups = seen.values().filter(|&&n| n > 1).count();
     let disorder: Vec<&String> = first_seqs
@@ -175,8 +182,16 @@ async fn restart_storm(keep_published: bool, kills: usize, seed: u64) {
         unexpected.len(),
         disorder
     );
-    assert!(lost.is_empty(), "lost {} events: {:?}", lost.len(), &lost[..lost.len().min(10)]);
-    assert!(unexpected.is_empty(), "published rolled-back or deleted events: {unexpected:?}");
+    assert!(
+        lost.is_empty(),
+        "lost {} events: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    assert!(
+        unexpected.is_empty(),
+        "published rolled-back or deleted events: {unexpected:?}"
+    );
     assert!(disorder.is_empty(), "keys out of order: {disorder:?}");
     if keep_published {
         let published: i64 =
@@ -184,9 +199,17 @@ async fn restart_storm(keep_published: bool, kills: usize, seed: u64) {
                 .fetch_one(&db.pool)
                 .await
                 .unwrap();
-        assert_eq!(published as usize, kept.len(), "every kept row marked published");
+        assert_eq!(
+            published as usize,
+            kept.len(),
+            "every kept row marked published"
+        );
     } else {
-        assert_eq!(crate::common::outbox_count(&db.pool).await, 0, "every row deleted");
+        assert_eq!(
+            crate::common::outbox_count(&db.pool).await,
+            0,
+            "every row deleted"
+        );
     }
 }
 
@@ -206,4 +229,116 @@ async fn a_relay_killed_again_and_again_under_writes_loses_and_reorders_nothing(
 #[tokio::test]
 async fn the_same_storm_with_published_rows_kept() {
     restart_storm(true, 12, 51).await;
+}
+
+/// A Kafka transport that refuses every event of type `poison` for good (as Kafka refuses a
+/// record larger than the topic allows: [`FailureKind::Permanent`]) and, as the transport
+/// contract asks, holds back the later events of its key in the same batch.
+struct Refuses(postal_producer::KafkaTransport);
+
+impl postal_producer::Transport for Refuses {
+    type Acks = futures::future::BoxFuture<'static, Vec<Result<(), postal_producer::PublishError>>>;
+
+    async fn send(&self, batch: &[postal_producer::OutboundEvent]) -> Self::Acks {
+        use futures::FutureExt;
+        use postal_producer::{FailureKind, PublishError};
+        let mut refused = BTreeSet::new();
+        let mut verdicts = Vec::with_capacity(batch.len());
+        let mut forward = Vec::new();
+        for e in batch {
+            let key = (e.topic.clone(), e.key.clone());
+            if e.event_type == "poison" {
+                refused.insert(key);
+                verdicts.push(Some(PublishError::new(FailureKind::Permanent, "too large")));
+            } else if refused.contains(&key) {
+                verdicts.push(Some(PublishError::new(FailureKind::HeldBack, "held back")));
+            } else {
+                verdicts.push(None);
+                forward.push(e.clone());
+            }
+        }
+        let acks = self.0.send(&forward).await;
+        async move {
+            let mut acks = acks.await.into_iter();
+            verdicts
+                .into_iter()
+                .map(|v| match v {
+                    Some(e) => Err(e),
+                    None => acks.next().expect("an ack per forwarded event"),
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn recorded(&self, batch: &[postal_producer::OutboundEvent], committed: bool) {
+        self.0.recorded(batch, committed);
+    }
+}
+
+/// Guarantee: an event the broker refuses for good (a permanent failure: too large) is parked
+/// (`status = 'failed'`, visible to `postal failed`), as polling parks it, and holds back its
+/// key's later events (left pending, as the WAL relay leaves rows behind a held row), while
+/// other keys' later events are published and the slot moves on. Before: the WAL relay
+/// retried the refused event forever and never read past its batch, so no event of any key
+/// committed after it was published (and the slot kept all WAL from there on).
+#[tokio::test]
+async fn an_event_refused_for_good_is_parked_and_other_keys_flow() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-poison");
+    let relay = RunningRelay::start(
+        &db.pool,
+        Refuses(kafka_transport(&svc.bootstrap)),
+        slot.config(),
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue(
+        &mut tx,
+        NewEvent::json(topic.as_str(), "a", "poison", &0).unwrap(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (_, _) = enqueue_each(&db.pool, &topic, "a", 1).await;
+    let (others, last_commit) = enqueue_each(&db.pool, &topic, "b", 3).await;
+    wait::until(
+        Duration::from_secs(30),
+        "the other key's events published and the slot past them",
+        || async {
+            let pending_b: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM postal.outbox WHERE event_key = 'b' AND status = 'pending'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            pending_b == 0 && slot.confirmed(&db.pool).await >= last_commit
+        },
+    )
+    .await;
+    relay.stop().await;
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT event_type, status FROM postal.outbox WHERE event_key = 'a' ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("poison".to_owned(), "failed".to_owned()),
+            ("e".to_owned(), "pending".to_owned())
+        ],
+        "the refused event parked, its key's later event left behind it"
+    );
+    let records = read_all(&svc.bootstrap, &topic, 3, Duration::from_secs(30)).await;
+    let ids: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        ids, others,
+        "only the other key's events, once each, in order"
+    );
 }
