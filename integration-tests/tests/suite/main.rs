@@ -77,3 +77,4 @@ mod topology_review;
 mod trace;
 mod upgrade;
 mod wal_relay;
+mod wal_review;

@@ -23,13 +23,13 @@ use crate::common::{fast_config, kafka_transport, RunningRelay};
 
 /// A slot and publication of the test's own, dropped when the test ends (a slot left behind
 /// would keep WAL on the shared server, and `DROP DATABASE` refuses a database with one).
-struct Slot {
-    source: WalSource,
+pub(crate) struct Slot {
+    pub(crate) source: WalSource,
     admin_url: String,
 }
 
 impl Slot {
-    async fn create(db: &TestDb) -> Slot {
+    pub(crate) async fn create(db: &TestDb) -> Slot {
         let id = uuid::Uuid::now_v7().simple().to_string();
         let (slot, publication) = (format!("postal_t_slot_{id}"), format!("postal_t_pub_{id}"));
         postal_producer::wal::slot::create(&db.pool, &slot, &publication)
@@ -41,12 +41,12 @@ impl Slot {
         }
     }
 
-    fn config(&self) -> RelayConfig {
+    pub(crate) fn config(&self) -> RelayConfig {
         fast_config().source(RelaySource::Wal(self.source.clone()))
     }
 
     /// The slot's `confirmed_flush_lsn`, as a number.
-    async fn confirmed(&self, pool: &PgPool) -> u64 {
+    pub(crate) async fn confirmed(&self, pool: &PgPool) -> u64 {
         let lsn: String = sqlx::query_scalar(
             "SELECT (confirmed_flush_lsn - '0/0')::text FROM pg_replication_slots WHERE slot_name = $1",
         )
@@ -112,7 +112,7 @@ impl Drop for Slot {
 
 /// The WAL insert position, as a number: read in a transaction before its commit, the
 /// commit's end LSN (what the relay confirms once it finished the transaction) is above it.
-async fn wal_now(conn: &mut sqlx::PgConnection) -> u64 {
+pub(crate) async fn wal_now(conn: &mut sqlx::PgConnection) -> u64 {
     let lsn: String = sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0')::text")
         .fetch_one(conn)
         .await
@@ -123,7 +123,12 @@ async fn wal_now(conn: &mut sqlx::PgConnection) -> u64 {
 /// Enqueues one event of `key` per transaction, `n` of them. Returns their ids in order and
 /// the WAL position read in the last transaction before it committed: a slot confirmed at or
 /// past it has every one of them behind it.
-async fn enqueue_each(pool: &PgPool, topic: &str, key: &str, n: usize) -> (Vec<String>, u64) {
+pub(crate) async fn enqueue_each(
+    pool: &PgPool,
+    topic: &str,
+    key: &str,
+    n: usize,
+) -> (Vec<String>, u64) {
     let mut ids = Vec::new();
     let mut before_last_commit = 0;
     for i in 0..n {
@@ -139,7 +144,7 @@ async fn enqueue_each(pool: &PgPool, topic: &str, key: &str, n: usize) -> (Vec<S
 }
 
 /// Per key, the `ce_postalseq` of its records in the order Kafka holds them.
-fn seqs_by_key(records: &[Record]) -> BTreeMap<String, Vec<i64>> {
+pub(crate) fn seqs_by_key(records: &[Record]) -> BTreeMap<String, Vec<i64>> {
     let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for r in records {
         let seq = r.header("ce_postalseq").unwrap().parse().unwrap();
@@ -148,7 +153,7 @@ fn seqs_by_key(records: &[Record]) -> BTreeMap<String, Vec<i64>> {
     by_key
 }
 
-async fn outbox_pending(pool: &PgPool) -> i64 {
+pub(crate) async fn outbox_pending(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE status = 'pending'")
         .fetch_one(pool)
         .await

@@ -202,10 +202,24 @@ async fn publish<T: Transport>(
         };
         let mut published = Vec::with_capacity(events.len());
         let mut failed = Vec::new();
+        let mut parked = Vec::new();
         let mut worst = None;
         for (e, outcome) in events.iter().zip(&outcomes) {
             match outcome {
                 Ok(()) => published.push(e.seq),
+                // Refused for good (too large, invalid): parked, as polling parks it; its
+                // key's later rows are then left behind it (`rows::lock`). Retrying it would
+                // stop the relay on this batch forever, every key with it.
+                Err(err) if err.kind == FailureKind::Permanent => {
+                    parked.push(crate::complete::Failure {
+                        seq: e.seq,
+                        counts: true,
+                        park: true,
+                        hold: true,
+                        retry_in: Duration::ZERO,
+                        reason: Some(err.reason.clone()),
+                    });
+                }
                 Err(err) => {
                     if worst.is_none() && err.kind != FailureKind::HeldBack {
                         worst = Some(err.clone());
@@ -214,10 +228,17 @@ async fn publish<T: Transport>(
                 }
             }
         }
-        match locked.mark(&published, config.delete_on_publish).await {
+        match locked
+            .mark(&published, &parked, config.delete_on_publish)
+            .await
+        {
             Ok(()) => {
                 transport.recorded(&events, true);
                 stats.published += published.len() as u64;
+                stats.parked += parked.len() as u64;
+                for p in &parked {
+                    tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
+                }
                 // Done with the chunk, except its failed rows: they go first again.
                 failed.extend_from_slice(&todo[chunk_len..]);
                 todo = failed;

@@ -99,15 +99,24 @@ pub(crate) async fn lock(pool: &PgPool, seqs: &[i64]) -> Result<Locked, sqlx::Er
 
 impl Locked {
     /// Marks the acknowledged rows `published` as polling does (deleted, or kept and marked
-    /// `published`) and commits.
-    pub(crate) async fn mark(mut self, published: &[i64], delete: bool) -> Result<(), sqlx::Error> {
+    /// `published`), parks the rows in `parked` (refused for good: `status = 'failed'`,
+    /// holding their key's later rows back, as polling parks them) and commits.
+    pub(crate) async fn mark(
+        mut self,
+        published: &[i64],
+        parked: &[crate::complete::Failure],
+        delete: bool,
+    ) -> Result<(), sqlx::Error> {
         if delete {
             sqlx::query("DELETE FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending'")
                 .bind(published)
                 .execute(&mut *self.tx)
                 .await?;
+            if !parked.is_empty() {
+                crate::complete::mark(&mut self.tx, &[], parked).await?;
+            }
         } else {
-            crate::complete::mark(&mut self.tx, published, &[]).await?;
+            crate::complete::mark(&mut self.tx, published, parked).await?;
         }
         self.tx.commit().await
     }
