@@ -131,3 +131,47 @@ async fn a_batch_handler_keeps_each_event_once_and_in_order_through_mixed_failur
         .count();
     assert!(shared > 0, "no event ran with a failing one: batches never formed");
 }
+
+/// Guarantee: an id first seen in a batch as a type this consumer skips (`UnknownTypes::Skip`),
+/// then again as a routed `job`, is applied once (as one at a time: the skipped record writes no
+/// dedup row, the `job` copy is applied). Failed before the fix in `batch.rs` (applied 38 of 39,
+/// duplicates 1): the skipped record claimed the id, the `job` copy was counted a duplicate and
+/// its dedup row deleted, so the event was applied nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_skipped_as_an_unknown_type_in_a_batch_is_applied_as_a_known_one() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("batch_review_skip");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let id = Uuid::now_v7();
+    let mut records = vec![RawRecord::event(id, "k", "other", json!({"n": 1}))];
+    records.push(RawRecord::event(id, "k", "job", json!({"n": 1})));
+    for n in 2..40 {
+        records.push(RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})));
+    }
+    produce(&svc.bootstrap, &topic, Some(0), &records).await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
+    config.max_batch = 64;
+    config.unknown_types = postal_consumer::UnknownTypes::Skip;
+    let consumer = Consumer::builder(db.pool.clone(), config)
+        .state(handlers::Probe::default())
+        .on_batch(&topic, "job", handlers::apply_batch)
+        .build()
+        .expect("consumer");
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    wait::until(WAIT, "all 41 records taken", || {
+        let s = stats.snapshot();
+        async move { s.applied + s.duplicates + s.skipped >= 40 }
+    })
+    .await;
+    running.stop().await;
+    let s = stats.snapshot();
+    assert_eq!(
+        (s.applied, s.skipped),
+        (39, 1),
+        "applied, skipped (duplicates {})",
+        s.duplicates
+    );
+}
