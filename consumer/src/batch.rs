@@ -179,6 +179,9 @@ impl Worker {
                 .cloned();
             let Some(route) = route else {
                 if config.unknown_types == UnknownTypes::Skip {
+                    // Skipped, as one at a time (no dedup row): a later copy of the id as a
+                    // routed type is still applied, not counted a duplicate of this one.
+                    claimed.remove(&m.id);
                     c.skipped += 1;
                 } else {
                     let error = format!(

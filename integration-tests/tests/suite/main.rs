@@ -6,6 +6,7 @@
 
 mod activity_off_publish_path;
 mod activity_totals;
+mod batch_review;
 mod cancel;
 mod chain;
 mod chaos;
