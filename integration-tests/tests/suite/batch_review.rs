@@ -78,7 +78,10 @@ async fn a_batch_handler_keeps_each_event_once_and_in_order_through_mixed_failur
         // Copies after the culprits: of a predecessor, and of the culprit itself.
         if i == retry + 1 {
             records.push(job(new[10], json!({"n": 110})));
-            records.push(job(new[retry], json!({"n": 100 + retry as i64, "fail": "retry", "retries": 3})));
+            records.push(job(
+                new[retry],
+                json!({"n": 100 + retry as i64, "fail": "retry", "retries": 3}),
+            ));
         }
         if i == permanent + 2 {
             records.push(job(new[permanent], json!({"n": 100 + permanent as i64})));
@@ -97,7 +100,11 @@ async fn a_batch_handler_keeps_each_event_once_and_in_order_through_mixed_failur
     .await;
     running.stop().await;
     let s = stats.snapshot();
-    assert_eq!((s.applied, s.dead_letters), (97, 3), "applied, dead letters");
+    assert_eq!(
+        (s.applied, s.dead_letters),
+        (97, 3),
+        "applied, dead letters"
+    );
     assert_eq!(effects(&db.pool).await, (97, 97), "each event once");
     let order: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
         .fetch_all(&db.pool)
@@ -129,7 +136,10 @@ async fn a_batch_handler_keeps_each_event_once_and_in_order_through_mixed_failur
         .filter(|i| ![retry, undecodable, permanent, swallow].contains(i))
         .filter(|&i| probe.attempts(new[i]) > 1)
         .count();
-    assert!(shared > 0, "no event ran with a failing one: batches never formed");
+    assert!(
+        shared > 0,
+        "no event ran with a failing one: batches never formed"
+    );
 }
 
 /// Guarantee: an id first seen in a batch as a type this consumer skips (`UnknownTypes::Skip`),
@@ -148,7 +158,12 @@ async fn an_id_skipped_as_an_unknown_type_in_a_batch_is_applied_as_a_known_one()
     let mut records = vec![RawRecord::event(id, "k", "other", json!({"n": 1}))];
     records.push(RawRecord::event(id, "k", "job", json!({"n": 1})));
     for n in 2..40 {
-        records.push(RawRecord::event(Uuid::now_v7(), "k", "job", json!({"n": n})));
+        records.push(RawRecord::event(
+            Uuid::now_v7(),
+            "k",
+            "job",
+            json!({"n": n}),
+        ));
     }
     produce(&svc.bootstrap, &topic, Some(0), &records).await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER);
