@@ -1,8 +1,8 @@
-//! The WAL source of the relay (`postal relay --source wal`, [`crate::RelaySource::Wal`]):
+//! The WAL source of the relay (`postal relay --read-from wal`, [`crate::RelaySource::Wal`]):
 //! outbox inserts read from a logical replication slot (pgoutput) instead of claimed by
 //! polling, published through the same transport in commit order. docs/wal-relay.md has the
-//! design; [`stream`] reads the slot, [`pgoutput`] decodes it, [`rows`] locks, publishes and
-//! marks a batch's rows, and [`confirm`] is the rule for the slot's confirmed position.
+//! design; `stream` reads the slot, `pgoutput` decodes it, `rows` locks, publishes and
+//! marks a batch's rows, and `confirm` is the rule for the slot's confirmed position.
 
 use std::future::Future;
 use std::sync::Arc;
