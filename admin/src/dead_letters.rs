@@ -251,10 +251,10 @@ pub async fn resolve(
 /// The original record of a dead letter, as it is replayed.
 fn record(r: &Record) -> FutureRecord<'_, [u8], [u8]> {
     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
-    for (n, v) in r.header_names.iter().zip(&r.header_values) {
+    for (i, (n, v)) in r.header_names.iter().zip(&r.header_values).enumerate() {
         h = h.insert(Header {
             key: n,
-            value: Some(v),
+            value: postal_shared::headers::kept_value(v, &r.header_absent, i),
         });
     }
     let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).headers(h);
@@ -275,6 +275,7 @@ struct Record {
     payload: Option<Vec<u8>>,
     header_names: Vec<String>,
     header_values: Vec<Vec<u8>>,
+    header_absent: Vec<i32>,
 }
 
 /// Sends open dead letters back to the topic they came from, with their original key, value
@@ -295,7 +296,7 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "replay", target, ids.len()).await?;
     let rows: Vec<Record> = sqlx::query_as(
-        "SELECT id, topic, record_key, payload, header_names, header_values
+        "SELECT id, topic, record_key, payload, header_names, header_values, header_absent
          FROM postal.dead_letters
          WHERE replayed_at IS NULL AND resolved_at IS NULL AND id = ANY($1)
          ORDER BY id",

@@ -22,6 +22,7 @@ mod consumer_takeover;
 mod dashboard;
 mod dashboard_browser;
 mod dashboard_charts;
+mod dead_letter_headers_review;
 mod dead_letters;
 mod enqueue;
 mod examples;
