@@ -144,13 +144,14 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow()
     relay.stop().await;
 }
 
-/// Input: `postal.enqueue` with 300 headers of a few bytes each (within the size limits; the
-/// Rust `enqueue` takes at most `MAX_USER_HEADERS`, 128), beside 20 ordinary events.
-/// Guarantee: the row is parked with a one-line reason before it is sent, and the 20 others are
-/// published.
+/// Input: an outbox row with 300 headers of a few bytes each (within the size limits; the
+/// Rust `enqueue` takes at most `MAX_USER_HEADERS`, 128), written around `postal.enqueue`
+/// (which refuses it since migration 31, as a row written before it was not), beside 20
+/// ordinary events. Guarantee: the row is parked with a one-line reason before it is sent,
+/// and the 20 others are published.
 ///
-/// Broken: the SQL `postal.enqueue` counts no headers and the relay did not either: the event
-/// was published, for every Postal consumer (`max_headers` 256 by default, Postal's own
+/// Broken: the SQL `postal.enqueue` counted no headers and the relay did not either: the
+/// event was published, for every Postal consumer (`max_headers` 256 by default, Postal's own
 /// headers included) to dead-letter.
 #[tokio::test]
 async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() {
@@ -159,8 +160,10 @@ async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() 
     let topic = unique("hostile-header-count");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad: Uuid = sqlx::query_scalar(
-        "SELECT postal.enqueue($1, 'bad', 'order.created', '{}'::jsonb,
-             (SELECT jsonb_object_agg('x-' || i, 'v') FROM generate_series(1, 300) AS i))",
+        "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, headers)
+         VALUES (postal.uuid_v7(), $1, 'bad', 'order.created', '{}'::bytea,
+                 (SELECT jsonb_object_agg('x-' || i, 'v') FROM generate_series(1, 300) AS i))
+         RETURNING event_id",
     )
     .bind(&topic)
     .fetch_one(&db.pool)

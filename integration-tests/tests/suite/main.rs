@@ -32,6 +32,7 @@ mod fresh_topic;
 mod graceful_stop;
 mod handlers;
 mod hostile;
+mod hostile_review4;
 mod hostile_sizes;
 mod idle;
 mod interop;
