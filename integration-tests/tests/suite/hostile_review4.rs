@@ -1,5 +1,6 @@
 //! A review of issue 46's last fixes by attack: the SQL enqueue's header and content-type
-//! rules against the Rust enqueue's.
+//! rules against the Rust enqueue's, and the audit trail of a `postal cleanup` that stops
+//! midway.
 
 use std::collections::BTreeMap;
 
@@ -138,4 +139,126 @@ async fn sql_enqueue_refuses_what_rust_refuses_with_the_same_reason() {
     // Not vacuous: most cases are refused, some taken.
     assert!(refused >= 18 && refused < all.len(), "refused {refused}");
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// 25 published outbox rows, published 3 hours ago and before (oldest first by seq), and a
+/// transaction holding the newest one locked: a `postal cleanup --published-retention 1h
+/// --batch 10` deletes two batches of 10, then its third batch waits on that row.
+async fn published_rows_with_the_newest_locked(
+    pool: &sqlx::PgPool,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    for i in 0..25 {
+        sqlx::query("SELECT postal.enqueue('t', $1, 'e', '{}'::jsonb)")
+            .bind(format!("k{i}"))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "UPDATE postal.outbox SET status = 'published',
+                published_at = now() - interval '3 hours' + seq * interval '1 second'",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "SELECT 1 FROM postal.outbox WHERE seq = (SELECT max(seq) FROM postal.outbox) FOR UPDATE",
+    )
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
+/// How many outbox rows are gone, and the `cleanup` audit rows' `affected`.
+async fn deleted_and_recorded(pool: &sqlx::PgPool) -> (i64, Vec<i64>) {
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let recorded: Vec<i64> = sqlx::query_scalar(
+        "SELECT affected FROM postal.operator_audit WHERE action = 'cleanup' ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    (25 - left, recorded)
+}
+
+fn cleanup_command(url: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(crate::procs::bin_dir().join("postal"));
+    c.args(["cleanup", "--published-retention", "1h", "--batch", "10"])
+        .env("DATABASE_URL", url)
+        .env("POSTAL_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    c
+}
+
+/// Guarantee: a `postal cleanup` that fails after some of its batches committed (here its
+/// third batch's lock wait ends in `lock_timeout`) leaves its audit row saying how many rows
+/// it did delete (20), not 0: each batch counts itself in the audit row in its own
+/// transaction.
+///
+/// Broken: the count was written once, after the last batch; a cleanup that failed midway
+/// deleted 20 rows and its audit row said `affected` 0.
+#[tokio::test]
+async fn a_cleanup_that_fails_midway_records_the_rows_it_deleted() {
+    let db = services().await.fresh_db().await;
+    let holder = published_rows_with_the_newest_locked(&db.pool).await;
+    let out = cleanup_command(&db.url).output().unwrap();
+    holder.rollback().await.unwrap();
+    assert!(
+        !out.status.success(),
+        "the cleanup should fail on the locked row: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (deleted, recorded) = deleted_and_recorded(&db.pool).await;
+    assert_eq!(
+        deleted, 20,
+        "two batches of 10 deleted before the locked row"
+    );
+    assert_eq!(recorded, vec![20], "the audit row counts what was deleted");
+}
+
+/// Guarantee: a `postal cleanup` killed (SIGKILL) while a batch waits leaves its audit row
+/// with the rows its committed batches deleted (20).
+///
+/// Broken: its audit row said `affected` 0 while 20 rows were gone.
+#[tokio::test]
+async fn a_cleanup_killed_midway_records_the_rows_it_deleted() {
+    let db = services().await.fresh_db().await;
+    let holder = published_rows_with_the_newest_locked(&db.pool).await;
+    let mut child = postal_integration_tests::KillOnDrop(cleanup_command(&db.url).spawn().unwrap());
+    // Waits until the third batch waits on the locked row (the first two committed).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE 'DELETE FROM postal.outbox%'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cleanup never waited on the locked row"
+        );
+        assert!(child.0.try_wait().unwrap().is_none(), "the cleanup ended");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    holder.rollback().await.unwrap();
+    let (deleted, recorded) = deleted_and_recorded(&db.pool).await;
+    assert_eq!(
+        deleted, 20,
+        "two batches of 10 deleted before the locked row"
+    );
+    assert_eq!(recorded, vec![20], "the audit row counts what was deleted");
 }
