@@ -29,6 +29,7 @@
 
 pub mod audit;
 pub mod dead_letters;
+pub mod kept_events;
 mod error;
 pub mod lookup;
 pub mod overview;

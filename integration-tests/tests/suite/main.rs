@@ -24,6 +24,7 @@ mod dashboard_browser;
 mod dashboard_charts;
 mod dead_letter_headers_review;
 mod dead_letters;
+mod discard_review;
 mod enqueue;
 mod examples;
 mod explorer;
