@@ -1,5 +1,7 @@
--- The SQL enqueue refuses the headers and content types the Rust enqueue refuses, with the
--- same one-line reasons (after `postal.enqueue: `): more than 128 user headers
+-- The SQL enqueue refuses the headers, content types and event types the Rust enqueue
+-- refuses, with the same one-line reasons (after `postal.enqueue: `): an event type over 255
+-- bytes (it counted 255 characters) or holding whitespace such as U+00A0 (`[[:space:]]` missed
+-- it; Rust's `char::is_whitespace` does not), more than 128 user headers
 -- (`MAX_USER_HEADERS`), an empty or reserved name (`ce_traceparent` and `ce_tracestate` were
 -- missing from its list), a name over 255 bytes, a CloudEvents context attribute
 -- (`ce_dataschema`, …) or an extension name that is not letters and digits
@@ -38,6 +40,8 @@ BEGIN
             WHEN v_c = '"' THEN '\"'
             WHEN v_c = '''' AND NOT p_debug THEN '\'''
             WHEN v_n BETWEEN 32 AND 126 THEN v_c
+            -- {:?} escapes these too (not printable: separators, format characters).
+            WHEN p_debug AND v_c ~ E'[\\xa0\\xad\\u1680\\u2000-\\u200f\\u2028-\\u202f\\u205f-\\u206f\\u3000\\ufeff]' THEN '\u{' || to_hex(v_n) || '}'
             WHEN p_debug AND v_n > 159 THEN v_c
             ELSE '\u{' || to_hex(v_n) || '}'
         END;
@@ -72,8 +76,18 @@ BEGIN
     IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 4096 THEN
         RAISE EXCEPTION 'postal.enqueue: the key must be 1 to 4096 bytes' USING ERRCODE = '22023';
     END IF;
-    IF p_event_type IS NULL OR p_event_type !~ '^[^[:space:][:cntrl:]]{1,255}$' THEN
-        RAISE EXCEPTION 'postal.enqueue: invalid event type %', quote_nullable(p_event_type) USING ERRCODE = '22023';
+    -- As postal_shared::EventType: 1 to 255 bytes (MAX_NAME_LEN), no whitespace or control
+    -- characters (Rust's char::is_whitespace and is_control, named explicitly).
+    IF p_event_type IS NULL OR p_event_type = '' THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid event type: must not be empty' USING ERRCODE = '22023';
+    END IF;
+    IF octet_length(p_event_type) > 255 THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid event type: % bytes, at most 255 allowed',
+            octet_length(p_event_type) USING ERRCODE = '22023';
+    END IF;
+    IF p_event_type ~ E'[\\x01-\\x20\\x7f-\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]' THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid event type: "%" contains whitespace or control characters',
+            postal.shown_text(p_event_type, true) USING ERRCODE = '22023';
     END IF;
     -- As postal_shared::ContentType: 1 to 255 bytes (MAX_NAME_LEN), then a type/subtype
     -- without control characters (C0, DEL and C1, as char::is_control).

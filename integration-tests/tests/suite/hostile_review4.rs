@@ -141,6 +141,60 @@ async fn sql_enqueue_refuses_what_rust_refuses_with_the_same_reason() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
+/// Guarantee: `postal.enqueue_bytes` refuses exactly the event types the Rust `EventType`
+/// refuses (empty, over 255 bytes, whitespace or control characters as Rust's
+/// `char::is_whitespace`/`is_control` say), with the same reason after `postal.enqueue: `;
+/// 255 bytes of `é` are taken by both.
+///
+/// Broken before: SQL counted 255 characters, not bytes (it wrote a 256-byte type of 128
+/// `é`, which an AMQP `type` property, a short string, cannot carry), and named the type
+/// with its own reason.
+#[tokio::test]
+async fn sql_enqueue_refuses_the_event_types_rust_refuses_with_the_same_reason() {
+    let db = services().await.fresh_db().await;
+    let at_limit = format!("{}x", "é".repeat(127));
+    let types = [
+        ("128 é (256 bytes)", "é".repeat(128)),
+        ("127 é and x (255 bytes)", at_limit),
+        ("256 x", "x".repeat(256)),
+        ("empty", String::new()),
+        ("space", "order created".into()),
+        ("tab", "order\tcreated".into()),
+        ("NBSP", "order\u{a0}created".into()),
+        ("U+2028", "order\u{2028}created".into()),
+        ("U+3000", "order\u{3000}created".into()),
+        ("NEL", "order\u{85}created".into()),
+        ("DEL", "order\u{7f}".into()),
+        ("quote", "order\"created".into()),
+        ("plain", "order.created".into()),
+    ];
+    let mut wrong = Vec::new();
+    let mut refused = 0;
+    for (what, t) in &types {
+        let rust = postal_shared::EventType::new(t.as_str())
+            .err()
+            .map(|e| format!("postal.enqueue: {e}"));
+        let sql = sqlx::query(
+            "SELECT postal.enqueue_bytes('t', 'k', $1, 'application/json', '\\x00'::bytea)",
+        )
+        .bind(t)
+        .execute(&db.pool)
+        .await
+        .err()
+        .map(|e| {
+            e.as_database_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string())
+        });
+        if sql != rust {
+            wrong.push(format!("{what}: Rust {rust:?}, SQL {sql:?}"));
+        }
+        refused += usize::from(rust.is_some());
+    }
+    assert_eq!(refused, types.len() - 3, "the cases Rust refuses");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 /// 25 published outbox rows, published 3 hours ago and before (oldest first by seq), and a
 /// transaction holding the newest one locked: a `postal cleanup --published-retention 1h
 /// --batch 10` deletes two batches of 10, then its third batch waits on that row.
