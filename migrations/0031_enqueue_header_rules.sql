@@ -1,5 +1,7 @@
--- The SQL enqueue refuses the headers, content types and event types the Rust enqueue
--- refuses, with the same one-line reasons (after `postal.enqueue: `): an event type over 255
+-- The SQL enqueue refuses the headers, content types, event types, payloads and schema
+-- versions the Rust enqueue refuses, with the same one-line reasons (after `postal.enqueue: `):
+-- a payload over 16 MiB (it took it), a schema version below 1 (the table's check refused it,
+-- without the reason), an event type over 255
 -- bytes (it counted 255 characters) or holding whitespace such as U+00A0 (`[[:space:]]` missed
 -- it; Rust's `char::is_whitespace` does not), more than 128 user headers
 -- (`MAX_USER_HEADERS`), an empty or reserved name (`ce_traceparent` and `ce_tracestate` were
@@ -106,6 +108,15 @@ BEGIN
     END IF;
     IF p_payload IS NULL THEN
         RAISE EXCEPTION 'postal.enqueue: the payload must not be NULL' USING ERRCODE = '22023';
+    END IF;
+    -- postal_producer::MAX_PAYLOAD_BYTES, and postal_shared::SchemaVersion (1 or more).
+    IF octet_length(p_payload) > 16777216 THEN
+        RAISE EXCEPTION 'postal.enqueue: payload of % bytes exceeds the maximum of 16777216 bytes',
+            octet_length(p_payload) USING ERRCODE = '22023';
+    END IF;
+    IF p_schema_version < 1 THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid schema version: % is below 1', p_schema_version
+            USING ERRCODE = '22023';
     END IF;
     IF jsonb_typeof(coalesce(p_headers, '{}'::jsonb)) <> 'object' THEN
         RAISE EXCEPTION 'postal.enqueue: headers must be a JSON object of strings' USING ERRCODE = '22023';

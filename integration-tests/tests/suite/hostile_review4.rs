@@ -195,6 +195,66 @@ async fn sql_enqueue_refuses_the_event_types_rust_refuses_with_the_same_reason()
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
+/// Guarantee: `postal.enqueue_bytes` refuses a payload over `MAX_PAYLOAD_BYTES` (16 MiB) and a
+/// schema version below 1 as the Rust enqueue does, with the same reason after
+/// `postal.enqueue: `; a payload of exactly 16 MiB and version 1 are taken by both.
+///
+/// Broken before: SQL wrote a 16 MiB + 1 payload (for the relay to park, or a broker to
+/// refuse), and refused versions 0 and -1 only by the outbox's check constraint (`new row for
+/// relation "outbox" violates check constraint …`), not with the reason.
+#[tokio::test]
+async fn sql_enqueue_refuses_the_payloads_and_schema_versions_rust_refuses() {
+    let db = services().await.fresh_db().await;
+    let max = postal_producer::MAX_PAYLOAD_BYTES;
+    let cases: [(&str, usize, i32); 5] = [
+        ("16 MiB + 1", max + 1, 1),
+        ("16 MiB", max, 1),
+        ("version 0", 1, 0),
+        ("version -1", 1, -1),
+        ("version 2", 1, 2),
+    ];
+    let mut wrong = Vec::new();
+    for (what, size, version) in cases {
+        let rust = postal_shared::SchemaVersion::new(version)
+            .map_err(postal_producer::Error::from)
+            .and_then(|v| {
+                postal_producer::NewEvent::bytes(
+                    "t",
+                    "k",
+                    "e",
+                    postal_shared::ContentType::json(),
+                    vec![b'x'; size],
+                )
+                .map(|e| e.with_schema_version(v))
+            })
+            .err()
+            .map(|e| format!("postal.enqueue: {e}"));
+        let sql = sqlx::query(
+            "SELECT postal.enqueue_bytes('t', 'k', 'e', 'application/json',
+                                         $1, p_schema_version => $2)",
+        )
+        .bind(vec![b'x'; size])
+        .bind(version)
+        .execute(&db.pool)
+        .await
+        .err()
+        .map(|e| {
+            e.as_database_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string())
+        });
+        if sql != rust {
+            wrong.push(format!("{what}: Rust {rust:?}, SQL {sql:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(written, 2, "the two events both take are written");
+}
+
 /// 25 published outbox rows, published 3 hours ago and before (oldest first by seq), and a
 /// transaction holding the newest one locked: a `postal cleanup --published-retention 1h
 /// --batch 10` deletes two batches of 10, then its third batch waits on that row.
