@@ -72,11 +72,32 @@ DECLARE
     v_size bigint;
     v_count bigint;
 BEGIN
-    IF p_topic IS NULL OR p_topic !~ '^[a-zA-Z0-9._-]{1,249}$' OR p_topic IN ('.', '..') THEN
-        RAISE EXCEPTION 'postal.enqueue: invalid topic %', quote_nullable(p_topic) USING ERRCODE = '22023';
+    -- As postal_shared::Topic and EventKey, in their order, with their reasons.
+    IF p_topic IS NULL OR p_topic = '' THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid topic: must not be empty' USING ERRCODE = '22023';
     END IF;
-    IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 4096 THEN
-        RAISE EXCEPTION 'postal.enqueue: the key must be 1 to 4096 bytes' USING ERRCODE = '22023';
+    IF octet_length(p_topic) > 249 THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid topic: % characters, at most 249 allowed',
+            octet_length(p_topic) USING ERRCODE = '22023';
+    END IF;
+    IF p_topic IN ('.', '..') THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid topic: "%" is reserved', p_topic USING ERRCODE = '22023';
+    END IF;
+    v_name := substring(p_topic FROM '[^a-zA-Z0-9._-]');
+    IF v_name IS NOT NULL THEN
+        -- The character as Rust's {:?} of a char shows it.
+        RAISE EXCEPTION 'postal.enqueue: invalid topic: "%" contains %; only [a-zA-Z0-9._-] are allowed',
+            postal.shown_text(p_topic, true),
+            CASE v_name WHEN '''' THEN '''\''''' WHEN '"' THEN '''"'''
+                 ELSE '''' || postal.shown_text(v_name, true) || '''' END
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_key IS NULL OR p_key = '' THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid event key: must not be empty' USING ERRCODE = '22023';
+    END IF;
+    IF octet_length(p_key) > 4096 THEN
+        RAISE EXCEPTION 'postal.enqueue: invalid event key: % bytes, at most 4096 allowed',
+            octet_length(p_key) USING ERRCODE = '22023';
     END IF;
     -- As postal_shared::EventType: 1 to 255 bytes (MAX_NAME_LEN), no whitespace or control
     -- characters (Rust's char::is_whitespace and is_control, named explicitly).

@@ -255,6 +255,52 @@ async fn sql_enqueue_refuses_the_payloads_and_schema_versions_rust_refuses() {
     assert_eq!(written, 2, "the two events both take are written");
 }
 
+/// Guarantee: `postal.enqueue_bytes` refuses the topics and keys the Rust `Topic` and
+/// `EventKey` refuse with their reasons after `postal.enqueue: ` (it refused the same ones
+/// before, each with a reason of its own).
+#[tokio::test]
+async fn sql_enqueue_gives_the_rust_reasons_for_topics_and_keys() {
+    let db = services().await.fresh_db().await;
+    let cases: Vec<(&str, String, String)> = vec![
+        ("empty topic", String::new(), "k".into()),
+        ("250-byte topic", "t".repeat(250), "k".into()),
+        ("dot", ".".into(), "k".into()),
+        ("dot dot", "..".into(), "k".into()),
+        ("space", "a b".into(), "k".into()),
+        ("quote", "a'b".into(), "k".into()),
+        ("double quote", "a\"b".into(), "k".into()),
+        ("é", "caf\u{e9}".into(), "k".into()),
+        ("tab", "a\tb".into(), "k".into()),
+        ("empty key", "t".into(), String::new()),
+        ("4097-byte key", "t".into(), "k".repeat(4097)),
+        ("fine", "t.a_b-c".into(), "k".repeat(4096)),
+    ];
+    let mut wrong = Vec::new();
+    for (what, topic, key) in &cases {
+        let rust = postal_shared::Topic::new(topic.as_str())
+            .err()
+            .or_else(|| postal_shared::EventKey::new(key.as_str()).err())
+            .map(|e| format!("postal.enqueue: {e}"));
+        let sql = sqlx::query(
+            "SELECT postal.enqueue_bytes($1, $2, 'e', 'application/json', '\\x00'::bytea)",
+        )
+        .bind(topic)
+        .bind(key)
+        .execute(&db.pool)
+        .await
+        .err()
+        .map(|e| {
+            e.as_database_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_else(|| e.to_string())
+        });
+        if sql != rust {
+            wrong.push(format!("{what}: Rust {rust:?}, SQL {sql:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
 /// 25 published outbox rows, published 3 hours ago and before (oldest first by seq), and a
 /// transaction holding the newest one locked: a `postal cleanup --published-retention 1h
 /// --batch 10` deletes two batches of 10, then its third batch waits on that row.
