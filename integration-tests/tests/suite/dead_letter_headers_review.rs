@@ -365,3 +365,93 @@ async fn replaying_many_large_dead_letters_holds_a_chunk_at_a_time() {
         "the replay's peak RSS was {peak_kib} KiB for 180 MB of dead letters"
     );
 }
+
+/// Guarantee: replaying a dead letter whose record no longer fits its topic (300 headers of
+/// 400 random bytes, which no compression shrinks, and a 10 kB value, a topic whose `max.message.bytes` is 100,000) ends as a
+/// failure that says so, every time it is run, and changes nothing: the dead letter stays open
+/// with its dedup row, and the audit row records it matched 1 and affected 0. No send is
+/// retried without end. Passes on main (and with replay's chunks).
+#[tokio::test]
+async fn replaying_a_dead_letter_its_topic_no_longer_takes_fails_and_leaves_it_open() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dl-replay-over");
+    crate::dead_letters::create_topic_with(
+        &svc.bootstrap,
+        &topic,
+        &[("max.message.bytes", "100000")],
+    )
+    .await;
+    let (id, event): (i64, Uuid) = sqlx::query_as(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition, kafka_offset,
+             event_id, event_type, record_key, payload, header_names, header_values, reason,
+             error, attempts, dlq_topic)
+         SELECT 'c', 'g', $1, 0, 0, gen_random_uuid(), 'job', '\\x6b'::bytea,
+                convert_to(repeat('p', 10000), 'UTF8'),
+                (SELECT array_agg('h' || i ORDER BY i) FROM generate_series(1, 300) AS i),
+                (SELECT array_agg((SELECT decode(string_agg(md5(random()::text || i || g), ''), 'hex')
+                                    FROM generate_series(1, 25) AS g))
+                 FROM generate_series(1, 300) AS i),
+                'undecodable', 'too many headers', 1, $1 || '.dlq'
+         RETURNING id, event_id",
+    )
+    .bind(&topic)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    // The dedup row a dead letter writes in its own transaction (at its time).
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         SELECT consumer_name, event_id, created_at FROM postal.dead_letters",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let producer = postal_shared::kafka_producer::replay_config(
+        &svc.bootstrap,
+        &std::collections::BTreeMap::new(),
+    )
+    .expect("producer settings")
+    .create()
+    .expect("producer");
+    for run in 1..=2 {
+        let err = postal_admin::dead_letters::replay(
+            &db.pool,
+            &producer,
+            &postal_admin::audit::Operator::cli("test"),
+            &serde_json::json!({ "ids": [id] }),
+            &[id],
+            |_| {},
+        )
+        .await
+        .expect_err("the topic refuses the record")
+        .to_string();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains(&format!("dead letter {id}")),
+            "run {run}: {err}"
+        );
+        let (open, dedup): (bool, i64) = sqlx::query_as(
+            "SELECT replayed_at IS NULL AND resolved_at IS NULL,
+                    (SELECT count(*) FROM postal.processed_events WHERE event_id = $2)
+             FROM postal.dead_letters WHERE id = $1",
+        )
+        .bind(id)
+        .bind(event)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (open, dedup),
+            (true, 1),
+            "run {run}: still open, dedup row kept"
+        );
+    }
+    let rows: Vec<(Option<i64>, i64)> = sqlx::query_as(
+        "SELECT matched, affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, [(Some(1), 0), (Some(1), 0)]);
+}
