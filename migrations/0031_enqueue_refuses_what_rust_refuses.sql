@@ -1,21 +1,19 @@
--- The SQL enqueue refuses the headers, content types, event types, payloads and schema
--- versions the Rust enqueue refuses, with the same one-line reasons (after `postal.enqueue: `):
--- a payload over 16 MiB (it took it), a schema version below 1 (the table's check refused it,
--- without the reason), an event type over 255
--- bytes (it counted 255 characters) or holding whitespace such as U+00A0 (`[[:space:]]` missed
--- it; Rust's `char::is_whitespace` does not), more than 128 user headers
--- (`MAX_USER_HEADERS`), an empty or reserved name (`ce_traceparent` and `ce_tracestate` were
--- missing from its list), a name over 255 bytes, a CloudEvents context attribute
--- (`ce_dataschema`, …) or an extension name that is not letters and digits
--- (`postal_shared::headers::user_header_problem`); a content type's control characters are
--- named explicitly (C0, DEL, C1: Rust's `char::is_control`) instead of by `[[:cntrl:]]`,
--- whose meaning follows the database's locale. Before, the header cases were written and the
--- relay parked them (or, for the count, consumers refused the record); rows written before
--- this migration still are. The reasons given were not Rust's.
+-- The SQL enqueue (`postal.enqueue_bytes`, which `postal.enqueue` calls) refuses what the Rust
+-- enqueue refuses, with the same one-line reasons after `postal.enqueue: `. It took: more than
+-- 128 user headers (`MAX_USER_HEADERS`); an empty or reserved header name (`ce_traceparent`
+-- and `ce_tracestate` were missing from its list), a name over 255 bytes, a CloudEvents
+-- context attribute (`ce_dataschema`, …) or a `ce_<name>` whose name is not letters and
+-- digits (`postal_shared::headers::user_header_problem`); an event type over 255 bytes (it
+-- counted characters) or holding whitespace such as U+00A0; a payload over 16 MiB
+-- (`MAX_PAYLOAD_BYTES`). The relay parked those rows (or consumers refused the record); rows
+-- written before this migration still are. For a schema version below 1, a topic, a key, a
+-- content type and the header sizes it refused the same values with reasons of its own.
+-- Control and whitespace characters are named explicitly (Rust's `char::is_control` and
+-- `is_whitespace`) instead of by `[[:cntrl:]]`/`[[:space:]]`, whose meaning follows the
+-- database's locale.
 --
--- The Rust side is the source of truth: `enqueue::sql_enqueue_refuses_what_rust_refuses`
--- (integration suite, module `hostile_review4`) feeds each case to both and compares the
--- messages.
+-- The Rust side is the source of truth: the integration suite's `hostile_review4::sql_enqueue_*`
+-- tests feed each case to both and compare the reasons.
 --
 -- Additive: binaries from before this migration run on it unchanged, and
 -- `oldest_compatible` is unchanged.
