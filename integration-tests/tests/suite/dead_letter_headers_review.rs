@@ -455,3 +455,56 @@ async fn replaying_a_dead_letter_its_topic_no_longer_takes_fails_and_leaves_it_o
     .unwrap();
     assert_eq!(rows, [(Some(1), 0), (Some(1), 0)]);
 }
+
+/// Guarantee: `max_headers` (256 by default) is the most a record may carry: one with exactly
+/// 256 headers is applied, one with 257 is dead-lettered with all 257 in its row, in order,
+/// and the partition moves on. Passes on main.
+#[tokio::test]
+async fn exactly_max_headers_is_applied_and_one_more_is_dead_lettered_whole() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("dl-at-limit");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let record = |id: &str, count: usize| -> WireHeaders {
+        let mut h: WireHeaders = vec![
+            ("ce_id".into(), Some(id.as_bytes().to_vec())),
+            ("ce_type".into(), Some(b"job".to_vec())),
+            ("content-type".into(), Some(b"application/json".to_vec())),
+        ];
+        h.extend((h.len()..count).map(|i| (format!("h{i}"), Some(vec![b'v'; i % 7]))));
+        h
+    };
+    let (at, over) = (Uuid::now_v7().to_string(), Uuid::now_v7().to_string());
+    let over_headers = record(&over, 257);
+    produce_with(
+        &svc.bootstrap,
+        &topic,
+        b"k",
+        br#"{"n": 0}"#,
+        &record(&at, 256),
+    )
+    .await;
+    produce_with(&svc.bootstrap, &topic, b"k", br#"{"n": 1}"#, &over_headers).await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    wait::until(WAIT, "one applied, one dead-lettered", || {
+        let s = stats.snapshot();
+        let pool = db.pool.clone();
+        async move { s.dead_letters == 1 && effects(&pool).await.1 == 1 }
+    })
+    .await;
+    running.stop().await;
+    let (event, names): (String, Vec<String>) =
+        sqlx::query_as("SELECT event_id::text, header_names FROM postal.dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(event, over, "the 257-header record is the dead letter");
+    let sent: Vec<String> = over_headers.into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, sent, "all 257 kept, in order");
+}
