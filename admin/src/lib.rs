@@ -29,8 +29,8 @@
 
 pub mod audit;
 pub mod dead_letters;
-pub mod kept_events;
 mod error;
+pub mod kept_events;
 pub mod lookup;
 pub mod overview;
 pub mod parked;
