@@ -98,16 +98,6 @@ impl Recording {
         &self.actor
     }
 
-    /// Records what an action opened by [`open_uncounted`] changed, once it is done.
-    pub async fn finish(&self, pool: &PgPool, affected: u64) -> Result<(), Error> {
-        sqlx::query("UPDATE postal.operator_audit SET affected = $2 WHERE id = $1")
-            .bind(self.id)
-            .bind(affected as i64)
-            .execute(pool)
-            .await?;
-        Ok(())
-    }
-
     /// Adds what one batch changed, in the batch's transaction: its count (and `removed`
     /// appended to the row's `removed` array; no action of this version passes any: a
     /// discard's events go to `postal.operator_audit_events`).
@@ -134,8 +124,9 @@ impl Recording {
 }
 
 /// Opens the row of an action that counts what it changed only as it goes, in transactions
-/// of its own (`postal cleanup`'s retention): `matched` is left null, `affected` 0 until
-/// [`Recording::finish`].
+/// of its own (`postal cleanup`'s retention): `matched` is left null, `affected` 0; each of
+/// its batches adds its count to the row in the batch's transaction
+/// (`postal_shared::cleanup::delete_in_batches_recorded`, by [`Recording::id`]).
 pub async fn open_uncounted(
     pool: &PgPool,
     by: &Operator,

@@ -251,10 +251,10 @@ pub async fn resolve(
 /// The original record of a dead letter, as it is replayed.
 fn record(r: &Record) -> FutureRecord<'_, [u8], [u8]> {
     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len());
-    for (n, v) in r.header_names.iter().zip(&r.header_values) {
+    for (i, (n, v)) in r.header_names.iter().zip(&r.header_values).enumerate() {
         h = h.insert(Header {
             key: n,
-            value: Some(v),
+            value: postal_shared::headers::kept_value(v, &r.header_absent, i),
         });
     }
     let mut rec: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&r.topic).headers(h);
@@ -275,6 +275,37 @@ struct Record {
     payload: Option<Vec<u8>>,
     header_names: Vec<String>,
     header_values: Vec<Vec<u8>>,
+    header_absent: Vec<i32>,
+}
+
+/// At most this many dead letters are replayed in one chunk (one transaction).
+const REPLAY_CHUNK_ROWS: usize = 500;
+
+/// About the most bytes of dead letters (key, value, headers) one replay chunk holds; a dead
+/// letter larger than this goes alone.
+const REPLAY_CHUNK_BYTES: i64 = 4 << 20;
+
+/// The ids of `sized` ((id, bytes), in order) in chunks of at most [`REPLAY_CHUNK_ROWS`] and
+/// about [`REPLAY_CHUNK_BYTES`].
+fn replay_chunks(sized: &[(i64, i64)]) -> Vec<Vec<i64>> {
+    let mut chunks: Vec<Vec<i64>> = Vec::new();
+    let mut bytes = 0i64;
+    for &(id, size) in sized {
+        match chunks.last_mut() {
+            Some(last)
+                if last.len() < REPLAY_CHUNK_ROWS
+                    && bytes.saturating_add(size) <= REPLAY_CHUNK_BYTES =>
+            {
+                last.push(id);
+                bytes = bytes.saturating_add(size);
+            }
+            _ => {
+                chunks.push(vec![id]);
+                bytes = size;
+            }
+        }
+    }
+    chunks
 }
 
 /// Sends open dead letters back to the topic they came from, with their original key, value
@@ -294,8 +325,13 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
     mut progress: impl FnMut(u64),
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "replay", target, ids.len()).await?;
-    let rows: Vec<Record> = sqlx::query_as(
-        "SELECT id, topic, record_key, payload, header_names, header_values
+    // Sizes first, then each chunk's rows when its turn comes: a replay of many large dead
+    // letters (a record's headers are kept whole, however many) holds one chunk at a time.
+    let sized: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT id, (coalesce(octet_length(payload), 0) + coalesce(octet_length(record_key), 0)
+                     + 64 * cardinality(header_names)
+                     + coalesce((SELECT sum(octet_length(v)) FROM unnest(header_values) AS v), 0)
+                    )::int8
          FROM postal.dead_letters
          WHERE replayed_at IS NULL AND resolved_at IS NULL AND id = ANY($1)
          ORDER BY id",
@@ -304,7 +340,17 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
     .fetch_all(pool)
     .await?;
     let mut done = 0u64;
-    for chunk in rows.chunks(500) {
+    for chunk_ids in replay_chunks(&sized) {
+        let rows: Vec<Record> = sqlx::query_as(
+            "SELECT id, topic, record_key, payload, header_names, header_values, header_absent
+             FROM postal.dead_letters
+             WHERE replayed_at IS NULL AND resolved_at IS NULL AND id = ANY($1)
+             ORDER BY id",
+        )
+        .bind(&chunk_ids)
+        .fetch_all(pool)
+        .await?;
+        let chunk = &rows[..];
         // One transaction per chunk, open until the broker acknowledged the sends: it claims
         // the chunk (a replay running at the same time waits for it, then takes none of these)
         // and removes the dedup rows these dead letters wrote — only those: written in the dead

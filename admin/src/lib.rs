@@ -30,6 +30,7 @@
 pub mod audit;
 pub mod dead_letters;
 mod error;
+pub mod kept_events;
 pub mod lookup;
 pub mod overview;
 pub mod parked;

@@ -98,13 +98,86 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
                 say!("{}", json(event, false)?);
             }
             for seq in audit::removed_seqs(pool, id).await? {
-                if let Some(event) = audit::removed_event(pool, id, seq).await? {
-                    let line = json(&event, false)?;
-                    drop(event);
-                    say!("{line}");
-                }
+                print_kept(pool, id, seq).await?;
             }
         }
+    }
+    Ok(())
+}
+
+/// How many payload bytes `audit show` reads at a time: a multiple of 3, so that pieces in
+/// base64 join.
+const PIECE: i32 = 3 << 20;
+
+/// How many bytes of text are escaped at a time (about: up to a character boundary).
+const ESCAPED: usize = 64 << 10;
+
+/// Prints the event `seq` a discard `id` kept as one JSON line, its payload read and written
+/// in pieces of [`PIECE`] bytes (an event can be hundreds of MiB): as text when it is UTF-8
+/// without NUL (the database tells), else in base64 — the line a whole read printed.
+async fn print_kept(pool: &PgPool, id: i64, seq: i64) -> anyhow::Result<()> {
+    use postal_admin::kept_events;
+    use std::io::Write as _;
+    let Some((event, size)) = kept_events::head(pool, id, seq).await? else {
+        return Ok(());
+    };
+    let text = kept_events::payload_is_text(pool, id, seq).await?;
+    let head = json(&event, false)?;
+    let head = head
+        .strip_suffix('}')
+        .ok_or_else(|| anyhow::anyhow!("an event printed as JSON ends with }}"))?;
+    let field = if text { "payload" } else { "payload_base64" };
+    write!(std::io::stdout().lock(), "{head},\"{field}\":\"")?;
+    // A character cut at a piece's end, carried to the next.
+    let mut carry: Vec<u8> = Vec::new();
+    let mut from = 0i64;
+    while from < size {
+        if !text {
+            let piece = kept_events::piece_base64(pool, id, seq, from, PIECE).await?;
+            if piece.is_empty() {
+                break;
+            }
+            write!(std::io::stdout().lock(), "{piece}")?;
+            from += i64::from(PIECE);
+            continue;
+        }
+        let piece = kept_events::piece(pool, id, seq, from, PIECE).await?;
+        if piece.is_empty() {
+            break;
+        }
+        from += piece.len() as i64;
+        let buf = if carry.is_empty() {
+            piece
+        } else {
+            carry.extend_from_slice(&piece);
+            std::mem::take(&mut carry)
+        };
+        let valid = match std::str::from_utf8(&buf) {
+            Ok(_) => buf.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        let part = std::str::from_utf8(&buf[..valid]).expect("checked above");
+        write_escaped(part)?;
+        carry = buf[valid..].to_vec();
+    }
+    say!("\"}}");
+    Ok(())
+}
+
+/// Writes `text` as the inside of a JSON string escaped for a terminal (as [`json`] escapes a
+/// whole line), a few KiB at a time.
+fn write_escaped(mut text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    while !text.is_empty() {
+        let mut cut = text.len().min(ESCAPED);
+        while !text.is_char_boundary(cut) {
+            cut += 1;
+        }
+        let quoted = serde_json::to_string(&text[..cut])?;
+        let inner = &quoted[1..quoted.len() - 1];
+        out.write_all(postal_shared::text::json_escaped(inner).as_bytes())?;
+        text = &text[cut..];
     }
     Ok(())
 }

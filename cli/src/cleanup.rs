@@ -35,7 +35,8 @@ pub struct CleanupArgs {
 }
 
 /// Opens the audit row of one retention run (`cleanup` by the OS user on `target`): written
-/// before it deletes anything, its count set when it ends.
+/// before it deletes anything; each batch adds its count in the batch's own transaction, so a
+/// run that fails or is stopped midway still says how many rows it deleted.
 async fn audited(
     pool: &PgPool,
     target: serde_json::Value,
@@ -67,11 +68,15 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             serde_json::json!({ "table": "outbox", "published_retention": age(r), "batch": args.batch }),
         )
         .await?;
-        let done =
-            postal_producer::retention::cleanup_published(pool, r, args.batch, |n| progress.set(n))
-                .await?;
+        let done = postal_producer::retention::cleanup_published_recorded(
+            pool,
+            r,
+            args.batch,
+            Some(audit.id()),
+            |n| progress.set(n),
+        )
+        .await?;
         progress.finish();
-        audit.finish(pool, done.unwrap_or(0)).await?;
         match done {
             Some(n) => say!(
                 "outbox: deleted {n} published row(s) older than {}",
@@ -119,9 +124,14 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 serde_json::json!({ "table": "processed_events", "consumer": name, "dedup_retention": age(r), "batch": args.batch }),
             )
             .await?;
-            let done =
-                postal_consumer::retention::cleanup_processed(pool, &name, r, args.batch).await?;
-            audit.finish(pool, done.unwrap_or(0)).await?;
+            let done = postal_consumer::retention::cleanup_processed_recorded(
+                pool,
+                &name,
+                r,
+                args.batch,
+                Some(audit.id()),
+            )
+            .await?;
             match done {
                 Some(n) => say!(
                     "dedup {c}: deleted {n} row(s) older than {}",
@@ -137,8 +147,13 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             serde_json::json!({ "table": "dead_letters", "dead_letter_retention": age(r), "batch": args.batch }),
         )
         .await?;
-        let done = postal_consumer::retention::cleanup_dead_letters(pool, r, args.batch).await?;
-        audit.finish(pool, done.unwrap_or(0)).await?;
+        let done = postal_consumer::retention::cleanup_dead_letters_recorded(
+            pool,
+            r,
+            args.batch,
+            Some(audit.id()),
+        )
+        .await?;
         match done {
             Some(n) => say!(
                 "dead letters: deleted {n} published row(s) older than {}",

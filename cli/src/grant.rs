@@ -40,7 +40,9 @@ fn app(role: &str) -> Vec<String> {
         // enqueue_once compares an event already there with the one it was given.
         format!("GRANT SELECT (event_id, topic, event_key, event_type, payload, schema_version, content_type, headers) ON postal.outbox TO {role}"),
         format!("GRANT USAGE ON SEQUENCE postal.outbox_seq_seq TO {role}"),
-        format!("GRANT EXECUTE ON FUNCTION postal.enqueue, postal.enqueue_bytes, postal.uuid_v7 TO {role}"),
+        // shown_text: how postal.enqueue_bytes names a refused header or content type
+        // (migration 31), for a database whose functions are not executable by PUBLIC.
+        format!("GRANT EXECUTE ON FUNCTION postal.enqueue, postal.enqueue_bytes, postal.uuid_v7, postal.shown_text TO {role}"),
         format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
     ]
 }

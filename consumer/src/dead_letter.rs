@@ -45,24 +45,25 @@ pub(crate) struct DeadLetter<'a> {
 /// Inserts the dead letter in the caller's transaction; returns its id.
 pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result<i64, sqlx::Error> {
     // A record with more headers than `max_headers` is kept whole too: its headers, packed
-    // since it was read, are unpacked here for its row, one record at a time.
+    // since it was read, are unpacked here for its row, one record at a time. A header without
+    // a value keeps an empty one in `header_values` (as binaries before migration 32 read it)
+    // and its position, from 1, in `header_absent`.
+    let mut absent: Vec<i32> = Vec::new();
+    let mut keep = |(i, (n, v)): (usize, (&str, Option<&[u8]>))| {
+        if v.is_none() {
+            absent.push(i as i32 + 1);
+        }
+        (n.to_owned(), v.unwrap_or_default().to_vec())
+    };
     let (names, values): (Vec<String>, Vec<Vec<u8>>) = match &d.record.too_many_headers {
-        Some(all) => all
-            .iter()
-            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
-            .unzip(),
-        None => d
-            .record
-            .headers
-            .iter()
-            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
-            .unzip(),
+        Some(all) => all.iter().enumerate().map(&mut keep).unzip(),
+        None => d.record.headers.iter().enumerate().map(&mut keep).unzip(),
     };
     sqlx::query_scalar(
         "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition, kafka_offset,
              event_id, event_type, record_key, payload, header_names, header_values, reason,
-             error, attempts, dlq_topic)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+             error, attempts, dlq_topic, header_absent)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
          RETURNING id",
     )
     .bind(d.consumer)
@@ -81,6 +82,7 @@ pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result
     .bind(postal_shared::text::bounded(d.error, postal_shared::text::MAX_ERROR_BYTES).as_ref())
     .bind(d.attempts)
     .bind(d.dlq_topic)
+    .bind(absent)
     .fetch_one(conn)
     .await
 }
@@ -96,6 +98,8 @@ pub(crate) struct Row {
     pub(crate) payload: Option<Vec<u8>>,
     pub(crate) header_names: Vec<String>,
     pub(crate) header_values: Vec<Vec<u8>>,
+    /// The positions (from 1, ascending) of the headers that had no value.
+    pub(crate) header_absent: Vec<i32>,
     pub(crate) reason: String,
     pub(crate) error: String,
     pub(crate) attempts: i32,
@@ -282,8 +286,8 @@ impl Publisher {
                         sum(cost) OVER (ORDER BY k1, k2, k3, id) - cost AS before
                  FROM locked)
              SELECT d.id, d.topic, d.partition, d.kafka_offset, d.record_key, d.payload,
-                    d.header_names, d.header_values, d.reason, d.error, d.attempts,
-                    d.dlq_topic, t.k1 AS marked, (SELECT count(*) FROM locked) AS locked
+                    d.header_names, d.header_values, d.header_absent, d.reason, d.error,
+                    d.attempts, d.dlq_topic, t.k1 AS marked, (SELECT count(*) FROM locked) AS locked
              FROM taken t JOIN postal.dead_letters d ON d.id = t.id
              WHERE t.before < $6
              ORDER BY t.k1, t.k2, t.k3, t.id",

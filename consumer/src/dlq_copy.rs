@@ -124,10 +124,10 @@ fn bytes(r: &Row, consumer: &str, cut: Cut) -> usize {
 pub(crate) fn record<'a>(r: &'a Row, consumer: &str, cut: Cut) -> FutureRecord<'a, [u8], [u8]> {
     let mut h = OwnedHeaders::new_with_capacity(r.header_names.len() + 9);
     if matches!(cut, Cut::Nothing | Cut::Value) {
-        for (n, v) in r.header_names.iter().zip(&r.header_values) {
+        for (i, (n, v)) in r.header_names.iter().zip(&r.header_values).enumerate() {
             h = h.insert(Header {
                 key: n,
-                value: Some(v),
+                value: postal_shared::headers::kept_value(v, &r.header_absent, i),
             });
         }
     }
@@ -165,6 +165,7 @@ mod tests {
             payload: Some(vec![b'v'; value]),
             header_names: vec!["x-h".into()],
             header_values: vec![vec![b'h'; header]],
+            header_absent: Vec::new(),
             reason: "missing_event_id".into(),
             error: "no ce_id".into(),
             attempts: 1,

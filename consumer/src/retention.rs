@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use postal_shared::cleanup::{delete_in_batches, CleanupLock};
+use postal_shared::cleanup::{delete_in_batches, delete_in_batches_recorded, CleanupLock};
 use sqlx::PgPool;
 
 /// First key of the advisory lock held while cleaning (`'pded'`); the second key is
@@ -36,6 +36,18 @@ pub async fn cleanup_processed(
     retention: Duration,
     batch: usize,
 ) -> Result<Option<u64>, sqlx::Error> {
+    cleanup_processed_recorded(pool, consumer, retention, batch, None).await
+}
+
+/// [`cleanup_processed`], each batch adding its count to the audit row `audit`
+/// (`postal.operator_audit`, `postal cleanup`'s) in the batch's transaction.
+pub async fn cleanup_processed_recorded(
+    pool: &PgPool,
+    consumer: &str,
+    retention: Duration,
+    batch: usize,
+    audit: Option<i64>,
+) -> Result<Option<u64>, sqlx::Error> {
     sqlx::query(
         "INSERT INTO postal.dedup_horizon (consumer_name, horizon)
          SELECT $1, max(processed_at) FROM postal.processed_events
@@ -49,7 +61,7 @@ pub async fn cleanup_processed(
     .bind(retention.as_millis() as i64)
     .execute(pool)
     .await?;
-    delete_in_batches(
+    delete_in_batches_recorded(
         pool,
         CleanupLock::Named(DEDUP_CLEANUP_LOCK, consumer),
         "DELETE FROM postal.processed_events
@@ -62,6 +74,7 @@ pub async fn cleanup_processed(
              LIMIT $2)",
         retention,
         batch,
+        audit,
         |_| {},
     )
     .await
@@ -242,7 +255,18 @@ pub async fn cleanup_dead_letters(
     retention: Duration,
     batch: usize,
 ) -> Result<Option<u64>, sqlx::Error> {
-    delete_in_batches(
+    cleanup_dead_letters_recorded(pool, retention, batch, None).await
+}
+
+/// [`cleanup_dead_letters`], each batch adding its count to the audit row `audit`
+/// (`postal.operator_audit`, `postal cleanup`'s) in the batch's transaction.
+pub async fn cleanup_dead_letters_recorded(
+    pool: &PgPool,
+    retention: Duration,
+    batch: usize,
+    audit: Option<i64>,
+) -> Result<Option<u64>, sqlx::Error> {
+    delete_in_batches_recorded(
         pool,
         CleanupLock::Key(DEAD_LETTER_CLEANUP_LOCK),
         "DELETE FROM postal.dead_letters WHERE id IN (
@@ -253,6 +277,7 @@ pub async fn cleanup_dead_letters(
              ORDER BY id LIMIT $2)",
         retention,
         batch,
+        audit,
         |_| {},
     )
     .await

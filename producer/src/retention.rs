@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use postal_shared::cleanup::{delete_in_batches, CleanupLock};
+use postal_shared::cleanup::{delete_in_batches_recorded, CleanupLock};
 use sqlx::PgPool;
 
 /// Advisory lock held while cleaning up, so one instance cleans at a time (`'postclen'`).
@@ -18,7 +18,19 @@ pub async fn cleanup_published(
     batch: usize,
     progress: impl FnMut(u64),
 ) -> Result<Option<u64>, sqlx::Error> {
-    delete_in_batches(
+    cleanup_published_recorded(pool, retention, batch, None, progress).await
+}
+
+/// [`cleanup_published`], each batch adding its count to the audit row `audit`
+/// (`postal.operator_audit`, `postal cleanup`'s) in the batch's transaction.
+pub async fn cleanup_published_recorded(
+    pool: &PgPool,
+    retention: Duration,
+    batch: usize,
+    audit: Option<i64>,
+    progress: impl FnMut(u64),
+) -> Result<Option<u64>, sqlx::Error> {
+    delete_in_batches_recorded(
         pool,
         CleanupLock::Key(CLEANUP_LOCK),
         "DELETE FROM postal.outbox WHERE seq IN (
@@ -28,6 +40,7 @@ pub async fn cleanup_published(
              ORDER BY published_at LIMIT $2)",
         retention,
         batch,
+        audit,
         progress,
     )
     .await

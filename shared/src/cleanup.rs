@@ -47,6 +47,21 @@ pub async fn delete_in_batches(
     delete: &'static str,
     retention: Duration,
     batch: usize,
+    progress: impl FnMut(u64),
+) -> Result<Option<u64>, sqlx::Error> {
+    delete_in_batches_recorded(pool, lock, delete, retention, batch, None, progress).await
+}
+
+/// [`delete_in_batches`] that also adds each batch's count to the `affected` of the audit row
+/// `audit` (`postal.operator_audit`), in the batch's own transaction: a job that fails or is
+/// stopped midway leaves its row saying how many rows its committed batches deleted.
+pub async fn delete_in_batches_recorded(
+    pool: &PgPool,
+    lock: CleanupLock<'_>,
+    delete: &'static str,
+    retention: Duration,
+    batch: usize,
+    audit: Option<i64>,
     mut progress: impl FnMut(u64),
 ) -> Result<Option<u64>, sqlx::Error> {
     // Closed instead of returned to the pool if this job is dropped inside a batch.
@@ -54,7 +69,7 @@ pub async fn delete_in_batches(
     let mut total = 0u64;
     let mut first = true;
     loop {
-        let ran = one_batch(&mut conn, lock, delete, retention, batch).await;
+        let ran = one_batch(&mut conn, lock, delete, retention, batch, audit).await;
         let end = if ran.is_ok() { "COMMIT" } else { "ROLLBACK" };
         sqlx::Executor::execute(&mut *conn, end).await?;
         let Some(n) = ran? else {
@@ -72,13 +87,14 @@ pub async fn delete_in_batches(
 }
 
 /// One batch of [`delete_in_batches`]: `BEGIN`, the lock and the transaction's `lock_timeout`,
-/// the `DELETE`. `None` when another instance holds the lock. The caller ends the transaction.
+/// the `DELETE` (and its count added to the audit row `audit`). `None` when another instance holds the lock. The caller ends the transaction.
 async fn one_batch(
     conn: &mut sqlx::PgConnection,
     lock: CleanupLock<'_>,
     delete: &'static str,
     retention: Duration,
     batch: usize,
+    audit: Option<i64>,
 ) -> Result<Option<u64>, sqlx::Error> {
     sqlx::Executor::execute(&mut *conn, "BEGIN").await?;
     let timeout = format!("{}ms", CLEANUP_LOCK_TIMEOUT.as_millis());
@@ -117,5 +133,14 @@ async fn one_batch(
     if let CleanupLock::Named(_, name) = lock {
         q = q.bind(name);
     }
-    Ok(Some(q.execute(&mut *conn).await?.rows_affected()))
+    let n = q.execute(&mut *conn).await?.rows_affected();
+    if let (Some(id), true) = (audit, n > 0) {
+        sqlx::query("UPDATE postal.operator_audit SET affected = affected + $2 WHERE id = $1")
+            .bind(id)
+            .bind(n as i64)
+            .persistent(false)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Some(n))
 }

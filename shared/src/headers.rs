@@ -100,6 +100,14 @@ const CONTEXT_ATTRIBUTES: &[&str] = &[
     "time",
 ];
 
+/// The value a dead letter's row keeps for its `i`th header (from 0): `None` when the header
+/// had none (its position, from 1, is in `absent`, the row's `header_absent`, ascending),
+/// else `value` (empty when it was empty).
+pub fn kept_value<'a>(value: &'a [u8], absent: &[i32], i: usize) -> Option<&'a [u8]> {
+    let position = i32::try_from(i + 1).unwrap_or(i32::MAX);
+    absent.binary_search(&position).is_err().then_some(value)
+}
+
 /// The longest user header name (RabbitMQ's header names are AMQP short strings).
 pub const MAX_HEADER_NAME_BYTES: usize = 255;
 

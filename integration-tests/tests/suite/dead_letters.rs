@@ -249,7 +249,7 @@ fn admin(bootstrap: &str) -> rdkafka::admin::AdminClient<rdkafka::client::Defaul
 }
 
 /// Creates `topic` (one partition, one replica) with the topic settings `config`.
-async fn create_topic_with(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
+pub(crate) async fn create_topic_with(bootstrap: &str, topic: &str, config: &[(&str, &str)]) {
     use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
     let mut new = NewTopic::new(topic, 1, TopicReplication::Fixed(1));
     for (k, v) in config {

@@ -669,13 +669,13 @@ async fn a_forced_reset_of_a_live_group_neither_reapplies_nor_skips() {
 /// what the Rust `enqueue` refuses, so that an event a producer was told is enqueued is not
 /// parked later (holding back its key) or left unpublishable.
 ///
-/// Broken: the SQL functions check only the reserved names and string values. They take a
+/// Broken before migration 31: the SQL functions checked only the reserved names and string
+/// values. They took a
 /// `ce_<name>` header whose name is not letters and digits (`ce_tenant-id`, refused by
 /// `with_header` since c261a00; the relay parks the row, and the key's later events wait), and
 /// a content type longer than 255 bytes (`ContentType::new` refuses it; an AMQP short string,
 /// so the RabbitMQ transport panics on it as on a long header name).
 #[tokio::test]
-#[ignore = "known: the SQL postal.enqueue does not check header names or the content type's length; the relay parks such rows with the reason (odd_input_moves_on::a_row_parked_for_its_header_holds_back_its_key)"]
 async fn the_sql_enqueue_refuses_what_the_rust_enqueue_refuses() {
     let svc = services().await;
     let db = svc.fresh_db().await;

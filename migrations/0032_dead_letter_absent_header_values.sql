@@ -1,0 +1,12 @@
+-- Which headers of a dead letter's record had no value (Kafka tells a header without a value
+-- from one with an empty value): their positions in `header_names`, from 1, ascending. Before,
+-- `header_values` held an empty value for both, and the `.dlq` copy and a replay sent every
+-- header with a value: a record replayed was not the record dead-lettered.
+--
+-- `header_values` keeps an empty value at those positions, so that binaries from before this
+-- migration read every row as they did (they send such a header with an empty value, as
+-- before); rows written by them default to none absent.
+--
+-- Additive: binaries from before this migration run on it unchanged, and
+-- `oldest_compatible` is unchanged.
+ALTER TABLE postal.dead_letters ADD COLUMN header_absent integer[] NOT NULL DEFAULT '{}';
