@@ -12,7 +12,7 @@
 -- `is_whitespace`) instead of by `[[:cntrl:]]`/`[[:space:]]`, whose meaning follows the
 -- database's locale.
 --
--- The Rust side is the source of truth: the integration suite's `hostile_review4::sql_enqueue_*`
+-- The Rust side is the source of truth: the integration suite's `sql_enqueue_rules::sql_enqueue_*`
 -- tests feed each case to both and compare the reasons.
 --
 -- Additive: binaries from before this migration run on it unchanged, and

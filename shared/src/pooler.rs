@@ -17,7 +17,7 @@ use crate::Error;
 /// connection each. A transaction pooler whose application holds every server connection in
 /// transactions of a few seconds (a batch job at peak) makes them wait as long; giving up
 /// sooner passed such a pooler as "unknown", and the relay then died on "prepared statement
-/// sqlx_s_1 does not exist" (`topology_review::a_relay_started_through_a_busy_transaction_pooler_is_still_refused`).
+/// sqlx_s_1 does not exist" (`production_topology::a_relay_started_through_a_busy_transaction_pooler_is_still_refused`).
 const SERVER_WAIT: Duration = Duration::from_secs(30);
 
 /// How long `a`'s second statement may wait while `b` holds a transaction: a session never
@@ -99,7 +99,7 @@ pub async fn session_probe(pool: &PgPool) -> Result<Pooling, sqlx::Error> {
 /// an unknown answer is refused too ([`Error::PoolingUnknown`]). Run through a transaction
 /// pooler the probe could not see, migrate's `search_path` and `lock_timeout` stayed on a server
 /// session the application's next transactions got
-/// (`topology_review::migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits`).
+/// (`production_topology::migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits`).
 pub async fn require_known_session(pool: &PgPool) -> Result<(), Error> {
     match session_probe(pool).await? {
         Pooling::Transaction => Err(Error::TransactionPooling),

@@ -1,4 +1,4 @@
-//! A review of issue 46's packed dead-letter headers by attack: what a dead letter keeps of a
+//! A dead letter keeps every header of its record: what it keeps of a
 //! record's headers, what its `.dlq` copy and a replay send back, byte for byte and in order
 //! (values absent vs empty, binary values, repeated names, odd names).
 

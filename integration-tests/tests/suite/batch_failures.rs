@@ -1,4 +1,4 @@
-//! Adversarial review of batch handlers (issue 49): a batch handler must apply each event of a
+//! A batch handler applies each event of a
 //! partition once and in order, whatever fails inside its batches.
 
 use std::time::Duration;
@@ -27,7 +27,7 @@ async fn a_batch_handler_keeps_each_event_once_and_in_order_through_mixed_failur
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
-    let topic = unique("batch_review");
+    let topic = unique("batch_failures");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let job = |id: Uuid, payload: serde_json::Value| RawRecord::event(id, "k", "job", payload);
 

@@ -1,4 +1,4 @@
-//! Adversarial review of the WAL relay (issue 50): writers with large transactions, rolled-back
+//! The WAL relay loses and reorders nothing under hostile writes and faults: writers with large transactions, rolled-back
 //! savepoints and rows deleted in their own transaction, while the relay is killed and started
 //! again and again. Checked from Kafka and the outbox: nothing committed lost, nothing rolled
 //! back or deleted published, per key first publication in `seq` order, duplicates only of the
@@ -173,7 +173,7 @@ async fn restart_storm(keep_published: bool, kills: usize, seed: u64) {
         .map(|(k, _)| k)
         .collect();
     eprintln!(
-        "wal_review storm (keep_published={keep_published}, seed {seed}): {} kept, {} rolled back/deleted, {} records, {} ce_ids duplicated, {} lost, {} unexpected, keys out of order {:?}",
+        "wal_faults storm (keep_published={keep_published}, seed {seed}): {} kept, {} rolled back/deleted, {} records, {} ce_ids duplicated, {} lost, {} unexpected, keys out of order {:?}",
         kept.len(),
         gone.len(),
         records.len(),

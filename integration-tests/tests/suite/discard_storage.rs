@@ -1,4 +1,4 @@
-//! A review of issue 46's discard storage by attack: discards racing each other and a requeue
+//! Discarded parked events are kept whole in the database, each once: discards racing each other and a requeue
 //! over the same parked events, and `postal audit show` of discarded events too large to hold.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! Issue 51's production topology, attacked by a reviewer who did not write it: topics
+//! Where teams run Postal (issue 51), nothing is lost or leaked: topics
 //! re-created with another partition count, PgBouncer in transaction mode under the
 //! application's savepoints, `SET LOCAL` and prepared statements, and a transaction pooler
 //! too busy for the start-up probe.
@@ -259,7 +259,7 @@ fn busy_application(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_started_through_a_busy_transaction_pooler_is_still_refused() {
     use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
-    let Some(bin) = pgbouncer::binary("topology_review::busy_transaction_pooler_relay") else {
+    let Some(bin) = pgbouncer::binary("production_topology::busy_transaction_pooler_relay") else {
         return;
     };
     let svc = services().await;
@@ -377,7 +377,8 @@ async fn migrate_through_a_transaction_pooler_busy_longer_than_the_probe_waits()
 
 async fn migrate_through_a_busy_transaction_pooler(hold: Duration) {
     use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
-    let Some(bin) = pgbouncer::binary("topology_review::busy_transaction_pooler_migrate") else {
+    let Some(bin) = pgbouncer::binary("production_topology::busy_transaction_pooler_migrate")
+    else {
         return;
     };
     let svc = services().await;
@@ -466,7 +467,7 @@ async fn migrate_through_a_busy_transaction_pooler(hold: Duration) {
 async fn enqueue_through_transaction_pooling_inside_savepoints_and_set_local() {
     use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
     use postal_producer::{enqueue, enqueue_batch, NewEvent};
-    let Some(bin) = pgbouncer::binary("topology_review::enqueue_savepoints") else {
+    let Some(bin) = pgbouncer::binary("production_topology::enqueue_savepoints") else {
         return;
     };
     let svc = services().await;
@@ -630,7 +631,7 @@ async fn a_live_topic_recreated_with_fewer_partitions_behind_poolers() {
     use postal_producer::{enqueue, NewEvent};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
-    let Some(bin) = pgbouncer::binary("topology_review::live_fewer_partitions") else {
+    let Some(bin) = pgbouncer::binary("production_topology::live_fewer_partitions") else {
         return;
     };
     let svc = services().await;
