@@ -88,7 +88,7 @@ impl Worker {
 
     /// Reads the partition's held keys (at a takeover: the previous owner's holds committed
     /// before the claim that fenced it). `false` if cancelled meanwhile.
-    pub(super) async fn load_held(&self) -> bool {
+    pub(crate) async fn load_held(&self) -> bool {
         let mut failures = 0u32;
         loop {
             let keys: Result<Vec<Vec<u8>>, sqlx::Error> = sqlx::query_scalar(
@@ -734,16 +734,16 @@ impl Worker {
         let last: bool = sqlx::query_scalar(
             "WITH rest AS (SELECT EXISTS (SELECT 1 FROM postal.held_records
                                WHERE group_id = $1 AND topic = $2 AND partition = $3
-                                 AND record_key = $4) AS any),
+                                 AND record_key = $4) AS remaining),
                   gone AS (DELETE FROM postal.held_keys
                            WHERE group_id = $1 AND topic = $2 AND partition = $3
-                             AND record_key = $4 AND NOT (SELECT any FROM rest)
+                             AND record_key = $4 AND NOT (SELECT remaining FROM rest)
                            RETURNING 1),
                   going AS (UPDATE postal.held_keys SET release = 'retry'
                             WHERE group_id = $1 AND topic = $2 AND partition = $3
-                              AND record_key = $4 AND (SELECT any FROM rest)
+                              AND record_key = $4 AND (SELECT remaining FROM rest)
                             RETURNING 1)
-             SELECT NOT (SELECT any FROM rest)",
+             SELECT NOT (SELECT remaining FROM rest)",
         )
         .bind(group)
         .bind(&self.topic)
@@ -804,6 +804,7 @@ impl Worker {
             "the group's held records reached held_bytes_limit: the partition waits (nothing is dropped) until held keys are released (postal held list / release)");
         let gauge = metrics::gauge!("postal_consumer_held_full", "group" => config.group.clone(), "consumer" => config.consumer.clone(), "topic" => self.topic.clone(), "partition" => self.partition.to_string());
         gauge.set(1.0);
+        self.shared.stats.held_full(true);
         let poll = config.held_poll;
         let limit = i64::try_from(config.held_bytes_limit).unwrap_or(i64::MAX);
         let ended = loop {
@@ -837,6 +838,7 @@ impl Worker {
             }
         };
         gauge.set(0.0);
+        self.shared.stats.held_full(false);
         self.queued.waiting.advanced();
         ended
     }
