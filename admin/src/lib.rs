@@ -31,8 +31,8 @@
 
 pub mod audit;
 pub mod dead_letters;
-pub mod held;
 mod error;
+pub mod held;
 pub mod lookup;
 pub mod overview;
 pub mod parked;

@@ -517,7 +517,11 @@ impl Worker {
                     todo.push((lo, mid));
                 }
                 Err(BodyFailure::Dead(reason, error))
-                    if self.holds(&queue[items[lo]], metas[items[lo]].as_ref().ok(), Some(route.name())) =>
+                    if self.holds(
+                        &queue[items[lo]],
+                        metas[items[lo]].as_ref().ok(),
+                        Some(route.name()),
+                    ) =>
                 {
                     // Its key is held from here: the records after it wait (not run).
                     run.held = Some((items[lo], reason, error));

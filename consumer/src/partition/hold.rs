@@ -39,6 +39,9 @@ pub(crate) enum Held {
     OverBound,
 }
 
+/// A held key due for release: (key, the operator's release, if any).
+type KeyRelease = (Vec<u8>, Option<String>);
+
 /// A held record as stored.
 #[derive(sqlx::FromRow)]
 struct Row {
@@ -79,7 +82,12 @@ impl Worker {
 
     /// What to do with `record`'s event, which failed for good in `handler`: hold its key
     /// (when configured and the record has a key and an envelope) or dead-letter it.
-    pub(crate) fn holds(&self, record: &Record, meta: Option<&Meta>, handler: Option<&str>) -> bool {
+    pub(crate) fn holds(
+        &self,
+        record: &Record,
+        meta: Option<&Meta>,
+        handler: Option<&str>,
+    ) -> bool {
         meta.is_some()
             && record.key.is_some()
             && record.too_many_headers.is_none()
@@ -294,7 +302,7 @@ impl Worker {
     /// Applies the releases of this partition's held keys that operators asked for and the
     /// retries that are due. `Done` when nothing is left to do now.
     pub(super) async fn apply_releases(&self, own: &Ownership) -> Step {
-        let due: Result<Vec<(Vec<u8>, Option<String>)>, sqlx::Error> = sqlx::query_as(
+        let due: Result<Vec<KeyRelease>, sqlx::Error> = sqlx::query_as(
             "SELECT record_key, release FROM postal.held_keys
              WHERE group_id = $1 AND topic = $2 AND partition = $3
                AND (release IS NOT NULL OR due_at <= now())
@@ -465,7 +473,9 @@ impl Worker {
             if self.cancel.is_cancelled() {
                 return Step::Stop;
             }
-            let result = self.apply_held_once(own, record, m, row, route.as_ref()).await;
+            let result = self
+                .apply_held_once(own, record, m, row, route.as_ref())
+                .await;
             let (reason, error) = match result {
                 Ok(applied) => {
                     if applied {
@@ -543,10 +553,7 @@ impl Worker {
                     BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
                 })?;
         }
-        let last = self
-            .unhold_in(&mut tx, row)
-            .await
-            .map_err(Attempt::db)?;
+        let last = self.unhold_in(&mut tx, row).await.map_err(Attempt::db)?;
         self.confirm(&mut tx, own).await?;
         tx.commit().await.map_err(Attempt::db)?;
         if last {

@@ -34,7 +34,10 @@ static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default)
 /// Appends the entry to `ledger` (its row id is the order of application); fails
 /// permanently while the event is listed in `broken`.
 #[idempotent(consumer = "held")]
-async fn ledger(tx: &mut Transaction<'_, Postgres>, event: Event<Entry>) -> Result<(), HandlerError> {
+async fn ledger(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<Entry>,
+) -> Result<(), HandlerError> {
     let id = event.id.as_uuid();
     let broken: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM broken WHERE event_id = $1)")
@@ -178,7 +181,12 @@ fn config(svc: &Services, group: &str, max_batch: usize) -> postal_consumer::Con
     c
 }
 
-fn start(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig, batched: bool) -> RunningConsumer {
+fn start(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+    batched: bool,
+) -> RunningConsumer {
     let b = postal_consumer::Consumer::builder(pool.clone(), config);
     let b = if batched {
         b.on_batch(topic, "entry", ledger_batch)
@@ -228,11 +236,15 @@ async fn hold_then_release(max_batch: usize, batched: bool) {
         ("a", 3),
         ("b", 3),
     ];
-    entries(&svc, &db.pool, &topic, 0, &first, &[("a", 1)]).await;
-    let running = start(&db.pool, &topic, config(&svc, &group, max_batch), batched);
+    entries(svc, &db.pool, &topic, 0, &first, &[("a", 1)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group, max_batch), batched);
     until_applied(&db.pool, "b", &[0, 1, 2, 3]).await;
     until_held(&db.pool, "a", 3).await;
-    assert_eq!(applied(&db.pool, "a").await, [0], "nothing of key a after its failure");
+    assert_eq!(
+        applied(&db.pool, "a").await,
+        [0],
+        "nothing of key a after its failure"
+    );
     let (reason, due): (String, Option<chrono::DateTime<chrono::Utc>>) =
         sqlx::query_as("SELECT reason, due_at FROM postal.held_keys WHERE record_key = 'a'")
             .fetch_one(&db.pool)
@@ -240,7 +252,7 @@ async fn hold_then_release(max_batch: usize, batched: bool) {
             .unwrap();
     assert_eq!((reason.as_str(), due), ("permanent", None));
     // Later records of the held key are held as they come; other keys still flow.
-    entries(&svc, &db.pool, &topic, 0, &[("a", 4), ("b", 4)], &[]).await;
+    entries(svc, &db.pool, &topic, 0, &[("a", 4), ("b", 4)], &[]).await;
     until_applied(&db.pool, "b", &[0, 1, 2, 3, 4]).await;
     until_held(&db.pool, "a", 4).await;
     assert_eq!(applied(&db.pool, "a").await, [0]);
@@ -249,7 +261,10 @@ async fn hold_then_release(max_batch: usize, batched: bool) {
         .await
         .unwrap();
     // The failure is fixed; the operator releases the key.
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_applied(&db.pool, "a", &[0, 1, 2, 3, 4]).await;
     wait::until(WAIT, "the key's row gone", || async {
@@ -265,9 +280,12 @@ async fn hold_then_release(max_batch: usize, batched: bool) {
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert!(released_after > b4_row, "held events applied only after the release");
+    assert!(
+        released_after > b4_row,
+        "held events applied only after the release"
+    );
     // Once released, the key flows again.
-    entries(&svc, &db.pool, &topic, 0, &[("a", 5)], &[]).await;
+    entries(svc, &db.pool, &topic, 0, &[("a", 5)], &[]).await;
     until_applied(&db.pool, "a", &[0, 1, 2, 3, 4, 5]).await;
     running.stop().await;
     assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
@@ -283,7 +301,11 @@ async fn hold_then_release(max_batch: usize, batched: bool) {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(audit, ("release-held".to_owned(), 4), "the release is audited");
+    assert_eq!(
+        audit,
+        ("release-held".to_owned(), 4),
+        "the release is audited"
+    );
 }
 
 /// Guarantee: with `FinalFailure::HoldKey`, an event that fails for good holds its key: it and
@@ -322,7 +344,7 @@ async fn skipping_the_head_dead_letters_it_and_applies_the_rest() {
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
     let ev = entries(
-        &svc,
+        svc,
         &db.pool,
         &topic,
         0,
@@ -330,7 +352,7 @@ async fn skipping_the_head_dead_letters_it_and_applies_the_rest() {
         &[("a", 1)],
     )
     .await;
-    let running = start(&db.pool, &topic, config(&svc, &group, 1), false);
+    let running = start(&db.pool, &topic, config(svc, &group, 1), false);
     until_held(&db.pool, "a", 3).await;
     release(&db.pool, &group, &topic, "a", true).await;
     until_applied(&db.pool, "a", &[0, 2, 3]).await;
@@ -356,7 +378,7 @@ async fn the_retry_policy_releases_a_key_once_its_head_succeeds() {
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
     entries(
-        &svc,
+        svc,
         &db.pool,
         &topic,
         0,
@@ -364,7 +386,7 @@ async fn the_retry_policy_releases_a_key_once_its_head_succeeds() {
         &[("a", 1)],
     )
     .await;
-    let mut c = config(&svc, &group, 1);
+    let mut c = config(svc, &group, 1);
     c.hold_retry_after = Some(Duration::from_millis(300));
     let running = start(&db.pool, &topic, c, false);
     until_held(&db.pool, "a", 2).await;
@@ -378,7 +400,10 @@ async fn the_retry_policy_releases_a_key_once_its_head_succeeds() {
     })
     .await;
     assert_eq!(applied(&db.pool, "a").await, [0]);
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     until_applied(&db.pool, "a", &[0, 1, 2]).await;
     until_held(&db.pool, "a", 0).await;
     running.stop().await;
@@ -398,7 +423,7 @@ async fn a_consumer_killed_mid_release_applies_nothing_twice() {
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
     let ev = entries(
-        &svc,
+        svc,
         &db.pool,
         &topic,
         0,
@@ -409,18 +434,23 @@ async fn a_consumer_killed_mid_release_applies_nothing_twice() {
     let blocked = ev.id("a", 3);
     BLOCKED.lock().unwrap().insert(blocked);
     let own_pool = db.process_pool().await;
-    let first = start(&own_pool, &topic, config(&svc, &group, 1), false).owning(own_pool);
+    let first = start(&own_pool, &topic, config(svc, &group, 1), false).owning(own_pool);
     until_held(&db.pool, "a", 4).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
-    wait::until(WAIT, "the release mid-way (a3's transaction open)", || async {
-        ENTERED.lock().unwrap().contains(&blocked)
-    })
+    wait::until(
+        WAIT,
+        "the release mid-way (a3's transaction open)",
+        || async { ENTERED.lock().unwrap().contains(&blocked) },
+    )
     .await;
     assert_eq!(applied(&db.pool, "a").await, [0, 1, 2], "a3 not committed");
     first.kill().await;
     BLOCKED.lock().unwrap().remove(&blocked);
-    let second = start(&db.pool, &topic, config(&svc, &group, 1), false);
+    let second = start(&db.pool, &topic, config(svc, &group, 1), false);
     until_applied(&db.pool, "a", &[0, 1, 2, 3, 4]).await;
     until_held(&db.pool, "a", 0).await;
     second.stop().await;
@@ -439,7 +469,7 @@ async fn a_held_key_survives_a_change_of_owner() {
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
     entries(
-        &svc,
+        svc,
         &db.pool,
         &topic,
         0,
@@ -447,16 +477,23 @@ async fn a_held_key_survives_a_change_of_owner() {
         &[("a", 1)],
     )
     .await;
-    let first = start(&db.pool, &topic, config(&svc, &group, 1), false);
+    let first = start(&db.pool, &topic, config(svc, &group, 1), false);
     until_held(&db.pool, "a", 2).await;
     until_applied(&db.pool, "b", &[0]).await;
     first.stop().await;
-    let second = start(&db.pool, &topic, config(&svc, &group, 1), false);
-    entries(&svc, &db.pool, &topic, 0, &[("a", 3), ("b", 1)], &[]).await;
+    let second = start(&db.pool, &topic, config(svc, &group, 1), false);
+    entries(svc, &db.pool, &topic, 0, &[("a", 3), ("b", 1)], &[]).await;
     until_applied(&db.pool, "b", &[0, 1]).await;
     until_held(&db.pool, "a", 3).await;
-    assert_eq!(applied(&db.pool, "a").await, [0], "held across the change of owner");
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    assert_eq!(
+        applied(&db.pool, "a").await,
+        [0],
+        "held across the change of owner"
+    );
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_applied(&db.pool, "a", &[0, 1, 2, 3]).await;
     second.stop().await;
@@ -477,7 +514,7 @@ async fn past_the_byte_bound_the_partition_waits_and_drops_nothing() {
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
     entries(
-        &svc,
+        svc,
         &db.pool,
         &topic,
         0,
@@ -485,7 +522,7 @@ async fn past_the_byte_bound_the_partition_waits_and_drops_nothing() {
         &[("a", 1)],
     )
     .await;
-    let mut c = config(&svc, &group, 1);
+    let mut c = config(svc, &group, 1);
     // The group holds one record (a group holding nothing always takes one), no second.
     c.held_bytes_limit = 1;
     let running = start(&db.pool, &topic, c, false);
@@ -496,7 +533,10 @@ async fn past_the_byte_bound_the_partition_waits_and_drops_nothing() {
     })
     .await;
     assert_eq!(held(&db.pool, "a").await, 1, "only the head held");
-    assert!(applied(&db.pool, "b").await.is_empty(), "nothing after the bound applied");
+    assert!(
+        applied(&db.pool, "b").await.is_empty(),
+        "nothing after the bound applied"
+    );
     let next: Option<i64> =
         sqlx::query_scalar("SELECT next_offset FROM postal.consumer_offsets WHERE group_id = $1")
             .bind(&group)
@@ -504,7 +544,10 @@ async fn past_the_byte_bound_the_partition_waits_and_drops_nothing() {
             .await
             .unwrap();
     assert_eq!(next, Some(2), "the stored offset waits at a2");
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_applied(&db.pool, "a", &[0, 1, 2]).await;
     until_applied(&db.pool, "b", &[0]).await;
