@@ -14,6 +14,9 @@ CREATE TABLE postal.held_keys (
     topic         text        NOT NULL CHECK (topic <> ''),
     partition     integer     NOT NULL CHECK (partition >= 0),
     record_key    bytea       NOT NULL,
+    -- The offset of the head: the event that failed. Records of the key below it (copies
+    -- delivered again after a `postal consumer reset`) are held too, but are not the head.
+    head_offset   bigint      NOT NULL,
     consumer_name text        NOT NULL,
     reason        text        NOT NULL,
     error         text        NOT NULL,

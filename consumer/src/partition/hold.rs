@@ -140,32 +140,18 @@ impl Worker {
         let config = &self.shared.config;
         let key = record.key.as_deref().expect("held records have a key");
         let bytes = record.weight as i64;
-        // A group holding nothing always takes one record, however large: else a record
-        // larger than the bound would wait forever.
-        let within: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO postal.held_bytes AS b (group_id, bytes) VALUES ($1, $2)
-             ON CONFLICT (group_id) DO UPDATE SET bytes = b.bytes + EXCLUDED.bytes
-                 WHERE b.bytes = 0 OR b.bytes + EXCLUDED.bytes <= $3
-             RETURNING bytes",
-        )
-        .bind(&config.group)
-        .bind(bytes)
-        .bind(i64::try_from(config.held_bytes_limit).unwrap_or(i64::MAX))
-        .fetch_optional(&mut *conn)
-        .await?;
-        if within.is_none() {
-            return Ok(Held::OverBound);
-        }
         if let Some(h) = head {
             sqlx::query(
-                "INSERT INTO postal.held_keys (group_id, topic, partition, record_key,
+                "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
                      consumer_name, reason, error, attempts, due_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + $9 * interval '1 millisecond')",
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9,
+                         now() + $10 * interval '1 millisecond')",
             )
             .bind(&config.group)
             .bind(&record.topic)
             .bind(record.partition)
             .bind(key)
+            .bind(record.offset)
             .bind(&config.consumer)
             .bind(h.reason.as_str())
             .bind(postal_shared::text::bounded(
@@ -182,10 +168,12 @@ impl Worker {
             .iter()
             .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
             .unzip();
-        sqlx::query(
+        // A copy delivered again (a `postal consumer reset` below it) is held once.
+        let inserted = sqlx::query(
             "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
                  event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+             ON CONFLICT DO NOTHING",
         )
         .bind(&config.group)
         .bind(&record.topic)
@@ -200,7 +188,28 @@ impl Worker {
         .bind(record.timestamp)
         .bind(bytes)
         .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        if inserted == 0 {
+            return Ok(Held::Stored);
+        }
+        // A group holding nothing always takes one record, however large: else a record
+        // larger than the bound would wait forever.
+        let within: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO postal.held_bytes AS b (group_id, bytes) VALUES ($1, $2)
+             ON CONFLICT (group_id) DO UPDATE SET bytes = b.bytes + EXCLUDED.bytes
+                 WHERE b.bytes = 0 OR b.bytes + EXCLUDED.bytes <= $3
+             RETURNING bytes",
+        )
+        .bind(&config.group)
+        .bind(bytes)
+        .bind(i64::try_from(config.held_bytes_limit).unwrap_or(i64::MAX))
+        .fetch_optional(&mut *conn)
         .await?;
+        if within.is_none() {
+            // The caller rolls the transaction back (the rows above with it).
+            return Ok(Held::OverBound);
+        }
         if let Some(h) = head {
             tracing::error!(
                 topic = %record.topic, partition = record.partition, offset = record.offset,
@@ -375,13 +384,21 @@ impl Worker {
                 }
             };
             if mode == Release::Skip {
-                let (reason, error) = match self.head_reason(key).await {
+                let (head, reason, error) = match self.head_reason(key).await {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot read the held key's reason; trying again later");
                         return Step::Done;
                     }
                 };
+                if row.kafka_offset < head {
+                    // A copy delivered again below the head (a reset): applied (a duplicate,
+                    // as a rule); the head is still to be skipped.
+                    match self.apply_held(own, &record, &m, &row).await {
+                        Step::Done => continue,
+                        other => return other,
+                    }
+                }
                 match self
                     .settle_held(own, &record, &row, Some(&m), Some((reason, error)))
                     .await
@@ -422,10 +439,10 @@ impl Worker {
         )
     }
 
-    /// Why the held key's head failed: (reason, error).
-    async fn head_reason(&self, key: &[u8]) -> Result<(Reason, String), sqlx::Error> {
-        let (reason, error): (String, String) = sqlx::query_as(
-            "SELECT reason, error FROM postal.held_keys
+    /// Why the held key's head failed: (its offset, reason, error).
+    async fn head_reason(&self, key: &[u8]) -> Result<(i64, Reason, String), sqlx::Error> {
+        let (offset, reason, error): (i64, String, String) = sqlx::query_as(
+            "SELECT head_offset, reason, error FROM postal.held_keys
              WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
         )
         .bind(&self.shared.config.group)
@@ -434,7 +451,7 @@ impl Worker {
         .bind(key)
         .fetch_one(&self.shared.pool)
         .await?;
-        Ok((reason_named(&reason), error))
+        Ok((offset, reason_named(&reason), error))
     }
 
     /// Applies one released held record, retrying as a fresh record is retried; a final
@@ -665,7 +682,8 @@ impl Worker {
                     .map_err(Attempt::db)?;
                 sqlx::query(
                     "UPDATE postal.held_keys
-                     SET reason = $5, error = $6, attempts = attempts + $7, release = NULL,
+                     SET head_offset = $9, reason = $5, error = $6, attempts = attempts + $7,
+                         release = NULL,
                          released_by = NULL,
                          due_at = now() + $8 * interval '1 millisecond'
                      WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
@@ -686,6 +704,7 @@ impl Worker {
                         .hold_retry_after
                         .map(|d| d.as_millis() as f64),
                 )
+                .bind(record.offset)
                 .execute(&mut *tx)
                 .await
                 .map_err(Attempt::db)?;
@@ -746,7 +765,10 @@ impl Worker {
                            WHERE group_id = $1 AND topic = $2 AND partition = $3
                              AND record_key = $4 AND NOT (SELECT remaining FROM rest)
                            RETURNING 1),
-                  going AS (UPDATE postal.held_keys SET release = 'retry'
+                  -- A skip stays one until the head is settled.
+                  going AS (UPDATE postal.held_keys
+                            SET release = CASE WHEN release = 'skip' AND $5 < head_offset
+                                               THEN 'skip' ELSE 'retry' END
                             WHERE group_id = $1 AND topic = $2 AND partition = $3
                               AND record_key = $4 AND (SELECT remaining FROM rest)
                             RETURNING 1)
@@ -756,6 +778,7 @@ impl Worker {
         .bind(&self.topic)
         .bind(self.partition)
         .bind(&row.record_key)
+        .bind(row.kafka_offset)
         .fetch_one(&mut *conn)
         .await?;
         Ok(last)

@@ -559,3 +559,70 @@ async fn past_the_byte_bound_the_partition_waits_and_drops_nothing() {
     running.stop().await;
     assert_eq!(applied_twice(&db.pool).await, 0);
 }
+
+/// Guarantee: a replay below a held key's records (the stored offset moved back, as `postal
+/// consumer reset` does) holds the key's records delivered again once each (the group's held
+/// bytes count them once), and holds the copies below the head too, behind it: a skip then
+/// still dead-letters the event that failed, not an earlier copy, and applies nothing twice.
+/// Before: the copy of a held record failed its insert on every attempt (the partition
+/// stalled), and a copy below the head was taken for the head by a skip.
+#[tokio::test]
+async fn a_replay_below_a_held_key_holds_each_record_once_and_skips_the_right_head() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("held-replay");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let ev = entries(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)],
+        &[("a", 1)],
+    )
+    .await;
+    let first = start(&db.pool, &topic, config(svc, &group, 1), false);
+    until_held(&db.pool, "a", 3).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    first.stop().await;
+    sqlx::query("UPDATE postal.consumer_offsets SET next_offset = 0 WHERE group_id = $1")
+        .bind(&group)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let second = start(&db.pool, &topic, config(svc, &group, 1), false);
+    // a0 comes again behind the held key: held too (below the head).
+    until_held(&db.pool, "a", 4).await;
+    wait::until(WAIT, "the replay read to the end", || async {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT next_offset FROM postal.consumer_offsets WHERE group_id = $1",
+        )
+        .bind(&group)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == Some(5)
+    })
+    .await;
+    let (counted, stored): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT bytes FROM postal.held_bytes),
+                (SELECT sum(bytes)::bigint FROM postal.held_records)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counted, stored, "each held record counted once");
+    release(&db.pool, &group, &topic, "a", true).await;
+    until_applied(&db.pool, "a", &[0, 2, 3]).await;
+    until_held(&db.pool, "a", 0).await;
+    second.stop().await;
+    let dead: Vec<Option<Uuid>> = sqlx::query_scalar("SELECT event_id FROM postal.dead_letters")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, [Some(ev.id("a", 1))], "the skip dead-letters the event that failed");
+    assert_eq!(applied(&db.pool, "b").await, [0]);
+    assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
+}
