@@ -267,6 +267,15 @@ impl ConsumerConfig {
             .unwrap_or(self.final_failure)
     }
 
+    /// Whether any failure of this consumer can hold a key.
+    pub(crate) fn may_hold(&self) -> bool {
+        self.final_failure == FinalFailure::HoldKey
+            || self
+                .final_failure_by_handler
+                .values()
+                .any(|f| *f == FinalFailure::HoldKey)
+    }
+
     /// Defaults for the given brokers and consumer group (the dedup scope comes from the
     /// handlers).
     pub fn new(brokers: impl Into<String>, group: impl Into<String>) -> Self {

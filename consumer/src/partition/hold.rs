@@ -116,6 +116,15 @@ impl Worker {
                     *self.held.lock().expect("held keys") = keys.into_iter().collect();
                     return true;
                 }
+                Err(sqlx::Error::Database(d))
+                    if d.code().as_deref() == Some("42501") && !self.shared.config.may_hold() =>
+                {
+                    // A role granted before migration 32 (`postal grant --consumer` again
+                    // grants it), on a consumer that never holds: as before held keys existed.
+                    tracing::warn!(topic = %self.topic, partition = self.partition, "no right to read postal.held_keys (run `postal grant --consumer` again); this consumer holds no keys, so it goes on without them");
+                    self.held.lock().expect("held keys").clear();
+                    return true;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read the held keys; retrying");
                     if !self.wait(failures).await {

@@ -622,7 +622,11 @@ async fn a_replay_below_a_held_key_holds_each_record_once_and_skips_the_right_he
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert_eq!(dead, [Some(ev.id("a", 1))], "the skip dead-letters the event that failed");
+    assert_eq!(
+        dead,
+        [Some(ev.id("a", 1))],
+        "the skip dead-letters the event that failed"
+    );
     assert_eq!(applied(&db.pool, "b").await, [0]);
     assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
 }
