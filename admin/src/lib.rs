@@ -7,6 +7,8 @@
 //! - [`parked`]: search parked events, group them by error, requeue or discard them (by id, by
 //!   filter, with a cap), and the keys they hold back ([`parked::blocked_keys`]);
 //! - [`dead_letters`]: search, replay to their topic, or mark resolved;
+//! - [`held`]: held keys of consumer groups (`FinalFailure::HoldKey`): what waits behind each,
+//!   and releasing one (retry the head, or dead-letter it, then the rest);
 //! - [`lookup`]: did consumer X process event Y?
 //! - [`pauses`]: pause and resume a topic or relay group at the relay, a consumer group or one
 //!   of its topics at the consumer;
@@ -30,6 +32,7 @@
 pub mod audit;
 pub mod dead_letters;
 mod error;
+pub mod held;
 pub mod kept_events;
 pub mod lookup;
 pub mod overview;

@@ -69,7 +69,7 @@ fn relay_stats(role: &str) -> String {
 fn consumer(role: &str) -> Vec<String> {
     let mut out = app(role);
     out.extend([
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks, postal.consumer_stops TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks, postal.consumer_stops, postal.held_keys, postal.held_records, postal.held_bytes TO {role}"),
         format!("GRANT SELECT ON postal.pauses TO {role}"),
         format!("GRANT USAGE ON SEQUENCE postal.dead_letters_id_seq TO {role}"),
     ]);

@@ -24,6 +24,7 @@ mod dashboard;
 mod dead_letters;
 mod failed;
 mod grant;
+mod held;
 mod kafka_client;
 mod out;
 mod pause;
@@ -118,6 +119,9 @@ enum Command {
     /// Consumer dead letters: list, show, replay.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCommand),
+    /// Held keys of a consumer group (`FinalFailure::HoldKey`): list, release.
+    #[command(subcommand)]
+    Held(held::HeldCommand),
     /// Consumer positions stored in the database: reset.
     #[command(subcommand)]
     Consumer(consumer::ConsumerCommand),
@@ -393,6 +397,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             dead_letters::run(&connect_migrated(&cli.db).await?, cmd).await
         }
         Command::Consumer(cmd) => consumer::run(&connect_migrated(&cli.db).await?, cmd).await,
+        Command::Held(cmd) => held::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Cleanup(args) => cleanup::run(&connect_migrated(&cli.db).await?, args).await,
         Command::Audit(cmd) => audit::run(&connect_migrated(&cli.db).await?, cmd).await,
         Command::Pause(cmd) => pause::pause(&connect_migrated(&cli.db).await?, cmd).await,

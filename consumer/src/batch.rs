@@ -17,7 +17,9 @@ use tracing::Instrument;
 use crate::config::UnknownTypes;
 use crate::dead_letter::Reason;
 use crate::offsets::{self, Ownership};
-use crate::partition::{run_batch_body, run_body, Attempt, BodyFailure, Dead, Step, Worker};
+use crate::partition::{
+    run_batch_body, run_body, Attempt, BodyFailure, Dead, Head, Held, Step, Worker,
+};
 use crate::record::{meta, Meta, Record};
 use crate::route::Route;
 
@@ -30,6 +32,8 @@ struct Committed {
     duplicates: u64,
     skipped: u64,
     dead: u64,
+    /// Keys this transaction made held (their records from here on are held too).
+    held_keys: Vec<Vec<u8>>,
     /// The record after the finished ones failed retryably: (error, is it an outage?).
     stopped: Option<(String, bool)>,
 }
@@ -90,6 +94,7 @@ impl Worker {
                     }
                 }
                 Err(Attempt::Paused) => return Step::Paused,
+                Err(Attempt::OverBound) => return Step::OverBound,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
@@ -152,6 +157,8 @@ impl Worker {
         // path can leave an applied event without its row or keep the row of one not applied.
         let mut finished: HashSet<EventId> = HashSet::new();
         let mut c = Committed::default();
+        // The partition's held keys, with those this transaction holds (`c.held_keys`).
+        let mut held = self.held_keys();
         let mut i = 0;
         while i < queue.len() {
             let record = &queue[i];
@@ -166,6 +173,13 @@ impl Worker {
                     continue;
                 }
             };
+            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
+                // Its key waits for an earlier event: taken out of the batch and stored.
+                self.hold_or_bound(&mut tx, record, m, None).await?;
+                c.done += 1;
+                i += 1;
+                continue;
+            }
             if !fresh.contains(&m.id) || !claimed.insert(m.id) {
                 c.duplicates += 1;
                 c.done += 1;
@@ -199,6 +213,21 @@ impl Worker {
                 i += 1;
                 continue;
             };
+            if i == 0 && head_exhausted && self.holds(record, Some(m), Some(route.name())) {
+                let error = format!("gave up after {head_attempts} attempts");
+                let head = Head {
+                    reason: Reason::RetriesExhausted,
+                    error: &error,
+                    attempts: head_attempts as i32,
+                };
+                self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                let key = record.key.clone().expect("held records have a key");
+                held.insert(key.clone());
+                c.held_keys.push(key);
+                c.done += 1;
+                i += 1;
+                continue;
+            }
             if i == 0 && head_exhausted {
                 let error = format!("gave up after {head_attempts} attempts");
                 self.dead_in(
@@ -224,6 +253,9 @@ impl Worker {
                 let mut end = i + 1;
                 while end < queue.len() {
                     let Ok(mj) = &metas[end] else { break };
+                    if queue[end].key.as_ref().is_some_and(|k| held.contains(k)) {
+                        break;
+                    }
                     if fresh.contains(&mj.id) && !claimed.contains(&mj.id) {
                         let same = self
                             .shared
@@ -250,8 +282,13 @@ impl Worker {
                         })
                     }
                 };
-                // Where the run's records stop being finished (a retryable failure).
-                let upto = run.stopped.as_ref().map_or(end, |s| s.0);
+                // Where the run's records stop being finished (a retryable failure, or a
+                // culprit whose key is held: it is finished, held).
+                let upto = match (&run.stopped, &run.held) {
+                    (Some(s), _) => s.0,
+                    (None, Some(h)) => h.0 + 1,
+                    (None, None) => end,
+                };
                 for &k in &run.applied {
                     if let Ok(mk) = &metas[k] {
                         finished.insert(mk.id);
@@ -272,11 +309,34 @@ impl Worker {
                     }
                     c.dead += 1;
                 }
-                let taken = run.applied.len() + run.dead.len();
+                let mut taken = run.applied.len() + run.dead.len();
+                if let Some((k, reason, error)) = &run.held {
+                    let mk = metas[*k].as_ref().expect("batch items have their meta");
+                    let head = Head {
+                        reason: *reason,
+                        error,
+                        attempts: if *reason == Reason::Undecodable {
+                            0
+                        } else {
+                            head_attempts as i32 + 1
+                        },
+                    };
+                    self.hold_or_bound(&mut tx, &queue[*k], mk, Some(head))
+                        .await?;
+                    let key = queue[*k].key.clone().expect("held records have a key");
+                    held.insert(key.clone());
+                    c.held_keys.push(key);
+                    taken += 1;
+                }
                 c.duplicates += ((i..upto).count() - taken) as u64;
                 c.done += upto - i;
                 if let Some((_, error, outage)) = run.stopped {
                     c.stopped = Some((error, outage));
+                    break;
+                }
+                if run.held.is_some() {
+                    // The run's records after the culprit have not run: the next
+                    // transaction takes them, with the key held.
                     break;
                 }
                 i = end;
@@ -313,6 +373,24 @@ impl Worker {
                         BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
                         BodyFailure::Retry(e, _) => Attempt::Retryable(e),
                     })
+                }
+                Err(BodyFailure::Dead(reason, error))
+                    if self.holds(record, Some(m), Some(route.name())) =>
+                {
+                    let head = Head {
+                        reason,
+                        error: &error,
+                        attempts: if reason == Reason::Undecodable {
+                            0
+                        } else {
+                            head_attempts as i32 + 1
+                        },
+                    };
+                    self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                    let key = record.key.clone().expect("held records have a key");
+                    held.insert(key.clone());
+                    c.held_keys.push(key);
+                    c.done += 1;
                 }
                 Err(BodyFailure::Dead(reason, error)) => {
                     let ran = if reason == Reason::Undecodable {
@@ -352,7 +430,27 @@ impl Worker {
             }
         }
         tx.commit().await.map_err(Attempt::db)?;
+        self.now_held(c.held_keys.iter().cloned());
         Ok(c)
+    }
+
+    /// Holds `record` in the batch's transaction; `Err(OverBound)` (the whole transaction
+    /// rolls back) past the group's bound.
+    async fn hold_or_bound(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        record: &Record,
+        meta: &Meta,
+        head: Option<Head<'_>>,
+    ) -> Result<(), Attempt> {
+        match self
+            .hold_in(tx, record, meta, head)
+            .await
+            .map_err(Attempt::db)?
+        {
+            Held::Stored => Ok(()),
+            Held::OverBound => Err(Attempt::OverBound),
+        }
     }
 
     /// Runs a batch handler over the records `items` (indices into `queue`, in order).
@@ -418,6 +516,17 @@ impl Worker {
                     todo.push((mid, hi));
                     todo.push((lo, mid));
                 }
+                Err(BodyFailure::Dead(reason, error))
+                    if self.holds(
+                        &queue[items[lo]],
+                        metas[items[lo]].as_ref().ok(),
+                        Some(route.name()),
+                    ) =>
+                {
+                    // Its key is held from here: the records after it wait (not run).
+                    run.held = Some((items[lo], reason, error));
+                    break;
+                }
                 Err(BodyFailure::Dead(reason, error)) => run.dead.push((items[lo], reason, error)),
                 Err(BodyFailure::Retry(error, false)) => {
                     run.stopped = Some((items[lo], error, false));
@@ -458,6 +567,9 @@ struct Run {
     dead: Vec<(usize, Reason, String)>,
     /// The record the run stopped at, retryably: (index, error, outage?).
     stopped: Option<(usize, String, bool)>,
+    /// The culprit whose key is held ([`crate::FinalFailure::HoldKey`]); the run stopped at
+    /// it: (index, reason, error).
+    held: Option<(usize, Reason, String)>,
 }
 
 /// Whether two routes are the same handler.
@@ -495,6 +607,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
             Attempt::Paused => Err(Attempt::Paused),
+            Attempt::OverBound => Err(Attempt::OverBound),
         },
     }
 }

@@ -19,6 +19,23 @@ pub enum UnknownTypes {
     Skip,
 }
 
+/// What the consumer does with an event that failed for good (its retries used up, or a
+/// permanent failure, a panic, an undecodable payload).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FinalFailure {
+    /// Record it as a dead letter and move on (default): later events of its key are applied
+    /// without it.
+    #[default]
+    DeadLetter,
+    /// Hold its key: the event and every later record of its key on the partition are stored
+    /// in `postal.held_records`, in the transactions that move the offset past them, and are
+    /// not applied until the key is released (`postal held release`, or the retry policy
+    /// [`ConsumerConfig::hold_retry_after`]); other keys flow. For per-key ordered workflows
+    /// (docs/guarantees.md, "Held keys"). A record without a key is dead-lettered.
+    HoldKey,
+}
+
 /// How the consumer runtime connects, retries and shuts down. Every field has a default (see
 /// [`ConsumerConfig::new`]); [`ConsumerConfig::validate`] rejects nonsensical values. `Debug`
 /// redacts Kafka properties that look like secrets.
@@ -62,6 +79,23 @@ pub struct ConsumerConfig {
     pub backoff: Backoff,
     /// Records of types without a handler (default: dead letters).
     pub unknown_types: UnknownTypes,
+    /// What happens to an event that failed for good (default: a dead letter).
+    pub final_failure: FinalFailure,
+    /// [`final_failure`](Self::final_failure) for the handlers named here (their
+    /// `#[idempotent]` function names), over the consumer's.
+    pub final_failure_by_handler: BTreeMap<String, FinalFailure>,
+    /// The retry policy of held keys: the head of a held key (its failed event) is retried
+    /// this long after it failed, again and again until it is applied or an operator acts
+    /// (default `None`: only an operator releases a held key).
+    pub hold_retry_after: Option<Duration>,
+    /// Bytes of held records the group may store (default 256 MiB; each record counts as
+    /// buffered, see [`partition_buffer_bytes`](Self::partition_buffer_bytes)). A hold that
+    /// would pass it waits: its partition pauses (log line, `postal_consumer_held_full`),
+    /// nothing is dropped; it resumes once released records bring the group below it. A
+    /// group that holds nothing always takes one record.
+    pub held_bytes_limit: u64,
+    /// How often a partition with held keys looks for releases and due retries (default 1 s).
+    pub held_poll: Duration,
     /// Suffix of dead-letter topics (default `.dlq`: records of `orders` go to `orders.dlq`).
     pub dlq_suffix: String,
     /// Partitions of dead-letter topics the consumer creates (default 1).
@@ -132,6 +166,11 @@ postal_shared::setters!(ConsumerConfig {
     max_attempts: u32,
     backoff: Backoff,
     unknown_types: UnknownTypes,
+    final_failure: FinalFailure,
+    final_failure_by_handler: BTreeMap<String, FinalFailure>,
+    hold_retry_after: Option<Duration>,
+    held_bytes_limit: u64,
+    held_poll: Duration,
     dlq_suffix: String,
     dlq_partitions: i32,
     dlq_replication: i32,
@@ -161,6 +200,10 @@ impl std::fmt::Debug for ConsumerConfig {
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
             .field("unknown_types", &self.unknown_types)
+            .field("final_failure", &self.final_failure)
+            .field("final_failure_by_handler", &self.final_failure_by_handler)
+            .field("hold_retry_after", &self.hold_retry_after)
+            .field("held_bytes_limit", &self.held_bytes_limit)
             .field("dlq_suffix", &self.dlq_suffix)
             .field("kafka_commit_interval", &self.kafka_commit_interval)
             .field("partition_buffer", &self.partition_buffer)
@@ -216,6 +259,23 @@ fn check_overrides(kafka: &BTreeMap<String, String>) -> Result<(), Error> {
 }
 
 impl ConsumerConfig {
+    /// What happens to an event of the handler `handler` (none: no handler) that failed for
+    /// good.
+    pub(crate) fn final_failure_of(&self, handler: Option<&str>) -> FinalFailure {
+        handler
+            .and_then(|h| self.final_failure_by_handler.get(h).copied())
+            .unwrap_or(self.final_failure)
+    }
+
+    /// Whether any failure of this consumer can hold a key.
+    pub(crate) fn may_hold(&self) -> bool {
+        self.final_failure == FinalFailure::HoldKey
+            || self
+                .final_failure_by_handler
+                .values()
+                .any(|f| *f == FinalFailure::HoldKey)
+    }
+
     /// Defaults for the given brokers and consumer group (the dedup scope comes from the
     /// handlers).
     pub fn new(brokers: impl Into<String>, group: impl Into<String>) -> Self {
@@ -234,6 +294,11 @@ impl ConsumerConfig {
                 max: Duration::from_secs(30),
             },
             unknown_types: UnknownTypes::DeadLetter,
+            final_failure: FinalFailure::DeadLetter,
+            final_failure_by_handler: BTreeMap::new(),
+            hold_retry_after: None,
+            held_bytes_limit: 256 * 1024 * 1024,
+            held_poll: Duration::from_secs(1),
             dlq_suffix: ".dlq".into(),
             dlq_partitions: 1,
             dlq_replication: -1,
@@ -408,6 +473,12 @@ impl ConsumerConfig {
             .is_some_and(|r| r < Duration::from_secs(3600))
         {
             return bad("dead-letter retention must be at least 1h (or disabled)");
+        }
+        if self.held_poll.is_zero() {
+            return bad("held poll must be positive");
+        }
+        if self.hold_retry_after.is_some_and(|d| d.is_zero()) {
+            return bad("hold retry delay must be positive (or none)");
         }
         if self.cleanup_interval.is_zero() {
             return bad("cleanup interval must be positive");

@@ -114,7 +114,7 @@ use __private as private;
 pub mod fuzzing;
 
 pub use batch_handler::{Batch, BatchHandler, IntoBatchHandler};
-pub use config::{ConsumerConfig, UnknownTypes};
+pub use config::{ConsumerConfig, FinalFailure, UnknownTypes};
 pub use dead_letter::Reason as DeadLetterReason;
 pub use error::Error;
 pub use event::{Event, Headers, Payload, Position, Raw};

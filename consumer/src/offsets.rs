@@ -68,11 +68,36 @@ pub async fn advance(
     epoch: i64,
     next_offset: i64,
 ) -> Result<Advance, sqlx::Error> {
+    set_next(conn, group, topic, partition, epoch, Some(next_offset)).await
+}
+
+/// As [`advance`], leaving the stored offset where it is: for the transactions that apply a
+/// released held record (its offset is behind the stored one already), fenced and paused as
+/// every other processing transaction.
+pub(crate) async fn confirm(
+    conn: &mut PgConnection,
+    group: &str,
+    topic: &str,
+    partition: i32,
+    epoch: i64,
+) -> Result<Advance, sqlx::Error> {
+    set_next(conn, group, topic, partition, epoch, None).await
+}
+
+async fn set_next(
+    conn: &mut PgConnection,
+    group: &str,
+    topic: &str,
+    partition: i32,
+    epoch: i64,
+    next_offset: Option<i64>,
+) -> Result<Advance, sqlx::Error> {
     let (advanced, paused): (bool, bool) = sqlx::query_as(
         "WITH p AS (SELECT EXISTS (SELECT 1 FROM postal.pauses
                                    WHERE side = 'consumer' AND group_name = $1
                                      AND (topic IS NULL OR topic = $2)) AS paused),
-              u AS (UPDATE postal.consumer_offsets SET next_offset = $5, updated_at = now()
+              u AS (UPDATE postal.consumer_offsets
+                    SET next_offset = coalesce($5, next_offset), updated_at = now()
                     WHERE group_id = $1 AND topic = $2 AND partition = $3 AND epoch = $4
                       AND NOT (SELECT paused FROM p)
                     RETURNING 1)

@@ -637,6 +637,7 @@ fn apply(
                         paused: paused.clone(),
                         cancel: cancel.clone(),
                         turn: turns.entry(tp.clone()).or_default().clone(),
+                        held: Default::default(),
                     }
                     .run(),
                 );

@@ -20,6 +20,7 @@ pub struct Stats {
     buffered_bytes_peak: AtomicU64,
     partitions_stopped: AtomicU64,
     partitions_paused: AtomicU64,
+    partitions_held_full: AtomicU64,
     /// Partitions stopped here, per topic (the gauge's value).
     stopped_by_topic: Mutex<HashMap<String, u64>>,
 }
@@ -60,6 +61,10 @@ pub struct StatsSnapshot {
     /// Partitions owned here that wait, applying nothing, because their group or topic is
     /// paused (`postal pause consumer`); they go on from their stored offsets once resumed.
     pub partitions_paused: u64,
+    /// Partitions owned here that wait, applying nothing, because their group's held keys
+    /// reached `held_bytes_limit` (`postal_consumer_held_full`); they go on once held keys are
+    /// released.
+    pub partitions_held_full: u64,
 }
 
 macro_rules! bump {
@@ -102,6 +107,16 @@ impl Stats {
             buffered_bytes_peak: l(&self.buffered_bytes_peak),
             partitions_stopped: l(&self.partitions_stopped),
             partitions_paused: l(&self.partitions_paused),
+            partitions_held_full: l(&self.partitions_held_full),
+        }
+    }
+
+    /// A partition started (`true`) or stopped waiting at the held-bytes bound.
+    pub(crate) fn held_full(&self, start: bool) {
+        if start {
+            self.partitions_held_full.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.partitions_held_full.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

@@ -281,6 +281,8 @@ pub enum Delivered {
     Stopped,
     /// The group or the topic is paused (`postal.pauses`): nothing was committed.
     Paused,
+    /// A hold would take the group past `held_bytes_limit`: nothing was committed.
+    OverBound,
 }
 
 impl Protocol {
@@ -322,7 +324,10 @@ impl Protocol {
             paused: Default::default(),
             cancel: Default::default(),
             turn: Default::default(),
+            held: Default::default(),
         };
+        // As a takeover does: the partition's held keys.
+        worker.load_held().await;
         let records: Vec<crate::record::Record> = records
             .into_iter()
             .map(|r| {
@@ -351,6 +356,7 @@ impl Protocol {
             Step::Fenced => Delivered::Fenced,
             Step::Stop => Delivered::Stopped,
             Step::Paused => Delivered::Paused,
+            Step::OverBound => Delivered::OverBound,
         }
     }
 }

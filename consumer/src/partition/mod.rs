@@ -4,14 +4,17 @@
 //! - `own`: taking the partition over (claim, seek to the stored offset), stalls, fencing;
 //! - `process`: one record's transaction, its attempts and the handler body;
 //! - `dead`: dead letters, written in the transaction that moves the partition past them;
+//! - `hold`: held keys (`FinalFailure::HoldKey`): holding, releasing, the byte bound;
 //! - `stop`: a topic stopped because a partition's log was replaced under the stored offset.
 
 mod dead;
+mod hold;
 mod own;
 mod process;
 mod stop;
 
 pub(crate) use dead::Dead;
+pub(crate) use hold::{Head, Held};
 pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -188,6 +191,8 @@ pub(crate) enum Step {
     Fenced,
     /// The group or the topic is paused: this transaction rolled back, nothing applied.
     Paused,
+    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
+    OverBound,
 }
 
 /// How one ownership of a partition ended.
@@ -212,6 +217,8 @@ pub(crate) struct Worker {
     pub cancel: CancellationToken,
     /// The partition's turn: held from before the takeover until the worker returns.
     pub turn: Arc<tokio::sync::Mutex<()>>,
+    /// The partition's held keys (`hold`): read at each takeover, changed only by this worker.
+    pub held: Mutex<std::collections::HashSet<Vec<u8>>>,
 }
 
 impl Drop for Worker {

@@ -17,6 +17,9 @@ impl Worker {
         let Some(own) = self.claim().await else {
             return Owned::Ended;
         };
+        if !self.load_held().await {
+            return Owned::Ended;
+        }
         if self.topic_stopped().await {
             return self.parked(own.epoch).await;
         }
@@ -58,13 +61,30 @@ impl Worker {
         let mut last_stall = None;
         // When a busy partition last looked whether the group stopped its topic.
         let mut stop_checked = std::time::Instant::now();
+        // When the partition last looked for releases of its held keys.
+        let mut releases_checked: Option<std::time::Instant> = None;
         loop {
+            let any_held = !self.held.lock().expect("held keys").is_empty();
+            if any_held
+                && releases_checked.is_none_or(|t| t.elapsed() >= self.shared.config.held_poll)
+            {
+                releases_checked = Some(std::time::Instant::now());
+                match self.apply_releases(&own).await {
+                    Step::Done | Step::OverBound => {}
+                    Step::Paused => return self.held(lowest, Vec::new(), true).await,
+                    Step::Stop => return Owned::Ended,
+                    Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
+                    Step::Fenced => return Owned::Fenced(lowest),
+                }
+            }
             // About to wait for records: with none queued, nothing waits ([`crate::stall`]).
             self.queued.waiting.idle_unless(|| self.queued.any());
             let head = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => return Owned::Ended,
                 r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
+                // Held keys: look for their releases while no records come.
+                _ = tokio::time::sleep(self.shared.config.held_poll), if any_held => continue,
                 _ = tokio::time::sleep(self.shared.config.stall_check) => {
                     // Idle: another claim (a `postal consumer reset` moving the stored offset,
                     // a late claim from elsewhere) shows only at the next commit, and none
@@ -223,6 +243,7 @@ impl Worker {
             drop(permit);
             match step {
                 Step::Paused => return self.held(lowest, Vec::new(), true).await,
+                Step::OverBound => return self.over_bound(&own, lowest).await,
                 Step::Done => {
                     next = Some(last + 1);
                     self.queued.waiting.advanced();

@@ -25,6 +25,10 @@ impl Worker {
                 return self.dead_letter(own, record, None, reason, &error, 0).await
             }
         };
+        if self.is_held(record.key.as_deref()) {
+            // Its key waits for an earlier event: stored, not applied.
+            return self.hold(own, record, &meta, None).await;
+        }
         let Some(route) = self
             .shared
             .router
@@ -71,6 +75,7 @@ impl Worker {
                     return Step::Done;
                 }
                 Err(Attempt::Paused) => return Step::Paused,
+                Err(Attempt::OverBound) => return Step::OverBound,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
                     tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
@@ -88,10 +93,11 @@ impl Worker {
                     if attempts >= self.shared.config.max_attempts {
                         let error = format!("gave up after {attempts} attempts: {e}");
                         return self
-                            .dead_letter(
+                            .failed_for_good(
                                 own,
                                 record,
                                 Some(&meta),
+                                Some(route.name()),
                                 Reason::RetriesExhausted,
                                 &error,
                                 attempts as i32,
@@ -111,7 +117,15 @@ impl Worker {
                         attempts + 1
                     };
                     return self
-                        .dead_letter(own, record, Some(&meta), reason, &e, ran as i32)
+                        .failed_for_good(
+                            own,
+                            record,
+                            Some(&meta),
+                            Some(route.name()),
+                            reason,
+                            &e,
+                            ran as i32,
+                        )
                         .await;
                 }
             }
@@ -187,6 +201,8 @@ pub(crate) enum Attempt {
     Fenced,
     /// The group or topic is paused: rolled back, nothing applied.
     Paused,
+    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
+    OverBound,
     Unavailable(String),
     Retryable(String),
     Permanent(Reason, String),

@@ -33,6 +33,7 @@ mod fence;
 mod fresh_topic;
 mod graceful_stop;
 mod handlers;
+mod held_keys;
 mod hostile;
 mod hostile_sizes;
 mod idle;

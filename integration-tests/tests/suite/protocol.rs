@@ -749,6 +749,7 @@ async fn run_case(pool: &PgPool, seed: u64) -> Result<(), String> {
                     Delivered::Fenced => return Err("the current owner was fenced".into()),
                     Delivered::Stopped => return Err("the worker stopped".into()),
                     Delivered::Paused => return Err("nothing pauses this group".into()),
+                    Delivered::OverBound => return Err("nothing holds keys in this group".into()),
                 }
                 stored_not_ahead(pool, &group, &topic, &case, part).await?;
             }

@@ -1,0 +1,166 @@
+//! Held keys of consumer groups (`FinalFailure::HoldKey`, migration 32): what waits behind
+//! each key, and releasing one. A release only asks: it marks the key's row, audited in the
+//! same transaction, and the partition's owning consumer applies it (the head, or the head
+//! dead-lettered, then the rest in offset order), so the partition keeps one writer.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::audit::{self, Operator};
+use crate::Error;
+
+/// How many of a key's first held events a listing and a release name.
+pub const FIRST: i64 = 5;
+
+/// One held key of a group, with what waits behind it.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct HeldKey {
+    /// The record key's bytes.
+    #[serde(skip)]
+    pub key_bytes: Vec<u8>,
+    /// The topic.
+    pub topic: String,
+    /// The partition it is held on.
+    pub partition: i32,
+    /// The record key (lossy UTF-8; see `key_bytes`).
+    #[sqlx(skip)]
+    pub key: String,
+    /// Why the head failed (a dead-letter reason).
+    pub reason: String,
+    /// The head's error.
+    pub error: String,
+    /// Handler runs of the head so far.
+    pub attempts: i32,
+    /// Since when.
+    pub held_at: DateTime<Utc>,
+    /// The retry policy's next retry of the head, if any.
+    pub due_at: Option<DateTime<Utc>>,
+    /// A release asked for and not yet applied: `retry` or `skip`.
+    pub release: Option<String>,
+    /// Held records (the head included).
+    pub count: i64,
+    /// Their bytes, as counted against the group's bound.
+    pub bytes: i64,
+    /// The first held events, head first: `offset:event_id:event_type`.
+    pub first: Vec<String>,
+}
+
+/// The held keys of `group`, oldest first.
+pub async fn list(pool: &PgPool, group: &str) -> Result<Vec<HeldKey>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT k.topic, k.partition, k.record_key AS key_bytes,
+                k.reason, k.error, k.attempts, k.held_at, k.due_at, k.release,
+                r.count, r.bytes, r.first
+         FROM postal.held_keys k
+         CROSS JOIN LATERAL (
+             SELECT count(*) AS count, coalesce(sum(bytes), 0)::bigint AS bytes,
+                    (array_agg(kafka_offset || ':' || event_id || ':' || event_type
+                               ORDER BY kafka_offset))[1:$2] AS first
+             FROM postal.held_records h
+             WHERE h.group_id = k.group_id AND h.topic = k.topic
+               AND h.partition = k.partition AND h.record_key = k.record_key) r
+         WHERE k.group_id = $1
+         ORDER BY k.held_at, k.topic, k.partition",
+    )
+    .bind(group)
+    .bind(FIRST as i32)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|mut k: HeldKey| {
+        k.first.truncate(FIRST as usize);
+        k.key = String::from_utf8_lossy(&k.key_bytes).into_owned();
+        k
+    })
+    .collect())
+}
+
+/// The held keys of `group` matching `topic` and `key`.
+pub async fn find(
+    pool: &PgPool,
+    group: &str,
+    topic: &str,
+    key: &str,
+) -> Result<Vec<HeldKey>, Error> {
+    Ok(list(pool, group)
+        .await?
+        .into_iter()
+        .filter(|k| k.topic == topic && k.key_bytes == key.as_bytes())
+        .collect())
+}
+
+/// Bytes of held records per group, as counted against the bound.
+pub async fn group_bytes(pool: &PgPool, group: &str) -> Result<i64, Error> {
+    Ok(
+        sqlx::query_scalar("SELECT bytes FROM postal.held_bytes WHERE group_id = $1")
+            .bind(group)
+            .fetch_optional(pool)
+            .await?
+            .unwrap_or(0),
+    )
+}
+
+/// Asks the owner of `key`'s partition(s) to release it: the head retried then the rest, or
+/// with `skip_head` the head dead-lettered then the rest. Audited (action `release-held`) in
+/// the transaction that marks the key. Refused if the key is not held, or a release of it is
+/// already under way. Returns what it asked to release.
+pub async fn release(
+    pool: &PgPool,
+    by: &Operator,
+    group: &str,
+    topic: &str,
+    key: &str,
+    skip_head: bool,
+) -> Result<Vec<HeldKey>, Error> {
+    let held = find(pool, group, topic, key).await?;
+    if held.is_empty() {
+        return Err(Error::Invalid(format!(
+            "no held key {} on topic {} of group {}",
+            postal_shared::text::quoted(key),
+            postal_shared::text::quoted(topic),
+            postal_shared::text::quoted(group)
+        )));
+    }
+    let mut tx = pool.begin().await?;
+    let marked: Vec<i32> = sqlx::query_scalar(
+        "UPDATE postal.held_keys SET release = $4, released_by = $5
+         WHERE group_id = $1 AND topic = $2 AND record_key = $3 AND release IS NULL
+         RETURNING partition",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(key.as_bytes())
+    .bind(if skip_head { "skip" } else { "retry" })
+    .bind(by.name())
+    .fetch_all(&mut *tx)
+    .await?;
+    if marked.is_empty() {
+        return Err(Error::Invalid(format!(
+            "a release of key {} on topic {} is already under way",
+            postal_shared::text::quoted(key),
+            postal_shared::text::quoted(topic)
+        )));
+    }
+    let count: i64 = held.iter().map(|k| k.count).sum();
+    let target = serde_json::json!({
+        "group": group,
+        "topic": topic,
+        "key": key,
+        "skip_head": skip_head,
+        "partitions": marked,
+        "first": held.iter().flat_map(|k| k.first.clone()).collect::<Vec<_>>(),
+    });
+    audit::record(
+        &mut tx,
+        by,
+        "release-held",
+        &target,
+        count as usize,
+        count as u64,
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(held)
+}
