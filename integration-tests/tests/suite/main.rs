@@ -77,5 +77,6 @@ mod throughput;
 mod topology_review;
 mod trace;
 mod upgrade;
+mod wal_lease;
 mod wal_relay;
 mod wal_review;
