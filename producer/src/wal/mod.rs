@@ -65,6 +65,9 @@ impl WalSource {
     }
 }
 
+/// How often the relay records its slot's state as metrics.
+const METRICS_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Runs the WAL relay until `shutdown` resolves. A batch under way when it does gets
 /// `shutdown_timeout` to finish; one that does not is given up unconfirmed (its rows are read
 /// from the slot again by the next run, and those already marked are skipped).
@@ -83,6 +86,19 @@ pub(crate) async fn run<T: Transport>(
     let mut stats = RelayStats::default();
     let mut failures = 0u32;
     let mut held: Option<lease::Held> = None;
+    // The slot's state as metrics, every 5 s, holder or standby alike (alerts take the
+    // maximum per slot).
+    let metrics = tokio::spawn({
+        let (pool, slot) = (pool.clone(), source.slot.clone());
+        async move {
+            loop {
+                if let Err(e) = slot::record_metrics(&pool, &slot).await {
+                    tracing::debug!(error = %e, "WAL relay: could not read the slot's state for metrics");
+                }
+                tokio::time::sleep(METRICS_INTERVAL).await;
+            }
+        }
+    });
     tracing::info!(slot = %source.slot, publication = %source.publication, %holder, "WAL relay started");
     'session: loop {
         let lease = match &held {
@@ -171,6 +187,7 @@ pub(crate) async fn run<T: Transport>(
             }
         }
     }
+    metrics.abort();
     transport.flush(Duration::from_secs(1)).await;
     if let Some(h) = held {
         h.release(&pool).await;
