@@ -77,6 +77,8 @@ mod throughput;
 mod topology_review;
 mod trace;
 mod upgrade;
+mod wal_idle;
 mod wal_lease;
 mod wal_relay;
+mod wal_slot_status;
 mod wal_review;

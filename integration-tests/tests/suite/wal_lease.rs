@@ -171,12 +171,18 @@ fn check_delivery(records: &[Record], want: &[String]) -> usize {
 
 const LEASE_SECS: u64 = 4;
 
-/// Two WAL relay processes (`postal relay --read-from wal`) on the slot, with a 4 s lease and
-/// a delivery timeout under half of it. The first is the holder once it logged so.
-async fn two_relays(db: &TestDb, slot: &Slot, name: &str) -> (Proc, Proc) {
-    let svc = services().await;
+/// A WAL relay process (`postal relay --read-from wal`) on the test's slot, with a 4 s lease
+/// and a delivery timeout under half of it; its log in a folder named after `test` and the
+/// database. Not started.
+pub(crate) fn wal_relay_proc(
+    db: &TestDb,
+    slot: &Slot,
+    bootstrap: &str,
+    test: &str,
+    name: &str,
+) -> Proc {
     let dir = bin_dir();
-    let logs = dir.join(format!("{name}-{}", db.name));
+    let logs = dir.join(format!("{test}-{}", db.name));
     std::fs::create_dir_all(&logs).expect("log dir");
     let lease = format!("{LEASE_SECS}s");
     let args = [
@@ -194,14 +200,21 @@ async fn two_relays(db: &TestDb, slot: &Slot, name: &str) -> (Proc, Proc) {
     ];
     let env = [
         ("DATABASE_URL", db.url.clone()),
-        ("KAFKA_BOOTSTRAP_SERVERS", svc.bootstrap.clone()),
+        ("KAFKA_BOOTSTRAP_SERVERS", bootstrap.to_owned()),
         ("RUST_LOG", "info,rdkafka=warn".into()),
     ];
     // A killed relay stays down (the standby is the one to take over).
-    let mut a = Proc::new(&dir, &logs, "relay-a", "postal", &args)
+    Proc::new(&dir, &logs, name, "postal", &args)
         .env(&env)
-        .restart_after(Duration::from_secs(3600), Duration::ZERO);
-    let mut b = Proc::new(&dir, &logs, "relay-b", "postal", &args).env(&env);
+        .restart_after(Duration::from_secs(3600), Duration::ZERO)
+}
+
+/// Two WAL relay processes on the slot ([`wal_relay_proc`]). The first is the holder once
+/// it logged so, the second stands by.
+async fn two_relays(db: &TestDb, slot: &Slot, test: &str) -> (Proc, Proc) {
+    let bootstrap = services().await.bootstrap.clone();
+    let mut a = wal_relay_proc(db, slot, &bootstrap, test, "relay-a");
+    let mut b = wal_relay_proc(db, slot, &bootstrap, test, "relay-b");
     a.start();
     a.await_log("WAL relay: holding the", Duration::from_secs(30))
         .await;
