@@ -80,5 +80,5 @@ mod upgrade;
 mod wal_idle;
 mod wal_lease;
 mod wal_relay;
-mod wal_slot_status;
 mod wal_review;
+mod wal_slot_status;

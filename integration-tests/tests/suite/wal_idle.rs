@@ -51,16 +51,17 @@ async fn an_idle_outbox_slot_keeps_advancing_while_other_databases_write() {
         .await
         .unwrap();
     loop {
-        sqlx::query("INSERT INTO filler SELECT repeat(md5(g::text), 32) FROM generate_series(1, 4000) g")
-            .execute(&other.pool)
+        sqlx::query(
+            "INSERT INTO filler SELECT repeat(md5(g::text), 32) FROM generate_series(1, 4000) g",
+        )
+        .execute(&other.pool)
+        .await
+        .unwrap();
+        let written: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - $1::pg_lsn)::int8")
+            .bind(&start)
+            .fetch_one(&other.pool)
             .await
             .unwrap();
-        let written: i64 =
-            sqlx::query_scalar("SELECT (pg_current_wal_lsn() - $1::pg_lsn)::int8")
-                .bind(&start)
-                .fetch_one(&other.pool)
-                .await
-                .unwrap();
         if written >= WRITTEN {
             break;
         }
@@ -75,6 +76,9 @@ async fn an_idle_outbox_slot_keeps_advancing_while_other_databases_write() {
     )
     .await;
     let last = slot_bytes(&db.pool, &name).await;
-    eprintln!("after {WRITTEN} bytes written elsewhere: lag {} B, retained {} B", last.0, last.1);
+    eprintln!(
+        "after {WRITTEN} bytes written elsewhere: lag {} B, retained {} B",
+        last.0, last.1
+    );
     relay.stop().await;
 }

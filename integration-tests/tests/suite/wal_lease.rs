@@ -330,7 +330,10 @@ async fn a_standby_takes_the_slot_over_from_a_frozen_relay() {
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert_eq!(token, 2, "taken twice: by the first relay, then by the standby");
+    assert_eq!(
+        token, 2,
+        "taken twice: by the first relay, then by the standby"
+    );
     await_progress(&db.pool, "the standby still publishing").await;
     let (written, duplicates) = finish(&db, &topic, stop, writer).await;
     let token: i64 =

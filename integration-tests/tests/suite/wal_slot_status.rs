@@ -68,7 +68,8 @@ async fn status_and_metrics_show_the_slot_lag_lease_and_a_missing_slot() {
     assert!(entry["holder"].is_null(), "{entry}");
     assert!(text.contains(&name) && text.contains("INACTIVE"), "{text}");
 
-    let mut relay = wal_relay_proc(&db, &slot, &svc.bootstrap, "wal-status", "relay").with_metrics();
+    let mut relay =
+        wal_relay_proc(&db, &slot, &svc.bootstrap, "wal-status", "relay").with_metrics();
     relay.start();
     let port = relay.metrics_port().unwrap();
     wait::until(Duration::from_secs(60), "drained and confirmed", || async {
@@ -98,12 +99,15 @@ async fn status_and_metrics_show_the_slot_lag_lease_and_a_missing_slot() {
     let (entry, text) = status(&db.url, &name);
     assert_eq!(entry.expect("the leased slot")["present"], false);
     assert!(text.contains("MISSING"), "{text}");
-    let mut relay = wal_relay_proc(&db, &slot, &svc.bootstrap, "wal-status", "relay-2").with_metrics();
+    let mut relay =
+        wal_relay_proc(&db, &slot, &svc.bootstrap, "wal-status", "relay-2").with_metrics();
     relay.start();
     let port = relay.metrics_port().unwrap();
-    wait::until(Duration::from_secs(30), "postal_wal_slot_present 0", || async {
-        metric(port, "postal_wal_slot_present", &name) == Some(0.0)
-    })
+    wait::until(
+        Duration::from_secs(30),
+        "postal_wal_slot_present 0",
+        || async { metric(port, "postal_wal_slot_present", &name) == Some(0.0) },
+    )
     .await;
     relay.stop();
 }

@@ -130,7 +130,12 @@ async fn end_walsender(pool: &PgPool, slot: &str, within: Duration) -> Result<()
     .fetch_all(pool)
     .await?;
     for (pid, done) in &ended {
-        tracing::info!(pid, terminated = done, slot, "WAL relay: ended the previous holder's walsender");
+        tracing::info!(
+            pid,
+            terminated = done,
+            slot,
+            "WAL relay: ended the previous holder's walsender"
+        );
     }
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
@@ -190,7 +195,10 @@ pub(crate) async fn acquire(
             Ok(None) => {
                 if !standing_by {
                     standing_by = true;
-                    tracing::info!(slot, "WAL relay: standing by: another relay holds the slot's lease");
+                    tracing::info!(
+                        slot,
+                        "WAL relay: standing by: another relay holds the slot's lease"
+                    );
                 }
             }
             Err(e) => {
@@ -221,7 +229,11 @@ async fn renew(
         tokio::time::sleep_until(next).await;
         let started = Instant::now();
         if started >= *until.lock().expect("lease clock") {
-            tracing::warn!(slot, token, "WAL relay: the slot's lease ran out without a renewal");
+            tracing::warn!(
+                slot,
+                token,
+                "WAL relay: the slot's lease ran out without a renewal"
+            );
             lost.cancel();
             return;
         }
@@ -241,7 +253,11 @@ async fn renew(
                 *until.lock().expect("lease clock") = started + lease;
             }
             Ok(Ok(_)) => {
-                tracing::warn!(slot, token, "WAL relay: the slot's lease was taken by another relay");
+                tracing::warn!(
+                    slot,
+                    token,
+                    "WAL relay: the slot's lease was taken by another relay"
+                );
                 lost.cancel();
                 return;
             }

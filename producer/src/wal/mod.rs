@@ -160,8 +160,7 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
                     confirm.received(batch.end_lsn);
-                    let publish =
-                        publish(&pool, &*transport, &config, &batch, lease, &mut stats);
+                    let publish = publish(&pool, &*transport, &config, &batch, lease, &mut stats);
                     let mut publish = std::pin::pin!(publish);
                     let done = tokio::select! {
                         () = &mut shutdown => {
@@ -296,7 +295,10 @@ async fn publish<T: Transport>(
         {
             Ok(false) => {
                 transport.recorded(&events, false);
-                tracing::warn!(rows = published.len(), "WAL relay: marks refused: the slot's lease moved to another relay");
+                tracing::warn!(
+                    rows = published.len(),
+                    "WAL relay: marks refused: the slot's lease moved to another relay"
+                );
                 return Err(LeaseLost);
             }
             Ok(true) => {

@@ -160,13 +160,19 @@ pub(crate) async fn record_metrics(pool: &PgPool, slot: &str) -> Result<(), sqlx
     let state = states.into_iter().find(|s| s.slot == slot);
     let label = slot.to_owned();
     let present = state.as_ref().is_some_and(|s| s.present);
-    metrics::gauge!("postal_wal_slot_present", "slot" => label.clone())
-        .set(if present { 1.0 } else { 0.0 });
+    metrics::gauge!("postal_wal_slot_present", "slot" => label.clone()).set(if present {
+        1.0
+    } else {
+        0.0
+    });
     let Some(s) = state.filter(|s| s.present) else {
         return Ok(());
     };
-    metrics::gauge!("postal_wal_slot_active", "slot" => label.clone())
-        .set(if s.active { 1.0 } else { 0.0 });
+    metrics::gauge!("postal_wal_slot_active", "slot" => label.clone()).set(if s.active {
+        1.0
+    } else {
+        0.0
+    });
     if let Some(v) = s.lag_bytes {
         metrics::gauge!("postal_wal_slot_lag_bytes", "slot" => label.clone()).set(v as f64);
     }
@@ -182,7 +188,10 @@ pub(crate) async fn record_metrics(pool: &PgPool, slot: &str) -> Result<(), sqlx
         metrics::gauge!("postal_wal_slot_safe_wal_bytes", "slot" => label.clone()).set(v as f64);
     }
     let unreserved = matches!(s.wal_status.as_deref(), Some("unreserved" | "lost"));
-    metrics::gauge!("postal_wal_slot_unreserved", "slot" => label)
-        .set(if unreserved { 1.0 } else { 0.0 });
+    metrics::gauge!("postal_wal_slot_unreserved", "slot" => label).set(if unreserved {
+        1.0
+    } else {
+        0.0
+    });
     Ok(())
 }
