@@ -79,6 +79,7 @@ mod trace;
 mod upgrade;
 mod wal_idle;
 mod wal_lease;
+mod wal_netsplit;
 mod wal_relay;
 mod wal_review;
 mod wal_slot_status;

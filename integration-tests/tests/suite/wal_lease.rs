@@ -115,7 +115,7 @@ async fn a_relay_that_lost_the_slot_lease_marks_nothing() {
 
 /// Enqueues events of keys `k0`..`k3` in turn, one per transaction, until `stop`; returns
 /// their ids.
-async fn write_until(pool: PgPool, topic: String, stop: Arc<AtomicBool>) -> Vec<String> {
+pub(crate) async fn write_until(pool: PgPool, topic: String, stop: Arc<AtomicBool>) -> Vec<String> {
     let mut ids = Vec::new();
     let mut i = 0usize;
     while !stop.load(Ordering::SeqCst) {
@@ -169,7 +169,7 @@ fn check_delivery(records: &[Record], want: &[String]) -> usize {
     duplicates
 }
 
-const LEASE_SECS: u64 = 4;
+pub(crate) const LEASE_SECS: u64 = 4;
 
 /// A WAL relay process (`postal relay --read-from wal`) on the test's slot, with a 4 s lease
 /// and a delivery timeout under half of it; its log in a folder named after `test` and the
@@ -236,7 +236,7 @@ async fn last_seq(pool: &PgPool) -> i64 {
 
 /// Waits until the 50 rows enqueued after the ones already enqueued now are published (gone
 /// from the outbox), with everything before them.
-async fn await_progress(pool: &PgPool, what: &str) {
+pub(crate) async fn await_progress(pool: &PgPool, what: &str) {
     let start = last_seq(pool).await;
     wait::until(Duration::from_secs(60), what, || async {
         let left: i64 =
@@ -251,8 +251,9 @@ async fn await_progress(pool: &PgPool, what: &str) {
 }
 
 /// Stops the writer, waits for the outbox to drain, reads the topic and checks delivery.
-async fn finish(
+pub(crate) async fn finish(
     db: &TestDb,
+    bootstrap: &str,
     topic: &str,
     stop: Arc<AtomicBool>,
     writer: tokio::task::JoinHandle<Vec<String>>,
@@ -263,8 +264,7 @@ async fn finish(
         crate::common::outbox_count(&db.pool).await == 0
     })
     .await;
-    let svc = services().await;
-    let records = read_all(&svc.bootstrap, topic, ids.len(), Duration::from_secs(60)).await;
+    let records = read_all(bootstrap, topic, ids.len(), Duration::from_secs(60)).await;
     let duplicates = check_delivery(&records, &ids);
     (ids.len(), duplicates)
 }
@@ -289,7 +289,7 @@ async fn a_standby_takes_the_slot_over_from_a_killed_relay() {
     await_progress(&db.pool, "the standby publishing").await;
     let took = killed.elapsed();
     assert!(b.logged("WAL relay: holding the"), "the standby took over");
-    let (written, duplicates) = finish(&db, &topic, stop, writer).await;
+    let (written, duplicates) = finish(&db, &svc.bootstrap, &topic, stop, writer).await;
     b.stop();
     eprintln!("kill -9: takeover after {took:?}; {written} events, {duplicates} duplicates");
     assert!(
@@ -335,7 +335,7 @@ async fn a_standby_takes_the_slot_over_from_a_frozen_relay() {
         "taken twice: by the first relay, then by the standby"
     );
     await_progress(&db.pool, "the standby still publishing").await;
-    let (written, duplicates) = finish(&db, &topic, stop, writer).await;
+    let (written, duplicates) = finish(&db, &svc.bootstrap, &topic, stop, writer).await;
     let token: i64 =
         sqlx::query_scalar("SELECT token FROM postal.wal_slot_leases WHERE slot_name = $1")
             .bind(&slot.source.slot)
