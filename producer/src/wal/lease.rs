@@ -72,6 +72,14 @@ impl Held {
             && *self.until.lock().expect("lease clock") > Instant::now() + self.lease / 2
     }
 
+    /// Ends the walsender still streaming from the slot (a previous holder's) and waits, up to
+    /// half the lease, until the slot is free. A failure only delays streaming (logged).
+    pub(crate) async fn end_walsender(&self, pool: &PgPool) {
+        if let Err(e) = end_walsender(pool, &self.slot, self.lease / 2).await {
+            tracing::warn!(error = %e, slot = %self.slot, "WAL relay: could not end the slot's previous walsender; streaming waits until it ends");
+        }
+    }
+
     /// Gives the lease up (a graceful stop): a standby takes the slot at once.
     pub(crate) async fn release(self, pool: &PgPool) {
         let r = sqlx::query(
@@ -168,9 +176,7 @@ pub(crate) async fn acquire(
         match take(pool, slot, holder, &host, lease).await {
             Ok(Some((token, until))) => {
                 tracing::info!(slot, token, %holder, "WAL relay: holding the slot's lease");
-                if let Err(e) = end_walsender(pool, slot, lease).await {
-                    tracing::warn!(error = %e, slot, "WAL relay: could not end the slot's previous walsender; streaming waits until it ends");
-                }
+                // Renewed from now on, also while the previous walsender is being ended.
                 let until = Arc::new(Mutex::new(until));
                 let lost = CancellationToken::new();
                 let renew = tokio::spawn(renew(
@@ -182,7 +188,7 @@ pub(crate) async fn acquire(
                     until.clone(),
                     lost.clone(),
                 ));
-                return Some(Held {
+                let held = Held {
                     slot: slot.to_owned(),
                     holder,
                     token,
@@ -190,7 +196,9 @@ pub(crate) async fn acquire(
                     until,
                     lost,
                     renew,
-                });
+                };
+                held.end_walsender(pool).await;
+                return Some(held);
             }
             Ok(None) => {
                 if !standing_by {

@@ -114,13 +114,15 @@ pub(crate) async fn run<T: Transport>(
         };
         let stream = tokio::select! {
             () = &mut shutdown => break 'session,
-            s = stream::Stream::start(&source) => s,
+            s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(2))) => s,
         };
         let mut stream = match stream {
             Ok(s) => s,
             Err(e) => {
                 failures += 1;
                 tracing::warn!(error = %e, "WAL relay: could not start streaming; retrying");
+                // The previous holder's walsender may still be ending.
+                lease.end_walsender(&pool).await;
                 if pause(&config, failures, &mut shutdown).await {
                     break 'session;
                 }
@@ -172,6 +174,9 @@ pub(crate) async fn run<T: Transport>(
                             break 'session;
                         }
                         r = &mut publish => r,
+                        // A holder cut off from the database waits there forever: the batch
+                        // is given up (not marked, not confirmed; the next holder reads it).
+                        () = lease.lost() => Err(LeaseLost),
                     };
                     match done {
                         Ok(()) => stream.confirm(confirm.finished()),
