@@ -77,6 +77,7 @@ mod throughput;
 mod topology_review;
 mod trace;
 mod upgrade;
+mod wal_grant;
 mod wal_idle;
 mod wal_lease;
 mod wal_netsplit;
