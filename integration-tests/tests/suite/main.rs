@@ -80,6 +80,7 @@ mod upgrade;
 mod wal_grant;
 mod wal_idle;
 mod wal_lease;
+mod wal_migrate;
 mod wal_netsplit;
 mod wal_relay;
 mod wal_review;
