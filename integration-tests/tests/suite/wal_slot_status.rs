@@ -50,7 +50,8 @@ fn metric(port: u16, name: &str, slot: &str) -> Option<f64> {
 /// drained it; the relay exports the same as `postal_wal_slot_present`/`_active`/`_lag_bytes`;
 /// a slot that is gone (dropped, or lost in a failover) shows as MISSING in `postal status`
 /// and as `postal_wal_slot_present` 0 on a relay that has a lease row for it (what
-/// `PostalWalSlotMissing` fires on). Before, neither showed anything about the slot.
+/// `PostalWalSlotMissing` fires on); the dashboard's overview lists the slot, active, with its
+/// holder. Before, none of them showed anything about the slot.
 #[tokio::test]
 async fn status_and_metrics_show_the_slot_lag_lease_and_a_missing_slot() {
     let svc = services().await;
@@ -90,6 +91,19 @@ async fn status_and_metrics_show_the_slot_lag_lease_and_a_missing_slot() {
     assert!(entry["lease_left_s"].as_f64().unwrap() > 0.0, "{entry}");
     assert!(entry["retained_bytes"].as_i64().is_some(), "{entry}");
     assert!(text.contains("active"), "{text}");
+    // The dashboard's overview shows the slot and its holder.
+    let addr =
+        crate::common::dashboard::start(postal_admin::web::Dashboard::new(db.pool.clone())).await;
+    let page = postal_integration_tests::http::request(addr, "GET", "/", &[], "").await;
+    let section = &page.body[page.body.find("id=\"wal-slots\"").expect("the slots table")..];
+    assert!(
+        section.contains(&name) && section.contains("active"),
+        "{section}"
+    );
+    assert!(
+        section.contains(entry["holder"].as_str().unwrap()),
+        "the holder shown"
+    );
     relay.stop();
 
     // The slot is lost (as after a failover); its lease row stays.
