@@ -114,7 +114,7 @@ pub(crate) async fn run<T: Transport>(
         };
         let stream = tokio::select! {
             () = &mut shutdown => break 'session,
-            s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(2))) => s,
+            s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(5))) => s,
         };
         let mut stream = match stream {
             Ok(s) => s,
