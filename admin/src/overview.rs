@@ -94,6 +94,8 @@ pub struct Overview {
     pub dead_letters: Vec<(String, i64)>,
     /// The last 60 minutes, oldest first, every minute present.
     pub minutes: Vec<Minute>,
+    /// The WAL relays' replication slots: lag, retained WAL, lease (none on a standby).
+    pub wal_slots: Vec<postal_producer::wal::slot::SlotState>,
 }
 
 const RELAYS_SQL: &str = "SELECT i.relay_id, i.relay_group, i.host,
@@ -151,7 +153,16 @@ pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
     let consumers = sqlx::query_as(CONSUMERS_SQL).fetch_all(pool).await?;
     let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
     let minutes: Vec<Minute> = sqlx::query_as(MINUTES_SQL).fetch_all(pool).await?;
+    let in_recovery: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(pool)
+        .await?;
+    let wal_slots = if in_recovery {
+        Vec::new()
+    } else {
+        postal_producer::wal::slot::states(pool).await?
+    };
     Ok(Overview {
+        wal_slots,
         backlog,
         relays,
         consumers,

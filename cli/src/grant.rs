@@ -6,6 +6,9 @@
 //!   `postal.enqueue(…)`) and read what it compares (`enqueue_once`); it cannot change or
 //!   delete them, nor touch the relay's or consumers' tables.
 //! - **relay**: claims, publishes and marks or deletes outbox rows; keeps its leases.
+//! - **WAL relay** (`--wal-relay`): what a relay may, and the `REPLICATION` attribute its
+//!   replication session needs (`ALTER ROLE … REPLICATION`: PostgreSQL 15 lets only a
+//!   superuser give it; without it the statement is reported, not run).
 //! - **consumer**: dedup rows, stored offsets, dead letters; and what `app` may (a handler that
 //!   enqueues, a chain).
 //!
@@ -24,6 +27,10 @@ pub struct GrantArgs {
     /// Roles the relay runs as (repeatable).
     #[arg(long = "relay")]
     relays: Vec<String>,
+    /// Roles WAL relays run as (`postal relay --read-from wal`; repeatable): a relay's
+    /// privileges and the `REPLICATION` attribute.
+    #[arg(long = "wal-relay")]
+    wal_relays: Vec<String>,
     /// Roles consumers run as (repeatable).
     #[arg(long = "consumer")]
     consumers: Vec<String>,
@@ -54,8 +61,15 @@ fn relay(role: &str) -> Vec<String> {
         format!("GRANT SELECT, UPDATE, DELETE ON postal.outbox TO {role}"),
         format!("GRANT SELECT, INSERT ON postal.outbox_history TO {role}"),
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.relay_instances, postal.relay_partitions, postal.relay_minutes TO {role}"),
+        // A WAL relay's slot lease (docs/wal-relay.md, One reader per slot).
+        format!("GRANT SELECT, INSERT, UPDATE ON postal.wal_slot_leases TO {role}"),
         format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations, postal.pauses TO {role}"),
     ]
+}
+
+/// For `role` as a WAL relay, after [`relay`]'s: the replication session's attribute.
+fn wal_replication(role: &str) -> String {
+    format!("ALTER ROLE {role} REPLICATION")
 }
 
 /// Optional for `role` as a relay: the oldest-transaction gauge reads every session's
@@ -87,7 +101,7 @@ fn statements(args: &GrantArgs) -> Vec<String> {
     for r in &args.apps {
         out.extend(app(&ident(r)));
     }
-    for r in &args.relays {
+    for r in args.relays.iter().chain(&args.wal_relays) {
         out.extend(relay(&ident(r)));
     }
     for r in &args.consumers {
@@ -98,13 +112,22 @@ fn statements(args: &GrantArgs) -> Vec<String> {
 
 pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        !(args.apps.is_empty() && args.relays.is_empty() && args.consumers.is_empty()),
-        "say which roles: --app ROLE, --relay ROLE and/or --consumer ROLE"
+        !(args.apps.is_empty()
+            && args.relays.is_empty()
+            && args.wal_relays.is_empty()
+            && args.consumers.is_empty()),
+        "say which roles: --app ROLE, --relay ROLE, --wal-relay ROLE and/or --consumer ROLE"
     );
     let all = statements(&args);
-    let stats: Vec<String> = args.relays.iter().map(|r| relay_stats(&ident(r))).collect();
+    let relays: Vec<&String> = args.relays.iter().chain(&args.wal_relays).collect();
+    let stats: Vec<String> = relays.iter().map(|r| relay_stats(&ident(r))).collect();
+    let replication: Vec<String> = args
+        .wal_relays
+        .iter()
+        .map(|r| wal_replication(&ident(r)))
+        .collect();
     if args.print {
-        for s in all.iter().chain(&stats) {
+        for s in all.iter().chain(&replication).chain(&stats) {
             say!("{s};");
         }
         return Ok(());
@@ -113,7 +136,8 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
     // transaction that grants: the privileges change only with their row.
     let by = crate::audit::operator();
     let target = serde_json::json!({
-        "app": args.apps, "relay": args.relays, "consumer": args.consumers,
+        "app": args.apps, "relay": args.relays, "wal_relay": args.wal_relays,
+        "consumer": args.consumers,
     });
     let mut tx = pool.begin().await?;
     postal_admin::audit::record(&mut tx, &by, "grant", &target, all.len(), all.len() as u64)
@@ -130,7 +154,32 @@ pub async fn run(pool: &PgPool, args: GrantArgs) -> anyhow::Result<()> {
     }
     tx.commit().await?;
     say!("granted: {} statement(s)", all.len());
-    for (s, role) in stats.iter().zip(&args.relays) {
+    for (s, role) in replication.iter().zip(&args.wal_relays) {
+        let mut tx = pool.begin().await?;
+        match sqlx::query(s).execute(&mut *tx).await {
+            Ok(_) => {
+                postal_admin::audit::record(
+                    &mut tx,
+                    &by,
+                    "grant",
+                    &serde_json::json!({ "wal_relay": [role], "replication": true }),
+                    1,
+                    1,
+                )
+                .await?;
+                tx.commit().await?;
+                say!("granted: {s}");
+            }
+            Err(e) => {
+                let why = e
+                    .as_database_error()
+                    .map(|d| d.message().to_owned())
+                    .unwrap_or_else(|| e.to_string());
+                say!("not granted ({why}): {s}; a superuser must run it, or the WAL relay cannot stream");
+            }
+        }
+    }
+    for (s, role) in stats.iter().zip(relays) {
         let mut tx = pool.begin().await?;
         let granted = sqlx::query(s).execute(&mut *tx).await;
         if granted.is_ok() {

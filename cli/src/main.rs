@@ -99,7 +99,16 @@ struct DbArgs {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Create the `postal` schema and apply pending migrations (a no-op when up to date).
-    Migrate,
+    Migrate {
+        /// Also create the WAL relay's publication and logical replication slot (plugin
+        /// `pgoutput`) with this name, if missing (docs/wal-relay.md): only when asked, since a
+        /// slot keeps WAL until a WAL relay reads it.
+        #[arg(long)]
+        wal_slot: Option<String>,
+        /// The publication created with `--wal-slot`.
+        #[arg(long, default_value = "postal_outbox", requires = "wal_slot")]
+        wal_publication: String,
+    },
     /// Run the relay: publish committed outbox events to Kafka until SIGINT/SIGTERM.
     Relay(Box<RelayArgs>),
     /// Show the outbox backlog per topic, the oldest pending event, parked events, how far a
@@ -377,12 +386,26 @@ fn one_line(e: &anyhow::Error) -> String {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Migrate => {
+        Command::Migrate {
+            wal_slot,
+            wal_publication,
+        } => {
             let pool = connect_now(&cli.db).await?;
             postal_shared::migrate(&pool)
                 .await
                 .context("applying migrations")?;
             say!("postal schema is up to date");
+            if let Some(slot) = wal_slot {
+                match postal_producer::wal::slot::create(&pool, &slot, &wal_publication)
+                    .await
+                    .context("creating the WAL relay's publication and slot")?
+                {
+                    Some(lsn) => say!(
+                        "created publication {wal_publication} and slot {slot} (consistent point {lsn}): rows committed before it are not in the slot's stream; drain them with a polling relay first"
+                    ),
+                    None => say!("slot {slot} exists (publication {wal_publication} ensured)"),
+                }
+            }
             Ok(())
         }
         Command::Status {

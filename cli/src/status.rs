@@ -44,6 +44,8 @@ struct Status {
     dedup_horizons: Vec<HorizonRow>,
     /// The pauses in force (`postal pause`).
     pauses: Vec<postal_admin::pauses::Pause>,
+    /// The WAL relays' replication slots (docs/wal-relay.md): lag, retained WAL, lease.
+    wal_slots: Vec<postal_producer::wal::slot::SlotState>,
 }
 
 /// A consumer's dedup retention horizon: dedup rows processed up to it were deleted, so
@@ -203,7 +205,16 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
     )
     .fetch_all(pool)
     .await?;
+    let in_recovery: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(pool)
+        .await?;
+    let wal_slots = if in_recovery {
+        Vec::new()
+    } else {
+        postal_producer::wal::slot::states(pool).await?
+    };
     let status = Status {
+        wal_slots,
         topics,
         oldest_transaction_s,
         relays,
@@ -349,6 +360,41 @@ pub async fn print(pool: &PgPool, json: bool, bootstrap: Option<&str>) -> anyhow
                 .map(|r| format!(": {}", shown(r, false)))
                 .unwrap_or_default()
         );
+    }
+    if !status.wal_slots.is_empty() {
+        say!("WAL relay slots:");
+    }
+    for w in &status.wal_slots {
+        let bytes = |b: Option<i64>| b.map(|b| format!("{b} B")).unwrap_or_else(|| "-".into());
+        say!(
+            "  {:<32} {:<8} lag {} ({})  retained {}  wal_status {}  safe {}  lease {}",
+            shown(&w.slot, false),
+            match (w.present, w.active) {
+                (false, _) => "MISSING",
+                (true, true) => "active",
+                (true, false) => "INACTIVE",
+            },
+            bytes(w.lag_bytes),
+            w.lag_s
+                .map(|s| format!("{s:.1}s"))
+                .unwrap_or_else(|| "-".into()),
+            bytes(w.retained_bytes),
+            w.wal_status.as_deref().unwrap_or("-"),
+            bytes(w.safe_wal_bytes),
+            match (&w.holder, w.lease_left_s) {
+                (Some(h), Some(left)) if left > 0.0 => format!(
+                    "{h} on {} ({left:.1}s left)",
+                    shown(w.holder_host.as_deref().unwrap_or(""), false)
+                ),
+                (Some(h), _) => format!("{h} EXPIRED"),
+                _ => "none".into(),
+            }
+        );
+        if !w.present {
+            say!("    MISSING: the slot is gone (dropped, or not on this server after a failover): run polling relays, then create the slot again (docs/wal-relay.md, Failover)");
+        } else if matches!(w.wal_status.as_deref(), Some("unreserved" | "lost")) {
+            say!("    AT RISK: the slot keeps more WAL than max_slot_wal_keep_size allows (wal_status {}); it is invalidated at a checkpoint unless its relay catches up", w.wal_status.as_deref().unwrap_or(""));
+        }
     }
     for d in &status.dead_letters {
         say!(

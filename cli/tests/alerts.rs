@@ -47,6 +47,9 @@ fn alert_rules_parse_and_use_real_metrics() {
         "PostalConsumerStalled",
         "PostalConsumerRecordsExpired",
         "PostalConsumerAbsent",
+        "PostalWalSlotMissing",
+        "PostalWalSlotStuck",
+        "PostalWalSlotRetainedWalGrowing",
     ] {
         assert!(names.contains(wanted), "missing alert {wanted}");
     }

@@ -197,7 +197,7 @@ async fn an_unverifiable_or_unencrypted_postgres_connection_is_said_plainly() {
 }
 
 /// `url` with its user replaced by `role` (the dev stack trusts loopback logins).
-fn as_role(url: &str, role: &str) -> String {
+pub(crate) fn as_role(url: &str, role: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap();
     let (_, host) = rest.split_once('@').unwrap();
     format!("{scheme}://{role}@{host}")

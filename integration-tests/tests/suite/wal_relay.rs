@@ -41,6 +41,15 @@ impl Slot {
         }
     }
 
+    /// The slot `slot` and publication `publication` created by someone else (`postal
+    /// migrate --wal-slot`), dropped at the end of the test like one of [`Slot::create`].
+    pub(crate) fn adopt(db: &TestDb, slot: &str, publication: &str) -> Slot {
+        Slot {
+            source: WalSource::new(db.url.clone(), slot, publication),
+            admin_url: db.url.clone(),
+        }
+    }
+
     pub(crate) fn config(&self) -> RelayConfig {
         fast_config().source(RelaySource::Wal(self.source.clone()))
     }

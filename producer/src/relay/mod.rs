@@ -134,7 +134,15 @@ impl<T: Transport> Relay<T> {
         }
         if let crate::config::RelaySource::Wal(source) = &self.config.source {
             let source = source.clone();
-            return crate::wal::run(self.pool, self.transport, self.config, source, shutdown).await;
+            return crate::wal::run(
+                self.pool,
+                self.transport,
+                self.config,
+                source,
+                self.id,
+                shutdown,
+            )
+            .await;
         }
         let (wake_tx, wake_rx) = tokio::sync::watch::channel(0u64);
         let shared = Arc::new(Shared {

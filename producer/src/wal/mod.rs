@@ -16,6 +16,7 @@ use crate::transport::{FailureKind, Transport};
 use crate::Error;
 
 mod confirm;
+mod lease;
 mod pgoutput;
 mod rows;
 pub mod slot;
@@ -64,30 +65,64 @@ impl WalSource {
     }
 }
 
+/// How often the relay records its slot's state as metrics.
+const METRICS_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Runs the WAL relay until `shutdown` resolves. A batch under way when it does gets
 /// `shutdown_timeout` to finish; one that does not is given up unconfirmed (its rows are read
 /// from the slot again by the next run, and those already marked are skipped).
+///
+/// It streams only while it holds the slot's lease (`lease`, `config.lease`): it stands by
+/// while another relay holds it, and stops streaming (and marks nothing more) once it lost it.
 pub(crate) async fn run<T: Transport>(
     pool: PgPool,
     transport: Arc<T>,
     config: RelayConfig,
     source: WalSource,
+    holder: uuid::Uuid,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<RelayStats, Error> {
     let mut shutdown = std::pin::pin!(shutdown);
     let mut stats = RelayStats::default();
     let mut failures = 0u32;
-    tracing::info!(slot = %source.slot, publication = %source.publication, "WAL relay started");
+    let mut held: Option<lease::Held> = None;
+    // The slot's state as metrics, every 5 s, holder or standby alike (alerts take the
+    // maximum per slot).
+    let metrics = tokio::spawn({
+        let (pool, slot) = (pool.clone(), source.slot.clone());
+        async move {
+            loop {
+                if let Err(e) = slot::record_metrics(&pool, &slot).await {
+                    tracing::debug!(error = %e, "WAL relay: could not read the slot's state for metrics");
+                }
+                tokio::time::sleep(METRICS_INTERVAL).await;
+            }
+        }
+    });
+    tracing::info!(slot = %source.slot, publication = %source.publication, %holder, "WAL relay started");
     'session: loop {
+        let lease = match &held {
+            Some(h) if !h.is_lost() => h,
+            _ => {
+                held = None;
+                match lease::acquire(&pool, &source.slot, holder, config.lease, &mut shutdown).await
+                {
+                    Some(h) => held.insert(h),
+                    None => break 'session,
+                }
+            }
+        };
         let stream = tokio::select! {
             () = &mut shutdown => break 'session,
-            s = stream::Stream::start(&source) => s,
+            s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(5))) => s,
         };
         let mut stream = match stream {
             Ok(s) => s,
             Err(e) => {
                 failures += 1;
                 tracing::warn!(error = %e, "WAL relay: could not start streaming; retrying");
+                // The previous holder's walsender may still be ending.
+                lease.end_walsender(&pool).await;
                 if pause(&config, failures, &mut shutdown).await {
                     break 'session;
                 }
@@ -101,6 +136,11 @@ pub(crate) async fn run<T: Transport>(
                 () = &mut shutdown => {
                     stream.stop().await;
                     break 'session;
+                }
+                () = lease.lost() => {
+                    tracing::warn!(slot = %source.slot, "WAL relay: lost the slot's lease; stopped streaming, standing by");
+                    stream.stop().await;
+                    continue 'session;
                 }
                 r = stream.next(config.batch_size) => r,
             };
@@ -122,24 +162,40 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
                     confirm.received(batch.end_lsn);
-                    let publish = publish(&pool, &*transport, &config, &batch, &mut stats);
+                    let publish = publish(&pool, &*transport, &config, &batch, lease, &mut stats);
                     let mut publish = std::pin::pin!(publish);
-                    tokio::select! {
+                    let done = tokio::select! {
                         () = &mut shutdown => {
                             let r = tokio::time::timeout(config.shutdown_timeout, &mut publish).await;
-                            if r.is_ok() {
+                            if r == Ok(Ok(())) {
                                 stream.confirm(confirm.finished());
                             }
                             stream.stop().await;
                             break 'session;
                         }
-                        () = &mut publish => stream.confirm(confirm.finished()),
+                        r = &mut publish => r,
+                        // A holder cut off from the database waits there forever: the batch
+                        // is given up (not marked, not confirmed; the next holder reads it).
+                        () = lease.lost() => Err(LeaseLost),
+                    };
+                    match done {
+                        Ok(()) => stream.confirm(confirm.finished()),
+                        Err(LeaseLost) => {
+                            tracing::warn!(slot = %source.slot, "WAL relay: lost the slot's lease with a batch in hand; nothing more of it is marked or confirmed, standing by");
+                            lease.set_lost();
+                            stream.stop().await;
+                            continue 'session;
+                        }
                     }
                 }
             }
         }
     }
+    metrics.abort();
     transport.flush(Duration::from_secs(1)).await;
+    if let Some(h) = held {
+        h.release(&pool).await;
+    }
     tracing::info!(published = stats.published, "WAL relay stopped");
     Ok(stats)
 }
@@ -160,14 +216,16 @@ async fn pause(
 /// Publishes the rows of `batch` (whole transactions from the slot, in commit order) until each
 /// is acknowledged and marked, or found no longer to publish. Failed events are retried with
 /// backoff, each with its key's later events in the batch after it (the transport holds those
-/// back), before anything later is read from the slot.
+/// back), before anything later is read from the slot. Ends early with [`LeaseLost`] once the
+/// slot's lease is no longer this relay's: nothing more is sent, and marks are refused.
 async fn publish<T: Transport>(
     pool: &PgPool,
     transport: &T,
     config: &RelayConfig,
     batch: &stream::Batch,
+    lease: &lease::Held,
     stats: &mut RelayStats,
-) {
+) -> Result<(), LeaseLost> {
     // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
     // row not seen would be taken as published by someone else and skipped, and lost.
     let mut failures = 0u32;
@@ -181,7 +239,10 @@ async fn publish<T: Transport>(
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size);
         let chunk: Vec<i64> = todo[..chunk_len].to_vec();
-        let locked = match rows::lock(pool, &chunk).await {
+        if !lease.may_send() {
+            return Err(LeaseLost);
+        }
+        let locked = match rows::lock(pool, &chunk, config.lease / 2).await {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;
@@ -195,6 +256,11 @@ async fn publish<T: Transport>(
             tracing::warn!(rows = locked.left, "WAL relay: rows held back (scheduled, retried, parked or behind such a row of their key) are left pending for a polling relay");
         }
         let events = locked.events.clone();
+        // The lease is checked again after the lock, which may have waited: a batch goes to
+        // the transport only with more than half the lease left.
+        if !lease.may_send() {
+            return Err(LeaseLost);
+        }
         let outcomes = if events.is_empty() {
             Vec::new()
         } else {
@@ -229,10 +295,18 @@ async fn publish<T: Transport>(
             }
         }
         match locked
-            .mark(&published, &parked, config.delete_on_publish)
+            .mark(&published, &parked, config.delete_on_publish, lease)
             .await
         {
-            Ok(()) => {
+            Ok(false) => {
+                transport.recorded(&events, false);
+                tracing::warn!(
+                    rows = published.len(),
+                    "WAL relay: marks refused: the slot's lease moved to another relay"
+                );
+                return Err(LeaseLost);
+            }
+            Ok(true) => {
                 transport.recorded(&events, true);
                 stats.published += published.len() as u64;
                 stats.parked += parked.len() as u64;
@@ -260,4 +334,9 @@ async fn publish<T: Transport>(
             }
         }
     }
+    Ok(())
 }
+
+/// The slot's lease is no longer this relay's.
+#[derive(Debug, PartialEq, Eq)]
+struct LeaseLost;

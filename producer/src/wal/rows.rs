@@ -66,9 +66,23 @@ fn widen(near: i64, xid: u32) -> i64 {
     }
 }
 
-/// Locks the rows `seqs` that are still to publish and reads them.
-pub(crate) async fn lock(pool: &PgPool, seqs: &[i64]) -> Result<Locked, sqlx::Error> {
+/// Locks the rows `seqs` that are still to publish and reads them. The transaction may stay
+/// idle for at most `idle` (half the slot's lease), and its session drops a client that stops
+/// acknowledging data after as long (`tcp_user_timeout`): a frozen or cut-off relay's locks end
+/// by themselves, and the slot's next holder gets the rows.
+pub(crate) async fn lock(
+    pool: &PgPool,
+    seqs: &[i64],
+    idle: std::time::Duration,
+) -> Result<Locked, sqlx::Error> {
     let mut tx = pool.begin().await?;
+    sqlx::query(
+        "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+                set_config('tcp_user_timeout', $1, true)",
+    )
+    .bind(idle.as_millis().max(1).to_string())
+    .execute(&mut *tx)
+    .await?;
     let rows = sqlx::query(concat!(
         "SELECT ",
         crate::claim::returned!(),
@@ -100,13 +114,16 @@ pub(crate) async fn lock(pool: &PgPool, seqs: &[i64]) -> Result<Locked, sqlx::Er
 impl Locked {
     /// Marks the acknowledged rows `published` as polling does (deleted, or kept and marked
     /// `published`), parks the rows in `parked` (refused for good: `status = 'failed'`,
-    /// holding their key's later rows back, as polling parks them) and commits.
+    /// holding their key's later rows back, as polling parks them) and commits — only while
+    /// `lease` is still this relay's (checked in the transaction, [`super::lease::check`]).
+    /// `Ok(false)`: the lease moved to another relay; nothing was marked.
     pub(crate) async fn mark(
         mut self,
         published: &[i64],
         parked: &[crate::complete::Failure],
         delete: bool,
-    ) -> Result<(), sqlx::Error> {
+        lease: &super::lease::Held,
+    ) -> Result<bool, sqlx::Error> {
         if delete {
             sqlx::query("DELETE FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending'")
                 .bind(published)
@@ -118,7 +135,12 @@ impl Locked {
         } else {
             crate::complete::mark(&mut self.tx, published, parked).await?;
         }
-        self.tx.commit().await
+        if !super::lease::check(&mut self.tx, &lease.slot, lease.holder, lease.token).await? {
+            self.tx.rollback().await?;
+            return Ok(false);
+        }
+        self.tx.commit().await?;
+        Ok(true)
     }
 }
 

@@ -1,6 +1,8 @@
 //! Reading the slot: committed transactions' outbox inserts, in commit order, gathered into
 //! batches that end at a commit.
 
+use std::time::Duration;
+
 use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
 
@@ -39,16 +41,22 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    /// Starts streaming from the slot's confirmed position.
-    pub(crate) async fn start(source: &WalSource) -> Result<Stream, Error> {
-        let client = ReplicationClient::connect(replication_config(source)?)
-            .await
-            .map_err(|e| {
-                Error::Wal(format!(
-                    "could not start streaming from slot {}: {e}",
-                    source.slot
-                ))
-            })?;
+    /// Starts streaming from the slot's confirmed position. The walsender ends the session
+    /// when this relay stops answering for `silence` (`wal_sender_timeout`), and its socket
+    /// drops a client that stops acknowledging data after as long (`tcp_user_timeout`): the
+    /// walsender of a relay that is frozen or cut off does not keep the slot (a terminated
+    /// walsender blocked writing to a silent peer would otherwise live until TCP gives up).
+    pub(crate) async fn start(source: &WalSource, silence: Duration) -> Result<Stream, Error> {
+        let ms = silence.as_millis().max(1);
+        let config = replication_config(source)?.with_options(format!(
+            "-c wal_sender_timeout={ms} -c tcp_user_timeout={ms}"
+        ));
+        let client = ReplicationClient::connect(config).await.map_err(|e| {
+            Error::Wal(format!(
+                "could not start streaming from slot {}: {e}",
+                source.slot
+            ))
+        })?;
         Ok(Stream {
             client,
             decoder: Decoder::default(),

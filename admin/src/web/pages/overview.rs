@@ -128,6 +128,48 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         &rows,
         "No relay has registered.",
     ));
+    if !o.wal_slots.is_empty() {
+        body.push_str("<h2>WAL relay slots</h2>");
+        let bytes = |b: Option<i64>| b.map(|b| format!("{b} B")).unwrap_or_else(|| "–".into());
+        let rows: Vec<Vec<String>> = o
+            .wal_slots
+            .iter()
+            .map(|w| {
+                vec![
+                    format!("<code>{}</code>", esc(&w.slot)),
+                    match (w.present, w.active) {
+                        (false, _) => "<b>missing</b>".into(),
+                        (true, true) => "active".into(),
+                        (true, false) => "<b>inactive</b>".into(),
+                    },
+                    bytes(w.lag_bytes),
+                    bytes(w.retained_bytes),
+                    esc(w.wal_status.as_deref().unwrap_or("–")),
+                    match (&w.holder, w.lease_left_s) {
+                        (Some(h), Some(left)) if left > 0.0 => format!(
+                            "<code>{h}</code> on {}",
+                            esc(w.holder_host.as_deref().unwrap_or(""))
+                        ),
+                        (Some(_), _) => "<b>expired</b>".into(),
+                        _ => "none".into(),
+                    },
+                ]
+            })
+            .collect();
+        body.push_str(&table(
+            "wal-slots",
+            &[
+                "Slot",
+                "State",
+                "Lag",
+                "Retained WAL",
+                "WAL status",
+                "Lease",
+            ],
+            &rows,
+            "",
+        ));
+    }
     body.push_str("<h2>Consumers</h2>");
     let rows: Vec<Vec<String>> = o
         .consumers
