@@ -1,0 +1,583 @@
+//! Attacks on held keys (`FinalFailure::HoldKey`, issue 48), written by a reviewer who did not
+//! build them. Each test names the promise it checks; the ones named `break_…` failed at the
+//! state they were written against (h48-s6 d9c24ca) and are left failing on purpose: their doc
+//! comments say what happened, with the figures measured.
+//!
+//! Fixtures as in `held_keys.rs`: a `ledger` table whose row ids give the order in which
+//! entries were applied, a `broken` table listing the event ids the handler rejects
+//! (permanently), and a gate that makes a handler run wait (before it looks at `broken`).
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::{LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use postal_consumer::{idempotent, Event, FinalFailure, HandlerError};
+use postal_integration_tests::{services, unique, wait, Services};
+use serde::Deserialize;
+use serde_json::json;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::common::{consumer_config, create_topic, RunningConsumer};
+
+const WAIT: Duration = Duration::from_secs(60);
+const CONSUMER: &str = "held_attack";
+
+#[derive(Debug, Deserialize)]
+struct Entry {
+    n: i64,
+}
+
+/// Events whose handler run waits, at its start, while listed.
+static GATED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
+/// Gated events whose handler run has started.
+static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default);
+
+/// Waits while the event is gated; then fails permanently if it is listed in `broken`, else
+/// appends the entry to `ledger`.
+#[idempotent(consumer = "held_attack")]
+async fn ledger(tx: &mut Transaction<'_, Postgres>, event: Event<Entry>) -> Result<(), HandlerError> {
+    let id = event.id.as_uuid();
+    if GATED.lock().unwrap().contains(&id) {
+        ENTERED.lock().unwrap().insert(id);
+        while GATED.lock().unwrap().contains(&id) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let broken: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM broken WHERE event_id = $1)")
+            .bind(id)
+            .fetch_one(&mut **tx)
+            .await?;
+    if broken {
+        return Err(HandlerError::permanent("rejected by the ledger"));
+    }
+    sqlx::query("INSERT INTO ledger (event_id, key, n) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(event.key.as_deref().unwrap_or(""))
+        .bind(event.payload.n)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn tables(pool: &PgPool) {
+    for sql in [
+        "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL,
+                              n bigint NOT NULL)",
+        "CREATE TABLE broken (event_id uuid PRIMARY KEY)",
+    ] {
+        sqlx::query(sql).execute(pool).await.unwrap();
+    }
+}
+
+/// One record as written to Kafka: key bytes, entry number, extra headers (a value may be
+/// null), and whether its handler rejects it.
+struct Rec {
+    key: Vec<u8>,
+    n: i64,
+    extra: Vec<(&'static str, Option<Vec<u8>>)>,
+    broken: bool,
+}
+
+fn rec(key: &str, n: i64) -> Rec {
+    Rec {
+        key: key.as_bytes().to_vec(),
+        n,
+        extra: Vec::new(),
+        broken: false,
+    }
+}
+
+fn broken(key: &str, n: i64) -> Rec {
+    Rec {
+        broken: true,
+        ..rec(key, n)
+    }
+}
+
+/// Produces `list` to `partition` of `topic` in order (a well-formed Postal envelope each);
+/// returns the event ids.
+async fn produce_recs(
+    svc: &Services,
+    pool: &PgPool,
+    topic: &str,
+    partition: i32,
+    list: &[Rec],
+) -> Vec<Uuid> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &svc.bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let payloads: Vec<Vec<u8>> = list
+        .iter()
+        .map(|r| serde_json::to_vec(&json!({ "n": r.n })).unwrap())
+        .collect();
+    let mut ids = Vec::new();
+    let mut sends = Vec::new();
+    for (r, payload) in list.iter().zip(&payloads) {
+        let id = Uuid::now_v7();
+        ids.push(id);
+        if r.broken {
+            sqlx::query("INSERT INTO broken VALUES ($1)")
+                .bind(id)
+                .execute(pool)
+                .await
+                .unwrap();
+        }
+        let id_s = id.to_string();
+        let mut h = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(id_s.as_str()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some("entry"),
+            })
+            .insert(Header {
+                key: "content-type",
+                value: Some("application/json"),
+            });
+        for (name, value) in &r.extra {
+            h = h.insert(Header {
+                key: name,
+                value: value.as_deref(),
+            });
+        }
+        let record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic)
+            .payload(payload.as_slice())
+            .key(r.key.as_slice())
+            .partition(partition)
+            .headers(h);
+        sends.push(producer.send(record, Duration::from_secs(30)));
+    }
+    for s in futures::future::join_all(sends).await {
+        s.expect("record acknowledged");
+    }
+    ids
+}
+
+/// The entries of `key` in the order they were applied.
+async fn applied(pool: &PgPool, key: &str) -> Vec<i64> {
+    sqlx::query_scalar("SELECT n FROM ledger WHERE key = $1 ORDER BY id")
+        .bind(key)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Held records of `key`.
+async fn held(pool: &PgPool, key: &[u8]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM postal.held_records WHERE record_key = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn applied_twice(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) - count(DISTINCT event_id) FROM ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn dead_letters(pool: &PgPool) -> Vec<(Option<Uuid>, String)> {
+    sqlx::query_as("SELECT event_id, reason FROM postal.dead_letters ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+fn config(svc: &Services, group: &str) -> postal_consumer::ConsumerConfig {
+    let mut c = consumer_config(&svc.bootstrap, group, CONSUMER);
+    c.final_failure = FinalFailure::HoldKey;
+    c.max_attempts = 2;
+    c.max_batch = 1;
+    c.held_poll = Duration::from_millis(100);
+    c
+}
+
+fn build(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig) -> postal_consumer::Consumer {
+    postal_consumer::Consumer::builder(pool.clone(), config)
+        .on(topic, "entry", ledger)
+        .build()
+        .expect("valid consumer")
+}
+
+fn start(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig) -> RunningConsumer {
+    RunningConsumer::start(build(pool, topic, config))
+}
+
+async fn release(pool: &PgPool, group: &str, topic: &str, key: &str, skip_head: bool) {
+    let by = postal_admin::audit::Operator::cli("attacker");
+    postal_admin::held::release(pool, &by, group, topic, key, skip_head)
+        .await
+        .expect("release asked");
+}
+
+async fn until_applied(pool: &PgPool, key: &str, want: &[i64]) {
+    wait::until(WAIT, &format!("key {key} applied as {want:?}"), || async {
+        applied(pool, key).await == want
+    })
+    .await;
+}
+
+async fn until_held(pool: &PgPool, key: &[u8], n: i64) {
+    wait::until(WAIT, &format!("{n} records of key {key:?} held"), || async {
+        held(pool, key).await == n
+    })
+    .await;
+}
+
+/// Polls `check` until it holds or `within` passes; whether it held.
+async fn within<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs the `postal` CLI against the test's database and brokers.
+fn postal(svc: &Services, db_url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(crate::procs::bin_dir().join("postal"))
+        .args(args)
+        .env("DATABASE_URL", db_url)
+        .env("KAFKA_BOOTSTRAP_SERVERS", &svc.bootstrap)
+        .env("POSTAL_LOG", "warn")
+        .output()
+        .expect("run the postal CLI")
+}
+
+/// Promise: each event is applied exactly once and other keys keep flowing, also when Kafka
+/// delivers held records again — here after `postal consumer reset --to earliest` (the
+/// documented way to replay a topic; dedup rows make replayed events apply nothing twice).
+///
+/// Scenario: partition 0 holds a0, a1 (rejected: key `a` held with a1, a2), b0. The group is
+/// stopped, reset to the earliest offset, and started again; then b1 is produced, the fix is
+/// made and key `a` released.
+///
+/// Broke (d9c24ca): the reset is replayed from offset 0. a0 (applied before the hold) is held
+/// again (a row at offset 0 in `held_records`), then a1 comes again: its key is held, so the
+/// consumer stores it again, and the insert fails on `held_records`' primary key (offset 1 is
+/// there already). `hold` retries that failure forever ("cannot hold the record; retrying"):
+/// the partition is wedged at offset 1. b0 (a replay, a duplicate) and b1 (new) are never
+/// reached: b1 was not applied within 60 s, nor were a0..a2 after the release (the release
+/// would only run between records, and also meets a0's re-held row first).
+#[tokio::test]
+async fn break_reset_back_over_held_records_wedges_the_partition() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-reset");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2), rec("b", 0)],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 2).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    running.stop().await;
+    let out = postal(
+        svc,
+        &db.url,
+        &[
+            "consumer", "reset", "--execute", "--group", &group, "--topic", &topic, "--to",
+            "earliest",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "reset: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let running = start(&db.pool, &topic, config(svc, &group));
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1)]).await;
+    let flowed = within(WAIT, || async { applied(&db.pool, "b").await == [0, 1] }).await;
+    let stored: Option<i64> = sqlx::query_scalar(
+        "SELECT next_offset FROM postal.consumer_offsets WHERE group_id = $1",
+    )
+    .bind(&group)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let held_offsets: Vec<i64> = sqlx::query_scalar(
+        "SELECT kafka_offset FROM postal.held_records ORDER BY kafka_offset",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        flowed,
+        "after the reset, b1 was not applied within {WAIT:?}: b applied {:?}, stored offset {stored:?}, held offsets {held_offsets:?}",
+        applied(&db.pool, "b").await
+    );
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_applied(&db.pool, "a", &[0, 1, 2]).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
+}
+
+/// Promise: `postal held release --skip-head` (audited, answered "release asked") dead-letters
+/// the head and applies the rest in order — also when it races with the retry policy's due
+/// retry of the head.
+///
+/// Scenario: a0, a1 (rejected), a2, `hold_retry_after` 500 ms. While the policy's retry of a1
+/// is running (its handler run waits at a gate), the operator asks for a skip (accepted: the
+/// key's `release` was NULL). The retry then fails.
+///
+/// Broke (d9c24ca): the failed retry's `rehead` sets `release = NULL` on the key, wiping the
+/// operator's audited skip. The key stays held and the policy retries a1 every 500 ms forever:
+/// after 20 s a1 is not dead-lettered (no dead letter at all), a2 is not applied (`a` applied
+/// [0]), 2 records still held, `release` NULL, while `operator_audit` shows the skip.
+#[tokio::test]
+async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-skip");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2)],
+    )
+    .await;
+    let head = ids[1];
+    let mut c = config(svc, &group);
+    c.hold_retry_after = Some(Duration::from_millis(500));
+    let running = start(&db.pool, &topic, c);
+    until_held(&db.pool, b"a", 2).await;
+    GATED.lock().unwrap().insert(head);
+    wait::until(WAIT, "the policy's retry of a1 running", || async {
+        ENTERED.lock().unwrap().contains(&head)
+    })
+    .await;
+    release(&db.pool, &group, &topic, "a", true).await;
+    GATED.lock().unwrap().remove(&head);
+    let skipped = within(Duration::from_secs(20), || async {
+        applied(&db.pool, "a").await == [0, 2] && held(&db.pool, b"a").await == 0
+    })
+    .await;
+    let state: Option<(Option<String>, i32)> = sqlx::query_as(
+        "SELECT release, attempts FROM postal.held_keys WHERE record_key = 'a'",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap();
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM postal.operator_audit WHERE action = 'release-held'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    running.stop().await;
+    assert!(
+        skipped,
+        "the audited skip ({audited} audit row) was not applied within 20 s: a applied {:?}, {} held, key's (release, attempts) {state:?}, dead letters {:?}",
+        applied(&db.pool, "a").await,
+        held(&db.pool, b"a").await,
+        dead_letters(&db.pool).await
+    );
+    assert_eq!(dead_letters(&db.pool).await, [(Some(head), "permanent".to_owned())]);
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
+
+/// Promise: the default mode's safety nets keep working with HoldKey on: an owned partition
+/// whose fetching stops behind the runtime's back (a lost fetch position, as after a broker
+/// fault; `consume::a_partition_that_stops_fetching_is_recovered`) is recovered after
+/// `stall_check`, and other keys keep flowing while a key is held.
+///
+/// Scenario: a0, a1 (rejected: key `a` held), b0 applied; then the partition's fetching is
+/// stopped (`FetchFault::stop_fetching`) and b1..b3 are produced. `stall_check` 1 s,
+/// `held_poll` 200 ms (the defaults are 10 s and 1 s: the same order).
+///
+/// Broke (d9c24ca): while any key of the partition is held, the worker's idle wait has a
+/// `held_poll` branch (`continue`) ahead of the `stall_check` one, and `held_poll` is shorter:
+/// the stall check (and with it the idle epoch check, the stopped-topic check and the re-issue
+/// of a lost second seek) never runs. b1..b3 were not applied within 30 s (b applied [0],
+/// `stalls_recovered` 0). Without a held key the same fault is recovered within about 1 s.
+#[tokio::test]
+async fn break_a_held_key_turns_off_the_stall_recovery() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-stall");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("b", 0)]).await;
+    let mut c = config(svc, &group);
+    c.stall_check = Duration::from_secs(1);
+    c.held_poll = Duration::from_millis(200);
+    let consumer = build(&db.pool, &topic, c);
+    let fault = consumer.fetch_fault();
+    let running = RunningConsumer::start(consumer);
+    let stats = running.stats.clone();
+    until_held(&db.pool, b"a", 1).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    fault.stop_fetching(&topic, 0).expect("pause");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1), rec("b", 2), rec("b", 3)]).await;
+    let recovered = within(Duration::from_secs(30), || async {
+        applied(&db.pool, "b").await == [0, 1, 2, 3]
+    })
+    .await;
+    let stalls = stats.snapshot().stalls_recovered;
+    drop(fault);
+    running.stop().await;
+    assert!(
+        recovered,
+        "b1..b3 not applied within 30 s after the fetch stopped: b applied {:?}, stalls_recovered {stalls}",
+        applied(&db.pool, "b").await
+    );
+}
+
+/// Promise: released records are applied "exactly as if [they had] just been read from the
+/// partition" (migration 0032) — in order, each exactly once.
+///
+/// Scenario: a0, a1 (rejected), a2 and b0, where a2 and b0 carry a header
+/// `ce_schemaversion` with a null value (Kafka headers may have null values; other
+/// producers write the topic). b0, read from Kafka, is applied (a null header reads as
+/// absent: schema version 1). Key `a` is fixed and released.
+///
+/// Broke (d9c24ca): `hold_in` stores a null header value as an empty one
+/// (`v.unwrap_or_default()`), so the released a2 carries `ce_schemaversion: ""`, which does not
+/// parse: a2 is dead-lettered as `undecodable` at its release (without a dedup row) and never
+/// applied. `a` applied [0, 1] instead of [0, 1, 2]; dead letters [(a2, "undecodable")].
+#[tokio::test]
+async fn break_a_null_header_value_is_changed_by_the_hold() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-null");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let null = || vec![("ce_schemaversion", None)];
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[
+            rec("a", 0),
+            broken("a", 1),
+            Rec {
+                extra: null(),
+                ..rec("a", 2)
+            },
+            Rec {
+                extra: null(),
+                ..rec("b", 0)
+            },
+        ],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 2).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(
+        (applied(&db.pool, "a").await, dead_letters(&db.pool).await),
+        (vec![0, 1, 2], vec![]),
+        "a2 = {}",
+        ids[2]
+    );
+}
+
+/// Promise: an operator can release any held key with `postal held release` — including keys
+/// that are not UTF-8 (Kafka keys are bytes: binary ids, hashes, protobuf).
+///
+/// Scenario: key `ff 01` (not UTF-8), its first record rejected, a second record behind it.
+/// The operator lists the held keys (`postal held list --json`) and releases the key as listed.
+///
+/// Broke (d9c24ca): `--key` is a `String` compared with the key's bytes, and the listing shows
+/// the key lossily (`"\ufffd\u0001"`; `key_bytes` is not serialized): `postal held release`
+/// answers "no held key" for the listed key, and no argument can name bytes that are not
+/// UTF-8 (nor a key with a NUL byte). Such a key can only be released by the retry policy or
+/// by hand in SQL; the CLI cannot tell two such keys apart either.
+#[tokio::test]
+async fn break_a_binary_key_cannot_be_released_with_the_cli() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-bin");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let key = vec![0xffu8, 0x01];
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[
+            Rec {
+                key: key.clone(),
+                n: 0,
+                extra: Vec::new(),
+                broken: true,
+            },
+            Rec {
+                key: key.clone(),
+                n: 1,
+                extra: Vec::new(),
+                broken: false,
+            },
+        ],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, &key, 2).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let list = postal(svc, &db.url, &["held", "list", "--group", &group, "--json"]);
+    assert!(list.status.success(), "{}", String::from_utf8_lossy(&list.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).expect("JSON list");
+    let shown = listed[0]["key"].as_str().expect("a listed key").to_owned();
+    let out = postal(
+        svc,
+        &db.url,
+        &["held", "release", "--group", &group, "--topic", &topic, "--key", &shown, "--yes"],
+    );
+    let released = out.status.success();
+    let lossy = String::from_utf8_lossy(&key).into_owned();
+    let done = released
+        && within(WAIT, || async { applied(&db.pool, &lossy).await == [0, 1] }).await;
+    running.stop().await;
+    assert!(
+        done,
+        "the held key listed as {shown:?} could not be released: exit {:?}, {}{}; {} records still held",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        held(&db.pool, &key).await
+    );
+}
