@@ -277,9 +277,9 @@ fn postal(svc: &Services, db_url: &str, args: &[&str]) -> std::process::Output {
 /// again (a row at offset 0 in `held_records`), then a1 comes again: its key is held, so the
 /// consumer stores it again, and the insert fails on `held_records`' primary key (offset 1 is
 /// there already). `hold` retries that failure forever ("cannot hold the record; retrying"):
-/// the partition is wedged at offset 1. b0 (a replay, a duplicate) and b1 (new) are never
-/// reached: b1 was not applied within 60 s, nor were a0..a2 after the release (the release
-/// would only run between records, and also meets a0's re-held row first).
+/// the partition is wedged at offset 1 (a warning every backoff, up to 5 per second here).
+/// Measured: after 60 s b applied [0] (b1 never), stored offset 1, held offsets [0, 1, 2]
+/// (a0 held again although applied before the hold).
 #[tokio::test]
 async fn break_reset_back_over_held_records_wedges_the_partition() {
     let svc = services().await;
@@ -351,10 +351,14 @@ async fn break_reset_back_over_held_records_wedges_the_partition() {
 /// is running (its handler run waits at a gate), the operator asks for a skip (accepted: the
 /// key's `release` was NULL). The retry then fails.
 ///
-/// Broke (d9c24ca): the failed retry's `rehead` sets `release = NULL` on the key, wiping the
-/// operator's audited skip. The key stays held and the policy retries a1 every 500 ms forever:
-/// after 20 s a1 is not dead-lettered (no dead letter at all), a2 is not applied (`a` applied
-/// [0]), 2 records still held, `release` NULL, while `operator_audit` shows the skip.
+/// Broke (d9c24ca): the skip is never applied. Two causes: the release loop that runs the
+/// policy's retry (`release_key`, mode `Retry`) never re-reads `release`, and when the head
+/// fails again it takes the same head again at once (see
+/// `break_a_release_whose_head_fails_again_spins_and_stops_the_partition`); and each failed
+/// run's `rehead` sets `release = NULL`, wiping the operator's audited skip. Measured after
+/// 20 s: a1 not dead-lettered (no dead letter at all), a2 not applied (`a` applied [0]), 2
+/// records still held, the key's `release` NULL and its `attempts` 5 374 (the policy's 500 ms
+/// interval ignored), while `operator_audit` shows the skip (1 row).
 #[tokio::test]
 async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
     let svc = services().await;
@@ -469,8 +473,9 @@ async fn break_a_held_key_turns_off_the_stall_recovery() {
 ///
 /// Broke (d9c24ca): `hold_in` stores a null header value as an empty one
 /// (`v.unwrap_or_default()`), so the released a2 carries `ce_schemaversion: ""`, which does not
-/// parse: a2 is dead-lettered as `undecodable` at its release (without a dedup row) and never
-/// applied. `a` applied [0, 1] instead of [0, 1, 2]; dead letters [(a2, "undecodable")].
+/// parse: a2 is dead-lettered as `undecodable` at its release, without its event id (the
+/// dead letter's `event_id` is NULL) nor a dedup row, and never applied. Measured: `a`
+/// applied [0, 1] instead of [0, 1, 2]; dead letters [(NULL, "undecodable")].
 #[tokio::test]
 async fn break_a_null_header_value_is_changed_by_the_hold() {
     let svc = services().await;
@@ -522,7 +527,8 @@ async fn break_a_null_header_value_is_changed_by_the_hold() {
 ///
 /// Broke (d9c24ca): `--key` is a `String` compared with the key's bytes, and the listing shows
 /// the key lossily (`"\ufffd\u0001"`; `key_bytes` is not serialized): `postal held release`
-/// answers "no held key" for the listed key, and no argument can name bytes that are not
+/// answers "no held key \u{fffd}\u{1} on topic …" (exit 1) for the listed key and the 2 records
+/// stay held; no argument can name bytes that are not
 /// UTF-8 (nor a key with a NUL byte). Such a key can only be released by the retry policy or
 /// by hand in SQL; the CLI cannot tell two such keys apart either.
 #[tokio::test]
@@ -580,4 +586,50 @@ async fn break_a_binary_key_cannot_be_released_with_the_cli() {
         String::from_utf8_lossy(&out.stderr),
         held(&db.pool, &key).await
     );
+}
+
+/// Promise: while a key is held, the other keys of its partition flow; a release whose head
+/// fails again leaves the key held (the failed head is its head again) and the partition goes
+/// on; the retry policy retries the head at its due time, not before.
+///
+/// Scenario: a0, a1 (rejected: key `a` held with a1), b0 applied. The operator releases `a`
+/// before the fix (the head fails again), then b1 is produced.
+///
+/// Broke (d9c24ca): `release_key` loops `while` the key has held records, and a failed head's
+/// `rehead` returns `Done`, so the loop takes the same head again, at once, forever: the
+/// partition's worker never leaves the release. b1 was not applied within 20 s (b applied
+/// [0]), and the head's `attempts` counter read 4 642 after those 20 s (one handler run and
+/// a few statements per turn, no backoff). The same spin follows the retry
+/// policy's first due retry of a head that still fails (`hold_retry_after`), ignoring its
+/// interval; it also never re-reads `release`, so a `--skip-head` asked meanwhile is not seen.
+#[tokio::test]
+async fn break_a_release_whose_head_fails_again_spins_and_stops_the_partition() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-spin");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("b", 0)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 1).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    // Released before the fix: the head fails again.
+    release(&db.pool, &group, &topic, "a", false).await;
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1)]).await;
+    let flowed = within(Duration::from_secs(20), || async {
+        applied(&db.pool, "b").await == [0, 1]
+    })
+    .await;
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM postal.held_keys WHERE record_key = 'a'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    running.stop().await;
+    assert!(
+        flowed && attempts <= 10,
+        "after a release whose head failed again: b applied {:?} (b1 within 20 s: {flowed}), head attempts {attempts}",
+        applied(&db.pool, "b").await
+    );
+    assert_eq!(held(&db.pool, b"a").await, 1, "a1 still held");
 }
