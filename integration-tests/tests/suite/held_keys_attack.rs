@@ -633,3 +633,170 @@ async fn break_a_release_whose_head_fails_again_spins_and_stops_the_partition() 
     );
     assert_eq!(held(&db.pool, b"a").await, 1, "a1 still held");
 }
+
+/// Promise: records of a key that arrive while its release is being applied are applied only
+/// after the held ones, each once (and the other keys' records that arrive meanwhile are not
+/// lost). Held: the release runs in the partition's own worker, so a record fetched meanwhile
+/// waits in its buffer (checked: `buffered_bytes` > 0 while the release is stopped mid-way)
+/// until the release is done.
+///
+/// Scenario: a0, a1 (rejected), a2, a3 held; the fix; the release stopped mid-way (a2's handler
+/// run waits at a gate, a1 committed); a4 and b0 produced and fetched; the gate opened.
+#[tokio::test]
+async fn records_arriving_during_a_release_are_applied_after_it() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-during");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2), rec("a", 3)],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    let stats = running.stats.clone();
+    until_held(&db.pool, b"a", 3).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let gate = ids[2];
+    GATED.lock().unwrap().insert(gate);
+    release(&db.pool, &group, &topic, "a", false).await;
+    wait::until(WAIT, "the release mid-way (a2's run waiting)", || async {
+        ENTERED.lock().unwrap().contains(&gate)
+    })
+    .await;
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 4), rec("b", 0)]).await;
+    wait::until(WAIT, "a4 and b0 fetched while the release waits", || {
+        let s = stats.snapshot();
+        async move { s.buffered_bytes > 0 }
+    })
+    .await;
+    assert_eq!(applied(&db.pool, "a").await, [0, 1], "a2 not committed yet");
+    assert!(applied(&db.pool, "b").await.is_empty());
+    GATED.lock().unwrap().remove(&gate);
+    until_applied(&db.pool, "a", &[0, 1, 2, 3, 4]).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
+
+/// Promise (CLI and audit): `postal held release` touches only a key that is held in the
+/// group and topic named; the confirmation (without `--yes`) lists the events and changes
+/// nothing; a key with control characters is printed escaped, never raw to the terminal;
+/// with `--yes` the release is audited and applied. Held.
+///
+/// Scenario: key `k ESC [2J` (a terminal escape) held with 3 records; then, in turn: a key
+/// that is not held, another group, another topic (all refused, exit ≠ 0, nothing marked,
+/// no audit row); the confirmation; the release with `--yes`.
+#[tokio::test]
+async fn the_cli_releases_only_the_named_held_key_and_escapes_it() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-cli");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let key = "k\u{1b}[2J";
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[broken(key, 0), rec(key, 1), rec(key, 2)],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, key.as_bytes(), 3).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let list = postal(svc, &db.url, &["held", "list", "--group", &group]);
+    assert!(list.status.success());
+    assert!(!list.stdout.contains(&0x1b), "no raw ESC printed by `held list`");
+    assert!(String::from_utf8_lossy(&list.stdout).contains("k\\u{1b}[2J"));
+    let other_group = unique("g");
+    let other_topic = unique("t");
+    for (g, t, k) in [
+        (group.as_str(), topic.as_str(), "k"),
+        (other_group.as_str(), topic.as_str(), key),
+        (group.as_str(), other_topic.as_str(), key),
+    ] {
+        let out = postal(
+            svc,
+            &db.url,
+            &["held", "release", "--group", g, "--topic", t, "--key", k, "--yes"],
+        );
+        assert!(!out.status.success(), "release of {g}/{t}/{k:?} refused");
+        assert!(!out.stdout.contains(&0x1b) && !out.stderr.contains(&0x1b));
+    }
+    let dry = postal(
+        svc,
+        &db.url,
+        &["held", "release", "--group", &group, "--topic", &topic, "--key", key],
+    );
+    assert!(dry.status.success());
+    let text = String::from_utf8_lossy(&dry.stdout);
+    assert!(!dry.stdout.contains(&0x1b), "no raw ESC in the confirmation");
+    assert!(text.contains("release of 3 held event(s)"), "{text}");
+    for id in &ids {
+        assert!(text.contains(&id.to_string()), "the confirmation lists {id}: {text}");
+    }
+    let marked: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM postal.held_keys WHERE release IS NOT NULL),
+                (SELECT count(*) FROM postal.operator_audit)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(marked, (0, 0), "nothing marked, nothing audited before --yes");
+    let out = postal(
+        svc,
+        &db.url,
+        &["held", "release", "--group", &group, "--topic", &topic, "--key", key, "--yes"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    until_applied(&db.pool, key, &[0, 1, 2]).await;
+    running.stop().await;
+    let audit: Vec<(String, i64)> =
+        sqlx::query_as("SELECT action, affected FROM postal.operator_audit")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(audit, [("release-held".to_owned(), 3)]);
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
+
+/// Promise: a held key with an empty key (Kafka distinguishes an empty key from none: it is
+/// held) can be released with `postal held release --key ''`.
+#[tokio::test]
+async fn an_empty_key_is_held_and_released_with_the_cli() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-empty");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[broken("", 0), rec("", 1), rec("b", 0)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"", 2).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    assert!(applied(&db.pool, "").await.is_empty());
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let out = postal(
+        svc,
+        &db.url,
+        &["held", "release", "--group", &group, "--topic", &topic, "--key", "", "--yes"],
+    );
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    until_applied(&db.pool, "", &[0, 1]).await;
+    running.stop().await;
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
