@@ -800,3 +800,57 @@ async fn an_empty_key_is_held_and_released_with_the_cli() {
     running.stop().await;
     assert_eq!(applied_twice(&db.pool).await, 0);
 }
+
+/// Promise: a release fenced mid-way by another claim of the partition (a late claim from a
+/// revoked worker elsewhere, a forced reset) commits nothing of the record in flight, and the
+/// partition's owner, taking it over again, goes on from that record: every held event applied
+/// exactly once, in order. Held: the release transaction's epoch check (`offsets::confirm`)
+/// rolls back the fenced record's effect and the retaken ownership applies it once.
+///
+/// Scenario: a0, a1 (rejected), a2, a3 held; the fix; the release stopped with a2's
+/// transaction open (its ledger row not yet written: the gate is at the handler's start), the
+/// partition's epoch bumped as another claim does, the gate opened.
+#[tokio::test]
+async fn a_release_fenced_mid_way_applies_nothing_twice() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-fence");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2), rec("a", 3)],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    let stats = running.stats.clone();
+    until_held(&db.pool, b"a", 3).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let gate = ids[2];
+    GATED.lock().unwrap().insert(gate);
+    release(&db.pool, &group, &topic, "a", false).await;
+    wait::until(WAIT, "the release mid-way (a2's run waiting)", || async {
+        ENTERED.lock().unwrap().contains(&gate)
+    })
+    .await;
+    let fenced_before = stats.snapshot().fenced;
+    sqlx::query(
+        "UPDATE postal.consumer_offsets SET epoch = epoch + 1, owner = 'elsewhere'
+         WHERE group_id = $1",
+    )
+    .bind(&group)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    GATED.lock().unwrap().remove(&gate);
+    until_applied(&db.pool, "a", &[0, 1, 2, 3]).await;
+    until_held(&db.pool, b"a", 0).await;
+    let fenced = stats.snapshot().fenced - fenced_before;
+    running.stop().await;
+    assert!(fenced >= 1, "the release transaction was fenced");
+    assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
+}
