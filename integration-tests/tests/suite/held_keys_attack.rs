@@ -854,3 +854,75 @@ async fn a_release_fenced_mid_way_applies_nothing_twice() {
     assert!(fenced >= 1, "the release transaction was fenced");
     assert_eq!(applied_twice(&db.pool).await, 0, "no event applied twice");
 }
+
+/// Promise: released records are applied (or dead-lettered) "exactly as if [they had] just
+/// been read from the partition" (migration 0032). A record with more headers than
+/// `max_headers` is dead-lettered as `undecodable`, its dead letter keeping every header.
+///
+/// Scenario: `max_headers` 16; a0, a1 (rejected), a2 and b0, where a2 and b0 carry 20 extra
+/// headers (`x-0`..`x-19`: 23 in all). b0, read from Kafka, is dead-lettered (`undecodable`).
+/// Key `a` is fixed and released.
+///
+/// Broke (d9c24ca): a later record of a held key is held without looking at
+/// `too_many_headers`; `hold_in` stores only the headers the consumer kept (Postal's own) and
+/// the released record is rebuilt with `too_many_headers: None`, so a2 passes `decode` and is
+/// applied, its 20 other headers gone for good. Measured: `a` applied [0, 1, 2]; dead letters
+/// only b0's [(b0, "undecodable")] — a2 applied where b0, the same record read from Kafka, is
+/// refused.
+#[tokio::test]
+async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-hdrs");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    const NAMES: [&str; 20] = [
+        "x-0", "x-1", "x-2", "x-3", "x-4", "x-5", "x-6", "x-7", "x-8", "x-9", "x-10", "x-11",
+        "x-12", "x-13", "x-14", "x-15", "x-16", "x-17", "x-18", "x-19",
+    ];
+    let many = || NAMES.iter().map(|n| (*n, Some(b"v".to_vec()))).collect::<Vec<_>>();
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[
+            rec("a", 0),
+            broken("a", 1),
+            Rec {
+                extra: many(),
+                ..rec("a", 2)
+            },
+            Rec {
+                extra: many(),
+                ..rec("b", 0)
+            },
+        ],
+    )
+    .await;
+    let mut c = config(svc, &group);
+    c.max_headers = 16;
+    let running = start(&db.pool, &topic, c);
+    until_held(&db.pool, b"a", 2).await;
+    wait::until(WAIT, "b0 dead-lettered", || async {
+        dead_letters(&db.pool).await.len() == 1
+    })
+    .await;
+    assert_eq!(dead_letters(&db.pool).await, [(Some(ids[3]), "undecodable".to_owned())]);
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(
+        (applied(&db.pool, "a").await, dead_letters(&db.pool).await),
+        (
+            vec![0, 1],
+            vec![
+                (Some(ids[3]), "undecodable".to_owned()),
+                (Some(ids[2]), "undecodable".to_owned())
+            ]
+        ),
+        "a2 treated as b0, the same record read from Kafka"
+    );
+}
