@@ -926,3 +926,49 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
         "a2 treated as b0, the same record read from Kafka"
     );
 }
+
+/// Promise (`FinalFailure::HoldKey`'s doc, migration 0032): the event that failed for good
+/// "and every later record of its key on the partition are stored", none settled before the
+/// key's release; the release then settles them in offset order.
+///
+/// Scenario: a0, a1 (rejected: key `a` held), a2; then a record of key `a` without a `ce_id`
+/// header (no envelope: a dead letter when read), then b1. Waited for b1 to be applied, so
+/// the record in between has been read.
+///
+/// Broke (d9c24ca): the envelope is read before the held-key check (`process`, and
+/// `batch_attempt`): the record is dead-lettered (`missing_event_id`) at once, ahead of the
+/// held a1 and a2, while the key is held — settled out of its key's order, and not shown by
+/// `postal held list`. Measured: dead letters [(NULL, "missing_event_id")] and 2 records held
+/// (a1, a2) before any release.
+#[tokio::test]
+async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-bare");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    crate::common::produce(
+        &svc.bootstrap,
+        &topic,
+        Some(0),
+        &[crate::common::RawRecord {
+            key: Some("a".into()),
+            payload: br#"{"n": 3}"#.to_vec(),
+            headers: vec![("ce_type", "entry".into())],
+        }],
+    )
+    .await;
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_applied(&db.pool, "b", &[1]).await;
+    let dead = dead_letters(&db.pool).await;
+    let held_now = held(&db.pool, b"a").await;
+    running.stop().await;
+    assert_eq!(
+        (dead, held_now),
+        (vec![], 3),
+        "while key a is held, its record without envelope is held too, not settled"
+    );
+}
