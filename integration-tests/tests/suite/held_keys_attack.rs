@@ -972,3 +972,65 @@ async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
         "while key a is held, its record without envelope is held too, not settled"
     );
 }
+
+/// Promise: the default mode (`FinalFailure::DeadLetter`) is unaffected by held keys — also
+/// after an upgrade that applies migration 0032 under a consumer whose database role was
+/// granted by the release before it (the project's precedent, migration 0028: `GRANT SELECT
+/// ON postal.pauses TO PUBLIC`, "so that a role granted by an earlier `postal grant` keeps
+/// working after the upgrade instead of failing … with permission denied").
+///
+/// Scenario: a role with exactly what `postal grant --consumer` granted before 0032
+/// (`cli/src/grant.rs` at e24d76c) and the test's `ledger` table; a DeadLetter-mode consumer
+/// on a pool of that role; b0, b1 produced.
+///
+/// Broke (d9c24ca): every takeover now reads `postal.held_keys` (`load_held`), whatever the
+/// mode; the role may not ("permission denied for table held_keys"), and the worker retries
+/// that forever: the partition is never consumed. Measured: nothing applied within 30 s.
+#[tokio::test]
+async fn break_the_default_mode_stops_under_a_role_granted_before_0032() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let role = unique("consumer_pre32").replace('-', "_");
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        // `app(role)` then `consumer(role)` of cli/src/grant.rs at e24d76c.
+        format!("GRANT USAGE ON SCHEMA postal TO {role}"),
+        format!("GRANT INSERT ON postal.outbox TO {role}"),
+        format!("GRANT SELECT (event_id, topic, event_key, event_type, payload, schema_version, content_type, headers) ON postal.outbox TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE postal.outbox_seq_seq TO {role}"),
+        format!("GRANT EXECUTE ON FUNCTION postal.enqueue, postal.enqueue_bytes, postal.uuid_v7 TO {role}"),
+        format!("GRANT SELECT ON postal.schema_contract, postal._sqlx_migrations TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks, postal.consumer_stops TO {role}"),
+        format!("GRANT SELECT ON postal.pauses TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE postal.dead_letters_id_seq TO {role}"),
+        // The application's own tables.
+        format!("GRANT SELECT, INSERT ON ledger, broken TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE ledger_id_seq TO {role}"),
+    ] {
+        sqlx::query(&sql).execute(&db.pool).await.unwrap();
+    }
+    let opts: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(opts.username(&role))
+        .await
+        .unwrap();
+    let topic = unique("hka-role");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 0), rec("b", 1)]).await;
+    let mut c = consumer_config(&svc.bootstrap, &group, CONSUMER);
+    c.final_failure = FinalFailure::DeadLetter;
+    let running = start(&pool, &topic, c);
+    let flowed = within(Duration::from_secs(30), || async {
+        applied(&db.pool, "b").await == [0, 1]
+    })
+    .await;
+    running.stop().await;
+    assert!(
+        flowed,
+        "a DeadLetter-mode consumer under a role granted before 0032: b applied {:?} after 30 s",
+        applied(&db.pool, "b").await
+    );
+}
