@@ -1034,3 +1034,75 @@ async fn break_the_default_mode_stops_under_a_role_granted_before_0032() {
         applied(&db.pool, "b").await
     );
 }
+
+/// Promise: past `held_bytes_limit` the partition waits — nothing of it is applied and it
+/// says so (`partitions_held_full`, the gauge `postal_consumer_held_full`, alert
+/// `PostalConsumerHeldFull` after 1 min) — until releases free enough room, then resumes.
+///
+/// Scenario: the group holds a1 (B bytes); `held_bytes_limit` is 2·B − 1, so the group is
+/// below its bound but a2 (also B bytes) does not fit. a2 and b0 are produced; the partition's
+/// epoch is watched for 10 s once it waits.
+///
+/// Broke (d9c24ca): `over_bound` resumes as soon as the group's bytes are below the bound
+/// (`bytes < limit`), not once the waiting record fits: after one `held_poll` the partition
+/// is resumed, taken over again (a claim: its epoch bumped), fetched, a2's hold refused again
+/// and the partition paused again, over and over. Measured (B = 489 bytes, limit 977): in
+/// 10 s the partition was taken over 10 times and `partitions_held_full` (like the gauge, set
+/// in the same place) fell to 0 10 times, so the alert's `for: 1m` may never be met while the
+/// partition is stuck (b0 not applied). The handler runs of a retried head (or of a batch)
+/// are repeated each turn.
+#[tokio::test]
+async fn break_the_byte_bound_resumes_and_takes_over_again_every_poll() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-bound");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 1).await;
+    running.stop().await;
+    let b: i64 = sqlx::query_scalar("SELECT bytes FROM postal.held_records")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let mut c = config(svc, &group);
+    c.held_bytes_limit = (2 * b - 1) as u64;
+    let running = start(&db.pool, &topic, c);
+    let stats = running.stats.clone();
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 2), rec("b", 0)]).await;
+    wait::until(WAIT, "the partition waiting at the bound", || {
+        let s = stats.snapshot();
+        async move { s.partitions_held_full == 1 }
+    })
+    .await;
+    let epoch = || async {
+        sqlx::query_scalar::<_, i64>("SELECT epoch FROM postal.consumer_offsets WHERE group_id = $1")
+            .bind(&group)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let first = epoch().await;
+    let start_at = Instant::now();
+    let mut flaps = 0u32;
+    let mut last_full = true;
+    while start_at.elapsed() < Duration::from_secs(10) {
+        let full = stats.snapshot().partitions_held_full == 1;
+        if last_full && !full {
+            flaps += 1;
+        }
+        last_full = full;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let moved = epoch().await - first;
+    let b_applied = applied(&db.pool, "b").await;
+    running.stop().await;
+    assert!(b_applied.is_empty(), "nothing after the bound applied");
+    assert!(
+        moved <= 1 && flaps == 0,
+        "while waiting at the bound for 10 s: the partition was taken over {moved} times, partitions_held_full fell to 0 {flaps} times (B = {b} bytes, limit {})",
+        2 * b - 1
+    );
+}
