@@ -1106,3 +1106,58 @@ async fn break_the_byte_bound_resumes_and_takes_over_again_every_poll() {
         2 * b - 1
     );
 }
+
+/// Promise: held keys stay held across a live rebalance between two members of the group
+/// (not only a stop and a start): the member that gets a partition reads its held keys at
+/// the takeover, holds their new records, lets the other keys flow, and applies the releases
+/// in order, exactly once. Held.
+///
+/// Scenario: 2 partitions: key `a` held on 0, key `c` held on 1, one member; a second member
+/// joins (waited for: the two partitions owned by two members); new records of `a`, `c` and
+/// `b` are produced to both partitions; then both keys are fixed and released.
+#[tokio::test]
+async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-rebal");
+    create_topic(&svc.bootstrap, &topic, 2).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    produce_recs(svc, &db.pool, &topic, 1, &[rec("c", 0), broken("c", 1), rec("c", 2)]).await;
+    let first = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 2).await;
+    until_held(&db.pool, b"c", 2).await;
+    let second = start(&db.pool, &topic, config(svc, &group));
+    wait::until(WAIT, "the two partitions owned by two members", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(DISTINCT owner) FROM postal.consumer_offsets WHERE group_id = $1",
+        )
+        .bind(&group)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == 2
+    })
+    .await;
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 3), rec("b", 0)]).await;
+    produce_recs(svc, &db.pool, &topic, 1, &[rec("c", 3), rec("b", 1)]).await;
+    wait::until(WAIT, "b0 and b1 applied", || async {
+        let mut b = applied(&db.pool, "b").await;
+        b.sort();
+        b == [0, 1]
+    })
+    .await;
+    until_held(&db.pool, b"a", 3).await;
+    until_held(&db.pool, b"c", 3).await;
+    assert_eq!(applied(&db.pool, "a").await, [0], "a held across the rebalance");
+    assert_eq!(applied(&db.pool, "c").await, [0], "c held across the rebalance");
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    release(&db.pool, &group, &topic, "c", false).await;
+    until_applied(&db.pool, "a", &[0, 1, 2, 3]).await;
+    until_applied(&db.pool, "c", &[0, 1, 2, 3]).await;
+    second.stop().await;
+    first.stop().await;
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
