@@ -79,6 +79,8 @@ struct Rec {
     n: i64,
     extra: Vec<(&'static str, Option<Vec<u8>>)>,
     broken: bool,
+    /// Its `ce_type` header.
+    ty: &'static str,
 }
 
 fn rec(key: &str, n: i64) -> Rec {
@@ -87,6 +89,7 @@ fn rec(key: &str, n: i64) -> Rec {
         n,
         extra: Vec::new(),
         broken: false,
+        ty: "entry",
     }
 }
 
@@ -138,7 +141,7 @@ async fn produce_recs(
             })
             .insert(Header {
                 key: "ce_type",
-                value: Some("entry"),
+                value: Some(r.ty),
             })
             .insert(Header {
                 key: "content-type",
@@ -551,12 +554,14 @@ async fn break_a_binary_key_cannot_be_released_with_the_cli() {
                 n: 0,
                 extra: Vec::new(),
                 broken: true,
+                ty: "entry",
             },
             Rec {
                 key: key.clone(),
                 n: 1,
                 extra: Vec::new(),
                 broken: false,
+                ty: "entry",
             },
         ],
     )
@@ -1160,4 +1165,69 @@ async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
     second.stop().await;
     first.stop().await;
     assert_eq!(applied_twice(&db.pool).await, 0);
+}
+
+/// Promise: later records of a held key are stored, whatever they carry, and the other keys
+/// of the partition flow.
+///
+/// Scenario: a0, a1 (rejected: key `a` held), a2 whose `ce_type` header is `en\0try` (valid
+/// UTF-8 with a NUL: any producer can write it), b0.
+///
+/// Broke (d9c24ca): `hold_in` binds the event type to `held_records.event_type` (`text`),
+/// which PostgreSQL refuses ("invalid byte sequence for encoding "UTF8": 0x00"); `hold`
+/// retries that forever: the partition is wedged at a2. Measured: b0 not applied within 15 s,
+/// 1 record of `a` held (a1), about 140 "cannot hold the record; retrying" warnings in 15 s.
+/// (The dead-letter path has the same fault, see
+/// `break_a_nul_in_ce_type_wedges_the_partition_in_the_default_mode`; fixing one does not fix
+/// the other.)
+#[tokio::test]
+async fn break_a_nul_in_ce_type_wedges_a_held_key() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-nul");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), Rec { ty: "en\u{0}try", ..rec("a", 2) }, rec("b", 0)],
+    )
+    .await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    let flowed = within(Duration::from_secs(15), || async { applied(&db.pool, "b").await == [0] }).await;
+    let held_a = held(&db.pool, b"a").await;
+    running.stop().await;
+    assert!(flowed && held_a == 2, "b0 applied within 15 s: {flowed}; records of a held: {held_a} (want 2)");
+}
+
+/// Found on the way, not part of held keys (the same fault in the dead-letter path, present
+/// before them). Promise: a record that cannot be applied becomes a dead letter and the
+/// partition moves on (`odd_input_moves_on`).
+///
+/// Scenario: the default mode (DeadLetter); c0 whose `ce_type` is `en\0try` (no handler for
+/// it: a dead letter), then c1.
+///
+/// Broke (d9c24ca, and its base e24d76c's code is the same): the dead letter's `event_type`
+/// (`text`) refuses the NUL; `partition::dead` retries "cannot record the outcome" forever:
+/// c1 is never applied (not within 15 s; about 140 warnings), no dead letter written.
+#[tokio::test]
+async fn break_a_nul_in_ce_type_wedges_the_partition_in_the_default_mode() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-nul2");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    produce_recs(svc, &db.pool, &topic, 0, &[Rec { ty: "en\u{0}try", ..rec("c", 0) }, rec("c", 1)]).await;
+    let c = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
+    let running = start(&db.pool, &topic, c);
+    let flowed = within(Duration::from_secs(15), || async { applied(&db.pool, "c").await == [1] }).await;
+    running.stop().await;
+    assert!(
+        flowed,
+        "c1 applied within 15 s after c0 (NUL in ce_type): {flowed}; dead letters {:?}",
+        dead_letters(&db.pool).await
+    );
 }
