@@ -1344,3 +1344,49 @@ async fn duplicates_around_a_hold_in_a_batch_apply_once() {
 async fn duplicates_around_a_hold_in_a_batch_handler_apply_once() {
     duplicates_in_a_batch(true).await;
 }
+
+/// Promise: a release asked while the group is paused (`postal pause --consumer`) applies
+/// nothing while the pause lasts — the release transaction's pause check rolls back the head's
+/// effect — and after the resume the held events are applied in order, once, and the other
+/// keys' records that arrived meanwhile are not lost. Held.
+///
+/// Scenario: a0, a1 (rejected), a2: `a` held; the fix; the group paused; the release asked;
+/// waited until the partition counts as paused (`partitions_paused` 1, entered when the
+/// release's transaction met the pause); b0 produced; the group resumed.
+#[tokio::test]
+async fn a_release_asked_while_paused_waits_for_the_resume() {
+    use postal_admin::pauses::{self, Scope};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-pause");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    let stats = running.stats.clone();
+    until_held(&db.pool, b"a", 2).await;
+    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    let by = postal_admin::audit::Operator::cli("attacker");
+    let scope = Scope::consumer(&group, None).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    assert!(pauses::pause(&mut tx, &by, &scope, Some("attack"), WAIT).await.unwrap());
+    tx.commit().await.unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    wait::until(WAIT, "the partition held by the pause", || {
+        let s = stats.snapshot();
+        async move { s.partitions_paused == 1 }
+    })
+    .await;
+    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 0)]).await;
+    assert_eq!(applied(&db.pool, "a").await, [0], "nothing of the release applied while paused");
+    assert_eq!(held(&db.pool, b"a").await, 2);
+    let mut tx = db.pool.begin().await.unwrap();
+    assert!(pauses::resume(&mut tx, &by, &scope).await.unwrap());
+    tx.commit().await.unwrap();
+    until_applied(&db.pool, "a", &[0, 1, 2]).await;
+    until_applied(&db.pool, "b", &[0]).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(applied_twice(&db.pool).await, 0);
+}
