@@ -37,7 +37,10 @@ static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default)
 /// Waits while the event is gated; then fails permanently if it is listed in `broken`, else
 /// appends the entry to `ledger`.
 #[idempotent(consumer = "held_attack")]
-async fn ledger(tx: &mut Transaction<'_, Postgres>, event: Event<Entry>) -> Result<(), HandlerError> {
+async fn ledger(
+    tx: &mut Transaction<'_, Postgres>,
+    event: Event<Entry>,
+) -> Result<(), HandlerError> {
     let id = event.id.as_uuid();
     if GATED.lock().unwrap().contains(&id) {
         ENTERED.lock().unwrap().insert(id);
@@ -245,7 +248,11 @@ async fn ledger_batch(
     Ok(())
 }
 
-fn build(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig) -> postal_consumer::Consumer {
+fn build(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+) -> postal_consumer::Consumer {
     postal_consumer::Consumer::builder(pool.clone(), config)
         .on(topic, "entry", ledger)
         .build()
@@ -271,9 +278,11 @@ async fn until_applied(pool: &PgPool, key: &str, want: &[i64]) {
 }
 
 async fn until_held(pool: &PgPool, key: &[u8], n: i64) {
-    wait::until(WAIT, &format!("{n} records of key {key:?} held"), || async {
-        held(pool, key).await == n
-    })
+    wait::until(
+        WAIT,
+        &format!("{n} records of key {key:?} held"),
+        || async { held(pool, key).await == n },
+    )
     .await;
 }
 
@@ -345,7 +354,14 @@ async fn break_reset_back_over_held_records_wedges_the_partition() {
         svc,
         &db.url,
         &[
-            "consumer", "reset", "--execute", "--group", &group, "--topic", &topic, "--to",
+            "consumer",
+            "reset",
+            "--execute",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--to",
             "earliest",
         ],
     );
@@ -358,25 +374,26 @@ async fn break_reset_back_over_held_records_wedges_the_partition() {
     let running = start(&db.pool, &topic, config(svc, &group));
     produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1)]).await;
     let flowed = within(WAIT, || async { applied(&db.pool, "b").await == [0, 1] }).await;
-    let stored: Option<i64> = sqlx::query_scalar(
-        "SELECT next_offset FROM postal.consumer_offsets WHERE group_id = $1",
-    )
-    .bind(&group)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    let held_offsets: Vec<i64> = sqlx::query_scalar(
-        "SELECT kafka_offset FROM postal.held_records ORDER BY kafka_offset",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
+    let stored: Option<i64> =
+        sqlx::query_scalar("SELECT next_offset FROM postal.consumer_offsets WHERE group_id = $1")
+            .bind(&group)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let held_offsets: Vec<i64> =
+        sqlx::query_scalar("SELECT kafka_offset FROM postal.held_records ORDER BY kafka_offset")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     assert!(
         flowed,
         "after the reset, b1 was not applied within {WAIT:?}: b applied {:?}, stored offset {stored:?}, held offsets {held_offsets:?}",
         applied(&db.pool, "b").await
     );
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_applied(&db.pool, "a", &[0, 1, 2]).await;
     until_held(&db.pool, b"a", 0).await;
@@ -432,12 +449,11 @@ async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
         applied(&db.pool, "a").await == [0, 2] && held(&db.pool, b"a").await == 0
     })
     .await;
-    let state: Option<(Option<String>, i32)> = sqlx::query_as(
-        "SELECT release, attempts FROM postal.held_keys WHERE record_key = 'a'",
-    )
-    .fetch_optional(&db.pool)
-    .await
-    .unwrap();
+    let state: Option<(Option<String>, i32)> =
+        sqlx::query_as("SELECT release, attempts FROM postal.held_keys WHERE record_key = 'a'")
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap();
     let audited: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM postal.operator_audit WHERE action = 'release-held'",
     )
@@ -452,7 +468,10 @@ async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
         held(&db.pool, b"a").await,
         dead_letters(&db.pool).await
     );
-    assert_eq!(dead_letters(&db.pool).await, [(Some(head), "permanent".to_owned())]);
+    assert_eq!(
+        dead_letters(&db.pool).await,
+        [(Some(head), "permanent".to_owned())]
+    );
     assert_eq!(applied_twice(&db.pool).await, 0);
 }
 
@@ -478,7 +497,14 @@ async fn break_a_held_key_turns_off_the_stall_recovery() {
     let topic = unique("hka-stall");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("b", 0)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("b", 0)],
+    )
+    .await;
     let mut c = config(svc, &group);
     c.stall_check = Duration::from_secs(1);
     c.held_poll = Duration::from_millis(200);
@@ -489,7 +515,14 @@ async fn break_a_held_key_turns_off_the_stall_recovery() {
     until_held(&db.pool, b"a", 1).await;
     until_applied(&db.pool, "b", &[0]).await;
     fault.stop_fetching(&topic, 0).expect("pause");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 1), rec("b", 2), rec("b", 3)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("b", 1), rec("b", 2), rec("b", 3)],
+    )
+    .await;
     let recovered = within(Duration::from_secs(30), || async {
         applied(&db.pool, "b").await == [0, 1, 2, 3]
     })
@@ -548,7 +581,10 @@ async fn break_a_null_header_value_is_changed_by_the_hold() {
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, b"a", 2).await;
     until_applied(&db.pool, "b", &[0]).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_held(&db.pool, b"a", 0).await;
     running.stop().await;
@@ -608,20 +644,29 @@ async fn break_a_binary_key_cannot_be_released_with_the_cli() {
     .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, &key, 2).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let list = postal(svc, &db.url, &["held", "list", "--group", &group, "--json"]);
-    assert!(list.status.success(), "{}", String::from_utf8_lossy(&list.stderr));
+    assert!(
+        list.status.success(),
+        "{}",
+        String::from_utf8_lossy(&list.stderr)
+    );
     let listed: serde_json::Value = serde_json::from_slice(&list.stdout).expect("JSON list");
     let shown = listed[0]["key"].as_str().expect("a listed key").to_owned();
     let out = postal(
         svc,
         &db.url,
-        &["held", "release", "--group", &group, "--topic", &topic, "--key", &shown, "--yes"],
+        &[
+            "held", "release", "--group", &group, "--topic", &topic, "--key", &shown, "--yes",
+        ],
     );
     let released = out.status.success();
     let lossy = String::from_utf8_lossy(&key).into_owned();
-    let done = released
-        && within(WAIT, || async { applied(&db.pool, &lossy).await == [0, 1] }).await;
+    let done =
+        released && within(WAIT, || async { applied(&db.pool, &lossy).await == [0, 1] }).await;
     running.stop().await;
     assert!(
         done,
@@ -655,7 +700,14 @@ async fn break_a_release_whose_head_fails_again_spins_and_stops_the_partition() 
     let topic = unique("hka-spin");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("b", 0)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("b", 0)],
+    )
+    .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, b"a", 1).await;
     until_applied(&db.pool, "b", &[0]).await;
@@ -666,10 +718,11 @@ async fn break_a_release_whose_head_fails_again_spins_and_stops_the_partition() 
         applied(&db.pool, "b").await == [0, 1]
     })
     .await;
-    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM postal.held_keys WHERE record_key = 'a'")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let attempts: i32 =
+        sqlx::query_scalar("SELECT attempts FROM postal.held_keys WHERE record_key = 'a'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     running.stop().await;
     assert!(
         flowed && attempts <= 10,
@@ -706,7 +759,10 @@ async fn records_arriving_during_a_release_are_applied_after_it() {
     let running = start(&db.pool, &topic, config(svc, &group));
     let stats = running.stats.clone();
     until_held(&db.pool, b"a", 3).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let gate = ids[2];
     GATED.lock().unwrap().insert(gate);
     release(&db.pool, &group, &topic, "a", false).await;
@@ -757,10 +813,16 @@ async fn the_cli_releases_only_the_named_held_key_and_escapes_it() {
     .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, key.as_bytes(), 3).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let list = postal(svc, &db.url, &["held", "list", "--group", &group]);
     assert!(list.status.success());
-    assert!(!list.stdout.contains(&0x1b), "no raw ESC printed by `held list`");
+    assert!(
+        !list.stdout.contains(&0x1b),
+        "no raw ESC printed by `held list`"
+    );
     assert!(String::from_utf8_lossy(&list.stdout).contains("k\\u{1b}[2J"));
     let other_group = unique("g");
     let other_topic = unique("t");
@@ -772,7 +834,9 @@ async fn the_cli_releases_only_the_named_held_key_and_escapes_it() {
         let out = postal(
             svc,
             &db.url,
-            &["held", "release", "--group", g, "--topic", t, "--key", k, "--yes"],
+            &[
+                "held", "release", "--group", g, "--topic", t, "--key", k, "--yes",
+            ],
         );
         assert!(!out.status.success(), "release of {g}/{t}/{k:?} refused");
         assert!(!out.stdout.contains(&0x1b) && !out.stderr.contains(&0x1b));
@@ -780,14 +844,22 @@ async fn the_cli_releases_only_the_named_held_key_and_escapes_it() {
     let dry = postal(
         svc,
         &db.url,
-        &["held", "release", "--group", &group, "--topic", &topic, "--key", key],
+        &[
+            "held", "release", "--group", &group, "--topic", &topic, "--key", key,
+        ],
     );
     assert!(dry.status.success());
     let text = String::from_utf8_lossy(&dry.stdout);
-    assert!(!dry.stdout.contains(&0x1b), "no raw ESC in the confirmation");
+    assert!(
+        !dry.stdout.contains(&0x1b),
+        "no raw ESC in the confirmation"
+    );
     assert!(text.contains("release of 3 held event(s)"), "{text}");
     for id in &ids {
-        assert!(text.contains(&id.to_string()), "the confirmation lists {id}: {text}");
+        assert!(
+            text.contains(&id.to_string()),
+            "the confirmation lists {id}: {text}"
+        );
     }
     let marked: (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM postal.held_keys WHERE release IS NOT NULL),
@@ -796,13 +868,23 @@ async fn the_cli_releases_only_the_named_held_key_and_escapes_it() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(marked, (0, 0), "nothing marked, nothing audited before --yes");
+    assert_eq!(
+        marked,
+        (0, 0),
+        "nothing marked, nothing audited before --yes"
+    );
     let out = postal(
         svc,
         &db.url,
-        &["held", "release", "--group", &group, "--topic", &topic, "--key", key, "--yes"],
+        &[
+            "held", "release", "--group", &group, "--topic", &topic, "--key", key, "--yes",
+        ],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     until_applied(&db.pool, key, &[0, 1, 2]).await;
     running.stop().await;
     let audit: Vec<(String, i64)> =
@@ -824,16 +906,28 @@ async fn an_empty_key_is_held_and_released_with_the_cli() {
     let topic = unique("hka-empty");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[broken("", 0), rec("", 1), rec("b", 0)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[broken("", 0), rec("", 1), rec("b", 0)],
+    )
+    .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, b"", 2).await;
     until_applied(&db.pool, "b", &[0]).await;
     assert!(applied(&db.pool, "").await.is_empty());
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let out = postal(
         svc,
         &db.url,
-        &["held", "release", "--group", &group, "--topic", &topic, "--key", "", "--yes"],
+        &[
+            "held", "release", "--group", &group, "--topic", &topic, "--key", "", "--yes",
+        ],
     );
     assert!(
         out.status.success(),
@@ -874,7 +968,10 @@ async fn a_release_fenced_mid_way_applies_nothing_twice() {
     let running = start(&db.pool, &topic, config(svc, &group));
     let stats = running.stats.clone();
     until_held(&db.pool, b"a", 3).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let gate = ids[2];
     GATED.lock().unwrap().insert(gate);
     release(&db.pool, &group, &topic, "a", false).await;
@@ -926,7 +1023,12 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
         "x-0", "x-1", "x-2", "x-3", "x-4", "x-5", "x-6", "x-7", "x-8", "x-9", "x-10", "x-11",
         "x-12", "x-13", "x-14", "x-15", "x-16", "x-17", "x-18", "x-19",
     ];
-    let many = || NAMES.iter().map(|n| (*n, Some(b"v".to_vec()))).collect::<Vec<_>>();
+    let many = || {
+        NAMES
+            .iter()
+            .map(|n| (*n, Some(b"v".to_vec())))
+            .collect::<Vec<_>>()
+    };
     let ids = produce_recs(
         svc,
         &db.pool,
@@ -954,8 +1056,14 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
         dead_letters(&db.pool).await.len() == 1
     })
     .await;
-    assert_eq!(dead_letters(&db.pool).await, [(Some(ids[3]), "undecodable".to_owned())]);
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    assert_eq!(
+        dead_letters(&db.pool).await,
+        [(Some(ids[3]), "undecodable".to_owned())]
+    );
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_held(&db.pool, b"a", 0).await;
     running.stop().await;
@@ -993,7 +1101,14 @@ async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
     let topic = unique("hka-bare");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2)],
+    )
+    .await;
     crate::common::produce(
         &svc.bootstrap,
         &topic,
@@ -1123,11 +1238,13 @@ async fn break_the_byte_bound_resumes_and_takes_over_again_every_poll() {
     })
     .await;
     let epoch = || async {
-        sqlx::query_scalar::<_, i64>("SELECT epoch FROM postal.consumer_offsets WHERE group_id = $1")
-            .bind(&group)
-            .fetch_one(&db.pool)
-            .await
-            .unwrap()
+        sqlx::query_scalar::<_, i64>(
+            "SELECT epoch FROM postal.consumer_offsets WHERE group_id = $1",
+        )
+        .bind(&group)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
     };
     let first = epoch().await;
     let start_at = Instant::now();
@@ -1168,8 +1285,22 @@ async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
     let topic = unique("hka-rebal");
     create_topic(&svc.bootstrap, &topic, 2).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
-    produce_recs(svc, &db.pool, &topic, 1, &[rec("c", 0), broken("c", 1), rec("c", 2)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2)],
+    )
+    .await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        1,
+        &[rec("c", 0), broken("c", 1), rec("c", 2)],
+    )
+    .await;
     let first = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, b"a", 2).await;
     until_held(&db.pool, b"c", 2).await;
@@ -1195,9 +1326,20 @@ async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
     .await;
     until_held(&db.pool, b"a", 3).await;
     until_held(&db.pool, b"c", 3).await;
-    assert_eq!(applied(&db.pool, "a").await, [0], "a held across the rebalance");
-    assert_eq!(applied(&db.pool, "c").await, [0], "c held across the rebalance");
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    assert_eq!(
+        applied(&db.pool, "a").await,
+        [0],
+        "a held across the rebalance"
+    );
+    assert_eq!(
+        applied(&db.pool, "c").await,
+        [0],
+        "c held across the rebalance"
+    );
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     release(&db.pool, &group, &topic, "c", false).await;
     until_applied(&db.pool, "a", &[0, 1, 2, 3]).await;
@@ -1233,14 +1375,28 @@ async fn break_a_nul_in_ce_type_wedges_a_held_key() {
         &db.pool,
         &topic,
         0,
-        &[rec("a", 0), broken("a", 1), Rec { ty: "en\u{0}try", ..rec("a", 2) }, rec("b", 0)],
+        &[
+            rec("a", 0),
+            broken("a", 1),
+            Rec {
+                ty: "en\u{0}try",
+                ..rec("a", 2)
+            },
+            rec("b", 0),
+        ],
     )
     .await;
     let running = start(&db.pool, &topic, config(svc, &group));
-    let flowed = within(Duration::from_secs(15), || async { applied(&db.pool, "b").await == [0] }).await;
+    let flowed = within(Duration::from_secs(15), || async {
+        applied(&db.pool, "b").await == [0]
+    })
+    .await;
     let held_a = held(&db.pool, b"a").await;
     running.stop().await;
-    assert!(flowed && held_a == 2, "b0 applied within 15 s: {flowed}; records of a held: {held_a} (want 2)");
+    assert!(
+        flowed && held_a == 2,
+        "b0 applied within 15 s: {flowed}; records of a held: {held_a} (want 2)"
+    );
 }
 
 /// Found on the way, not part of held keys (the same fault in the dead-letter path, present
@@ -1261,10 +1417,26 @@ async fn break_a_nul_in_ce_type_wedges_the_partition_in_the_default_mode() {
     tables(&db.pool).await;
     let topic = unique("hka-nul2");
     create_topic(&svc.bootstrap, &topic, 1).await;
-    produce_recs(svc, &db.pool, &topic, 0, &[Rec { ty: "en\u{0}try", ..rec("c", 0) }, rec("c", 1)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[
+            Rec {
+                ty: "en\u{0}try",
+                ..rec("c", 0)
+            },
+            rec("c", 1),
+        ],
+    )
+    .await;
     let c = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
     let running = start(&db.pool, &topic, c);
-    let flowed = within(Duration::from_secs(15), || async { applied(&db.pool, "c").await == [1] }).await;
+    let flowed = within(Duration::from_secs(15), || async {
+        applied(&db.pool, "c").await == [1]
+    })
+    .await;
     running.stop().await;
     assert!(
         flowed,
@@ -1283,7 +1455,10 @@ async fn duplicates_in_a_batch(batched: bool) {
     let topic = unique("hka-dups");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    let copy = |i: usize, r: Rec| Rec { dup_of: Some(i), ..r };
+    let copy = |i: usize, r: Rec| Rec {
+        dup_of: Some(i),
+        ..r
+    };
     // 0 b0, 1 a0, 2 a1 (rejected), 3 a1 again, 4 b1, 5 a2, 6 a0 again, 7 b2
     produce_recs(
         svc,
@@ -1314,18 +1489,26 @@ async fn duplicates_in_a_batch(batched: bool) {
     until_applied(&db.pool, "b", &[0, 1, 2]).await;
     until_held(&db.pool, b"a", 4).await;
     assert_eq!(applied(&db.pool, "a").await, [0], "nothing of a after a1");
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     until_held(&db.pool, b"a", 0).await;
     running.stop().await;
-    assert_eq!(applied(&db.pool, "a").await, [0, 1, 2], "each event of a once, in order");
+    assert_eq!(
+        applied(&db.pool, "a").await,
+        [0, 1, 2],
+        "each event of a once, in order"
+    );
     assert_eq!(applied_twice(&db.pool).await, 0);
     assert!(dead_letters(&db.pool).await.is_empty());
-    let dedup: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events WHERE consumer_name = $1")
-        .bind(CONSUMER)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let dedup: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.processed_events WHERE consumer_name = $1")
+            .bind(CONSUMER)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(dedup, 6, "one dedup row per event (b0..b2, a0..a2)");
 }
 
@@ -1362,15 +1545,27 @@ async fn a_release_asked_while_paused_waits_for_the_resume() {
     let topic = unique("hka-pause");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2)],
+    )
+    .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     let stats = running.stats.clone();
     until_held(&db.pool, b"a", 2).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let by = postal_admin::audit::Operator::cli("attacker");
     let scope = Scope::consumer(&group, None).unwrap();
     let mut tx = db.pool.begin().await.unwrap();
-    assert!(pauses::pause(&mut tx, &by, &scope, Some("attack"), WAIT).await.unwrap());
+    assert!(pauses::pause(&mut tx, &by, &scope, Some("attack"), WAIT)
+        .await
+        .unwrap());
     tx.commit().await.unwrap();
     release(&db.pool, &group, &topic, "a", false).await;
     wait::until(WAIT, "the partition held by the pause", || {
@@ -1379,7 +1574,11 @@ async fn a_release_asked_while_paused_waits_for_the_resume() {
     })
     .await;
     produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 0)]).await;
-    assert_eq!(applied(&db.pool, "a").await, [0], "nothing of the release applied while paused");
+    assert_eq!(
+        applied(&db.pool, "a").await,
+        [0],
+        "nothing of the release applied while paused"
+    );
     assert_eq!(held(&db.pool, b"a").await, 2);
     let mut tx = db.pool.begin().await.unwrap();
     assert!(pauses::resume(&mut tx, &by, &scope).await.unwrap());
@@ -1420,14 +1619,19 @@ async fn break_other_keys_wait_for_a_whole_release() {
     c.max_batch = 500;
     let running = start(&db.pool, &topic, c);
     until_held(&db.pool, b"a", 3001).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let asked = Instant::now();
     release(&db.pool, &group, &topic, "a", false).await;
     produce_recs(svc, &db.pool, &topic, 0, &[rec("b", 0)]).await;
     let produced = asked.elapsed();
-    wait::until(Duration::from_secs(300), "b0 applied and the release done", || async {
-        !applied(&db.pool, "b").await.is_empty() && held(&db.pool, b"a").await == 0
-    })
+    wait::until(
+        Duration::from_secs(300),
+        "b0 applied and the release done",
+        || async { !applied(&db.pool, "b").await.is_empty() && held(&db.pool, b"a").await == 0 },
+    )
     .await;
     // Which came first, by the ledger's own order.
     let (b_row, last_a_row): (i64, i64) = sqlx::query_as(
@@ -1456,16 +1660,29 @@ async fn two_releases_at_once_are_one_release() {
     let topic = unique("hka-two");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let group = unique("g");
-    let ids = produce_recs(svc, &db.pool, &topic, 0, &[rec("a", 0), broken("a", 1), rec("a", 2)]).await;
+    let ids = produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[rec("a", 0), broken("a", 1), rec("a", 2)],
+    )
+    .await;
     let running = start(&db.pool, &topic, config(svc, &group));
     until_held(&db.pool, b"a", 2).await;
-    sqlx::query("DELETE FROM broken").execute(&db.pool).await.unwrap();
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
     let by = postal_admin::audit::Operator::cli("attacker");
     let (retry, skip) = tokio::join!(
         postal_admin::held::release(&db.pool, &by, &group, &topic, "a", false),
         postal_admin::held::release(&db.pool, &by, &group, &topic, "a", true),
     );
-    assert!(retry.is_ok() != skip.is_ok(), "exactly one accepted: retry {retry:?}, skip {skip:?}");
+    assert!(
+        retry.is_ok() != skip.is_ok(),
+        "exactly one accepted: retry {retry:?}, skip {skip:?}"
+    );
     until_held(&db.pool, b"a", 0).await;
     running.stop().await;
     let audit: i64 = sqlx::query_scalar(
@@ -1480,7 +1697,10 @@ async fn two_releases_at_once_are_one_release() {
         assert!(dead_letters(&db.pool).await.is_empty());
     } else {
         assert_eq!(applied(&db.pool, "a").await, [0, 2]);
-        assert_eq!(dead_letters(&db.pool).await, [(Some(ids[1]), "permanent".to_owned())]);
+        assert_eq!(
+            dead_letters(&db.pool).await,
+            [(Some(ids[1]), "permanent".to_owned())]
+        );
     }
     assert_eq!(applied_twice(&db.pool).await, 0);
 }
