@@ -415,8 +415,8 @@ async fn break_reset_back_over_held_records_wedges_the_partition() {
 /// `break_a_release_whose_head_fails_again_spins_and_stops_the_partition`); and each failed
 /// run's `rehead` sets `release = NULL`, wiping the operator's audited skip. Measured after
 /// 20 s: a1 not dead-lettered (no dead letter at all), a2 not applied (`a` applied [0]), 2
-/// records still held, the key's `release` NULL and its `attempts` 5 374 (the policy's 500 ms
-/// interval ignored), while `operator_audit` shows the skip (1 row).
+/// records still held, the key's `release` NULL and its `attempts` 5 374 and 3 148 in two
+/// runs (the policy's 500 ms interval ignored), while `operator_audit` shows the skip (1 row).
 #[tokio::test]
 async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
     let svc = services().await;
@@ -488,7 +488,8 @@ async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
 /// `held_poll` branch (`continue`) ahead of the `stall_check` one, and `held_poll` is shorter:
 /// the stall check (and with it the idle epoch check, the stopped-topic check and the re-issue
 /// of a lost second seek) never runs. b1..b3 were not applied within 30 s (b applied [0],
-/// `stalls_recovered` 0). Without a held key the same fault is recovered within about 1 s.
+/// `stalls_recovered` 0). Without a held key the same fault is recovered
+/// (`consume::a_partition_that_stops_fetching_is_recovered`, `stall_check` 1 s too).
 #[tokio::test]
 async fn break_a_held_key_turns_off_the_stall_recovery() {
     let svc = services().await;
