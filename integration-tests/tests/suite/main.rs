@@ -34,6 +34,7 @@ mod fresh_topic;
 mod graceful_stop;
 mod handlers;
 mod held_keys;
+mod held_keys_attack;
 mod hostile;
 mod hostile_sizes;
 mod idle;
