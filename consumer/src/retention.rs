@@ -59,6 +59,9 @@ pub async fn cleanup_processed_recorded(
     )
     .bind(consumer)
     .bind(retention.as_millis() as i64)
+    // Unnamed: behind a transaction pooler the next statement may reach another server
+    // connection, where a named one does not exist (as the batches' statements).
+    .persistent(false)
     .execute(pool)
     .await?;
     delete_in_batches_recorded(
