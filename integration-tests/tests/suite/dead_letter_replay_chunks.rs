@@ -328,3 +328,80 @@ async fn a_cleanup_through_a_transaction_pooler_counts_each_batch() {
         ]
     );
 }
+
+/// Guarantee (docs/consumer.md: every dead letter keeps a header without a value as one, and
+/// its `.dlq` copy and a replay send it so; a copy too large leaves out its value first): a
+/// record with fewer headers than `max_headers` (not packed) whose first and last headers have
+/// no value, with one name three times (absent, empty, absent), and a value of 1,040,000
+/// bytes its handler cannot decode is dead-lettered; its `.dlq` copy is cut (`postal_dlq_cut:
+/// value`, over the dead-letter producer's 1,000,000 bytes) and still carries exactly the
+/// record's headers first, absent values absent; the replay sends the record back with exactly
+/// its headers. Fails if any header is moved, lost, or given a value.
+#[tokio::test]
+async fn absent_values_at_the_ends_survive_a_cut_dlq_copy_and_a_replay() {
+    use crate::common::{consumer_config, start_apply};
+    use crate::dead_letter_headers::{headers_at, produce_with, WireHeaders};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    crate::common::effects_table(&db.pool).await;
+    let topic = unique("dl-absent-ends");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let id = Uuid::now_v7().to_string();
+    let sent: WireHeaders = vec![
+        ("x-first".into(), None),
+        ("ce_id".into(), Some(id.as_bytes().to_vec())),
+        ("ce_type".into(), Some(b"job".to_vec())),
+        ("content-type".into(), Some(b"application/json".to_vec())),
+        ("dup".into(), None),
+        ("dup".into(), Some(Vec::new())),
+        ("dup".into(), None),
+        ("x-empty".into(), Some(Vec::new())),
+        ("x-last".into(), None),
+    ];
+    produce_with(&svc.bootstrap, &topic, b"k", &vec![b'x'; 1_040_000], &sent).await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), crate::handlers::CONSUMER),
+    );
+    postal_integration_tests::wait::until(WAIT, "the dead letter published to .dlq", || {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT published_at IS NOT NULL FROM postal.dead_letters",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(false)
+        }
+    })
+    .await;
+    running.stop().await;
+    let (dl, dlq_topic, absent): (i64, String, Vec<i32>) =
+        sqlx::query_as("SELECT id, dlq_topic, header_absent FROM postal.dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(absent, vec![1, 5, 7, 9], "positions from 1");
+    let copy = headers_at(&svc.bootstrap, &dlq_topic, 0).await;
+    let cut = copy
+        .iter()
+        .find(|(n, _)| n == "postal_dlq_cut")
+        .and_then(|(_, v)| v.clone());
+    assert_eq!(cut.as_deref(), Some(&b"value"[..]), "the copy is cut: {copy:?}");
+    assert_eq!(copy[..sent.len()], sent[..], "the cut .dlq copy's headers");
+    let producer = replay_producer(&svc.bootstrap);
+    let replayed = postal_admin::dead_letters::replay(
+        &db.pool,
+        &producer,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::json!({ "ids": [dl] }),
+        &[dl],
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed, 1);
+    let back = headers_at(&svc.bootstrap, &topic, 1).await;
+    assert_eq!(back, sent, "the replayed record's headers");
+}
