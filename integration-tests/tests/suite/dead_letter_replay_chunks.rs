@@ -78,6 +78,14 @@ fn replay_producer(bootstrap: &str) -> rdkafka::producer::FutureProducer {
 ///
 /// Checks the event ids on the topic, in offset order, against the dead letters' order; fails
 /// if any is missing, doubled or out of place.
+///
+/// Broken (fails on r46-s6 at 9a0483f, 3 runs of 3): the topic got the five in the order
+/// [4, 0, 1, 2, 3] (dead-letter positions). The chunk's records are sent together; librdkafka
+/// packs them two to a record batch (batch.size 1,000,000): batches [0, 1] and [2, 3] are
+/// refused by the broker for their size (MESSAGE_TOO_LARGE), batch [4] is written. The
+/// replay then sends each refused record again alone, after the written one
+/// (`admin/src/dead_letters.rs` `replay`: `refused_for_itself` re-sends once `join_all`
+/// returned). The last dead letter of the key is applied first, the other four after it.
 #[tokio::test]
 async fn dead_letters_of_one_key_refused_together_are_replayed_in_their_order() {
     const N: usize = 5;
@@ -210,55 +218,42 @@ async fn a_replay_killed_between_chunks_and_run_again_sends_each_once_and_counts
     assert_eq!((open, dedup), (0, 0), "all replayed, no dedup row left");
 }
 
-/// Guarantee (docs/operations.md, Poolers: the cleanup holds no session state; the cleanup
-/// audit fix: each batch adds its count in its own transaction): `postal cleanup` run through
-/// a PgBouncer in transaction mode (2 server connections, other clients switching them all
-/// the time) deletes 53 published outbox rows, 41 dedup rows and 29 published dead letters
-/// older than an hour (batches of 7), keeps the young ones, and its three audit rows say 53,
-/// 41 and 29.
+/// Guarantee (poolers.rs: the cleanup job works through transaction pooling, "dedup and
+/// dead-letter retention share its code"; docs/operations.md: "No session state leaks.
+/// Retention cleanup (published rows, dedup rows, dead letters)"; the cleanup audit fix: each
+/// batch adds its count to the audit row in its own transaction): the three recorded
+/// retention jobs `postal cleanup` runs (published outbox rows, one consumer's dedup rows,
+/// published dead letters), called as a library through a PgBouncer in transaction mode (one
+/// client connection, 2 server connections that another client keeps switching), 10 rounds
+/// each deleting 6 outbox rows, 5 dedup rows and 4 dead letters older than an hour (batches of
+/// 4) and keeping one young row of each, every job succeeds and the audit rows opened for them
+/// add up to 60, 50 and 40. (The `postal cleanup` command itself refuses a transaction pooler
+/// at start, by design: docs/operations.md#poolers.)
+///
+/// Fails if a job returns an error, deletes a young row, or a count is off.
+///
+/// Broken (3 runs of 3; not by the per-batch recording, which counted every deleted row in
+/// every run, nor new in a3e58e3): `cleanup_processed_recorded` failed with `prepared statement
+/// "sqlx_s_1" does not exist` (first in round 0, 1 and 1; one run deleted 25 of the 50 old dedup
+/// rows, recorded 25). Its first statement, the `postal.dedup_horizon` upsert
+/// (`consumer/src/retention.rs`, from 09afa9b), runs as a named, cached sqlx statement outside
+/// the batch's transaction, which the pooler hands to another server session; the outbox and
+/// dead-letter jobs (only `persistent(false)` statements) never failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cleanup_through_a_transaction_pooler_counts_each_batch() {
+async fn the_recorded_cleanups_work_through_a_transaction_pooler() {
+    const ROUNDS: i64 = 10;
     let Some(bin) = pgbouncer::binary("dead_letter_replay_chunks::cleanup_through_pooler") else {
         return;
     };
     let svc = services().await;
     let db = svc.fresh_db().await;
     let bouncer = PgBouncer::start(&bin, &svc.database_url, PoolMode::Transaction, 2, &[]);
-    for i in 0..60 {
-        sqlx::query("SELECT postal.enqueue('t', $1, 'e', '{}'::jsonb)")
-            .bind(format!("k{i}"))
-            .execute(&db.pool)
-            .await
-            .unwrap();
-    }
-    sqlx::query(
-        "UPDATE postal.outbox SET status = 'published',
-                published_at = CASE WHEN seq % 60 < 53 THEN now() - interval '3 hours'
-                                    ELSE now() END",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
-         SELECT 'c', gen_random_uuid(),
-                CASE WHEN g <= 41 THEN now() - interval '2 hours' ELSE now() END
-         FROM generate_series(1, 50) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
-             kafka_offset, record_key, payload, header_names, header_values,
-             reason, error, attempts, dlq_topic, created_at, published_at)
-         SELECT 'c', 'c', 't', 0, g, NULL, NULL, '{}', '{}', 'permanent', 'x', 1, 't.dlq',
-                CASE WHEN g <= 29 THEN now() - interval '2 hours' ELSE now() END, now()
-         FROM generate_series(1, 35) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    let through: sqlx::PgPool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(&bouncer.url(&db.name))
+        .await
+        .expect("connect through pgbouncer");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let hammer = {
         let (url, stop) = (bouncer.url(&db.name), stop.clone());
@@ -272,38 +267,101 @@ async fn a_cleanup_through_a_transaction_pooler_counts_each_batch() {
             }
         })
     };
-    let url = bouncer.url(&db.name);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(crate::procs::bin_dir().join("postal"))
-            .args([
+    let by = postal_admin::audit::Operator::cli("test");
+    let open = |table: &'static str| {
+        let (pool, by) = (db.pool.clone(), by.clone());
+        async move {
+            postal_admin::audit::open_uncounted(
+                &pool,
+                &by,
                 "cleanup",
-                "--published-retention",
-                "1h",
-                "--dedup-retention",
-                "1h",
-                "--consumer",
-                "c",
-                "--ignore-declared",
-                "--dead-letter-retention",
-                "1h",
-                "--batch",
-                "7",
-            ])
-            .env("DATABASE_URL", url)
-            .env("POSTAL_LOG", "warn")
-            .output()
+                &serde_json::json!({ "table": table }),
+            )
+            .await
             .unwrap()
-    })
-    .await
-    .unwrap();
+            .id()
+        }
+    };
+    let hour = Duration::from_secs(3600);
+    let mut failed: Option<(i64, &str, String)> = None;
+    let mut done = [0u64; 3];
+    for round in 0..ROUNDS {
+        sqlx::query(
+            "WITH e AS (SELECT postal.enqueue('t', 'k' || g, 'e', '{}'::jsonb) FROM generate_series(1, 7) g)
+             SELECT count(*) FROM e",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "UPDATE postal.outbox SET status = 'published',
+                    published_at = CASE WHEN seq = (SELECT max(seq) FROM postal.outbox) THEN now()
+                                        ELSE now() - interval '3 hours' END
+             WHERE status <> 'published'",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+             SELECT 'c', gen_random_uuid(),
+                    CASE WHEN g <= 5 THEN now() - interval '2 hours' ELSE now() END
+             FROM generate_series(1, 6) g",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                 kafka_offset, record_key, payload, header_names, header_values,
+                 reason, error, attempts, dlq_topic, created_at, published_at)
+             SELECT 'c', 'c', 't', 0, g, NULL, NULL, '{}', '{}', 'permanent', 'x', 1, 't.dlq',
+                    CASE WHEN g <= 4 THEN now() - interval '2 hours' ELSE now() END, now()
+             FROM generate_series(1, 5) g",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let results = [
+            postal_producer::retention::cleanup_published_recorded(
+                &through,
+                hour,
+                4,
+                Some(open("outbox").await),
+                |_| {},
+            )
+            .await,
+            postal_consumer::retention::cleanup_processed_recorded(
+                &through,
+                "c",
+                hour,
+                4,
+                Some(open("processed_events").await),
+            )
+            .await,
+            postal_consumer::retention::cleanup_dead_letters_recorded(
+                &through,
+                hour,
+                4,
+                Some(open("dead_letters").await),
+            )
+            .await,
+        ];
+        for (i, (r, job)) in results
+            .into_iter()
+            .zip(["outbox", "processed_events", "dead_letters"])
+            .enumerate()
+        {
+            match r {
+                Ok(n) => done[i] += n.unwrap_or(0),
+                Err(e) => {
+                    failed.get_or_insert((round, job, e.to_string()));
+                }
+            }
+        }
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     hammer.await.unwrap();
-    assert!(
-        out.status.success(),
-        "cleanup through the pooler: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
     let left: (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM postal.outbox), (SELECT count(*) FROM postal.processed_events),
                 (SELECT count(*) FROM postal.dead_letters)",
@@ -311,21 +369,27 @@ async fn a_cleanup_through_a_transaction_pooler_counts_each_batch() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(left, (7, 9, 6), "young rows kept, old ones deleted");
     let recorded: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT target->>'table', affected FROM postal.operator_audit
-         WHERE action = 'cleanup' ORDER BY id",
+        "SELECT target->>'table', sum(affected)::int8 FROM postal.operator_audit
+         WHERE action = 'cleanup' GROUP BY 1 ORDER BY 1",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
+    eprintln!(
+        "through the pooler: first error {failed:?}; deleted {done:?}; rows left {left:?}; recorded {recorded:?}"
+    );
+    assert_eq!(failed, None, "every job succeeded through the pooler");
+    assert_eq!(done, [60, 50, 40], "deleted (outbox, dedup, dead letters)");
+    assert_eq!(left, (10, 10, 10), "the young rows kept");
     assert_eq!(
         recorded,
         vec![
-            ("outbox".to_owned(), 53),
-            ("processed_events".to_owned(), 41),
-            ("dead_letters".to_owned(), 29)
-        ]
+            ("dead_letters".to_owned(), 40),
+            ("outbox".to_owned(), 60),
+            ("processed_events".to_owned(), 50)
+        ],
+        "the audit counts"
     );
 }
 
