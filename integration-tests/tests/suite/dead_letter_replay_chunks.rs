@@ -469,3 +469,156 @@ async fn absent_values_at_the_ends_survive_a_cut_dlq_copy_and_a_replay() {
     let back = headers_at(&svc.bootstrap, &topic, 1).await;
     assert_eq!(back, sent, "the replayed record's headers");
 }
+
+/// Guarantee (admin/src/dead_letters.rs `replay`: "If this process dies before the commit,
+/// nothing of it happened: the dead letters stand with their rows (a record that went out
+/// meanwhile is a duplicate) and the replay can be run again"; docs/consumer.md: the event
+/// goes through the handler once): 20 dead letters of consumer `effects` (one key, `job`
+/// events `{"n": i}`, each with its dedup row). `postal dead-letters replay --all` is killed
+/// (SIGKILL) after the broker acknowledged all 20 sends of its chunk, before the chunk's
+/// transaction commits (held at the audit row's update by a trigger waiting on an advisory
+/// lock the test holds). The consumer then reads the 20 records and applies none (each a
+/// duplicate of its dead letter's dedup row); the replay run again sends them again and the
+/// consumer applies each exactly once, in order; the audit rows say matched 20 / affected 0,
+/// then 20 / 20.
+///
+/// Fails if an event is applied twice or not at all, out of order, or a count is off.
+#[tokio::test]
+async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_once() {
+    use crate::common::{consumer_config, effects_table, start_apply};
+    const N: i64 = 20;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("replay-killed-sent");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let mut events = Vec::new();
+    for n in 0..N {
+        let event = Uuid::now_v7();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                 kafka_offset, event_id, record_key, payload, header_names, header_values,
+                 reason, error, attempts, dlq_topic)
+             VALUES ($1, 'g', $2, 0, $3, $4, 'k', convert_to($5, 'UTF8'),
+                     ARRAY['ce_id', 'ce_type', 'content-type'],
+                     ARRAY[convert_to($4::text, 'UTF8'), convert_to('job', 'UTF8'),
+                           convert_to('application/json', 'UTF8')],
+                     'permanent', 'declined', 1, $2 || '.dlq')
+             RETURNING id",
+        )
+        .bind(crate::handlers::CONSUMER)
+        .bind(&topic)
+        .bind(n)
+        .bind(event)
+        .bind(format!(r#"{{"n": {n}}}"#))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+             SELECT consumer_name, event_id, created_at FROM postal.dead_letters WHERE id = $1",
+        )
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        events.push(event);
+    }
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_audit() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock(464646); RETURN NEW; END $$;
+         CREATE TRIGGER hold_audit BEFORE UPDATE ON postal.operator_audit
+           FOR EACH ROW EXECUTE FUNCTION public.hold_audit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(464646)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut child = postal_integration_tests::KillOnDrop(
+        replay_command(&db.url, &svc.bootstrap).spawn().unwrap(),
+    );
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event = 'advisory'
+               AND query LIKE '%UPDATE postal.operator_audit%'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the chunk never reached its audit update");
+        assert!(child.0.try_wait().unwrap().is_none(), "the replay ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    sqlx::query("SELECT pg_advisory_unlock(464646)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    drop(holder);
+    // The killed process's session ends (its transaction rolled back) once it finds its
+    // client gone: wait until the dead letters are open again, readable without a lock.
+    let sent = kafka::read_all(&svc.bootstrap, &topic, N as usize, WAIT).await;
+    assert_eq!(sent.len(), N as usize, "the chunk's sends went out before the kill");
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), crate::handlers::CONSUMER),
+    );
+    let stats = running.stats.clone();
+    postal_integration_tests::wait::until(WAIT, "the 20 sent records handled", || {
+        let s = stats.snapshot();
+        async move { s.duplicates + s.applied + s.dead_letters >= N as u64 }
+    })
+    .await;
+    let after_kill = (stats.snapshot().applied, stats.snapshot().duplicates);
+    let open: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters WHERE replayed_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let out = replay_command(&db.url, &svc.bootstrap).output().unwrap();
+    assert!(
+        out.status.success(),
+        "the second run: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    postal_integration_tests::wait::until(WAIT, "the 40 records handled", || {
+        let s = stats.snapshot();
+        async move { s.duplicates + s.applied + s.dead_letters >= 2 * N as u64 }
+    })
+    .await;
+    running.stop().await;
+    let applied: Vec<(Uuid, i64)> =
+        sqlx::query_as("SELECT event_id, n FROM effects ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let audit: Vec<(Option<i64>, i64)> = sqlx::query_as(
+        "SELECT matched, affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let s = stats.snapshot();
+    eprintln!(
+        "after the kill: (applied, duplicates) {after_kill:?}, open {open}; at the end: applied {}, duplicates {}, dead letters {}; effects {}; audit {audit:?}",
+        s.applied,
+        s.duplicates,
+        s.dead_letters,
+        applied.len()
+    );
+    assert_eq!((after_kill, open), ((0, N as u64), N), "nothing applied after the kill");
+    let expected: Vec<(Uuid, i64)> = events.iter().copied().zip(0..N).collect();
+    assert_eq!(applied, expected, "each applied once, in order");
+    assert_eq!(audit, vec![(Some(N), 0), (Some(N), N)]);
+}
