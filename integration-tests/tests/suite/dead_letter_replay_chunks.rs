@@ -622,3 +622,155 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
     assert_eq!(applied, expected, "each applied once, in order");
     assert_eq!(audit, vec![(Some(N), 0), (Some(N), N)]);
 }
+
+/// Guarantee (admin/src/dead_letters.rs `replay`: a chunk's transaction "claims the chunk (a
+/// replay running at the same time waits for it, then takes none of these)"): 700 open dead
+/// letters of one key (values of 1 to 20,000 random bytes: chunks of about 4 MiB, a few hundred
+/// each). Replay A (all 700) is held after its first chunk's sends, before its commit (a
+/// trigger on the audit row's update waits on an advisory lock the test holds); then replay B
+/// (the 650 from the 51st on: its chunks start where A's do not) and a resolve of the 101st to
+/// 150th start and are seen waiting on A's claimed rows; then A is let go. Each dead letter
+/// ends replayed or resolved, never both; each replayed one is on the topic exactly once, in
+/// the order of the dead letters; the replays' audit counts add up to the records sent, the
+/// resolve's to the ones resolved; the dedup rows of resolved ones stay, of replayed ones go.
+///
+/// Fails if a record is sent twice or never, out of order, or a count is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_chunked_replays_and_a_resolve_at_once_send_each_once_in_order() {
+    use rand::Rng;
+    const N: usize = 700;
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-racing");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let mut letters = Vec::new();
+    for _ in 0..N {
+        let size = rand::rng().random_range(1..=20_000);
+        letters.extend(dead_letters_of_key(&db.pool, &topic, "one-key", 1, size).await);
+    }
+    let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_audit() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock(464647); RETURN NEW; END $$;
+         CREATE TRIGGER hold_audit BEFORE UPDATE ON postal.operator_audit
+           FOR EACH ROW EXECUTE FUNCTION public.hold_audit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(464647)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let by = postal_admin::audit::Operator::cli("test");
+    let replay = |ids: Vec<i64>| {
+        let (pool, by, p) = (db.pool.clone(), by.clone(), replay_producer(&svc.bootstrap));
+        tokio::spawn(async move {
+            postal_admin::dead_letters::replay(
+                &pool,
+                &p,
+                &by,
+                &serde_json::json!({ "ids": ids }),
+                &ids,
+                |_| {},
+            )
+            .await
+            .expect("replayed")
+        })
+    };
+    let waiting = |what: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock' AND {what}"
+            ))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let a = replay(ids.clone());
+    postal_integration_tests::wait::until(WAIT, "replay A held after its first sends", || {
+        let w = waiting("wait_event = 'advisory'");
+        async move { w.await >= 1 }
+    })
+    .await;
+    let b = replay(ids[50..].to_vec());
+    let resolving: Vec<i64> = ids[100..150].to_vec();
+    let resolve = {
+        let (pool, by) = (db.pool.clone(), by.clone());
+        tokio::spawn(async move {
+            postal_admin::dead_letters::resolve(
+                &pool,
+                &by,
+                &serde_json::json!({ "ids": resolving }),
+                &resolving,
+            )
+            .await
+            .expect("resolved")
+        })
+    };
+    postal_integration_tests::wait::until(WAIT, "replay B and the resolve waiting on A", || {
+        let w = waiting("wait_event <> 'advisory'");
+        async move { w.await >= 2 }
+    })
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock(464647)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let (a, b, resolved) = (a.await.unwrap(), b.await.unwrap(), resolve.await.unwrap());
+    let (replayed_rows, resolved_rows, both): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE replayed_at IS NOT NULL),
+                count(*) FILTER (WHERE resolved_at IS NOT NULL),
+                count(*) FILTER (WHERE replayed_at IS NOT NULL AND resolved_at IS NOT NULL)
+         FROM postal.dead_letters",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let records = kafka::read_all(&svc.bootstrap, &topic, replayed_rows as usize, WAIT).await;
+    let sent: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap_or("-").to_owned())
+        .collect();
+    let replayed_events: Vec<String> = sqlx::query_scalar(
+        "SELECT event_id::text FROM postal.dead_letters WHERE replayed_at IS NOT NULL ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let dedup_left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.processed_events")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let audit: Vec<(String, i64)> =
+        sqlx::query_as("SELECT action, affected FROM postal.operator_audit ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    eprintln!(
+        "replays returned A {a} and B {b}, resolve {resolved}; rows replayed {replayed_rows}, resolved {resolved_rows}, both {both}; records {}; dedup rows left {dedup_left}; audit {audit:?}",
+        sent.len()
+    );
+    assert_eq!(both, 0, "never both");
+    assert_eq!(replayed_rows + resolved_rows, N as i64, "each settled");
+    assert_eq!((a + b) as i64, replayed_rows, "the replays' counts");
+    assert_eq!(resolved as i64, resolved_rows, "the resolve's count");
+    assert_eq!(sent, replayed_events, "each replayed one sent once, in order");
+    assert_eq!(dedup_left, resolved_rows, "dedup rows kept for resolved ones only");
+    let sum = |action: &str| -> i64 {
+        audit
+            .iter()
+            .filter(|(a, _)| a == action)
+            .map(|(_, n)| n)
+            .sum()
+    };
+    assert_eq!(
+        (sum("replay"), sum("resolve")),
+        (replayed_rows, resolved_rows),
+        "audit"
+    );
+}
