@@ -452,7 +452,11 @@ async fn absent_values_at_the_ends_survive_a_cut_dlq_copy_and_a_replay() {
         .iter()
         .find(|(n, _)| n == "postal_dlq_cut")
         .and_then(|(_, v)| v.clone());
-    assert_eq!(cut.as_deref(), Some(&b"value"[..]), "the copy is cut: {copy:?}");
+    assert_eq!(
+        cut.as_deref(),
+        Some(&b"value"[..]),
+        "the copy is cut: {copy:?}"
+    );
     assert_eq!(copy[..sent.len()], sent[..], "the cut .dlq copy's headers");
     let producer = replay_producer(&svc.bootstrap);
     let replayed = postal_admin::dead_letters::replay(
@@ -554,7 +558,10 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
         if waiting > 0 {
             break;
         }
-        assert!(Instant::now() < deadline, "the chunk never reached its audit update");
+        assert!(
+            Instant::now() < deadline,
+            "the chunk never reached its audit update"
+        );
         assert!(child.0.try_wait().unwrap().is_none(), "the replay ended");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -568,7 +575,11 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
     // The killed process's session ends (its transaction rolled back) once it finds its
     // client gone: wait until the dead letters are open again, readable without a lock.
     let sent = kafka::read_all(&svc.bootstrap, &topic, N as usize, WAIT).await;
-    assert_eq!(sent.len(), N as usize, "the chunk's sends went out before the kill");
+    assert_eq!(
+        sent.len(),
+        N as usize,
+        "the chunk's sends went out before the kill"
+    );
     let running = start_apply(
         &db.pool,
         &topic,
@@ -598,11 +609,10 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
     })
     .await;
     running.stop().await;
-    let applied: Vec<(Uuid, i64)> =
-        sqlx::query_as("SELECT event_id, n FROM effects ORDER BY id")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
+    let applied: Vec<(Uuid, i64)> = sqlx::query_as("SELECT event_id, n FROM effects ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
     let audit: Vec<(Option<i64>, i64)> = sqlx::query_as(
         "SELECT matched, affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
     )
@@ -617,7 +627,11 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
         s.dead_letters,
         applied.len()
     );
-    assert_eq!((after_kill, open), ((0, N as u64), N), "nothing applied after the kill");
+    assert_eq!(
+        (after_kill, open),
+        ((0, N as u64), N),
+        "nothing applied after the kill"
+    );
     let expected: Vec<(Uuid, i64)> = events.iter().copied().zip(0..N).collect();
     assert_eq!(applied, expected, "each applied once, in order");
     assert_eq!(audit, vec![(Some(N), 0), (Some(N), N)]);
@@ -759,8 +773,14 @@ async fn two_chunked_replays_and_a_resolve_at_once_send_each_once_in_order() {
     assert_eq!(replayed_rows + resolved_rows, N as i64, "each settled");
     assert_eq!((a + b) as i64, replayed_rows, "the replays' counts");
     assert_eq!(resolved as i64, resolved_rows, "the resolve's count");
-    assert_eq!(sent, replayed_events, "each replayed one sent once, in order");
-    assert_eq!(dedup_left, resolved_rows, "dedup rows kept for resolved ones only");
+    assert_eq!(
+        sent, replayed_events,
+        "each replayed one sent once, in order"
+    );
+    assert_eq!(
+        dedup_left, resolved_rows,
+        "dedup rows kept for resolved ones only"
+    );
     let sum = |action: &str| -> i64 {
         audit
             .iter()
