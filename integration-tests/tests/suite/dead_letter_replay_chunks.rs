@@ -794,3 +794,74 @@ async fn two_chunked_replays_and_a_resolve_at_once_send_each_once_in_order() {
         "audit"
     );
 }
+
+/// Guarantee (the cleanup audit fix: each batch adds its count to the audit row in the
+/// batch's own transaction, so the row says how many rows committed batches deleted): a batch
+/// whose `COMMIT` itself fails (a deferred constraint trigger raising on the 25th of 25 old
+/// published outbox rows, in the third batch of 10) rolls its count back with its deletes:
+/// `postal cleanup --published-retention 1h --batch 10` fails, 20 rows are gone and its audit
+/// row says 20 (not 25, not 0).
+///
+/// Fails if the count of the rolled-back batch stays, or a committed batch's is lost.
+#[tokio::test]
+async fn a_cleanup_batch_whose_commit_fails_takes_its_count_back_with_it() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    for i in 0..25 {
+        sqlx::query("SELECT postal.enqueue('t', $1, 'e', '{}'::jsonb)")
+            .bind(format!("k{i}"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query(
+        "UPDATE postal.outbox SET status = 'published',
+                published_at = now() - interval '3 hours' + seq * interval '1 second'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.refuse_last() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN
+                IF OLD.seq = (SELECT max(seq) FROM postal.outbox_seq_max) THEN
+                  RAISE EXCEPTION 'refused at commit';
+                END IF;
+                RETURN NULL;
+              END $$;
+         CREATE TABLE postal.outbox_seq_max AS SELECT max(seq) AS seq FROM postal.outbox;
+         CREATE CONSTRAINT TRIGGER refuse_last AFTER DELETE ON postal.outbox
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.refuse_last();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = std::process::Command::new(crate::procs::bin_dir().join("postal"))
+        .args(["cleanup", "--published-retention", "1h", "--batch", "10"])
+        .env("DATABASE_URL", &db.url)
+        .env("POSTAL_LOG", "warn")
+        .output()
+        .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let recorded: Vec<i64> = sqlx::query_scalar(
+        "SELECT affected FROM postal.operator_audit WHERE action = 'cleanup' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    eprintln!(
+        "cleanup: success {}, stderr {:?}; deleted {}, recorded {recorded:?}",
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr),
+        25 - left
+    );
+    assert!(!out.status.success(), "the third batch's commit fails");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("refused at commit"),
+        "the commit's error is the one reported"
+    );
+    assert_eq!((25 - left, recorded), (20, vec![20]));
+}
