@@ -24,6 +24,7 @@ mod dashboard;
 mod dashboard_browser;
 mod dashboard_charts;
 mod dead_letter_headers;
+mod dead_letter_replay_chunks;
 mod dead_letters;
 mod discard_storage;
 mod enqueue;
