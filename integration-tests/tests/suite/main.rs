@@ -35,7 +35,7 @@ mod fresh_topic;
 mod graceful_stop;
 mod handlers;
 mod held_keys;
-mod held_keys_attack;
+mod held_keys_edges;
 mod hostile;
 mod hostile_sizes;
 mod idle;
