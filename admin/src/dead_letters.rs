@@ -378,28 +378,51 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         .execute(&mut *tx)
         .await?;
         let chunk: Vec<&Record> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
-        let sends = chunk
-            .iter()
-            .map(|r| producer.send(record(r), Duration::from_secs(15)));
-        let mut results = futures::future::join_all(sends).await;
-        // A record refused for its size may have been refused for the record batch librdkafka
-        // packed it into with others (the broker checks a whole batch against the topic's
-        // `max.message.bytes`): sent again alone, one at a time, before it counts as failed.
-        for (r, res) in chunk.iter().zip(results.iter_mut()) {
-            if matches!(res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
-                *res = producer.send(record(r), Duration::from_secs(15)).await;
+        // One key's dead letters go out one at a time, in id order; different keys at once.
+        // Sent together, a key's records could share a record batch that the broker refuses
+        // for its size (it checks a whole batch against the topic's `max.message.bytes`) while
+        // a later one of the key is written: re-sent alone afterwards, the earlier ones would
+        // land after it. A record refused for its size is sent again alone before the key's
+        // next one; only then does it count as failed.
+        let same_key = |a: &Record, b: &Record| a.topic == b.topic && a.record_key == b.record_key;
+        let mut by_key: Vec<Vec<usize>> = Vec::new();
+        for (i, r) in chunk.iter().enumerate() {
+            match by_key.iter_mut().find(|m| same_key(chunk[m[0]], r)) {
+                Some(members) => members.push(i),
+                None => by_key.push(vec![i]),
             }
         }
+        let chunk = &chunk;
+        let sends = by_key.iter().map(|members| async move {
+            let mut out = Vec::with_capacity(members.len());
+            for &i in members {
+                let r = chunk[i];
+                let mut res = producer.send(record(r), Duration::from_secs(15)).await;
+                if matches!(&res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
+                    res = producer.send(record(r), Duration::from_secs(15)).await;
+                }
+                // The written offset, or the error as shown.
+                out.push((i, res.map(|d| d.offset).map_err(|(e, _)| e.to_string())));
+            }
+            out
+        });
+        let mut results: Vec<_> = futures::future::join_all(sends)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        results.sort_by_key(|(i, _)| *i);
+        let results = results.into_iter().map(|(_, res)| res);
         let mut sent = 0u64;
         let mut failed = Vec::new();
         let mut first_error = None;
         for (r, res) in chunk.iter().zip(results) {
             let res = match res {
-                Ok(d) if !postal_shared::kafka_producer::written(d.offset) => {
+                Ok(offset) if !postal_shared::kafka_producer::written(offset) => {
                     Err(postal_shared::kafka_producer::UNCONFIRMED.to_owned())
                 }
                 Ok(_) => Ok(()),
-                Err((e, _)) => Err(e.to_string()),
+                Err(e) => Err(e),
             };
             match res {
                 Ok(()) => sent += 1,

@@ -72,7 +72,8 @@ pub(crate) async fn record(conn: &mut PgConnection, d: DeadLetter<'_>) -> Result
     .bind(d.record.partition)
     .bind(d.record.offset)
     .bind(d.event_id)
-    .bind(d.event_type)
+    // The type as read (its bytes stay in the headers), NUL escaped: `text` refuses it.
+    .bind(d.event_type.map(postal_shared::text::storable))
     .bind(d.record.key.as_deref())
     .bind(d.record.payload.as_deref())
     .bind(names)

@@ -48,6 +48,10 @@ pub async fn cleanup_processed_recorded(
     batch: usize,
     audit: Option<i64>,
 ) -> Result<Option<u64>, sqlx::Error> {
+    // In a transaction of its own, unnamed: behind a transaction pooler each round trip
+    // outside a transaction may reach another server connection, where the statement sqlx
+    // prepared (named, or unnamed in the round trip before) does not exist.
+    let mut tx = pool.begin().await?;
     sqlx::query(
         "INSERT INTO postal.dedup_horizon (consumer_name, horizon)
          SELECT $1, max(processed_at) FROM postal.processed_events
@@ -59,8 +63,10 @@ pub async fn cleanup_processed_recorded(
     )
     .bind(consumer)
     .bind(retention.as_millis() as i64)
-    .execute(pool)
+    .persistent(false)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     delete_in_batches_recorded(
         pool,
         CleanupLock::Named(DEDUP_CLEANUP_LOCK, consumer),

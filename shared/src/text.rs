@@ -85,6 +85,18 @@ pub fn bounded(s: &str, max: usize) -> Cow<'_, str> {
     Cow::Owned(format!("{}… ({} more bytes)", &e[..cut], e.len() - cut))
 }
 
+/// `s` as PostgreSQL `text` can hold it: a NUL, which `text` refuses (the whole statement
+/// fails), written as the escape `\u{0}`; everything else as it is. For fields of a record
+/// stored for people to read (a dead letter's or held record's `event_type`) whose exact bytes
+/// are kept elsewhere (the record's headers, `bytea`).
+pub fn storable(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\\u{0}"))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
 /// An outside field (a topic, a key) for a log line: escaped, bounded to 200 bytes.
 pub fn field(s: &str) -> Cow<'_, str> {
     bounded(s, 200)
@@ -99,6 +111,15 @@ pub fn quoted(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Guarantee: a NUL, which PostgreSQL `text` refuses, is stored as its escape; other text
+    /// (control characters included) is unchanged.
+    #[test]
+    fn storable_text_holds_no_nul() {
+        assert_eq!(storable("en\0try"), "en\\u{0}try");
+        assert_eq!(storable("order\n→"), "order\n→");
+        assert!(matches!(storable("plain"), Cow::Borrowed(_)));
+    }
 
     /// Guarantee: escape sequences, line breaks and bidirectional overrides are written as
     /// escapes; ordinary and non-ASCII text is unchanged.

@@ -190,7 +190,7 @@ impl Worker {
         .bind(record.offset)
         .bind(key)
         .bind(meta.id.as_uuid())
-        .bind(&meta.event_type)
+        .bind(postal_shared::text::storable(&meta.event_type))
         .bind(record.payload.as_deref())
         .bind(names)
         .bind(values)
@@ -362,9 +362,17 @@ impl Worker {
     /// stays held).
     async fn release_key(&self, own: &Ownership, key: &[u8], mut mode: Release) -> Step {
         tracing::info!(topic = %self.topic, partition = self.partition, skip_head = (mode == Release::Skip), "releasing a held key");
+        // The record the last pass of the loop worked on: met again, it was not applied (it
+        // failed for good again and is the head, or its transaction was rolled back), and
+        // this release ends; the next one is asked again or due by the retry policy.
+        let mut last: Option<i64> = None;
         loop {
             let row = match self.next_held(key).await {
-                Some(Ok(Some(r))) => r,
+                Some(Ok(Some(r))) if last == Some(r.kafka_offset) => return Step::Done,
+                Some(Ok(Some(r))) => {
+                    last = Some(r.kafka_offset);
+                    r
+                }
                 Some(Ok(None)) => {
                     // Nothing left (released by an earlier ownership that stopped before
                     // deleting the key's row cannot happen: the last record's transaction

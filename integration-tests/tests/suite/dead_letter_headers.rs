@@ -18,10 +18,10 @@ use crate::handlers;
 const WAIT: Duration = Duration::from_secs(60);
 
 /// A record's headers as the wire has them: name, value (`None`: no value), in order.
-type WireHeaders = Vec<(String, Option<Vec<u8>>)>;
+pub(crate) type WireHeaders = Vec<(String, Option<Vec<u8>>)>;
 
 /// Produces one record to partition 0 of `topic` with exactly `headers`.
-async fn produce_with(
+pub(crate) async fn produce_with(
     bootstrap: &str,
     topic: &str,
     key: &[u8],
@@ -55,7 +55,7 @@ async fn produce_with(
 }
 
 /// The headers of the record at `offset` of partition 0 of `topic`, as the wire has them.
-async fn headers_at(bootstrap: &str, topic: &str, offset: i64) -> WireHeaders {
+pub(crate) async fn headers_at(bootstrap: &str, topic: &str, offset: i64) -> WireHeaders {
     let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = ClientConfig::new()
