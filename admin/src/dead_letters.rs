@@ -382,8 +382,9 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         // Sent together, a key's records could share a record batch that the broker refuses
         // for its size (it checks a whole batch against the topic's `max.message.bytes`) while
         // a later one of the key is written: re-sent alone afterwards, the earlier ones would
-        // land after it. A record refused for its size is sent again alone before the key's
-        // next one; only then does it count as failed.
+        // land after it. So a key whose record is refused for its size sends nothing more in
+        // this first pass; afterwards, one record at a time across all keys (alone, so that
+        // only its own size counts), that record and the rest of its key go out in order.
         let same_key = |a: &Record, b: &Record| a.topic == b.topic && a.record_key == b.record_key;
         let mut by_key: Vec<Vec<usize>> = Vec::new();
         for (i, r) in chunk.iter().enumerate() {
@@ -393,24 +394,36 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
             }
         }
         let chunk = &chunk;
-        let sends = by_key.iter().map(|members| async move {
+        // The written offset, or the error as shown.
+        let shown = |res: Result<
+            rdkafka::producer::future_producer::Delivery,
+            (rdkafka::error::KafkaError, rdkafka::message::OwnedMessage),
+        >| { res.map(|d| d.offset).map_err(|(e, _)| e.to_string()) };
+        let first = by_key.iter().map(|members| async move {
             let mut out = Vec::with_capacity(members.len());
-            for &i in members {
-                let r = chunk[i];
-                let mut res = producer.send(record(r), Duration::from_secs(15)).await;
+            for (n, &i) in members.iter().enumerate() {
+                let res = producer.send(record(chunk[i]), Duration::from_secs(15)).await;
                 if matches!(&res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
-                    res = producer.send(record(r), Duration::from_secs(15)).await;
+                    return (out, Some(&members[n..]));
                 }
-                // The written offset, or the error as shown.
-                out.push((i, res.map(|d| d.offset).map_err(|(e, _)| e.to_string())));
+                out.push((i, shown(res)));
             }
-            out
+            (out, None)
         });
-        let mut results: Vec<_> = futures::future::join_all(sends)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut results = Vec::with_capacity(chunk.len());
+        let mut alone = Vec::new();
+        for (out, rest) in futures::future::join_all(first).await {
+            results.extend(out);
+            alone.extend(rest);
+        }
+        for rest in alone {
+            for &i in rest {
+                let res = producer
+                    .send(record(chunk[i]), Duration::from_secs(15))
+                    .await;
+                results.push((i, shown(res)));
+            }
+        }
         results.sort_by_key(|(i, _)| *i);
         let results = results.into_iter().map(|(_, res)| res);
         let mut sent = 0u64;

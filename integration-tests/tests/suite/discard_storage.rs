@@ -160,10 +160,10 @@ fn postal_with_peak_rss(url: &str, args: &[&str], out: &std::path::Path) -> (i32
 }
 
 /// Guarantee: `postal audit show` of a discard prints each kept event whole, as one JSON line,
-/// with memory bounded by a piece of it rather than by its size: a 60 MiB text payload of
+/// with memory bounded by a piece of it rather than by its size: a 150 MiB text payload of
 /// multi-byte characters (a right-to-left override among them, escaped for the terminal) and a
-/// 12 MiB binary one (NUL and 0xff: printed in base64) come back exactly, under 64 MiB of
-/// peak RSS.
+/// 12 MiB binary one (NUL and 0xff: printed in base64) come back exactly, under 96 MiB of
+/// peak RSS (about 60 MiB measured, whatever the event's size; the CLI alone is about 24 MiB).
 ///
 /// Broken: each event was read whole and printed from one string: the payload, its JSON, and
 /// the JSON escaped for the terminal, several copies of the event at once (480 MiB measured
@@ -175,7 +175,7 @@ async fn audit_show_prints_large_discarded_events_whole_in_bounded_memory() {
     let topic = unique("show-big");
     // 9 bytes a unit: pieces of 3 MiB cut characters in two.
     let unit = "a\u{20ac}\u{202e}\u{fc}";
-    let units = 60 * (1 << 20) / unit.len() as i32;
+    let units = 150 * (1 << 20) / unit.len() as i32;
     let bin_pairs = 6 * (1 << 20);
     sqlx::query(
         "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload, status,
@@ -240,8 +240,8 @@ async fn audit_show_prints_large_discarded_events_whole_in_bounded_memory() {
     std::fs::remove_dir_all(&dir).unwrap();
     eprintln!("audit show peak RSS {peak_kib} KiB");
     assert!(
-        peak_kib < 64 * 1024,
-        "audit show's peak RSS was {peak_kib} KiB for a 60 MiB and a 12 MiB event"
+        peak_kib < 96 * 1024,
+        "audit show's peak RSS was {peak_kib} KiB for a 150 MiB and a 12 MiB event"
     );
 }
 
