@@ -399,14 +399,28 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
             rdkafka::producer::future_producer::Delivery,
             (rdkafka::error::KafkaError, rdkafka::message::OwnedMessage),
         >| { res.map(|d| d.offset).map_err(|(e, _)| e.to_string()) };
+        // A keyed record that is not sent holds back the rest of its key in this replay: sent,
+        // they would come before it once it is (records without a key keep no order).
+        let held_back = |r: &Record| {
+            Err(format!(
+                "not sent: dead letter {} of its key before it was not (replay again once it can be)",
+                r.id
+            ))
+        };
         let first = by_key.iter().map(|members| async move {
             let mut out = Vec::with_capacity(members.len());
+            let keyed = chunk[members[0]].record_key.is_some();
             for (n, &i) in members.iter().enumerate() {
                 let res = producer.send(record(chunk[i]), Duration::from_secs(15)).await;
                 if matches!(&res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
                     return (out, Some(&members[n..]));
                 }
+                let failed = res.is_err();
                 out.push((i, shown(res)));
+                if failed && keyed {
+                    out.extend(members[n + 1..].iter().map(|&j| (j, held_back(chunk[i]))));
+                    break;
+                }
             }
             (out, None)
         });
@@ -417,10 +431,19 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
             alone.extend(rest);
         }
         for rest in alone {
+            let keyed = chunk[rest[0]].record_key.is_some();
+            let mut not_sent: Option<&Record> = None;
             for &i in rest {
+                if let Some(before) = not_sent {
+                    results.push((i, held_back(before)));
+                    continue;
+                }
                 let res = producer
                     .send(record(chunk[i]), Duration::from_secs(15))
                     .await;
+                if res.is_err() && keyed {
+                    not_sent = Some(chunk[i]);
+                }
                 results.push((i, shown(res)));
             }
         }
