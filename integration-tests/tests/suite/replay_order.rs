@@ -1,0 +1,203 @@
+//! Attacks on the order and counts of `postal dead-letters replay` (`postal_admin::dead_letters::
+//! replay`): per chunk, a key's records go out one at a time in id order, keys at once; a key
+//! whose record is refused for its size stops, and its rest goes out one at a time afterwards.
+
+use std::time::Duration;
+
+use postal_integration_tests::{kafka, services, unique};
+use uuid::Uuid;
+
+use crate::dead_letters::create_topic_with;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Records one dead letter of consumer `billing` from `topic` with record key `key` (None: no
+/// key), an event id (also its `ce_id` header), its dedup row and `value` random bytes; returns
+/// (dead letter id, event id).
+async fn dead_letter(
+    pool: &sqlx::PgPool,
+    topic: &str,
+    key: Option<&str>,
+    value: usize,
+) -> (i64, Uuid) {
+    use rand::RngCore;
+    let mut payload = vec![0u8; value];
+    rand::rng().fill_bytes(&mut payload);
+    let event = Uuid::now_v7();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+             kafka_offset, event_id, record_key, payload, header_names, header_values,
+             reason, error, attempts, dlq_topic)
+         VALUES ('billing', 'billing', $1, 0, 0, $2, $3, $4, ARRAY['ce_id', 'ce_type'],
+                 ARRAY[convert_to($2::text, 'UTF8'), convert_to('job', 'UTF8')],
+                 'permanent', 'declined', 1, $1 || '.dlq')
+         RETURNING id",
+    )
+    .bind(topic)
+    .bind(event)
+    .bind(key.map(|k| k.as_bytes().to_vec()))
+    .bind(payload)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         SELECT consumer_name, event_id, created_at FROM postal.dead_letters WHERE id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+    (id, event)
+}
+
+fn replay_producer(bootstrap: &str) -> rdkafka::producer::FutureProducer {
+    postal_shared::kafka_producer::replay_config(bootstrap, &std::collections::BTreeMap::new())
+        .expect("producer settings")
+        .create()
+        .expect("producer")
+}
+
+async fn replay(
+    pool: &sqlx::PgPool,
+    producer: &rdkafka::producer::FutureProducer,
+    ids: &[i64],
+) -> Result<u64, postal_admin::Error> {
+    postal_admin::dead_letters::replay(
+        pool,
+        producer,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::json!({ "ids": ids }),
+        ids,
+        |_| {},
+    )
+    .await
+}
+
+/// The `ce_id`s on `topic`, per partition in offset order (read until `min` arrived).
+async fn on_topic(bootstrap: &str, topic: &str, min: usize, wait: Duration) -> Vec<String> {
+    kafka::read_all(bootstrap, topic, min, wait)
+        .await
+        .iter()
+        .map(|r| r.header("ce_id").unwrap_or("-").to_owned())
+        .collect()
+}
+
+/// Guarantee (the brief: a key's dead letters reach the topic in id order; a key whose record
+/// is refused for its size sends nothing more until that record went out): four dead letters
+/// of one key, sizes [100, 700,000, 100, 100] bytes, to a topic whose `max.message.bytes` is
+/// 600,000 (the second can never be written). The replay fails on the second; the third and
+/// fourth must not be written ahead of it: they stay open with their dedup rows, so that a
+/// later replay (after the operator raised the topic's limit) sends 2, 3, 4 in order.
+///
+/// Broken (fails on r46b-s6 at 242185a): the replay returns the error for dead letter 2, yet
+/// dead letters 3 and 4 were written to the topic (topic holds positions [0, 2, 3]) and marked
+/// replayed (audit affected 3 of matched 4). In the pass "one record at a time" after the
+/// first (`admin/src/dead_letters.rs` `replay`, `for rest in alone`), a record refused again
+/// alone does not stop the rest of its key: once the topic's limit is raised and the replay is
+/// run again, dead letter 2 lands after 3 and 4 — the key's order is lost. The same holds in
+/// the first pass for any other failure in the middle of a key (the loop pushes the error and
+/// goes on to the key's next record).
+#[tokio::test]
+async fn a_key_whose_record_is_refused_alone_sends_none_of_its_later_ones() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-order-refused");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let mut letters = Vec::new();
+    for size in [100, 700_000, 100, 100] {
+        letters.push(dead_letter(&db.pool, &topic, Some("k"), size).await);
+    }
+    let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
+    let producer = replay_producer(&svc.bootstrap);
+    let res = replay(&db.pool, &producer, &ids).await;
+    eprintln!("replay: {res:?}");
+    assert!(res.is_err(), "dead letter 2 can never be written");
+    let sent = on_topic(&svc.bootstrap, &topic, 1, Duration::from_secs(10)).await;
+    let expected: Vec<String> = letters.iter().map(|(_, e)| e.to_string()).collect();
+    let positions: Vec<Option<usize>> = sent
+        .iter()
+        .map(|e| expected.iter().position(|x| x == e))
+        .collect();
+    let open: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM postal.dead_letters WHERE replayed_at IS NULL ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let audit: Vec<(Option<i64>, i64)> = sqlx::query_as(
+        "SELECT matched, affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    eprintln!("on topic (positions): {positions:?}; open: {open:?}; audit: {audit:?}");
+    assert_eq!(positions, vec![Some(0)], "only the first, before the refused one");
+    assert_eq!(open, ids[1..].to_vec(), "the refused one and the rest of its key stay open");
+    assert_eq!(audit, vec![(Some(4), 1)]);
+}
+
+/// Guarantee: a mix of keys on one partition (so that records of different keys share record
+/// batches), records with no key, the same key on two topics, and sizes near the topic's
+/// `max.message.bytes` (250,000: records of 100,000 and 240,000 bytes, interleaved) are each
+/// replayed exactly once, each key's records (per topic) in id order, and the audit counts
+/// match. Holds on r46b-s6 at 242185a.
+#[tokio::test]
+async fn mixed_keys_sizes_and_no_keys_on_one_partition_each_once_in_key_order() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let t1 = unique("replay-order-mix-a");
+    let t2 = unique("replay-order-mix-b");
+    for t in [&t1, &t2] {
+        create_topic_with(&svc.bootstrap, t, &[("max.message.bytes", "250000")]).await;
+    }
+    // (topic, key, event), in id order.
+    let mut letters: Vec<(String, Option<&str>, Uuid)> = Vec::new();
+    let mut ids = Vec::new();
+    let keys = [Some("a"), Some("b"), None, Some("c"), Some("a"), None];
+    for i in 0..36 {
+        let topic = if i % 5 == 4 { &t2 } else { &t1 };
+        let key = keys[i % keys.len()];
+        let size = if i % 3 == 1 { 240_000 } else { 100_000 };
+        let (id, e) = dead_letter(&db.pool, topic, key, size).await;
+        ids.push(id);
+        letters.push((topic.clone(), key, e));
+    }
+    let producer = replay_producer(&svc.bootstrap);
+    let n = replay(&db.pool, &producer, &ids).await.expect("replayed");
+    assert_eq!(n, ids.len() as u64);
+    let mut all = Vec::new();
+    for t in [&t1, &t2] {
+        let want = letters.iter().filter(|l| &l.0 == t).count();
+        let sent = on_topic(&svc.bootstrap, t, want, WAIT).await;
+        assert_eq!(sent.len(), want, "each once on {t}");
+        for key in [Some("a"), Some("b"), Some("c")] {
+            let expected: Vec<String> = letters
+                .iter()
+                .filter(|l| &l.0 == t && l.1 == key)
+                .map(|l| l.2.to_string())
+                .collect();
+            let got: Vec<String> = sent.iter().filter(|e| expected.contains(e)).cloned().collect();
+            assert_eq!(got, expected, "key {key:?} on {t} in id order");
+        }
+        all.extend(sent);
+    }
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "no doubles");
+    let audit: Vec<(Option<i64>, i64)> = sqlx::query_as(
+        "SELECT matched, affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(audit, vec![(Some(ids.len() as i64), ids.len() as i64)]);
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM postal.dead_letters WHERE replayed_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0);
+}
