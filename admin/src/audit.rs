@@ -78,7 +78,27 @@ pub struct Entry {
     pub matched: Option<i64>,
     /// On how many it acted.
     pub affected: i64,
+    /// When it ended, completed or failed; none while it runs, when its process died before it
+    /// ended, and for rows from before migration 36.
+    pub ended_at: Option<DateTime<Utc>>,
+    /// The one-line error it ended with; none when it completed.
+    pub error: Option<String>,
 }
+
+impl Entry {
+    /// How the action ended, in a word: `done`, `failed`, or `-` (running, its process died
+    /// before it ended, or recorded before migration 36).
+    pub fn outcome(&self) -> &'static str {
+        match (&self.ended_at, &self.error) {
+            (Some(_), None) => "done",
+            (Some(_), Some(_)) => "failed",
+            (None, _) => "-",
+        }
+    }
+}
+
+/// The most of an action's error the trail keeps, in bytes.
+const ERROR_LIMIT: usize = 2000;
 
 /// An action's row in the trail, written before the action changes anything.
 #[derive(Debug)]
@@ -120,6 +140,41 @@ impl Recording {
         .execute(tx)
         .await?;
         Ok(())
+    }
+}
+
+impl Recording {
+    /// Ends the action's row with its outcome: when it ended and, for a failure, the error's
+    /// one line (after the counts its committed batches added), then gives the outcome back.
+    /// Written in a statement of its own: a failure to write it (the database gone, which is
+    /// often why the action failed) is logged and does not replace the action's outcome.
+    pub async fn end<T, E: std::fmt::Display>(
+        &self,
+        pool: &PgPool,
+        outcome: Result<T, E>,
+    ) -> Result<T, E> {
+        let error = outcome.as_ref().err().map(|e| {
+            postal_shared::text::storable(&postal_shared::text::bounded(
+                &e.to_string(),
+                ERROR_LIMIT,
+            ))
+            .into_owned()
+        });
+        let ended = sqlx::query(
+            "UPDATE postal.operator_audit SET ended_at = now(), error = $2 WHERE id = $1",
+        )
+        .bind(self.id)
+        .bind(&error)
+        .execute(pool)
+        .await;
+        if let Err(e) = ended {
+            tracing::warn!(
+                audit_id = self.id,
+                error = %postal_shared::text::field(&e.to_string()),
+                "could not record how the operator action ended"
+            );
+        }
+        outcome
     }
 }
 
@@ -211,8 +266,9 @@ pub async fn record(
         "operator action"
     );
     let id = sqlx::query_scalar(
-        "INSERT INTO postal.operator_audit (actor, via, db_role, action, target, matched, affected)
-         VALUES ($1, $2, current_user, $3, $4, $5, $6) RETURNING id",
+        "INSERT INTO postal.operator_audit
+                (actor, via, db_role, action, target, matched, affected, ended_at)
+         VALUES ($1, $2, current_user, $3, $4, $5, $6, now()) RETURNING id",
     )
     .bind(&by.name)
     .bind(by.via)
@@ -228,7 +284,8 @@ pub async fn record(
     })
 }
 
-const COLUMNS: &str = "id, at, actor, via, db_role, action, target, matched, affected";
+const COLUMNS: &str =
+    "id, at, actor, via, db_role, action, target, matched, affected, ended_at, error";
 
 /// The latest entries, newest first.
 pub async fn latest(pool: &PgPool, limit: i64) -> Result<Vec<Entry>, Error> {

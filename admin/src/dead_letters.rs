@@ -233,19 +233,23 @@ pub async fn resolve(
     ids: &[i64],
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "resolve", target, ids.len()).await?;
-    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
-    let n = sqlx::query(
-        "UPDATE postal.dead_letters SET resolved_at = now(), resolved_by = $2
+    let outcome = async {
+        let mut tx = postal_shared::cancel_safe::begin(pool).await?;
+        let n = sqlx::query(
+            "UPDATE postal.dead_letters SET resolved_at = now(), resolved_by = $2
          WHERE id = ANY($1) AND replayed_at IS NULL AND resolved_at IS NULL",
-    )
-    .bind(ids)
-    .bind(recording.actor())
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    recording.add(&mut tx, n, None).await?;
-    tx.commit().await?;
-    Ok(n)
+        )
+        .bind(ids)
+        .bind(recording.actor())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        recording.add(&mut tx, n, None).await?;
+        tx.commit().await?;
+        Ok::<u64, Error>(n)
+    }
+    .await;
+    recording.end(pool, outcome).await
 }
 
 /// The original record of a dead letter, as it is replayed.
@@ -313,18 +317,31 @@ fn replay_chunks(sized: &[(i64, i64)]) -> Vec<Vec<i64>> {
 /// dead letter keeps its event's dedup row, so that no copy of it is ever applied by itself;
 /// replay removes that row just before sending, so the event goes through the handler once
 /// more — once. `progress` gets the running total. On a failed send, the dead letters of that
-/// chunk that were not sent stand again (with their dedup rows) and the error says how many
-/// were replayed before it. Recorded in the audit trail as `replay` by `by` on `target` (what
-/// the operator gave: ids or a filter), each chunk's count in the chunk's transaction.
+/// chunk that were not sent stand again (with their dedup rows), the replay stops there, and
+/// the error says how many of those selected were replayed. Recorded in the audit trail as
+/// `replay` by `by` on `target` (what the operator gave: ids or a filter), each chunk's count
+/// in the chunk's transaction, and how it ended (the error's line, if it failed).
 pub async fn replay<C: rdkafka::ClientContext + 'static>(
     pool: &PgPool,
     producer: &FutureProducer<C>,
     by: &Operator,
     target: &serde_json::Value,
     ids: &[i64],
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "replay", target, ids.len()).await?;
+    let outcome = replay_recorded(pool, producer, &recording, ids, progress).await;
+    recording.end(pool, outcome).await
+}
+
+/// [`replay`] under its audit row `recording`.
+async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
+    pool: &PgPool,
+    producer: &FutureProducer<C>,
+    recording: &audit::Recording,
+    ids: &[i64],
+    mut progress: impl FnMut(u64),
+) -> Result<u64, Error> {
     // Sizes first, then each chunk's rows when its turn comes: a replay of many large dead
     // letters (a record's headers are kept whole, however many) holds one chunk at a time.
     let sized: Vec<(i64, i64)> = sqlx::query_as(
@@ -493,8 +510,9 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
         tx.commit().await?;
         if let Some(e) = first_error {
             return Err(Error::Kafka(format!(
-                "{e} ({} replayed before it; run the same replay again for the rest)",
-                done + sent
+                "{e} ({} of {} replayed; run the same replay again for the rest)",
+                done + sent,
+                sized.len()
             )));
         }
         done += sent;

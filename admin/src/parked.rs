@@ -348,7 +348,8 @@ pub async fn requeue_seqs(
     progress: impl FnMut(u64),
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "requeue", target, seqs.len()).await?;
-    requeue_recorded(pool, &recording, seqs, progress).await
+    let outcome = requeue_recorded(pool, &recording, seqs, progress).await;
+    recording.end(pool, outcome).await
 }
 
 async fn requeue_recorded(
@@ -484,9 +485,21 @@ pub async fn discard_seqs_in(
     target: &serde_json::Value,
     seqs: &[i64],
     batch: DiscardBatch,
-    mut keep: impl FnMut(Vec<DiscardedRef>) -> Result<(), Error>,
+    keep: impl FnMut(Vec<DiscardedRef>) -> Result<(), Error>,
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "discard", target, seqs.len()).await?;
+    let outcome = discard_recorded(pool, &recording, seqs, batch, keep).await;
+    recording.end(pool, outcome).await
+}
+
+/// [`discard_seqs_in`] under its audit row `recording`.
+async fn discard_recorded(
+    pool: &PgPool,
+    recording: &audit::Recording,
+    seqs: &[i64],
+    batch: DiscardBatch,
+    mut keep: impl FnMut(Vec<DiscardedRef>) -> Result<(), Error>,
+) -> Result<u64, Error> {
     let mut sorted = seqs.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -499,10 +512,10 @@ pub async fn discard_seqs_in(
         // Sizes only: octet_length of a payload reads its stored length, not the payload.
         let locked: Vec<(i64, i64)> = sqlx::query_as(
             "SELECT seq, (octet_length(payload) + octet_length(headers::text)
-                          + octet_length(topic) + octet_length(event_key)
-                          + octet_length(event_type) + coalesce(octet_length(last_error), 0))::int8
-             FROM postal.outbox WHERE status = 'failed' AND seq = ANY($1)
-             ORDER BY seq FOR UPDATE SKIP LOCKED",
+                      + octet_length(topic) + octet_length(event_key)
+                      + octet_length(event_type) + coalesce(octet_length(last_error), 0))::int8
+         FROM postal.outbox WHERE status = 'failed' AND seq = ANY($1)
+         ORDER BY seq FOR UPDATE SKIP LOCKED",
         )
         .bind(chunk)
         .fetch_all(&mut *tx)
@@ -532,17 +545,17 @@ pub async fn discard_seqs_in(
         }
         let moved: Vec<DiscardedRef> = sqlx::query_as(
             "WITH d AS (
-                 DELETE FROM postal.outbox WHERE status = 'failed' AND seq = ANY($2)
-                 RETURNING seq, event_id, topic, event_key, event_type, schema_version,
-                           occurred_at, content_type, headers, attempts, last_error, payload)
-             INSERT INTO postal.operator_audit_events
-                 (audit_id, seq, event_id, topic, event_key, event_type, schema_version,
-                  occurred_at, content_type, headers, attempts, last_error, payload)
-             SELECT $1, seq, event_id, topic, event_key, event_type, schema_version,
-                    occurred_at, content_type, headers, attempts, last_error, payload
-             FROM d ORDER BY seq
-             RETURNING audit_id, event_id, topic, event_key, event_type,
-                       octet_length(payload)::int8 AS payload_bytes",
+             DELETE FROM postal.outbox WHERE status = 'failed' AND seq = ANY($2)
+             RETURNING seq, event_id, topic, event_key, event_type, schema_version,
+                       occurred_at, content_type, headers, attempts, last_error, payload)
+         INSERT INTO postal.operator_audit_events
+             (audit_id, seq, event_id, topic, event_key, event_type, schema_version,
+              occurred_at, content_type, headers, attempts, last_error, payload)
+         SELECT $1, seq, event_id, topic, event_key, event_type, schema_version,
+                occurred_at, content_type, headers, attempts, last_error, payload
+         FROM d ORDER BY seq
+         RETURNING audit_id, event_id, topic, event_key, event_type,
+                   octet_length(payload)::int8 AS payload_bytes",
         )
         .bind(recording.id())
         .bind(&picked)
@@ -639,7 +652,8 @@ pub async fn release_seqs(
     seqs: &[i64],
 ) -> Result<u64, Error> {
     let recording = audit::open(pool, by, "release-key", target, seqs.len()).await?;
-    requeue_recorded(pool, &recording, seqs, |_| {}).await
+    let outcome = requeue_recorded(pool, &recording, seqs, |_| {}).await;
+    recording.end(pool, outcome).await
 }
 
 /// The key of the parked event `head` and the key's parked events on its topic, in outbox

@@ -12,7 +12,8 @@ use crate::shown::{json, shown};
 #[derive(Subcommand, Debug)]
 pub enum AuditCommand {
     /// List recorded actions, newest first: when, who (OS or dashboard user, via, database
-    /// role), what, on what, how many matched and were affected.
+    /// role), what, on what, how many matched and were affected, and how it ended (`done`,
+    /// `failed` with its error, or `-` while running or when its process died).
     List {
         /// At most this many.
         #[arg(long, default_value_t = 50)]
@@ -52,7 +53,7 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
         AuditCommand::List { limit, json: false } => {
             let entries = audit::latest(pool, limit).await?;
             say!(
-                "{:>6}  {:<20} {:<16} {:<9} {:<14} {:<11} {:>7} {:>8}  ON",
+                "{:>6}  {:<20} {:<16} {:<9} {:<14} {:<11} {:>7} {:>8} {:<7} ON",
                 "ID",
                 "WHEN (UTC)",
                 "WHO",
@@ -60,11 +61,16 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
                 "ROLE",
                 "ACTION",
                 "MATCHED",
-                "AFFECTED"
+                "AFFECTED",
+                "OUTCOME"
             );
             for e in &entries {
+                let error = e
+                    .error
+                    .as_deref()
+                    .map_or_else(String::new, |err| format!("  error: {}", shown(err, false)));
                 say!(
-                    "{:>6}  {:<20} {:<16} {:<9} {:<14} {:<11} {:>7} {:>8}  {}",
+                    "{:>6}  {:<20} {:<16} {:<9} {:<14} {:<11} {:>7} {:>8} {:<7} {}{error}",
                     e.id,
                     e.at.format("%Y-%m-%d %H:%M:%S"),
                     shown(&e.actor, false),
@@ -73,6 +79,7 @@ pub async fn run(pool: &PgPool, cmd: AuditCommand) -> anyhow::Result<()> {
                     shown(&e.action, false),
                     e.matched.map_or_else(|| "-".into(), |m| m.to_string()),
                     e.affected,
+                    e.outcome(),
                     shown(
                         &postal_shared::text::bounded(&e.target.to_string(), 400),
                         false

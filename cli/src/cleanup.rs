@@ -68,14 +68,19 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             serde_json::json!({ "table": "outbox", "published_retention": age(r), "batch": args.batch }),
         )
         .await?;
-        let done = postal_producer::retention::cleanup_published_recorded(
-            pool,
-            r,
-            args.batch,
-            Some(audit.id()),
-            |n| progress.set(n),
-        )
-        .await?;
+        let done = audit
+            .end(
+                pool,
+                postal_producer::retention::cleanup_published_recorded(
+                    pool,
+                    r,
+                    args.batch,
+                    Some(audit.id()),
+                    |n| progress.set(n),
+                )
+                .await,
+            )
+            .await?;
         progress.finish();
         match done {
             Some(n) => say!(
@@ -124,14 +129,19 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
                 serde_json::json!({ "table": "processed_events", "consumer": name, "dedup_retention": age(r), "batch": args.batch }),
             )
             .await?;
-            let done = postal_consumer::retention::cleanup_processed_recorded(
-                pool,
-                &name,
-                r,
-                args.batch,
-                Some(audit.id()),
-            )
-            .await?;
+            let done = audit
+                .end(
+                    pool,
+                    postal_consumer::retention::cleanup_processed_recorded(
+                        pool,
+                        &name,
+                        r,
+                        args.batch,
+                        Some(audit.id()),
+                    )
+                    .await,
+                )
+                .await?;
             match done {
                 Some(n) => say!(
                     "dedup {c}: deleted {n} row(s) older than {}",
@@ -147,13 +157,18 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             serde_json::json!({ "table": "dead_letters", "dead_letter_retention": age(r), "batch": args.batch }),
         )
         .await?;
-        let done = postal_consumer::retention::cleanup_dead_letters_recorded(
-            pool,
-            r,
-            args.batch,
-            Some(audit.id()),
-        )
-        .await?;
+        let done = audit
+            .end(
+                pool,
+                postal_consumer::retention::cleanup_dead_letters_recorded(
+                    pool,
+                    r,
+                    args.batch,
+                    Some(audit.id()),
+                )
+                .await,
+            )
+            .await?;
         match done {
             Some(n) => say!(
                 "dead letters: deleted {n} published row(s) older than {}",

@@ -62,10 +62,11 @@ fn cleanup_command(url: &str, batch: &str) -> std::process::Command {
 /// Guarantee: a `postal cleanup` that fails after some of its batches committed (here its
 /// third batch's lock wait ends in `lock_timeout`) leaves its audit row saying how many rows
 /// it did delete (20), not 0: each batch counts itself in the audit row in its own
-/// transaction.
+/// transaction; and the row keeps the error the run ended with (migration 36).
 ///
 /// Broken: the count was written once, after the last batch; a cleanup that failed midway
-/// deleted 20 rows and its audit row said `affected` 0.
+/// deleted 20 rows and its audit row said `affected` 0. Before migration 36 the row kept no
+/// error: a failed run looked like one still running.
 #[tokio::test]
 async fn a_cleanup_that_fails_midway_records_the_rows_it_deleted() {
     let db = services().await.fresh_db().await;
@@ -83,6 +84,23 @@ async fn a_cleanup_that_fails_midway_records_the_rows_it_deleted() {
         "two batches of 10 deleted before the locked row"
     );
     assert_eq!(recorded, vec![20], "the audit row counts what was deleted");
+    let (ended, error) = outcome(&db.pool).await;
+    assert!(ended, "the audit row says the run ended");
+    let error = error.expect("the audit row keeps the error the run ended with");
+    assert!(
+        error.contains("lock timeout"),
+        "the error's line, as the command printed it: {error}"
+    );
+}
+
+/// Whether the one `cleanup` audit row says it ended, and the error it keeps.
+async fn outcome(pool: &sqlx::PgPool) -> (bool, Option<String>) {
+    sqlx::query_as(
+        "SELECT ended_at IS NOT NULL, error FROM postal.operator_audit WHERE action = 'cleanup'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// Guarantee: a `postal cleanup` killed (SIGKILL) while a batch waits leaves its audit row
@@ -125,6 +143,11 @@ async fn a_cleanup_killed_midway_records_the_rows_it_deleted() {
         "two batches of 10 deleted before the locked row"
     );
     assert_eq!(recorded, vec![20], "the audit row counts what was deleted");
+    assert_eq!(
+        outcome(&db.pool).await,
+        (false, None),
+        "a killed run never ended: its row says so (no end, no error)"
+    );
 }
 
 /// Guarantee: two `postal cleanup` runs at once on the same table (each batch takes the

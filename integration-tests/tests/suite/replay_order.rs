@@ -382,3 +382,74 @@ async fn raising_the_limit_and_replaying_again_leaves_the_key_in_id_order() {
     eprintln!("on topic (positions): {positions:?}");
     assert_eq!(sent, expected, "each once, in id order");
 }
+
+/// Guarantee (issue 46: every operator action leaves a trail): a replay that fails keeps, in
+/// its audit row, the one-line error it ended with and what it did before (`affected`), and
+/// `postal audit list` shows it as `failed` with that error on the action's line; a replay
+/// that completes says `done`, with no error.
+///
+/// Scenario: key `k` with dead letters of 100 and 700,000 bytes to a topic that takes 600,000
+/// (the second can never be written), then a replay of one small dead letter of key `j`.
+///
+/// Broken before migration 36: the failed replay's row held `matched` 2, `affected` 1 and no
+/// error; it looked like a replay still running.
+#[tokio::test]
+async fn a_failed_replay_keeps_its_error_in_the_audit_trail() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-audit-error");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let (small, _) = dead_letter(&db.pool, &topic, Some("k"), 100).await;
+    let (large, _) = dead_letter(&db.pool, &topic, Some("k"), 700_000).await;
+    let (other, _) = dead_letter(&db.pool, &topic, Some("j"), 100).await;
+    let producer = replay_producer(&svc.bootstrap);
+    let err = replay(&db.pool, &producer, &[small, large])
+        .await
+        .expect_err("dead letter 2 can never be written");
+    assert_eq!(replay(&db.pool, &producer, &[other]).await.unwrap(), 1);
+    let rows: Vec<(i64, bool, Option<String>)> = sqlx::query_as(
+        "SELECT affected, ended_at IS NOT NULL, error FROM postal.operator_audit
+         WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    eprintln!("replay error: {err}; audit rows: {rows:?}");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(
+        (rows[0].0, rows[0].1),
+        (1, true),
+        "the first ended after 1 sent"
+    );
+    let kept = rows[0]
+        .2
+        .as_deref()
+        .expect("the failed replay keeps its error");
+    assert_eq!(kept, err.to_string(), "the error as the operator saw it");
+    assert!(
+        kept.contains(&format!("dead letter {large}")) && kept.contains("1 of 2 replayed"),
+        "it names the dead letter and what was replayed: {kept}"
+    );
+    assert_eq!(rows[1], (1, true, None), "the second completed");
+    let out = std::process::Command::new(crate::procs::bin_dir().join("postal"))
+        .args(["audit", "list"])
+        .env("DATABASE_URL", &db.url)
+        .env("POSTAL_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains(" replay ")).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(
+        lines[0].contains(" done ") && !lines[0].contains("error:"),
+        "newest first, the completed one: {}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains(" failed ")
+            && lines[1].contains(&format!("error: replaying dead letter {large}")),
+        "the failed one, with its error on its line: {}",
+        lines[1]
+    );
+}

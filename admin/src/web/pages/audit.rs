@@ -27,6 +27,10 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
                 ),
                 e.matched.map_or_else(|| "-".to_owned(), |m| m.to_string()),
                 e.affected.to_string(),
+                match &e.error {
+                    Some(err) => format!("failed: {}", esc(err)),
+                    None => e.outcome().to_owned(),
+                },
             ]
         })
         .collect();
@@ -41,6 +45,7 @@ pub(crate) async fn audit(Extract(state): Extract<State>) -> Response {
             "On",
             "Matched",
             "Affected",
+            "Outcome",
         ],
         &rows,
         "No actions yet.",

@@ -1,0 +1,13 @@
+-- How an operator action ended. Before, a row of the audit trail said only how many events an
+-- action matched and affected: a replay whose send failed partway, or a discard cut off by a
+-- lost connection, left its counts and no reason, and an action whose process was killed looked
+-- like one still running.
+--
+-- `ended_at`: when the action ended, completed or failed; NULL while it runs, when its process
+-- died before it ended, and for rows written by binaries from before this migration.
+-- `error`: the one-line error a failed action ended with (bounded to 2,000 bytes); NULL when it
+-- completed.
+--
+-- Additive: binaries from before this migration run on it unchanged (they leave both NULL), and
+-- `oldest_compatible` is unchanged.
+ALTER TABLE postal.operator_audit ADD COLUMN ended_at timestamptz, ADD COLUMN error text;
