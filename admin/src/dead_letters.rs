@@ -126,6 +126,17 @@ const COLUMNS: &str = "id, consumer_name, topic, partition, kafka_offset, event_
     attempts, created_at, published_at IS NOT NULL AS published,
     replayed_at IS NOT NULL AS replayed, resolved_at IS NOT NULL AS resolved";
 
+/// The dead letters among `ids`, as listed, oldest first (at most `limit`).
+pub async fn by_ids(pool: &PgPool, ids: &[i64], limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM postal.dead_letters WHERE id = ANY($1) ORDER BY id LIMIT $2"
+    ))
+    .bind(ids)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
 /// Dead letters the filter matches, newest first (at most `limit`).
 pub async fn search(pool: &PgPool, filter: &Filter, limit: i64) -> Result<Vec<DeadLetter>, Error> {
     let sql = format!(

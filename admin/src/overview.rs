@@ -23,6 +23,32 @@ pub struct Backlog {
     pub oldest_pending_age_s: Option<f64>,
 }
 
+/// Pending events of one topic that wait behind a parked event of their key.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct BehindParked {
+    /// Topic.
+    pub topic: String,
+    /// Keys whose earliest parked event holds later pending ones back.
+    pub keys: i64,
+    /// Pending events held back.
+    pub waiting: i64,
+}
+
+/// The held keys of one consumer group (`FinalFailure::HoldKey`).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct HeldGroup {
+    /// Group.
+    pub group_id: String,
+    /// Held keys.
+    pub keys: i64,
+    /// Records stored behind them (the heads included), not applied until released.
+    pub records: i64,
+    /// Their bytes, as counted against the group's bound.
+    pub bytes: i64,
+}
+
 /// One relay.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[non_exhaustive]
@@ -96,7 +122,41 @@ pub struct Overview {
     pub minutes: Vec<Minute>,
     /// The WAL relays' replication slots: lag, retained WAL, lease (none on a standby).
     pub wal_slots: Vec<postal_producer::wal::slot::SlotState>,
+    /// Per topic, pending events waiting behind a parked event of their key.
+    pub behind_parked: Vec<BehindParked>,
+    /// Per consumer group, its held keys.
+    pub held: Vec<HeldGroup>,
 }
+
+// As `crate::parked::BLOCKED_SQL`: one pass over the parked and the pending rows, each
+// through its partial index, grouped by key in a hash.
+const BEHIND_PARKED_SQL: &str = "WITH r AS (
+             SELECT topic, event_key, seq, true AS parked
+             FROM postal.outbox WHERE status = 'failed'
+             UNION ALL
+             SELECT topic, event_key, seq, false
+             FROM postal.outbox WHERE status = 'pending'),
+         k AS (
+             SELECT topic, min(seq) FILTER (WHERE parked) AS head_seq,
+                    array_agg(seq) FILTER (WHERE NOT parked) AS pending
+             FROM r GROUP BY topic, event_key HAVING bool_or(parked)),
+         w AS (
+             SELECT topic, (SELECT count(*) FROM unnest(pending) AS s WHERE s > head_seq) AS waiting
+             FROM k)
+         SELECT topic, count(*) FILTER (WHERE waiting > 0)::int8 AS keys,
+                sum(waiting)::int8 AS waiting
+         FROM w GROUP BY topic HAVING sum(waiting) > 0 ORDER BY topic";
+
+const HELD_SQL: &str = "SELECT k.group_id, count(*)::int8 AS keys,
+                coalesce(sum(r.records), 0)::int8 AS records,
+                coalesce(max(b.bytes), 0)::int8 AS bytes
+         FROM postal.held_keys k
+         LEFT JOIN LATERAL (
+             SELECT count(*) AS records FROM postal.held_records r
+             WHERE (r.group_id, r.topic, r.partition, r.record_key)
+                 = (k.group_id, k.topic, k.partition, k.record_key)) r ON true
+         LEFT JOIN postal.held_bytes b ON b.group_id = k.group_id
+         GROUP BY k.group_id ORDER BY k.group_id";
 
 const RELAYS_SQL: &str = "SELECT i.relay_id, i.relay_group, i.host,
                 extract(epoch FROM now() - i.heartbeat_at)::float8 AS heartbeat_age_s,
@@ -142,6 +202,8 @@ pub(crate) const SQL: &[(&str, &str)] = &[
         "overview: open dead letters per consumer",
         crate::dead_letters::OPEN_PER_CONSUMER_SQL,
     ),
+    ("overview: pending behind parked", BEHIND_PARKED_SQL),
+    ("overview: held keys per group", HELD_SQL),
 ];
 
 /// Reads the overview (consumer lag left empty: see [`fill_lag`]).
@@ -153,6 +215,8 @@ pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
     let consumers = sqlx::query_as(CONSUMERS_SQL).fetch_all(pool).await?;
     let dead_letters = crate::dead_letters::open_per_consumer(pool).await?;
     let minutes: Vec<Minute> = sqlx::query_as(MINUTES_SQL).fetch_all(pool).await?;
+    let behind_parked = sqlx::query_as(BEHIND_PARKED_SQL).fetch_all(pool).await?;
+    let held = sqlx::query_as(HELD_SQL).fetch_all(pool).await?;
     let in_recovery: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
         .fetch_one(pool)
         .await?;
@@ -162,6 +226,8 @@ pub async fn read(pool: &PgPool) -> Result<Overview, Error> {
         postal_producer::wal::slot::states(pool).await?
     };
     Ok(Overview {
+        behind_parked,
+        held,
         wal_slots,
         backlog,
         relays,

@@ -57,9 +57,74 @@ struct Ask<'a> {
     danger: bool,
 }
 
-/// The page that asks to confirm: what, how many, and a form carrying exactly those rows (and
-/// the first request's fields, for the audit trail).
-fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
+/// How many of the rows a confirmation lists (all are counted and carried).
+const PREVIEW: usize = 20;
+
+/// The first [`PREVIEW`] rows a confirmation acts on, as a table: parked events (by sequence
+/// number) or dead letters (by id).
+async fn preview(state: &State, dead: bool, rows: &[i64]) -> Result<String, Error> {
+    let first = &rows[..rows.len().min(PREVIEW)];
+    let table = if dead {
+        let found = dead_letters::by_ids(&state.pool, first, PREVIEW as i64).await?;
+        let cells: Vec<Vec<String>> = found
+            .iter()
+            .map(|d| {
+                vec![
+                    d.id.to_string(),
+                    esc(&d.consumer_name),
+                    esc(&d.topic),
+                    d.event_id
+                        .map_or_else(|| "–".to_owned(), |e| format!("<code>{e}</code>")),
+                    esc(&d.reason),
+                    esc(&postal_shared::text::bounded(&d.error, 120)),
+                ]
+            })
+            .collect();
+        super::html::table(
+            "confirm-list",
+            &["Id", "Consumer", "Topic", "Event", "Reason", "Error"],
+            &cells,
+            "None of them is open any more.",
+        )
+    } else {
+        let found = parked::by_seqs(&state.pool, first).await?;
+        let cells: Vec<Vec<String>> = found
+            .iter()
+            .map(|e| {
+                vec![
+                    format!("<code>{}</code>", e.event_id),
+                    esc(&e.topic),
+                    esc(&e.event_key),
+                    esc(&e.event_type),
+                    esc(&postal_shared::text::bounded(
+                        e.last_error.as_deref().unwrap_or("–"),
+                        120,
+                    )),
+                ]
+            })
+            .collect();
+        super::html::table(
+            "confirm-list",
+            &["Event", "Topic", "Key", "Type", "Why parked"],
+            &cells,
+            "None of them is parked any more.",
+        )
+    };
+    let more = if rows.len() > first.len() {
+        format!(
+            "<p class=\"muted\" id=\"confirm-more\">The first {} of {}, in order; the others are acted on too.</p>",
+            first.len(),
+            rows.len()
+        )
+    } else {
+        String::new()
+    };
+    Ok(format!("{table}{more}"))
+}
+
+/// The page that asks to confirm: what, how many, the first of them, and a form carrying
+/// exactly those rows (and the first request's fields, for the audit trail).
+async fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
     let Ask {
         action,
         title,
@@ -80,6 +145,10 @@ fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
         .filter(|k| !NOT_CARRIED.contains(k))
         .collect();
     let mut fields = super::form::hidden(p, &names);
+    let listed = match preview(state, back == "/dead-letters", rows).await {
+        Ok(l) => l,
+        Err(e) => return failed(&e),
+    };
     let list: Vec<String> = rows.iter().map(i64::to_string).collect();
     let _ = write!(
         fields,
@@ -88,7 +157,7 @@ fn confirm(state: &State, ask: Ask<'_>, p: &[(String, String)]) -> Response {
     );
     let body = format!(
         "<div class=\"confirm\" id=\"confirm\"><p>{}</p>\
-         <p id=\"confirm-count\"><b>{}</b> will be affected (at most {} per action).</p>\
+         <p id=\"confirm-count\"><b>{}</b> will be affected (at most {} per action).</p>{listed}\
          <form method=\"post\" action=\"{}{action}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
          <input type=\"hidden\" name=\"confirm\" value=\"yes\">{fields}\
          <button type=\"submit\" class=\"{}\" data-test=\"confirm\">{}</button> \
@@ -242,7 +311,7 @@ async fn parked_action(
                 rows: &seqs,
                 danger: discard,
             };
-            return confirm(&state, ask, &p);
+            return confirm(&state, ask, &p).await;
         }
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
@@ -325,7 +394,7 @@ pub(crate) async fn release(
                 rows: &seqs,
                 danger: false,
             };
-            return confirm(&state, ask, &p);
+            return confirm(&state, ask, &p).await;
         }
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),
@@ -395,7 +464,7 @@ async fn dead_action(
                 rows: &found,
                 danger: false,
             };
-            return confirm(&state, ask, &p);
+            return confirm(&state, ask, &p).await;
         }
         Err(e @ Error::OverCap { .. }) => return over(&state, &e),
         Err(e) => return failed(&e),

@@ -114,29 +114,49 @@ pub fn table(id: &str, head: &[&str], rows: &[Vec<String>], empty: &str) -> Stri
     t
 }
 
-/// A bar chart of one value per minute (oldest first), drawn as inline SVG (no script).
+/// A bar chart of one value per minute (oldest first; each point's label is its minute,
+/// `HH:MM` in UTC), drawn as inline SVG (no script): a value axis from 0 to the largest value
+/// with its unit, and a time axis labelled at its start, middle and end.
 pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> String {
     let max = points.iter().map(|p| p.1).fold(0.0_f64, f64::max);
     let total: f64 = points.iter().map(|p| p.1).sum();
-    let w = 10.0;
-    let h = 80.0;
+    let per = if unit == "ms" { "" } else { " per minute" };
+    // Room on the left for the value axis's labels, below for the time axis's.
+    let (left, w, h, below) = (64.0, 10.0, 80.0, 16.0);
+    let width = left + w * points.len() as f64;
     let mut svg = format!(
-        "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">(max {} {}{})</span></figcaption>\
-         <svg viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">",
+        "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">({}{}; max {} {})</span></figcaption>\
+         <svg viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}, {}{}, last 60 minutes\">",
         esc(label),
+        esc(unit),
+        per,
         fmt_num(max),
         esc(unit),
-        if unit == "ms" { "" } else { " per minute" },
-        w * points.len() as f64,
-        h + 2.0,
-        esc(label)
+        width,
+        h + 2.0 + below,
+        esc(label),
+        esc(unit),
+        per,
+    );
+    // The value axis: 0 at the bottom, the largest value at the top.
+    let _ = write!(
+        svg,
+        "<line class=\"axis\" x1=\"{left}\" y1=\"1\" x2=\"{left}\" y2=\"{}\"></line>\
+         <text class=\"tick\" x=\"{}\" y=\"9\" text-anchor=\"end\">{} {}</text>\
+         <text class=\"tick\" x=\"{}\" y=\"{}\" text-anchor=\"end\">0</text>",
+        h + 1.0,
+        left - 4.0,
+        fmt_num(max),
+        esc(unit),
+        left - 4.0,
+        h + 1.0,
     );
     for (i, (t, v)) in points.iter().enumerate() {
         let bh = if max > 0.0 { (v / max) * h } else { 0.0 };
         let _ = write!(
             svg,
             "<rect class=\"bar\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"><title>{} {} {}</title></rect>",
-            i as f64 * w + 1.0,
+            left + i as f64 * w + 1.0,
             h - bh + 1.0,
             w - 2.0,
             bh.max(if *v > 0.0 { 1.0 } else { 0.0 }),
@@ -145,13 +165,36 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
             esc(unit)
         );
     }
+    // The time axis, labelled at its first, middle and last minute.
     let _ = write!(
         svg,
-        "<line class=\"axis\" x1=\"0\" y1=\"{}\" x2=\"{}\" y2=\"{}\"></line></svg>\
-         <p class=\"muted\">last 60 minutes{}</p></figure>",
+        "<line class=\"axis\" x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\"></line>",
         h + 1.0,
-        w * points.len() as f64,
+        width,
         h + 1.0,
+    );
+    if let (Some(first), Some(last)) = (points.first(), points.last()) {
+        let mid = &points[points.len() / 2];
+        for (x, anchor, text) in [
+            (left, "start", first.0.clone()),
+            (
+                left + w * (points.len() / 2) as f64,
+                "middle",
+                mid.0.clone(),
+            ),
+            (width, "end", format!("{} UTC", last.0)),
+        ] {
+            let _ = write!(
+                svg,
+                "<text class=\"tick\" x=\"{x}\" y=\"{}\" text-anchor=\"{anchor}\">{}</text>",
+                h + below,
+                esc(&text)
+            );
+        }
+    }
+    let _ = write!(
+        svg,
+        "</svg><p class=\"muted\">last 60 minutes{}</p></figure>",
         if unit == "ms" {
             String::new()
         } else {

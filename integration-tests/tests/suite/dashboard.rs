@@ -545,3 +545,167 @@ async fn every_page_query_reads_the_large_tables_through_indexes() {
         "{plan}"
     );
 }
+
+/// Guarantee (issue 48: confirmations list the events they will touch): a confirmation page
+/// lists, beside the count, the first 20 events it acts on in order (parked: event id, topic,
+/// key, type, why parked; dead letters: id, consumer, topic, event, reason, error) and says how
+/// many more it acts on; what it lists is what it carries.
+///
+/// Broken before: the page showed only the count.
+#[tokio::test]
+async fn a_confirmation_lists_the_first_events_it_will_touch() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dash-confirm-list");
+    let ids = park(
+        &db.pool,
+        (0..25)
+            .map(|i| NewEvent::json(topic.as_str(), format!("k{i}"), "order.placed", &i).unwrap())
+            .collect(),
+        "broker said no",
+    )
+    .await;
+    let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
+    let token = csrf(&request(addr, "GET", "/parked", &[], "").await.body)
+        .expect("the page's forms carry a CSRF token");
+    let ask = post(
+        addr,
+        "/parked/discard",
+        &[("csrf", token.as_str()), ("topic", topic.as_str())],
+    )
+    .await;
+    let list = ask
+        .body
+        .split("id=\"confirm-list\"")
+        .nth(1)
+        .expect("a list on the confirmation")
+        .split("</table>")
+        .next()
+        .unwrap();
+    let shown: Vec<usize> = ids
+        .iter()
+        .filter_map(|id| list.find(&id.to_string()))
+        .collect();
+    assert_eq!(shown.len(), 20, "the first 20 are listed: {list}");
+    assert!(shown.windows(2).all(|w| w[0] < w[1]), "in order");
+    assert!(list.contains(&ids[19].to_string()) && !list.contains(&ids[20].to_string()));
+    assert!(list.contains("broker said no") && list.contains("order.placed"));
+    assert!(
+        ask.body.contains("The first 20 of 25"),
+        "it says more are acted on: {}",
+        ask.body
+    );
+    assert!(ask.body.contains("id=\"confirm-count\"><b>25</b>"));
+
+    sqlx::query(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+             kafka_offset, event_id, payload, header_names, header_values, reason, error,
+             attempts, dlq_topic)
+         VALUES ('billing', 'billing', $1, 0, 7, gen_random_uuid(), 'x', '{}', '{}',
+                 'permanent', 'card declined', 1, $1 || '.dlq')",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let ask = post(
+        addr,
+        "/dead-letters/resolve",
+        &[("csrf", token.as_str()), ("consumer", "billing")],
+    )
+    .await;
+    assert!(
+        ask.body.contains("id=\"confirm-list\"")
+            && ask.body.contains("card declined")
+            && ask.body.contains("permanent"),
+        "{}",
+        ask.body
+    );
+}
+
+/// Guarantee (issue 48): the overview says when pending events wait behind a parked event of
+/// their key (how many, of how many keys, per topic, with the way to the blocked keys) and when
+/// consumers hold keys (per group: keys, records, bytes); consumers are listed one row per
+/// group, its partitions on demand.
+///
+/// Broken before: the overview counted pending and parked events apart (nothing said that
+/// pending ones were stuck behind a parked one), did not show held keys, and listed one row per
+/// partition (12 rows for one group of 12 partitions).
+#[tokio::test]
+async fn the_overview_says_what_waits_behind_parked_and_held_keys() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dash-behind");
+    park(
+        &db.pool,
+        vec![NewEvent::json(topic.as_str(), "stuck", "order.placed", &0).unwrap()],
+        "broker said no",
+    )
+    .await;
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![
+            NewEvent::json(topic.as_str(), "stuck", "order.placed", &1).unwrap(),
+            NewEvent::json(topic.as_str(), "stuck", "order.placed", &2).unwrap(),
+            NewEvent::json(topic.as_str(), "free", "order.placed", &3).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query(
+        "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset)
+         SELECT 'billing', $1, p, 10 FROM generate_series(0, 11) AS p",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
+             consumer_name, reason, error)
+         VALUES ('billing', $1, 3, 'acct-7', 4, 'billing', 'permanent', 'declined')",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
+             event_id, event_type, bytes)
+         SELECT 'billing', $1, 3, o, 'acct-7', gen_random_uuid(), 'account.debited', 100
+         FROM generate_series(4, 5) AS o",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let addr = start(Dashboard::new(db.pool.clone())).await;
+    let page = request(addr, "GET", "/", &[], "").await;
+    let body = &page.body;
+    assert!(
+        body.contains("<b>2</b> pending event(s) of 1 key(s) wait behind a parked event"),
+        "{body}"
+    );
+    let backlog = body.split("id=\"backlog\"").nth(1).unwrap();
+    assert!(backlog.contains("<b>2</b></a> (1 key(s))"), "{backlog}");
+    assert!(
+        body.contains("<b>1</b> key(s) held by consumers (2 record(s) stored"),
+        "{body}"
+    );
+    let consumers = body
+        .split("id=\"consumers\"")
+        .nth(1)
+        .unwrap()
+        .split("</table></td></tr></tbody></table>")
+        .next()
+        .unwrap();
+    assert_eq!(
+        consumers.matches("<details>").count(),
+        1,
+        "one row for the group: {consumers}"
+    );
+    assert!(consumers.contains("<summary>12</summary>"), "{consumers}");
+    assert!(consumers.contains("<b>1</b> (2 record(s)"), "{consumers}");
+}

@@ -152,6 +152,32 @@ async fn the_charts_count_a_default_relays_publishing_and_lag() {
         chart("chart-parked")
     );
     assert!(chart("chart-lag").contains(" ms</title>"));
+    // Axes (issue 48): the value axis from 0 to the largest value with its unit, the time axis
+    // labelled at its start, middle and end (the last minute in UTC).
+    let published = chart("chart-published");
+    let ticks: Vec<&str> = published
+        .split("<text class=\"tick\"")
+        .skip(1)
+        .map(|t| t.split('>').nth(1).unwrap().split('<').next().unwrap())
+        .collect();
+    assert_eq!(
+        ticks.len(),
+        5,
+        "two value labels, three time labels: {ticks:?}"
+    );
+    assert!(
+        ticks[0].ends_with(" events") && ticks[1] == "0",
+        "{ticks:?}"
+    );
+    let now = chrono::Utc::now().format("%H:%M").to_string();
+    let before = (chrono::Utc::now() - chrono::Duration::minutes(1))
+        .format("%H:%M")
+        .to_string();
+    assert!(
+        ticks[4] == format!("{now} UTC") || ticks[4] == format!("{before} UTC"),
+        "the time axis ends at the current minute: {ticks:?}"
+    );
+    assert!(published.contains("events per minute"), "{published}");
 }
 
 /// Guarantee: the relay's activity report is off the publish path. While another session

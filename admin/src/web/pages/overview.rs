@@ -1,5 +1,7 @@
 //! The overview: counts, the last hour, backlog, relays, consumers, dead letters.
 
+use std::fmt::Write as _;
+
 use axum::extract::State as Extract;
 use axum::response::{Html, IntoResponse, Response};
 
@@ -24,6 +26,8 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         .filter_map(|b| b.oldest_pending_age_s)
         .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
     let dead: i64 = o.dead_letters.iter().map(|d| d.1).sum();
+    let behind: i64 = o.behind_parked.iter().map(|b| b.waiting).sum();
+    let held_keys: i64 = o.held.iter().map(|h| h.keys).sum();
     let mut body = format!(
         "<section class=\"cards\">\
          <div class=\"card\" id=\"card-pending\">Pending<b>{pending}</b></div>\
@@ -34,6 +38,28 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         oldest.map(age).unwrap_or_else(|| "–".into()),
         o.relays.iter().filter(|r| r.heartbeat_age_s < 60.0).count(),
     );
+    // What waits and why, said in words: pending events behind a parked one of their key are
+    // not published until it is released; a held key's records are not applied until then.
+    if behind > 0 {
+        let keys: i64 = o.behind_parked.iter().map(|b| b.keys).sum();
+        let _ = write!(
+            body,
+            "<p class=\"notice bad\" id=\"waiting-behind-parked\"><b>{behind}</b> pending \
+             event(s) of {keys} key(s) wait behind a parked event of their key: they are not \
+             published until it is requeued or discarded. \
+             <a href=\"{}/blocked\">Blocked keys</a></p>",
+            state.base
+        );
+    }
+    if held_keys > 0 {
+        let records: i64 = o.held.iter().map(|h| h.records).sum();
+        let _ = write!(
+            body,
+            "<p class=\"notice bad\" id=\"waiting-behind-held\"><b>{held_keys}</b> key(s) held \
+             by consumers ({records} record(s) stored, not applied until released: \
+             <code>postal held list --group &lt;group&gt;</code>); per group under Consumers.</p>"
+        );
+    }
     let label = |m: &overview::Minute| m.minute.format("%H:%M").to_string();
     body.push_str("<section class=\"charts\">");
     type Value = fn(&overview::Minute) -> f64;
@@ -93,12 +119,26 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
                 b.oldest_pending_age_s
                     .map(age)
                     .unwrap_or_else(|| "–".into()),
+                match o.behind_parked.iter().find(|w| w.topic == b.topic) {
+                    Some(w) => format!(
+                        "<a href=\"{}/blocked\"><b>{}</b></a> ({} key(s))",
+                        state.base, w.waiting, w.keys
+                    ),
+                    None => "0".into(),
+                },
             ]
         })
         .collect();
     body.push_str(&table(
         "backlog",
-        &["Topic", "Pending", "Scheduled", "Parked", "Oldest pending"],
+        &[
+            "Topic",
+            "Pending",
+            "Scheduled",
+            "Parked",
+            "Oldest pending",
+            "Pending behind parked",
+        ],
         &rows,
         "The outbox is empty.",
     ));
@@ -171,35 +211,7 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         ));
     }
     body.push_str("<h2>Consumers</h2>");
-    let rows: Vec<Vec<String>> = o
-        .consumers
-        .iter()
-        .map(|c| {
-            vec![
-                esc(&c.group_id),
-                esc(&c.topic),
-                c.partition.to_string(),
-                c.next_offset
-                    .map(|n| n.to_string())
-                    .unwrap_or_else(|| "–".into()),
-                c.lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
-                age(c.updated_age_s),
-            ]
-        })
-        .collect();
-    body.push_str(&table(
-        "consumers",
-        &[
-            "Group",
-            "Topic",
-            "Partition",
-            "Next offset",
-            "Lag",
-            "Last advanced",
-        ],
-        &rows,
-        "No consumer has stored an offset.",
-    ));
+    body.push_str(&consumers(&o));
     if state.watermarks.is_none() && !o.consumers.is_empty() {
         body.push_str("<p class=\"muted\">Lag needs the broker: start the dashboard with --bootstrap-servers.</p>");
     }
@@ -225,4 +237,77 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         "No open dead letters.",
     ));
     Html(page(&state.base, "/", "Overview", &body, true, "")).into_response()
+}
+
+/// The consumer groups, one row each (topics, partitions, total lag, the partition that
+/// advanced longest ago, held keys), each with its partitions on demand.
+fn consumers(o: &overview::Overview) -> String {
+    let mut groups: Vec<(&str, Vec<&overview::ConsumerPartition>)> = Vec::new();
+    for c in &o.consumers {
+        match groups.last_mut() {
+            Some((g, parts)) if *g == c.group_id => parts.push(c),
+            _ => groups.push((&c.group_id, vec![c])),
+        }
+    }
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for (i, (group, parts)) in groups.iter().enumerate() {
+        let mut topics: Vec<&str> = parts.iter().map(|c| c.topic.as_str()).collect();
+        topics.dedup();
+        let lag = parts
+            .iter()
+            .map(|c| c.lag)
+            .try_fold(0i64, |sum, l| l.map(|l| sum + l));
+        let stalest = parts.iter().map(|c| c.updated_age_s).fold(0.0, f64::max);
+        let held = o.held.iter().find(|h| h.group_id == *group);
+        let detail: Vec<Vec<String>> = parts
+            .iter()
+            .map(|c| {
+                vec![
+                    esc(&c.topic),
+                    c.partition.to_string(),
+                    c.next_offset
+                        .map(|n| n.to_string())
+                        .unwrap_or_else(|| "–".into()),
+                    c.lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
+                    age(c.updated_age_s),
+                ]
+            })
+            .collect();
+        rows.push(vec![
+            esc(group),
+            topics.iter().map(|t| esc(t)).collect::<Vec<_>>().join(", "),
+            format!(
+                "<details><summary>{}</summary>{}</details>",
+                parts.len(),
+                table(
+                    &format!("consumer-partitions-{i}"),
+                    &["Topic", "Partition", "Next offset", "Lag", "Last advanced"],
+                    &detail,
+                    "",
+                )
+            ),
+            lag.map(|l| l.to_string()).unwrap_or_else(|| "?".into()),
+            age(stalest),
+            match held {
+                Some(h) => format!(
+                    "<b>{}</b> ({} record(s), {} bytes)",
+                    h.keys, h.records, h.bytes
+                ),
+                None => "0".into(),
+            },
+        ]);
+    }
+    table(
+        "consumers",
+        &[
+            "Group",
+            "Topics",
+            "Partitions",
+            "Lag",
+            "Longest since a partition advanced",
+            "Held keys",
+        ],
+        &rows,
+        "No consumer has stored an offset.",
+    )
 }
