@@ -61,12 +61,21 @@ try {
     check(bars > 0, "the publish chart has a bar");
     check((await text(page, "#chart-published")).includes("; 50 in all"), "the publish chart counts the 50 published");
     check((await text(page, "#chart-parked")).includes("; 6 in all"), "the parked chart counts the 6 parked");
-    // The consumer group's lag, from the broker's high watermarks.
-    const lag = await page.$$eval("#consumers tbody tr", (rows, group) => rows
-      .map((r) => Array.from(r.cells, (c) => c.textContent.trim()))
-      .filter((c) => c[0] === group)
-      .reduce((sum, c) => sum + Number(c[4]), 0), env("LAG_GROUP"));
-    check(lag === Number(env("LAG_TOTAL")), `the consumer group's lag is ${env("LAG_TOTAL")} (shown: ${lag})`);
+    // The consumer group's lag, from the broker's high watermarks, summed on the group's one
+    // row; its partitions listed on demand.
+    const groupRows = await page.$$eval("#consumers > tbody > tr", (rows, group) => rows
+      .filter((r) => r.cells[0].textContent.trim() === group)
+      .map((r) => r.cells[3].textContent.trim()), env("LAG_GROUP"));
+    check(groupRows.length === 1, `one row for the group (shown: ${groupRows.length})`);
+    check(Number(groupRows[0]) === Number(env("LAG_TOTAL")), `the consumer group's lag is ${env("LAG_TOTAL")} (shown: ${groupRows[0]})`);
+    const partitionsOf = page.locator("#consumers details table").first();
+    check(!(await partitionsOf.isVisible()), "partitions are hidden until asked for");
+    await page.click("#consumers details summary");
+    check(await partitionsOf.isVisible(), "the group's partitions shown on demand");
+    const partitions = await partitionsOf.locator("tbody tr").count();
+    check(partitions > 0, `the group's partitions listed (${partitions})`);
+    const ticks = await page.$$eval("#chart-published text.tick", (ts) => ts.map((t) => t.textContent));
+    check(ticks.length === 5 && ticks[4].endsWith(" UTC"), `the chart's axes are labelled (${ticks.join(" | ")})`);
     await page.waitForFunction(() => document.getElementById("refresh-state").textContent.startsWith("live · updated"), null, { timeout: 10000 });
     await page.screenshot({ path: `${shots}/overview.png`, fullPage: true });
     await page.evaluate(() => {
@@ -102,6 +111,8 @@ try {
     await page.goto(`${url}/parked?event_id=${discard}`);
     await page.click("[data-test=discard-one]");
     check(await text(page, "#confirm-count b") === "1", "the confirmation shows 1");
+    const listed = await page.$$eval("#confirm-list tbody tr", (rs) => rs.map((r) => r.cells[0].textContent.trim()));
+    check(listed.length === 1 && listed[0] === env("DISCARD_ID"), `the confirmation lists the event it discards (${listed})`);
     await page.screenshot({ path: `${shots}/confirm.png`, fullPage: true });
     await page.click("[data-test=confirm]");
     check((await text(page, "#result")).startsWith("Discarded 1"), "discarded");

@@ -122,7 +122,7 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
     let total: f64 = points.iter().map(|p| p.1).sum();
     let per = if unit == "ms" { "" } else { " per minute" };
     // Room on the left for the value axis's labels, below for the time axis's.
-    let (left, w, h, below) = (64.0, 10.0, 80.0, 16.0);
+    let (left, w, h, below) = (112.0, 10.0, 80.0, 26.0);
     let width = left + w * points.len() as f64;
     let mut svg = format!(
         "<figure class=\"chart\" id=\"{id}\"><figcaption>{} <span class=\"muted\">({}{}; max {} {})</span></figcaption>\
@@ -142,7 +142,7 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
     let _ = write!(
         svg,
         "<line class=\"axis\" x1=\"{left}\" y1=\"1\" x2=\"{left}\" y2=\"{}\"></line>\
-         <text class=\"tick\" x=\"{}\" y=\"9\" text-anchor=\"end\">{} {}</text>\
+         <text class=\"tick\" x=\"{}\" y=\"16\" text-anchor=\"end\">{} {}</text>\
          <text class=\"tick\" x=\"{}\" y=\"{}\" text-anchor=\"end\">0</text>",
         h + 1.0,
         left - 4.0,
@@ -187,7 +187,7 @@ pub fn bars(id: &str, label: &str, unit: &str, points: &[(String, f64)]) -> Stri
             let _ = write!(
                 svg,
                 "<text class=\"tick\" x=\"{x}\" y=\"{}\" text-anchor=\"{anchor}\">{}</text>",
-                h + below,
+                h + below - 4.0,
                 esc(&text)
             );
         }
