@@ -4,7 +4,8 @@
 //
 // Environment: DASHBOARD_URL, POISON_ID (requeue it), DISCARD_ID (discard it), HELD_KEY (release
 // it), LOOKUP_CONSUMER and LOOKUP_EVENT (a dedup lookup), LAG_GROUP and LAG_TOTAL (a consumer
-// group and its lag summed over its partitions), SHOTS (folder for screenshots),
+// group and its lag summed over its partitions), HELD_GROUP_KEY (a key held by a consumer
+// group: release it), SHOTS (folder for screenshots),
 // CHROMIUM (default /usr/bin/chromium). Prints one line per step; exits non-zero on the first
 // failure.
 import { chromium } from "playwright-core";
@@ -149,6 +150,37 @@ try {
     });
   });
 
+  await step("a held key is listed, and released with a confirmation listing its events", async () => {
+    await page.goto(`${url}/held`);
+    const row = page.locator("#held-keys tbody tr", { hasText: env("HELD_GROUP_KEY") });
+    check(await row.count() === 1, "the held key is listed");
+    check((await row.locator("[data-test=held-count]").textContent()) === "2", "2 records wait behind it, the head included");
+    await page.screenshot({ path: `${shots}/held.png`, fullPage: true });
+    await row.locator("[data-test=release-held]").click();
+    check(await text(page, "#confirm-count b") === "2", "the confirmation counts the held records");
+    check(await page.locator("#confirm-list li").count() === 1, "and lists them by partition");
+    await page.click("[data-test=confirm]");
+    check((await text(page, "#result")).startsWith("Release asked for 2 held record(s)"), "release asked");
+    await page.goto(`${url}/held`);
+    check((await page.locator("#held-keys tbody tr", { hasText: env("HELD_GROUP_KEY") }).textContent()).includes("retry asked"), "the page shows the release under way");
+  });
+
+  await step("pause and resume a consumer group", async () => {
+    await page.goto(`${url}/pauses`);
+    await page.selectOption("select[name=side]", "consumer");
+    await page.fill("input[name=group]", "browser-paused");
+    await page.fill("input[name=reason]", "incident 42");
+    await page.click("[data-test=pause]");
+    await page.click("[data-test=confirm]");
+    check((await text(page, "#result")).startsWith("Paused"), "paused");
+    await page.goto(`${url}/pauses`);
+    check((await text(page, "#pauses")).includes("incident 42"), "the pause is listed with its reason");
+    await page.screenshot({ path: `${shots}/pauses.png`, fullPage: true });
+    await page.click("[data-test=resume]");
+    await page.click("[data-test=confirm]");
+    check((await text(page, "#result")).startsWith("Resumed"), "resumed");
+  });
+
   await step("dead letters, dedup lookup and the audit trail", async () => {
     await page.goto(`${url}/dead-letters`);
     check(await text(page, "#dead-total b") === "1", "one open dead letter");
@@ -161,7 +193,7 @@ try {
     await page.screenshot({ path: `${shots}/lookup.png`, fullPage: true });
     await page.goto(`${url}/audit`);
     const actions = await page.locator("#audit tbody tr td:nth-child(5)").allTextContents();
-    check(JSON.stringify(actions) === JSON.stringify(["release-key", "requeue", "discard", "requeue"]), `audit rows ${JSON.stringify(actions)}`);
+    check(JSON.stringify(actions) === JSON.stringify(["resume", "pause", "release-held", "release-key", "requeue", "discard", "requeue"]), `audit rows ${JSON.stringify(actions)}`);
     await page.screenshot({ path: `${shots}/audit.png`, fullPage: true });
   });
   check(errors.length === 0, `no console errors (CSP violations included): ${errors.join(" | ")}`);

@@ -164,3 +164,12 @@ pub async fn release(
     tx.commit().await?;
     Ok(held)
 }
+
+/// The groups that hold keys, by name.
+pub async fn groups(pool: &PgPool) -> Result<Vec<String>, Error> {
+    Ok(
+        sqlx::query_scalar("SELECT DISTINCT group_id FROM postal.held_keys ORDER BY 1")
+            .fetch_all(pool)
+            .await?,
+    )
+}

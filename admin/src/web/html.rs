@@ -66,6 +66,7 @@ pub fn page(base: &str, here: &str, title: &str, body: &str, live: bool, notice:
         ("/", "Overview"),
         ("/parked", "Parked events"),
         ("/blocked", "Blocked keys"),
+        ("/held", "Held keys"),
         ("/dead-letters", "Dead letters"),
         ("/lookup", "Dedup lookup"),
         ("/pauses", "Pauses"),

@@ -28,6 +28,7 @@ mod actions;
 mod assets;
 mod form;
 mod guard;
+mod held;
 mod html;
 mod pages;
 mod pauses;
@@ -201,6 +202,7 @@ impl Dashboard {
             .route("/parked", get(pages::parked))
             .route("/parked/{id}", get(pages::parked_one))
             .route("/blocked", get(pages::blocked))
+            .route("/held", get(held::list))
             .route("/dead-letters", get(pages::dead_letters))
             .route("/dead-letters/{id}", get(pages::dead_letter))
             .route("/lookup", get(pages::lookup))
@@ -213,6 +215,7 @@ impl Dashboard {
             .route("/parked/requeue", post(actions::requeue))
             .route("/parked/discard", post(actions::discard))
             .route("/blocked/release", post(actions::release))
+            .route("/held/release", post(held::release))
             .route("/dead-letters/replay", post(actions::replay))
             .route("/dead-letters/resolve", post(actions::resolve))
             .route("/pauses/pause", post(pauses::pause))

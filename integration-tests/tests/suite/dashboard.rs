@@ -709,3 +709,96 @@ async fn the_overview_says_what_waits_behind_parked_and_held_keys() {
     assert!(consumers.contains("<summary>12</summary>"), "{consumers}");
     assert!(consumers.contains("<b>1</b> (2 record(s)"), "{consumers}");
 }
+
+/// Guarantee (issue 48: held keys in the dashboard): the Held keys page lists each held key of
+/// each group with what waits behind it (count, bytes, the first held events); releasing one
+/// asks first, listing the key's first held events and their count, then marks the key for its
+/// partition's owner (the head retried, or with "skip" dead-lettered) and records the action in
+/// the audit trail as the dashboard's user; a second release of the same key is refused while
+/// the first is under way.
+#[tokio::test]
+async fn held_keys_are_listed_and_released_with_a_confirmation() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("dash-held");
+    sqlx::query(
+        "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
+             consumer_name, reason, error)
+         VALUES ('ledger', $1, 2, 'acct-9', 7, 'ledger', 'permanent', 'balance below zero')",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let events: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
+             event_id, event_type, bytes)
+         SELECT 'ledger', $1, 2, o, 'acct-9', gen_random_uuid(), 'account.debited', 100
+         FROM generate_series(7, 9) AS o RETURNING event_id",
+    )
+    .bind(&topic)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
+    let page = request(addr, "GET", "/held", &[], "").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let listed = page.body.split("id=\"held-keys\"").nth(1).unwrap();
+    assert!(
+        listed.contains("acct-9")
+            && listed.contains("balance below zero")
+            && listed.contains("data-test=\"held-count\">3<")
+            && listed.contains(&format!("7:{}:account.debited", events[0])),
+        "{listed}"
+    );
+    let fields = form_fields(&page.body, "release-held", 0);
+    assert!(!fields.is_empty(), "a release button: {}", page.body);
+    let ask = post(addr, "/held/release", &pairs(&fields)).await;
+    assert!(
+        ask.body.contains("id=\"confirm-count\"><b>3</b>")
+            && ask
+                .body
+                .contains(&format!("7:{}:account.debited", events[0])),
+        "the confirmation lists the key's first held events and their count: {}",
+        ask.body
+    );
+    let release: Option<String> =
+        sqlx::query_scalar("SELECT release FROM postal.held_keys WHERE group_id = 'ledger'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(release, None, "asking changes nothing");
+    let confirmed = form_fields(&ask.body, "confirm", 0);
+    let done = post(addr, "/held/release", &pairs(&confirmed)).await;
+    assert!(
+        done.body.contains("Release asked for 3 held record(s)"),
+        "{}",
+        done.body
+    );
+    let (release, by): (Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT release, released_by FROM postal.held_keys WHERE group_id = 'ledger'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(release.as_deref(), Some("retry"));
+    assert!(by.is_some());
+    let audit: (String, Option<String>, i64, serde_json::Value) = sqlx::query_as(
+        "SELECT action, via, affected, target FROM postal.operator_audit ORDER BY id DESC LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (audit.0.as_str(), audit.1.as_deref(), audit.2),
+        ("release-held", Some("dashboard"), 3),
+        "{audit:?}"
+    );
+    assert_eq!(audit.3["key"], "acct-9");
+    let again = post(addr, "/held/release", &pairs(&confirmed)).await;
+    assert!(
+        again.body.contains("already under way"),
+        "a second release is refused: {}",
+        again.body
+    );
+}

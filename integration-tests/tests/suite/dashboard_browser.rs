@@ -163,6 +163,26 @@ async fn an_operator_recovers_poison_events_in_a_browser() {
     .execute(&db.pool)
     .await
     .unwrap();
+    // A key held by a consumer group (`FinalFailure::HoldKey`): its head and one record after.
+    sqlx::query(
+        "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
+             consumer_name, reason, error)
+         VALUES ('billing', $1, 1, 'acct-held', 3, 'billing', 'permanent', 'balance below zero')",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
+             event_id, event_type, bytes)
+         SELECT 'billing', $1, 1, o, 'acct-held', gen_random_uuid(), 'account.debited', 100
+         FROM generate_series(3, 4) AS o",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
     let mut kafka = rdkafka::ClientConfig::new();
     kafka.set("bootstrap.servers", &svc.bootstrap);
     let (addr, server) = serve(
@@ -186,6 +206,7 @@ async fn an_operator_recovers_poison_events_in_a_browser() {
         .env("LOOKUP_CONSUMER", "billing")
         .env("LOOKUP_EVENT", looked_up.to_string())
         .env("LAG_GROUP", "billing")
+        .env("HELD_GROUP_KEY", "acct-held")
         .env("LAG_TOTAL", "50")
         .env("SHOTS", &shots)
         .kill_on_drop(true)

@@ -56,8 +56,9 @@ pub(crate) async fn overview(Extract(state): Extract<State>) -> Response {
         let _ = write!(
             body,
             "<p class=\"notice bad\" id=\"waiting-behind-held\"><b>{held_keys}</b> key(s) held \
-             by consumers ({records} record(s) stored, not applied until released: \
-             <code>postal held list --group &lt;group&gt;</code>); per group under Consumers.</p>"
+             by consumers ({records} record(s) stored, not applied until released). \
+             <a href=\"{}/held\">Held keys</a></p>",
+            state.base
         );
     }
     let label = |m: &overview::Minute| m.minute.format("%H:%M").to_string();
