@@ -303,6 +303,46 @@ impl Protocol {
         .await
     }
 
+    /// Applies the releases operators asked for (and the retry policy's due retries) of the
+    /// held keys of `topic`'s `partition` under `own`, exactly as the partition's worker does
+    /// between batches.
+    pub async fn apply_releases(
+        &self,
+        own: &crate::offsets::Ownership,
+        topic: &str,
+        partition: i32,
+    ) -> Delivered {
+        let worker = self.worker(topic, partition);
+        worker.load_held().await;
+        Self::delivered(worker.apply_releases(own).await)
+    }
+
+    fn worker(&self, topic: &str, partition: i32) -> crate::partition::Worker {
+        let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        crate::partition::Worker {
+            shared: self.0.clone(),
+            topic: topic.to_owned(),
+            partition,
+            rx,
+            queued: Default::default(),
+            paused: Default::default(),
+            cancel: Default::default(),
+            turn: Default::default(),
+            held: Default::default(),
+        }
+    }
+
+    fn delivered(step: crate::partition::Step) -> Delivered {
+        use crate::partition::Step;
+        match step {
+            Step::Done => Delivered::Done,
+            Step::Fenced => Delivered::Fenced,
+            Step::Stop => Delivered::Stopped,
+            Step::Paused => Delivered::Paused,
+            Step::OverBound => Delivered::OverBound,
+        }
+    }
+
     /// Processes `records` (of one partition, in offset order) under `own` exactly as a worker
     /// does: one record per transaction when there is one, throughput mode otherwise.
     pub async fn deliver(
@@ -310,22 +350,10 @@ impl Protocol {
         own: &crate::offsets::Ownership,
         records: Vec<TestRecord>,
     ) -> Delivered {
-        use crate::partition::{Step, Worker};
         let Some(first) = records.first() else {
             return Delivered::Done;
         };
-        let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let worker = Worker {
-            shared: self.0.clone(),
-            topic: first.topic.clone(),
-            partition: first.partition,
-            rx,
-            queued: Default::default(),
-            paused: Default::default(),
-            cancel: Default::default(),
-            turn: Default::default(),
-            held: Default::default(),
-        };
+        let worker = self.worker(&first.topic, first.partition);
         // As a takeover does: the partition's held keys.
         worker.load_held().await;
         let records: Vec<crate::record::Record> = records
@@ -351,12 +379,6 @@ impl Protocol {
         } else {
             worker.process_batch(own, records).await
         };
-        match step {
-            Step::Done => Delivered::Done,
-            Step::Fenced => Delivered::Fenced,
-            Step::Stop => Delivered::Stopped,
-            Step::Paused => Delivered::Paused,
-            Step::OverBound => Delivered::OverBound,
-        }
+        Self::delivered(step)
     }
 }

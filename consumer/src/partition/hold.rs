@@ -319,7 +319,7 @@ impl Worker {
 
     /// Applies the releases of this partition's held keys that operators asked for and the
     /// retries that are due. `Done` when nothing is left to do now.
-    pub(super) async fn apply_releases(&self, own: &Ownership) -> Step {
+    pub(crate) async fn apply_releases(&self, own: &Ownership) -> Step {
         let due: Result<Vec<KeyRelease>, sqlx::Error> = sqlx::query_as(
             "SELECT record_key, release FROM postal.held_keys
              WHERE group_id = $1 AND topic = $2 AND partition = $3

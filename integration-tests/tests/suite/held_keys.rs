@@ -22,7 +22,7 @@ const CONSUMER: &str = "held";
 
 /// A ledger entry: `n` is its place in its key's sequence.
 #[derive(Debug, Deserialize)]
-struct Entry {
+pub(crate) struct Entry {
     n: i64,
 }
 
@@ -34,7 +34,7 @@ static ENTERED: LazyLock<Mutex<HashSet<Uuid>>> = LazyLock::new(Default::default)
 /// Appends the entry to `ledger` (its row id is the order of application); fails
 /// permanently while the event is listed in `broken`.
 #[idempotent(consumer = "held")]
-async fn ledger(
+pub(crate) async fn ledger(
     tx: &mut Transaction<'_, Postgres>,
     event: Event<Entry>,
 ) -> Result<(), HandlerError> {
@@ -65,7 +65,7 @@ async fn ledger(
 /// [`ledger`] as a batch handler: the batch's entries in one statement, in order; fails
 /// permanently if any of them is listed in `broken`.
 #[idempotent(consumer = "held")]
-async fn ledger_batch(
+pub(crate) async fn ledger_batch(
     tx: &mut Transaction<'_, Postgres>,
     events: &[Event<Entry>],
 ) -> Result<(), HandlerError> {
@@ -97,7 +97,7 @@ async fn ledger_batch(
     Ok(())
 }
 
-async fn tables(pool: &PgPool) {
+pub(crate) async fn tables(pool: &PgPool) {
     for sql in [
         "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL,
                               n bigint NOT NULL)",

@@ -36,6 +36,7 @@ mod graceful_stop;
 mod handlers;
 mod held_keys;
 mod held_keys_edges;
+mod held_random;
 mod hostile;
 mod hostile_sizes;
 mod idle;

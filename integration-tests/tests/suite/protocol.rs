@@ -58,7 +58,7 @@ fn protocol_with(
     (consumer, protocol)
 }
 
-fn record(
+pub(crate) fn record(
     topic: &str,
     partition: i32,
     offset: i64,
@@ -518,13 +518,13 @@ fn to_record(case: &Case, topic: &str, partition: usize, offset: usize) -> TestR
     }
 }
 
-struct Owner {
-    own: postal_consumer::testing::offsets::Ownership,
+pub(crate) struct Owner {
+    pub(crate) own: postal_consumer::testing::offsets::Ownership,
     /// The next offset this owner hands over.
-    position: usize,
+    pub(crate) position: usize,
 }
 
-async fn stored(pool: &PgPool, group: &str, topic: &str, partition: usize) -> usize {
+pub(crate) async fn stored(pool: &PgPool, group: &str, topic: &str, partition: usize) -> usize {
     let next: Option<Option<i64>> = sqlx::query_scalar(
         "SELECT next_offset FROM postal.consumer_offsets
          WHERE group_id = $1 AND topic = $2 AND partition = $3",
