@@ -367,6 +367,26 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
     .bind(ids)
     .fetch_all(pool)
     .await?;
+    // A keyed dead letter waits while an older open dead letter of its consumer, topic and key
+    // is not in this replay (a filter or a list of ids left it out): sent, it would come
+    // before that one once it is replayed.
+    let older_open: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT d.id, min(o.id) FROM postal.dead_letters d
+         JOIN postal.dead_letters o
+           ON o.consumer_name = d.consumer_name AND o.topic = d.topic
+          AND o.record_key = d.record_key AND o.id < d.id
+          AND o.replayed_at IS NULL AND o.resolved_at IS NULL AND NOT (o.id = ANY($1))
+         WHERE d.id = ANY($1) AND d.record_key IS NOT NULL
+         GROUP BY d.id",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    let older_open: std::collections::HashMap<i64, i64> = older_open.into_iter().collect();
+    // The (topic, key)s a failure held back in an earlier chunk: their later dead letters are
+    // held back in the chunks after it too.
+    let mut held_keys: std::collections::HashSet<(String, Vec<u8>)> = Default::default();
+    let mut first_error: Option<String> = None;
     let mut done = 0u64;
     for chunk_ids in replay_chunks(&sized) {
         let rows: Vec<Record> = sqlx::query_as(
@@ -435,15 +455,42 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                 r.id
             ))
         };
+        // Not sent at all: the key is held back from an earlier chunk, or an older open dead
+        // letter of the key is outside the replay.
+        let waits = |r: &Record| -> Option<Result<i64, String>> {
+            let key = r.record_key.as_ref()?;
+            if let Some(older) = older_open.get(&r.id) {
+                return Some(Err(format!(
+                    "not sent: dead letter {older} of its key, older and still open, is not in this replay (replay it with this one)"
+                )));
+            }
+            held_keys
+                .contains(&(r.topic.clone(), key.clone()))
+                .then(|| {
+                    Err(
+                        "not sent: a dead letter of its key before it was not sent in this replay (replay again once it can be)"
+                            .to_owned(),
+                    )
+                })
+        };
+        let waits = &waits;
         let first = by_key.iter().map(|members| async move {
             let mut out = Vec::with_capacity(members.len());
             let keyed = chunk[members[0]].record_key.is_some();
             for (n, &i) in members.iter().enumerate() {
+                if let Some(not_sent) = waits(chunk[i]) {
+                    // Its key's later ones in this chunk wait as well.
+                    out.push((i, not_sent));
+                    out.extend(members[n + 1..].iter().map(|&j| (j, held_back(chunk[i]))));
+                    break;
+                }
                 let res = producer.send(record(chunk[i]), Duration::from_secs(15)).await;
                 if matches!(&res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
                     return (out, Some(&members[n..]));
                 }
-                let failed = res.is_err();
+                // A delivery without an offset is not known to be written: it holds back its
+                // key's later ones as a failure does.
+                let failed = !matches!(&res, Ok(d) if postal_shared::kafka_producer::written(d.offset));
                 out.push((i, shown(res)));
                 if failed && keyed {
                     out.extend(members[n + 1..].iter().map(|&j| (j, held_back(chunk[i]))));
@@ -469,7 +516,9 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                 let res = producer
                     .send(record(chunk[i]), Duration::from_secs(15))
                     .await;
-                if res.is_err() && keyed {
+                let failed =
+                    !matches!(&res, Ok(d) if postal_shared::kafka_producer::written(d.offset));
+                if failed && keyed {
                     not_sent = Some(chunk[i]);
                 }
                 results.push((i, shown(res)));
@@ -479,7 +528,6 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
         let results = results.into_iter().map(|(_, res)| res);
         let mut sent = 0u64;
         let mut failed = Vec::new();
-        let mut first_error = None;
         for (r, res) in chunk.iter().zip(results) {
             let res = match res {
                 Ok(offset) if !postal_shared::kafka_producer::written(offset) => {
@@ -497,6 +545,9 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                             r.id, r.topic
                         )
                     });
+                    if let Some(key) = &r.record_key {
+                        held_keys.insert((r.topic.clone(), key.clone()));
+                    }
                     failed.push(r.id);
                 }
             }
@@ -519,15 +570,16 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
         }
         recording.add(&mut tx, sent, None).await?;
         tx.commit().await?;
-        if let Some(e) = first_error {
-            return Err(Error::Kafka(format!(
-                "{e} ({} of {} replayed; run the same replay again for the rest)",
-                done + sent,
-                sized.len()
-            )));
-        }
         done += sent;
         progress(done);
     }
-    Ok(done)
+    // A failure stops nothing but its key: the later chunks went on (other keys' dead letters
+    // are not held back by it); the first error is told after the last chunk.
+    match first_error {
+        Some(e) => Err(Error::Kafka(format!(
+            "{e} ({done} of {} replayed; the others stay open: run the same replay again for them)",
+            sized.len()
+        ))),
+        None => Ok(done),
+    }
 }
