@@ -1,0 +1,515 @@
+//! Attacks on dead-letter replay after "a keyed dead letter that is not sent holds back the rest
+//! of its key in that replay" (eedf1d4), and on the `.dlq` copy publisher's "sent again alone"
+//! (issue 46): what no test in `replay_order::`, `dead_letter_replay_chunks::`,
+//! `dead_letters::` or `dead_letter_headers::` models — a dead letter that can never be sent at
+//! the head of a replay, a replay of only some of a key's dead letters, two replays of a key at
+//! once while one of its records is refused, what the audit trail keeps of a failed replay, and
+//! the order of a key's copies on `<topic>.dlq` when the broker refuses a record batch.
+
+use std::time::Duration;
+
+use postal_integration_tests::{kafka, services, unique, wait};
+use uuid::Uuid;
+
+use crate::common::{consumer_config, create_topic, effects_table, start_apply};
+use crate::dead_letters::create_topic_with;
+use crate::handlers;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// One dead letter as the tests record it.
+struct Letter<'a> {
+    consumer: &'a str,
+    topic: &'a str,
+    key: Option<&'a str>,
+    reason: &'a str,
+    value: usize,
+}
+
+/// Records the dead letter `l` (its event id also as its `ce_id` header, `value` random bytes,
+/// `dlq_topic` `<topic>.dlq`, unpublished) with its dedup row, as the consumer writes them
+/// together; returns (dead letter id, event id).
+async fn record(pool: &sqlx::PgPool, l: Letter<'_>) -> (i64, Uuid) {
+    use rand::RngCore;
+    let mut payload = vec![0u8; l.value];
+    rand::rng().fill_bytes(&mut payload);
+    let event = Uuid::now_v7();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+             kafka_offset, event_id, record_key, payload, header_names, header_values,
+             reason, error, attempts, dlq_topic)
+         VALUES ($1, $1, $2, 0, 0, $3, $4, $5, ARRAY['ce_id', 'ce_type'],
+                 ARRAY[convert_to($3::text, 'UTF8'), convert_to('job', 'UTF8')],
+                 $6, 'declined', 1, $2 || '.dlq')
+         RETURNING id",
+    )
+    .bind(l.consumer)
+    .bind(l.topic)
+    .bind(event)
+    .bind(l.key.map(|k| k.as_bytes().to_vec()))
+    .bind(payload)
+    .bind(l.reason)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         SELECT consumer_name, event_id, created_at FROM postal.dead_letters WHERE id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+    (id, event)
+}
+
+/// A dead letter of consumer `billing`, reason `permanent`.
+fn billing<'a>(topic: &'a str, key: Option<&'a str>, value: usize) -> Letter<'a> {
+    Letter {
+        consumer: "billing",
+        topic,
+        key,
+        reason: "permanent",
+        value,
+    }
+}
+
+/// The producer `postal dead-letters replay` makes (the relay's settings, none given).
+fn replay_producer(bootstrap: &str) -> rdkafka::producer::FutureProducer {
+    postal_shared::kafka_producer::replay_config(bootstrap, &std::collections::BTreeMap::new())
+        .expect("producer settings")
+        .create()
+        .expect("producer")
+}
+
+async fn replay(
+    pool: &sqlx::PgPool,
+    producer: &rdkafka::producer::FutureProducer,
+    ids: &[i64],
+) -> Result<u64, postal_admin::Error> {
+    postal_admin::dead_letters::replay(
+        pool,
+        producer,
+        &postal_admin::audit::Operator::cli("test"),
+        &serde_json::json!({ "ids": ids }),
+        ids,
+        |_| {},
+    )
+    .await
+}
+
+/// The `ce_id`s on `topic` in offset order (one partition; read until `min` arrived or `wait`).
+async fn on_topic(bootstrap: &str, topic: &str, min: usize, wait: Duration) -> Vec<String> {
+    kafka::read_all(bootstrap, topic, min, wait)
+        .await
+        .iter()
+        .map(|r| r.header("ce_id").unwrap_or("-").to_owned())
+        .collect()
+}
+
+/// The open dead letters, in id order.
+async fn open(pool: &sqlx::PgPool) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT id FROM postal.dead_letters
+         WHERE replayed_at IS NULL AND resolved_at IS NULL ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Positions (in `letters`) of the events on the topic, in offset order.
+fn positions(sent: &[String], letters: &[(i64, Uuid)]) -> Vec<Option<usize>> {
+    sent.iter()
+        .map(|e| letters.iter().position(|(_, x)| x.to_string() == *e))
+        .collect()
+}
+
+/// Promise (the replay's error: "run the same replay again for the rest"; eedf1d4: a keyed
+/// dead letter that is not sent holds back the rest of *its key*): one dead letter its topic
+/// can never take (key `k`, 4,500,000 bytes, to a topic of `max.message.bytes` 1,000,000) is
+/// the oldest of a replay; three small dead letters of key `j` follow. Running the same replay
+/// again, as the error says, sends key `j`'s three (they do not wait behind key `k`).
+///
+/// Broken (fails at 0dd8af7, 4 runs of 4): both runs fail with "replaying dead letter 1 …
+/// Broker: Message size too large (0 replayed before it; run the same replay again for the
+/// rest)"; the topic stays empty and all four stay open. The 4,500,000-byte dead letter is over
+/// `REPLAY_CHUNK_BYTES` (4 MiB), so it is a chunk of its own, the first; `replay` returns at the
+/// end of the first chunk with a failure and never reads the chunks after it, whose keys are
+/// not held back by anything. Every later run starts with the same chunk: no replay that
+/// selects this dead letter (`--all`, `--consumer`, the dashboard's filters) ever sends the
+/// others. The same stop comes from any chunk that holds only failed and held-back dead
+/// letters (500 of one key behind its first refused one; 500 keyless ones a compacted topic
+/// refuses). Fix: go on with the later chunks, holding back there the (topic, key)s that a
+/// failure held back before (a keyless failure holds back nothing), and return the first error
+/// after the last chunk.
+#[tokio::test]
+#[ignore = "known: a never-sendable dead letter at the head of a replay stops every later chunk of every key, run after run"]
+async fn a_dead_letter_its_topic_never_takes_does_not_hold_back_other_keys_run_after_run() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-head");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "1000000")]).await;
+    let big = record(&db.pool, billing(&topic, Some("k"), 4_500_000)).await;
+    let mut small = Vec::new();
+    for _ in 0..3 {
+        small.push(record(&db.pool, billing(&topic, Some("j"), 100)).await);
+    }
+    let ids: Vec<i64> = std::iter::once(big.0)
+        .chain(small.iter().map(|(id, _)| *id))
+        .collect();
+    let producer = replay_producer(&svc.bootstrap);
+    let first = replay(&db.pool, &producer, &ids).await;
+    let again = replay(&db.pool, &producer, &ids).await;
+    eprintln!("first: {first:?}\nagain: {again:?}");
+    assert!(first.is_err() && again.is_err(), "the big one can never go");
+    let sent = on_topic(&svc.bootstrap, &topic, 3, Duration::from_secs(15)).await;
+    let left = open(&db.pool).await;
+    eprintln!(
+        "on topic (positions among j's): {:?}; open: {left:?}",
+        positions(&sent, &small)
+    );
+    assert_eq!(
+        positions(&sent, &small),
+        vec![Some(0), Some(1), Some(2)],
+        "key j's three, once each, in order"
+    );
+    assert_eq!(
+        left,
+        vec![big.0],
+        "only the one its topic refuses stays open"
+    );
+}
+
+/// Promise (replay_order::, the brief: a key's dead letters reach the topic in id order;
+/// eedf1d4: "sent, they would come before it once it is"): three dead letters of key `k` of
+/// consumer `billing`, the first `retries_exhausted` (its database was down), the next two
+/// `permanent`. The operator selects by reason (the dashboard's `reason` filter, through
+/// `dead_letters::matched`) and replays the `permanent` ones; then the first. The topic holds
+/// the key's events in id order — or the first replay does not send the later ones while the
+/// older one of their key is open (holds them back, or refuses with an error naming it).
+///
+/// Broken (fails at 0dd8af7, 4 runs of 4): the first replay returns Ok(2) and writes dead
+/// letters 2 and 3; the second writes 1: the topic holds positions [1, 2, 0]. The hold-back
+/// only looks at dead letters inside the replay; nothing checks for an older open dead letter
+/// of the same (consumer, topic, key) left out of it by a filter, a list of ids, or a
+/// dashboard row's own button. The consumer applies the key's events out of order. Fix: in
+/// `replay`, treat a keyed dead letter as not sendable while an older open one of the same
+/// (consumer, topic, key) is not in the replay (counted failed with an error naming it, left
+/// open with its dedup row), as for one not sent.
+#[tokio::test]
+#[ignore = "known: replaying only the later dead letters of a key (a filter, ids) sends them ahead of an older open one"]
+async fn replaying_only_the_later_dead_letters_of_a_key_keeps_the_key_in_order() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-subset");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let mut letters = Vec::new();
+    for reason in ["retries_exhausted", "permanent", "permanent"] {
+        let l = Letter {
+            reason,
+            ..billing(&topic, Some("k"), 100)
+        };
+        letters.push(record(&db.pool, l).await);
+    }
+    let filter = postal_admin::dead_letters::Filter::default()
+        .consumer("billing")
+        .reason("permanent");
+    let chosen = postal_admin::dead_letters::matched(&db.pool, &[], &filter, Some(100))
+        .await
+        .expect("matched");
+    assert_eq!(chosen, vec![letters[1].0, letters[2].0], "the filter");
+    let producer = replay_producer(&svc.bootstrap);
+    let first = replay(&db.pool, &producer, &chosen).await;
+    let second = replay(&db.pool, &producer, &[letters[0].0]).await;
+    eprintln!("by reason: {first:?}; then the first: {second:?}");
+    let sent = on_topic(&svc.bootstrap, &topic, 3, Duration::from_secs(15)).await;
+    let at = positions(&sent, &letters);
+    eprintln!(
+        "on topic (positions): {at:?}; open: {:?}",
+        open(&db.pool).await
+    );
+    let mut seen: Vec<usize> = at.iter().flatten().copied().collect();
+    let in_order = seen.windows(2).all(|w| w[0] < w[1]);
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), at.len(), "none twice");
+    assert!(in_order, "key k in id order: {at:?}");
+}
+
+/// Promise (eedf1d4, with two replays at once: admin/src/dead_letters.rs `replay`, "a replay
+/// running at the same time waits for it, then takes none of these"): dead letters of key `k`
+/// of sizes [100, 700,000, 100, 100] and two of key `j` to a topic of `max.message.bytes`
+/// 600,000. Replay A (all six) is held after its sends, before its commit (a trigger on the
+/// audit row's update waits on an advisory lock the test holds); replay B (the same six) starts
+/// and waits on A's claimed rows; A is let go. A sends k's first and j's two and leaves k's
+/// second (refused) and its two after it open; B then claims those three again, is refused the
+/// second again and holds back the two after it. Both fail; the topic holds k's first and j's
+/// two, once each; k's last three stay open with their dedup rows; the audit rows count 3 and 0.
+///
+/// Models what no test did: two replays at once of a key whose record is refused (the racing
+/// test in `dead_letter_replay_chunks::` sends everything). Holds at 0dd8af7 (4 runs of 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replays_at_once_of_a_key_with_a_refused_record_send_none_of_its_later_ones() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-two");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let mut k = Vec::new();
+    for size in [100, 700_000, 100, 100] {
+        k.push(record(&db.pool, billing(&topic, Some("k"), size)).await);
+    }
+    let mut j = Vec::new();
+    for _ in 0..2 {
+        j.push(record(&db.pool, billing(&topic, Some("j"), 100)).await);
+    }
+    let ids: Vec<i64> = k.iter().chain(&j).map(|(id, _)| *id).collect();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_audit() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock(464648); RETURN NEW; END $$;
+         CREATE TRIGGER hold_audit BEFORE UPDATE ON postal.operator_audit
+           FOR EACH ROW EXECUTE FUNCTION public.hold_audit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(464648)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let start = |ids: Vec<i64>| {
+        let (pool, p) = (db.pool.clone(), replay_producer(&svc.bootstrap));
+        tokio::spawn(async move { replay(&pool, &p, &ids).await })
+    };
+    let waiting = |what: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock' AND {what}"
+            ))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let a = start(ids.clone());
+    wait::until(WAIT, "replay A held after its sends", || {
+        let w = waiting("wait_event = 'advisory'");
+        async move { w.await >= 1 }
+    })
+    .await;
+    let b = start(ids.clone());
+    wait::until(WAIT, "replay B waiting on A's rows", || {
+        let w = waiting("wait_event <> 'advisory'");
+        async move { w.await >= 1 }
+    })
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock(464648)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    eprintln!("A: {a:?}\nB: {b:?}");
+    assert!(a.is_err() && b.is_err(), "k's second is refused in both");
+    let sent = on_topic(&svc.bootstrap, &topic, 3, WAIT).await;
+    let expected: Vec<String> = [k[0].1, j[0].1, j[1].1]
+        .iter()
+        .map(Uuid::to_string)
+        .collect();
+    let mut got = sent.clone();
+    got.sort();
+    let mut want = expected.clone();
+    want.sort();
+    assert_eq!(got, want, "k's first and j's two, once each: {sent:?}");
+    let j_order: Vec<&String> = sent.iter().filter(|e| **e != expected[0]).collect();
+    assert_eq!(j_order, vec![&expected[1], &expected[2]], "j in order");
+    assert_eq!(
+        open(&db.pool).await,
+        vec![k[1].0, k[2].0, k[3].0],
+        "k's refused one and the two after it stay open"
+    );
+    let dedup: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM postal.processed_events p JOIN postal.dead_letters d
+           ON d.event_id = p.event_id AND d.consumer_name = p.consumer_name
+         WHERE d.replayed_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(dedup, 3, "the open ones keep their dedup rows");
+    let audit: Vec<i64> = sqlx::query_scalar(
+        "SELECT affected FROM postal.operator_audit WHERE action = 'replay' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(audit, vec![3, 0], "A sent three, B none");
+}
+
+/// Promise (docs/operations.md: the audit trail records every operator action, "what, on
+/// what, how many matched and were affected"; the brief: a clear error, recorded; the question
+/// of issue 46): the audit entry of a replay that failed says that it failed and why, so that
+/// an operator who reads `postal audit show` after the terminal is gone (or a second operator)
+/// can tell a refused record from dead letters someone else settled meanwhile.
+///
+/// Broken (fails at 0dd8af7, 4 runs of 4): a replay of [100, 700,000, 100, 100] bytes of one
+/// key to a topic of `max.message.bytes` 600,000 fails ("replaying dead letter 2 … Message size
+/// too large (1 replayed before it; …)"); its audit row is `matched 4, affected 1`, and neither
+/// that row (every column, `removed` null) nor any dead letter row holds the error text or any
+/// sign of a failure: the same row as a replay of which 3 were resolved by someone else
+/// meanwhile would leave. `Recording::add` takes only a count; `operator_audit` has no column for an
+/// outcome. Fix: an `error` (text) column on `postal.operator_audit` set by `replay` (and the
+/// other chunked actions) in the failed chunk's transaction, shown by `postal audit show`.
+#[tokio::test]
+#[ignore = "known: the audit trail keeps no sign of a replay's failure nor its error text"]
+async fn the_audit_entry_of_a_failed_replay_keeps_its_error() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-audit");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let mut ids = Vec::new();
+    for size in [100, 700_000, 100, 100] {
+        ids.push(record(&db.pool, billing(&topic, Some("k"), size)).await.0);
+    }
+    let producer = replay_producer(&svc.bootstrap);
+    let err = replay(&db.pool, &producer, &ids)
+        .await
+        .expect_err("dead letter 2 is refused");
+    eprintln!("replay: {err}");
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT row_to_json(a)::text FROM postal.operator_audit a WHERE action = 'replay'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    eprintln!("audit: {rows:?}");
+    let kept_anywhere: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.operator_audit a
+                         WHERE strpos(lower(row_to_json(a)::text), 'too large') > 0)
+             OR EXISTS (SELECT 1 FROM postal.dead_letters d
+                         WHERE strpos(lower(d.error), 'too large') > 0)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        kept_anywhere,
+        "the failure ({err}) is recorded nowhere: audit {rows:?}"
+    );
+}
+
+/// Records `sizes.len()` unpublished dead letters of consumer `effects` (key `keys[i % n]`,
+/// value `sizes[i]` random bytes) whose `.dlq` topic (pre-created, one partition) takes
+/// `max.message.bytes` 300,000, starts a consumer (its publisher's first pass takes them all),
+/// and checks that each copy reaches the topic once, whole, and each key's copies (by
+/// `postal_dlq_id`) in id order.
+async fn dlq_copies_in_key_order(keys: &[&str], sizes: &[usize]) {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("replay-attack-dlq");
+    let dlq = format!("{topic}.dlq");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    create_topic_with(&svc.bootstrap, &dlq, &[("max.message.bytes", "300000")]).await;
+    let mut letters: Vec<(i64, &str)> = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let key = keys[i % keys.len()];
+        let l = Letter {
+            consumer: handlers::CONSUMER,
+            topic: &topic,
+            key: Some(key),
+            reason: "permanent",
+            value: size,
+        };
+        letters.push((record(&db.pool, l).await.0, key));
+    }
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    wait::until(WAIT, "every dead letter published", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.dead_letters WHERE published_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == letters.len() as i64
+    })
+    .await;
+    let copies = kafka::read_all(&svc.bootstrap, &dlq, letters.len(), WAIT).await;
+    running.stop().await;
+    let on_dlq: Vec<(i64, String, Option<String>)> = copies
+        .iter()
+        .map(|c| {
+            (
+                c.header("postal_dlq_id")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(-1),
+                c.key.clone().unwrap_or_default(),
+                c.header("postal_dlq_cut").map(str::to_owned),
+            )
+        })
+        .collect();
+    let order: Vec<i64> = on_dlq.iter().map(|c| c.0).collect();
+    eprintln!("on {dlq} (dead letter ids): {order:?}");
+    let mut seen = order.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), letters.len(), "each copy once");
+    for &key in keys {
+        let got: Vec<i64> = on_dlq.iter().filter(|c| c.1 == key).map(|c| c.0).collect();
+        let want: Vec<i64> = letters.iter().filter(|l| l.1 == key).map(|l| l.0).collect();
+        assert_eq!(got, want, "key {key}'s copies in id order");
+    }
+    assert!(
+        on_dlq.iter().all(|c| c.2.is_none()),
+        "each copy fits alone: none cut"
+    );
+}
+
+/// Promise (consumer/src/dlq_copy.rs: "a refused copy is sent again alone, as it was"; the
+/// brief: per-key order): a key's copies reach `<topic>.dlq` in the order of its dead letters.
+/// 40 dead letters, keys `a`..`d` in turn, values of 120,000 to 250,000 random bytes, to a
+/// `.dlq` topic of `max.message.bytes` 300,000: each copy fits alone, no two together do, so
+/// every record batch of the first pass is refused (a temporary print showed all 40 refused in
+/// the first pass) and all go again alone, in id order.
+///
+/// Models what no test did (the per-key order of `.dlq` copies after a refusal). Holds at
+/// 0dd8af7 (4 runs of 4).
+#[tokio::test]
+async fn a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order() {
+    let sizes = [250_000, 120_000, 200_000, 160_000, 240_000];
+    let sizes: Vec<usize> = (0..40).map(|i| sizes[i % sizes.len()]).collect();
+    dlq_copies_in_key_order(&["a", "b", "c", "d"], &sizes).await;
+}
+
+/// Promise: as [`a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order`], when a
+/// record batch is refused and a later one is written: dead letters `a1`, `b1`, `c1`, `d1` of
+/// 250,000 bytes, then `a2`, `b2`, `c2`, `d2` of 100 bytes, keys `a`..`d`, `.dlq` limit
+/// 300,000. The first pass sends all eight at once; librdkafka packs the large ones into a batch
+/// (up to its 1,000,000 bytes) that the broker refuses, and a later batch holding the small ones
+/// (under 300,000 bytes) may be written; the refused ones go again alone after it.
+///
+/// Broken (fails at 0dd8af7, 4 runs of 4): with a temporary print, the first pass saw dead
+/// letters 1 to 3 refused (one batch, about 750,000 bytes) and 4 to 8 written (`d1` and the four
+/// small ones, about 251,000 bytes); the `.dlq` topic holds the copies of dead letters
+/// [4, 5, 6, 7, 8, 1, 2, 3]: keys `a`, `b`, `c` each have their second copy before their first
+/// ([5, 1], [6, 2], [7, 3]). `Publisher::publish_pending` (consumer/src/dead_letter.rs) sends a
+/// pass's copies all at once, a key's together, and the ones refused for size again alone
+/// after the whole first pass — the reorder `replay` was changed to avoid (one record of a key
+/// at a time; a key refused for size sends its rest alone, afterwards, in order). A service
+/// reading `<topic>.dlq` (an alerting or repair consumer) sees the key out of order. Fix: the
+/// same as `replay`'s first pass: one copy of a key at a time (keys at once), and a key whose
+/// copy is refused sends that copy and the rest of its key in the one-at-a-time pass. (Copies
+/// marked `dlq_unpublishable` come after every other by design, docs/consumer.md; a key with one
+/// is out of order on the `.dlq` topic once a raised limit takes it.)
+#[tokio::test]
+#[ignore = "known: the .dlq publisher re-sends a refused batch's copies alone after a later batch of the same keys was written"]
+async fn a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_order() {
+    let sizes = [250_000, 250_000, 250_000, 250_000, 100, 100, 100, 100];
+    dlq_copies_in_key_order(&["a", "b", "c", "d"], &sizes).await;
+}
