@@ -513,3 +513,137 @@ async fn a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_o
     let sizes = [250_000, 250_000, 250_000, 250_000, 100, 100, 100, 100];
     dlq_copies_in_key_order(&["a", "b", "c", "d"], &sizes).await;
 }
+
+/// Promise (docs/consumer.md, Dedup retention: "a copy of an event that arrives after its dedup
+/// row was deleted is applied again", and so `postal consumer reset` refuses a target past a
+/// consumer's dedup horizon unless `--force-past-retention`; the brief: no duplicates): a
+/// replay sends a dead letter's record to a topic that other consumers read too, as a new
+/// record. Two consumers read one topic: `effects` applied event `e`, `billing` dead-lettered it
+/// (eight days ago). `effects`' dedup row of `e` is past its 7-day retention and deleted by its
+/// cleanup (its horizon recorded). The operator replays `billing`'s dead letter. Either the
+/// replay is refused (the event lies before another consumer's dedup horizon), or `effects`
+/// does not apply `e` a second time.
+///
+/// Broken (fails at 0dd8af7, 3 runs of 3): the replay returns Ok(1); `effects` applies `e`
+/// again: `effects` holds 2 rows for `e` (and 1 for a marker event produced after the replay,
+/// which shows the consumer read past the replayed record). Nothing checks the horizons of the
+/// topic's other consumers (`postal.dedup_horizon`) before a replay: the replayed record is new
+/// (new offset, new timestamp), so neither the offset marks nor the timestamps that protect
+/// `postal consumer reset` apply. Fix: in `replay`, refuse (one line naming the consumer and
+/// its horizon, unless forced as `consumer reset` is) a dead letter whose `created_at` is at or
+/// before the dedup horizon of a consumer other than its own that has a horizon recorded (the
+/// event reached the topic before the dead letter was recorded, so every consumer that read it
+/// then has forgotten it by that horizon).
+#[tokio::test]
+#[ignore = "known: a replay past another consumer's dedup horizon is applied again by that consumer"]
+async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_applied_twice() {
+    use crate::common::{effects, produce, RawRecord};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let topic = unique("replay-attack-horizon");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let running = start_apply(
+        &db.pool,
+        &topic,
+        consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
+    );
+    let e = Uuid::now_v7();
+    let record = RawRecord::event(e, "k", "job", serde_json::json!({ "n": 1 }));
+    produce(&svc.bootstrap, &topic, None, std::slice::from_ref(&record)).await;
+    wait::until(WAIT, "effects applied e", || async {
+        effects(&db.pool).await == (1, 1)
+    })
+    .await;
+    // Eight days later: effects' dedup row of e is past its retention and cleaned up.
+    sqlx::query(
+        "UPDATE postal.processed_events SET processed_at = now() - interval '8 days'
+         WHERE consumer_name = $1 AND event_id = $2",
+    )
+    .bind(handlers::CONSUMER)
+    .bind(e)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let deleted = postal_consumer::retention::cleanup_processed(
+        &db.pool,
+        handlers::CONSUMER,
+        Duration::from_secs(7 * 24 * 3600),
+        100,
+    )
+    .await
+    .expect("cleanup");
+    eprintln!("effects' dedup rows deleted by its cleanup: {deleted:?}");
+    // billing dead-lettered the same record eight days ago (with its dedup row).
+    let names: Vec<String> = record
+        .headers
+        .iter()
+        .map(|(n, _)| (*n).to_owned())
+        .collect();
+    let values: Vec<Vec<u8>> = record
+        .headers
+        .iter()
+        .map(|(_, v)| v.as_bytes().to_vec())
+        .collect();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+             kafka_offset, event_id, record_key, payload, header_names, header_values,
+             reason, error, attempts, dlq_topic, created_at)
+         VALUES ('billing', 'billing', $1, 0, 0, $2, 'k', $3, $4, $5,
+                 'permanent', 'declined', 1, $1 || '.dlq', now() - interval '8 days')
+         RETURNING id",
+    )
+    .bind(&topic)
+    .bind(e)
+    .bind(&record.payload)
+    .bind(&names)
+    .bind(&values)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO postal.processed_events (consumer_name, event_id, processed_at)
+         SELECT consumer_name, event_id, created_at FROM postal.dead_letters WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let producer = replay_producer(&svc.bootstrap);
+    let replayed = replay(&db.pool, &producer, &[id]).await;
+    eprintln!("replay: {replayed:?}");
+    // A marker after the replayed record: once it is applied, effects has read past the replay.
+    let marker = Uuid::now_v7();
+    produce(
+        &svc.bootstrap,
+        &topic,
+        None,
+        &[RawRecord::event(
+            marker,
+            "k",
+            "job",
+            serde_json::json!({ "n": 2 }),
+        )],
+    )
+    .await;
+    wait::until(WAIT, "effects applied the marker", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects WHERE event_id = $1")
+            .bind(marker)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+            == 1
+    })
+    .await;
+    running.stop().await;
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+        .bind(e)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    eprintln!("effects rows for e: {applied}");
+    assert!(
+        replayed.is_err() || applied == 1,
+        "replayed ({replayed:?}) and effects applied e {applied} times"
+    );
+}
