@@ -647,3 +647,122 @@ async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_app
         "replayed ({replayed:?}) and effects applied e {applied} times"
     );
 }
+
+/// Promise (eedf1d4: a keyed dead letter that is not sent holds back the rest of its key; a
+/// record reported delivered without an offset counts as not sent,
+/// `postal_shared::kafka_producer::written`): when a replay leaves a key's dead letter open
+/// because its delivery was not confirmed, the key's later dead letters stay open with it.
+/// Two dead letters of key `k` on librdkafka's mock cluster, which refuses the first produce
+/// request (`NOT_LEADER_FOR_PARTITION`, 200 ms round trip) and appends a later one sent while it
+/// is in flight (as in `dead_letters::a_replay_reported_delivered_without_an_offset_is_not_taken_
+/// as_replayed`): a record sent 50 ms into the replay on the same producer (a dashboard's
+/// producer is shared by its replays) makes librdkafka report the first dead letter delivered
+/// without an offset.
+///
+/// Fails if the first stays open (unconfirmed) while the second was sent and marked replayed.
+///
+/// Broken (fails at 0dd8af7, 5 runs of 5): the replay fails ("replaying dead letter 1 … the
+/// producer reported the record delivered without an offset … (1 replayed before it; …)"),
+/// dead letter 1 stays open and dead letter 2 is marked replayed; run again, it sends 1: the
+/// topic holds [warm-up, behind, dead letter 2, dead letter 1]. In `replay`'s first pass (and
+/// its one-at-a-time pass) a key stops on `res.is_err()` only; a delivery without an offset is
+/// `Ok` there and turned into a failure (`UNCONFIRMED`) only after every send. Fix: take
+/// `!matches!(&res, Ok(d) if written(d.offset))` as "not sent" in both passes, so that the rest
+/// of the key is held back as for an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: a keyed dead letter delivered without an offset does not hold back the rest of its key"]
+async fn an_unconfirmed_dead_letter_holds_back_the_rest_of_its_key() {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::producer::FutureRecord;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("jobs", 1, 1).expect("topic");
+    let producer = replay_producer(mock.bootstrap_servers().as_str());
+    let warm = || FutureRecord::<[u8], [u8]>::to("jobs").payload(b"warm".as_slice());
+    producer
+        .send(warm(), Duration::from_secs(10))
+        .await
+        .expect("warm-up record");
+    let first = record(&db.pool, billing("jobs", Some("k"), 16)).await.0;
+    let second = record(&db.pool, billing("jobs", Some("k"), 16)).await.0;
+    mock.broker_round_trip_time(1, Duration::from_millis(200))
+        .expect("round trip time");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
+    );
+    let behind = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        producer
+            .send(
+                FutureRecord::<[u8], [u8]>::to("jobs").payload(b"behind".as_slice()),
+                Duration::from_secs(10),
+            )
+            .await
+    };
+    let ids = [first, second];
+    let (replayed, _) = tokio::join!(replay(&db.pool, &producer, &ids), behind);
+    let left = open(&db.pool).await;
+    eprintln!("replay: {replayed:?}; open: {left:?}");
+    if left.contains(&first) {
+        // What the operator does next: run the same replay again.
+        let again = replay(&db.pool, &producer, &ids).await;
+        let events: Vec<String> =
+            sqlx::query_scalar("SELECT event_id::text FROM postal.dead_letters ORDER BY id")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        let on_topic: Vec<String> = mock_ce_ids(&mock, "jobs", 4)
+            .iter()
+            .map(|e| match events.iter().position(|x| x == e) {
+                Some(i) => format!("dead letter {}", i + 1),
+                None => e.clone(),
+            })
+            .collect();
+        eprintln!("replayed again: {again:?}; on the topic: {on_topic:?}");
+    }
+    if left.contains(&first) {
+        assert!(
+            left.contains(&second),
+            "dead letter {first} is open (not confirmed), yet {second} of its key was replayed: {replayed:?}"
+        );
+    }
+}
+
+/// The `ce_id` headers (`-` for none) of `topic`'s partition 0 on `mock`, in offset order
+/// (waits up to 10 s for at least `n`).
+fn mock_ce_ids(
+    mock: &rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    topic: &str,
+    n: usize,
+) -> Vec<String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Headers;
+    use rdkafka::Message;
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", mock.bootstrap_servers())
+        .set("group.id", "read-back")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)
+        .expect("offset");
+    consumer.assign(&tpl).expect("assign");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while out.len() < n && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+            let id = m
+                .headers()
+                .and_then(|h| h.iter().find(|h| h.key == "ce_id"))
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_else(|| "-".into());
+            out.push(id);
+        }
+    }
+    out
+}
