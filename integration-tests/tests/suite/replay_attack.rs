@@ -131,19 +131,19 @@ fn positions(sent: &[String], letters: &[(i64, Uuid)]) -> Vec<Option<usize>> {
 /// the oldest of a replay; three small dead letters of key `j` follow. Running the same replay
 /// again, as the error says, sends key `j`'s three (they do not wait behind key `k`).
 ///
-/// Broken (fails at 0dd8af7, 4 runs of 4): both runs fail with "replaying dead letter 1 …
-/// Broker: Message size too large (0 replayed before it; run the same replay again for the
-/// rest)"; the topic stays empty and all four stay open. The 4,500,000-byte dead letter is over
+/// Broken (fails at 0dd8af7, 4 runs of 4): both runs fail with "replaying dead letter 1 … Broker:
+/// Message size too large (0 replayed before it; run the same replay again for the rest)"; the
+/// topic stays empty and all four stay open. The 4,500,000-byte dead letter is over
 /// `REPLAY_CHUNK_BYTES` (4 MiB), so it is a chunk of its own, the first; `replay` returns at the
-/// end of the first chunk with a failure and never reads the chunks after it, whose keys are
-/// not held back by anything. Every later run starts with the same chunk: no replay that
-/// selects this dead letter (`--all`, `--consumer`, the dashboard's filters) ever sends the
-/// others. The same stop comes from any chunk that holds only failed and held-back dead
-/// letters: 500 of one key behind its first refused one
-/// ([`a_key_of_500_behind_a_refused_record_does_not_hold_back_other_keys_run_after_run`]);
-/// by the code (not run), 500 keyless ones a compacted topic refuses. Fix: go on with the later chunks, holding back there the (topic, key)s that a
-/// failure held back before (a keyless failure holds back nothing), and return the first error
-/// after the last chunk.
+/// end of the first chunk with a failure and never reads the chunks after it, whose keys are not
+/// held back by anything. Every later run starts with the same chunk: no replay that selects this
+/// dead letter (`--all`, `--consumer`, the dashboard's filters) ever sends the others. The same
+/// stop comes from any chunk that holds only failed and held-back dead letters: 500 of one key
+/// behind its first refused one
+/// ([`a_key_of_500_behind_a_refused_record_does_not_hold_back_other_keys_run_after_run`]); by the
+/// code (not run), 500 keyless ones a compacted topic refuses. Fix: go on with the later chunks,
+/// holding back there the (topic, key)s that a failure held back before (a keyless failure holds
+/// back nothing), and return the first error after the last chunk.
 #[tokio::test]
 #[ignore = "known: a never-sendable dead letter at the head of a replay stops every later chunk of every key, run after run"]
 async fn a_dead_letter_its_topic_never_takes_does_not_hold_back_other_keys_run_after_run() {
@@ -404,14 +404,14 @@ async fn two_replays_at_once_of_a_key_with_a_refused_record_send_none_of_its_lat
 /// an operator who reads `postal audit show` after the terminal is gone (or a second operator)
 /// can tell a refused record from dead letters someone else settled meanwhile.
 ///
-/// Broken (fails at 0dd8af7, 4 runs of 4): a replay of [100, 700,000, 100, 100] bytes of one
-/// key to a topic of `max.message.bytes` 600,000 fails ("replaying dead letter 2 … Message size
-/// too large (1 replayed before it; …)"); its audit row is `matched 4, affected 1`, and neither
-/// that row (every column, `removed` null) nor any dead letter row holds the error text or any
-/// sign of a failure: the same row as a replay of which 3 were resolved by someone else
-/// meanwhile would leave. `Recording::add` takes only a count; `operator_audit` has no column for an
-/// outcome. Fix: an `error` (text) column on `postal.operator_audit` set by `replay` (and the
-/// other chunked actions) in the failed chunk's transaction, shown by `postal audit show`.
+/// Broken (fails at 0dd8af7, 4 runs of 4): a replay of [100, 700,000, 100, 100] bytes of one key to
+/// a topic of `max.message.bytes` 600,000 fails ("replaying dead letter 2 … Message size too large
+/// (1 replayed before it; …)"); its audit row is `matched 4, affected 1`, and neither that row
+/// (every column, `removed` null) nor any dead letter row holds the error text or any sign of a
+/// failure: the same row as a replay of which 3 were resolved by someone else meanwhile would
+/// leave. `Recording::add` takes only a count; `operator_audit` has no column for an outcome. Fix:
+/// an `error` (text) column on `postal.operator_audit` set by `replay` (and the other chunked
+/// actions) in the failed chunk's transaction, shown by `postal audit show`.
 #[tokio::test]
 #[ignore = "known: the audit trail keeps no sign of a replay's failure nor its error text"]
 async fn the_audit_entry_of_a_failed_replay_keeps_its_error() {
@@ -524,27 +524,32 @@ async fn dlq_copies_in_key_order(keys: &[&str], sizes: &[usize]) {
 /// Promise (consumer/src/dlq_copy.rs: "a refused copy is sent again alone, as it was"; the
 /// brief: per-key order): a key's copies reach `<topic>.dlq` in the order of its dead letters.
 /// 40 dead letters, keys `a`..`d` in turn, values of 120,000 to 250,000 random bytes, to a
-/// `.dlq` topic of `max.message.bytes` 300,000: each copy fits alone, no two together do, so
-/// every record batch of the first pass is refused (a temporary print showed all 40 refused in
-/// the first pass) and all go again alone, in id order.
+/// `.dlq` topic of `max.message.bytes` 300,000: each copy fits alone, no two together do.
 ///
-/// Models what no test did (the per-key order of `.dlq` copies after a refusal). Holds at
-/// 0dd8af7 (4 runs of 4).
+/// Broken (fails at 0dd8af7 now and then: 2 runs of 16): most runs, every record batch of
+/// the first pass holds two or more copies and is refused (a temporary print showed all 40
+/// refused), and all go again alone, in id order. But librdkafka (`linger.ms` 0) sometimes
+/// sends a copy in a batch of its own, which is written in the first pass while an earlier copy
+/// of its key, refused in a shared batch, goes again alone afterwards: the `.dlq` topic held
+/// [1, 2, 5, 6, 7, 8, 9, 3, 4, 10, …, 40] (key `c`: [7, 3, 11, …]). The same break as
+/// [`a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_order`], which
+/// arranges the batches so that it shows every run.
 #[tokio::test]
+#[ignore = "known: the .dlq publisher re-sends a refused batch's copies alone after a later batch of the same keys was written (here: when librdkafka happens to batch so)"]
 async fn a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order() {
     let sizes = [250_000, 120_000, 200_000, 160_000, 240_000];
     let sizes: Vec<usize> = (0..40).map(|i| sizes[i % sizes.len()]).collect();
     dlq_copies_in_key_order(&["a", "b", "c", "d"], &sizes).await;
 }
 
-/// Promise: as [`a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order`], when a
-/// record batch is refused and a later one is written: dead letters `a1`, `b1`, `c1`, `d1` of
-/// 250,000 bytes, then `a2`, `b2`, `c2`, `d2` of 100 bytes, keys `a`..`d`, `.dlq` limit
+/// Promise: as [`a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order`], with the
+/// batches arranged so that one is refused and a later one written: dead letters `a1`, `b1`, `c1`,
+/// `d1` of 250,000 bytes, then `a2`, `b2`, `c2`, `d2` of 100 bytes, keys `a`..`d`, `.dlq` limit
 /// 300,000. The first pass sends all eight at once; librdkafka packs the large ones into a batch
 /// (up to its 1,000,000 bytes) that the broker refuses, and a later batch holding the small ones
 /// (under 300,000 bytes) may be written; the refused ones go again alone after it.
 ///
-/// Broken (fails at 0dd8af7, 4 runs of 4): with a temporary print, the first pass saw dead
+/// Broken (fails at 0dd8af7, 10 runs of 10): with a temporary print, the first pass saw dead
 /// letters 1 to 3 refused (one batch, about 750,000 bytes) and 4 to 8 written (`d1` and the four
 /// small ones, about 251,000 bytes); the `.dlq` topic holds the copies of dead letters
 /// [4, 5, 6, 7, 8, 1, 2, 3]: keys `a`, `b`, `c` each have their second copy before their first
