@@ -398,6 +398,124 @@ async fn two_replays_at_once_of_a_key_with_a_refused_record_send_none_of_its_lat
     assert_eq!(audit, vec![3, 0], "A sent three, B none");
 }
 
+/// Promise (admin/src/dead_letters.rs `resolve`: settled without a replay, its dedup row stays;
+/// eedf1d4: the held-back rest of a key stays open, to go once its head can): a resolve racing a
+/// replay whose key is held back. Dead letters of key `k` of sizes [100, 700,000, 100, 100] to a
+/// topic of `max.message.bytes` 600,000. The replay is held after its sends, before its commit
+/// (a trigger on the audit row's update waits on an advisory lock the test holds); a resolve of
+/// the refused one (the operator gives up on it) starts and waits on the replay's claimed row;
+/// the replay is let go. The replay fails, sending the first only; the resolve then settles the
+/// refused one (it stood again), count 1. Run again, the replay sends the last two: the topic
+/// holds positions [0, 2, 3]; the resolved one keeps its dedup row, the replayed ones have none.
+///
+/// Models what no test did: a resolve racing a replay that fails (the racing test in
+/// `dead_letter_replay_chunks::` sends everything). Holds at 0dd8af7 (3 runs of 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolving_a_refused_dead_letter_while_its_replay_runs_lets_the_rest_of_its_key_go_after() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-resolve");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let mut k = Vec::new();
+    for size in [100, 700_000, 100, 100] {
+        k.push(record(&db.pool, billing(&topic, Some("k"), size)).await);
+    }
+    let ids: Vec<i64> = k.iter().map(|(id, _)| *id).collect();
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.hold_audit() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM pg_advisory_xact_lock(464649); RETURN NEW; END $$;
+         CREATE TRIGGER hold_audit BEFORE UPDATE ON postal.operator_audit
+           FOR EACH ROW WHEN (NEW.action = 'replay') EXECUTE FUNCTION public.hold_audit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(464649)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let a = {
+        let (pool, p, ids) = (
+            db.pool.clone(),
+            replay_producer(&svc.bootstrap),
+            ids.clone(),
+        );
+        tokio::spawn(async move { replay(&pool, &p, &ids).await })
+    };
+    let waiting = |what: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock' AND {what}"
+            ))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait::until(WAIT, "the replay held after its sends", || {
+        let w = waiting("wait_event = 'advisory'");
+        async move { w.await >= 1 }
+    })
+    .await;
+    let resolve = {
+        let (pool, refused) = (db.pool.clone(), vec![ids[1]]);
+        tokio::spawn(async move {
+            postal_admin::dead_letters::resolve(
+                &pool,
+                &postal_admin::audit::Operator::cli("test"),
+                &serde_json::json!({ "ids": refused }),
+                &refused,
+            )
+            .await
+        })
+    };
+    wait::until(WAIT, "the resolve waiting on the replay's row", || {
+        let w = waiting("wait_event <> 'advisory'");
+        async move { w.await >= 1 }
+    })
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock(464649)")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let (a, resolved) = (a.await.unwrap(), resolve.await.unwrap());
+    eprintln!("replay: {a:?}; resolve: {resolved:?}");
+    assert!(a.is_err(), "the second is refused");
+    assert_eq!(
+        resolved.expect("resolved"),
+        1,
+        "the refused one, standing again"
+    );
+    assert_eq!(
+        open(&db.pool).await,
+        vec![ids[2], ids[3]],
+        "the rest of the key"
+    );
+    let producer = replay_producer(&svc.bootstrap);
+    let again = replay(&db.pool, &producer, &ids).await;
+    eprintln!("again: {again:?}");
+    assert_eq!(again.expect("replayed"), 2);
+    let sent = on_topic(&svc.bootstrap, &topic, 3, WAIT).await;
+    let at = positions(&sent, &k);
+    eprintln!("on topic (positions): {at:?}");
+    assert_eq!(at, vec![Some(0), Some(2), Some(3)], "once each, in order");
+    let dedup: Vec<i64> = sqlx::query_scalar(
+        "SELECT d.id FROM postal.processed_events p JOIN postal.dead_letters d
+           ON d.event_id = p.event_id AND d.consumer_name = p.consumer_name ORDER BY d.id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        dedup,
+        vec![ids[1]],
+        "only the resolved one keeps its dedup row"
+    );
+}
+
 /// Promise (docs/operations.md: the audit trail records every operator action, "what, on
 /// what, how many matched and were affected"; the brief: a clear error, recorded; the question
 /// of issue 46): the audit entry of a replay that failed says that it failed and why, so that
