@@ -231,6 +231,53 @@ async fn a_key_of_500_behind_a_refused_record_does_not_hold_back_other_keys_run_
     assert_eq!(left, ids[..501].to_vec(), "key k's stay open");
 }
 
+/// Promise (eedf1d4: a keyed dead letter that is not sent holds back the rest of its key in that
+/// replay — here across a chunk boundary): 499 dead letters of 499 keys (100 bytes), then key
+/// `k`'s first (700,000 bytes, to a topic of `max.message.bytes` 600,000: never written), the
+/// 500th row and so the last of the first chunk; then key `k`'s second and key `j`'s one
+/// (100 bytes), in the second chunk. Key `k`'s second is never written while its first is open,
+/// and stays open with its dedup row. (Today the replay stops after the first chunk, see
+/// [`a_key_of_500_behind_a_refused_record_does_not_hold_back_other_keys_run_after_run`]; this
+/// test guards the order once it goes on to later chunks: it does not look at key `j`.)
+///
+/// Models what no test did: the hold-back across a chunk boundary. Holds at 0dd8af7 (3 runs of
+/// 3: the first chunk's 499 written, `k`'s two and `j`'s one open).
+#[tokio::test]
+async fn a_key_refused_at_the_end_of_a_chunk_sends_none_of_its_rest_in_the_next() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let topic = unique("replay-attack-boundary");
+    create_topic_with(&svc.bootstrap, &topic, &[("max.message.bytes", "600000")]).await;
+    let mut ids = Vec::new();
+    for i in 0..499 {
+        let key = format!("f{i}");
+        ids.push(record(&db.pool, billing(&topic, Some(&key), 100)).await.0);
+    }
+    let k_first = record(&db.pool, billing(&topic, Some("k"), 700_000)).await;
+    let k_second = record(&db.pool, billing(&topic, Some("k"), 100)).await;
+    let j = record(&db.pool, billing(&topic, Some("j"), 100)).await;
+    ids.extend([k_first.0, k_second.0, j.0]);
+    let producer = replay_producer(&svc.bootstrap);
+    let res = replay(&db.pool, &producer, &ids).await;
+    eprintln!("replay: {res:?}");
+    assert!(res.is_err(), "k's first can never go");
+    let sent = on_topic(&svc.bootstrap, &topic, 499, WAIT).await;
+    let left = open(&db.pool).await;
+    eprintln!("on topic: {} records; open: {left:?}", sent.len());
+    assert!(
+        !sent.contains(&k_second.1.to_string()),
+        "k's second went out before its first"
+    );
+    assert!(left.contains(&k_second.0), "k's second stays open");
+    let dedup: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.processed_events WHERE event_id = $1")
+            .bind(k_second.1)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(dedup, 1, "k's second keeps its dedup row");
+}
+
 /// Promise (replay_order::, the brief: a key's dead letters reach the topic in id order;
 /// eedf1d4: "sent, they would come before it once it is"): three dead letters of key `k` of
 /// consumer `billing`, the first `retries_exhausted` (its database was down), the next two
