@@ -2,9 +2,11 @@
 //! of its key in that replay" (eedf1d4), and on the `.dlq` copy publisher's "sent again alone"
 //! (issue 46): what no test in `replay_order::`, `dead_letter_replay_chunks::`,
 //! `dead_letters::` or `dead_letter_headers::` models — a dead letter that can never be sent at
-//! the head of a replay, a replay of only some of a key's dead letters, two replays of a key at
-//! once while one of its records is refused, what the audit trail keeps of a failed replay, and
-//! the order of a key's copies on `<topic>.dlq` when the broker refuses a record batch.
+//! the head of a replay, a key refused at the end of a chunk, a replay of only some of a key's
+//! dead letters, two replays of a key at once while one of its records is refused, a resolve
+//! racing a failing replay, a delivery reported without an offset, a replay past another
+//! consumer's dedup horizon, what the audit trail keeps of a failed replay, and the order of a
+//! key's copies on `<topic>.dlq` when the broker refuses a record batch.
 
 use std::time::Duration;
 
