@@ -68,6 +68,7 @@ mod rebalance;
 mod recreated_topic;
 mod relay;
 mod relay_random;
+mod replay_attack;
 mod replay_order;
 mod replay_partitions;
 mod reset_horizon;
