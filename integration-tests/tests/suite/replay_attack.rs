@@ -146,8 +146,8 @@ fn positions(sent: &[String], letters: &[(i64, Uuid)]) -> Vec<Option<usize>> {
 /// code (not run), 500 keyless ones a compacted topic refuses. Fix: go on with the later chunks,
 /// holding back there the (topic, key)s that a failure held back before (a keyless failure holds
 /// back nothing), and return the first error after the last chunk.
+/// Fixed by fe7f883: later chunks go on; the first error is told after the last chunk.
 #[tokio::test]
-#[ignore = "known: a never-sendable dead letter at the head of a replay stops every later chunk of every key, run after run"]
 async fn a_dead_letter_its_topic_never_takes_does_not_hold_back_other_keys_run_after_run() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -194,8 +194,8 @@ async fn a_dead_letter_its_topic_never_takes_does_not_hold_back_other_keys_run_a
 /// topic stays empty; all 504 stay open. The first chunk (500 rows) is key `k`'s first 500:
 /// the first refused, 499 held back behind it, none sent; `replay` returns there, and the
 /// second chunk (`k`'s last and `j`'s three) is never read, in any run.
+/// Fixed by fe7f883: later chunks go on; the first error is told after the last chunk.
 #[tokio::test]
-#[ignore = "known: a chunk of one key held back behind its refused head stops every later chunk of every key, run after run"]
 async fn a_key_of_500_behind_a_refused_record_does_not_hold_back_other_keys_run_after_run() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -296,8 +296,9 @@ async fn a_key_refused_at_the_end_of_a_chunk_sends_none_of_its_rest_in_the_next(
 /// `replay`, treat a keyed dead letter as not sendable while an older open one of the same
 /// (consumer, topic, key) is not in the replay (counted failed with an error naming it, left
 /// open with its dedup row), as for one not sent.
+/// Fixed by fe7f883: a keyed dead letter waits while an older open one of its key is outside
+/// the replay.
 #[tokio::test]
-#[ignore = "known: replaying only the later dead letters of a key (a filter, ids) sends them ahead of an older open one"]
 async fn replaying_only_the_later_dead_letters_of_a_key_keeps_the_key_in_order() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -579,8 +580,8 @@ async fn resolving_a_refused_dead_letter_while_its_replay_runs_lets_the_rest_of_
 /// leave. `Recording::add` takes only a count; `operator_audit` has no column for an outcome. Fix:
 /// an `error` (text) column on `postal.operator_audit` set by `replay` (and the other chunked
 /// actions) in the failed chunk's transaction, shown by `postal audit show`.
+/// Fixed by a0739d2: migration 0036, `operator_audit.error`.
 #[tokio::test]
-#[ignore = "known: the audit trail keeps no sign of a replay's failure nor its error text"]
 async fn the_audit_entry_of_a_failed_replay_keeps_its_error() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -891,8 +892,8 @@ async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_app
 /// `Ok` there and turned into a failure (`UNCONFIRMED`) only after every send. Fix: take
 /// `!matches!(&res, Ok(d) if written(d.offset))` as "not sent" in both passes, so that the rest
 /// of the key is held back as for an error.
+/// Fixed by fe7f883: a delivery without an offset holds back its key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a keyed dead letter delivered without an offset does not hold back the rest of its key"]
 async fn an_unconfirmed_dead_letter_holds_back_the_rest_of_its_key() {
     use rdkafka::mocking::MockCluster;
     use rdkafka::producer::FutureRecord;
