@@ -1,0 +1,536 @@
+//! Attacks on the WAL relay (issue 50, docs/wal-relay.md): what real deployments bring that the
+//! `wal_*` modules do not model — a topic missing while other topics flow, an operator who drops
+//! and re-creates the slot under a running relay, scheduled events in a WAL-only deployment,
+//! and standbys racing for a slot whose holder died in the middle of a large transaction.
+//! Breaks are marked `#[ignore = "known: …"]` with what was measured.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use postal_integration_tests::kafka::{read_all, Record};
+use postal_integration_tests::{services, unique, wait};
+use postal_producer::{
+    enqueue, enqueue_batch, KafkaConfig, KafkaTransport, NewEvent, OutboundEvent, PublishError,
+    Transport,
+};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+
+use crate::common::{create_topic, kafka_transport, outbox_count, RunningRelay};
+use crate::wal_relay::{enqueue_each, outbox_pending, seqs_by_key, Slot};
+
+/// Polls `check` every 100 ms until it holds or `within` passed; whether it held.
+async fn holds_within<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn pending_of(pool: &PgPool, topic: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE topic = $1 AND status = 'pending'")
+        .bind(topic)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Publishes through Kafka and notifies `failed` after a batch with a failed event.
+struct NotifiesFailure {
+    inner: KafkaTransport,
+    failed: Arc<Notify>,
+}
+
+impl Transport for NotifiesFailure {
+    type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+        let acks = self.inner.send(batch).await;
+        let failed = self.failed.clone();
+        async move {
+            let outcomes = acks.await;
+            if outcomes.iter().any(|o| o.is_err()) {
+                failed.notify_one();
+            }
+            outcomes
+        }
+        .boxed()
+    }
+
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        self.inner.recorded(batch, committed);
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        self.inner.delivery_timeout()
+    }
+}
+
+/// Promise (the polling relay's, `missing_topic::`): events of a topic that does not exist
+/// (deleted, not created yet, auto-create off) wait for it without starving other topics.
+///
+/// What happened (WAL relay): the missing topic's event fails as `Waiting`, the WAL relay
+/// retries it (with its key's later events) "before reading further" — and every other topic's
+/// events committed after it wait too. In a run, 3 events of an existing topic committed after
+/// one event of a missing topic were all still pending 20 s later (a polling relay publishes
+/// them at once, `missing_topic::`). One deleted topic stops the whole outbox, and the slot
+/// (and the WAL behind it) with it. Obvious fix: treat `Waiting`/`Unavailable` failures of a
+/// key like a permanent refusal minus the park — leave the row pending `held` with a retry
+/// time (as polling does) and move on, or keep a per-key retry list outside the batch.
+#[tokio::test]
+#[ignore = "known: a WAL relay retries a missing topic's event before reading further: every other topic's events wait (0 of 3 published in 20 s)"]
+async fn a_missing_topic_does_not_stall_other_topics() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let (missing, present) = (unique("wal-att-missing"), unique("wal-att-present"));
+    create_topic(&svc.bootstrap, &present, 4).await;
+    let mut cfg = KafkaConfig::new(&svc.bootstrap);
+    cfg.create_topics = false;
+    cfg.properties
+        .insert("message.timeout.ms".into(), "1000".into());
+    let failed = Arc::new(Notify::new());
+    let transport = NotifiesFailure {
+        inner: KafkaTransport::new(cfg).expect("kafka transport"),
+        failed: failed.clone(),
+    };
+    let relay = RunningRelay::start(&db.pool, transport, slot.config());
+    enqueue_each(&db.pool, &missing, "a", 1).await;
+    // The other topic's events come after the relay read the missing topic's one (in a batch
+    // of its own) and failed it once.
+    tokio::time::timeout(Duration::from_secs(30), failed.notified())
+        .await
+        .expect("the missing topic's event failed");
+    let (ids, _) = enqueue_each(&db.pool, &present, "b", 3).await;
+    let flowed = holds_within(Duration::from_secs(20), || async {
+        pending_of(&db.pool, &present).await == 0
+    })
+    .await;
+    let left = pending_of(&db.pool, &present).await;
+    relay.stop().await;
+    assert!(
+        flowed,
+        "{left} of {} events of an existing topic still pending 20 s after they were committed, \
+         behind one event of a missing topic",
+        ids.len()
+    );
+    let records = read_all(&svc.bootstrap, &present, 3, Duration::from_secs(10)).await;
+    assert_eq!(records.len(), 3, "each published once");
+}
+
+/// Promise: an operator's drop and re-creation of the slot while a WAL relay runs on it loses
+/// no event and reorders no key (or the relay refuses to stream from a slot that is not the one
+/// it confirmed, and says so).
+///
+/// What happened: the relay's session ended, it retried streaming (the slot missing) and, once
+/// the slot was there again, streamed from the new slot's consistent point without a word. The
+/// 3 events of key `k` committed while the slot was gone stayed pending for good; the 3
+/// committed after the re-creation were published — before them, so the key's order on the
+/// topic is broken (in a run: Kafka held seqs 1-3 and 7-9, seqs 4-6 pending 15 s after the
+/// later ones were confirmed). `wal_faults::a_key_pending_from_before_the_slot_holds_its_later_events_back`
+/// is the same gap at first start; this is an operator racing a running relay, and nothing
+/// (log, `postal status` beyond the transient `MISSING`) says rows were skipped. Obvious fix:
+/// record the slot's identity (its creation, e.g. the consistent point or a generation in
+/// `wal_slot_leases`) with the lease and refuse to stream from a different slot until pending
+/// rows older than it are drained; or, before streaming, publish (by polling) pending rows
+/// older than the slot's consistent point.
+#[tokio::test]
+#[ignore = "known: a slot re-created under a running WAL relay is streamed from its new consistent point: the rows committed while it was gone are never published and the key's later rows pass them (3 of 9 pending)"]
+async fn a_slot_dropped_and_recreated_under_a_running_relay_loses_nothing() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-att-reslot");
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
+    let (mut ids, last) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    wait::until(Duration::from_secs(30), "the first events published", || async {
+        slot.confirmed(&db.pool).await >= last && outbox_count(&db.pool).await == 0
+    })
+    .await;
+    // The operator: end the walsender and drop the slot (the relay reconnects within its
+    // backoff, so this is retried until the drop wins).
+    let name = slot.source.slot.clone();
+    wait::until(Duration::from_secs(30), "the slot dropped", || async {
+        let _ = sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active",
+        )
+        .bind(&name)
+        .execute(&db.pool)
+        .await;
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(&name)
+            .execute(&db.pool)
+            .await
+            .is_ok()
+    })
+    .await;
+    let (gone, _) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    ids.extend(gone);
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&name)
+        .execute(&db.pool)
+        .await
+        .expect("slot created again");
+    let (after, last) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    ids.extend(after);
+    wait::until(
+        Duration::from_secs(30),
+        "the new slot confirmed past the last events",
+        || async { slot.confirmed(&db.pool).await >= last },
+    )
+    .await;
+    let drained = holds_within(Duration::from_secs(15), || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    let pending = outbox_pending(&db.pool).await;
+    relay.stop().await;
+    let records = read_all(&svc.bootstrap, &topic, 6, Duration::from_secs(10)).await;
+    let by_key = seqs_by_key(&records);
+    assert!(
+        drained,
+        "{pending} of {} events still pending; Kafka holds seqs {:?}",
+        ids.len(),
+        by_key.get("k")
+    );
+    let got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    assert_eq!(got, ids, "every event once, in commit order");
+}
+
+/// Promise: an event enqueued with `deliver_at` is published once due, and holds its key's
+/// later events back until then — also where the outbox is read by a WAL relay (docs/wal-relay.md
+/// asks for "one mode at a time", so a WAL-only deployment is the supported one).
+///
+/// What happened: the scheduled row is `held`, the WAL relay leaves it pending "for a polling
+/// relay" (and the key's later row behind it), the slot moves past both, and nothing ever reads
+/// them again. In a run: both rows still pending 15 s after the scheduled one was due (due 2 s
+/// after enqueue). docs/wal-relay.md lists held rows under "Not done"; the gap is that the two
+/// rules together (one mode at a time; held rows are for polling) leave no one to publish a
+/// scheduled event, a retried event or a parked one released by `postal failed retry`. Obvious
+/// fix: the WAL relay runs a polling claim restricted to `held` rows (and their keys) as they
+/// come due, under its slot lease.
+#[tokio::test]
+#[ignore = "known: a WAL-only deployment never publishes a scheduled event nor its key's later events (2 of 2 pending 15 s after due)"]
+async fn a_scheduled_event_is_published_when_due_by_a_wal_only_deployment() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-att-sched");
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
+    let due = chrono::Utc::now() + chrono::Duration::seconds(2);
+    let mut tx = db.pool.begin().await.unwrap();
+    let first = enqueue(
+        &mut tx,
+        NewEvent::json(topic.as_str(), "k", "scheduled", &0)
+            .unwrap()
+            .deliver_at(due),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (later, last) = enqueue_each(&db.pool, &topic, "k", 1).await;
+    wait::until(Duration::from_secs(30), "the slot past both", || async {
+        slot.confirmed(&db.pool).await >= last
+    })
+    .await;
+    let drained = holds_within(Duration::from_secs(17), || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    let pending = outbox_pending(&db.pool).await;
+    relay.stop().await;
+    assert!(
+        drained,
+        "{pending} of 2 rows still pending 15 s after the scheduled one was due"
+    );
+    let records = read_all(&svc.bootstrap, &topic, 2, Duration::from_secs(10)).await;
+    let got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    assert_eq!(got, vec![first.to_string(), later[0].clone()]);
+}
+
+/// A transport that publishes to Kafka and, once the broker acknowledged its `nth` batch
+/// (1-based), says so and never returns that batch's outcome: the relay is stuck between an
+/// ack and its marks, mid-batch, until it is killed.
+struct StallsAfterAck {
+    inner: KafkaTransport,
+    sends: AtomicUsize,
+    nth: usize,
+    stalled: Arc<Notify>,
+}
+
+impl Transport for StallsAfterAck {
+    type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+        let acks = self.inner.send(batch).await;
+        if self.sends.fetch_add(1, Ordering::SeqCst) + 1 == self.nth {
+            let stalled = self.stalled.clone();
+            return async move {
+                acks.await;
+                stalled.notify_one();
+                futures::future::pending().await
+            }
+            .boxed();
+        }
+        acks
+    }
+
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        self.inner.recorded(batch, committed);
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        self.inner.delivery_timeout()
+    }
+}
+
+/// Every id of `want` in `records` once at least, per key in `ce_postalseq` order by first
+/// copy; the number of duplicate records.
+fn check_first_copies(records: &[Record], want: &[String]) -> usize {
+    let mut seen = BTreeSet::new();
+    let mut last: BTreeMap<String, i64> = BTreeMap::new();
+    let mut duplicates = 0;
+    for r in records {
+        if !seen.insert(r.header("ce_id").unwrap().to_owned()) {
+            duplicates += 1;
+            continue;
+        }
+        let seq: i64 = r.header("ce_postalseq").unwrap().parse().unwrap();
+        let key = r.key.clone().unwrap();
+        if let Some(prev) = last.insert(key.clone(), seq) {
+            assert!(prev < seq, "key {key}: seq {seq} first seen after {prev}");
+        }
+    }
+    let missing = want.iter().filter(|id| !seen.contains(*id)).count();
+    assert_eq!(missing, 0, "{missing} of {} events never published", want.len());
+    duplicates
+}
+
+/// Promise: when the slot's holder dies in the middle of one large transaction (3,000 events
+/// over 30 keys from one `enqueue_batch`, published in chunks of 500: the first chunk marked,
+/// the second acknowledged by the broker but not marked) while two standbys wait, exactly one
+/// standby takes the slot (the lease's token goes from 1 to 2, never further), it publishes the
+/// rest of the transaction and what follows, and every event reaches Kafka, per key in commit
+/// order by first copy; the only duplicates are the unmarked acknowledged chunk.
+///
+/// Holds. New here: `wal_lease::` has one standby and small transactions; this models two
+/// standbys racing for one expired lease and a takeover inside a transaction larger than a
+/// batch. Figures of a run are printed (`--nocapture`).
+#[tokio::test]
+async fn racing_standbys_take_over_a_large_transaction_mid_batch_once() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-att-race");
+    let stalled = Arc::new(Notify::new());
+    let holder_pool = db.process_pool().await;
+    let holder = RunningRelay::start(
+        &holder_pool,
+        StallsAfterAck {
+            inner: kafka_transport(&svc.bootstrap),
+            sends: AtomicUsize::new(0),
+            nth: 2,
+            stalled: stalled.clone(),
+        },
+        slot.config(),
+    )
+    .owning(holder_pool);
+    let name = slot.source.slot.clone();
+    let token = |pool: PgPool| {
+        let name = name.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT token FROM postal.wal_slot_leases WHERE slot_name = $1 AND holder IS NOT NULL",
+            )
+            .bind(&name)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    wait::until(Duration::from_secs(30), "the first relay holding the slot", || {
+        let f = token(db.pool.clone());
+        async move { f.await == Some(1) }
+    })
+    .await;
+    let standbys = [
+        RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config()),
+        RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config()),
+    ];
+    let mut tx = db.pool.begin().await.unwrap();
+    let events: Vec<NewEvent> = (0..3000)
+        .map(|i| NewEvent::json(topic.as_str(), format!("k{}", i % 30), "big", &i).unwrap())
+        .collect();
+    let mut ids: Vec<String> = enqueue_batch(&mut tx, events)
+        .await
+        .unwrap()
+        .iter()
+        .map(|id| id.to_string())
+        .collect();
+    tx.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), stalled.notified())
+        .await
+        .expect("the holder's second chunk acknowledged");
+    let marked_before_kill = 3000 - outbox_count(&db.pool).await;
+    holder.kill().await;
+    let killed = Instant::now();
+    // Writers go on meanwhile, one event per transaction.
+    let (more, _) = enqueue_each(&db.pool, &topic, "k7", 50).await;
+    ids.extend(more);
+    wait::until(Duration::from_secs(60), "the outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    let took = killed.elapsed();
+    let final_token: i64 =
+        sqlx::query_scalar("SELECT token FROM postal.wal_slot_leases WHERE slot_name = $1")
+            .bind(&slot.source.slot)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let records = read_all(&svc.bootstrap, &topic, ids.len(), Duration::from_secs(60)).await;
+    let [a, b] = standbys;
+    let (sa, sb) = (a.stop().await, b.stop().await);
+    let duplicates = check_first_copies(&records, &ids);
+    eprintln!(
+        "racing standbys: {marked_before_kill} marked before the kill; drained {took:?} after it; \
+         standbys published {} and {}; {} records for {} events, {duplicates} duplicates; token {final_token}",
+        sa.published,
+        sb.published,
+        records.len(),
+        ids.len()
+    );
+    assert_eq!(final_token, 2, "one takeover: the first relay, then one standby");
+    assert!(
+        sa.published == 0 || sb.published == 0,
+        "one standby published everything: {} and {}",
+        sa.published,
+        sb.published
+    );
+    assert_eq!(
+        sa.published + sb.published,
+        ids.len() as u64 - marked_before_kill as u64,
+        "the standby published every unmarked row once"
+    );
+    assert!(
+        duplicates <= 500,
+        "only the acknowledged, unmarked chunk twice: {duplicates}"
+    );
+}
+
+/// A transport that holds its first batch before handing it to Kafka until told to go on
+/// (saying when it is held): the WAL relay has the batch's rows locked, nothing sent yet.
+struct HeldBeforeSend {
+    inner: KafkaTransport,
+    first: std::sync::atomic::AtomicBool,
+    held: Arc<Notify>,
+    go: Arc<Notify>,
+}
+
+impl Transport for HeldBeforeSend {
+    type Acks = BoxFuture<'static, Vec<Result<(), PublishError>>>;
+
+    async fn send(&self, batch: &[OutboundEvent]) -> Self::Acks {
+        if self.first.swap(false, Ordering::SeqCst) {
+            self.held.notify_one();
+            self.go.notified().await;
+        }
+        self.inner.send(batch).await.boxed()
+    }
+
+    fn recorded(&self, batch: &[OutboundEvent], committed: bool) {
+        self.inner.recorded(batch, committed);
+    }
+
+    fn delivery_timeout(&self) -> Option<Duration> {
+        self.inner.delivery_timeout()
+    }
+}
+
+/// Promise: a polling relay started beside a running WAL relay on the same outbox does not
+/// publish a key's event before an earlier event of the key that the WAL relay has locked and
+/// not yet sent (docs/wal-relay.md says the two "can reorder a key" and asks for one mode at a
+/// time; nothing refuses the mix).
+///
+/// Holds. New here: no test runs both modes at once. The WAL relay holds key `k`'s first event
+/// locked between its lock and its send (a 40 s lease, so its locking transaction is not ended
+/// meanwhile); the key's second event is committed and a polling relay starts. In a run the
+/// polling relay left the second event behind the locked first one for the 10 s watched
+/// (`SKIP LOCKED` plus its skipped-row rule), then published it after the WAL relay's: Kafka
+/// held seqs [1, 2], once each. The mix is not refused, though. (With the suite's 3 s lease
+/// the WAL relay's locking transaction is ended after 1.5 s of holding: the polling relay then
+/// published both events and the WAL relay's late copy of the first came too, Kafka [1, 1, 2]
+/// — a duplicate with the same `ce_id`, as the docs describe for a stalled holder.)
+#[tokio::test]
+async fn a_polling_relay_beside_a_wal_relay_keeps_a_key_in_order() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-att-mixed");
+    let (held, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let wal = RunningRelay::start(
+        &db.pool,
+        HeldBeforeSend {
+            inner: kafka_transport(&svc.bootstrap),
+            first: std::sync::atomic::AtomicBool::new(true),
+            held: held.clone(),
+            go: go.clone(),
+        },
+        // A lease long enough that the locking transaction is not ended (after half of it)
+        // while the batch is held.
+        slot.config().lease(Duration::from_secs(40)),
+    );
+    let (mut ids, _) = enqueue_each(&db.pool, &topic, "k", 1).await;
+    tokio::time::timeout(Duration::from_secs(30), held.notified())
+        .await
+        .expect("the WAL relay holding the first event");
+    let (second, _) = enqueue_each(&db.pool, &topic, "k", 1).await;
+    ids.extend(second);
+    let polling = RunningRelay::kafka(&db.pool, &svc.bootstrap);
+    // Either the polling relay publishes the second event now (the break), or it leaves it
+    // behind the locked first one: give it 10 s.
+    let overtaken = holds_within(Duration::from_secs(10), || async {
+        outbox_count(&db.pool).await == 1
+    })
+    .await;
+    go.notify_one();
+    wait::until(Duration::from_secs(30), "the outbox drained", || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    let (w, p) = (wal.stop().await, polling.stop().await);
+    let records = read_all(&svc.bootstrap, &topic, 2, Duration::from_secs(10)).await;
+    let got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    eprintln!(
+        "mixed relays: polling published the second event while the first was locked: {overtaken}; \
+         WAL published {}, polling {}; Kafka order {:?}",
+        w.published,
+        p.published,
+        seqs_by_key(&records).get("k")
+    );
+    assert_eq!(got, ids, "key k once each, in commit order");
+}
