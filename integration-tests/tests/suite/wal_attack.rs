@@ -534,3 +534,68 @@ async fn a_polling_relay_beside_a_wal_relay_keeps_a_key_in_order() {
     );
     assert_eq!(got, ids, "key k once each, in commit order");
 }
+
+/// Promise: a writer's transaction that enqueued an event and stays open while the WAL relay
+/// confirms the server's keepalive positions past that insert (other tables of the database
+/// write meanwhile) is still published after it commits — also when the relay that confirmed
+/// past it died before the commit and another relay streams from the slot's confirmed
+/// position.
+///
+/// Holds. New here: `wal_idle::` shows keepalives confirming an idle outbox's slot; no test had
+/// a writer's transaction open across such a confirmation and a restart (the confirmed
+/// position then lies inside the open transaction: PostgreSQL sends a transaction whose commit
+/// is past the confirmed position whole, from the slot's restart position). The test requires
+/// the confirmation past the insert to have happened before the kill.
+#[tokio::test]
+async fn a_transaction_open_across_a_keepalive_confirmation_and_a_restart_is_published() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-att-longtx");
+    sqlx::query("CREATE TABLE scratch (n int)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let first_pool = db.process_pool().await;
+    let first = RunningRelay::start(&first_pool, kafka_transport(&svc.bootstrap), slot.config())
+        .owning(first_pool);
+    let mut writer = db.pool.begin().await.unwrap();
+    let id = enqueue(
+        &mut writer,
+        NewEvent::json(topic.as_str(), "k", "long", &0).unwrap(),
+    )
+    .await
+    .unwrap();
+    let inserted_at = crate::wal_relay::wal_now(&mut writer).await;
+    // Other writes move the WAL on; the relay confirms the keepalives' positions.
+    wait::until(
+        Duration::from_secs(30),
+        "the slot confirmed past the open transaction's insert",
+        || async {
+            sqlx::query("INSERT INTO scratch VALUES (1)")
+                .execute(&db.pool)
+                .await
+                .unwrap();
+            slot.confirmed(&db.pool).await > inserted_at
+        },
+    )
+    .await;
+    first.kill().await;
+    writer.commit().await.unwrap();
+    let second = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
+    let published = holds_within(Duration::from_secs(30), || async {
+        outbox_count(&db.pool).await == 0
+    })
+    .await;
+    second.stop().await;
+    assert!(
+        published,
+        "the event of the transaction open across the confirmation is still pending 30 s after its commit"
+    );
+    let records = read_all(&svc.bootstrap, &topic, 1, Duration::from_secs(10)).await;
+    let got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    assert_eq!(got, vec![id.to_string()], "published once");
+}
