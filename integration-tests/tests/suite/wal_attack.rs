@@ -921,7 +921,8 @@ async fn two_databases_with_the_same_slot_name_do_not_disturb_each_other() {
         .unwrap()
     };
     let pids = std::sync::Mutex::new(BTreeSet::new());
-    pids.lock().unwrap().extend(pid().await);
+    let first_pid = pid().await;
+    pids.lock().unwrap().extend(first_pid);
     let mut config_b = slot_a.config();
     config_b.source = postal_producer::RelaySource::Wal(postal_producer::WalSource::new(
         db_b.url.clone(),
