@@ -87,6 +87,7 @@ mod tasks;
 mod throughput;
 mod trace;
 mod upgrade;
+mod wal_attack;
 mod wal_faults;
 mod wal_grant;
 mod wal_idle;
