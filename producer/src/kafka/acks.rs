@@ -146,6 +146,10 @@ pub(super) struct Ack {
     pub(super) denied_topic: Option<String>,
     /// Reported delivered without an offset (implicitly acked): not known to be written.
     pub(super) unconfirmed: bool,
+    /// The record fits its topic's own `max.message.bytes` by itself (before compression):
+    /// refused for its size, it was refused for the records it shared its produce request
+    /// with, and is sent again (held back, no attempt used) rather than parked.
+    pub(super) fits_alone: bool,
 }
 
 /// The failure of a record reported delivered without an offset (see `Ack::unconfirmed`).
@@ -195,6 +199,13 @@ impl Drop for Ack {
                         .expect("denied topics")
                         .push((topic, reason.clone()));
                     Some(PublishError::new(FailureKind::Waiting, reason))
+                } else if self.fits_alone
+                    && err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
+                {
+                    Some(PublishError::new(
+                        FailureKind::HeldBack,
+                        "refused for its size together with a larger record of its produce request; it fits its topic by itself and is sent again",
+                    ))
                 } else if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
                     Some(PublishError::new(classify(&err), format!("{err}: the Kafka producer stopped for good and is replaced (its cause is logged just before: e.g. \"Cluster authorization failed\" when the relay's principal may write no topic at all)")))
                 } else {

@@ -43,6 +43,8 @@ pub struct KafkaTransport {
     config: KafkaConfig,
     max_message_bytes: usize,
     topics: Arc<Mutex<HashMap<String, TopicState>>>,
+    /// Each topic's own `max.message.bytes` as last asked (`topics::TopicLimit`).
+    limits: Arc<Mutex<HashMap<String, topics::TopicLimit>>>,
 }
 
 impl std::fmt::Debug for KafkaTransport {
@@ -93,6 +95,7 @@ impl KafkaTransport {
             config,
             max_message_bytes,
             topics: Arc::new(Mutex::new(HashMap::new())),
+            limits: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 

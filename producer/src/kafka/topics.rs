@@ -38,7 +38,59 @@ fn missing_topic(topic: &str, why: &str) -> String {
     )
 }
 
+/// A topic's own `max.message.bytes` (the effective value: the topic's, else the broker's
+/// default), when it could be read, and when it was asked.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TopicLimit {
+    bytes: Option<usize>,
+    asked: std::time::Instant,
+}
+
+/// How long a topic's `max.message.bytes` is taken as read before it is asked again.
+const TOPIC_LIMIT_RECHECK: Duration = Duration::from_secs(300);
+
 impl KafkaTransport {
+    /// The topic's own `max.message.bytes`, asked of the cluster at most every
+    /// [`TOPIC_LIMIT_RECHECK`] (`None`: it could not be read, e.g. no `DescribeConfigs`
+    /// right; asked again as late). The broker checks a whole record batch, after compression,
+    /// against it; the transport compares a record's size before compression: a record over
+    /// it may still be taken, and goes out alone in its key (see `transport::send`).
+    pub(super) async fn topic_limit(&self, topic: &str) -> Option<usize> {
+        if let Some(l) = self.limits.lock().expect("topic limits").get(topic) {
+            if l.asked.elapsed() < TOPIC_LIMIT_RECHECK {
+                return l.bytes;
+            }
+        }
+        let opts =
+            AdminOptions::new().request_timeout(Some(Timeout::After(Duration::from_secs(5))));
+        let asked = self
+            .admin
+            .describe_configs(&[rdkafka::admin::ResourceSpecifier::Topic(topic)], &opts)
+            .await;
+        let bytes = match asked {
+            Ok(results) => results.into_iter().find_map(|r| {
+                r.ok()?
+                    .get("max.message.bytes")?
+                    .value
+                    .as_deref()?
+                    .parse()
+                    .ok()
+            }),
+            Err(e) => {
+                tracing::debug!(topic, error = %e, "cannot read the topic's max.message.bytes");
+                None
+            }
+        };
+        self.limits.lock().expect("topic limits").insert(
+            topic.to_owned(),
+            TopicLimit {
+                bytes,
+                asked: std::time::Instant::now(),
+            },
+        );
+        bytes
+    }
+
     /// Makes sure `topic` exists before records go to it. A topic that is missing (topic
     /// creation off, or refused by the cluster) is not the events' fault: they wait, retried
     /// without using up attempts, and the relay logs which topic to create and how.

@@ -55,6 +55,8 @@ impl Transport for KafkaTransport {
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         // Resolve every distinct topic once per batch.
         let mut topic_ok: HashMap<&str, Result<(), PublishError>> = HashMap::new();
+        // Each topic's own `max.message.bytes`, when known (`topics::topic_limit`).
+        let mut limits: HashMap<&str, Option<usize>> = HashMap::new();
         let mut previous: Option<&str> = None;
         for e in batch {
             // Batches mostly hold one topic: look it up only when it changes.
@@ -64,10 +66,19 @@ impl Transport for KafkaTransport {
                     Ok(()) => self.ensure_topic(&e.topic).await,
                     Err(refused) => Err(refused),
                 };
+                if r.is_ok() {
+                    limits.insert(e.topic.as_str(), self.topic_limit(&e.topic).await);
+                }
                 topic_ok.insert(e.topic.as_str(), r);
             }
             previous = Some(e.topic.as_str());
         }
+        // Keys with a record in flight that its topic may refuse for its size (larger, before
+        // compression, than the topic's own `max.message.bytes`): the broker would refuse it
+        // after the key's later records were handed over, and those could be written ahead
+        // of it. So such a record goes out alone in its key: the key's later records here are
+        // held back, and later batches' are fenced, until its outcome is recorded.
+        let mut alone: HashSet<(&str, &str)> = HashSet::new();
         let every_topic_ok = topic_ok.values().all(Result::is_ok);
         // The header values formatted per event, without an allocation each.
         let mut id_buf = uuid::Uuid::encode_buffer();
@@ -83,6 +94,13 @@ impl Transport for KafkaTransport {
         // Set once the producer was replaced while this batch was being handed over.
         let mut replaced = false;
         for (index, e) in batch.iter().enumerate() {
+            if !alone.is_empty() && alone.contains(&e.order_key()) {
+                outcomes[index] = Err(PublishError::new(
+                    FailureKind::HeldBack,
+                    "an earlier event of this key, larger than its topic's max.message.bytes before compression, goes out alone",
+                ));
+                continue;
+            }
             if !blocked.is_empty() && blocked.contains(&e.order_key()) {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::HeldBack,
@@ -189,6 +207,13 @@ impl Transport for KafkaTransport {
                 failure: None,
                 denied_topic: None,
                 unconfirmed: false,
+                // With room for compression's worst-case growth (lz4: about 1 in 255), so that
+                // a record refused alone is never taken for one refused for its neighbours.
+                fits_alone: limits
+                    .get(e.topic.as_str())
+                    .copied()
+                    .flatten()
+                    .is_some_and(|limit| size + size / 100 <= limit),
             });
             let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
                 .key(e.key.as_bytes())
@@ -209,9 +234,20 @@ impl Transport for KafkaTransport {
                 blocked.insert(e.order_key());
                 continue;
             }
+            let over_topic_limit = limits
+                .get(e.topic.as_str())
+                .copied()
+                .flatten()
+                .is_some_and(|limit| size > limit);
             loop {
                 match producer.send(record) {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        if over_topic_limit {
+                            alone.insert(e.order_key());
+                            fence.hold_key(&tracked, index);
+                        }
+                        break;
+                    }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                         // The local queue is full: give librdkafka a moment to drain it.
                         record = r;
