@@ -4,13 +4,15 @@
 //! - `own`: taking the partition over (claim, seek to the stored offset), stalls, fencing;
 //! - `process`: one record's transaction, its attempts and the handler body;
 //! - `dead`: dead letters, written in the transaction that moves the partition past them;
-//! - `hold`: held keys (`FinalFailure::HoldKey`): holding, releasing, the byte bound;
+//! - `hold`: held keys (`FinalFailure::HoldKey`): holding a key's records, the byte bound;
+//! - `release`: applying a held key's records when released (operator or retry policy);
 //! - `stop`: a topic stopped because a partition's log was replaced under the stored offset.
 
 mod dead;
 mod hold;
 mod own;
 mod process;
+mod release;
 mod stop;
 
 pub(crate) use dead::Dead;
