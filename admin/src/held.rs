@@ -43,7 +43,8 @@ pub struct HeldKey {
     pub count: i64,
     /// Their bytes, as counted against the group's bound.
     pub bytes: i64,
-    /// The first held events, head first: `offset:event_id:event_type`.
+    /// The first held events, head first: `offset:event_id:event_type` (`-` for a record
+    /// held without an envelope, dead-lettered at the release).
     pub first: Vec<String>,
 }
 
@@ -56,7 +57,9 @@ pub async fn list(pool: &PgPool, group: &str) -> Result<Vec<HeldKey>, Error> {
          FROM postal.held_keys k
          CROSS JOIN LATERAL (
              SELECT count(*) AS count, coalesce(sum(bytes), 0)::bigint AS bytes,
-                    (array_agg(kafka_offset || ':' || event_id || ':' || event_type
+                    (array_agg(kafka_offset || ':'
+                                || coalesce(nullif(event_id, '00000000-0000-0000-0000-000000000000')::text, '-')
+                                || ':' || event_type
                                ORDER BY kafka_offset))[1:$2] AS first
              FROM postal.held_records h
              WHERE h.group_id = k.group_id AND h.topic = k.topic

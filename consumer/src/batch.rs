@@ -162,6 +162,15 @@ impl Worker {
         let mut i = 0;
         while i < queue.len() {
             let record = &queue[i];
+            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
+                // Its key waits for an earlier event: taken out of the batch and stored (also
+                // without an envelope: dead-lettered at the release, in its key's order).
+                self.hold_or_bound(&mut tx, record, metas[i].as_ref().ok(), None)
+                    .await?;
+                c.done += 1;
+                i += 1;
+                continue;
+            }
             let m = match &metas[i] {
                 Ok(m) => m,
                 Err((reason, error)) => {
@@ -173,13 +182,6 @@ impl Worker {
                     continue;
                 }
             };
-            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
-                // Its key waits for an earlier event: taken out of the batch and stored.
-                self.hold_or_bound(&mut tx, record, m, None).await?;
-                c.done += 1;
-                i += 1;
-                continue;
-            }
             if !fresh.contains(&m.id) || !claimed.insert(m.id) {
                 c.duplicates += 1;
                 c.done += 1;
@@ -220,7 +222,8 @@ impl Worker {
                     error: &error,
                     attempts: head_attempts as i32,
                 };
-                self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                self.hold_or_bound(&mut tx, record, Some(m), Some(head))
+                    .await?;
                 let key = record.key.clone().expect("held records have a key");
                 held.insert(key.clone());
                 c.held_keys.push(key);
@@ -321,7 +324,7 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, &queue[*k], mk, Some(head))
+                    self.hold_or_bound(&mut tx, &queue[*k], Some(mk), Some(head))
                         .await?;
                     let key = queue[*k].key.clone().expect("held records have a key");
                     held.insert(key.clone());
@@ -386,7 +389,8 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                    self.hold_or_bound(&mut tx, record, Some(m), Some(head))
+                        .await?;
                     let key = record.key.clone().expect("held records have a key");
                     held.insert(key.clone());
                     c.held_keys.push(key);
@@ -440,7 +444,7 @@ impl Worker {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Result<(), Attempt> {
         match self

@@ -110,12 +110,15 @@ impl Worker {
 
     /// Stores `record` as held in the caller's transaction (which also moves the offset past
     /// it); with `head`, its key becomes held with it as the head. Its dedup row is not
-    /// written: it is written when the record is applied.
+    /// written: it is written when the record is applied. A record without a readable
+    /// envelope (`meta` is `None`: no `ce_id`, a header name that is not UTF-8, …) of a held
+    /// key is held too, whole, and dead-lettered in its key's order at the release: as read
+    /// from the partition then.
     pub(crate) async fn hold_in(
         &self,
         conn: &mut PgConnection,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Result<Held, sqlx::Error> {
         let config = &self.shared.config;
@@ -152,8 +155,9 @@ impl Worker {
         // A copy delivered again (a `postal consumer reset` below it) is held once.
         let inserted = sqlx::query(
             "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
-                 event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                 event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes,
+                 unreadable_header)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
              ON CONFLICT DO NOTHING",
         )
         .bind(&config.group)
@@ -161,13 +165,20 @@ impl Worker {
         .bind(record.partition)
         .bind(record.offset)
         .bind(key)
-        .bind(meta.id.as_uuid())
-        .bind(postal_shared::text::storable(&meta.event_type))
+        // No envelope: the nil UUID (never an event's id), so that binaries before migration
+        // 36 list such a row as they list any other.
+        .bind(meta.map_or(uuid::Uuid::nil(), |m| m.id.as_uuid()))
+        .bind(postal_shared::text::storable(
+            meta.map(|m| m.event_type.as_str())
+                .or_else(|| record.headers.get(postal_shared::headers::CE_TYPE))
+                .unwrap_or_default(),
+        ))
         .bind(record.payload.as_deref())
         .bind(names)
         .bind(values)
         .bind(record.timestamp)
         .bind(bytes)
+        .bind(record.unreadable_header.map(|i| i as i32))
         .execute(&mut *conn)
         .await?
         .rows_affected();
@@ -191,10 +202,10 @@ impl Worker {
             // The caller rolls the transaction back (the rows above with it).
             return Ok(Held::OverBound);
         }
-        if let Some(h) = head {
+        if let (Some(h), Some(m)) = (head, meta) {
             tracing::error!(
                 topic = %record.topic, partition = record.partition, offset = record.offset,
-                event_id = %meta.id, reason = h.reason.as_str(),
+                event_id = %m.id, reason = h.reason.as_str(),
                 error = %postal_shared::text::bounded(h.error, postal_shared::text::MAX_ERROR_BYTES),
                 "failed for good; its key is held: its later records wait until it is released (postal held release)"
             );
@@ -210,7 +221,7 @@ impl Worker {
         &self,
         own: &Ownership,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Step {
         let mut failures = 0u32;
@@ -280,7 +291,7 @@ impl Worker {
                     error,
                     attempts,
                 };
-                self.hold(own, record, m, Some(head)).await
+                self.hold(own, record, Some(m), Some(head)).await
             }
             _ => {
                 self.dead_letter(own, record, meta, reason, error, attempts)

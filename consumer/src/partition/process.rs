@@ -19,16 +19,18 @@ use super::{Step, Worker};
 impl Worker {
     pub(crate) async fn process(&self, own: &Ownership, record: &Record) -> Step {
         let consumer = self.shared.config.consumer.as_str();
-        let meta = match meta(record) {
+        let meta = meta(record);
+        if self.is_held(record.key.as_deref()) {
+            // Its key waits for an earlier event: stored, not applied (nor settled: a record
+            // without an envelope is dead-lettered at the release, in its key's order).
+            return self.hold(own, record, meta.as_ref().ok(), None).await;
+        }
+        let meta = match meta {
             Ok(m) => m,
             Err((reason, error)) => {
                 return self.dead_letter(own, record, None, reason, &error, 0).await
             }
         };
-        if self.is_held(record.key.as_deref()) {
-            // Its key waits for an earlier event: stored, not applied.
-            return self.hold(own, record, &meta, None).await;
-        }
         let Some(route) = self
             .shared
             .router

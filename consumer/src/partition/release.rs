@@ -28,6 +28,7 @@ struct Row {
     header_values: Vec<Vec<u8>>,
     kafka_timestamp: Option<chrono::DateTime<chrono::Utc>>,
     bytes: i64,
+    unreadable_header: Option<i32>,
 }
 
 /// A release being applied.
@@ -113,7 +114,8 @@ impl Worker {
             let m = match meta(&record) {
                 Ok(m) => m,
                 Err((reason, error)) => {
-                    // Held records had an envelope when held: cannot happen; never applied.
+                    // Held without an envelope behind its key's head: dead-lettered now, in
+                    // its key's order, as it would have been when read.
                     match self
                         .settle_held(own, &record, &row, None, Some((reason, error)))
                         .await
@@ -165,7 +167,7 @@ impl Worker {
         Some(
             sqlx::query_as(
                 "SELECT kafka_offset, record_key, payload, header_names, header_values,
-                        kafka_timestamp, bytes
+                        kafka_timestamp, bytes, unreadable_header
                  FROM postal.held_records
                  WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4
                  ORDER BY kafka_offset LIMIT 1",
@@ -572,7 +574,7 @@ impl Row {
             weight: self.bytes as usize,
             headers,
             timestamp: self.kafka_timestamp,
-            unreadable_header: None,
+            unreadable_header: self.unreadable_header.map(|i| i as usize),
             too_many_headers: None,
         }
     }

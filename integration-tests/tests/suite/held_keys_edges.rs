@@ -1105,9 +1105,12 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
 /// held a1 and a2, while the key is held — settled out of its key's order, and not shown by
 /// `postal held list`. Measured: dead letters [(NULL, "missing_event_id")] and 2 records held
 /// (a1, a2) before any release.
+///
+/// Broke at d9c24ca: dead-lettered at once, ahead of the held a1, a2; fixed by the commit "held keys: a record without envelope of a held key is held" (the
+/// held-key check comes before the envelope is read; such a record is held whole, its
+/// `event_id` the nil UUID, and dead-lettered at the release, in its key's order).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a record of a held key without ce_id is dead-lettered at once, ahead of the held ones"]
-async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
+async fn a_record_without_envelope_is_held_while_its_key_is_held() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -1138,11 +1141,22 @@ async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
     until_applied(&db.pool, "b", &[1]).await;
     let dead = dead_letters(&db.pool).await;
     let held_now = held(&db.pool, b"a").await;
-    running.stop().await;
     assert_eq!(
         (dead, held_now),
         (vec![], 3),
         "while key a is held, its record without envelope is held too, not settled"
+    );
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(
+        (applied(&db.pool, "a").await, dead_letters(&db.pool).await),
+        (vec![0, 1, 2], vec![(None, "missing_event_id".to_owned())]),
+        "at the release, a1 and a2 applied and the record without envelope dead-lettered"
     );
 }
 
