@@ -34,7 +34,9 @@ struct Row {
 /// A release being applied.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Release {
-    /// Apply the head, then the rest.
+    /// The retry policy's (`due_at`): apply the head, then the rest.
+    Policy,
+    /// An operator's: apply the head, then the rest.
     Retry,
     /// Dead-letter the head, then apply the rest.
     Skip,
@@ -68,10 +70,10 @@ impl Worker {
                 // takeover reads it.
                 continue;
             }
-            let mode = if release.as_deref() == Some("skip") {
-                Release::Skip
-            } else {
-                Release::Retry
+            let mode = match release.as_deref() {
+                Some("skip") => Release::Skip,
+                Some(_) => Release::Retry,
+                None => Release::Policy,
             };
             match self.release_key(own, &key, mode).await {
                 Step::Done => {}
@@ -136,7 +138,7 @@ impl Worker {
                 if row.kafka_offset < head {
                     // A copy delivered again below the head (a reset): applied (a duplicate,
                     // as a rule); the head is still to be skipped.
-                    match self.apply_held(own, &record, &m, &row).await {
+                    match self.apply_held(own, &record, &m, &row, mode).await {
                         Step::Done => continue,
                         other => return other,
                     }
@@ -152,7 +154,7 @@ impl Worker {
                     other => return other,
                 }
             }
-            match self.apply_held(own, &record, &m, &row).await {
+            match self.apply_held(own, &record, &m, &row, mode).await {
                 Step::Done => continue,
                 other => return other,
             }
@@ -198,7 +200,14 @@ impl Worker {
 
     /// Applies one released held record, retrying as a fresh record is retried; a final
     /// failure makes it the key's head again.
-    async fn apply_held(&self, own: &Ownership, record: &Record, m: &Meta, row: &Row) -> Step {
+    async fn apply_held(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        m: &Meta,
+        row: &Row,
+        mode: Release,
+    ) -> Step {
         let consumer = self.shared.config.consumer.as_str();
         let route = self
             .shared
@@ -277,7 +286,9 @@ impl Worker {
                     (reason, e)
                 }
             };
-            return self.rehead(own, record, m, reason, &error, attempts).await;
+            return self
+                .rehead(own, record, m, reason, &error, attempts, mode)
+                .await;
         }
     }
 
@@ -404,7 +415,10 @@ impl Worker {
     }
 
     /// A released held record failed for good again: it is its key's head now (reason,
-    /// attempts, the next due retry); the key stays held and its release is done.
+    /// attempts, the next due retry); the key stays held and its release (`mode`) is done.
+    /// An operator's release asked while the retry policy's ran (`mode` is `Policy`; the
+    /// operator's ask is the only writer of `released_by`) stays, to be applied next.
+    #[allow(clippy::too_many_arguments)]
     async fn rehead(
         &self,
         own: &Ownership,
@@ -413,6 +427,7 @@ impl Worker {
         reason: Reason,
         error: &str,
         attempts: u32,
+        mode: Release,
     ) -> Step {
         let mut failures = 0u32;
         loop {
@@ -425,8 +440,9 @@ impl Worker {
                 sqlx::query(
                     "UPDATE postal.held_keys
                      SET head_offset = $9, reason = $5, error = $6, attempts = attempts + $7,
-                         release = NULL,
-                         released_by = NULL,
+                         release = CASE WHEN $10 OR released_by IS NULL THEN NULL
+                                        ELSE release END,
+                         released_by = CASE WHEN $10 THEN NULL ELSE released_by END,
                          due_at = now() + $8 * interval '1 millisecond'
                      WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
                 )
@@ -447,6 +463,7 @@ impl Worker {
                         .map(|d| d.as_millis() as f64),
                 )
                 .bind(record.offset)
+                .bind(mode != Release::Policy)
                 .execute(&mut *tx)
                 .await
                 .map_err(Attempt::db)?;
