@@ -63,6 +63,9 @@ impl Worker {
         let mut stop_checked = std::time::Instant::now();
         // When the partition last looked for releases of its held keys.
         let mut releases_checked: Option<std::time::Instant> = None;
+        // Since when no record has arrived: the idle check runs `stall_check` after it, also
+        // when the held keys' release look-ups (`held_poll`, shorter) wake the loop meanwhile.
+        let mut idle_since = std::time::Instant::now();
         loop {
             let any_held = !self.held.lock().expect("held keys").is_empty();
             if any_held
@@ -85,7 +88,8 @@ impl Worker {
                 r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
                 // Held keys: look for their releases while no records come.
                 _ = tokio::time::sleep(self.shared.config.held_poll), if any_held => continue,
-                _ = tokio::time::sleep(self.shared.config.stall_check) => {
+                _ = tokio::time::sleep_until((idle_since + self.shared.config.stall_check).into()) => {
+                    idle_since = std::time::Instant::now();
                     // Idle: another claim (a `postal consumer reset` moving the stored offset,
                     // a late claim from elsewhere) shows only at the next commit, and none
                     // comes without records: look at the epoch now.
@@ -114,6 +118,7 @@ impl Worker {
                     continue;
                 }
             };
+            idle_since = std::time::Instant::now();
             let mut records = vec![head];
             while records.len() < max_batch {
                 match self.rx.try_recv() {
