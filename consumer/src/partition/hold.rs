@@ -147,17 +147,26 @@ impl Worker {
             .execute(&mut *conn)
             .await?;
         }
+        // As a dead letter keeps them (`crate::dead_letter::record`): a header without a value
+        // keeps an empty one in `header_values` and its position, from 1, in `header_absent`.
+        let mut absent: Vec<i32> = Vec::new();
         let (names, values): (Vec<String>, Vec<Vec<u8>>) = record
             .headers
             .iter()
-            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
+            .enumerate()
+            .map(|(i, (n, v))| {
+                if v.is_none() {
+                    absent.push(i as i32 + 1);
+                }
+                (n.to_owned(), v.unwrap_or_default().to_vec())
+            })
             .unzip();
         // A copy delivered again (a `postal consumer reset` below it) is held once.
         let inserted = sqlx::query(
             "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
                  event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes,
-                 unreadable_header)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                 unreadable_header, header_absent)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
              ON CONFLICT DO NOTHING",
         )
         .bind(&config.group)
@@ -179,6 +188,7 @@ impl Worker {
         .bind(record.timestamp)
         .bind(bytes)
         .bind(record.unreadable_header.map(|i| i as i32))
+        .bind(absent)
         .execute(&mut *conn)
         .await?
         .rows_affected();

@@ -29,6 +29,7 @@ struct Row {
     kafka_timestamp: Option<chrono::DateTime<chrono::Utc>>,
     bytes: i64,
     unreadable_header: Option<i32>,
+    header_absent: Vec<i32>,
 }
 
 /// A release being applied.
@@ -169,7 +170,7 @@ impl Worker {
         Some(
             sqlx::query_as(
                 "SELECT kafka_offset, record_key, payload, header_names, header_values,
-                        kafka_timestamp, bytes, unreadable_header
+                        kafka_timestamp, bytes, unreadable_header, header_absent
                  FROM postal.held_records
                  WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4
                  ORDER BY kafka_offset LIMIT 1",
@@ -578,8 +579,12 @@ impl Row {
         let headers = Headers::new(
             self.header_names
                 .iter()
-                .cloned()
-                .zip(self.header_values.iter().cloned().map(Some))
+                .zip(&self.header_values)
+                .enumerate()
+                .map(|(i, (n, v))| {
+                    let v = postal_shared::headers::kept_value(v, &self.header_absent, i);
+                    (n.clone(), v.map(<[u8]>::to_vec))
+                })
                 .collect(),
         );
         Record {

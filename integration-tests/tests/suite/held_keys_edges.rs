@@ -501,7 +501,7 @@ async fn a_skip_asked_during_the_policys_retry_is_applied() {
 /// (`consume::a_partition_that_stops_fetching_is_recovered`, `stall_check` 1 s too).
 ///
 /// Broke at d9c24ca: the stall check never ran while a key was held (measured again at
-/// 6e8b41d: b applied [0], `stalls_recovered` 0 after 30 s); fixed by FIX3 (the idle check
+/// 6e8b41d: b applied [0], `stalls_recovered` 0 after 30 s); fixed by f5d1119 (the idle check
 /// runs `stall_check` after the last record arrived, however often `held_poll` wakes the loop).
 #[tokio::test]
 async fn a_held_key_keeps_the_stall_recovery() {
@@ -564,9 +564,12 @@ async fn a_held_key_keeps_the_stall_recovery() {
 /// parse: a2 is dead-lettered as `undecodable` at its release, without its event id (the
 /// dead letter's `event_id` is NULL) nor a dedup row, and never applied. Measured: `a`
 /// applied [0, 1] instead of [0, 1, 2]; dead letters [(NULL, "undecodable")].
+///
+/// Broke at d9c24ca: a null header value stored as empty (measured again at 6e8b41d: `a`
+/// applied [0, 1], dead letters [(NULL, "undecodable")]); fixed by FIX4 (migration 0037:
+/// `held_records.header_absent`, as 0035 did for dead letters).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a held record stores a header without a value as an empty one"]
-async fn break_a_null_header_value_is_changed_by_the_hold() {
+async fn a_null_header_value_is_kept_by_the_hold() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
