@@ -46,6 +46,26 @@ pub(crate) fn weight(key: Option<&[u8]>, payload: Option<&[u8]>, headers: &Heade
 }
 
 impl Record {
+    /// Its headers as read from a record carrying `all` (in order): over `max_headers`, only
+    /// Postal's own, and all of them packed (as [`Record::from_message`] keeps them).
+    pub(crate) fn read_headers(
+        all: Vec<(String, Option<Vec<u8>>)>,
+        max_headers: usize,
+    ) -> (Headers, Option<PackedHeaders>) {
+        if all.len() <= max_headers {
+            return (Headers::new(all), None);
+        }
+        let mut packed = PackedHeaders::with_capacity(0);
+        for (n, v) in &all {
+            packed.push(n, v.as_deref());
+        }
+        let own = all
+            .into_iter()
+            .filter(|(n, _)| headers::is_reserved(n))
+            .collect();
+        (Headers::new(own), Some(packed.shrunk()))
+    }
+
     /// A copy of `m`. A record with more than `max_headers` headers keeps only Postal's own
     /// in `headers` (its envelope: the event is still identified, deduplicated and
     /// dead-lettered as itself) and all of them packed in `too_many_headers`, for its
@@ -216,14 +236,25 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
     })
 }
 
+/// Why `record` cannot be decoded for its headers' count, if it cannot.
+pub(crate) fn too_many_headers(record: &Record) -> Option<String> {
+    record
+        .too_many_headers
+        .as_ref()
+        .map(PackedHeaders::count)
+        .map(|n| {
+            format!(
+                "record has {n} headers, more than the consumer's max_headers (the dead letter \
+                 keeps them all)"
+            )
+        })
+}
+
 /// Decodes the full event for a handler.
 /// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
-    if let Some(n) = record.too_many_headers.as_ref().map(PackedHeaders::count) {
-        return Err(format!(
-            "record has {n} headers, more than the consumer's max_headers (the dead letter \
-             keeps them all)"
-        ));
+    if let Some(error) = too_many_headers(record) {
+        return Err(error);
     }
     let content_type = record.headers.get(headers::CONTENT_TYPE);
     let payload =

@@ -149,18 +149,19 @@ impl Worker {
         }
         // As a dead letter keeps them (`crate::dead_letter::record`): a header without a value
         // keeps an empty one in `header_values` and its position, from 1, in `header_absent`.
+        // A record over `max_headers` is kept whole too (its headers packed since it was
+        // read): rebuilt at the release as read then, it is dead-lettered as undecodable.
         let mut absent: Vec<i32> = Vec::new();
-        let (names, values): (Vec<String>, Vec<Vec<u8>>) = record
-            .headers
-            .iter()
-            .enumerate()
-            .map(|(i, (n, v))| {
-                if v.is_none() {
-                    absent.push(i as i32 + 1);
-                }
-                (n.to_owned(), v.unwrap_or_default().to_vec())
-            })
-            .unzip();
+        let mut keep = |(i, (n, v)): (usize, (&str, Option<&[u8]>))| {
+            if v.is_none() {
+                absent.push(i as i32 + 1);
+            }
+            (n.to_owned(), v.unwrap_or_default().to_vec())
+        };
+        let (names, values): (Vec<String>, Vec<Vec<u8>>) = match &record.too_many_headers {
+            Some(all) => all.iter().enumerate().map(&mut keep).unzip(),
+            None => record.headers.iter().enumerate().map(&mut keep).unzip(),
+        };
         // A copy delivered again (a `postal consumer reset` below it) is held once.
         let inserted = sqlx::query(
             "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,

@@ -8,7 +8,6 @@ use sqlx::PgConnection;
 
 use crate::config::UnknownTypes;
 use crate::dead_letter::Reason;
-use crate::event::Headers;
 use crate::offsets::{self, Ownership};
 use crate::record::{meta, Meta, Record};
 
@@ -113,7 +112,7 @@ impl Worker {
                 }
                 None => return Step::Stop,
             };
-            let record = row.record(&self.topic, self.partition);
+            let record = row.record(&self.topic, self.partition, self.shared.config.max_headers);
             let m = match meta(&record) {
                 Ok(m) => m,
                 Err((reason, error)) => {
@@ -210,6 +209,19 @@ impl Worker {
         mode: Release,
     ) -> Step {
         let consumer = self.shared.config.consumer.as_str();
+        if let Some(error) = crate::record::too_many_headers(record) {
+            // As when read from the partition (the head of a key is never such a record:
+            // it is dead-lettered, not held): a dead letter keeping every header.
+            return self
+                .settle_held(
+                    own,
+                    record,
+                    row,
+                    Some(m),
+                    Some((Reason::Undecodable, error)),
+                )
+                .await;
+        }
         let route = self
             .shared
             .router
@@ -574,9 +586,10 @@ impl Worker {
 }
 
 impl Row {
-    /// The record as it was read from the partition (what a handler needs of it).
-    fn record(&self, topic: &str, partition: i32) -> Record {
-        let headers = Headers::new(
+    /// The record as it was read from the partition (what a handler needs of it), as a
+    /// consumer with `max_headers` reads it.
+    fn record(&self, topic: &str, partition: i32, max_headers: usize) -> Record {
+        let (headers, too_many_headers) = Record::read_headers(
             self.header_names
                 .iter()
                 .zip(&self.header_values)
@@ -586,6 +599,7 @@ impl Row {
                     (n.clone(), v.map(<[u8]>::to_vec))
                 })
                 .collect(),
+            max_headers,
         );
         Record {
             topic: topic.to_owned(),
@@ -597,7 +611,7 @@ impl Row {
             headers,
             timestamp: self.kafka_timestamp,
             unreadable_header: self.unreadable_header.map(|i| i as usize),
-            too_many_headers: None,
+            too_many_headers,
         }
     }
 }
