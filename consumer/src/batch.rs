@@ -34,6 +34,8 @@ struct Committed {
     dead: u64,
     /// Keys this transaction made held (their records from here on are held too).
     held_keys: Vec<Vec<u8>>,
+    /// Bytes this transaction holds (`hold_or_bound`).
+    held_bytes: i64,
     /// The record after the finished ones failed retryably: (error, is it an outage?).
     stopped: Option<(String, bool)>,
 }
@@ -94,7 +96,7 @@ impl Worker {
                     }
                 }
                 Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::OverBound,
+                Err(Attempt::OverBound(need)) => return Step::OverBound(need),
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
@@ -165,7 +167,7 @@ impl Worker {
             if record.key.as_ref().is_some_and(|k| held.contains(k)) {
                 // Its key waits for an earlier event: taken out of the batch and stored (also
                 // without an envelope: dead-lettered at the release, in its key's order).
-                self.hold_or_bound(&mut tx, record, metas[i].as_ref().ok(), None)
+                self.hold_or_bound(&mut tx, &mut c, record, metas[i].as_ref().ok(), None)
                     .await?;
                 c.done += 1;
                 i += 1;
@@ -222,7 +224,7 @@ impl Worker {
                     error: &error,
                     attempts: head_attempts as i32,
                 };
-                self.hold_or_bound(&mut tx, record, Some(m), Some(head))
+                self.hold_or_bound(&mut tx, &mut c, record, Some(m), Some(head))
                     .await?;
                 let key = record.key.clone().expect("held records have a key");
                 held.insert(key.clone());
@@ -324,7 +326,7 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, &queue[*k], Some(mk), Some(head))
+                    self.hold_or_bound(&mut tx, &mut c, &queue[*k], Some(mk), Some(head))
                         .await?;
                     let key = queue[*k].key.clone().expect("held records have a key");
                     held.insert(key.clone());
@@ -389,7 +391,7 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, record, Some(m), Some(head))
+                    self.hold_or_bound(&mut tx, &mut c, record, Some(m), Some(head))
                         .await?;
                     let key = record.key.clone().expect("held records have a key");
                     held.insert(key.clone());
@@ -438,11 +440,12 @@ impl Worker {
         Ok(c)
     }
 
-    /// Holds `record` in the batch's transaction; `Err(OverBound)` (the whole transaction
-    /// rolls back) past the group's bound.
+    /// Holds `record` in the batch's transaction (`c.held_bytes`: what it holds so far);
+    /// `Err(OverBound)` (the whole transaction rolls back) past the group's bound.
     async fn hold_or_bound(
         &self,
         tx: &mut Transaction<'static, Postgres>,
+        c: &mut Committed,
         record: &Record,
         meta: Option<&Meta>,
         head: Option<Head<'_>>,
@@ -452,8 +455,11 @@ impl Worker {
             .await
             .map_err(Attempt::db)?
         {
-            Held::Stored => Ok(()),
-            Held::OverBound => Err(Attempt::OverBound),
+            Held::Stored => {
+                c.held_bytes += record.weight as i64;
+                Ok(())
+            }
+            Held::OverBound(bytes) => Err(Attempt::OverBound(c.held_bytes + bytes)),
         }
     }
 
@@ -611,7 +617,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
             Attempt::Paused => Err(Attempt::Paused),
-            Attempt::OverBound => Err(Attempt::OverBound),
+            Attempt::OverBound(need) => Err(Attempt::OverBound(need)),
         },
     }
 }

@@ -356,7 +356,7 @@ impl Protocol {
             Step::Fenced => Delivered::Fenced,
             Step::Stop => Delivered::Stopped,
             Step::Paused => Delivered::Paused,
-            Step::OverBound => Delivered::OverBound,
+            Step::OverBound(_) => Delivered::OverBound,
         }
     }
 }

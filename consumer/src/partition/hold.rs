@@ -31,8 +31,8 @@ pub(crate) struct Head<'a> {
 pub(crate) enum Held {
     /// Stored (and counted against the group's bound).
     Stored,
-    /// Not stored: the group's held bytes would pass `held_bytes_limit`.
-    OverBound,
+    /// Not stored: the group's held bytes would pass `held_bytes_limit` (the record's bytes).
+    OverBound(i64),
 }
 
 impl Worker {
@@ -211,7 +211,7 @@ impl Worker {
         .await?;
         if within.is_none() {
             // The caller rolls the transaction back (the rows above with it).
-            return Ok(Held::OverBound);
+            return Ok(Held::OverBound(bytes));
         }
         if let (Some(h), Some(m)) = (head, meta) {
             tracing::error!(
@@ -237,10 +237,10 @@ impl Worker {
     ) -> Step {
         let mut failures = 0u32;
         loop {
-            let result: Result<(offsets::Advance, bool), sqlx::Error> = async {
+            let result: Result<(offsets::Advance, Option<i64>), sqlx::Error> = async {
                 let mut tx = self.shared.begin_for(&record.topic).await?;
-                if let Held::OverBound = self.hold_in(&mut tx, record, meta, head).await? {
-                    return Ok((offsets::Advance::Advanced, false));
+                if let Held::OverBound(bytes) = self.hold_in(&mut tx, record, meta, head).await? {
+                    return Ok((offsets::Advance::Advanced, Some(bytes)));
                 }
                 let owned = offsets::advance(
                     &mut tx,
@@ -254,12 +254,12 @@ impl Worker {
                 if owned == offsets::Advance::Advanced {
                     tx.commit().await?;
                 }
-                Ok((owned, true))
+                Ok((owned, None))
             }
             .await;
             match result {
-                Ok((_, false)) => return Step::OverBound,
-                Ok((offsets::Advance::Advanced, true)) => {
+                Ok((_, Some(need))) => return Step::OverBound(need),
+                Ok((offsets::Advance::Advanced, None)) => {
                     if head.is_some() {
                         self.now_held(record.key.clone());
                     }
@@ -313,10 +313,17 @@ impl Worker {
 
     /// A hold would take the group past `held_bytes_limit`: stops fetching from the
     /// partition, drops what was fetched (`taken`, and what arrives: read again later), says
-    /// so, and waits — applying releases meanwhile — until the group holds less than the
-    /// bound. Then the partition is taken over again from the stored offset. Nothing is
-    /// dropped for good.
-    pub(super) async fn over_bound(&mut self, own: &Ownership, lowest: Option<i64>) -> Owned {
+    /// so, and waits — applying releases meanwhile — until what the refused transaction
+    /// would have held (`need` bytes) fits: the group holds nothing, or at most the bound
+    /// less `need` (`hold_in`'s rule). Then the partition is taken over again from the stored
+    /// offset. Nothing is dropped for good. (Resuming as soon as the group was below the
+    /// bound took the partition over, and refused the same hold, every `held_poll`.)
+    pub(super) async fn over_bound(
+        &mut self,
+        own: &Ownership,
+        lowest: Option<i64>,
+        need: i64,
+    ) -> Owned {
         {
             let mut paused = self.paused.lock().expect("pause flag");
             if self
@@ -354,15 +361,16 @@ impl Worker {
                 Step::Done => {}
                 Step::Fenced => break Owned::Fenced(lowest),
                 Step::Stop => break Owned::Ended,
-                Step::Paused | Step::OverBound => {}
+                Step::Paused | Step::OverBound(_) => {}
             }
             let held: Result<Option<i64>, sqlx::Error> =
                 sqlx::query_scalar("SELECT bytes FROM postal.held_bytes WHERE group_id = $1")
                     .bind(&self.shared.config.group)
                     .fetch_optional(&self.shared.pool)
                     .await;
-            if matches!(held, Ok(b) if b.unwrap_or(0) < limit) {
-                tracing::info!(topic = %self.topic, partition = self.partition, "the group's held records are below held_bytes_limit again: the partition resumes");
+            if matches!(held, Ok(b) if b.unwrap_or(0) == 0 || b.unwrap_or(0).saturating_add(need) <= limit)
+            {
+                tracing::info!(topic = %self.topic, partition = self.partition, "the group's held records leave room under held_bytes_limit again: the partition resumes");
                 break Owned::Resumed(lowest);
             }
         };

@@ -194,7 +194,9 @@ pub(crate) enum Step {
     /// The group or the topic is paused: this transaction rolled back, nothing applied.
     Paused,
     /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
-    OverBound,
+    /// The bytes the transaction would have held (it fits once the group holds nothing, or
+    /// at most the bound less these).
+    OverBound(i64),
 }
 
 /// How one ownership of a partition ended.

@@ -73,7 +73,7 @@ impl Worker {
             {
                 releases_checked = Some(std::time::Instant::now());
                 match self.apply_releases(&own).await {
-                    Step::Done | Step::OverBound => {}
+                    Step::Done | Step::OverBound(_) => {}
                     Step::Paused => return self.held(lowest, Vec::new(), true).await,
                     Step::Stop => return Owned::Ended,
                     Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
@@ -248,7 +248,7 @@ impl Worker {
             drop(permit);
             match step {
                 Step::Paused => return self.held(lowest, Vec::new(), true).await,
-                Step::OverBound => return self.over_bound(&own, lowest).await,
+                Step::OverBound(need) => return self.over_bound(&own, lowest, need).await,
                 Step::Done => {
                     next = Some(last + 1);
                     self.queued.waiting.advanced();

@@ -77,7 +77,7 @@ impl Worker {
                     return Step::Done;
                 }
                 Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::OverBound,
+                Err(Attempt::OverBound(need)) => return Step::OverBound(need),
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
                     tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
@@ -203,8 +203,9 @@ pub(crate) enum Attempt {
     Fenced,
     /// The group or topic is paused: rolled back, nothing applied.
     Paused,
-    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
-    OverBound,
+    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied
+    /// (the bytes it would have held, as [`Step::OverBound`]).
+    OverBound(i64),
     Unavailable(String),
     Retryable(String),
     Permanent(Reason, String),

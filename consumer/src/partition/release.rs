@@ -267,7 +267,7 @@ impl Worker {
                     return Step::Done;
                 }
                 Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::Done,
+                Err(Attempt::OverBound(_)) => return Step::Done,
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
                     return Step::Fenced;
@@ -422,7 +422,7 @@ impl Worker {
                     }
                     failures = failures.saturating_add(1);
                 }
-                Err(Attempt::OverBound) => return Step::Done,
+                Err(Attempt::OverBound(_)) => return Step::Done,
             }
         }
     }
@@ -494,7 +494,7 @@ impl Worker {
                 }
                 Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => return Step::Fenced,
-                Err(Attempt::OverBound) => return Step::Done,
+                Err(Attempt::OverBound(_)) => return Step::Done,
                 Err(Attempt::Unavailable(e) | Attempt::Retryable(e) | Attempt::Permanent(_, e)) => {
                     tracing::warn!(error = %e, "cannot record the held key's new head; retrying");
                     if !self.wait(failures).await {
