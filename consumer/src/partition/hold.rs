@@ -357,7 +357,14 @@ impl Worker {
                 },
                 _ = tokio::time::sleep(poll) => {}
             }
-            match self.apply_releases(own).await {
+            // Nothing else of the partition is taken meanwhile: releases go on to their end.
+            let step = loop {
+                match self.apply_releases(own).await {
+                    (Step::Done, true) => {}
+                    (step, _) => break step,
+                }
+            };
+            match step {
                 Step::Done => {}
                 Step::Fenced => break Owned::Fenced(lowest),
                 Step::Stop => break Owned::Ended,

@@ -42,10 +42,16 @@ enum Release {
     Skip,
 }
 
+/// The most held records one look at the releases settles: a release larger than this goes
+/// on at the next look, and the partition's other records are taken in between (in the
+/// meantime the key stays held: its records arriving are held behind the rest).
+pub(super) const RELEASE_CHUNK: usize = 64;
+
 impl Worker {
     /// Applies the releases of this partition's held keys that operators asked for and the
-    /// retries that are due. `Done` when nothing is left to do now.
-    pub(super) async fn apply_releases(&self, own: &Ownership) -> Step {
+    /// retries that are due, at most [`RELEASE_CHUNK`] held records. `(Done, false)` when
+    /// nothing is left to do now; `(Done, true)` when releases go on at the next look.
+    pub(super) async fn apply_releases(&self, own: &Ownership) -> (Step, bool) {
         let due: Result<Vec<KeyRelease>, sqlx::Error> = sqlx::query_as(
             "SELECT record_key, release FROM postal.held_keys
              WHERE group_id = $1 AND topic = $2 AND partition = $3
@@ -61,10 +67,14 @@ impl Worker {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read the releases of held keys; trying again later");
-                return Step::Done;
+                return (Step::Done, false);
             }
         };
+        let mut budget = RELEASE_CHUNK;
         for (key, release) in due {
+            if budget == 0 {
+                return (Step::Done, true);
+            }
             if !self.held.lock().expect("held keys").contains(&key) {
                 // Not this ownership's to know (held after the takeover elsewhere?): the next
                 // takeover reads it.
@@ -75,24 +85,35 @@ impl Worker {
                 Some(_) => Release::Retry,
                 None => Release::Policy,
             };
-            match self.release_key(own, &key, mode).await {
+            match self.release_key(own, &key, mode, &mut budget).await {
                 Step::Done => {}
-                other => return other,
+                other => return (other, false),
             }
         }
-        Step::Done
+        (Step::Done, budget == 0)
     }
 
     /// Applies `key`'s held records in offset order, each in its own transaction, until none
-    /// is left (the key is no longer held) or one fails for good (it becomes the head; the key
-    /// stays held).
-    async fn release_key(&self, own: &Ownership, key: &[u8], mut mode: Release) -> Step {
+    /// is left (the key is no longer held), one fails for good (it becomes the head; the key
+    /// stays held) or `budget` records were settled (the key's row says it is being released:
+    /// the next look goes on).
+    async fn release_key(
+        &self,
+        own: &Ownership,
+        key: &[u8],
+        mut mode: Release,
+        budget: &mut usize,
+    ) -> Step {
         tracing::info!(topic = %self.topic, partition = self.partition, skip_head = (mode == Release::Skip), "releasing a held key");
         // The record the last pass of the loop worked on: met again, it was not applied (it
         // failed for good again and is the head, or its transaction was rolled back), and
         // this release ends; the next one is asked again or due by the retry policy.
         let mut last: Option<i64> = None;
         loop {
+            if *budget == 0 {
+                return Step::Done;
+            }
+            *budget -= 1;
             let row = match self.next_held(key).await {
                 Some(Ok(Some(r))) if last == Some(r.kafka_offset) => return Step::Done,
                 Some(Ok(Some(r))) => {
