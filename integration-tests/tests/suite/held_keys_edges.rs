@@ -1,9 +1,9 @@
 //! Held keys (`FinalFailure::HoldKey`, issue 48) at their edges: resets, replays, rebalances,
 //! fencing, pauses, duplicates in batches, odd keys and headers, the byte bound, the CLI.
-//! Written by a reviewer who did not build them. Each test names the promise it checks; those
-//! named `break_…` failed at the state they were written against (h48-s6 d9c24ca), still fail,
-//! and are ignored as known and open (issue 48): their doc comments say what happened, with the
-//! figures measured. Tests whose break was fixed say by what.
+//! Written by a reviewer who did not build them. Each test names the promise it checks; a
+//! test that failed at the state it was written against (h48-s6 d9c24ca) says what happened
+//! then, with the figures measured, and by what commit it was fixed. None is open: a new
+//! break is named `break_…` and ignored as known until fixed.
 //!
 //! Fixtures as in `held_keys.rs`: a `ledger` table whose row ids give the order in which
 //! entries were applied, a `broken` table listing the event ids the handler rejects
@@ -416,7 +416,7 @@ async fn a_reset_back_over_held_records_holds_each_once_and_other_keys_flow() {
 /// Broke (d9c24ca): the skip is never applied. Two causes: the release loop that runs the
 /// policy's retry (`release_key`, mode `Retry`) never re-reads `release`, and when the head
 /// fails again it takes the same head again at once (see
-/// `break_a_release_whose_head_fails_again_spins_and_stops_the_partition`); and each failed
+/// `a_release_whose_head_fails_again_ends_and_other_keys_flow`); and each failed
 /// run's `rehead` sets `release = NULL`, wiping the operator's audited skip. Measured after
 /// 20 s: a1 not dead-lettered (no dead letter at all), a2 not applied (`a` applied [0]), 2
 /// records still held, the key's `release` NULL and its `attempts` 5 374 and 3 148 in two
@@ -1476,7 +1476,7 @@ async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
 /// retries that forever: the partition is wedged at a2. Measured: b0 not applied within 15 s,
 /// 1 record of `a` held (a1), about 140 "cannot hold the record; retrying" warnings in 15 s.
 /// (The dead-letter path has the same fault, see
-/// `break_a_nul_in_ce_type_wedges_the_partition_in_the_default_mode`; fixing one does not fix
+/// `a_nul_in_ce_type_is_dead_lettered_and_the_partition_moves_on`; fixing one does not fix
 /// the other.)
 ///
 /// Fixed by fix-s6 (postal_shared::text::storable escapes the NUL).
@@ -1727,7 +1727,7 @@ async fn a_release_asked_while_paused_waits_for_the_resume() {
 ///
 /// Broke at d9c24ca: other keys waited for the whole release (measured again at 6e8b41d: b0,
 /// produced 0.6 s after the release was asked, applied after all 3 001, 26.8 s after it);
-/// fixed by FIX9 (a look at the releases settles at most `RELEASE_CHUNK` = 64 held records;
+/// fixed by 341ccb8 (a look at the releases settles at most `RELEASE_CHUNK` = 64 held records;
 /// the release goes on at the next look, the partition's other records taken in between).
 #[tokio::test]
 async fn other_keys_flow_during_a_long_release() {
