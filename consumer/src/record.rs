@@ -287,6 +287,64 @@ mod tests {
     use super::*;
     use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
 
+    /// A held record rebuilt from its stored headers (`Record::read_headers`) is the record
+    /// read from Kafka: the same headers kept, the same ones packed, values absent or empty
+    /// as they were; under and over `max_headers`.
+    #[test]
+    fn headers_read_back_as_from_the_message() {
+        let mut h = OwnedHeaders::new()
+            .insert(Header {
+                key: headers::CE_ID,
+                value: Some("x"),
+            })
+            .insert(Header::<&str> {
+                key: headers::CE_SCHEMA_VERSION,
+                value: None,
+            })
+            .insert(Header {
+                key: "x-empty",
+                value: Some(""),
+            });
+        for _ in 0..3 {
+            h = h.insert(Header::<&str> {
+                key: "x-none",
+                value: None,
+            });
+        }
+        let m = OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            0,
+            Some(h),
+        );
+        for max in [16, 4] {
+            let read = Record::from_message(&m, max);
+            let all: Vec<(String, Option<Vec<u8>>)> = match &read.too_many_headers {
+                Some(p) => p
+                    .iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect(),
+                None => read
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect(),
+            };
+            assert_eq!(all.len(), 6);
+            let (headers, packed) = Record::read_headers(all, max);
+            assert_eq!(packed, read.too_many_headers, "max_headers {max}");
+            let pairs = |h: &Headers| {
+                h.iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(pairs(&headers), pairs(&read.headers), "max_headers {max}");
+        }
+    }
+
     fn message(timestamp: Timestamp) -> OwnedMessage {
         let id = EventId::new().to_string();
         let headers = OwnedHeaders::new()
