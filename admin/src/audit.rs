@@ -79,7 +79,7 @@ pub struct Entry {
     /// On how many it acted.
     pub affected: i64,
     /// When it ended, completed or failed; none while it runs, when its process died before it
-    /// ended, and for rows from before migration 36.
+    /// ended, and for rows from before migration 38.
     pub ended_at: Option<DateTime<Utc>>,
     /// The one-line error it ended with; none when it completed.
     pub error: Option<String>,
@@ -87,7 +87,7 @@ pub struct Entry {
 
 impl Entry {
     /// How the action ended, in a word: `done`, `failed`, or `-` (running, its process died
-    /// before it ended, or recorded before migration 36).
+    /// before it ended, or recorded before migration 38).
     pub fn outcome(&self) -> &'static str {
         match (&self.ended_at, &self.error) {
             (Some(_), None) => "done",

@@ -27,6 +27,9 @@ pub struct HeldKey {
     /// The record key (lossy UTF-8; see `key_bytes`).
     #[sqlx(skip)]
     pub key: String,
+    /// The record key's bytes in base64: names any key, UTF-8 or not (`postal held release
+    /// --key-base64`).
+    pub key_base64: String,
     /// Why the head failed (a dead-letter reason).
     pub reason: String,
     /// The head's error.
@@ -43,7 +46,8 @@ pub struct HeldKey {
     pub count: i64,
     /// Their bytes, as counted against the group's bound.
     pub bytes: i64,
-    /// The first held events, head first: `offset:event_id:event_type`.
+    /// The first held events, head first: `offset:event_id:event_type` (`-` for a record
+    /// held without an envelope, dead-lettered at the release).
     pub first: Vec<String>,
 }
 
@@ -51,12 +55,15 @@ pub struct HeldKey {
 pub async fn list(pool: &PgPool, group: &str) -> Result<Vec<HeldKey>, Error> {
     Ok(sqlx::query_as(
         "SELECT k.topic, k.partition, k.record_key AS key_bytes,
+                translate(encode(k.record_key, 'base64'), chr(10), '') AS key_base64,
                 k.reason, k.error, k.attempts, k.held_at, k.due_at, k.release,
                 r.count, r.bytes, r.first
          FROM postal.held_keys k
          CROSS JOIN LATERAL (
              SELECT count(*) AS count, coalesce(sum(bytes), 0)::bigint AS bytes,
-                    (array_agg(kafka_offset || ':' || event_id || ':' || event_type
+                    (array_agg(kafka_offset || ':'
+                                || coalesce(nullif(event_id, '00000000-0000-0000-0000-000000000000')::text, '-')
+                                || ':' || event_type
                                ORDER BY kafka_offset))[1:$2] AS first
              FROM postal.held_records h
              WHERE h.group_id = k.group_id AND h.topic = k.topic
@@ -77,18 +84,43 @@ pub async fn list(pool: &PgPool, group: &str) -> Result<Vec<HeldKey>, Error> {
     .collect())
 }
 
-/// The held keys of `group` matching `topic` and `key`.
+/// The held keys of `group` matching `topic` and `key` (its bytes).
 pub async fn find(
     pool: &PgPool,
     group: &str,
     topic: &str,
-    key: &str,
+    key: &[u8],
 ) -> Result<Vec<HeldKey>, Error> {
     Ok(list(pool, group)
         .await?
         .into_iter()
-        .filter(|k| k.topic == topic && k.key_bytes == key.as_bytes())
+        .filter(|k| k.topic == topic && k.key_bytes == key)
         .collect())
+}
+
+/// Whether `group` is known to this database: it has stored offsets (or held keys).
+pub async fn group_known(pool: &PgPool, group: &str) -> Result<bool, Error> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1)
+             OR EXISTS (SELECT 1 FROM postal.held_keys WHERE group_id = $1)",
+    )
+    .bind(group)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// `bytes` in standard base64 (with padding).
+pub fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// `key` for a message: as text if it is UTF-8, else in base64 (as `--key-base64` takes it).
+pub fn key_named(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(k) => postal_shared::text::quoted(k),
+        Err(_) => format!("(base64) {}", base64_of(key)),
+    }
 }
 
 /// Bytes of held records per group, as counted against the bound.
@@ -111,14 +143,14 @@ pub async fn release(
     by: &Operator,
     group: &str,
     topic: &str,
-    key: &str,
+    key: &[u8],
     skip_head: bool,
 ) -> Result<Vec<HeldKey>, Error> {
     let held = find(pool, group, topic, key).await?;
     if held.is_empty() {
         return Err(Error::Invalid(format!(
             "no held key {} on topic {} of group {}",
-            postal_shared::text::quoted(key),
+            key_named(key),
             postal_shared::text::quoted(topic),
             postal_shared::text::quoted(group)
         )));
@@ -131,7 +163,7 @@ pub async fn release(
     )
     .bind(group)
     .bind(topic)
-    .bind(key.as_bytes())
+    .bind(key)
     .bind(if skip_head { "skip" } else { "retry" })
     .bind(by.name())
     .fetch_all(&mut *tx)
@@ -139,7 +171,7 @@ pub async fn release(
     if marked.is_empty() {
         return Err(Error::Invalid(format!(
             "a release of key {} on topic {} is already under way",
-            postal_shared::text::quoted(key),
+            key_named(key),
             postal_shared::text::quoted(topic)
         )));
     }
@@ -147,7 +179,8 @@ pub async fn release(
     let target = serde_json::json!({
         "group": group,
         "topic": topic,
-        "key": key,
+        "key": String::from_utf8_lossy(key),
+        "key_base64": held.first().map(|k| k.key_base64.clone()),
         "skip_head": skip_head,
         "partitions": marked,
         "first": held.iter().flat_map(|k| k.first.clone()).collect::<Vec<_>>(),

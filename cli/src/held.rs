@@ -32,9 +32,17 @@ pub enum HeldCommand {
         /// The topic.
         #[arg(long)]
         topic: String,
-        /// The record key.
+        /// The record key, as text (UTF-8).
+        #[arg(
+            long,
+            required_unless_present = "key_base64",
+            conflicts_with = "key_base64"
+        )]
+        key: Option<String>,
+        /// The record key's bytes in base64 (any key, UTF-8 or not: as `postal held list`
+        /// shows it, `key_base64` in --json).
         #[arg(long)]
-        key: String,
+        key_base64: Option<String>,
         /// Dead-letter the head instead of retrying it.
         #[arg(long)]
         skip_head: bool,
@@ -44,12 +52,37 @@ pub enum HeldCommand {
     },
 }
 
+/// `--key-base64`'s value: standard base64, padded or not.
+fn parse_base64(s: &str) -> anyhow::Result<Vec<u8>> {
+    use base64::Engine as _;
+    let engine = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    engine
+        .decode(s.trim())
+        .map_err(|e| anyhow::anyhow!("--key-base64 {}: not base64 ({e})", shown(s, false)))
+}
+
+/// Refuses a group this database knows nothing of (a typo), as other commands do.
+async fn known(pool: &PgPool, group: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        held::group_known(pool, group).await?,
+        "consumer group {} has no stored offsets in this database (a typo? `postal status` lists the groups)",
+        shown(group, false)
+    );
+    Ok(())
+}
+
 pub async fn run(pool: &PgPool, cmd: HeldCommand) -> anyhow::Result<()> {
     match cmd {
         HeldCommand::List { group, json: true } => {
+            known(pool, &group).await?;
             say!("{}", json(&held::list(pool, &group).await?, true)?);
         }
         HeldCommand::List { group, json: false } => {
+            known(pool, &group).await?;
             let keys = held::list(pool, &group).await?;
             say!(
                 "{} held key(s), {} bytes held by group {}",
@@ -65,14 +98,21 @@ pub async fn run(pool: &PgPool, cmd: HeldCommand) -> anyhow::Result<()> {
             group,
             topic,
             key,
+            key_base64,
             skip_head,
             yes,
         } => {
+            known(pool, &group).await?;
+            let key = match (key_base64, key) {
+                (Some(b), _) => parse_base64(&b)?,
+                (None, Some(k)) => k.into_bytes(),
+                (None, None) => anyhow::bail!("name the key: --key or --key-base64"),
+            };
             let found = held::find(pool, &group, &topic, &key).await?;
             if found.is_empty() {
                 anyhow::bail!(
                     "no held key {} on topic {} of group {}",
-                    shown(&key, false),
+                    shown(&held::key_named(&key), false),
                     shown(&topic, false),
                     shown(&group, false)
                 );
@@ -104,7 +144,7 @@ fn show(k: &held::HeldKey) -> anyhow::Result<()> {
         "topic {} partition {} key {}: {} record(s), {} bytes, held since {}{}{}",
         shown(&k.topic, false),
         k.partition,
-        shown(&k.key, false),
+        shown(&held::key_named(&k.key_bytes), false),
         k.count,
         k.bytes,
         k.held_at.format("%Y-%m-%d %H:%M:%S"),

@@ -34,6 +34,8 @@ struct Committed {
     dead: u64,
     /// Keys this transaction made held (their records from here on are held too).
     held_keys: Vec<Vec<u8>>,
+    /// Bytes this transaction holds (`hold_or_bound`).
+    held_bytes: i64,
     /// The record after the finished ones failed retryably: (error, is it an outage?).
     stopped: Option<(String, bool)>,
 }
@@ -94,7 +96,7 @@ impl Worker {
                     }
                 }
                 Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::OverBound,
+                Err(Attempt::OverBound(need)) => return Step::OverBound(need),
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(&consumer, &self.topic, 1);
                     tracing::info!(topic = %self.topic, partition = self.partition, "another consumer took the partition over; rolled back");
@@ -162,6 +164,15 @@ impl Worker {
         let mut i = 0;
         while i < queue.len() {
             let record = &queue[i];
+            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
+                // Its key waits for an earlier event: taken out of the batch and stored (also
+                // without an envelope: dead-lettered at the release, in its key's order).
+                self.hold_or_bound(&mut tx, &mut c, record, metas[i].as_ref().ok(), None)
+                    .await?;
+                c.done += 1;
+                i += 1;
+                continue;
+            }
             let m = match &metas[i] {
                 Ok(m) => m,
                 Err((reason, error)) => {
@@ -173,13 +184,6 @@ impl Worker {
                     continue;
                 }
             };
-            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
-                // Its key waits for an earlier event: taken out of the batch and stored.
-                self.hold_or_bound(&mut tx, record, m, None).await?;
-                c.done += 1;
-                i += 1;
-                continue;
-            }
             if !fresh.contains(&m.id) || !claimed.insert(m.id) {
                 c.duplicates += 1;
                 c.done += 1;
@@ -220,7 +224,8 @@ impl Worker {
                     error: &error,
                     attempts: head_attempts as i32,
                 };
-                self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                self.hold_or_bound(&mut tx, &mut c, record, Some(m), Some(head))
+                    .await?;
                 let key = record.key.clone().expect("held records have a key");
                 held.insert(key.clone());
                 c.held_keys.push(key);
@@ -321,7 +326,7 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, &queue[*k], mk, Some(head))
+                    self.hold_or_bound(&mut tx, &mut c, &queue[*k], Some(mk), Some(head))
                         .await?;
                     let key = queue[*k].key.clone().expect("held records have a key");
                     held.insert(key.clone());
@@ -386,7 +391,8 @@ impl Worker {
                             head_attempts as i32 + 1
                         },
                     };
-                    self.hold_or_bound(&mut tx, record, m, Some(head)).await?;
+                    self.hold_or_bound(&mut tx, &mut c, record, Some(m), Some(head))
+                        .await?;
                     let key = record.key.clone().expect("held records have a key");
                     held.insert(key.clone());
                     c.held_keys.push(key);
@@ -434,13 +440,14 @@ impl Worker {
         Ok(c)
     }
 
-    /// Holds `record` in the batch's transaction; `Err(OverBound)` (the whole transaction
-    /// rolls back) past the group's bound.
+    /// Holds `record` in the batch's transaction (`c.held_bytes`: what it holds so far);
+    /// `Err(OverBound)` (the whole transaction rolls back) past the group's bound.
     async fn hold_or_bound(
         &self,
         tx: &mut Transaction<'static, Postgres>,
+        c: &mut Committed,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Result<(), Attempt> {
         match self
@@ -448,8 +455,11 @@ impl Worker {
             .await
             .map_err(Attempt::db)?
         {
-            Held::Stored => Ok(()),
-            Held::OverBound => Err(Attempt::OverBound),
+            Held::Stored => {
+                c.held_bytes += record.weight as i64;
+                Ok(())
+            }
+            Held::OverBound(bytes) => Err(Attempt::OverBound(c.held_bytes + bytes)),
         }
     }
 
@@ -607,7 +617,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
             Attempt::Paused => Err(Attempt::Paused),
-            Attempt::OverBound => Err(Attempt::OverBound),
+            Attempt::OverBound(need) => Err(Attempt::OverBound(need)),
         },
     }
 }

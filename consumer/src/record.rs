@@ -46,6 +46,26 @@ pub(crate) fn weight(key: Option<&[u8]>, payload: Option<&[u8]>, headers: &Heade
 }
 
 impl Record {
+    /// Its headers as read from a record carrying `all` (in order): over `max_headers`, only
+    /// Postal's own, and all of them packed (as [`Record::from_message`] keeps them).
+    pub(crate) fn read_headers(
+        all: Vec<(String, Option<Vec<u8>>)>,
+        max_headers: usize,
+    ) -> (Headers, Option<PackedHeaders>) {
+        if all.len() <= max_headers {
+            return (Headers::new(all), None);
+        }
+        let mut packed = PackedHeaders::with_capacity(0);
+        for (n, v) in &all {
+            packed.push(n, v.as_deref());
+        }
+        let own = all
+            .into_iter()
+            .filter(|(n, _)| headers::is_reserved(n))
+            .collect();
+        (Headers::new(own), Some(packed.shrunk()))
+    }
+
     /// A copy of `m`. A record with more than `max_headers` headers keeps only Postal's own
     /// in `headers` (its envelope: the event is still identified, deduplicated and
     /// dead-lettered as itself) and all of them packed in `too_many_headers`, for its
@@ -216,14 +236,25 @@ fn repeated_reserved(h: &Headers) -> Option<(&'static str, usize)> {
     })
 }
 
+/// Why `record` cannot be decoded for its headers' count, if it cannot.
+pub(crate) fn too_many_headers(record: &Record) -> Option<String> {
+    record
+        .too_many_headers
+        .as_ref()
+        .map(PackedHeaders::count)
+        .map(|n| {
+            format!(
+                "record has {n} headers, more than the consumer's max_headers (the dead letter \
+                 keeps them all)"
+            )
+        })
+}
+
 /// Decodes the full event for a handler.
 /// The error (a decode error may quote the payload) is escaped and bounded.
 pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T>, String> {
-    if let Some(n) = record.too_many_headers.as_ref().map(PackedHeaders::count) {
-        return Err(format!(
-            "record has {n} headers, more than the consumer's max_headers (the dead letter \
-             keeps them all)"
-        ));
+    if let Some(error) = too_many_headers(record) {
+        return Err(error);
     }
     let content_type = record.headers.get(headers::CONTENT_TYPE);
     let payload =
@@ -255,6 +286,64 @@ pub(crate) fn decode<T: Payload>(record: &Record, meta: &Meta) -> Result<Event<T
 mod tests {
     use super::*;
     use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+
+    /// A held record rebuilt from its stored headers (`Record::read_headers`) is the record
+    /// read from Kafka: the same headers kept, the same ones packed, values absent or empty
+    /// as they were; under and over `max_headers`.
+    #[test]
+    fn headers_read_back_as_from_the_message() {
+        let mut h = OwnedHeaders::new()
+            .insert(Header {
+                key: headers::CE_ID,
+                value: Some("x"),
+            })
+            .insert(Header::<&str> {
+                key: headers::CE_SCHEMA_VERSION,
+                value: None,
+            })
+            .insert(Header {
+                key: "x-empty",
+                value: Some(""),
+            });
+        for _ in 0..3 {
+            h = h.insert(Header::<&str> {
+                key: "x-none",
+                value: None,
+            });
+        }
+        let m = OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            0,
+            Some(h),
+        );
+        for max in [16, 4] {
+            let read = Record::from_message(&m, max);
+            let all: Vec<(String, Option<Vec<u8>>)> = match &read.too_many_headers {
+                Some(p) => p
+                    .iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect(),
+                None => read
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect(),
+            };
+            assert_eq!(all.len(), 6);
+            let (headers, packed) = Record::read_headers(all, max);
+            assert_eq!(packed, read.too_many_headers, "max_headers {max}");
+            let pairs = |h: &Headers| {
+                h.iter()
+                    .map(|(n, v)| (n.to_owned(), v.map(<[u8]>::to_vec)))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(pairs(&headers), pairs(&read.headers), "max_headers {max}");
+        }
+    }
 
     fn message(timestamp: Timestamp) -> OwnedMessage {
         let id = EventId::new().to_string();

@@ -314,7 +314,13 @@ impl Protocol {
     ) -> Delivered {
         let worker = self.worker(topic, partition);
         worker.load_held().await;
-        Self::delivered(worker.apply_releases(own).await)
+        // Look after look (each settles a bounded number of held records), until none is due.
+        loop {
+            match worker.apply_releases(own).await {
+                (crate::partition::Step::Done, true) => continue,
+                (step, _) => return Self::delivered(step),
+            }
+        }
     }
 
     fn worker(&self, topic: &str, partition: i32) -> crate::partition::Worker {
@@ -339,7 +345,7 @@ impl Protocol {
             Step::Fenced => Delivered::Fenced,
             Step::Stop => Delivered::Stopped,
             Step::Paused => Delivered::Paused,
-            Step::OverBound => Delivered::OverBound,
+            Step::OverBound(_) => Delivered::OverBound,
         }
     }
 

@@ -156,7 +156,7 @@ pub(crate) async fn release(
     };
     let skip_head = get(&p, "skip_head") == Some("yes");
     if get(&p, "confirm") != Some("yes") {
-        let keys = match held::find(&state.pool, group, topic, key).await {
+        let keys = match held::find(&state.pool, group, topic, key.as_bytes()).await {
             Ok(k) => k,
             Err(e) => return failed(&e),
         };
@@ -209,7 +209,7 @@ pub(crate) async fn release(
         return Html(page(&state.base, "", title, &body, false, "")).into_response();
     }
     let by = audit::Operator::dashboard(&actor.0);
-    match held::release(&state.pool, &by, group, topic, key, skip_head).await {
+    match held::release(&state.pool, &by, group, topic, key.as_bytes(), skip_head).await {
         Ok(keys) => {
             let count: i64 = keys.iter().map(|k| k.count).sum();
             let body =

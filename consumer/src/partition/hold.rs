@@ -2,10 +2,8 @@
 //! is stored with every later record of its key, in the transactions that move the offset
 //! past them, and none of them is applied until the key is released.
 //!
-//! The partition's owner is the only writer of its held keys' records: it holds them, and it
-//! applies them when released (an operator's `postal held release` sets `release` on the key's
-//! row; the retry policy sets `due_at`), between its batches, each in its own transaction with
-//! its dedup row, its effects, the deletion of its held row and the epoch check. The set of
+//! The partition's owner is the only writer of its held keys' records: it holds them here, and
+//! applies them when released (`release`); past the group's byte bound it waits. The set of
 //! held keys of the partition is read at each takeover and kept in memory ([`Worker::held`]):
 //! only this worker changes it while it owns the partition.
 
@@ -14,14 +12,12 @@ use std::collections::HashSet;
 use rdkafka::consumer::Consumer;
 use sqlx::PgConnection;
 
-use crate::config::{FinalFailure, UnknownTypes};
+use crate::config::FinalFailure;
 use crate::dead_letter::Reason;
-use crate::event::Headers;
 use crate::offsets::{self, Ownership};
-use crate::record::{meta, Meta, Record};
+use crate::record::{Meta, Record};
 
-use super::process::{run_body, Attempt, BodyFailure};
-use super::{tpl, Dead, Owned, Step, Worker};
+use super::{tpl, Owned, Step, Worker};
 
 /// Why a held key's head failed, as stored with the key.
 #[derive(Clone, Copy)]
@@ -35,32 +31,8 @@ pub(crate) struct Head<'a> {
 pub(crate) enum Held {
     /// Stored (and counted against the group's bound).
     Stored,
-    /// Not stored: the group's held bytes would pass `held_bytes_limit`.
-    OverBound,
-}
-
-/// A held key due for release: (key, the operator's release, if any).
-type KeyRelease = (Vec<u8>, Option<String>);
-
-/// A held record as stored.
-#[derive(sqlx::FromRow)]
-struct Row {
-    kafka_offset: i64,
-    record_key: Vec<u8>,
-    payload: Option<Vec<u8>>,
-    header_names: Vec<String>,
-    header_values: Vec<Vec<u8>>,
-    kafka_timestamp: Option<chrono::DateTime<chrono::Utc>>,
-    bytes: i64,
-}
-
-/// A release being applied.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Release {
-    /// Apply the head, then the rest.
-    Retry,
-    /// Dead-letter the head, then apply the rest.
-    Skip,
+    /// Not stored: the group's held bytes would pass `held_bytes_limit` (the record's bytes).
+    OverBound(i64),
 }
 
 impl Worker {
@@ -138,12 +110,15 @@ impl Worker {
 
     /// Stores `record` as held in the caller's transaction (which also moves the offset past
     /// it); with `head`, its key becomes held with it as the head. Its dedup row is not
-    /// written: it is written when the record is applied.
+    /// written: it is written when the record is applied. A record without a readable
+    /// envelope (`meta` is `None`: no `ce_id`, a header name that is not UTF-8, …) of a held
+    /// key is held too, whole, and dead-lettered in its key's order at the release: as read
+    /// from the partition then.
     pub(crate) async fn hold_in(
         &self,
         conn: &mut PgConnection,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Result<Held, sqlx::Error> {
         let config = &self.shared.config;
@@ -172,16 +147,27 @@ impl Worker {
             .execute(&mut *conn)
             .await?;
         }
-        let (names, values): (Vec<String>, Vec<Vec<u8>>) = record
-            .headers
-            .iter()
-            .map(|(n, v)| (n.to_owned(), v.unwrap_or_default().to_vec()))
-            .unzip();
+        // As a dead letter keeps them (`crate::dead_letter::record`): a header without a value
+        // keeps an empty one in `header_values` and its position, from 1, in `header_absent`.
+        // A record over `max_headers` is kept whole too (its headers packed since it was
+        // read): rebuilt at the release as read then, it is dead-lettered as undecodable.
+        let mut absent: Vec<i32> = Vec::new();
+        let mut keep = |(i, (n, v)): (usize, (&str, Option<&[u8]>))| {
+            if v.is_none() {
+                absent.push(i as i32 + 1);
+            }
+            (n.to_owned(), v.unwrap_or_default().to_vec())
+        };
+        let (names, values): (Vec<String>, Vec<Vec<u8>>) = match &record.too_many_headers {
+            Some(all) => all.iter().enumerate().map(&mut keep).unzip(),
+            None => record.headers.iter().enumerate().map(&mut keep).unzip(),
+        };
         // A copy delivered again (a `postal consumer reset` below it) is held once.
         let inserted = sqlx::query(
             "INSERT INTO postal.held_records (group_id, topic, partition, kafka_offset, record_key,
-                 event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                 event_id, event_type, payload, header_names, header_values, kafka_timestamp, bytes,
+                 unreadable_header, header_absent)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
              ON CONFLICT DO NOTHING",
         )
         .bind(&config.group)
@@ -189,13 +175,21 @@ impl Worker {
         .bind(record.partition)
         .bind(record.offset)
         .bind(key)
-        .bind(meta.id.as_uuid())
-        .bind(postal_shared::text::storable(&meta.event_type))
+        // No envelope: the nil UUID (never an event's id), so that binaries before migration
+        // 36 list such a row as they list any other.
+        .bind(meta.map_or(uuid::Uuid::nil(), |m| m.id.as_uuid()))
+        .bind(postal_shared::text::storable(
+            meta.map(|m| m.event_type.as_str())
+                .or_else(|| record.headers.get(postal_shared::headers::CE_TYPE))
+                .unwrap_or_default(),
+        ))
         .bind(record.payload.as_deref())
         .bind(names)
         .bind(values)
         .bind(record.timestamp)
         .bind(bytes)
+        .bind(record.unreadable_header.map(|i| i as i32))
+        .bind(absent)
         .execute(&mut *conn)
         .await?
         .rows_affected();
@@ -217,12 +211,12 @@ impl Worker {
         .await?;
         if within.is_none() {
             // The caller rolls the transaction back (the rows above with it).
-            return Ok(Held::OverBound);
+            return Ok(Held::OverBound(bytes));
         }
-        if let Some(h) = head {
+        if let (Some(h), Some(m)) = (head, meta) {
             tracing::error!(
                 topic = %record.topic, partition = record.partition, offset = record.offset,
-                event_id = %meta.id, reason = h.reason.as_str(),
+                event_id = %m.id, reason = h.reason.as_str(),
                 error = %postal_shared::text::bounded(h.error, postal_shared::text::MAX_ERROR_BYTES),
                 "failed for good; its key is held: its later records wait until it is released (postal held release)"
             );
@@ -238,15 +232,15 @@ impl Worker {
         &self,
         own: &Ownership,
         record: &Record,
-        meta: &Meta,
+        meta: Option<&Meta>,
         head: Option<Head<'_>>,
     ) -> Step {
         let mut failures = 0u32;
         loop {
-            let result: Result<(offsets::Advance, bool), sqlx::Error> = async {
+            let result: Result<(offsets::Advance, Option<i64>), sqlx::Error> = async {
                 let mut tx = self.shared.begin_for(&record.topic).await?;
-                if let Held::OverBound = self.hold_in(&mut tx, record, meta, head).await? {
-                    return Ok((offsets::Advance::Advanced, false));
+                if let Held::OverBound(bytes) = self.hold_in(&mut tx, record, meta, head).await? {
+                    return Ok((offsets::Advance::Advanced, Some(bytes)));
                 }
                 let owned = offsets::advance(
                     &mut tx,
@@ -260,12 +254,12 @@ impl Worker {
                 if owned == offsets::Advance::Advanced {
                     tx.commit().await?;
                 }
-                Ok((owned, true))
+                Ok((owned, None))
             }
             .await;
             match result {
-                Ok((_, false)) => return Step::OverBound,
-                Ok((offsets::Advance::Advanced, true)) => {
+                Ok((_, Some(need))) => return Step::OverBound(need),
+                Ok((offsets::Advance::Advanced, None)) => {
                     if head.is_some() {
                         self.now_held(record.key.clone());
                     }
@@ -308,7 +302,7 @@ impl Worker {
                     error,
                     attempts,
                 };
-                self.hold(own, record, m, Some(head)).await
+                self.hold(own, record, Some(m), Some(head)).await
             }
             _ => {
                 self.dead_letter(own, record, meta, reason, error, attempts)
@@ -317,524 +311,19 @@ impl Worker {
         }
     }
 
-    /// Applies the releases of this partition's held keys that operators asked for and the
-    /// retries that are due. `Done` when nothing is left to do now.
-    pub(crate) async fn apply_releases(&self, own: &Ownership) -> Step {
-        let due: Result<Vec<KeyRelease>, sqlx::Error> = sqlx::query_as(
-            "SELECT record_key, release FROM postal.held_keys
-             WHERE group_id = $1 AND topic = $2 AND partition = $3
-               AND (release IS NOT NULL OR due_at <= now())
-             ORDER BY held_at",
-        )
-        .bind(&self.shared.config.group)
-        .bind(&self.topic)
-        .bind(self.partition)
-        .fetch_all(&self.shared.pool)
-        .await;
-        let due = match due {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read the releases of held keys; trying again later");
-                return Step::Done;
-            }
-        };
-        for (key, release) in due {
-            if !self.is_held(Some(&key)) {
-                // Not this ownership's to know (held after the takeover elsewhere?): the next
-                // takeover reads it.
-                continue;
-            }
-            let mode = if release.as_deref() == Some("skip") {
-                Release::Skip
-            } else {
-                Release::Retry
-            };
-            match self.release_key(own, &key, mode).await {
-                Step::Done => {}
-                other => return other,
-            }
-        }
-        Step::Done
-    }
-
-    /// Applies `key`'s held records in offset order, each in its own transaction, until none
-    /// is left (the key is no longer held) or one fails for good (it becomes the head; the key
-    /// stays held).
-    async fn release_key(&self, own: &Ownership, key: &[u8], mut mode: Release) -> Step {
-        tracing::info!(topic = %self.topic, partition = self.partition, skip_head = (mode == Release::Skip), "releasing a held key");
-        // The record the last pass of the loop worked on: met again, it was not applied (it
-        // failed for good again and is the head, or its transaction was rolled back), and
-        // this release ends; the next one is asked again or due by the retry policy.
-        let mut last: Option<i64> = None;
-        loop {
-            let row = match self.next_held(key).await {
-                Some(Ok(Some(r))) if last == Some(r.kafka_offset) => return Step::Done,
-                Some(Ok(Some(r))) => {
-                    last = Some(r.kafka_offset);
-                    r
-                }
-                Some(Ok(None)) => {
-                    // Nothing left (released by an earlier ownership that stopped before
-                    // deleting the key's row cannot happen: the last record's transaction
-                    // deletes it); forget the key.
-                    self.held.lock().expect("held keys").remove(key);
-                    return Step::Done;
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot read a held record; trying again later");
-                    return Step::Done;
-                }
-                None => return Step::Stop,
-            };
-            let record = row.record(&self.topic, self.partition);
-            let m = match meta(&record) {
-                Ok(m) => m,
-                Err((reason, error)) => {
-                    // Held records had an envelope when held: cannot happen; never applied.
-                    match self
-                        .settle_held(own, &record, &row, None, Some((reason, error)))
-                        .await
-                    {
-                        Step::Done => continue,
-                        other => return other,
-                    }
-                }
-            };
-            if mode == Release::Skip {
-                let (head, reason, error) = match self.head_reason(key).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot read the held key's reason; trying again later");
-                        return Step::Done;
-                    }
-                };
-                if row.kafka_offset < head {
-                    // A copy delivered again below the head (a reset): applied (a duplicate,
-                    // as a rule); the head is still to be skipped.
-                    match self.apply_held(own, &record, &m, &row).await {
-                        Step::Done => continue,
-                        other => return other,
-                    }
-                }
-                match self
-                    .settle_held(own, &record, &row, Some(&m), Some((reason, error)))
-                    .await
-                {
-                    Step::Done => {
-                        mode = Release::Retry;
-                        continue;
-                    }
-                    other => return other,
-                }
-            }
-            match self.apply_held(own, &record, &m, &row).await {
-                Step::Done => continue,
-                other => return other,
-            }
-        }
-    }
-
-    /// The next held record of `key` (`None`: cancelled).
-    async fn next_held(&self, key: &[u8]) -> Option<Result<Option<Row>, sqlx::Error>> {
-        if self.cancel.is_cancelled() {
-            return None;
-        }
-        Some(
-            sqlx::query_as(
-                "SELECT kafka_offset, record_key, payload, header_names, header_values,
-                        kafka_timestamp, bytes
-                 FROM postal.held_records
-                 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4
-                 ORDER BY kafka_offset LIMIT 1",
-            )
-            .bind(&self.shared.config.group)
-            .bind(&self.topic)
-            .bind(self.partition)
-            .bind(key)
-            .fetch_optional(&self.shared.pool)
-            .await,
-        )
-    }
-
-    /// Why the held key's head failed: (its offset, reason, error).
-    async fn head_reason(&self, key: &[u8]) -> Result<(i64, Reason, String), sqlx::Error> {
-        let (offset, reason, error): (i64, String, String) = sqlx::query_as(
-            "SELECT head_offset, reason, error FROM postal.held_keys
-             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
-        )
-        .bind(&self.shared.config.group)
-        .bind(&self.topic)
-        .bind(self.partition)
-        .bind(key)
-        .fetch_one(&self.shared.pool)
-        .await?;
-        Ok((offset, reason_named(&reason), error))
-    }
-
-    /// Applies one released held record, retrying as a fresh record is retried; a final
-    /// failure makes it the key's head again.
-    async fn apply_held(&self, own: &Ownership, record: &Record, m: &Meta, row: &Row) -> Step {
-        let consumer = self.shared.config.consumer.as_str();
-        let route = self
-            .shared
-            .router
-            .find(&record.topic, &m.event_type, m.schema_version)
-            .cloned();
-        let Some(route) = route else {
-            return match self.shared.config.unknown_types {
-                UnknownTypes::Skip => self.settle_held(own, record, row, None, None).await,
-                _ => {
-                    let error = format!(
-                        "no handler for event type {} (schema version {}) on topic {}",
-                        postal_shared::text::quoted(&m.event_type),
-                        m.schema_version,
-                        postal_shared::text::quoted(&record.topic)
-                    );
-                    self.settle_held(
-                        own,
-                        record,
-                        row,
-                        Some(m),
-                        Some((Reason::UnknownType, error)),
-                    )
-                    .await
-                }
-            };
-        };
-        let mut attempts = 0u32;
-        let mut outages = 0u32;
-        loop {
-            if self.cancel.is_cancelled() {
-                return Step::Stop;
-            }
-            let result = self
-                .apply_held_once(own, record, m, row, route.as_ref())
-                .await;
-            let (reason, error) = match result {
-                Ok(applied) => {
-                    if applied {
-                        self.shared.stats.applied(consumer, &record.topic, 1);
-                    } else {
-                        self.shared.stats.duplicates(consumer, &record.topic, 1);
-                    }
-                    return Step::Done;
-                }
-                Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::Done,
-                Err(Attempt::Fenced) => {
-                    self.shared.stats.fenced(consumer, &record.topic, 1);
-                    return Step::Fenced;
-                }
-                Err(Attempt::Unavailable(e)) => {
-                    tracing::warn!(error = %e, event_id = %m.id, "database or dependency unavailable while releasing a held key; retrying");
-                    if !self.wait(outages).await {
-                        return Step::Stop;
-                    }
-                    outages = outages.saturating_add(1);
-                    continue;
-                }
-                Err(Attempt::Retryable(e)) => {
-                    attempts += 1;
-                    if attempts < self.shared.config.max_attempts {
-                        self.shared.stats.retries(consumer, &record.topic, 1);
-                        if !self.wait(attempts - 1).await {
-                            return Step::Stop;
-                        }
-                        continue;
-                    }
-                    (
-                        Reason::RetriesExhausted,
-                        format!("gave up after {attempts} attempts: {e}"),
-                    )
-                }
-                Err(Attempt::Permanent(reason, e)) => {
-                    attempts += 1;
-                    (reason, e)
-                }
-            };
-            return self.rehead(own, record, m, reason, &error, attempts).await;
-        }
-    }
-
-    /// One transaction applying a released held record: dedup row, body, deletion of its held
-    /// row (and of its key's, if it was the last), epoch check. `Ok(true)` applied,
-    /// `Ok(false)` duplicate.
-    async fn apply_held_once(
-        &self,
-        own: &Ownership,
-        record: &Record,
-        m: &Meta,
-        row: &Row,
-        route: &dyn crate::route::Route,
-    ) -> Result<bool, Attempt> {
-        let mut tx = self
-            .shared
-            .begin_for(&record.topic)
-            .await
-            .map_err(Attempt::db)?;
-        let fresh = crate::dedup::record(&mut tx, route.consumer(), m.id)
-            .await
-            .map_err(|e| match e {
-                crate::Error::Database(d) => Attempt::db(d),
-                other => Attempt::Retryable(other.to_string()),
-            })?;
-        if fresh {
-            run_body(route, &mut tx, record, m)
-                .await
-                .map_err(|f| match f {
-                    BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
-                    BodyFailure::Retry(error, false) => Attempt::Retryable(error),
-                    BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
-                })?;
-        }
-        let last = self.unhold_in(&mut tx, row).await.map_err(Attempt::db)?;
-        self.confirm(&mut tx, own).await?;
-        tx.commit().await.map_err(Attempt::db)?;
-        if last {
-            self.released(&row.record_key);
-        }
-        Ok(fresh)
-    }
-
-    /// Settles a released held record without applying it: dead-letters it (`dead`, with its
-    /// dedup row) or skips it (none), deleting its held row, in one transaction.
-    async fn settle_held(
-        &self,
-        own: &Ownership,
-        record: &Record,
-        row: &Row,
-        m: Option<&Meta>,
-        dead: Option<(Reason, String)>,
-    ) -> Step {
-        let mut failures = 0u32;
-        loop {
-            let result: Result<(bool, bool), Attempt> = async {
-                let mut tx = self
-                    .shared
-                    .begin_for(&record.topic)
-                    .await
-                    .map_err(Attempt::db)?;
-                let mut dead_lettered = false;
-                if let Some((reason, error)) = &dead {
-                    let fresh = match m {
-                        Some(m) => {
-                            crate::dedup::record_many(
-                                &mut tx,
-                                &self.shared.config.consumer,
-                                &[m.id],
-                            )
-                            .await
-                            .map_err(Attempt::db)?
-                            .len()
-                                == 1
-                        }
-                        None => true,
-                    };
-                    if fresh {
-                        let d = Dead {
-                            meta: m,
-                            reason: *reason,
-                            error,
-                            attempts: 0,
-                        };
-                        self.record_dead(&mut tx, record, d)
-                            .await
-                            .map_err(Attempt::db)?;
-                        dead_lettered = true;
-                    }
-                }
-                let last = self.unhold_in(&mut tx, row).await.map_err(Attempt::db)?;
-                self.confirm(&mut tx, own).await?;
-                tx.commit().await.map_err(Attempt::db)?;
-                Ok((last, dead_lettered))
-            }
-            .await;
-            match result {
-                Ok((last, dead_lettered)) => {
-                    if dead_lettered {
-                        self.shared.stats.dead_letters(
-                            &self.shared.config.consumer,
-                            &record.topic,
-                            1,
-                        );
-                        self.shared.dlq_wake.notify_one();
-                    }
-                    if last {
-                        self.released(&row.record_key);
-                    }
-                    return Step::Done;
-                }
-                Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::Fenced) => return Step::Fenced,
-                Err(Attempt::Unavailable(e) | Attempt::Retryable(e) | Attempt::Permanent(_, e)) => {
-                    tracing::warn!(error = %e, "cannot settle a held record; retrying");
-                    if !self.wait(failures).await {
-                        return Step::Stop;
-                    }
-                    failures = failures.saturating_add(1);
-                }
-                Err(Attempt::OverBound) => return Step::Done,
-            }
-        }
-    }
-
-    /// A released held record failed for good again: it is its key's head now (reason,
-    /// attempts, the next due retry); the key stays held and its release is done.
-    async fn rehead(
-        &self,
-        own: &Ownership,
-        record: &Record,
-        m: &Meta,
-        reason: Reason,
-        error: &str,
-        attempts: u32,
-    ) -> Step {
-        let mut failures = 0u32;
-        loop {
-            let result: Result<(), Attempt> = async {
-                let mut tx = self
-                    .shared
-                    .begin_for(&record.topic)
-                    .await
-                    .map_err(Attempt::db)?;
-                sqlx::query(
-                    "UPDATE postal.held_keys
-                     SET head_offset = $9, reason = $5, error = $6, attempts = attempts + $7,
-                         release = NULL,
-                         released_by = NULL,
-                         due_at = now() + $8 * interval '1 millisecond'
-                     WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
-                )
-                .bind(&self.shared.config.group)
-                .bind(&self.topic)
-                .bind(self.partition)
-                .bind(record.key.as_deref())
-                .bind(reason.as_str())
-                .bind(postal_shared::text::bounded(
-                    error,
-                    postal_shared::text::MAX_ERROR_BYTES,
-                ))
-                .bind(attempts as i32)
-                .bind(
-                    self.shared
-                        .config
-                        .hold_retry_after
-                        .map(|d| d.as_millis() as f64),
-                )
-                .bind(record.offset)
-                .execute(&mut *tx)
-                .await
-                .map_err(Attempt::db)?;
-                self.confirm(&mut tx, own).await?;
-                tx.commit().await.map_err(Attempt::db)
-            }
-            .await;
-            match result {
-                Ok(()) => {
-                    tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset,
-                        event_id = %m.id, reason = reason.as_str(),
-                        error = %postal_shared::text::bounded(error, postal_shared::text::MAX_ERROR_BYTES),
-                        "a released held event failed for good again; its key stays held");
-                    return Step::Done;
-                }
-                Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::Fenced) => return Step::Fenced,
-                Err(Attempt::OverBound) => return Step::Done,
-                Err(Attempt::Unavailable(e) | Attempt::Retryable(e) | Attempt::Permanent(_, e)) => {
-                    tracing::warn!(error = %e, "cannot record the held key's new head; retrying");
-                    if !self.wait(failures).await {
-                        return Step::Stop;
-                    }
-                    failures = failures.saturating_add(1);
-                }
-            }
-        }
-    }
-
-    /// Deletes a held record's row in the caller's transaction and takes its bytes off the
-    /// group's count; if it was its key's last, deletes the key's row too, else marks the key
-    /// as being released (a takeover after a crash goes on applying the rest). `true` if it
-    /// was the last.
-    async fn unhold_in(&self, conn: &mut PgConnection, row: &Row) -> Result<bool, sqlx::Error> {
-        let group = &self.shared.config.group;
-        sqlx::query(
-            "DELETE FROM postal.held_records
-             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND kafka_offset = $4",
-        )
-        .bind(group)
-        .bind(&self.topic)
-        .bind(self.partition)
-        .bind(row.kafka_offset)
-        .execute(&mut *conn)
-        .await?;
-        sqlx::query(
-            "UPDATE postal.held_bytes SET bytes = greatest(bytes - $2, 0) WHERE group_id = $1",
-        )
-        .bind(group)
-        .bind(row.bytes)
-        .execute(&mut *conn)
-        .await?;
-        let last: bool = sqlx::query_scalar(
-            "WITH rest AS (SELECT EXISTS (SELECT 1 FROM postal.held_records
-                               WHERE group_id = $1 AND topic = $2 AND partition = $3
-                                 AND record_key = $4) AS remaining),
-                  gone AS (DELETE FROM postal.held_keys
-                           WHERE group_id = $1 AND topic = $2 AND partition = $3
-                             AND record_key = $4 AND NOT (SELECT remaining FROM rest)
-                           RETURNING 1),
-                  -- A skip stays one until the head is settled.
-                  going AS (UPDATE postal.held_keys
-                            SET release = CASE WHEN release = 'skip' AND $5 < head_offset
-                                               THEN 'skip' ELSE 'retry' END
-                            WHERE group_id = $1 AND topic = $2 AND partition = $3
-                              AND record_key = $4 AND (SELECT remaining FROM rest)
-                            RETURNING 1)
-             SELECT NOT (SELECT remaining FROM rest)",
-        )
-        .bind(group)
-        .bind(&self.topic)
-        .bind(self.partition)
-        .bind(&row.record_key)
-        .bind(row.kafka_offset)
-        .fetch_one(&mut *conn)
-        .await?;
-        Ok(last)
-    }
-
-    /// The epoch and pause check of a release transaction (its offset stays).
-    async fn confirm(
-        &self,
-        tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        own: &Ownership,
-    ) -> Result<(), Attempt> {
-        let owned = offsets::confirm(
-            tx,
-            &self.shared.config.group,
-            &self.topic,
-            self.partition,
-            own.epoch,
-        )
-        .await
-        .map_err(Attempt::db)?;
-        match owned {
-            offsets::Advance::Advanced => Ok(()),
-            offsets::Advance::Fenced => Err(Attempt::Fenced),
-            offsets::Advance::Paused => Err(Attempt::Paused),
-        }
-    }
-
-    /// The key's last held record was settled: its records flow again.
-    fn released(&self, key: &[u8]) {
-        self.held.lock().expect("held keys").remove(key);
-        tracing::info!(topic = %self.topic, partition = self.partition, "held key released: its records flow again");
-    }
-
     /// A hold would take the group past `held_bytes_limit`: stops fetching from the
     /// partition, drops what was fetched (`taken`, and what arrives: read again later), says
-    /// so, and waits — applying releases meanwhile — until the group holds less than the
-    /// bound. Then the partition is taken over again from the stored offset. Nothing is
-    /// dropped for good.
-    pub(super) async fn over_bound(&mut self, own: &Ownership, lowest: Option<i64>) -> Owned {
+    /// so, and waits — applying releases meanwhile — until what the refused transaction
+    /// would have held (`need` bytes) fits: the group holds nothing, or at most the bound
+    /// less `need` (`hold_in`'s rule). Then the partition is taken over again from the stored
+    /// offset. Nothing is dropped for good. (Resuming as soon as the group was below the
+    /// bound took the partition over, and refused the same hold, every `held_poll`.)
+    pub(super) async fn over_bound(
+        &mut self,
+        own: &Ownership,
+        lowest: Option<i64>,
+        need: i64,
+    ) -> Owned {
         {
             let mut paused = self.paused.lock().expect("pause flag");
             if self
@@ -868,19 +357,27 @@ impl Worker {
                 },
                 _ = tokio::time::sleep(poll) => {}
             }
-            match self.apply_releases(own).await {
+            // Nothing else of the partition is taken meanwhile: releases go on to their end.
+            let step = loop {
+                match self.apply_releases(own).await {
+                    (Step::Done, true) => {}
+                    (step, _) => break step,
+                }
+            };
+            match step {
                 Step::Done => {}
                 Step::Fenced => break Owned::Fenced(lowest),
                 Step::Stop => break Owned::Ended,
-                Step::Paused | Step::OverBound => {}
+                Step::Paused | Step::OverBound(_) => {}
             }
             let held: Result<Option<i64>, sqlx::Error> =
                 sqlx::query_scalar("SELECT bytes FROM postal.held_bytes WHERE group_id = $1")
                     .bind(&self.shared.config.group)
                     .fetch_optional(&self.shared.pool)
                     .await;
-            if matches!(held, Ok(b) if b.unwrap_or(0) < limit) {
-                tracing::info!(topic = %self.topic, partition = self.partition, "the group's held records are below held_bytes_limit again: the partition resumes");
+            if matches!(held, Ok(b) if b.unwrap_or(0) == 0 || b.unwrap_or(0).saturating_add(need) <= limit)
+            {
+                tracing::info!(topic = %self.topic, partition = self.partition, "the group's held records leave room under held_bytes_limit again: the partition resumes");
                 break Owned::Resumed(lowest);
             }
         };
@@ -889,44 +386,4 @@ impl Worker {
         self.queued.waiting.advanced();
         ended
     }
-}
-
-impl Row {
-    /// The record as it was read from the partition (what a handler needs of it).
-    fn record(&self, topic: &str, partition: i32) -> Record {
-        let headers = Headers::new(
-            self.header_names
-                .iter()
-                .cloned()
-                .zip(self.header_values.iter().cloned().map(Some))
-                .collect(),
-        );
-        Record {
-            topic: topic.to_owned(),
-            partition,
-            offset: self.kafka_offset,
-            key: Some(self.record_key.clone()),
-            payload: self.payload.clone(),
-            weight: self.bytes as usize,
-            headers,
-            timestamp: self.kafka_timestamp,
-            unreadable_header: None,
-            too_many_headers: None,
-        }
-    }
-}
-
-/// The [`Reason`] stored under `name`.
-fn reason_named(name: &str) -> Reason {
-    [
-        Reason::Permanent,
-        Reason::Undecodable,
-        Reason::MissingEventId,
-        Reason::UnknownType,
-        Reason::Panic,
-        Reason::RetriesExhausted,
-    ]
-    .into_iter()
-    .find(|r| r.as_str() == name)
-    .unwrap_or(Reason::RetriesExhausted)
 }

@@ -4,13 +4,15 @@
 //! - `own`: taking the partition over (claim, seek to the stored offset), stalls, fencing;
 //! - `process`: one record's transaction, its attempts and the handler body;
 //! - `dead`: dead letters, written in the transaction that moves the partition past them;
-//! - `hold`: held keys (`FinalFailure::HoldKey`): holding, releasing, the byte bound;
+//! - `hold`: held keys (`FinalFailure::HoldKey`): holding a key's records, the byte bound;
+//! - `release`: applying a held key's records when released (operator or retry policy);
 //! - `stop`: a topic stopped because a partition's log was replaced under the stored offset.
 
 mod dead;
 mod hold;
 mod own;
 mod process;
+mod release;
 mod stop;
 
 pub(crate) use dead::Dead;
@@ -192,7 +194,9 @@ pub(crate) enum Step {
     /// The group or the topic is paused: this transaction rolled back, nothing applied.
     Paused,
     /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
-    OverBound,
+    /// The bytes the transaction would have held (it fits once the group holds nothing, or
+    /// at most the bound less these).
+    OverBound(i64),
 }
 
 /// How one ownership of a partition ended.

@@ -63,14 +63,23 @@ impl Worker {
         let mut stop_checked = std::time::Instant::now();
         // When the partition last looked for releases of its held keys.
         let mut releases_checked: Option<std::time::Instant> = None;
+        // A release goes on (it settles `RELEASE_CHUNK` held records a look): look again as
+        // soon as no record waits.
+        let mut releasing = false;
+        // Since when no record has arrived: the idle check runs `stall_check` after it, also
+        // when the held keys' release look-ups (`held_poll`, shorter) wake the loop meanwhile.
+        let mut idle_since = std::time::Instant::now();
         loop {
             let any_held = !self.held.lock().expect("held keys").is_empty();
             if any_held
-                && releases_checked.is_none_or(|t| t.elapsed() >= self.shared.config.held_poll)
+                && (releasing
+                    || releases_checked.is_none_or(|t| t.elapsed() >= self.shared.config.held_poll))
             {
                 releases_checked = Some(std::time::Instant::now());
-                match self.apply_releases(&own).await {
-                    Step::Done | Step::OverBound => {}
+                let (step, more) = self.apply_releases(&own).await;
+                releasing = more;
+                match step {
+                    Step::Done | Step::OverBound(_) => {}
                     Step::Paused => return self.held(lowest, Vec::new(), true).await,
                     Step::Stop => return Owned::Ended,
                     Step::Fenced if self.cancel.is_cancelled() => return Owned::Ended,
@@ -83,9 +92,8 @@ impl Worker {
                 biased;
                 _ = self.cancel.cancelled() => return Owned::Ended,
                 r = self.rx.recv() => match r { Some(r) => r, None => return Owned::Ended },
-                // Held keys: look for their releases while no records come.
-                _ = tokio::time::sleep(self.shared.config.held_poll), if any_held => continue,
-                _ = tokio::time::sleep(self.shared.config.stall_check) => {
+                _ = tokio::time::sleep_until((idle_since + self.shared.config.stall_check).into()) => {
+                    idle_since = std::time::Instant::now();
                     // Idle: another claim (a `postal consumer reset` moving the stored offset,
                     // a late claim from elsewhere) shows only at the next commit, and none
                     // comes without records: look at the epoch now.
@@ -113,7 +121,14 @@ impl Worker {
                     }
                     continue;
                 }
+                // (After the idle check: it runs `stall_check` after the last record arrived,
+                // also while a long release goes on.)
+                // A release going on: its next records (no record waits).
+                _ = std::future::ready(()), if releasing && any_held => continue,
+                // Held keys: look for their releases while no records come.
+                _ = tokio::time::sleep(self.shared.config.held_poll), if any_held => continue,
             };
+            idle_since = std::time::Instant::now();
             let mut records = vec![head];
             while records.len() < max_batch {
                 match self.rx.try_recv() {
@@ -243,7 +258,7 @@ impl Worker {
             drop(permit);
             match step {
                 Step::Paused => return self.held(lowest, Vec::new(), true).await,
-                Step::OverBound => return self.over_bound(&own, lowest).await,
+                Step::OverBound(need) => return self.over_bound(&own, lowest, need).await,
                 Step::Done => {
                     next = Some(last + 1);
                     self.queued.waiting.advanced();

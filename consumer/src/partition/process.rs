@@ -19,16 +19,18 @@ use super::{Step, Worker};
 impl Worker {
     pub(crate) async fn process(&self, own: &Ownership, record: &Record) -> Step {
         let consumer = self.shared.config.consumer.as_str();
-        let meta = match meta(record) {
+        let meta = meta(record);
+        if self.is_held(record.key.as_deref()) {
+            // Its key waits for an earlier event: stored, not applied (nor settled: a record
+            // without an envelope is dead-lettered at the release, in its key's order).
+            return self.hold(own, record, meta.as_ref().ok(), None).await;
+        }
+        let meta = match meta {
             Ok(m) => m,
             Err((reason, error)) => {
                 return self.dead_letter(own, record, None, reason, &error, 0).await
             }
         };
-        if self.is_held(record.key.as_deref()) {
-            // Its key waits for an earlier event: stored, not applied.
-            return self.hold(own, record, &meta, None).await;
-        }
         let Some(route) = self
             .shared
             .router
@@ -75,7 +77,7 @@ impl Worker {
                     return Step::Done;
                 }
                 Err(Attempt::Paused) => return Step::Paused,
-                Err(Attempt::OverBound) => return Step::OverBound,
+                Err(Attempt::OverBound(need)) => return Step::OverBound(need),
                 Err(Attempt::Fenced) => {
                     self.shared.stats.fenced(consumer, &record.topic, 1);
                     tracing::info!(topic = %record.topic, partition = record.partition, "another consumer took the partition over; rolled back");
@@ -201,8 +203,9 @@ pub(crate) enum Attempt {
     Fenced,
     /// The group or topic is paused: rolled back, nothing applied.
     Paused,
-    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied.
-    OverBound,
+    /// A hold would take the group past `held_bytes_limit`: rolled back, nothing applied
+    /// (the bytes it would have held, as [`Step::OverBound`]).
+    OverBound(i64),
     Unavailable(String),
     Retryable(String),
     Permanent(Reason, String),

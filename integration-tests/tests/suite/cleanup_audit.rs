@@ -62,10 +62,10 @@ fn cleanup_command(url: &str, batch: &str) -> std::process::Command {
 /// Guarantee: a `postal cleanup` that fails after some of its batches committed (here its
 /// third batch's lock wait ends in `lock_timeout`) leaves its audit row saying how many rows
 /// it did delete (20), not 0: each batch counts itself in the audit row in its own
-/// transaction; and the row keeps the error the run ended with (migration 36).
+/// transaction; and the row keeps the error the run ended with (migration 38).
 ///
 /// Broken: the count was written once, after the last batch; a cleanup that failed midway
-/// deleted 20 rows and its audit row said `affected` 0. Before migration 36 the row kept no
+/// deleted 20 rows and its audit row said `affected` 0. Before migration 38 the row kept no
 /// error: a failed run looked like one still running.
 #[tokio::test]
 async fn a_cleanup_that_fails_midway_records_the_rows_it_deleted() {

@@ -198,7 +198,7 @@ fn start(
 
 async fn release(pool: &PgPool, group: &str, topic: &str, key: &str, skip_head: bool) {
     let by = postal_admin::audit::Operator::cli("tester");
-    postal_admin::held::release(pool, &by, group, topic, key, skip_head)
+    postal_admin::held::release(pool, &by, group, topic, key.as_bytes(), skip_head)
         .await
         .expect("release asked");
 }

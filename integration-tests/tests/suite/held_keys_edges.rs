@@ -1,9 +1,9 @@
 //! Held keys (`FinalFailure::HoldKey`, issue 48) at their edges: resets, replays, rebalances,
 //! fencing, pauses, duplicates in batches, odd keys and headers, the byte bound, the CLI.
-//! Written by a reviewer who did not build them. Each test names the promise it checks; those
-//! named `break_…` failed at the state they were written against (h48-s6 d9c24ca), still fail,
-//! and are ignored as known and open (issue 48): their doc comments say what happened, with the
-//! figures measured. Tests whose break was fixed say by what.
+//! Written by a reviewer who did not build them. Each test names the promise it checks; a
+//! test that failed at the state it was written against (h48-s6 d9c24ca) says what happened
+//! then, with the figures measured, and by what commit it was fixed. None is open: a new
+//! break is named `break_…` and ignored as known until fixed.
 //!
 //! Fixtures as in `held_keys.rs`: a `ledger` table whose row ids give the order in which
 //! entries were applied, a `broken` table listing the event ids the handler rejects
@@ -267,7 +267,7 @@ fn start(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig) ->
 
 async fn release(pool: &PgPool, group: &str, topic: &str, key: &str, skip_head: bool) {
     let by = postal_admin::audit::Operator::cli("attacker");
-    postal_admin::held::release(pool, &by, group, topic, key, skip_head)
+    postal_admin::held::release(pool, &by, group, topic, key.as_bytes(), skip_head)
         .await
         .expect("release asked");
 }
@@ -416,14 +416,18 @@ async fn a_reset_back_over_held_records_holds_each_once_and_other_keys_flow() {
 /// Broke (d9c24ca): the skip is never applied. Two causes: the release loop that runs the
 /// policy's retry (`release_key`, mode `Retry`) never re-reads `release`, and when the head
 /// fails again it takes the same head again at once (see
-/// `break_a_release_whose_head_fails_again_spins_and_stops_the_partition`); and each failed
+/// `a_release_whose_head_fails_again_ends_and_other_keys_flow`); and each failed
 /// run's `rehead` sets `release = NULL`, wiping the operator's audited skip. Measured after
 /// 20 s: a1 not dead-lettered (no dead letter at all), a2 not applied (`a` applied [0]), 2
 /// records still held, the key's `release` NULL and its `attempts` 5 374 and 3 148 in two
 /// runs (the policy's 500 ms interval ignored), while `operator_audit` shows the skip (1 row).
+///
+/// Broke at d9c24ca: the skip wiped by the failed retry's re-head (measured again at 6e8b41d:
+/// after 20 s `a` applied [0], 2 held, (release, attempts) (NULL, 39), no dead letter); fixed
+/// by ceea72d (a re-head after the policy's retry keeps an operator's release asked meanwhile:
+/// `released_by` is written only by the operator's ask).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a --skip-head asked while the retry policy retries the head is wiped by the re-head (release = NULL)"]
-async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
+async fn a_skip_asked_during_the_policys_retry_is_applied() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -495,9 +499,12 @@ async fn break_a_skip_asked_during_the_policys_retry_is_lost() {
 /// of a lost second seek) never runs. b1..b3 were not applied within 30 s (b applied [0],
 /// `stalls_recovered` 0). Without a held key the same fault is recovered
 /// (`consume::a_partition_that_stops_fetching_is_recovered`, `stall_check` 1 s too).
+///
+/// Broke at d9c24ca: the stall check never ran while a key was held (measured again at
+/// 6e8b41d: b applied [0], `stalls_recovered` 0 after 30 s); fixed by f5d1119 (the idle check
+/// runs `stall_check` after the last record arrived, however often `held_poll` wakes the loop).
 #[tokio::test]
-#[ignore = "known, open (issue 48): while a key is held, the held_poll wake-up always fires before stall_check: stall recovery and the idle epoch/stop checks never run"]
-async fn break_a_held_key_turns_off_the_stall_recovery() {
+async fn a_held_key_keeps_the_stall_recovery() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -557,9 +564,12 @@ async fn break_a_held_key_turns_off_the_stall_recovery() {
 /// parse: a2 is dead-lettered as `undecodable` at its release, without its event id (the
 /// dead letter's `event_id` is NULL) nor a dedup row, and never applied. Measured: `a`
 /// applied [0, 1] instead of [0, 1, 2]; dead letters [(NULL, "undecodable")].
+///
+/// Broke at d9c24ca: a null header value stored as empty (measured again at 6e8b41d: `a`
+/// applied [0, 1], dead letters [(NULL, "undecodable")]); fixed by 4c6fe5b (migration 0037:
+/// `held_records.header_absent`, as 0035 did for dead letters).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a held record stores a header without a value as an empty one"]
-async fn break_a_null_header_value_is_changed_by_the_hold() {
+async fn a_null_header_value_is_kept_by_the_hold() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -616,9 +626,13 @@ async fn break_a_null_header_value_is_changed_by_the_hold() {
 /// stay held; no argument can name bytes that are not
 /// UTF-8 (nor a key with a NUL byte). Such a key can only be released by the retry policy or
 /// by hand in SQL; the CLI cannot tell two such keys apart either.
+///
+/// Broke at d9c24ca: no argument could name the key (measured again at 6e8b41d: exit 1, "no
+/// held key \u{fffd}\u{1} on topic …", 2 records still held); fixed by 938d6fc (the listing
+/// gives every key's bytes as `key_base64`, and `postal held release --key-base64` takes
+/// them, as `payload_base64` names binary payloads in `postal audit`).
 #[tokio::test]
-#[ignore = "known, open (issue 48): postal held takes --key as UTF-8 text: a binary key cannot be named"]
-async fn break_a_binary_key_cannot_be_released_with_the_cli() {
+async fn a_binary_key_is_released_with_the_cli() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -664,12 +678,24 @@ async fn break_a_binary_key_cannot_be_released_with_the_cli() {
         String::from_utf8_lossy(&list.stderr)
     );
     let listed: serde_json::Value = serde_json::from_slice(&list.stdout).expect("JSON list");
-    let shown = listed[0]["key"].as_str().expect("a listed key").to_owned();
+    let shown = listed[0]["key_base64"]
+        .as_str()
+        .expect("a listed key")
+        .to_owned();
+    assert_eq!(shown, "/wE=", "the key's bytes ff 01, listed in base64");
     let out = postal(
         svc,
         &db.url,
         &[
-            "held", "release", "--group", &group, "--topic", &topic, "--key", &shown, "--yes",
+            "held",
+            "release",
+            "--group",
+            &group,
+            "--topic",
+            &topic,
+            "--key-base64",
+            &shown,
+            "--yes",
         ],
     );
     let released = out.status.success();
@@ -685,6 +711,52 @@ async fn break_a_binary_key_cannot_be_released_with_the_cli() {
         String::from_utf8_lossy(&out.stderr),
         held(&db.pool, &key).await
     );
+}
+
+/// Promise: bad input gets a clear one-line error: `postal held list` (and `release`) with a
+/// group this database knows nothing of (a typo) says so and exits non-zero, as `postal
+/// consumer reset` does, instead of answering that the group holds nothing.
+///
+/// Broke at d9c24ca: `postal held list --group <mistyped>` printed "0 held key(s), 0 bytes
+/// held by group …" and exited 0 (seen failing at 6e8b41d's CLI); fixed by 938d6fc.
+#[tokio::test]
+async fn a_mistyped_group_is_refused_by_postal_held() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hka-typo");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(svc, &db.pool, &topic, 0, &[broken("a", 0)]).await;
+    let running = start(&db.pool, &topic, config(svc, &group));
+    until_held(&db.pool, b"a", 1).await;
+    running.stop().await;
+    let typo = format!("{group}x");
+    for args in [
+        vec!["held", "list", "--group", &typo],
+        vec!["held", "list", "--group", &typo, "--json"],
+        vec![
+            "held", "release", "--group", &typo, "--topic", &topic, "--key", "a", "--yes",
+        ],
+    ] {
+        let out = postal(svc, &db.url, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "{args:?}: exit {:?}, stdout {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {err}"
+        );
+        assert!(err.contains("has no stored offsets"), "{args:?}: {err}");
+    }
+    let ok = postal(svc, &db.url, &["held", "list", "--group", &group]);
+    assert!(ok.status.success());
+    assert!(String::from_utf8_lossy(&ok.stdout).starts_with("1 held key(s)"));
 }
 
 /// Promise: while a key is held, the other keys of its partition flow; a release whose head
@@ -1022,9 +1094,13 @@ async fn a_release_fenced_mid_way_applies_nothing_twice() {
 /// applied, its 20 other headers gone for good. Measured: `a` applied [0, 1, 2]; dead letters
 /// only b0's [(b0, "undecodable")] — a2 applied where b0, the same record read from Kafka, is
 /// refused.
+///
+/// Broke at d9c24ca: a2 applied at its release, its other headers lost (measured again at
+/// 6e8b41d: `a` applied [0, 1, 2], dead letters only b0's); fixed by c1d8594 (held with every
+/// header, as a dead letter keeps them, rebuilt at the release as read then, and
+/// dead-lettered as `undecodable`).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a held record over max_headers is stored with Postal's headers only and applied at release"]
-async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
+async fn a_held_record_with_too_many_headers_is_dead_lettered_at_its_release() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -1090,6 +1166,12 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
         ),
         "a2 treated as b0, the same record read from Kafka"
     );
+    let kept: Vec<i32> =
+        sqlx::query_scalar("SELECT cardinality(header_names) FROM postal.dead_letters ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(kept, [23, 23], "both dead letters keep all 23 headers");
 }
 
 /// Promise (`FinalFailure::HoldKey`'s doc, migration 0032): the event that failed for good
@@ -1105,9 +1187,12 @@ async fn break_a_held_record_with_too_many_headers_is_applied_at_its_release() {
 /// held a1 and a2, while the key is held — settled out of its key's order, and not shown by
 /// `postal held list`. Measured: dead letters [(NULL, "missing_event_id")] and 2 records held
 /// (a1, a2) before any release.
+///
+/// Broke at d9c24ca: dead-lettered at once, ahead of the held a1, a2; fixed by df81500 (the
+/// held-key check comes before the envelope is read; such a record is held whole, its
+/// `event_id` the nil UUID, and dead-lettered at the release, in its key's order).
 #[tokio::test]
-#[ignore = "known, open (issue 48): a record of a held key without ce_id is dead-lettered at once, ahead of the held ones"]
-async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
+async fn a_record_without_envelope_is_held_while_its_key_is_held() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -1138,11 +1223,22 @@ async fn break_a_record_without_envelope_is_settled_while_its_key_is_held() {
     until_applied(&db.pool, "b", &[1]).await;
     let dead = dead_letters(&db.pool).await;
     let held_now = held(&db.pool, b"a").await;
-    running.stop().await;
     assert_eq!(
         (dead, held_now),
         (vec![], 3),
         "while key a is held, its record without envelope is held too, not settled"
+    );
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_held(&db.pool, b"a", 0).await;
+    running.stop().await;
+    assert_eq!(
+        (applied(&db.pool, "a").await, dead_letters(&db.pool).await),
+        (vec![0, 1, 2], vec![(None, "missing_event_id".to_owned())]),
+        "at the release, a1 and a2 applied and the record without envelope dead-lettered"
     );
 }
 
@@ -1226,9 +1322,13 @@ async fn the_default_mode_runs_under_a_role_granted_before_held_keys() {
 /// in the same place) fell to 0 10 times, so the alert's `for: 1m` may never be met while the
 /// partition is stuck (b0 not applied). The handler runs of a retried head (or of a batch)
 /// are repeated each turn.
+///
+/// Broke at d9c24ca: resumed below the bound although the waiting record did not fit
+/// (measured again at 6e8b41d: taken over 11 times in 10 s, `partitions_held_full` fell to 0
+/// 11 times, B = 489, limit 977); fixed by f3bd34b (the partition resumes once what the refused
+/// transaction would hold fits: the group holds nothing or at most the bound less that).
 #[tokio::test]
-#[ignore = "known, open (issue 48): below the bound with a record that does not fit, the partition resumes and takes itself over about once a second"]
-async fn break_the_byte_bound_resumes_and_takes_over_again_every_poll() {
+async fn the_byte_bound_waits_until_the_record_fits() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -1376,7 +1476,7 @@ async fn held_keys_stay_held_across_a_live_rebalance_between_two_members() {
 /// retries that forever: the partition is wedged at a2. Measured: b0 not applied within 15 s,
 /// 1 record of `a` held (a1), about 140 "cannot hold the record; retrying" warnings in 15 s.
 /// (The dead-letter path has the same fault, see
-/// `break_a_nul_in_ce_type_wedges_the_partition_in_the_default_mode`; fixing one does not fix
+/// `a_nul_in_ce_type_is_dead_lettered_and_the_partition_moves_on`; fixing one does not fix
 /// the other.)
 ///
 /// Fixed by fix-s6 (postal_shared::text::storable escapes the NUL).
@@ -1624,9 +1724,13 @@ async fn a_release_asked_while_paused_waits_for_the_resume() {
 /// about 140–380 released records a second. At the default bound (256 MiB,
 /// ~490 B per record here: ~500 000 records) a release would hold the partition's other keys
 /// for tens of minutes at that rate, with no sign of it but the release's log line.
+///
+/// Broke at d9c24ca: other keys waited for the whole release (measured again at 6e8b41d: b0,
+/// produced 0.6 s after the release was asked, applied after all 3 001, 26.8 s after it);
+/// fixed by 341ccb8 (a look at the releases settles at most `RELEASE_CHUNK` = 64 held records;
+/// the release goes on at the next look, the partition's other records taken in between).
 #[tokio::test]
-#[ignore = "known, open (issue 48): the partition applies a whole release before reading other keys' records"]
-async fn break_other_keys_wait_for_a_whole_release() {
+async fn other_keys_flow_during_a_long_release() {
     let svc = services().await;
     let db = svc.fresh_db().await;
     tables(&db.pool).await;
@@ -1665,6 +1769,10 @@ async fn break_other_keys_wait_for_a_whole_release() {
     running.stop().await;
     assert_eq!(applied_twice(&db.pool).await, 0);
     assert!(
+        applied(&db.pool, "a").await == (0..=3000).collect::<Vec<i64>>(),
+        "key a applied in its order, each once"
+    );
+    assert!(
         b_row < last_a_row,
         "b0 (produced {produced:?} after the release was asked) was applied after all 3 001 released records of a (ledger rows: b0 {b_row}, last of a {last_a_row}); release and b0 done {total:?} after the release was asked"
     );
@@ -1697,8 +1805,8 @@ async fn two_releases_at_once_are_one_release() {
         .unwrap();
     let by = postal_admin::audit::Operator::cli("attacker");
     let (retry, skip) = tokio::join!(
-        postal_admin::held::release(&db.pool, &by, &group, &topic, "a", false),
-        postal_admin::held::release(&db.pool, &by, &group, &topic, "a", true),
+        postal_admin::held::release(&db.pool, &by, &group, &topic, b"a", false),
+        postal_admin::held::release(&db.pool, &by, &group, &topic, b"a", true),
     );
     assert!(
         retry.is_ok() != skip.is_ok(),

@@ -580,7 +580,7 @@ async fn resolving_a_refused_dead_letter_while_its_replay_runs_lets_the_rest_of_
 /// leave. `Recording::add` takes only a count; `operator_audit` has no column for an outcome. Fix:
 /// an `error` (text) column on `postal.operator_audit` set by `replay` (and the other chunked
 /// actions) in the failed chunk's transaction, shown by `postal audit show`.
-/// Fixed by a0739d2: migration 0036, `operator_audit.error`.
+/// Fixed by a0739d2: migration 0038, `operator_audit.error`.
 #[tokio::test]
 async fn the_audit_entry_of_a_failed_replay_keeps_its_error() {
     let svc = services().await;

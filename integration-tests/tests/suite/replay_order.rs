@@ -391,7 +391,7 @@ async fn raising_the_limit_and_replaying_again_leaves_the_key_in_id_order() {
 /// Scenario: key `k` with dead letters of 100 and 700,000 bytes to a topic that takes 600,000
 /// (the second can never be written), then a replay of one small dead letter of key `j`.
 ///
-/// Broken before migration 36: the failed replay's row held `matched` 2, `affected` 1 and no
+/// Broken before migration 38: the failed replay's row held `matched` 2, `affected` 1 and no
 /// error; it looked like a replay still running.
 #[tokio::test]
 async fn a_failed_replay_keeps_its_error_in_the_audit_trail() {

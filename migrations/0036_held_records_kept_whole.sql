@@ -1,0 +1,13 @@
+-- Held records kept whole (issue 48): a released held record is applied or dead-lettered
+-- "exactly as if it had just been read from the partition" (0032), so what the partition
+-- read must survive the hold.
+--
+-- `unreadable_header`: the position (from 0) of the first header whose name was not UTF-8,
+-- as the consumer read the record (such a record has no readable envelope: held behind its
+-- key's head, it is dead-lettered as undecodable at the release, in its key's order). A
+-- record of a held key without an envelope (no `ce_id`, …) is held too; its `event_id` is the
+-- nil UUID then (never an event's id), so that binaries before this migration list it.
+--
+-- Additive: binaries from before this migration run on it unchanged (they never write the
+-- new columns, which default to what they meant then), and `oldest_compatible` is unchanged.
+ALTER TABLE postal.held_records ADD COLUMN unreadable_header integer;

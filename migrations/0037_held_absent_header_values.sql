@@ -1,0 +1,12 @@
+-- Which headers of a held record had no value (Kafka tells a header without a value from one
+-- with an empty value), as `postal.dead_letters.header_absent` (0035): their positions in
+-- `header_names`, from 1, ascending. `header_values` keeps an empty value at those positions.
+-- Before, a released held record carried an empty value there instead: it was no longer the
+-- record read from the partition (`ce_schemaversion` without a value reads as absent from
+-- Kafka, but an empty one does not parse: the released event was dead-lettered as
+-- undecodable).
+--
+-- Additive: binaries from before this migration run on it unchanged (they never write the
+-- column; rows they wrote default to none absent, as they read them), and
+-- `oldest_compatible` is unchanged.
+ALTER TABLE postal.held_records ADD COLUMN header_absent integer[] NOT NULL DEFAULT '{}';
