@@ -196,6 +196,14 @@ async fn postal_run(
         .fetch_one(&pool)
         .await?;
     anyhow::ensure!(rows as usize == n, "expected {n} effects, found {rows}");
+    // The transactions that wrote effects (their ids, `xmin`): how full the batches were.
+    let txs: i64 = sqlx::query_scalar("SELECT count(DISTINCT xmin::text) FROM effects")
+        .fetch_one(&pool)
+        .await?;
+    println!(
+        "    {txs} transactions wrote the effects: {:.1} events per transaction on average",
+        n as f64 / txs.max(1) as f64
+    );
     let measured = (n as u64 - at_t0) as usize;
     Ok((rate(measured, end - t0), t0 - started))
 }

@@ -106,7 +106,11 @@ pub struct ConsumerConfig {
     /// How often processed offsets are also committed to Kafka, asynchronously, for lag
     /// tools (default 1 s). The database copy is the one the consumer resumes from.
     pub kafka_commit_interval: Duration,
-    /// Records buffered per partition before fetching from it pauses (default 1000).
+    /// Records buffered per partition before fetching from it pauses (default 5000: more than
+    /// one fetch of small records, `max.partition.fetch.bytes` 1 MiB, holds; a pause makes
+    /// librdkafka drop what it prefetched for the partition and fetch it again, and with 1000
+    /// the consumer bench ran at 0.17 of its SQL ceiling instead of 0.67, BENCHMARKS.md).
+    /// Memory is bounded by [`partition_buffer_bytes`](Self::partition_buffer_bytes) either way.
     pub partition_buffer: usize,
     /// Bytes buffered per partition before fetching from it pauses (default 16 MiB; a record
     /// counts its key, value, and header names and values plus a per-header overhead). Without
@@ -303,7 +307,7 @@ impl ConsumerConfig {
             dlq_partitions: 1,
             dlq_replication: -1,
             kafka_commit_interval: Duration::from_secs(1),
-            partition_buffer: 1000,
+            partition_buffer: 5000,
             partition_buffer_bytes: 16 * 1024 * 1024,
             memory_budget: None,
             max_headers: 256,
