@@ -347,15 +347,53 @@ impl Publisher {
         let fresh: Vec<usize> = (0..rows.len())
             .filter(|&i| !rows[i].marked && !failed.contains_key(&rows[i].dlq_topic))
             .collect();
-        let results = join_all(fresh.iter().map(|&i| {
-            producer.send(
-                crate::dlq_copy::record(&rows[i], &self.consumer, cuts[i]),
-                Duration::from_secs(30),
-            )
+        // A key's copies one at a time, in id order; different keys (and copies without a key)
+        // at once. Sent together, a key's copies could share a record batch the broker refuses
+        // for its size while a later one of the key is written: sent again alone afterwards,
+        // the earlier ones would land after it. A key whose copy is not written sends nothing
+        // more in this pass: its rest goes alone below, in order.
+        let mut by_key: Vec<Vec<usize>> = Vec::new();
+        for &i in &fresh {
+            let same = |g: &Vec<usize>| {
+                let first = &rows[g[0]];
+                first.record_key.is_some()
+                    && first.record_key == rows[i].record_key
+                    && first.dlq_topic == rows[i].dlq_topic
+            };
+            match by_key.iter_mut().find(|g| same(g)) {
+                Some(g) => g.push(i),
+                None => by_key.push(vec![i]),
+            }
+        }
+        let rows_ref = &rows;
+        let cuts_ref = &cuts;
+        let producer_ref = &producer;
+        let consumer = self.consumer.as_str();
+        let results: Vec<(usize, Sent)> = join_all(by_key.iter().map(|members| async move {
+            let mut out = Vec::with_capacity(members.len());
+            for &i in members {
+                let sent = Sent::of(
+                    producer_ref
+                        .send(
+                            crate::dlq_copy::record(&rows_ref[i], consumer, cuts_ref[i]),
+                            Duration::from_secs(30),
+                        )
+                        .await,
+                );
+                let written = matches!(sent, Sent::Written);
+                out.push((i, sent));
+                if !written {
+                    break;
+                }
+            }
+            out
         }))
-        .await;
-        for (&i, res) in fresh.iter().zip(results) {
-            outcomes[i] = match Sent::of(res) {
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+        for (i, sent) in results {
+            outcomes[i] = match sent {
                 // Refused for size: maybe not for its own, but for the record batch librdkafka
                 // packed it into with others (the broker checks a whole batch against the
                 // topic's `max.message.bytes`). Sent again alone below.

@@ -702,8 +702,8 @@ async fn dlq_copies_in_key_order(keys: &[&str], sizes: &[usize]) {
 /// [1, 2, 5, 6, 7, 8, 9, 3, 4, 10, …, 40] (key `c`: [7, 3, 11, …]). The same break as
 /// [`a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_order`], which
 /// arranges the batches so that it shows every run.
+/// Fixed by the .dlq publisher sending a key's copies one at a time (consumer/src/dead_letter.rs).
 #[tokio::test]
-#[ignore = "known: the .dlq publisher re-sends a refused batch's copies alone after a later batch of the same keys was written (here: when librdkafka happens to batch so)"]
 async fn a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order() {
     let sizes = [250_000, 120_000, 200_000, 160_000, 240_000];
     let sizes: Vec<usize> = (0..40).map(|i| sizes[i % sizes.len()]).collect();
@@ -730,8 +730,8 @@ async fn a_keys_dlq_copies_all_refused_together_reach_the_dlq_topic_in_order() {
 /// copy is refused sends that copy and the rest of its key in the one-at-a-time pass. (Copies
 /// marked `dlq_unpublishable` come after every other by design, docs/consumer.md; a key with one
 /// is out of order on the `.dlq` topic once a raised limit takes it.)
+/// Fixed by the .dlq publisher sending a key's copies one at a time (consumer/src/dead_letter.rs).
 #[tokio::test]
-#[ignore = "known: the .dlq publisher re-sends a refused batch's copies alone after a later batch of the same keys was written"]
 async fn a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_order() {
     let sizes = [250_000, 250_000, 250_000, 250_000, 100, 100, 100, 100];
     dlq_copies_in_key_order(&["a", "b", "c", "d"], &sizes).await;
