@@ -332,7 +332,66 @@ fn replay_chunks(sized: &[(i64, i64)]) -> Vec<Vec<i64>> {
 /// the error says how many of those selected were replayed. Recorded in the audit trail as
 /// `replay` by `by` on `target` (what the operator gave: ids or a filter), each chunk's count
 /// in the chunk's transaction, and how it ended (the error's line, if it failed).
+///
+/// Refused, before anything is sent, when a selected dead letter was recorded at or before the
+/// dedup retention horizon of another consumer (`postal.dedup_horizon`): a consumer that read
+/// the event then may have deleted its dedup row since, and would apply the replayed record
+/// again. [`replay_past_retention`] replays anyway.
 pub async fn replay<C: rdkafka::ClientContext + 'static>(
+    pool: &PgPool,
+    producer: &FutureProducer<C>,
+    by: &Operator,
+    target: &serde_json::Value,
+    ids: &[i64],
+    progress: impl FnMut(u64),
+) -> Result<u64, Error> {
+    // Another consumer processed the event at the earliest when it was produced, which is at
+    // or after its `ce_time` (when it occurred) and before the dead letter was recorded: a
+    // horizon at or after the earlier of the two may have deleted that consumer's dedup row.
+    // (`ce_time` is read here, not in SQL: a foreign producer's malformed one is ignored.)
+    let horizons: Vec<(String, DateTime<Utc>)> =
+        sqlx::query_as("SELECT consumer_name, horizon FROM postal.dedup_horizon")
+            .fetch_all(pool)
+            .await?;
+    let mut past: Option<(i64, String, DateTime<Utc>)> = None;
+    if !horizons.is_empty() {
+        let letters: Vec<(i64, String, DateTime<Utc>, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT d.id, d.consumer_name, d.created_at,
+                    (SELECT v FROM unnest(d.header_names, d.header_values) AS u(n, v)
+                     WHERE n = 'ce_time' LIMIT 1)
+             FROM postal.dead_letters d
+             WHERE d.id = ANY($1) AND d.replayed_at IS NULL AND d.resolved_at IS NULL
+             ORDER BY d.id",
+        )
+        .bind(ids)
+        .fetch_all(pool)
+        .await?;
+        past = letters.into_iter().find_map(|(id, own, created, ce_time)| {
+            let occurred = ce_time
+                .and_then(|v| String::from_utf8(v).ok())
+                .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
+                .map(|t| t.with_timezone(&Utc));
+            let since = occurred.map_or(created, |o| o.min(created));
+            horizons
+                .iter()
+                .filter(|(c, h)| *c != own && *h >= since)
+                .max_by_key(|(_, h)| *h)
+                .map(|(c, h)| (id, c.clone(), *h))
+        });
+    }
+    if let Some((id, consumer, horizon)) = past {
+        return Err(Error::Invalid(format!(
+            "dead letter {id} was recorded before consumer {}'s dedup retention horizon ({}): that consumer may have deleted its dedup row of the event and would apply the replayed record again; nothing was replayed (leave that dead letter out, or replay past retention: `postal dead-letters replay --force-past-retention`)",
+            postal_shared::text::quoted(&consumer),
+            horizon.format("%Y-%m-%d %H:%M:%S UTC")
+        )));
+    }
+    replay_past_retention(pool, producer, by, target, ids, progress).await
+}
+
+/// [`replay`] without its check of other consumers' dedup retention horizons: a consumer
+/// past its horizon applies the replayed record again.
+pub async fn replay_past_retention<C: rdkafka::ClientContext + 'static>(
     pool: &PgPool,
     producer: &FutureProducer<C>,
     by: &Operator,
@@ -398,6 +457,28 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
         .bind(&chunk_ids)
         .fetch_all(pool)
         .await?;
+        // Not sent at all, and not claimed: a key held back by a failure in an earlier chunk,
+        // or a dead letter with an older open one of its key outside the replay.
+        let rows: Vec<Record> = rows
+            .into_iter()
+            .filter(|r| {
+                let Some(key) = &r.record_key else {
+                    return true;
+                };
+                let why = if let Some(older) = older_open.get(&r.id) {
+                    format!("not sent: dead letter {older} of its key, older and still open, is not in this replay (replay it with this one)")
+                } else if held_keys.contains(&(r.topic.clone(), key.clone())) {
+                    "not sent: a dead letter of its key before it was not sent in this replay (replay again once it can be)".to_owned()
+                } else {
+                    return true;
+                };
+                first_error.get_or_insert_with(|| {
+                    format!("replaying dead letter {} to {:?} failed: {why}", r.id, r.topic)
+                });
+                held_keys.insert((r.topic.clone(), key.clone()));
+                false
+            })
+            .collect();
         let chunk = &rows[..];
         // One transaction per chunk, open until the broker acknowledged the sends: it claims
         // the chunk (a replay running at the same time waits for it, then takes none of these)
@@ -455,35 +536,10 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                 r.id
             ))
         };
-        // Not sent at all: the key is held back from an earlier chunk, or an older open dead
-        // letter of the key is outside the replay.
-        let waits = |r: &Record| -> Option<Result<i64, String>> {
-            let key = r.record_key.as_ref()?;
-            if let Some(older) = older_open.get(&r.id) {
-                return Some(Err(format!(
-                    "not sent: dead letter {older} of its key, older and still open, is not in this replay (replay it with this one)"
-                )));
-            }
-            held_keys
-                .contains(&(r.topic.clone(), key.clone()))
-                .then(|| {
-                    Err(
-                        "not sent: a dead letter of its key before it was not sent in this replay (replay again once it can be)"
-                            .to_owned(),
-                    )
-                })
-        };
-        let waits = &waits;
         let first = by_key.iter().map(|members| async move {
             let mut out = Vec::with_capacity(members.len());
             let keyed = chunk[members[0]].record_key.is_some();
             for (n, &i) in members.iter().enumerate() {
-                if let Some(not_sent) = waits(chunk[i]) {
-                    // Its key's later ones in this chunk wait as well.
-                    out.push((i, not_sent));
-                    out.extend(members[n + 1..].iter().map(|&j| (j, held_back(chunk[i]))));
-                    break;
-                }
                 let res = producer.send(record(chunk[i]), Duration::from_secs(15)).await;
                 if matches!(&res, Err((e, _)) if postal_shared::kafka_producer::refused_for_itself(e)) {
                     return (out, Some(&members[n..]));

@@ -70,6 +70,10 @@ pub enum DeadLetterCommand {
         /// Kafka bootstrap servers.
         #[arg(long, env = "KAFKA_BOOTSTRAP_SERVERS")]
         bootstrap_servers: Option<String>,
+        /// Replay even dead letters recorded before another consumer's dedup retention
+        /// horizon (that consumer may apply them again).
+        #[arg(long)]
+        force_past_retention: bool,
     },
 }
 
@@ -182,6 +186,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             consumer,
             all,
             bootstrap_servers,
+            force_past_retention,
         } => {
             ids.extend(listed);
             if ids.is_empty() && consumer.is_none() && !all {
@@ -204,9 +209,14 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .create_with_context(crate::kafka_client::Capture::default())?;
             let progress = Progress::new(ids.len() as u64, "replayed");
             let by = crate::audit::operator();
-            let replayed =
-                dead_letters::replay(pool, &producer, &by, &target, &ids, |n| progress.set(n))
-                    .await;
+            let replayed = if force_past_retention {
+                dead_letters::replay_past_retention(pool, &producer, &by, &target, &ids, |n| {
+                    progress.set(n)
+                })
+                .await
+            } else {
+                dead_letters::replay(pool, &producer, &by, &target, &ids, |n| progress.set(n)).await
+            };
             let done = match replayed {
                 Ok(n) => n,
                 Err(e) => {

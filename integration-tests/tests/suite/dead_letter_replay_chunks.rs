@@ -643,7 +643,8 @@ async fn a_replay_killed_after_its_sends_before_its_commit_applies_each_event_on
 /// each). Replay A (all 700) is held after its first chunk's sends, before its commit (a
 /// trigger on the audit row's update waits on an advisory lock the test holds); then replay B
 /// (the 650 from the 51st on: its chunks start where A's do not) and a resolve of the 101st to
-/// 150th start and are seen waiting on A's claimed rows; then A is let go. Each dead letter
+/// 150th start and are seen waiting on A's claimed rows; then A is let go. (B sends none: the
+/// key's first 50, older and open when it started, are not in it; fe7f883.) Each dead letter
 /// ends replayed or resolved, never both; each replayed one is on the topic exactly once, in
 /// the order of the dead letters; the replays' audit counts add up to the records sent, the
 /// resolve's to the ones resolved; the dedup rows of resolved ones stay, of replayed ones go.
@@ -690,7 +691,6 @@ async fn two_chunked_replays_and_a_resolve_at_once_send_each_once_in_order() {
                 |_| {},
             )
             .await
-            .expect("replayed")
         })
     };
     let waiting = |what: &'static str| {
@@ -726,16 +726,25 @@ async fn two_chunked_replays_and_a_resolve_at_once_send_each_once_in_order() {
             .expect("resolved")
         })
     };
-    postal_integration_tests::wait::until(WAIT, "replay B and the resolve waiting on A", || {
+    // B, refused before it claims anything (see above), does not wait.
+    postal_integration_tests::wait::until(WAIT, "the resolve waiting on A", || {
         let w = waiting("wait_event <> 'advisory'");
-        async move { w.await >= 2 }
+        async move { w.await >= 1 }
     })
     .await;
     sqlx::query("SELECT pg_advisory_unlock(464647)")
         .execute(&mut *holder)
         .await
         .unwrap();
-    let (a, b, resolved) = (a.await.unwrap(), b.await.unwrap(), resolve.await.unwrap());
+    let a = a.await.unwrap().expect("replay A");
+    // B selected the key's dead letters from the 51st on while the first 50 were still open
+    // (A's claim had not committed): it sends none of them ahead of those, and says so.
+    let b = match b.await.unwrap() {
+        Ok(n) => n,
+        Err(e) if e.to_string().contains("older and still open") => 0,
+        Err(e) => panic!("replay B: {e}"),
+    };
+    let resolved = resolve.await.unwrap();
     let (replayed_rows, resolved_rows, both): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE replayed_at IS NOT NULL),
                 count(*) FILTER (WHERE resolved_at IS NOT NULL),

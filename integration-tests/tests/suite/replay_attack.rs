@@ -757,8 +757,9 @@ async fn a_keys_dlq_copies_refused_in_one_batch_and_written_in_another_stay_in_o
 /// before the dedup horizon of a consumer other than its own that has a horizon recorded (the
 /// event reached the topic before the dead letter was recorded, so every consumer that read it
 /// then has forgotten it by that horizon).
+/// Fixed: `replay` refuses a dead letter recorded at or before another consumer's dedup
+/// horizon, with one line naming it (`--force-past-retention` replays anyway).
 #[tokio::test]
-#[ignore = "known: a replay past another consumer's dedup horizon is applied again by that consumer"]
 async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_applied_twice() {
     use crate::common::{effects, produce, RawRecord};
     let svc = services().await;
@@ -772,7 +773,11 @@ async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_app
         consumer_config(&svc.bootstrap, &unique("g"), handlers::CONSUMER),
     );
     let e = Uuid::now_v7();
-    let record = RawRecord::event(e, "k", "job", serde_json::json!({ "n": 1 }));
+    let mut record = RawRecord::event(e, "k", "job", serde_json::json!({ "n": 1 }));
+    // The event occurred eight days ago (its `ce_time`), as the dedup rows below say.
+    let occurred = (chrono::Utc::now() - chrono::Duration::days(8))
+        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    record.headers.push(("ce_time", occurred));
     produce(&svc.bootstrap, &topic, None, std::slice::from_ref(&record)).await;
     wait::until(WAIT, "effects applied e", || async {
         effects(&db.pool).await == (1, 1)
@@ -869,6 +874,20 @@ async fn replaying_a_dead_letter_past_another_consumers_dedup_horizon_is_not_app
         replayed.is_err() || applied == 1,
         "replayed ({replayed:?}) and effects applied e {applied} times"
     );
+    if let Err(e) = replayed {
+        let line = e.to_string();
+        assert!(
+            line.contains(&format!("dead letter {id}")) && line.contains("--force-past-retention"),
+            "one line naming the dead letter and the way past it: {line}"
+        );
+        let open: bool =
+            sqlx::query_scalar("SELECT replayed_at IS NULL FROM postal.dead_letters WHERE id = $1")
+                .bind(id)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(open, "the refused dead letter stays open");
+    }
 }
 
 /// Promise (eedf1d4: a keyed dead letter that is not sent holds back the rest of its key; a
