@@ -355,7 +355,9 @@ pub async fn replay<C: rdkafka::ClientContext + 'static>(
             .await?;
     let mut past: Option<(i64, String, DateTime<Utc>)> = None;
     if !horizons.is_empty() {
-        let letters: Vec<(i64, String, DateTime<Utc>, Option<Vec<u8>>)> = sqlx::query_as(
+        // (id, consumer, recorded at, its `ce_time` header's bytes)
+        type Letter = (i64, String, DateTime<Utc>, Option<Vec<u8>>);
+        let letters: Vec<Letter> = sqlx::query_as(
             "SELECT d.id, d.consumer_name, d.created_at,
                     (SELECT v FROM unnest(d.header_names, d.header_values) AS u(n, v)
                      WHERE n = 'ce_time' LIMIT 1)
