@@ -1,6 +1,7 @@
 //! Delivery accounting: the producer's delivery callbacks count each batch's acknowledgements
 //! down ([`BatchAcks`], an [`Ack`] per record) instead of a channel and a future per record.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,6 +50,16 @@ impl ProducerContext for AckContext {
                 use rdkafka::Message as _;
                 ack.denied_topic = Some(msg.topic().to_owned());
             }
+            if err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge) {
+                // The topic's limit as last read may be stale (lowered since): read it again
+                // before the next batch of the topic.
+                use rdkafka::Message as _;
+                ack.batch
+                    .limits
+                    .lock()
+                    .expect("topic limits")
+                    .remove(msg.topic());
+            }
             ack.failure = Some(err.clone());
         }
         // Dropping the ack records it (see `Drop for Ack`).
@@ -79,6 +90,9 @@ pub(super) struct BatchAcks {
     done: tokio::sync::Notify,
     /// Which records have their outcome, for the key fence.
     tracked: Arc<Tracked>,
+    /// The transport's topic limits (`topics::topic_limit`): a size refusal forgets its
+    /// topic's.
+    pub(super) limits: Arc<Mutex<HashMap<String, super::topics::TopicLimit>>>,
 }
 
 impl BatchAcks {
@@ -86,8 +100,10 @@ impl BatchAcks {
         slot: std::sync::Weak<ProducerSlot>,
         generation: u64,
         tracked: Arc<Tracked>,
+        limits: Arc<Mutex<HashMap<String, super::topics::TopicLimit>>>,
     ) -> Arc<Self> {
         Arc::new(BatchAcks {
+            limits,
             remaining: AtomicUsize::new(1),
             failures: Mutex::new(Vec::new()),
             denied: Mutex::new(Vec::new()),
@@ -202,9 +218,13 @@ impl Drop for Ack {
                 } else if self.fits_alone
                     && err.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
                 {
+                    // Most likely refused for a larger record it shared its produce request
+                    // with: tried again, as a transient failure. An attempt is counted all the
+                    // same, so that a record refused by itself after all (the size estimate is
+                    // not exact) is parked once its attempts are used up, not resent for ever.
                     Some(PublishError::new(
-                        FailureKind::HeldBack,
-                        "refused for its size together with a larger record of its produce request; it fits its topic by itself and is sent again",
+                        FailureKind::Transient,
+                        format!("{err} (its own size fits the topic's max.message.bytes: probably refused with a larger record of its produce request; tried again)"),
                     ))
                 } else if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
                     Some(PublishError::new(classify(&err), format!("{err}: the Kafka producer stopped for good and is replaced (its cause is logged just before: e.g. \"Cluster authorization failed\" when the relay's principal may write no topic at all)")))

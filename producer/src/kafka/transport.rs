@@ -26,11 +26,15 @@ use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 mod tests;
 
 impl KafkaTransport {
-    fn record_size(event: &OutboundEvent) -> usize {
-        // Payload, key and headers plus a generous allowance for record framing and
-        // Postal's own headers.
+    fn record_size(&self, event: &OutboundEvent) -> usize {
+        // Payload, key (twice: the record's key and `ce_subject`), the event and content types
+        // (`ce_type`, `content-type`) and headers, plus an allowance for record framing and
+        // Postal's other headers (names and fixed-size values).
         event.payload.len()
-            + event.key.len()
+            + 2 * event.key.len()
+            + event.event_type.len()
+            + event.content_type.len()
+            + self.config.source.len()
             + event
                 .headers
                 .iter()
@@ -90,7 +94,12 @@ impl Transport for KafkaTransport {
         let mut outcomes: Vec<Result<(), PublishError>> = vec![Ok(()); batch.len()];
         let fence = &self.producer.fence;
         let tracked = fence.track(batch, generation);
-        let acks = BatchAcks::new(Arc::downgrade(&self.producer), generation, tracked.clone());
+        let acks = BatchAcks::new(
+            Arc::downgrade(&self.producer),
+            generation,
+            tracked.clone(),
+            self.limits.clone(),
+        );
         // Set once the producer was replaced while this batch was being handed over.
         let mut replaced = false;
         for (index, e) in batch.iter().enumerate() {
@@ -129,7 +138,7 @@ impl Transport for KafkaTransport {
                 fence.hold_key(&tracked, index);
                 continue;
             }
-            let size = Self::record_size(e);
+            let size = self.record_size(e);
             if size > self.max_message_bytes {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::Permanent,
