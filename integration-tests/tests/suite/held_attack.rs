@@ -360,8 +360,8 @@ async fn stored_offset(pool: &PgPool, group: &str) -> Option<i64> {
 /// bytes, which is exactly when the worker resumes (`over_bound`: "the group holds nothing")
 /// and is fed the same records again.
 ///
-/// Breaks: the same batch is refused every time, with the group holding nothing: measured 10
-/// deliveries of 10 `OverBound`, group bytes 0, no held key, stored offset None (never
+/// Breaks (3 runs of 3): the same batch is refused every time, with the group holding
+/// nothing: measured 10 deliveries of 10 `OverBound`, group bytes 0, no held key, stored offset None (never
 /// moved), b0 never applied. No release can help (nothing is held); only raising the bound or
 /// lowering `max_batch` does. `held_keys_edges` covers the bound with one record per
 /// transaction only; the limit is written in docs/guarantees.md as "read from the code, not
@@ -439,7 +439,7 @@ async fn break_a_batch_past_the_bound_with_nothing_held_never_commits() {
 /// Scenario: one partition, `max_batch` 10, `held_bytes_limit` 1500, records of ~1.1 KiB:
 /// a0 (rejected), a1, b0 produced together (one fetch: one batch); 20 s to apply b0.
 ///
-/// Breaks (see the test above for the mechanism). Measured (35c1216 + this module): after 20
+/// Breaks (see the test above for the mechanism; 3 runs of 3). Measured (35c1216): after 20
 /// s b applied [], a held 0 records, held keys 0, group bytes 0, stored offset None, the
 /// partition's epoch 21 (taken over about once a second: resumed, refetched, the same batch
 /// refused), `partitions_held_full` 0 when sampled (it falls to 0 at each resume, so the
@@ -554,4 +554,87 @@ async fn break_a_hold_whose_commit_answer_is_lost_wedges_the_partition() {
     );
     assert_eq!(applied(&db.pool, "a").await, Vec::<i64>::new());
     assert_eq!(held_a, 2, "a0 and a1 held");
+}
+
+/// Promise (docs/guarantees.md: "Storage is bounded per group (`held_bytes_limit`, … counted
+/// as the records' buffered weight)"): the group's count of held bytes (`postal.held_bytes`)
+/// is the bytes of its held records — also after a connection lost while a release's
+/// transaction commits.
+///
+/// Scenario: through the wire proxy ([`pg_proxy`]): key `c` held with c0 (rejected), c1 (left
+/// held); key `a` held with a0 (rejected), a1, a2; a is fixed and released, and the proxy cuts
+/// the connection of the first transaction that deleted a held record, right after the server
+/// answered its `COMMIT`.
+///
+/// Breaks: `apply_held` retries after the lost answer; the retry finds the event's dedup row
+/// (a duplicate: nothing applied twice), deletes no held row (gone already) and subtracts the
+/// record's bytes from `postal.held_bytes` again. Measured (3 runs of 3, B = 489 bytes a
+/// record): before the release held_bytes 2445 = the held records' 2445; after it 489 against
+/// the held records' (c0, c1) 978: one record's weight lost per lost commit (clamped at 0),
+/// so the bound admits that much more than `held_bytes_limit`, and `postal held list` /
+/// the dashboard's group bytes under-report.
+/// `settle_held` (skips, dead letters at the release) does the same. Fix: subtract only the
+/// bytes of rows the `DELETE` removed (`DELETE … RETURNING bytes`, or skip the update when it
+/// deleted nothing).
+///
+/// [`pg_proxy`]: crate::common::pg_proxy
+#[tokio::test]
+#[ignore = "known: a release transaction whose COMMIT answer is lost subtracts its record's bytes twice from postal.held_bytes"]
+async fn break_a_lost_release_commit_subtracts_the_bytes_twice() {
+    use crate::common::pg_proxy::{pool_through, proxy_for};
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let topic = unique("hk48-cutrel");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let group = unique("g");
+    produce_recs(
+        svc,
+        &db.pool,
+        &topic,
+        0,
+        &[
+            broken("c", 0),
+            rec("c", 1),
+            broken("a", 0),
+            rec("a", 1),
+            rec("a", 2),
+            rec("b", 0),
+        ],
+    )
+    .await;
+    let proxy = proxy_for(&db).await;
+    let through = pool_through(&db, &proxy, 10).await;
+    let running = start(&through, &topic, config(svc, &group));
+    until_applied(&db.pool, "b", &[0]).await;
+    until_held(&db.pool, b"a", 3).await;
+    until_held(&db.pool, b"c", 2).await;
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT coalesce(sum(bytes), 0)::bigint FROM postal.held_records WHERE group_id = $1",
+        )
+        .bind(&group)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let before = (group_bytes(&db.pool, &group).await, rows().await);
+    assert_eq!(before.0, before.1, "counted as held before the release");
+    *proxy.ctl.cut_commit_of.lock().unwrap() = Some(b"DELETE FROM postal.held_records".to_vec());
+    sqlx::query("DELETE FROM broken")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    release(&db.pool, &group, &topic, "a", false).await;
+    until_held(&db.pool, b"a", 0).await;
+    until_applied(&db.pool, "a", &[0, 1, 2]).await;
+    let cuts = proxy.ctl.cuts.load(std::sync::atomic::Ordering::SeqCst);
+    running.stop().await;
+    let after = (group_bytes(&db.pool, &group).await, rows().await);
+    assert_eq!(applied_twice(&db.pool).await, 0);
+    assert_eq!(
+        after.0, after.1,
+        "postal.held_bytes {} vs held records' bytes {} after the release (before: {} / {}; connections cut {cuts})",
+        after.0, after.1, before.0, before.1
+    );
 }
