@@ -34,6 +34,7 @@ mod fence;
 mod fresh_topic;
 mod graceful_stop;
 mod handlers;
+mod held_attack;
 mod held_keys;
 mod held_keys_edges;
 mod held_random;

@@ -95,6 +95,9 @@ pub struct Ctl {
     /// Cut the connection of the next commit of the activity upsert once the server answered
     /// it (the answer never reaches the client).
     pub cut_minutes_commit: AtomicBool,
+    /// Cut the connection of the next commit of a transaction that executed a statement
+    /// containing this text, once the server answered it (`None`: none).
+    pub cut_commit_of: Mutex<Option<Vec<u8>>>,
     /// Connections cut so far.
     pub cuts: AtomicU64,
     /// Claim statements (`claim::claimed!`: `FOR UPDATE OF o SKIP LOCKED`) executed through
@@ -127,6 +130,7 @@ impl PgProxy {
             release: tokio::sync::watch::channel(false).0,
             hold_commit: AtomicBool::new(false),
             cut_minutes_commit: AtomicBool::new(false),
+            cut_commit_of: Mutex::new(None),
             cuts: AtomicU64::new(0),
             claim_execs: AtomicU64::new(0),
             hold_claim_at: AtomicU64::new(u64::MAX),
@@ -183,6 +187,10 @@ async fn to_server(
     // Prepared statements (by name) that are claim statements.
     let mut claims: HashSet<Vec<u8>> = HashSet::new();
     let mut in_minutes_tx = false;
+    // Prepared statements (by name) containing `ctl.cut_commit_of`, and whether the open
+    // transaction executed one.
+    let mut marked: HashSet<Vec<u8>> = HashSet::new();
+    let mut in_marked_tx = false;
     loop {
         let n = from.read(&mut chunk).await?;
         if n == 0 {
@@ -228,6 +236,11 @@ async fn to_server(
                             if d > 0 {
                                 tokio::time::sleep(Duration::from_millis(d)).await;
                             }
+                        } else if sql.eq_ignore_ascii_case("COMMIT") && in_marked_tx {
+                            in_marked_tx = false;
+                            if ctl.cut_commit_of.lock().unwrap().take().is_some() {
+                                cut.store(true, Ordering::SeqCst);
+                            }
                         } else if sql.eq_ignore_ascii_case("COMMIT") && in_minutes_tx {
                             in_minutes_tx = false;
                             if ctl.hold_commit.swap(false, Ordering::SeqCst) {
@@ -240,6 +253,7 @@ async fn to_server(
                             }
                         } else if sql.eq_ignore_ascii_case("ROLLBACK") {
                             in_minutes_tx = false;
+                            in_marked_tx = false;
                         }
                     }
                     b'P' => {
@@ -249,6 +263,12 @@ async fn to_server(
                             minutes.insert(name.to_vec());
                         } else {
                             minutes.remove(name);
+                        }
+                        let mark = ctl.cut_commit_of.lock().unwrap().clone();
+                        if mark.is_some_and(|m| contains(sql, &m)) {
+                            marked.insert(name.to_vec());
+                        } else {
+                            marked.remove(name);
                         }
                         if contains(sql, b"FOR UPDATE OF o SKIP LOCKED") {
                             claims.insert(name.to_vec());
@@ -266,6 +286,9 @@ async fn to_server(
                                 let mut released = ctl.claim_release.subscribe();
                                 let _ = released.wait_for(|r| *r).await;
                             }
+                        }
+                        if marked.contains(statement) {
+                            in_marked_tx = true;
                         }
                         if minutes.contains(statement) {
                             in_minutes_tx = true;
