@@ -98,7 +98,7 @@ fn estimate(payload_json: usize, key: usize) -> usize {
 /// refused for its neighbours, and it is held back — no attempt used — and sent again at once,
 /// for ever.
 ///
-/// What happened (5 runs of 5): after 20 s the event was still `pending` with 0 attempts, never
+/// What happened (6 runs of 6): after 20 s the event was still `pending` with 0 attempts, never
 /// parked nor published; the relay's `held_back` count 1,595 in one run (a hot loop: every
 /// round a produce request the broker refuses; estimate 99,010 bytes, +1 % = 100,000). Fix: count every byte the record carries
 /// (the key twice, event type, content type, source, the fixed header names) in
@@ -106,7 +106,7 @@ fn estimate(payload_json: usize, key: usize) -> usize {
 /// its size that was sent alone (no other record of its partition in its produce request, or
 /// simply: its second refusal) counts an attempt / is parked.
 #[tokio::test]
-#[ignore = "known: a record refused alone by its topic's max.message.bytes whose estimate fits (the key counted once, compression off) is held back and resent for ever, 0 attempts (5 of 5)"]
+#[ignore = "known: a record refused alone by its topic's max.message.bytes whose estimate fits (the key counted once, compression off) is held back and resent for ever, 0 attempts (6 of 6)"]
 async fn a_record_refused_by_itself_is_not_resent_for_ever() {
     refused_by_itself(Some("none"), 100_000, 4096, 8, 16).await;
 }
@@ -119,7 +119,7 @@ async fn a_record_refused_by_itself_is_not_resent_for_ever() {
 ///
 /// What happened: see the `#[ignore]` line (same loop as with compression off).
 #[tokio::test]
-#[ignore = "known: with lz4 (the default), a 255-byte event type and content type, topic limit 10000: the record refused alone is resent for ever, 0 attempts (3 of 3; held back 1,212-1,286 times in 20 s)"]
+#[ignore = "known: with lz4 (the default), a 255-byte event type and content type, topic limit 10000: the record refused alone is resent for ever, 0 attempts (4 of 4; held back 740-1,286 times in 20 s)"]
 async fn a_record_refused_by_itself_is_not_resent_for_ever_with_lz4() {
     refused_by_itself(None, 10_000, 8, 255, 255).await;
 }
@@ -210,10 +210,10 @@ async fn refused_by_itself(
 /// With the stale limit the big record "fits alone", so the broker's refusal is taken for its
 /// neighbours': held back, no attempt, sent again at once — until the cache expires.
 ///
-/// What happened (5 runs of 5; the order seen broken in each of the 4 whose output was kept): key `a`'s order broken — its
+/// What happened (6 runs of 6; the order seen broken in each of the 5 whose output was kept): key `a`'s order broken — its
 /// `after` event was published (`on the topic: ["first", "after"]`) while its `big` event,
 /// earlier, stayed `pending` with 0 attempts, neither parked nor published after 30 s; the
-/// relay's `held_back` count 2,302-2,937 (a hot loop of produce requests the broker refuses). The
+/// relay's `held_back` count 1,353-2,937 (a hot loop of produce requests the broker refuses). The
 /// big record is not "alone" by the stale limit, so `after` goes out in the same hand-over,
 /// in a later produce request the broker takes. By the code the loop lasts up to five
 /// minutes, then the big one is parked — behind its key's later event. Fix: on a
@@ -223,13 +223,28 @@ async fn refused_by_itself(
 /// over the limit is); or send any record over a fraction of the *producer's* limit alone
 /// while the topic limit is older than a few seconds.
 #[tokio::test]
-#[ignore = "known: a topic's max.message.bytes lowered under a running relay: its key's next event is published past the big one, which is resent without attempts for up to 5 min (the cached limit), not parked (5 of 5)"]
+#[ignore = "known: a topic's max.message.bytes lowered under a running relay: its key's next event is published past the big one, which is resent without attempts for up to 5 min (the cached limit), not parked (6 of 6)"]
 async fn a_limit_lowered_under_a_running_relay_parks_the_big_event() {
+    limit_lowered_under_a_running_relay(false).await;
+}
+
+/// With the WAL relay when `wal` (no test runs it yet: its slot's creation waited on the shared
+/// database's other transactions past 100 s when tried), else with a polling relay.
+async fn limit_lowered_under_a_running_relay(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let topic = unique("size-fence-lowered");
     crate::dead_letters::create_topic_with(&svc.bootstrap, &topic, &[]).await;
-    let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
+    let relay = if wal {
+        let slot = crate::wal_relay::Slot::create(&db).await;
+        RunningRelay::start(
+            &db.pool,
+            crate::common::kafka_transport(&svc.bootstrap),
+            slot.config(),
+        )
+    } else {
+        RunningRelay::kafka(&db.pool, &svc.bootstrap)
+    };
     let mut tx = db.pool.begin().await.unwrap();
     enqueue_batch(
         &mut tx,
@@ -471,7 +486,7 @@ async fn dead_letter(pool: &PgPool, consumer: &str, topic: &str, key: &str) -> (
 /// chunk's dead letters by (topic, key) only, and a dead letter that waits holds back the rest
 /// of its group: `ship`'s 3 is held back behind `billing`'s 2, which waits for `billing`'s 1.
 ///
-/// What happened (3 runs of 3): nothing on the topic; open after the replay [1, 2, 3]; the
+/// What happened (4 runs of 4): nothing on the topic; open after the replay [1, 2, 3]; the
 /// replay's error "replaying dead letter 2 … failed: not sent: dead letter 1 of its key, older
 /// and still open, is not in this replay (replay it with this one) (0 of 2 replayed; …)":
 /// `ship`'s dead letter stays open as long as `billing`'s 1 does, and the error does not name
@@ -480,7 +495,7 @@ async fn dead_letter(pool: &PgPool, consumer: &str, topic: &str, key: &str) -> (
 /// consumer's order is its own; the other consumers' copies of a replayed record are
 /// duplicates their dedup rows drop).
 #[tokio::test]
-#[ignore = "known: a dead letter of one consumer held back for another consumer's older open dead letter of the same topic and key (3 of 3)"]
+#[ignore = "known: a dead letter of one consumer held back for another consumer's older open dead letter of the same topic and key (4 of 4)"]
 async fn a_replay_holds_back_a_key_per_consumer() {
     let svc = services().await;
     let db = svc.fresh_db().await;
