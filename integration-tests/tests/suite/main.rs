@@ -80,6 +80,7 @@ mod row_locks_ended_mid_claim;
 mod row_locks_relay;
 mod secrets;
 mod security;
+mod size_fence_attack;
 mod smoke;
 mod sql_enqueue_rules;
 mod takeover;
