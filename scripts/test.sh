@@ -52,8 +52,16 @@ cargo build -p postal-cli -p postal-demo -p postal-integration-tests --bins -p p
 step "workspace tests against the local stack (external-services mode; smoke:: among them)"
 # Four at a time: most tests wait on the broker or the database, not on the two cores
 # (POSTAL_TEST_THREADS to change it).
+# The row_locks_* tests steer PostgreSQL's cluster-wide multixact counter to collide with a
+# claim's transaction id: another test creating a multixact meanwhile (any two sessions
+# share-locking one row) moves it. They run alone, in the step after this one (seen once:
+# "first's multixact is claim E's xid (another multixact creator ran?)", 3,332,089 against
+# 3,332,088, passing alone 2 of 2).
 cargo test --workspace --all-targets --no-fail-fast -- --test-threads="${POSTAL_TEST_THREADS:-4}" \
-  --skip chaos:: --skip netsplit:: --skip cluster::
+  --skip chaos:: --skip netsplit:: --skip cluster:: --skip row_locks_
+
+step "tests that steer the cluster-wide multixact counter, alone (row_locks_*)"
+cargo test -p postal-integration-tests --test suite -- --test-threads=1 row_locks_
 
 step "fault suites, one at a time: kill -9 and restarts (chaos), network partitions between test hosts (netsplit), a 3-node Kafka cluster losing brokers (cluster, short)"
 # POSTAL_CHAOS_SOAK=1 for the long chaos soak (200,000 orders, 60 kills each); the full
