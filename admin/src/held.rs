@@ -67,7 +67,8 @@ pub async fn list(pool: &PgPool, group: &str) -> Result<Vec<HeldKey>, Error> {
                                ORDER BY kafka_offset))[1:$2] AS first
              FROM postal.held_records h
              WHERE h.group_id = k.group_id AND h.topic = k.topic
-               AND h.partition = k.partition AND h.record_key = k.record_key) r
+               AND h.partition = k.partition AND h.key_hash = k.key_hash
+               AND h.record_key = k.record_key) r
          WHERE k.group_id = $1
          ORDER BY k.held_at, k.topic, k.partition",
     )
@@ -158,7 +159,8 @@ pub async fn release(
     let mut tx = pool.begin().await?;
     let marked: Vec<i32> = sqlx::query_scalar(
         "UPDATE postal.held_keys SET release = $4, released_by = $5
-         WHERE group_id = $1 AND topic = $2 AND record_key = $3 AND release IS NULL
+         WHERE group_id = $1 AND topic = $2 AND key_hash = sha256($3) AND record_key = $3
+           AND release IS NULL
          RETURNING partition",
     )
     .bind(group)
@@ -205,4 +207,76 @@ pub async fn groups(pool: &PgPool) -> Result<Vec<String>, Error> {
             .fetch_all(pool)
             .await?,
     )
+}
+
+/// The held keys and records of `group` on `topic`: (keys, records).
+pub async fn count(pool: &PgPool, group: &str, topic: &str) -> Result<(i64, i64), Error> {
+    Ok(sqlx::query_as(
+        "SELECT (SELECT count(*) FROM postal.held_keys WHERE group_id = $1 AND topic = $2),
+                (SELECT count(*) FROM postal.held_records WHERE group_id = $1 AND topic = $2)",
+    )
+    .bind(group)
+    .bind(topic)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// The dead-letter reason of a replaced log's held records (as the consumer's
+/// `DeadLetterReason::LogReplaced` names it).
+pub const LOG_REPLACED: &str = "log_replaced";
+
+/// A replaced log's held records become dead letters (reason `log_replaced`), in key order,
+/// and its held keys are let go, their bytes taken off the group's count. They are events of
+/// the old log never applied: kept as dead letters, nothing is lost (`postal dead-letters
+/// replay` applies them after the new log's), and held records of the old log cannot meet the
+/// new log's records at the same offsets.
+pub async fn dead_letter_replaced_log(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    group: &str,
+    topic: &str,
+) -> Result<u64, Error> {
+    let moved = sqlx::query(
+        "WITH gone AS (
+             DELETE FROM postal.held_records r USING postal.held_keys k
+             WHERE r.group_id = $1 AND r.topic = $2
+               AND (k.group_id, k.topic, k.partition, k.key_hash)
+                   = (r.group_id, r.topic, r.partition, r.key_hash)
+             RETURNING r.*, k.consumer_name, k.head_offset, k.reason AS head_reason,
+                       k.error AS head_error, k.attempts AS head_attempts),
+         counted AS (
+             UPDATE postal.held_bytes
+             SET bytes = greatest(bytes - (SELECT sum(bytes) FROM gone), 0)
+             WHERE group_id = $1 AND EXISTS (SELECT 1 FROM gone))
+         INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+             kafka_offset, event_id, event_type, record_key, payload, header_names,
+             header_values, reason, error, attempts, dlq_topic, header_absent)
+         SELECT g.consumer_name, g.group_id, g.topic, g.partition, g.kafka_offset,
+                nullif(g.event_id, '00000000-0000-0000-0000-000000000000'), g.event_type,
+                g.record_key, g.payload, g.header_names, g.header_values, $3,
+                left(CASE WHEN g.kafka_offset = g.head_offset
+                          THEN 'held as its key''s head (' || g.head_reason || ': '
+                               || g.head_error || ')'
+                          ELSE 'held behind its key''s head at offset ' || g.head_offset
+                     END || ' when the topic''s log was replaced (postal consumer reset); never applied', 2000),
+                CASE WHEN g.kafka_offset = g.head_offset THEN g.head_attempts ELSE 0 END,
+                coalesce((SELECT d.dlq_topic FROM postal.dead_letters d
+                          WHERE d.consumer_name = g.consumer_name AND d.topic = g.topic
+                          ORDER BY d.id DESC LIMIT 1),
+                         g.topic || '.dlq'),
+                g.header_absent
+         FROM gone g
+         ORDER BY g.partition, g.kafka_offset",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(LOG_REPLACED)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    sqlx::query("DELETE FROM postal.held_keys WHERE group_id = $1 AND topic = $2")
+        .bind(group)
+        .bind(topic)
+        .execute(&mut **tx)
+        .await?;
+    Ok(moved)
 }

@@ -153,8 +153,8 @@ const HELD_SQL: &str = "SELECT k.group_id, count(*)::int8 AS keys,
          FROM postal.held_keys k
          LEFT JOIN LATERAL (
              SELECT count(*) AS records FROM postal.held_records r
-             WHERE (r.group_id, r.topic, r.partition, r.record_key)
-                 = (k.group_id, k.topic, k.partition, k.record_key)) r ON true
+             WHERE (r.group_id, r.topic, r.partition, r.key_hash, r.record_key)
+                 = (k.group_id, k.topic, k.partition, k.key_hash, k.record_key)) r ON true
          LEFT JOIN postal.held_bytes b ON b.group_id = k.group_id
          GROUP BY k.group_id ORDER BY k.group_id";
 

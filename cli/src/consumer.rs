@@ -320,6 +320,14 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
         let stored = stored.map_or_else(|| "none".to_owned(), |s| s.to_string());
         say!("plan: {group} {topic}[{partition}]: the topic no longer has this partition: its stored offset ({stored}, of the old log) is deleted");
     }
+    let (held_keys, held_records) = if recreated {
+        postal_admin::held::count(pool, &group, &topic).await?
+    } else {
+        (0, 0)
+    };
+    if held_records > 0 {
+        say!("plan: {group} {topic}: {held_records} held records of {held_keys} held keys (of the old log, never applied) become dead letters (reason log_replaced), in key order, and their keys are let go: `postal dead-letters replay` applies them after the new log's");
+    }
     if recreated {
         say!(
             "topic {topic} was re-created (or the group moved to another Kafka cluster): its stored offsets belong to the old log. Events applied before are not applied again while their dedup rows in postal.processed_events last (the consumers' dedup retention; `postal status` shows each dedup horizon)."
@@ -474,6 +482,7 @@ async fn store(
             .execute(&mut *tx)
             .await?;
         }
+        postal_admin::held::dead_letter_replaced_log(&mut tx, group, topic).await?;
     }
     // The position the group leaves, as an offset mark: a later reset must know how far it had
     // got, even if it moved back before the next periodic mark (not an old log's).

@@ -451,7 +451,7 @@ impl Worker {
         head: Option<Head<'_>>,
     ) -> Result<(), Attempt> {
         match self
-            .hold_in(tx, record, meta, head)
+            .hold_in(tx, record, meta, head, c.held_bytes)
             .await
             .map_err(Attempt::db)?
         {

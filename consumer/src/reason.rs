@@ -17,6 +17,9 @@ pub enum Reason {
     Panic,
     /// Retryable failures used up `max_attempts`.
     RetriesExhausted,
+    /// Held (its key held) when `postal consumer reset` reset its topic's replaced log: an
+    /// event of the old log, never applied.
+    LogReplaced,
 }
 
 impl Reason {
@@ -29,6 +32,7 @@ impl Reason {
             Reason::UnknownType => "unknown_type",
             Reason::Panic => "panic",
             Reason::RetriesExhausted => "retries_exhausted",
+            Reason::LogReplaced => "log_replaced",
         }
     }
 }

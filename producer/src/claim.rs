@@ -869,7 +869,9 @@ macro_rules! publishable {
               AND (NOT EXISTS (SELECT 1 FROM postal.outbox h WHERE h.held)
                    OR NOT EXISTS (
                   SELECT 1 FROM postal.outbox b
-                  WHERE b.held AND b.event_key = o.event_key AND b.seq < o.seq
+                  WHERE b.held
+                    AND hashtextextended(b.event_key, 0) = hashtextextended(o.event_key, 0)
+                    AND b.event_key = o.event_key AND b.seq < o.seq
                     AND b.topic = o.topic
                     AND (b.status = 'failed' OR b.available_at > now())
               ))

@@ -8,8 +8,9 @@
 //! Postal forgets a record once the broker acknowledged it (an outbox row is deleted or marked,
 //! a dead letter marked published or replayed), and promises per-key order on the topic. So it
 //! needs: acknowledgement by every in-sync replica (`acks=all`), retries that cannot reorder
-//! (the idempotent producer with at most 5 requests in flight, or a single request in flight
-//! without it), retries at all, and the Java-compatible murmur2 partitioner (every Postal
+//! (the idempotent producer with at most 5 requests in flight), no record of a key after one
+//! the broker refused for good (`enable.gapless.guarantee`: the producer stops instead, and
+//! the transport replaces it), retries at all, and the Java-compatible murmur2 partitioner (every Postal
 //! producer and every Kafka client put a key on the same partition; another partitioner moves
 //! keys between partitions, and the consumers process partitions independently).
 
@@ -64,7 +65,7 @@ const CONSUMER_ONLY: &[&str] = &[
 /// defaults, then `properties` (but consumer-only ones), each checked first; a property that
 /// would break durability or per-key order is an error naming it, its value and why.
 ///
-/// Defaults: `enable.idempotence=true`, `acks=all`, `partitioner=murmur2_random` (keys land
+/// Defaults: `enable.idempotence=true`, `enable.gapless.guarantee=true`, `acks=all`, `partitioner=murmur2_random` (keys land
 /// where Java clients and Debezium put them), `linger.ms=0`, `compression.type=lz4`,
 /// `message.timeout.ms=20000`, `queue.buffering.max.messages=1000000`,
 /// `queue.buffering.max.kbytes=1048576`, `allow.auto.create.topics=false`,
@@ -166,6 +167,7 @@ fn build(bootstrap_servers: &str, properties: &BTreeMap<&str, &str>) -> ClientCo
     let mut cfg = ClientConfig::new();
     cfg.set("bootstrap.servers", bootstrap_servers)
         .set("enable.idempotence", "true")
+        .set("enable.gapless.guarantee", "true")
         .set("acks", "all")
         .set("partitioner", "murmur2_random")
         .set("linger.ms", "0")
@@ -230,39 +232,32 @@ fn check(properties: &BTreeMap<&str, &str>) -> Result<(), Error> {
         }
     }
     if let Some((k, v)) = get(&["enable.gapless.guarantee"]) {
-        if matches!(v.to_ascii_lowercase().as_str(), "true" | "t" | "1") {
+        if matches!(v.to_ascii_lowercase().as_str(), "false" | "f" | "0") {
             return refuse(
                 k,
                 v,
-                "it makes the whole producer fatal on one record's permanent error (a topic it may not write, a record too large), pausing every topic; the relay keeps per-key order itself by holding back a failed record's key",
+                "without it a record the broker refuses for good (over a topic limit lowered since it was read, a topic it may no longer write) leaves a gap that the producer fills with its key's later records, out of order; with it the producer stops, is replaced, and the later records go again after the refused one is settled",
             );
         }
     }
-    let idempotent = match get(&["enable.idempotence"]) {
-        Some((_, v)) => !matches!(v.to_ascii_lowercase().as_str(), "false" | "f" | "0"),
-        None => true,
-    };
-    let in_flight = get(&["max.in.flight.requests.per.connection", "max.in.flight"]);
-    let in_flight_n = in_flight.and_then(|(_, v)| v.parse::<i64>().ok());
-    if idempotent {
-        if let (Some((k, v)), Some(n)) = (in_flight, in_flight_n) {
-            if n > 5 {
-                return refuse(
-                    k,
-                    v,
-                    "the idempotent producer keeps order across retries only with at most 5 requests in flight",
-                );
-            }
+    if let Some((k, v)) = get(&["enable.idempotence"]) {
+        if matches!(v.to_ascii_lowercase().as_str(), "false" | "f" | "0") {
+            return refuse(
+                k,
+                v,
+                "without the idempotent producer a record refused for good is followed on the topic by its key's later records (even with one request in flight), and a retried request can land behind later ones",
+            );
         }
-    } else if in_flight_n != Some(1) {
-        let shown = in_flight.map_or("the default 1000000", |(_, v)| v);
-        return refuse(
-            "enable.idempotence",
-            "false",
-            &format!(
-                "without the idempotent producer a retried request lands behind later ones of the same key unless max.in.flight.requests.per.connection=1 (it is {shown})"
-            ),
-        );
+    }
+    let in_flight = get(&["max.in.flight.requests.per.connection", "max.in.flight"]);
+    if let Some((k, v)) = in_flight {
+        if v.parse::<i64>().is_ok_and(|n| n > 5) {
+            return refuse(
+                k,
+                v,
+                "the idempotent producer keeps order across retries only with at most 5 requests in flight",
+            );
+        }
     }
     Ok(())
 }
@@ -317,8 +312,8 @@ mod tests {
             ),
             (&[("queuing.strategy", "lifo")], "queuing.strategy=lifo"),
             (
-                &[("enable.gapless.guarantee", "true")],
-                "enable.gapless.guarantee=true",
+                &[("enable.gapless.guarantee", "false")],
+                "enable.gapless.guarantee=false",
             ),
             (
                 &[("max.in.flight.requests.per.connection", "6")],
@@ -332,7 +327,7 @@ mod tests {
             (
                 &[
                     ("enable.idempotence", "false"),
-                    ("max.in.flight.requests.per.connection", "5"),
+                    ("max.in.flight.requests.per.connection", "1"),
                 ],
                 "enable.idempotence=false",
             ),
@@ -360,11 +355,7 @@ mod tests {
             &[("retries", "5")],
             &[("max.in.flight.requests.per.connection", "5")],
             &[("enable.idempotence", "true"), ("max.in.flight", "1")],
-            &[
-                ("enable.idempotence", "false"),
-                ("max.in.flight.requests.per.connection", "1"),
-            ],
-            &[("enable.gapless.guarantee", "false")],
+            &[("enable.gapless.guarantee", "true")],
             &[("session.timeout.ms", "6000"), ("group.id", "g")],
         ];
         for pairs in accepted {

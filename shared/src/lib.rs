@@ -46,7 +46,9 @@ pub use contract::{
     watch_schema, SCHEMA_RECHECK,
 };
 pub use detached_drop::DetachedDrop;
-pub use envelope::{ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_NAME_LEN};
+pub use envelope::{
+    ContentType, EventKey, EventType, SchemaVersion, Topic, MAX_KEY_LEN, MAX_NAME_LEN,
+};
 pub use error::Error;
 pub use ids::EventId;
 pub use log_throttle::LogThrottle;

@@ -114,12 +114,22 @@ impl Worker {
     /// envelope (`meta` is `None`: no `ce_id`, a header name that is not UTF-8, …) of a held
     /// key is held too, whole, and dead-lettered in its key's order at the release: as read
     /// from the partition then.
+    ///
+    /// `already`: the bytes the caller's transaction holds so far. A group that held nothing
+    /// before the transaction takes all of the transaction's holds, however many bytes: else
+    /// a batch whose holds together pass the bound would be refused for ever, with nothing
+    /// held whose release could make room.
+    ///
+    /// Run again after a COMMIT whose answer was lost (it had committed), it finds its rows
+    /// and holds nothing twice; a row of another event at the record's offset (a log replaced
+    /// under held records that no reset cleared) is an error, never taken for a copy.
     pub(crate) async fn hold_in(
         &self,
         conn: &mut PgConnection,
         record: &Record,
         meta: Option<&Meta>,
         head: Option<Head<'_>>,
+        already: i64,
     ) -> Result<Held, sqlx::Error> {
         let config = &self.shared.config;
         let key = record.key.as_deref().expect("held records have a key");
@@ -129,7 +139,8 @@ impl Worker {
                 "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
                      consumer_name, reason, error, attempts, due_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9,
-                         now() + $10 * interval '1 millisecond')",
+                         now() + $10 * interval '1 millisecond')
+                 ON CONFLICT (group_id, topic, partition, key_hash) DO NOTHING",
             )
             .bind(&config.group)
             .bind(&record.topic)
@@ -194,19 +205,41 @@ impl Worker {
         .await?
         .rows_affected();
         if inserted == 0 {
+            let stored: Option<uuid::Uuid> = sqlx::query_scalar(
+                "SELECT event_id FROM postal.held_records
+                 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND kafka_offset = $4",
+            )
+            .bind(&config.group)
+            .bind(&record.topic)
+            .bind(record.partition)
+            .bind(record.offset)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let id = meta.map_or(uuid::Uuid::nil(), |m| m.id.as_uuid());
+            if stored.is_some_and(|s| s != id) {
+                return Err(sqlx::Error::Protocol(format!(
+                    "offset {} of {} partition {} already holds another event ({}): the topic's log was replaced under held records; `postal consumer reset --to earliest` for the new log dead-letters the old log's held records",
+                    record.offset,
+                    postal_shared::text::quoted(&record.topic),
+                    record.partition,
+                    stored.unwrap_or_default()
+                )));
+            }
             return Ok(Held::Stored);
         }
-        // A group holding nothing always takes one record, however large: else a record
-        // larger than the bound would wait forever.
+        // A group that held nothing before this transaction takes its holds, however large
+        // (see `already`): else a record, or a batch's records, larger than the bound would
+        // wait forever.
         let within: Option<i64> = sqlx::query_scalar(
             "INSERT INTO postal.held_bytes AS b (group_id, bytes) VALUES ($1, $2)
              ON CONFLICT (group_id) DO UPDATE SET bytes = b.bytes + EXCLUDED.bytes
-                 WHERE b.bytes = 0 OR b.bytes + EXCLUDED.bytes <= $3
+                 WHERE b.bytes = $4 OR b.bytes + EXCLUDED.bytes <= $3
              RETURNING bytes",
         )
         .bind(&config.group)
         .bind(bytes)
         .bind(i64::try_from(config.held_bytes_limit).unwrap_or(i64::MAX))
+        .bind(already)
         .fetch_optional(&mut *conn)
         .await?;
         if within.is_none() {
@@ -239,7 +272,8 @@ impl Worker {
         loop {
             let result: Result<(offsets::Advance, Option<i64>), sqlx::Error> = async {
                 let mut tx = self.shared.begin_for(&record.topic).await?;
-                if let Held::OverBound(bytes) = self.hold_in(&mut tx, record, meta, head).await? {
+                if let Held::OverBound(bytes) = self.hold_in(&mut tx, record, meta, head, 0).await?
+                {
                     return Ok((offsets::Advance::Advanced, Some(bytes)));
                 }
                 let owned = offsets::advance(

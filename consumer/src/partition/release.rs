@@ -192,7 +192,7 @@ impl Worker {
                 "SELECT kafka_offset, record_key, payload, header_names, header_values,
                         kafka_timestamp, bytes, unreadable_header, header_absent
                  FROM postal.held_records
-                 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4
+                 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4) AND record_key = $4
                  ORDER BY kafka_offset LIMIT 1",
             )
             .bind(&self.shared.config.group)
@@ -208,7 +208,7 @@ impl Worker {
     async fn head_reason(&self, key: &[u8]) -> Result<(i64, Reason, String), sqlx::Error> {
         let (offset, reason, error): (i64, String, String) = sqlx::query_as(
             "SELECT head_offset, reason, error FROM postal.held_keys
-             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
+             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4) AND record_key = $4",
         )
         .bind(&self.shared.config.group)
         .bind(&self.topic)
@@ -478,7 +478,7 @@ impl Worker {
                                         ELSE release END,
                          released_by = CASE WHEN $10 THEN NULL ELSE released_by END,
                          due_at = now() + $8 * interval '1 millisecond'
-                     WHERE group_id = $1 AND topic = $2 AND partition = $3 AND record_key = $4",
+                     WHERE group_id = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4) AND record_key = $4",
                 )
                 .bind(&self.shared.config.group)
                 .bind(&self.topic)
@@ -533,9 +533,17 @@ impl Worker {
     /// was the last.
     async fn unhold_in(&self, conn: &mut PgConnection, row: &Row) -> Result<bool, sqlx::Error> {
         let group = &self.shared.config.group;
+        // The bytes taken off are those of the row this transaction deleted: a release run
+        // again after its COMMIT's answer was lost (it had committed) deletes nothing and
+        // takes nothing off.
         sqlx::query(
-            "DELETE FROM postal.held_records
-             WHERE group_id = $1 AND topic = $2 AND partition = $3 AND kafka_offset = $4",
+            "WITH gone AS (DELETE FROM postal.held_records
+                           WHERE group_id = $1 AND topic = $2 AND partition = $3
+                             AND kafka_offset = $4
+                           RETURNING bytes)
+             UPDATE postal.held_bytes
+             SET bytes = greatest(bytes - (SELECT sum(bytes) FROM gone), 0)
+             WHERE group_id = $1 AND EXISTS (SELECT 1 FROM gone)",
         )
         .bind(group)
         .bind(&self.topic)
@@ -543,27 +551,20 @@ impl Worker {
         .bind(row.kafka_offset)
         .execute(&mut *conn)
         .await?;
-        sqlx::query(
-            "UPDATE postal.held_bytes SET bytes = greatest(bytes - $2, 0) WHERE group_id = $1",
-        )
-        .bind(group)
-        .bind(row.bytes)
-        .execute(&mut *conn)
-        .await?;
         let last: bool = sqlx::query_scalar(
             "WITH rest AS (SELECT EXISTS (SELECT 1 FROM postal.held_records
                                WHERE group_id = $1 AND topic = $2 AND partition = $3
-                                 AND record_key = $4) AS remaining),
+                                 AND key_hash = sha256($4) AND record_key = $4) AS remaining),
                   gone AS (DELETE FROM postal.held_keys
                            WHERE group_id = $1 AND topic = $2 AND partition = $3
-                             AND record_key = $4 AND NOT (SELECT remaining FROM rest)
+                             AND key_hash = sha256($4) AND record_key = $4 AND NOT (SELECT remaining FROM rest)
                            RETURNING 1),
                   -- A skip stays one until the head is settled.
                   going AS (UPDATE postal.held_keys
                             SET release = CASE WHEN release = 'skip' AND $5 < head_offset
                                                THEN 'skip' ELSE 'retry' END
                             WHERE group_id = $1 AND topic = $2 AND partition = $3
-                              AND record_key = $4 AND (SELECT remaining FROM rest)
+                              AND key_hash = sha256($4) AND record_key = $4 AND (SELECT remaining FROM rest)
                             RETURNING 1)
              SELECT NOT (SELECT remaining FROM rest)",
         )

@@ -259,3 +259,55 @@ async fn enqueue_once_refuses_a_different_event_under_the_same_id() {
         .unwrap();
     assert_eq!(rows, 1);
 }
+
+/// Guarantee (issue 46: no size stalls a path): an event with a key of the longest length
+/// enqueue allows (`MAX_KEY_LEN`, 4,096 bytes, incompressible) can be scheduled and parked.
+/// Both make its row hold back its key (`held`), and the index of such rows once held the key
+/// whole: over about 2,700 bytes PostgreSQL refused the index row ("index row size … exceeds
+/// btree version 4 maximum"), so a scheduled event failed at enqueue and a parked one could
+/// never be parked (the relay sent it again and again). Keys are indexed by a hash since
+/// migration 39.
+#[tokio::test]
+async fn the_longest_key_can_be_scheduled_and_parked() {
+    let db = postal_integration_tests::fresh_postgres_db().await;
+    let mut x = uuid::Uuid::now_v7().as_u128() as u64 | 1;
+    let key: String = (0..postal_shared::MAX_KEY_LEN)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'!' + (x % 90) as u8)
+        })
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    enqueue_batch(
+        &mut tx,
+        vec![
+            NewEvent::json("orders", key.as_str(), "order.scheduled", &1)
+                .unwrap()
+                .deliver_at(later),
+            NewEvent::json("orders", key.as_str(), "order.created", &2).unwrap(),
+        ],
+    )
+    .await
+    .expect("a scheduled event of the longest key is enqueued");
+    tx.commit().await.unwrap();
+    // Parked as the relay parks (`complete`: status failed, the row holds its key back).
+    let parked = sqlx::query(
+        "UPDATE postal.outbox SET status = 'failed', held = true, last_error = 'refused'
+         WHERE event_type = 'order.created'",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("an event of the longest key is parked")
+    .rows_affected();
+    assert_eq!(parked, 1);
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE held AND event_key = $1")
+            .bind(&key)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(held, 2);
+}

@@ -88,7 +88,8 @@ pub(crate) async fn lock(
         crate::claim::returned!(),
         ", NULL::int8[] AS skipped, 0::int8 AS passed, \
          (d.held OR d.running OR EXISTS (SELECT 1 FROM postal.outbox h \
-              WHERE h.held AND h.event_key = d.event_key AND h.topic = d.topic \
+              WHERE h.held AND hashtextextended(h.event_key, 0) = hashtextextended(d.event_key, 0) \
+              AND h.event_key = d.event_key AND h.topic = d.topic \
               AND h.seq < d.seq)) AS left_behind \
          FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
          FOR UPDATE OF d"
