@@ -553,6 +553,9 @@ kafka_wait() {
   # log grows, and give up after 120 s without a new line (or 15 minutes in all).
   local quiet=0 size=0 now total=0
   while [ "$quiet" -lt 1200 ] && [ "$total" -lt 9000 ]; do
+    # log4j rolls server.log over at 50 MB, also at start-up: a log shorter than the offset is
+    # a new file, read from its start.
+    [ "$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)" -lt "$offset" ] && offset=0
     if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
       return 0
     fi

@@ -7,7 +7,7 @@
 //! replacements in [`key_fence`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rdkafka::admin::AdminClient;
@@ -84,11 +84,17 @@ impl KafkaTransport {
             .get("message.max.bytes")
             .and_then(|v| v.parse().ok())
             .unwrap_or(1_000_000);
+        let batch_bytes = client_config
+            .get("batch.size")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1_000_000usize)
+            .min(max_message_bytes);
         Ok(KafkaTransport {
             producer: Arc::new(ProducerSlot {
                 current: std::sync::RwLock::new((0, producer)),
                 generation: AtomicU64::new(0),
-                client_config: client_config.clone(),
+                client_config: Mutex::new(client_config.clone()),
+                batch_bytes: AtomicUsize::new(batch_bytes),
                 fence: KeyFence::default(),
             }),
             admin,
@@ -119,7 +125,11 @@ struct ProducerSlot {
     /// checks it before each record, so that nothing goes to a producer already replaced
     /// (see [`KeyFence`]).
     generation: AtomicU64,
-    client_config: rdkafka::ClientConfig,
+    client_config: Mutex<rdkafka::ClientConfig>,
+    /// The most bytes the producer packs into one record batch (librdkafka's `batch.size`,
+    /// at most `message.max.bytes`): lowered to fit the smallest topic limit met
+    /// ([`Self::fit_batches`]).
+    batch_bytes: AtomicUsize,
     /// Keys held back while a record of theirs in a replaced producer has no recorded outcome.
     fence: KeyFence,
 }
@@ -138,10 +148,8 @@ impl ProducerSlot {
         if current.0 != generation {
             return;
         }
-        match self
-            .client_config
-            .create_with_context::<_, AckProducer>(AckContext)
-        {
+        let config = self.client_config.lock().expect("client config").clone();
+        match config.create_with_context::<_, AckProducer>(AckContext) {
             Ok(p) => {
                 // Batches still handing records to the old producer stop at their next record,
                 // then the keys of its records without an outcome are fenced: all before the
@@ -164,6 +172,53 @@ impl ProducerSlot {
             }
         }
     }
+}
+
+impl ProducerSlot {
+    /// Makes the producer's record batches fit a topic whose `max.message.bytes` is `limit`.
+    ///
+    /// The broker checks a whole record batch against its topic's limit, and librdkafka packs
+    /// a partition's queued records into batches of up to `batch.size` bytes (before
+    /// compression): on a topic whose limit is lower, records that each fit but not together
+    /// are refused together. Since the producer stops for good on a refused batch (gap-less
+    /// order, `postal_shared::kafka_producer`), that would replace it again and again. So once
+    /// a topic with a lower limit is met, `batch.size` is lowered under it (with room for
+    /// compression's worst-case growth and the batch's framing) and the producer replaced
+    /// (keys with records in flight are fenced as at any replacement). A record larger than
+    /// `batch.size` still goes out, alone in its batch. `true` if the producer was replaced.
+    fn fit_batches(&self, limit: usize) -> bool {
+        if !self.batches_over(limit) {
+            return false;
+        }
+        let fits = batch_bytes_under(limit);
+        {
+            let mut config = self.client_config.lock().expect("client config");
+            if fits >= self.batch_bytes.load(Ordering::SeqCst) {
+                return false;
+            }
+            config.set("batch.size", fits.to_string());
+            self.batch_bytes.store(fits, Ordering::SeqCst);
+        }
+        tracing::info!(
+            batch_bytes = fits,
+            topic_limit = limit,
+            "a topic's max.message.bytes is below the producer's batch size: the producer's record batches are now kept under it (every topic's)"
+        );
+        self.replace(self.current().0);
+        true
+    }
+
+    /// Whether the producer's record batches may be larger than a topic limit of `limit`
+    /// (cheap: checked before every batch).
+    fn batches_over(&self, limit: usize) -> bool {
+        batch_bytes_under(limit) < self.batch_bytes.load(Ordering::SeqCst)
+    }
+}
+
+/// A `batch.size` whose batches fit a topic limit of `limit` after compression (lz4 grows
+/// incompressible data by at most about 0.4 %) with the batch's framing.
+fn batch_bytes_under(limit: usize) -> usize {
+    limit.saturating_sub(limit / 100 + 128).max(1)
 }
 
 /// The producer: librdkafka's client with a polling thread that runs the delivery callbacks.

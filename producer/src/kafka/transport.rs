@@ -53,7 +53,6 @@ impl Transport for KafkaTransport {
     type Acks = Acks;
 
     async fn send(&self, batch: &[OutboundEvent]) -> Acks {
-        let (generation, producer) = self.producer.current();
         // Keys whose earlier event in this batch failed before it was sent: their later events
         // are held back instead of overtaking it.
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
@@ -77,6 +76,18 @@ impl Transport for KafkaTransport {
             }
             previous = Some(e.topic.as_str());
         }
+        // Batches the producer packs must fit the smallest limit of these topics.
+        if let Some(smallest) = limits
+            .values()
+            .flatten()
+            .min()
+            .copied()
+            .filter(|&l| self.producer.batches_over(l))
+        {
+            let slot = Arc::clone(&self.producer);
+            let _ = tokio::task::spawn_blocking(move || slot.fit_batches(smallest)).await;
+        }
+        let (generation, producer) = self.producer.current();
         // Keys with a record in flight that its topic may refuse for its size (larger, before
         // compression, than the topic's own `max.message.bytes`): the broker would refuse it
         // after the key's later records were handed over, and those could be written ahead
