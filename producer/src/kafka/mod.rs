@@ -59,9 +59,10 @@ impl KafkaTransport {
     /// Creates the producer and admin clients. Fails on invalid librdkafka properties; an
     /// unreachable broker is not an error here (the clients connect lazily and keep retrying).
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
-        let client_config =
+        let mut client_config =
             postal_shared::kafka_producer::config(&config.bootstrap_servers, &config.properties)
                 .map_err(|e| Error::Config(e.to_string()))?;
+        postal_shared::kafka_producer::pipelined(&mut client_config);
         postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
         if config.topic_partitions < 1 {
             return Err(Error::Config(format!(
