@@ -285,6 +285,7 @@ fn record(r: &Record) -> FutureRecord<'_, [u8], [u8]> {
 #[derive(sqlx::FromRow)]
 struct Record {
     id: i64,
+    consumer_name: String,
     topic: String,
     record_key: Option<Vec<u8>>,
     payload: Option<Vec<u8>>,
@@ -444,14 +445,18 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
     .fetch_all(pool)
     .await?;
     let older_open: std::collections::HashMap<i64, i64> = older_open.into_iter().collect();
-    // The (topic, key)s a failure held back in an earlier chunk: their later dead letters are
-    // held back in the chunks after it too.
-    let mut held_keys: std::collections::HashSet<(String, Vec<u8>)> = Default::default();
+    // The (consumer, topic, key)s a failure held back in an earlier chunk: their later dead
+    // letters are held back in the chunks after it too. Per consumer: each consumer's order
+    // is its own (another consumer's copy of a replayed record is a duplicate its dedup row
+    // drops), so one consumer's dead letter never waits for another's.
+    let mut held_keys: std::collections::HashSet<(String, String, Vec<u8>)> = Default::default();
+    let scope = |r: &Record, key: &[u8]| (r.consumer_name.clone(), r.topic.clone(), key.to_vec());
     let mut first_error: Option<String> = None;
     let mut done = 0u64;
     for chunk_ids in replay_chunks(&sized) {
         let rows: Vec<Record> = sqlx::query_as(
-            "SELECT id, topic, record_key, payload, header_names, header_values, header_absent
+            "SELECT id, consumer_name, topic, record_key, payload, header_names, header_values,
+                    header_absent
              FROM postal.dead_letters
              WHERE replayed_at IS NULL AND resolved_at IS NULL AND id = ANY($1)
              ORDER BY id",
@@ -469,7 +474,7 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                 };
                 let why = if let Some(older) = older_open.get(&r.id) {
                     format!("not sent: dead letter {older} of its key, older and still open, is not in this replay (replay it with this one)")
-                } else if held_keys.contains(&(r.topic.clone(), key.clone())) {
+                } else if held_keys.contains(&scope(r, key)) {
                     "not sent: a dead letter of its key before it was not sent in this replay (replay again once it can be)".to_owned()
                 } else {
                     return true;
@@ -477,7 +482,7 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                 first_error.get_or_insert_with(|| {
                     format!("replaying dead letter {} to {:?} failed: {why}", r.id, r.topic)
                 });
-                held_keys.insert((r.topic.clone(), key.clone()));
+                held_keys.insert(scope(r, key));
                 false
             })
             .collect();
@@ -509,14 +514,17 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
         .execute(&mut *tx)
         .await?;
         let chunk: Vec<&Record> = chunk.iter().filter(|r| claimed.contains(&r.id)).collect();
-        // One key's dead letters go out one at a time, in id order; different keys at once.
+        // One key's dead letters (of one consumer) go out one at a time, in id order; different
+        // keys at once.
         // Sent together, a key's records could share a record batch that the broker refuses
         // for its size (it checks a whole batch against the topic's `max.message.bytes`) while
         // a later one of the key is written: re-sent alone afterwards, the earlier ones would
         // land after it. So a key whose record is refused for its size sends nothing more in
         // this first pass; afterwards, one record at a time across all keys (alone, so that
         // only its own size counts), that record and the rest of its key go out in order.
-        let same_key = |a: &Record, b: &Record| a.topic == b.topic && a.record_key == b.record_key;
+        let same_key = |a: &Record, b: &Record| {
+            a.consumer_name == b.consumer_name && a.topic == b.topic && a.record_key == b.record_key
+        };
         let mut by_key: Vec<Vec<usize>> = Vec::new();
         for (i, r) in chunk.iter().enumerate() {
             match by_key.iter_mut().find(|m| same_key(chunk[m[0]], r)) {
@@ -604,7 +612,7 @@ async fn replay_recorded<C: rdkafka::ClientContext + 'static>(
                         )
                     });
                     if let Some(key) = &r.record_key {
-                        held_keys.insert((r.topic.clone(), key.clone()));
+                        held_keys.insert(scope(r, key));
                     }
                     failed.push(r.id);
                 }

@@ -508,16 +508,15 @@ async fn dead_letter(pool: &PgPool, consumer: &str, topic: &str, key: &str) -> (
 /// chunk's dead letters by (topic, key) only, and a dead letter that waits holds back the rest
 /// of its group: `ship`'s 3 is held back behind `billing`'s 2, which waits for `billing`'s 1.
 ///
-/// What happened (4 runs of 4): nothing on the topic; open after the replay [1, 2, 3]; the
+/// Broke before the fix (4 runs of 4): nothing on the topic; open after the replay [1, 2, 3]; the
 /// replay's error "replaying dead letter 2 … failed: not sent: dead letter 1 of its key, older
 /// and still open, is not in this replay (replay it with this one) (0 of 2 replayed; …)":
 /// `ship`'s dead letter stays open as long as `billing`'s 1 does, and the error does not name
 /// it. The same holds across chunks: `held_keys` is keyed by (topic, key), not by consumer.
-/// Fix: group the chunk and key `held_keys` by (consumer, topic, key) for the hold-back (each
+/// Fixed: the chunk is grouped and `held_keys` keyed by (consumer, topic, key) (each
 /// consumer's order is its own; the other consumers' copies of a replayed record are
 /// duplicates their dedup rows drop).
 #[tokio::test]
-#[ignore = "known: a dead letter of one consumer held back for another consumer's older open dead letter of the same topic and key (4 of 4)"]
 async fn a_replay_holds_back_a_key_per_consumer() {
     let svc = services().await;
     let db = svc.fresh_db().await;
