@@ -349,6 +349,7 @@ impl ConsumerConfig {
     /// | `POSTAL_DEAD_LETTER_RETENTION` | [`dead_letter_retention`](Self::dead_letter_retention) (`30d`; `off` = keep forever) |
     /// | `POSTAL_CLEANUP_INTERVAL` | [`cleanup_interval`](Self::cleanup_interval) |
     /// | `POSTAL_LOST_CONNECTION_TIMEOUT` | [`lost_connection_timeout`](Self::lost_connection_timeout) (`30s`, `2m`; `off` = the server's settings) |
+    /// | `POSTAL_FINAL_FAILURE` | [`final_failure`](Self::final_failure): `dead-letter` or `hold-key` |
     ///
     /// Names of earlier releases (`POSTAL_SHUTDOWN_TIMEOUT_MS`, `POSTAL_DEDUP_RETENTION_SECS`,
     /// `POSTAL_CLEANUP_INTERVAL_SECS`) are refused with the name that replaced them.
@@ -419,6 +420,18 @@ impl ConsumerConfig {
         if let Some(v) = var("POSTAL_LOST_CONNECTION_TIMEOUT") {
             self.lost_connection_timeout =
                 env::optional_duration("POSTAL_LOST_CONNECTION_TIMEOUT", &v).map_err(config)?;
+        }
+        if let Some(v) = var("POSTAL_FINAL_FAILURE") {
+            self.final_failure = match v.trim() {
+                "dead-letter" => FinalFailure::DeadLetter,
+                "hold-key" => FinalFailure::HoldKey,
+                other => {
+                    return Err(Error::Config(format!(
+                        "POSTAL_FINAL_FAILURE: {} is neither dead-letter nor hold-key",
+                        postal_shared::text::quoted(other)
+                    )))
+                }
+            };
         }
         self.validate()?;
         Ok(self)
@@ -672,6 +685,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("POSTAL_LOST_CONNECTION_TIMEOUT"), "{err}");
+        assert_eq!(c.final_failure, FinalFailure::DeadLetter, "default");
+        let c = ConsumerConfig::new("b:9092", "g")
+            .with_vars(vars(&[("POSTAL_FINAL_FAILURE", "hold-key")]))
+            .unwrap();
+        assert_eq!(c.final_failure, FinalFailure::HoldKey);
+        let err = ConsumerConfig::new("b:9092", "g")
+            .with_vars(vars(&[("POSTAL_FINAL_FAILURE", "hold")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("POSTAL_FINAL_FAILURE") && err.contains("hold-key"),
+            "{err}"
+        );
     }
 
     /// Guarantee: consumer overrides that would skip records, process aborted ones, store

@@ -108,6 +108,7 @@ pub const VARIABLES: &[Variable] = &[
     var("POSTAL_DEAD_LETTER_RETENTION", Reader::Consumer, "off"),
     var("POSTAL_CLEANUP_INTERVAL", Reader::Consumer, "60s"),
     var("POSTAL_LOST_CONNECTION_TIMEOUT", Reader::Consumer, "30s"),
+    var("POSTAL_FINAL_FAILURE", Reader::Consumer, "dead-letter"),
     var(
         "POSTAL_DASHBOARD_LISTEN",
         Reader::Dashboard,

@@ -5,6 +5,11 @@
 //! Environment: `DATABASE_URL`, `KAFKA_BOOTSTRAP_SERVERS`, `ORDERS_TOPIC` (default `orders`),
 //! `INVOICES_TOPIC` (default `invoices`), and the consumer settings of
 //! `ConsumerConfig::with_vars` (`POSTAL_KAFKA`, `POSTAL_MAX_BATCH`, `POSTAL_METRICS_ADDR`, …).
+//!
+//! A customer listed in `blocked_customers` has its orders refused (a permanent failure): by
+//! default each becomes a dead letter; with `POSTAL_FINAL_FAILURE=hold-key` the customer's
+//! orders wait, in order, until the customer is unblocked and the key released
+//! (`postal held release --group billing --topic orders --key <customer>`).
 
 use postal_consumer::{idempotent, Consumer, ConsumerConfig, Event, EventId, HandlerError, State};
 use postal_demo::service::{connect, env_required, init_tracing};
@@ -39,6 +44,17 @@ async fn on_order_created(
     event: Event<OrderCreated>,
 ) -> Result<(), HandlerError> {
     let order = &event.payload;
+    let blocked: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM blocked_customers WHERE customer = $1)")
+            .bind(&order.customer)
+            .fetch_one(&mut **tx)
+            .await?;
+    if blocked {
+        return Err(HandlerError::permanent(format!(
+            "customer {} is blocked",
+            order.customer
+        )));
+    }
     sqlx::query("INSERT INTO ledger (order_id, customer, seq, event_id) VALUES ($1, $2, $3, $4)")
         .bind(order.order_id)
         .bind(&order.customer)
@@ -66,11 +82,12 @@ async fn on_order_created(
     Ok(())
 }
 
-/// The service's own table.
+/// The service's own tables.
 const LEDGER_TABLE: &str = "CREATE TABLE IF NOT EXISTS ledger (
      id bigserial PRIMARY KEY, order_id bigint NOT NULL, customer text NOT NULL,
      seq integer NOT NULL, event_id uuid NOT NULL,
-     applied_at timestamptz NOT NULL DEFAULT clock_timestamp())";
+     applied_at timestamptz NOT NULL DEFAULT clock_timestamp());
+     CREATE TABLE IF NOT EXISTS blocked_customers (customer text PRIMARY KEY)";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

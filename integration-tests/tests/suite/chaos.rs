@@ -85,11 +85,25 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         Proc::new(&dir, &logs, "relay-a", "postal", &relay_args).env(&common),
         Proc::new(&dir, &logs, "relay-b", "postal", &relay_args).env(&common),
     ];
+    // Billing holds keys: the orders of blocked customers fail for good and their keys wait
+    // (`POSTAL_FINAL_FAILURE=hold-key`), through the kills, until halfway through the kills
+    // the customers are unblocked and their keys released (as `postal held release` does),
+    // releases being applied while the kills go on.
+    sqlx::raw_sql(
+        "CREATE TABLE blocked_customers (customer text PRIMARY KEY);
+         INSERT INTO blocked_customers
+         VALUES ('customer-3'), ('customer-17'), ('customer-42'), ('customer-99'), ('customer-150')",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("blocked customers");
     let mut billing = Proc::new(&dir, &logs, "billing", "billing_service", &[])
         .env(&common)
         .env(&consumer_env)
+        .env(&[("POSTAL_FINAL_FAILURE", "hold-key".into())])
         .with_metrics()
         .restart_after(consumer_restart_delay, Duration::from_secs(6));
+    let mut held = Held::default();
     // The second hop in throughput mode, so both consumer paths are under fire.
     let mut invoices = Proc::new(&dir, &logs, "invoices", "invoice_recorder", &[])
         .env(&common)
@@ -124,6 +138,7 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         for p in relays.iter_mut().chain([&mut billing, &mut invoices]) {
             p.restart_if_due();
         }
+        held.look(&db.pool, done >= total_kills / 2).await;
         generator.assert_alive_or_finished();
         let mut choices = Vec::new();
         if relay_kills < kills_each && relays.iter().any(Proc::killable) {
@@ -196,6 +211,7 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         for p in relays.iter_mut().chain([&mut billing, &mut invoices]) {
             p.restart_if_due();
         }
+        held.look(&db.pool, true).await;
         generator.assert_alive_or_finished();
         let o = scalar(&db.pool, "SELECT count(*) FROM orders").await;
         let l = scalar(&db.pool, "SELECT count(*) FROM ledger").await;
@@ -312,6 +328,13 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
         c(&billing, "fenced") + c(&invoices, "fenced"),
     );
     eprintln!("  applied                   ledger {ledger_rows}, invoices {invoice_rows}");
+    let held_left = q("SELECT (SELECT count(*) FROM postal.held_keys)
+                            + (SELECT count(*) FROM postal.held_records)")
+    .await;
+    eprintln!(
+        "  held keys (billing)       at most {} records of {} keys held at once; {} releases asked; {} left",
+        held.most_records, held.most_keys, held.released, held_left
+    );
 
     assert_eq!(
         not_once, 0,
@@ -352,6 +375,11 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     assert_eq!(outbox_left, 0, "outbox not drained");
     assert_eq!(held_or_parked, 0, "rows held back or parked");
     assert_eq!(dead, 0, "dead letters");
+    assert!(
+        held.most_keys > 0 && held.released > 0,
+        "blocked customers' keys were held and released"
+    );
+    assert_eq!(held_left, 0, "held keys or records left");
     assert_eq!(
         consumed_orders, in_orders_topic,
         "billing consumed every record"
@@ -465,4 +493,64 @@ async fn a_service_stopped_while_waiting_for_postgres_exits_cleanly() {
         .await_log("PostgreSQL unreachable", Duration::from_secs(60))
         .await;
     billing.stop();
+}
+
+/// The chaos run's held keys (billing holds the keys of blocked customers): how many were seen
+/// held at once, and the releases asked once the customers are unblocked.
+#[derive(Default)]
+struct Held {
+    most_keys: i64,
+    most_records: i64,
+    released: u64,
+    unblocked: bool,
+}
+
+impl Held {
+    /// Notes what is held; with `release`, unblocks the customers (once) and asks for the
+    /// release of every held key not yet released, as `postal held release` does. Errors (the
+    /// database restarting) are left for the next look.
+    async fn look(&mut self, pool: &sqlx::PgPool, release: bool) {
+        let Ok((keys, records)) = sqlx::query_as::<_, (i64, i64)>(
+            "SELECT (SELECT count(*) FROM postal.held_keys),
+                    (SELECT count(*) FROM postal.held_records)",
+        )
+        .fetch_one(pool)
+        .await
+        else {
+            return;
+        };
+        self.most_keys = self.most_keys.max(keys);
+        self.most_records = self.most_records.max(records);
+        if !release {
+            return;
+        }
+        if !self.unblocked {
+            if sqlx::query("DELETE FROM blocked_customers")
+                .execute(pool)
+                .await
+                .is_err()
+            {
+                return;
+            }
+            self.unblocked = true;
+        }
+        let Ok(waiting) = sqlx::query_as::<_, (String, Vec<u8>)>(
+            "SELECT topic, record_key FROM postal.held_keys
+             WHERE group_id = 'billing' AND release IS NULL",
+        )
+        .fetch_all(pool)
+        .await
+        else {
+            return;
+        };
+        let by = postal_admin::audit::Operator::cli("chaos");
+        for (topic, key) in waiting {
+            if postal_admin::held::release(pool, &by, "billing", &topic, &key, false)
+                .await
+                .is_ok()
+            {
+                self.released += 1;
+            }
+        }
+    }
 }
