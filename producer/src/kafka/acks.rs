@@ -18,10 +18,32 @@ use crate::transport::{FailureKind, PublishError};
 
 /// Delivery callbacks that count a batch's acknowledgements down (see [`BatchAcks`]), instead
 /// of a channel and a future per record.
-pub(super) struct AckContext;
+#[derive(Default)]
+pub(super) struct AckContext {
+    /// The producer stopped for good to keep a partition's records gap-less (a record refused
+    /// for good while later ones were in flight): its other records' `Fatal` failures are then
+    /// not the broker's unavailability but the stop itself, and they are held back.
+    gapless_stop: std::sync::atomic::AtomicBool,
+}
 
 impl ClientContext for AckContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        // Postal turns `enable.gapless.guarantee` on itself (its warning that the property is
+        // experimental is no news at every start), and says what a gap-less stop means in its
+        // own line (`error`): librdkafka's "FATAL" line for it is left out.
+        let gapless = log_message.contains("enable.gapless.guarantee is experimental")
+            || (fac == "FATAL" && log_message.contains("Gap-less ordering"));
+        if !gapless {
+            rdkafka::client::DefaultClientContext.log(level, fac, log_message);
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::GaplessGuarantee) {
+            self.gapless_stop.store(true, Ordering::SeqCst);
+            tracing::warn!(reason, "a record was refused for good while later records of its partition were in flight: the Kafka producer stopped (so none of them is written past it) and is replaced; they are sent again behind it");
+            return;
+        }
         UNREACHABLE_LOG.kafka_client_error(unreachable(&error), &error, reason);
     }
 }
@@ -46,6 +68,11 @@ impl ProducerContext for AckContext {
             }
         }
         if let Err((err, msg)) = result {
+            if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal)
+                && self.gapless_stop.load(Ordering::SeqCst)
+            {
+                ack.gapless_stop = true;
+            }
             if err.rdkafka_error_code() == Some(RDKafkaErrorCode::TopicAuthorizationFailed) {
                 use rdkafka::Message as _;
                 ack.denied_topic = Some(msg.topic().to_owned());
@@ -166,6 +193,9 @@ pub(super) struct Ack {
     /// refused for its size, it was refused for the records it shared its produce request
     /// with, and is sent again (held back, no attempt used) rather than parked.
     pub(super) fits_alone: bool,
+    /// Failed as `Fatal` because the producer stopped to stay gap-less (see
+    /// [`AckContext::gapless_stop`]): held back, no attempt used, no pause.
+    pub(super) gapless_stop: bool,
 }
 
 /// The failure of a record reported delivered without an offset (see `Ack::unconfirmed`).
@@ -225,6 +255,11 @@ impl Drop for Ack {
                     Some(PublishError::new(
                         FailureKind::Transient,
                         format!("{err} (its own size fits the topic's max.message.bytes: probably refused with a larger record of its produce request; tried again)"),
+                    ))
+                } else if self.gapless_stop {
+                    Some(PublishError::new(
+                        FailureKind::HeldBack,
+                        "the Kafka producer stopped (an earlier record of its partition was refused for good) and is replaced: sent again behind it",
                     ))
                 } else if err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
                     Some(PublishError::new(classify(&err), format!("{err}: the Kafka producer stopped for good and is replaced (its cause is logged just before: e.g. \"Cluster authorization failed\" when the relay's principal may write no topic at all)")))

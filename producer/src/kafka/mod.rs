@@ -62,6 +62,8 @@ impl KafkaTransport {
         let mut client_config =
             postal_shared::kafka_producer::config(&config.bootstrap_servers, &config.properties)
                 .map_err(|e| Error::Config(e.to_string()))?;
+        // The admin client takes the producer's connection settings, not its gap-less mode.
+        let admin: AdminClient<DefaultClientContext> = client_config.create()?;
         postal_shared::kafka_producer::pipelined(&mut client_config);
         postal_shared::headers::check_source(&config.source).map_err(Error::Config)?;
         if config.topic_partitions < 1 {
@@ -79,8 +81,7 @@ impl KafkaTransport {
         if client_config.get("message.timeout.ms") == Some("0") {
             tracing::warn!("message.timeout.ms=0: deliveries never time out, so a send stuck past the relay's lease may still land after another relay republished the event (a duplicate for the consumers to drop)");
         }
-        let producer = shared_producer(client_config.create_with_context(AckContext)?);
-        let admin: AdminClient<DefaultClientContext> = client_config.create()?;
+        let producer = shared_producer(client_config.create_with_context(AckContext::default())?);
         let max_message_bytes = client_config
             .get("message.max.bytes")
             .and_then(|v| v.parse().ok())
@@ -150,7 +151,7 @@ impl ProducerSlot {
             return;
         }
         let config = self.client_config.lock().expect("client config").clone();
-        match config.create_with_context::<_, AckProducer>(AckContext) {
+        match config.create_with_context::<_, AckProducer>(AckContext::default()) {
             Ok(p) => {
                 // Batches still handing records to the old producer stop at their next record,
                 // then the keys of its records without an outcome are fenced: all before the

@@ -227,6 +227,7 @@ impl Transport for KafkaTransport {
                 failure: None,
                 denied_topic: None,
                 unconfirmed: false,
+                gapless_stop: false,
                 // With room for compression's worst-case growth (lz4: about 1 in 255), so that
                 // a record refused alone is never taken for one refused for its neighbours.
                 fits_alone: limits
