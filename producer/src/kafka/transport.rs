@@ -150,6 +150,8 @@ impl Transport for KafkaTransport {
                 continue;
             }
             let size = self.record_size(e);
+            // The topic's own `max.message.bytes`, when known.
+            let topic_limit = limits.get(e.topic.as_str()).copied().flatten();
             if size > self.max_message_bytes {
                 outcomes[index] = Err(PublishError::new(
                     FailureKind::Permanent,
@@ -230,11 +232,7 @@ impl Transport for KafkaTransport {
                 gapless_stop: false,
                 // With room for compression's worst-case growth (lz4: about 1 in 255), so that
                 // a record refused alone is never taken for one refused for its neighbours.
-                fits_alone: limits
-                    .get(e.topic.as_str())
-                    .copied()
-                    .flatten()
-                    .is_some_and(|limit| size + size / 100 <= limit),
+                fits_alone: topic_limit.is_some_and(|limit| size + size / 100 <= limit),
             });
             let mut record = BaseRecord::with_opaque_to(&e.topic, ack)
                 .key(e.key.as_bytes())
@@ -255,11 +253,7 @@ impl Transport for KafkaTransport {
                 blocked.insert(e.order_key());
                 continue;
             }
-            let over_topic_limit = limits
-                .get(e.topic.as_str())
-                .copied()
-                .flatten()
-                .is_some_and(|limit| size > limit);
+            let over_topic_limit = topic_limit.is_some_and(|limit| size > limit);
             loop {
                 match producer.send(record) {
                     Ok(()) => {
