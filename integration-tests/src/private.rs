@@ -115,7 +115,15 @@ impl PrivatePostgres {
             ])
             .arg("-k")
             .arg(&self.dir)
-            .args(["-c", "max_connections=200", "-c", "fsync=on"])
+            // `wal_level=logical`: the chaos run's WAL relays read a logical slot.
+            .args([
+                "-c",
+                "max_connections=200",
+                "-c",
+                "fsync=on",
+                "-c",
+                "wal_level=logical",
+            ])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

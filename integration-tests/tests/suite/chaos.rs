@@ -1,12 +1,13 @@
-//! Chaos: the real binaries (`postal relay` ×2, `order_service`, `billing_service`,
-//! `invoice_recorder`) run against a private PostgreSQL and a private Apache Kafka broker,
-//! while the test kill -9s relays and consumers at random moments and restarts the
-//! broker and PostgreSQL once each.
+//! Chaos: the real binaries (`postal relay` ×2, polling or reading the WAL, `order_service`,
+//! `billing_service` holding the keys of blocked customers, `invoice_recorder`) run against a
+//! private PostgreSQL and a private Apache Kafka broker, while the test kill -9s relays and
+//! consumers at random moments and restarts the broker and PostgreSQL once each.
 //!
 //! Guarantee proved: every order committed by the order service has exactly one ledger row and
 //! exactly one invoice record (two hops, each through an outbox and an idempotent consumer), no
 //! extra rows exist, each customer's effects were applied in the order of its orders, the
-//! outbox is drained with nothing parked or held, and nothing was dead-lettered.
+//! outbox is drained with nothing parked or held, nothing was dead-lettered, and the keys held
+//! meanwhile were all released and applied.
 //!
 //! The binaries are found next to the test binary (`target/<profile>/`) or in
 //! `POSTAL_BIN_DIR`: the services are the demo's (package `postal-demo`, `demo/src/bin/`),
@@ -30,9 +31,45 @@ use crate::procs::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
+    chaos(Source::Polling).await;
+}
+
+/// The same with both relays reading the outbox from a logical replication slot
+/// (`postal relay --read-from wal`): one streams while it holds the slot's lease, the other
+/// stands by; each is killed at random, the broker and PostgreSQL restarted once (the holder
+/// streams again from the slot's confirmed position). Smaller by default (8,000 orders, 6
+/// kills each; the same knobs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restarts_never_lose_or_double_apply_an_order_read_from_the_wal() {
+    chaos(Source::Wal).await;
+}
+
+/// Where the chaos run's relays read the outbox.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Source {
+    Polling,
+    Wal,
+}
+
+async fn chaos(source: Source) {
+    let wal = source == Source::Wal;
     let soak = std::env::var("POSTAL_CHAOS_SOAK").is_ok_and(|v| v == "1");
-    let orders = env_u64("POSTAL_CHAOS_ORDERS", if soak { 200_000 } else { 20_000 });
-    let kills_each = env_u64("POSTAL_CHAOS_KILLS", if soak { 60 } else { 12 }) as u32;
+    let orders = env_u64(
+        "POSTAL_CHAOS_ORDERS",
+        match (soak, wal) {
+            (true, _) => 200_000,
+            (false, false) => 20_000,
+            (false, true) => 8_000,
+        },
+    );
+    let kills_each = env_u64(
+        "POSTAL_CHAOS_KILLS",
+        match (soak, wal) {
+            (true, _) => 60,
+            (false, false) => 12,
+            (false, true) => 6,
+        },
+    ) as u32;
     let rate = env_u64("POSTAL_CHAOS_RATE", 120);
     let seed = env_u64("POSTAL_CHAOS_SEED", rand::rng().random());
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -51,7 +88,7 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     let logs = dir.join(format!("chaos-{}", db.name));
     std::fs::create_dir_all(&logs).expect("log dir");
     eprintln!(
-        "chaos: {orders} orders at {rate}/s, {kills_each} kill -9 each of relay/billing/invoices, seed {seed} (POSTAL_CHAOS_SEED), logs in {}",
+        "chaos ({source:?}): {orders} orders at {rate}/s, {kills_each} kill -9 each of relay/billing/invoices, seed {seed} (POSTAL_CHAOS_SEED), logs in {}",
         logs.display()
     );
     let common = [
@@ -74,13 +111,35 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
     // linger). Failover timing only: a 20 s lease instead of 60 s, because a kill -9ed relay's
     // key partitions wait for its lease to expire and this run kills relays every few seconds;
     // a lease must be more than twice the delivery timeout, hence 9 s instead of 20 s.
-    let relay_args = [
-        "relay",
-        "--lease",
-        "20s",
-        "--kafka",
-        "message.timeout.ms=9000",
-    ];
+    // WAL relays: one holder at a time, so a killed holder's standby takes over only when
+    // its lease ends: 8 s (a delivery timeout of 3 s, under half of it).
+    let slot = unique("chaos_slot").replace('-', "_");
+    let relay_args: Vec<&str> = if wal {
+        postal_producer::wal::slot::create(&db.pool, &slot, "postal_outbox")
+            .await
+            .expect("the slot and its publication");
+        vec![
+            "relay",
+            "--read-from",
+            "wal",
+            "--wal-slot",
+            &slot,
+            "--wal-publication",
+            "postal_outbox",
+            "--lease",
+            "8s",
+            "--kafka",
+            "message.timeout.ms=3000",
+        ]
+    } else {
+        vec![
+            "relay",
+            "--lease",
+            "20s",
+            "--kafka",
+            "message.timeout.ms=9000",
+        ]
+    };
     let mut relays = [
         Proc::new(&dir, &logs, "relay-a", "postal", &relay_args).env(&common),
         Proc::new(&dir, &logs, "relay-b", "postal", &relay_args).env(&common),
