@@ -54,6 +54,19 @@ pub struct E2eOpts {
     pub polling: bool,
     /// Use librdkafka's in-process mock cluster instead of the given broker.
     pub mock_broker: bool,
+    /// Run the WAL relay variant too.
+    pub wal: bool,
+}
+
+/// How a run's relay learns of new events.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// LISTEN/NOTIFY, with the 1 s safety poll.
+    Listen,
+    /// Polling only (every 1 s).
+    Poll,
+    /// A logical replication slot (`--read-from wal`).
+    Wal,
 }
 
 /// The broker a run goes through: the one given, or librdkafka's mock cluster.
@@ -118,19 +131,19 @@ pub async fn e2e_bench(url: &str, bootstrap: &str, opts: E2eOpts) -> anyhow::Res
             "track_commit_timestamp is off: measured from the order's insert to the ledger row's insert instead of commit to commit"
         }
     );
-    for listen in [true, false] {
-        if !listen && !opts.polling {
+    for wake in [Wake::Listen, Wake::Poll, Wake::Wal] {
+        if (wake == Wake::Poll && !opts.polling) || (wake == Wake::Wal && !opts.wal) {
             continue;
         }
         let cpu = Cpu::now();
-        let r = postal_run(url, &broker, &opts, listen, commit_ts).await?;
+        let r = postal_run(url, &broker, &opts, wake, commit_ts).await?;
         let cpu = Cpu::now().report_since(&cpu, r.e2e.n);
         println!(
             "  order commit -> ledger commit, {}: {} orders, p50 {:.1} ms  p99 {:.1} ms",
-            if listen {
-                "LISTEN/NOTIFY wake-up (+1 s safety poll)"
-            } else {
-                "polling only (relay default, every 1 s)"
+            match wake {
+                Wake::Listen => "LISTEN/NOTIFY wake-up (+1 s safety poll)",
+                Wake::Poll => "polling only (relay default, every 1 s)",
+                Wake::Wal => "WAL relay (logical replication slot)",
             },
             r.e2e.n,
             r.e2e.p50,
@@ -212,10 +225,24 @@ async fn postal_run(
     url: &str,
     broker: &Broker,
     opts: &E2eOpts,
-    listen: bool,
+    wake: Wake,
     commit_ts: bool,
 ) -> anyhow::Result<Run> {
     let pool = fresh_db(url, 40).await?;
+    let slot = format!("postal_bench_{}", uuid::Uuid::now_v7().simple());
+    let source = if wake == Wake::Wal {
+        postal_producer::wal::slot::create(&pool, &slot, &slot).await?;
+        let database: String = sqlx::query_scalar("SELECT current_database()::text")
+            .fetch_one(&pool)
+            .await?;
+        postal_producer::RelaySource::Wal(postal_producer::WalSource::new(
+            with_database(url, &database),
+            slot.as_str(),
+            slot.as_str(),
+        ))
+    } else {
+        postal_producer::RelaySource::Poll
+    };
     sqlx::raw_sql(
         "CREATE TABLE orders (id bigserial PRIMARY KEY, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
          CREATE TABLE ledger (order_id bigint NOT NULL, event_id uuid NOT NULL, produced_at timestamptz,
@@ -240,14 +267,12 @@ async fn postal_run(
     let mut kcfg = KafkaConfig::new(bootstrap);
     kcfg.properties
         .insert("linger.ms".into(), opts.linger_ms.to_string());
-    let relay = Relay::new(
-        pool.clone(),
-        KafkaTransport::new(kcfg)?,
-        RelayConfig::default()
-            .listen(listen)
-            .max_in_flight_batches(opts.in_flight)
-            .lanes(opts.lanes),
-    )?;
+    let mut relay_config = RelayConfig::default()
+        .listen(wake == Wake::Listen)
+        .max_in_flight_batches(opts.in_flight)
+        .lanes(opts.lanes);
+    relay_config.source = source;
+    let relay = Relay::new(pool.clone(), KafkaTransport::new(kcfg)?, relay_config)?;
     let (stop_relay, rx) = tokio::sync::oneshot::channel::<()>();
     let relay_task = tokio::spawn(relay.run(async move {
         let _ = rx.await;
@@ -330,6 +355,9 @@ async fn postal_run(
     consumer_task.await??;
     let _ = stop_relay.send(());
     relay_task.await??;
+    if wake == Wake::Wal {
+        postal_producer::wal::slot::drop(&pool, &slot, &slot).await?;
+    }
 
     // (seconds since the first measured order, latency in ms, and its three segments: order
     // commit → record timestamp (the relay's producer call), → the handler's insert, → ledger
@@ -655,4 +683,21 @@ async fn broker_run(broker: &Broker, opts: &E2eOpts) -> anyhow::Result<BrokerRun
         e2e: Latencies::of(received.into_iter().map(|r| r.1).collect()),
         ack: Latencies::of(ack_lat),
     })
+}
+
+/// `url` with its database replaced by `database` (the query string kept).
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let authority_end = base.find("://").map_or(0, |i| i + 3);
+    let root = match base[authority_end..].find('/') {
+        Some(i) => &base[..authority_end + i],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{root}/{database}?{q}"),
+        None => format!("{root}/{database}"),
+    }
 }

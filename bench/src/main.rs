@@ -178,6 +178,10 @@ enum Command {
         /// Go through librdkafka's mock cluster (in this process) instead of `--bootstrap`.
         #[arg(long)]
         mock_broker: bool,
+        /// Run the WAL relay variant too (`--read-from wal`: a logical slot on the run's
+        /// database; the server needs `wal_level=logical`, as the local stack sets it).
+        #[arg(long)]
+        wal: bool,
     },
     /// Drain a backlog to RabbitMQ (durable topic exchange, persistent messages, confirms):
     /// Postal's relay next to a raw lapin publisher with confirms.
@@ -308,11 +312,13 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             no_split,
             no_polling,
             mock_broker,
+            wal,
         } => {
             let opts = e2e::E2eOpts {
                 mock_broker,
                 split: !no_split,
                 polling: !no_polling,
+                wal,
                 rate,
                 orders_per_tx,
                 seconds,
