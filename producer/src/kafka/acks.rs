@@ -26,6 +26,13 @@ pub(super) struct AckContext {
     gapless_stop: std::sync::atomic::AtomicBool,
 }
 
+impl AckContext {
+    /// Whether this producer stopped for good to stay gap-less (see `gapless_stop`).
+    pub(super) fn stopped_gapless(&self) -> bool {
+        self.gapless_stop.load(Ordering::SeqCst)
+    }
+}
+
 impl ClientContext for AckContext {
     fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
         // Postal turns `enable.gapless.guarantee` on itself (its warning that the property is
@@ -220,7 +227,10 @@ impl Drop for Ack {
             }
             (true, None) => None,
             (true, Some(err)) => {
-                if needs_reset(&err) {
+                // A record refused for good stops a gap-less producer (when records of its
+                // partition were in flight behind it): replaced at once, not when the next
+                // batch meets it stopped.
+                if needs_reset(&err) || classify(&err) == FailureKind::Permanent {
                     self.batch.reset_producer();
                 }
                 if matches!(

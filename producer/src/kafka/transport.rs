@@ -26,6 +26,35 @@ use crate::transport::{FailureKind, OutboundEvent, PublishError, Transport};
 mod tests;
 
 impl KafkaTransport {
+    /// Why a record of about `size` bytes (uncompressed) cannot fit its topic's limit of
+    /// `limit` bytes even compressed (`None`: it may, so it is sent, alone in its key). Without
+    /// compression (`compression.type=none`) it cannot; with it, the payload is compressed here
+    /// with lz4 (gzip and zstd do at least as well, snappy about as well) and the rest counted
+    /// whole, with 2 % to spare.
+    fn too_large_compressed(
+        &self,
+        event: &OutboundEvent,
+        size: usize,
+        limit: usize,
+    ) -> Option<String> {
+        let codec = ["compression.type", "compression.codec"]
+            .iter()
+            .find_map(|k| self.config.properties.get(*k))
+            .map_or("lz4", |v| v.trim());
+        if codec.eq_ignore_ascii_case("none") {
+            return Some(format!(
+                "record of about {size} bytes exceeds its topic's max.message.bytes of {limit} (compression.type=none)"
+            ));
+        }
+        let compressed = lz4_flex::block::compress(&event.payload).len()
+            + size.saturating_sub(event.payload.len());
+        (compressed + compressed / 50 > limit).then(|| {
+            format!(
+                "record of about {size} bytes (about {compressed} compressed) exceeds its topic's max.message.bytes of {limit}"
+            )
+        })
+    }
+
     fn record_size(&self, event: &OutboundEvent) -> usize {
         // Payload, key (twice: the record's key and `ce_subject`), the event and content types
         // (`ce_type`, `content-type`) and headers, plus an allowance for record framing and
@@ -164,6 +193,17 @@ impl Transport for KafkaTransport {
                 fence.hold_key(&tracked, index);
                 continue;
             }
+            if let Some(why) = topic_limit
+                .filter(|&limit| size > limit)
+                .and_then(|limit| self.too_large_compressed(e, size, limit))
+            {
+                // Sent, the broker would refuse it, and that refusal stops the gap-less
+                // producer for every topic: parked here instead.
+                outcomes[index] = Err(PublishError::new(FailureKind::Permanent, why));
+                blocked.insert(e.order_key());
+                fence.hold_key(&tracked, index);
+                continue;
+            }
             let id: &str = e.id.as_uuid().hyphenated().encode_lower(&mut id_buf);
             let time = e
                 .occurred_at
@@ -273,6 +313,10 @@ impl Transport for KafkaTransport {
                         let mut ack = r.delivery_opaque;
                         ack.delivered = true;
                         drop(ack);
+                        // Stopped for good to stay gap-less (another record was refused): not an
+                        // outage; replaced, and this record is sent again.
+                        let gapless = err.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal)
+                            && producer.context().stopped_gapless();
                         if needs_reset(&err) {
                             self.producer.replace(generation);
                         }
@@ -286,7 +330,11 @@ impl Transport for KafkaTransport {
                             // Looked up once the batch settled (see `gone` below).
                             acks.topic_gone.lock().expect("topic gone").push(index);
                         }
-                        outcomes[index] = Err(PublishError::new(classify(&err), err.to_string()));
+                        outcomes[index] = Err(if gapless {
+                            PublishError::new(FailureKind::HeldBack, "the Kafka producer stopped (an earlier record of its partition was refused for good) and is replaced: sent again behind it")
+                        } else {
+                            PublishError::new(classify(&err), err.to_string())
+                        });
                         blocked.insert(e.order_key());
                         fence.hold_key(&tracked, index);
                         break;
