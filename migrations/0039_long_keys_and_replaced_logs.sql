@@ -33,7 +33,10 @@ CREATE INDEX held_records_by_key
 
 -- `postal consumer reset` of a replaced log (a topic deleted and re-created) makes the old
 -- log's held records dead letters with this reason: events never applied, whose offsets the
--- new log reuses.
+-- new log reuses. They go to the dead-letter topic the holding consumer named when it held
+-- the key (`held_keys.dlq_topic`, its `dlq_suffix`; NULL in rows held before: the topic's
+-- latest dead letters' topic, else `<topic>.dlq`).
+ALTER TABLE postal.held_keys ADD COLUMN dlq_topic text;
 ALTER TABLE postal.dead_letters DROP CONSTRAINT dead_letters_reason_check;
 ALTER TABLE postal.dead_letters ADD CONSTRAINT dead_letters_reason_check CHECK (reason IN
     ('permanent', 'undecodable', 'missing_event_id', 'unknown_type', 'panic',

@@ -242,7 +242,8 @@ pub async fn dead_letter_replaced_log(
                AND (k.group_id, k.topic, k.partition, k.key_hash)
                    = (r.group_id, r.topic, r.partition, r.key_hash)
              RETURNING r.*, k.consumer_name, k.head_offset, k.reason AS head_reason,
-                       k.error AS head_error, k.attempts AS head_attempts),
+                       k.error AS head_error, k.attempts AS head_attempts,
+                       k.dlq_topic AS held_dlq_topic),
          counted AS (
              UPDATE postal.held_bytes
              SET bytes = greatest(bytes - (SELECT sum(bytes) FROM gone), 0)
@@ -259,7 +260,8 @@ pub async fn dead_letter_replaced_log(
                           ELSE 'held behind its key''s head at offset ' || g.head_offset
                      END || ' when the topic''s log was replaced (postal consumer reset); never applied', 2000),
                 CASE WHEN g.kafka_offset = g.head_offset THEN g.head_attempts ELSE 0 END,
-                coalesce((SELECT d.dlq_topic FROM postal.dead_letters d
+                coalesce(g.held_dlq_topic,
+                         (SELECT d.dlq_topic FROM postal.dead_letters d
                           WHERE d.consumer_name = g.consumer_name AND d.topic = g.topic
                           ORDER BY d.id DESC LIMIT 1),
                          g.topic || '.dlq'),

@@ -459,6 +459,8 @@ impl Worker {
                 c.held_bytes += record.weight as i64;
                 Ok(())
             }
+            // Counted when it was first held: not in what this transaction holds.
+            Held::Again => Ok(()),
             Held::OverBound(bytes) => Err(Attempt::OverBound(c.held_bytes + bytes)),
         }
     }

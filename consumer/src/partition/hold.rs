@@ -31,6 +31,9 @@ pub(crate) struct Head<'a> {
 pub(crate) enum Held {
     /// Stored (and counted against the group's bound).
     Stored,
+    /// Held already (a copy delivered again, or a hold run again after its COMMIT's answer
+    /// was lost): nothing stored, nothing counted.
+    Again,
     /// Not stored: the group's held bytes would pass `held_bytes_limit` (the record's bytes).
     OverBound(i64),
 }
@@ -137,9 +140,9 @@ impl Worker {
         if let Some(h) = head {
             sqlx::query(
                 "INSERT INTO postal.held_keys (group_id, topic, partition, record_key, head_offset,
-                     consumer_name, reason, error, attempts, due_at)
+                     consumer_name, reason, error, attempts, due_at, dlq_topic)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9,
-                         now() + $10 * interval '1 millisecond')
+                         now() + $10 * interval '1 millisecond', $11)
                  ON CONFLICT (group_id, topic, partition, key_hash) DO NOTHING",
             )
             .bind(&config.group)
@@ -155,6 +158,7 @@ impl Worker {
             ))
             .bind(h.attempts)
             .bind(config.hold_retry_after.map(|d| d.as_millis() as f64))
+            .bind(format!("{}{}", record.topic, config.dlq_suffix))
             .execute(&mut *conn)
             .await?;
         }
@@ -217,15 +221,32 @@ impl Worker {
             .await?;
             let id = meta.map_or(uuid::Uuid::nil(), |m| m.id.as_uuid());
             if stored.is_some_and(|s| s != id) {
+                // Proof that the log was replaced (a topic deleted and re-created that the
+                // watermarks could not show): the topic is stopped for the group, as for a
+                // stored offset above the high watermark, so that `postal status` shows it and
+                // `postal consumer reset` treats the log as replaced (the old log's held
+                // records become dead letters).
+                let stop = crate::replaced::Stop {
+                    partition: record.partition,
+                    stored_offset: record.offset,
+                    low_watermark: -1,
+                    high_watermark: -1,
+                };
+                if let Err(e) =
+                    crate::replaced::record(&self.shared.pool, &config.group, &record.topic, stop)
+                        .await
+                {
+                    tracing::warn!(error = %e, topic = %record.topic, partition = record.partition, "cannot record the topic's stop in postal.consumer_stops");
+                }
                 return Err(sqlx::Error::Protocol(format!(
-                    "offset {} of {} partition {} already holds another event ({}): the topic's log was replaced under held records; `postal consumer reset --to earliest` for the new log dead-letters the old log's held records",
+                    "offset {} of {} partition {} already holds another event ({}): the topic's log was replaced under held records, and the topic is stopped; stop the group's consumers, then `postal consumer reset --to earliest --execute` dead-letters the old log's held records",
                     record.offset,
                     postal_shared::text::quoted(&record.topic),
                     record.partition,
                     stored.unwrap_or_default()
                 )));
             }
-            return Ok(Held::Stored);
+            return Ok(Held::Again);
         }
         // A group that held nothing before this transaction takes its holds, however large
         // (see `already`): else a record, or a batch's records, larger than the bound would
