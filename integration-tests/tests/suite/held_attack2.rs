@@ -765,3 +765,108 @@ async fn a_replaced_log_s_held_events_reach_the_dlq_and_replay_once_in_order() {
         "nothing counted as held"
     );
 }
+
+/// One run of [`a_topic_with_a_tiny_limit_does_not_slow_every_topic`]: with `tiny`, the relay
+/// first publishes one event to a topic whose `max.message.bytes` is 1,000 (so the transport
+/// lowers its producer's `batch.size` for every topic, `ProducerSlot::fit_batches`); then
+/// 5,000 events of about 1 kB (50 keys) are enqueued on another topic (4 partitions, default
+/// limit). Returns how long they took to leave the outbox; checks them all on their topic,
+/// each key in order.
+async fn bulk_after(tiny: bool) -> Duration {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let (bulk, small) = (unique("ha2-bulk"), unique("ha2-tiny"));
+    create_topic(&svc.bootstrap, &bulk, 4).await;
+    crate::dead_letters::create_topic_with(
+        &svc.bootstrap,
+        &small,
+        &[("max.message.bytes", "1000")],
+    )
+    .await;
+    let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
+    let first = if tiny { small.as_str() } else { bulk.as_str() };
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(
+        &mut tx,
+        vec![NewEvent::json(first, "first", "first", &0).unwrap()],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let pending = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.outbox WHERE status = 'pending'")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert!(
+        within(Duration::from_secs(30), || async {
+            pending(db.pool.clone()).await == 0
+        })
+        .await,
+        "the first event published"
+    );
+    let pad = noise(3, 1000);
+    let keys: Vec<String> = (0..50).map(|k| format!("k{k}")).collect();
+    let events: Vec<NewEvent> = (0..5000i64)
+        .map(|n| {
+            NewEvent::json(
+                bulk.as_str(),
+                keys[(n % 50) as usize].as_str(),
+                "bulk",
+                &serde_json::json!({ "n": n, "pad": pad }),
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_batch(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+    let started = Instant::now();
+    assert!(
+        within(Duration::from_secs(300), || async {
+            pending(db.pool.clone()).await == 0
+        })
+        .await,
+        "5,000 events not published in 300 s"
+    );
+    let took = started.elapsed();
+    relay.stop().await;
+    let records = read_all(&svc.bootstrap, &bulk, 5000, Duration::from_secs(60)).await;
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    let mut seen = std::collections::HashSet::new();
+    for r in &records {
+        if r.header("ce_type") != Some("bulk")
+            || !seen.insert(r.header("ce_id").unwrap_or_default().to_owned())
+        {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        let n = v["n"].as_i64().unwrap();
+        let key = r.key.clone().unwrap_or_default();
+        let prev = last.insert(key.clone(), n);
+        assert!(prev.is_none_or(|p| p < n), "key {key}: {n} after {prev:?}");
+    }
+    assert_eq!(seen.len(), 5000, "every bulk event on its topic once");
+    took
+}
+
+/// Promise (7f20aa7, `ProducerSlot::fit_batches`: `batch.size` is lowered for every topic once
+/// a topic with a lower `max.message.bytes` is met, so that records that fit alone are never
+/// refused together): correctness on the other topics, and no collapse of their throughput.
+///
+/// Scenario: two runs of [`bulk_after`]: a control, and one where the relay first met a topic
+/// whose limit is 1,000 bytes (its producer's batches then hold at most 862 bytes, so each
+/// ~1 kB record of every other topic goes in a produce batch of its own). Fails if the 5,000
+/// events take more than three times the control's time plus 2 s, or if any is lost or out of
+/// its key's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_with_a_tiny_limit_does_not_slow_every_topic() {
+    let control = bulk_after(false).await;
+    let lowered = bulk_after(true).await;
+    eprintln!("5,000 events of 1 kB: {control:?} (control), {lowered:?} after a topic of max.message.bytes 1,000");
+    assert!(
+        lowered < control * 3 + Duration::from_secs(2),
+        "5,000 events of 1 kB took {lowered:?} after the relay met a topic whose max.message.bytes is 1,000 ({control:?} without)"
+    );
+}
