@@ -870,3 +870,117 @@ async fn a_topic_with_a_tiny_limit_does_not_slow_every_topic() {
         "5,000 events of 1 kB took {lowered:?} after the relay met a topic whose max.message.bytes is 1,000 ({control:?} without)"
     );
 }
+
+/// Promise (docs/consumer.md, `dead_letter::Publisher`: a copy too large for its `.dlq` topic
+/// is cut — value, then headers, then key — until the broker takes it; refused even so, it is
+/// marked unpublishable and passed over, "so that it never holds back the later ones"): one
+/// dead letter too large for its `.dlq` topic is published cut, and its topic's later dead
+/// letters and another topic's are published.
+///
+/// Scenario: dead letters of the running consumer's name, as the consumer writes them: one of
+/// topic A with a 10 kB incompressible value, whose `A.dlq` takes at most 2,000 bytes, then 10
+/// small ones of topic B (`B.dlq`, default limit) and 5 small ones of A. A consumer of a third
+/// topic runs (its dead-letter publisher publishes every dead letter of its consumer name);
+/// 60 s for all 16 to be published (the large one cut) or marked.
+///
+/// Mechanism (since 00977cf the dead-letter producer is gap-less, `postal_shared::
+/// kafka_producer`): the large copy is refused for its size, which stops the whole producer
+/// (fatal); its next, cut, try fails "Fatal" (not a size refusal), so the loop that cuts it
+/// further ends as a passing failure: the topic cools, the producer is replaced at the end of
+/// the pass, and the next pass starts again from the first cut — refused, fatal, and so on.
+/// The large dead letter is never cut far enough nor marked, and A's later ones wait behind
+/// it (the pass skips a topic that failed). The existing `dead_letters::
+/// dead_letters_that_fit_their_topic_alone_are_*`, `dead_letters_a_raised_limit_takes_*` and
+/// six `replay_attack::` tests fail on this commit the same way (the admin replay's producer is
+/// gap-less too: a refused record ends the replay with "Fatal" for every key after it).
+///
+/// Measured (2 runs of 2): after 60 s topic A: 0 of 6 published, 0 marked; topic B: 10 of 10
+/// published; 13 lines "the dead-letter producer failed for good; replaced" and 13 "publishing
+/// dead letters to their .dlq topic failed … Fatal". Suggested fix: the dead-letter publisher
+/// and the replay send a key's records one at a time and wait for each outcome, so gap-less
+/// adds nothing there: build their producers with `enable.gapless.guarantee=false` (allowed
+/// only for such callers), or check `fatal_error()` after every refusal and replace the
+/// producer before the next send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: a dead letter too large for its .dlq topic: the gap-less producer stops at its refusal, it is never cut nor marked; its topic's 5 later ones not published in 60 s (2 runs of 2)"]
+async fn break_one_dead_letter_too_large_for_its_dlq_topic_stops_that_topic_s_dead_letters() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    tables(&db.pool).await;
+    let (a, b, other, group) = (
+        unique("ha2-dlq-a"),
+        unique("ha2-dlq-b"),
+        unique("ha2-dlq-other"),
+        unique("g"),
+    );
+    crate::dead_letters::create_topic_with(
+        &svc.bootstrap,
+        &format!("{a}.dlq"),
+        &[("max.message.bytes", "2000")],
+    )
+    .await;
+    crate::dead_letters::create_topic_with(&svc.bootstrap, &format!("{b}.dlq"), &[]).await;
+    create_topic(&svc.bootstrap, &other, 1).await;
+    let insert = |topic: String, key: String, value: Vec<u8>| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                     kafka_offset, event_id, event_type, record_key, payload, reason, error,
+                     attempts, dlq_topic)
+                 VALUES ($1, 'g', $2, 0, 0, gen_random_uuid(), 'entry', $3, $4, 'permanent',
+                         'rejected', 1, $2 || '.dlq')",
+            )
+            .bind(CONSUMER)
+            .bind(&topic)
+            .bind(key.into_bytes())
+            .bind(value)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    insert(a.clone(), "big".into(), noise(11, 10_000).into_bytes()).await;
+    for i in 0..10 {
+        insert(b.clone(), format!("b{i}"), b"{\"n\":1}".to_vec()).await;
+    }
+    for i in 0..5 {
+        insert(a.clone(), format!("a{i}"), b"{\"n\":1}".to_vec()).await;
+    }
+    let running = start(&db.pool, &other, config(svc, &group));
+    let counts = |pool: PgPool, a: String, b: String| async move {
+        sqlx::query_as::<_, (i64, i64, i64)>(
+            "SELECT count(*) FILTER (WHERE published_at IS NOT NULL AND topic = $1),
+                    count(*) FILTER (WHERE published_at IS NOT NULL AND topic = $2),
+                    count(*) FILTER (WHERE dlq_unpublishable IS NOT NULL)
+             FROM postal.dead_letters",
+        )
+        .bind(a)
+        .bind(b)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let done = within(Duration::from_secs(60), || {
+        let f = counts(db.pool.clone(), a.clone(), b.clone());
+        async move {
+            let (pa, pb, marked) = f.await;
+            pb == 10 && pa + marked == 6
+        }
+    })
+    .await;
+    let (pa, pb, marked) = counts(db.pool.clone(), a.clone(), b.clone()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(30), running.stop()).await;
+    let on_b = read_all(
+        &svc.bootstrap,
+        &format!("{b}.dlq"),
+        pb as usize,
+        Duration::from_secs(20),
+    )
+    .await;
+    assert!(
+        done,
+        "after 60 s: of topic A's 6 dead letters {pa} published and {marked} marked unpublishable (the large one should be published cut or marked, the 5 small ones published); of topic B's 10, {pb} published ({} copies on B.dlq)",
+        on_b.len()
+    );
+}
