@@ -278,9 +278,11 @@ async fn break_a_recreated_topic_the_reset_cannot_see_stops_a_held_key_s_partiti
 /// `dead_letter_replaced_log` picks the dead-letter topic of the consumer's latest dead letter
 /// on the topic, or else `topic || '.dlq'` — the default suffix, not the consumer's (the
 /// database does not know it). Measured (2 runs of 2): the two `log_replaced` dead letters have
-/// `dlq_topic` `<topic>.dlq`, the consumer's own `<topic>-dead`: their copies are published
-/// (by the consumer's dead-letter publisher, which takes the row's `dlq_topic`) to a topic
-/// nobody reads, which the publisher creates. Suggested fix: store the dead-letter topic (or
+/// `dlq_topic` `<topic>.dlq`, the consumer's own `<topic>-dead`. The consumer's dead-letter
+/// publisher sends each copy to its row's `dlq_topic` and creates that topic if missing (as
+/// [`a_replaced_log_s_held_events_reach_the_dlq_and_replay_once_in_order`] shows with the
+/// default suffix), so these copies would land on a topic the operator's `-dead` readers never
+/// look at (not run end to end here). Suggested fix: store the dead-letter topic (or
 /// the suffix) with the held key when the consumer holds it (`held_keys.dlq_topic`), or have
 /// the consumer fill in the dead-letter topic of rows it did not write (e.g. a NULL
 /// `dlq_topic` filled in by the publisher from its config).
