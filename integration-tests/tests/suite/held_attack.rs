@@ -21,8 +21,8 @@ use uuid::Uuid;
 
 use crate::common::{consumer_config, create_topic, RunningConsumer};
 
-const WAIT: Duration = Duration::from_secs(60);
-const CONSUMER: &str = "held_attack48";
+pub(crate) const WAIT: Duration = Duration::from_secs(60);
+pub(crate) const CONSUMER: &str = "held_attack48";
 
 #[derive(Debug, Deserialize)]
 struct Entry {
@@ -65,7 +65,7 @@ async fn ledger(
     Ok(())
 }
 
-async fn tables(pool: &PgPool) {
+pub(crate) async fn tables(pool: &PgPool) {
     for sql in [
         "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, key text NOT NULL,
                               n bigint NOT NULL)",
@@ -77,7 +77,7 @@ async fn tables(pool: &PgPool) {
 
 /// One record as written to Kafka: key bytes, entry number, extra headers (a value may be
 /// null), and whether its handler rejects it.
-struct Rec {
+pub(crate) struct Rec {
     key: Vec<u8>,
     n: i64,
     extra: Vec<(&'static str, Option<Vec<u8>>)>,
@@ -88,7 +88,7 @@ struct Rec {
     dup_of: Option<usize>,
 }
 
-fn rec(key: &str, n: i64) -> Rec {
+pub(crate) fn rec(key: &str, n: i64) -> Rec {
     Rec {
         key: key.as_bytes().to_vec(),
         n,
@@ -99,7 +99,7 @@ fn rec(key: &str, n: i64) -> Rec {
     }
 }
 
-fn broken(key: &str, n: i64) -> Rec {
+pub(crate) fn broken(key: &str, n: i64) -> Rec {
     Rec {
         broken: true,
         ..rec(key, n)
@@ -108,7 +108,7 @@ fn broken(key: &str, n: i64) -> Rec {
 
 /// Produces `list` to `partition` of `topic` in order (a well-formed Postal envelope each);
 /// returns the event ids.
-async fn produce_recs(
+pub(crate) async fn produce_recs(
     svc: &Services,
     pool: &PgPool,
     topic: &str,
@@ -173,7 +173,7 @@ async fn produce_recs(
 }
 
 /// The entries of `key` in the order they were applied.
-async fn applied(pool: &PgPool, key: &str) -> Vec<i64> {
+pub(crate) async fn applied(pool: &PgPool, key: &str) -> Vec<i64> {
     sqlx::query_scalar("SELECT n FROM ledger WHERE key = $1 ORDER BY id")
         .bind(key)
         .fetch_all(pool)
@@ -182,7 +182,7 @@ async fn applied(pool: &PgPool, key: &str) -> Vec<i64> {
 }
 
 /// Held records of `key`.
-async fn held(pool: &PgPool, key: &[u8]) -> i64 {
+pub(crate) async fn held(pool: &PgPool, key: &[u8]) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM postal.held_records WHERE record_key = $1")
         .bind(key)
         .fetch_one(pool)
@@ -197,14 +197,14 @@ async fn applied_twice(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-async fn dead_letters(pool: &PgPool) -> Vec<(Option<Uuid>, String)> {
+pub(crate) async fn dead_letters(pool: &PgPool) -> Vec<(Option<Uuid>, String)> {
     sqlx::query_as("SELECT event_id, reason FROM postal.dead_letters ORDER BY id")
         .fetch_all(pool)
         .await
         .unwrap()
 }
 
-fn config(svc: &Services, group: &str) -> postal_consumer::ConsumerConfig {
+pub(crate) fn config(svc: &Services, group: &str) -> postal_consumer::ConsumerConfig {
     let mut c = consumer_config(&svc.bootstrap, group, CONSUMER);
     c.final_failure = FinalFailure::HoldKey;
     c.max_attempts = 2;
@@ -248,7 +248,7 @@ async fn ledger_batch(
     Ok(())
 }
 
-fn build(
+pub(crate) fn build(
     pool: &PgPool,
     topic: &str,
     config: postal_consumer::ConsumerConfig,
@@ -259,7 +259,11 @@ fn build(
         .expect("valid consumer")
 }
 
-fn start(pool: &PgPool, topic: &str, config: postal_consumer::ConsumerConfig) -> RunningConsumer {
+pub(crate) fn start(
+    pool: &PgPool,
+    topic: &str,
+    config: postal_consumer::ConsumerConfig,
+) -> RunningConsumer {
     RunningConsumer::start(build(pool, topic, config))
 }
 
@@ -270,14 +274,14 @@ async fn release(pool: &PgPool, group: &str, topic: &str, key: &str, skip_head: 
         .expect("release asked");
 }
 
-async fn until_applied(pool: &PgPool, key: &str, want: &[i64]) {
+pub(crate) async fn until_applied(pool: &PgPool, key: &str, want: &[i64]) {
     wait::until(WAIT, &format!("key {key} applied as {want:?}"), || async {
         applied(pool, key).await == want
     })
     .await;
 }
 
-async fn until_held(pool: &PgPool, key: &[u8], n: i64) {
+pub(crate) async fn until_held(pool: &PgPool, key: &[u8], n: i64) {
     wait::until(
         WAIT,
         &format!("{n} records of key {key:?} held"),
@@ -287,7 +291,7 @@ async fn until_held(pool: &PgPool, key: &[u8], n: i64) {
 }
 
 /// Polls `check` until it holds or `within` passes; whether it held.
-async fn within<F, Fut>(within: Duration, mut check: F) -> bool
+pub(crate) async fn within<F, Fut>(within: Duration, mut check: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -315,7 +319,7 @@ fn padded(r: Rec) -> Rec {
 }
 
 /// A record of the protocol harness: `key`'s entry `n`, padded as [`padded`].
-fn harness_record(topic: &str, offset: i64, id: Uuid, key: &str, n: i64) -> TestRecord {
+pub(crate) fn harness_record(topic: &str, offset: i64, id: Uuid, key: &str, n: i64) -> TestRecord {
     TestRecord {
         topic: topic.into(),
         partition: 0,
@@ -331,7 +335,7 @@ fn harness_record(topic: &str, offset: i64, id: Uuid, key: &str, n: i64) -> Test
     }
 }
 
-async fn group_bytes(pool: &PgPool, group: &str) -> i64 {
+pub(crate) async fn group_bytes(pool: &PgPool, group: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT coalesce(sum(bytes), 0)::bigint FROM postal.held_bytes WHERE group_id = $1",
     )

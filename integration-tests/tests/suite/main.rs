@@ -35,6 +35,7 @@ mod fresh_topic;
 mod graceful_stop;
 mod handlers;
 mod held_attack;
+mod held_attack2;
 mod held_keys;
 mod held_keys_edges;
 mod held_random;
