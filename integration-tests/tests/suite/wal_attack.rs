@@ -627,15 +627,13 @@ async fn a_transaction_open_across_a_keepalive_confirmation_and_a_restart_is_pub
 /// holds for any holder whose replication session is refused (no `REPLICATION` attribute, no
 /// `replication` line in pg_hba.conf, `max_wal_senders` used up).
 ///
-/// What happened: the holder took the lease through the pooler (its pool works), failed to
-/// start streaming, and retried forever while renewing the lease; the healthy standby stood by.
-/// In a run: 0 of 5 events published 30 s after they were committed (lease 3 s), the lease's
-/// token still 1 (never taken over). Obvious fixes: renew the lease only while streaming works
-/// (or give it up after a few failed starts in a row, so a standby takes over), and check the
-/// replication connection once at start (one line: "the replication connection … goes through
-/// a pooler / was refused: …") before taking the lease.
+/// Broke before the fix: the holder took the lease through the pooler (its pool works), failed
+/// to start streaming, and retried forever while renewing the lease; the healthy standby stood
+/// by. In a run: 0 of 5 events published 30 s after they were committed (lease 3 s), the
+/// lease's token still 1 (never taken over). Now a holder whose starts of streaming fail 3
+/// times in a row over at least a lease gives the lease up (one warning saying why) and waits
+/// a lease before it tries to take it again: the standby takes it.
 #[tokio::test]
-#[ignore = "known: a holder whose replication session is refused keeps renewing the slot's lease; the standby that could stream never takes over (0 of 5 published in 30 s)"]
 async fn a_holder_that_cannot_stream_gives_the_slot_up_to_a_standby() {
     use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
     let Some(bin) =
@@ -700,17 +698,16 @@ async fn a_holder_that_cannot_stream_gives_the_slot_up_to_a_standby() {
 /// and one row locked by someone else holds back at most its own key (polling's claim skips
 /// it, `SKIP LOCKED`).
 ///
-/// What happened (WAL relay): an operator's open transaction holding one outbox row
+/// Broke before the fix: an operator's open transaction holding one outbox row
 /// (`SELECT … FOR UPDATE`, as `psql`, a backfill or a dashboard action in flight can) stopped
 /// the WAL relay in its `FOR UPDATE` with no timeout: the other key's event of the same batch
 /// was not published either, and `Relay::health()` (what `/readyz` reads) stayed `None` (ready)
-/// the whole time — the WAL path has no watchdog. In a run: 1 of 1 other-key events still
-/// pending and no problem reported 40 s after the lock was taken (polling reports at 30 s);
-/// the only line was sqlx's "slow statement" warning, logged once the lock had ended.
-/// Obvious fixes: a `lock_timeout` on the batch's lock (retry, logged) and the claim
-/// watchdog's clock around `rows::lock`, the marks and `visible`.
+/// the whole time. In a run: 1 of 1 other-key events still pending and no problem reported
+/// 40 s after the lock was taken. Now the batch's rows are locked `SKIP LOCKED`: a row another
+/// session holds (and its key's later rows of the batch) is tried again while the other keys
+/// go on, a warning names the row and the blocking pid, and past `STALL_AFTER` the relay's
+/// health reports the problem.
 #[tokio::test]
-#[ignore = "known: one outbox row locked by another session stops the WAL relay (all keys) and /readyz stays ready (40 s: 0 of 1 other-key events, no problem reported)"]
 async fn a_row_locked_by_an_operator_shows_as_a_stall_and_holds_back_only_its_key() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -886,24 +883,20 @@ async fn over_the_topics_size_limit(wal: bool) {
 /// Promise: two services whose outboxes are two databases of one PostgreSQL server, each with a
 /// WAL relay on the default slot name (`postal_relay`: slot names are server-wide), do not
 /// disturb each other: the second `postal migrate --wal-slot` (`wal::slot::create`) refuses the
-/// name with one line (the slot belongs to another database), and no relay of one database
-/// ends the walsender of the other's.
+/// name with one line naming both databases and `--wal-slot`, the second database's relay on
+/// that name stops at start with such a line, no relay of one database ends the walsender of
+/// the other's (the first keeps publishing), and the second database publishes through a slot
+/// name of its own.
 ///
-/// What happened: `create` in the second database answered "existed" (`Ok(None)`, what `postal
-/// migrate` reports as the slot existing) for the first database's slot; the second database's
-/// relay took its own lease, ended the first relay's walsender (`pg_terminate_backend` on the
-/// slot's `active_pid`, whatever its database) when it took its lease, then failed to stream
-/// (in the run: "replication slot … is active for PID …", the first relay having reconnected
-/// first; otherwise PostgreSQL's "not created in this database") and retried forever holding
-/// its lease, two log lines (pgwire's ERROR, the relay's WARN) per try; its events were never
-/// published. In a run: 3 of 3 events of the second database pending after 20 s; 2 walsender
-/// pids seen on the first database's slot (the first one ended by the other relay). Obvious
-/// fixes: filter `pg_replication_slots` by `database = current_database()` in `create`,
-/// `end_walsender` and `confirmed`, and refuse (one line) a slot name used by another
-/// database.
+/// Broke before the fix: `create` in the second database answered "existed" (`Ok(None)`) for
+/// the first database's slot; the second database's relay took its own lease, ended the first
+/// relay's walsender (`pg_terminate_backend` on the slot's `active_pid`, whatever its
+/// database), then failed to stream and retried forever holding its lease; its events were
+/// never published. In a run: 3 of 3 events of the second database pending after 20 s; 2
+/// walsender pids seen on the first database's slot. Now every slot lookup is scoped to
+/// `current_database()` and a name of another database's slot is refused.
 #[tokio::test]
-#[ignore = "known: slot names are server-wide; a second database's create says the slot exists and its relay ends the first database's walsender (3 of 3 pending after 20 s; the first relay's walsender ended once)"]
-async fn two_databases_with_the_same_slot_name_do_not_disturb_each_other() {
+async fn a_slot_name_of_another_database_is_refused_without_disturbing_it() {
     let svc = services().await;
     let (db_a, db_b) = (svc.fresh_db().await, svc.fresh_db().await);
     let id = uuid::Uuid::now_v7().simple().to_string();
@@ -913,7 +906,6 @@ async fn two_databases_with_the_same_slot_name_do_not_disturb_each_other() {
         .expect("the first database's slot");
     let slot_a = Slot::adopt(&db_a, &name, &publication);
     let created_b = postal_producer::wal::slot::create(&db_b.pool, &name, &publication).await;
-    let slot_b_pub = publication.clone();
     let (topic_a, topic_b) = (unique("wal-att-db-a"), unique("wal-att-db-b"));
     let relay_a = RunningRelay::start(&db_a.pool, kafka_transport(&svc.bootstrap), slot_a.config());
     let (_, last) = enqueue_each(&db_a.pool, &topic_a, "k", 3).await;
@@ -932,34 +924,80 @@ async fn two_databases_with_the_same_slot_name_do_not_disturb_each_other() {
         .await
         .unwrap()
     };
-    let pids = std::sync::Mutex::new(BTreeSet::new());
     let first_pid = pid().await;
-    pids.lock().unwrap().extend(first_pid);
+    assert!(first_pid.is_some(), "the first relay streams");
     let mut config_b = slot_a.config();
     config_b.source = postal_producer::RelaySource::Wal(postal_producer::WalSource::new(
         db_b.url.clone(),
         name.clone(),
-        slot_b_pub.clone(),
+        publication.clone(),
     ));
-    let relay_b = RunningRelay::start(&db_b.pool, kafka_transport(&svc.bootstrap), config_b);
+    let relay_b =
+        postal_producer::Relay::new(db_b.pool.clone(), kafka_transport(&svc.bootstrap), config_b)
+            .expect("relay");
+    let ran_b = tokio::time::timeout(Duration::from_secs(30), relay_b.run(std::future::pending()))
+        .await
+        .expect("the second database's relay on that name stopped by itself");
+    // The first database's relay still streams, on the same walsender.
+    let (_, last) = enqueue_each(&db_a.pool, &topic_a, "k", 3).await;
+    wait::until(
+        Duration::from_secs(30),
+        "the first relay still streaming",
+        || async { slot_a.confirmed(&db_a.pool).await >= last },
+    )
+    .await;
+    let later_pid = pid().await;
+    // What the second database sees of the name: nothing to read, nothing to drop.
+    let confirmed_b = postal_producer::wal::slot::confirmed(&db_b.pool, &name)
+        .await
+        .unwrap();
+    postal_producer::wal::slot::drop(&db_b.pool, &name, &publication)
+        .await
+        .unwrap();
+    let still_there = slot_a.confirmed(&db_a.pool).await >= last;
+    // The second database with a slot name of its own.
+    let slot_b = Slot::create(&db_b).await;
+    let relay_b = RunningRelay::start(&db_b.pool, kafka_transport(&svc.bootstrap), slot_b.config());
     let (ids_b, _) = enqueue_each(&db_b.pool, &topic_b, "k", 3).await;
-    let published_b = holds_within(Duration::from_secs(20), || async {
-        let now = pid().await;
-        pids.lock().unwrap().extend(now);
+    let published_b = holds_within(Duration::from_secs(30), || async {
         outbox_count(&db_b.pool).await == 0
     })
     .await;
-    let left_b = outbox_count(&db_b.pool).await;
-    let pids = pids.into_inner().unwrap();
     relay_b.stop().await;
     relay_a.stop().await;
-    let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {slot_b_pub}"))
-        .execute(&db_b.pool)
-        .await;
+    let one_line = |r: Option<&postal_producer::Error>| match r {
+        Some(postal_producer::Error::Config(line)) => {
+            !line.contains('\n')
+                && line.contains(&db_a.name)
+                && line.contains(&db_b.name)
+                && line.contains("--wal-slot")
+        }
+        _ => false,
+    };
     assert!(
-        created_b.is_err() && published_b && pids.len() == 1,
-        "second database's create: {created_b:?}; its events pending after 20 s: {left_b} of {}; \
-         walsender pids seen on the first database's slot: {pids:?}",
+        one_line(created_b.as_ref().err()),
+        "the second create: one line naming both databases and --wal-slot: {created_b:?}"
+    );
+    assert!(
+        one_line(ran_b.as_ref().err()),
+        "the second database's relay on that name: one line naming both databases and --wal-slot: {ran_b:?}"
+    );
+    assert_eq!(
+        first_pid, later_pid,
+        "the first database's walsender was never ended"
+    );
+    assert_eq!(
+        confirmed_b, None,
+        "the other database's slot is not this one's"
+    );
+    assert!(
+        still_there,
+        "the other database's slot is not dropped from this one"
+    );
+    assert!(
+        published_b,
+        "the second database's events through a slot of its own: {} of {} pending",
+        outbox_count(&db_b.pool).await,
         ids_b.len()
     );
 }
@@ -978,19 +1016,13 @@ fn plain_metric(port: u16, name: &str) -> Option<f64> {
 /// a backlog show on the relay's metrics within a minute — also when the relay is `postal relay
 /// --read-from wal`, the only relay of a WAL deployment.
 ///
-/// What happened: the WAL relay parked the event (a record over its topic's
+/// Broke before the fix: the WAL relay parked the event (a record over its topic's
 /// `max.message.bytes`, alone in its transaction) and left its key's later event pending, but
 /// its `/metrics` never showed `postal_relay_parked` nor `postal_relay_backlog` (the WAL path
-/// returns from `Relay::run` before the housekeeping that records them): in a run, both absent
-/// 60 s after the park, while `postal_wal_slot_*` were there. So in a WAL-only deployment
-/// `PostalEventsParked`, `PostalRelayStuck` and `PostalOutboxBacklogHigh` cannot fire, and
-/// `PostalRelayAbsent` fires all the time (docs/wal-relay.md says so for the last one). Every
-/// stall above (`a_missing_topic_…`, `a_row_locked_…`, `a_holder_that_cannot_stream_…`) is
-/// left to `PostalWalSlotStuck` (15 minutes, and only with 64 MiB of WAL behind the slot).
-/// Obvious fix: run the relay's housekeeping (backlog, parked, oldest pending) in WAL mode
-/// too, under the slot's lease or on every relay.
+/// returned from `Relay::run` before the housekeeping that records them): in a run, both
+/// absent 60 s after the park, while `postal_wal_slot_*` were there. Now the WAL relay runs
+/// the same housekeeping as polling relays (and counts `postal_relay_published_total`).
 #[tokio::test]
-#[ignore = "known: a WAL relay records no postal_relay_parked / postal_relay_backlog: a parked event and a backlog stay off the alerts (both absent 60 s after the park)"]
 async fn a_wal_relays_parked_event_and_backlog_show_on_its_metrics() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -1055,18 +1087,17 @@ async fn a_wal_relays_parked_event_and_backlog_show_on_its_metrics() {
 
 /// Promise: a WAL relay started with a publication that does not publish `postal.outbox`
 /// inserts (an operator's typo for `--wal-publication`, naming another publication of the
-/// database) stops at start with one line — it never confirms the slot past outbox rows it did
-/// not read, so that once the name is corrected every event is still published, in order.
+/// database) stops at start with one line naming the publication and what to do — it never
+/// confirms the slot past outbox rows it did not read, so that once the name is corrected
+/// every event is still published, in order.
 ///
-/// What happened: the relay streamed the other publication without a word, confirmed the
-/// slot's position past the 3 events committed meanwhile (nothing of its own outstanding), and
-/// the relay started with the right publication afterwards streamed from there: in a run the
-/// 3 events stayed pending for good and the key's 3 later events were published before them
-/// (Kafka held seqs [4, 5, 6]). Obvious fix: at start, check that the publication exists and
-/// publishes inserts of `postal.outbox` (`pg_publication_tables`, `pubinsert`), else one line
-/// and stop.
+/// Broke before the fix: the relay streamed the other publication without a word, confirmed
+/// the slot's position past the 3 events committed meanwhile (nothing of its own outstanding),
+/// and the relay started with the right publication afterwards streamed from there: in a run
+/// the 3 events stayed pending for good and the key's 3 later events were published before
+/// them (Kafka held seqs [4, 5, 6]). Now the publication is checked (`pg_publication`,
+/// `pg_publication_tables`) at start and each time the slot is opened again.
 #[tokio::test]
-#[ignore = "known: a publication without postal.outbox is streamed silently and the slot confirmed past the outbox rows (3 of 6 never published, the later 3 first)"]
 async fn a_publication_without_the_outbox_is_refused_before_the_slot_moves() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -1087,18 +1118,41 @@ async fn a_publication_without_the_outbox_is_refused_before_the_slot_moves() {
         slot.source.slot.clone(),
         wrong.clone(),
     ));
-    let mistyped = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config);
     let (mut ids, last) = enqueue_each(&db.pool, &topic, "k", 3).await;
-    // Other writes (here to the other publication's table) move the stream on.
-    let moved = holds_within(Duration::from_secs(30), || async {
-        sqlx::query("INSERT INTO scratch VALUES (1)")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        slot.confirmed(&db.pool).await >= last
-    })
-    .await;
-    mistyped.stop().await;
+    let mistyped =
+        postal_producer::Relay::new(db.pool.clone(), kafka_transport(&svc.bootstrap), config)
+            .expect("relay");
+    // Other writes (here to the other publication's table) would move the stream on.
+    sqlx::query("INSERT INTO scratch VALUES (1)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // It ends by itself: no shutdown is ever sent.
+    let ran = tokio::time::timeout(
+        Duration::from_secs(30),
+        mistyped.run(std::future::pending()),
+    )
+    .await
+    .expect("the mistyped relay stopped by itself");
+    let said = match ran {
+        Err(postal_producer::Error::Config(line)) => line,
+        other => panic!("the mistyped relay's end: {other:?}"),
+    };
+    assert!(
+        !said.contains('\n')
+            && said.contains(&wrong)
+            && said.contains("postal.outbox")
+            && said.contains("--wal-publication"),
+        "one line naming the publication, the outbox and the option: {said}"
+    );
+    sqlx::query("INSERT INTO scratch VALUES (2)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        slot.confirmed(&db.pool).await < last,
+        "the slot was not confirmed past the outbox rows"
+    );
     let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
     let (later, last) = enqueue_each(&db.pool, &topic, "k", 3).await;
     ids.extend(later);
@@ -1114,15 +1168,19 @@ async fn a_publication_without_the_outbox_is_refused_before_the_slot_moves() {
     .await;
     let pending = outbox_pending(&db.pool).await;
     relay.stop().await;
-    let records = read_all(&svc.bootstrap, &topic, 3, Duration::from_secs(10)).await;
+    let records = read_all(&svc.bootstrap, &topic, 6, Duration::from_secs(10)).await;
     let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {wrong}"))
         .execute(&db.pool)
         .await;
     assert!(
         drained,
-        "the slot confirmed past the first events by the mistyped relay: {moved}; {pending} of {} \
-         events pending; Kafka holds seqs {:?}",
+        "{pending} of {} events pending; Kafka holds seqs {:?}",
         ids.len(),
         seqs_by_key(&records).get("k")
     );
+    let got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    assert_eq!(got, ids, "every event once, in commit order");
 }
