@@ -1,8 +1,10 @@
 //! The WAL source of the relay (`postal relay --read-from wal`, [`crate::RelaySource::Wal`]):
 //! outbox inserts read from a logical replication slot (pgoutput) instead of claimed by
 //! polling, published through the same transport in commit order. docs/wal-relay.md has the
-//! design; `stream` reads the slot, `pgoutput` decodes it, `rows` locks, publishes and
-//! marks a batch's rows, and `confirm` is the rule for the slot's confirmed position.
+//! design; `check` checks the publication and slot before streaming, `stream` reads the
+//! slot, `pgoutput` decodes it, `rows` locks and marks a batch's rows, `publish` hands them to
+//! the transport (carrying failed and busy rows to the next batch), and `confirm` is the rule
+//! for the slot's confirmed position.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -74,8 +76,14 @@ const METRICS_INTERVAL: Duration = Duration::from_secs(5);
 /// gives the slot's lease up for a standby ([`give_up_after`]).
 const FAILED_STARTS_TO_GIVE_UP: u32 = 3;
 
-/// How often rows another session holds locked are tried again while no commit comes.
+/// How often rows another session holds locked are tried again.
 const BUSY_RETRY: Duration = Duration::from_secs(1);
+
+/// How many rows may be carried (failed or busy, with their keys' later rows) before the
+/// relay reads nothing more until they are done.
+fn carry_max(config: &RelayConfig) -> usize {
+    config.batch_size.max(1) * 4
+}
 
 /// Runs the WAL relay until `shutdown` resolves. A batch under way when it does gets
 /// `shutdown_timeout` to finish; one that does not is given up unconfirmed (its rows are read
@@ -186,11 +194,12 @@ pub(crate) async fn run<T: Transport>(
         };
         let mut streamed = false;
         let mut confirm = confirm::Confirm::default();
-        // Rows another session holds locked (and their keys' later rows), carried from batch
-        // to batch until they are free; nothing is confirmed meanwhile. A new session reads
-        // them from the slot again.
+        // Rows that failed or that another session holds locked (and their keys' later rows),
+        // carried from batch to batch until they are done; nothing is confirmed meanwhile. A
+        // new session reads them from the slot again.
         let mut carried: Vec<i64> = Vec::new();
         let mut retry_at = tokio::time::Instant::now();
+        let mut carry_failures = 0u32;
         busy.saw(&[]);
         loop {
             let read = tokio::select! {
@@ -204,8 +213,10 @@ pub(crate) async fn run<T: Transport>(
                     stream.stop().await;
                     continue 'session;
                 }
-                r = stream.next(config.batch_size) => r,
-                // Busy rows are tried again every second, with or without new commits.
+                // Bounded: with this many rows carried, nothing more is read until they are
+                // done (a broker outage fails them all).
+                r = stream.next(config.batch_size), if carried.len() < carry_max(&config) => r,
+                // Carried rows are tried again when due, with or without new commits.
                 () = tokio::time::sleep_until(retry_at), if !carried.is_empty() => {
                     Ok(stream::Read::Batch(stream::Batch::default()))
                 }
@@ -242,11 +253,14 @@ pub(crate) async fn run<T: Transport>(
                     if batch.end_lsn > 0 {
                         confirm.received(batch.end_lsn);
                     }
+                    let was_carrying = !carried.is_empty();
+                    let due = !was_carrying || tokio::time::Instant::now() >= retry_at;
                     let publish = publish::publish(
                         &pool,
                         &*transport,
                         &config,
                         std::mem::take(&mut carried),
+                        due,
                         &batch,
                         lease,
                         &mut busy,
@@ -256,7 +270,7 @@ pub(crate) async fn run<T: Transport>(
                     let done = tokio::select! {
                         () = &mut shutdown => {
                             let r = tokio::time::timeout(config.shutdown_timeout, &mut publish).await;
-                            if matches!(&r, Ok(Ok(left)) if left.is_empty()) {
+                            if matches!(&r, Ok(Ok(left)) if left.rows.is_empty()) {
                                 stream.confirm(confirm.finished());
                             }
                             stream.stop().await;
@@ -268,11 +282,26 @@ pub(crate) async fn run<T: Transport>(
                         () = lease.lost() => Err(LeaseLost),
                     };
                     match done {
-                        Ok(left) if left.is_empty() => stream.confirm(confirm.finished()),
-                        // Not confirmed past the busy rows.
+                        Ok(left) if left.rows.is_empty() => {
+                            carry_failures = 0;
+                            stream.confirm(confirm.finished());
+                        }
+                        // Not confirmed past the carried rows.
                         Ok(left) => {
-                            carried = left;
-                            retry_at = tokio::time::Instant::now() + BUSY_RETRY;
+                            carried = left.rows;
+                            if due {
+                                let wait = if left.failed {
+                                    carry_failures += 1;
+                                    config
+                                        .backoff
+                                        .delay(carry_failures)
+                                        .min(Duration::from_secs(10))
+                                } else {
+                                    carry_failures = 0;
+                                    BUSY_RETRY
+                                };
+                                retry_at = tokio::time::Instant::now() + wait;
+                            }
                         }
                         Err(LeaseLost) => {
                             tracing::warn!(slot = %source.slot, "WAL relay: lost the slot's lease with a batch in hand; nothing more of it is marked or confirmed, standing by");

@@ -1,6 +1,7 @@
 //! Publishing one batch read from the slot: its rows locked, handed to the transport in
-//! commit order, marked; failed rows, and rows another session holds locked, tried again
-//! (each with its key's later rows of the batch) until the batch is done.
+//! commit order, marked. Rows that failed and rows another session holds locked (each with
+//! its key's later rows) are carried into the next batch, to try again, while other keys go
+//! on.
 
 use std::time::{Duration, Instant};
 
@@ -11,27 +12,36 @@ use crate::config::RelayConfig;
 use crate::relay::{RelayHealth, RelayStats, STALL_AFTER};
 use crate::transport::{FailureKind, Transport};
 
-/// Publishes the rows `carried` (left busy by earlier batches) and then those of `batch`
-/// (whole transactions from the slot, in commit order) until each is acknowledged and marked,
-/// or found no longer to publish, or is busy. Failed events are retried with backoff, each
-/// with its key's later events in the batch after it (the transport holds those back), before
-/// anything later is read from the slot. Rows another session holds locked, and their keys'
-/// later rows, are returned (to carry into the next batch, in commit order) once nothing else
-/// is left: the other keys go on meanwhile, the slot is not confirmed past them, and past
-/// [`STALL_AFTER`] the relay's health says it is stalled (`/readyz`). Ends early with
-/// [`LeaseLost`] once the slot's lease is no longer this relay's: nothing more is sent, and
-/// marks are refused.
+/// What a batch left to try again: rows that failed or were busy (locked by another session),
+/// with their keys' later rows, in commit order.
+#[derive(Debug, Default)]
+pub(super) struct Carry {
+    pub rows: Vec<i64>,
+    /// Some of them failed at the transport (not only busy): retried with backoff.
+    pub failed: bool,
+}
+
+/// Publishes the rows `carried` (left by earlier batches, earlier in commit order) and then
+/// those of `batch` (whole transactions from the slot, in commit order) until each is
+/// acknowledged and marked, or found no longer to publish, or is left to try again ([`Carry`]).
+/// The carried rows are sent again only when `due`; until then they, like a row that fails
+/// here or that another session holds locked, hold back their keys' later rows, which are
+/// carried with them, while the other keys go on: the relay does not confirm the slot past
+/// a carried row. Past [`STALL_AFTER`] of busy rows the relay's health says it is stalled
+/// (`/readyz`). Ends early with [`LeaseLost`] once the slot's lease is no longer this
+/// relay's: nothing more is sent, and marks are refused.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn publish<T: Transport>(
     pool: &PgPool,
     transport: &T,
     config: &RelayConfig,
     carried: Vec<i64>,
+    due: bool,
     batch: &stream::Batch,
     lease: &lease::Held,
     busy: &mut BusyWatch<'_>,
     stats: &mut RelayStats,
-) -> Result<Vec<i64>, LeaseLost> {
+) -> Result<Carry, LeaseLost> {
     // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
     // row not seen would be taken as published by someone else and skipped, and lost.
     let mut failures = 0u32;
@@ -43,6 +53,13 @@ pub(super) async fn publish<T: Transport>(
     // Busy rows (and their keys' later rows) at the head of `todo`: the next chunk takes a
     // batch's worth of rows past them.
     let mut waiting = carried.len();
+    // Rows not to send in this call: carried ones not yet due, and those that fail here.
+    let mut defer: std::collections::HashSet<i64> = if due {
+        Default::default()
+    } else {
+        carried.iter().copied().collect()
+    };
+    let mut any_failed = false;
     let mut todo: Vec<i64> = carried;
     todo.extend_from_slice(&batch.seqs);
     let mut failures = 0u32;
@@ -52,7 +69,7 @@ pub(super) async fn publish<T: Transport>(
         if !lease.may_send() {
             return Err(LeaseLost);
         }
-        let locked = match rows::lock(pool, &chunk, config.lease / 2).await {
+        let locked = match rows::lock(pool, &chunk, &defer, config.lease / 2).await {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;
@@ -127,33 +144,33 @@ pub(super) async fn publish<T: Transport>(
                 for p in &parked {
                     tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
                 }
-                // Done with the chunk, except its failed and busy rows (and their keys' later
-                // rows): they go first again, in commit order.
+                // Done with the chunk, except its failed, deferred and busy rows (and their
+                // keys' later rows): they stay ahead of the rest, in commit order.
                 let retried = failed.len();
+                if retried > 0 {
+                    metrics::counter!("postal_relay_retried_total").increment(retried as u64);
+                    any_failed = true;
+                }
+                if let Some(err) = worst {
+                    tracing::warn!(reason = %err, rows = retried, "WAL relay: a publish failed; it is tried again with backoff, its key's later events wait for it, other keys go on");
+                }
+                defer.extend(failed.iter().copied());
                 let mut next: Vec<i64> = chunk
                     .iter()
                     .copied()
                     .filter(|s| failed.contains(s) || again.contains(s))
                     .collect();
                 let rest = &todo[chunk_len..];
-                if worst.is_none() && failed.is_empty() && rest.is_empty() && !next.is_empty() {
-                    // Only busy rows left: carried into the next batch.
-                    return Ok(next);
+                if rest.is_empty() {
+                    return Ok(Carry {
+                        rows: next,
+                        failed: any_failed,
+                    });
                 }
-                waiting = again.len();
+                waiting = next.len();
                 next.extend_from_slice(rest);
                 todo = next;
-                if retried > 0 {
-                    metrics::counter!("postal_relay_retried_total").increment(retried as u64);
-                }
-                if let Some(err) = worst {
-                    failures += 1;
-                    tracing::warn!(reason = %err, "WAL relay: a publish failed; retrying it (and its key's later events) before reading further");
-                    tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
-                        .await;
-                } else {
-                    failures = 0;
-                }
+                failures = 0;
             }
             Err(e) => {
                 transport.recorded(&events, false);
@@ -165,7 +182,7 @@ pub(super) async fn publish<T: Transport>(
         }
     }
     busy.saw(&[]);
-    Ok(Vec::new())
+    Ok(Carry::default())
 }
 
 /// Rows of the batch that another session holds locked, as the relay says so: one warning

@@ -25,7 +25,7 @@ pub(crate) struct Locked {
     pub left: usize,
     /// Rows still pending that another session holds locked, in commit order.
     pub busy: Vec<Busy>,
-    /// The rows to try again: the busy ones and their keys' later rows of `seqs`.
+    /// The rows to try again: the busy and deferred ones and their keys' later rows of `seqs`.
     pub again: std::collections::HashSet<i64>,
 }
 
@@ -84,14 +84,15 @@ fn widen(near: i64, xid: u32) -> i64 {
 }
 
 /// Locks the rows `seqs` that are still to publish and reads them, without waiting for a row
-/// another session holds ([`Locked::busy`]: that row and its key's later rows of `seqs` are
-/// left out, to try again). The transaction may stay idle for at most `idle` (half the slot's
+/// another session holds ([`Locked::busy`]). Such a row, a row of `defer` (not to send now),
+/// and their keys' later rows of `seqs` are left out, to try again ([`Locked::again`]). The transaction may stay idle for at most `idle` (half the slot's
 /// lease), and its session drops a client that stops acknowledging data after as long
 /// (`tcp_user_timeout`): a frozen or cut-off relay's locks end by themselves, and the slot's
 /// next holder gets the rows.
 pub(crate) async fn lock(
     pool: &PgPool,
     seqs: &[i64],
+    defer: &std::collections::HashSet<i64>,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
     use sqlx::Row as _;
@@ -157,16 +158,18 @@ pub(crate) async fn lock(
         .collect()
     };
     busy.sort_by_key(|b| seqs.iter().position(|s| *s == b.seq));
-    // A busy row holds back its key's later rows of the batch.
+    // A busy or deferred row holds back its key's later rows of the batch.
     let mut again = std::collections::HashSet::new();
-    let mut blocked = std::collections::HashSet::<(&str, &str)>::new();
+    let mut blocked = std::collections::HashSet::<(String, String)>::new();
     let mut events = Vec::with_capacity(found.len());
     for seq in seqs {
         if let Some(b) = busy.iter().find(|b| b.seq == *seq) {
-            blocked.insert((&b.topic, &b.key));
+            blocked.insert((b.topic.clone(), b.key.clone()));
             again.insert(*seq);
         } else if let Some(event) = found.remove(seq) {
-            if blocked.contains(&(event.topic.as_str(), event.key.as_str())) {
+            let key = (event.topic.clone(), event.key.clone());
+            if defer.contains(seq) || blocked.contains(&key) {
+                blocked.insert(key);
                 again.insert(*seq);
             } else {
                 events.push(event);
