@@ -106,8 +106,11 @@ async fn status_and_metrics_show_the_slot_lag_lease_and_a_missing_slot() {
     );
     relay.stop();
 
-    // The slot is lost (as after a failover); its lease row stays.
-    postal_producer::wal::slot::drop(&db.pool, &name, &slot.source.publication)
+    // The slot is lost (as after a failover: the publication, in the catalog, survives it);
+    // its lease row stays.
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(&name)
+        .execute(&db.pool)
         .await
         .unwrap();
     let (entry, text) = status(&db.url, &name);

@@ -26,7 +26,7 @@ mod check_out;
 mod coordinate;
 mod hand_over;
 mod held;
-mod housekeeping;
+pub(crate) mod housekeeping;
 mod in_flight;
 mod lane;
 mod listen;
@@ -140,6 +140,7 @@ impl<T: Transport> Relay<T> {
                 self.config,
                 source,
                 self.id,
+                self.health,
                 shutdown,
             )
             .await;
@@ -189,7 +190,10 @@ impl<T: Transport> Relay<T> {
         let lanes = self.config.lanes.max(1);
         let (owned_tx, owned_rx) = tokio::sync::watch::channel(0u64);
         let coordinator = background.spawn(shared.clone().coordinate(owned_tx));
-        background.spawn(shared.clone().housekeeping());
+        background.spawn(housekeeping::housekeeping(
+            self.pool.clone(),
+            self.config.clone(),
+        ));
         background.spawn(shared.clone().watch_claims());
         // Not in `background`: it writes the last activity as the relay stops (below).
         let report_stop = CancellationToken::new();

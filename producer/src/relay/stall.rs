@@ -27,7 +27,7 @@ impl RelayHealth {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set(&self, problem: Option<String>) {
+    pub(crate) fn set(&self, problem: Option<String>) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = problem;
     }
 }

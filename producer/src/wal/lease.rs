@@ -132,7 +132,7 @@ async fn take(
 async fn end_walsender(pool: &PgPool, slot: &str, within: Duration) -> Result<(), sqlx::Error> {
     let ended: Vec<(i32, bool)> = sqlx::query_as(
         "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots
-         WHERE slot_name = $1 AND active_pid IS NOT NULL",
+         WHERE slot_name = $1 AND database = current_database() AND active_pid IS NOT NULL",
     )
     .bind(slot)
     .fetch_all(pool)
@@ -147,11 +147,13 @@ async fn end_walsender(pool: &PgPool, slot: &str, within: Duration) -> Result<()
     }
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
-        let active: Option<bool> =
-            sqlx::query_scalar("SELECT active FROM pg_replication_slots WHERE slot_name = $1")
-                .bind(slot)
-                .fetch_optional(pool)
-                .await?;
+        let active: Option<bool> = sqlx::query_scalar(
+            "SELECT active FROM pg_replication_slots
+                 WHERE slot_name = $1 AND database = current_database()",
+        )
+        .bind(slot)
+        .fetch_optional(pool)
+        .await?;
         if active != Some(true) {
             return Ok(());
         }

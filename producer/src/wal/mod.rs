@@ -1,8 +1,10 @@
 //! The WAL source of the relay (`postal relay --read-from wal`, [`crate::RelaySource::Wal`]):
 //! outbox inserts read from a logical replication slot (pgoutput) instead of claimed by
 //! polling, published through the same transport in commit order. docs/wal-relay.md has the
-//! design; `stream` reads the slot, `pgoutput` decodes it, `rows` locks, publishes and
-//! marks a batch's rows, and `confirm` is the rule for the slot's confirmed position.
+//! design; `check` checks the publication and slot before streaming, `stream` reads the
+//! slot, `pgoutput` decodes it, `rows` locks and marks a batch's rows, `publish` hands them to
+//! the transport (carrying failed and busy rows to the next batch), and `confirm` is the rule
+//! for the slot's confirmed position.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,13 +13,15 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::config::RelayConfig;
-use crate::relay::RelayStats;
-use crate::transport::{FailureKind, Transport};
+use crate::relay::{RelayHealth, RelayStats};
+use crate::transport::Transport;
 use crate::Error;
 
+mod check;
 mod confirm;
 mod lease;
 mod pgoutput;
+mod publish;
 mod rows;
 pub mod slot;
 mod stream;
@@ -68,6 +72,19 @@ impl WalSource {
 /// How often the relay records its slot's state as metrics.
 const METRICS_INTERVAL: Duration = Duration::from_secs(5);
 
+/// How many starts of streaming in a row may fail, over at least a lease, before the holder
+/// gives the slot's lease up for a standby ([`give_up_after`]).
+const FAILED_STARTS_TO_GIVE_UP: u32 = 3;
+
+/// How often rows another session holds locked are tried again.
+const BUSY_RETRY: Duration = Duration::from_secs(1);
+
+/// How many rows may be carried (failed or busy, with their keys' later rows) before the
+/// relay reads nothing more until they are done.
+fn carry_max(config: &RelayConfig) -> usize {
+    config.batch_size.max(1) * 4
+}
+
 /// Runs the WAL relay until `shutdown` resolves. A batch under way when it does gets
 /// `shutdown_timeout` to finish; one that does not is given up unconfirmed (its rows are read
 /// from the slot again by the next run, and those already marked are skipped).
@@ -80,12 +97,19 @@ pub(crate) async fn run<T: Transport>(
     config: RelayConfig,
     source: WalSource,
     holder: uuid::Uuid,
+    health: RelayHealth,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<RelayStats, Error> {
     let mut shutdown = std::pin::pin!(shutdown);
     let mut stats = RelayStats::default();
     let mut failures = 0u32;
+    // Failed starts of streaming in a row, and since when.
+    let mut failed_starts: Option<(u32, tokio::time::Instant)> = None;
     let mut held: Option<lease::Held> = None;
+    // A wrong publication or another database's slot: one line, and no stream at all.
+    if !checked(&pool, &source, &config, &mut shutdown).await? {
+        return Ok(stats);
+    }
     // The slot's state as metrics, every 5 s, holder or standby alike (alerts take the
     // maximum per slot).
     let metrics = tokio::spawn({
@@ -99,8 +123,33 @@ pub(crate) async fn run<T: Transport>(
             }
         }
     });
+    // The outbox's gauges (backlog, parked, oldest pending) and its upkeep, as polling relays
+    // record them: the alerts on them hold for WAL deployments too.
+    let housekeeping = tokio::spawn(crate::relay::housekeeping::housekeeping(
+        pool.clone(),
+        config.clone(),
+    ));
+    let mut ended: Result<(), Error> = Ok(());
     tracing::info!(slot = %source.slot, publication = %source.publication, %holder, "WAL relay started");
+    // Set once streaming failed to start too often: the lease is given up (below).
+    let mut give_up: Option<String> = None;
+    let mut busy = publish::BusyWatch::new(&health);
     'session: loop {
+        if let Some(why) = give_up.take() {
+            // A holder that cannot stream (its replication session refused: a pooler, no
+            // REPLICATION attribute, max_wal_senders used up) must not keep the slot from a
+            // standby that can.
+            let wait = give_up_after(&config);
+            tracing::warn!(slot = %source.slot, retry_in_s = wait.as_secs(),
+                "WAL relay: cannot stream from the slot ({why}); gave up the slot's lease so that a standby can take it (the replication connection needs a role with REPLICATION, connected directly, not through a pooler)");
+            if let Some(h) = held.take() {
+                h.release(&pool).await;
+            }
+            tokio::select! {
+                () = &mut shutdown => break 'session,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
         let lease = match &held {
             Some(h) if !h.is_lost() => h,
             _ => {
@@ -112,6 +161,16 @@ pub(crate) async fn run<T: Transport>(
                 }
             }
         };
+        // The slot and publication again as they are opened (dropped, re-created, altered
+        // meanwhile?).
+        match checked(&pool, &source, &config, &mut shutdown).await {
+            Ok(true) => {}
+            Ok(false) => break 'session,
+            Err(e) => {
+                ended = Err(e);
+                break 'session;
+            }
+        }
         let stream = tokio::select! {
             () = &mut shutdown => break 'session,
             s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(5))) => s,
@@ -120,6 +179,10 @@ pub(crate) async fn run<T: Transport>(
             Ok(s) => s,
             Err(e) => {
                 failures += 1;
+                if let Some(why) = failed_start(&mut failed_starts, &config, &e) {
+                    give_up = Some(why);
+                    continue;
+                }
                 tracing::warn!(error = %e, "WAL relay: could not start streaming; retrying");
                 // The previous holder's walsender may still be ending.
                 lease.end_walsender(&pool).await;
@@ -129,7 +192,15 @@ pub(crate) async fn run<T: Transport>(
                 continue;
             }
         };
+        let mut streamed = false;
         let mut confirm = confirm::Confirm::default();
+        // Rows that failed or that another session holds locked (and their keys' later rows),
+        // carried from batch to batch until they are done; nothing is confirmed meanwhile. A
+        // new session reads them from the slot again.
+        let mut carried: Vec<i64> = Vec::new();
+        let mut retry_at = tokio::time::Instant::now();
+        let mut carry_failures = 0u32;
+        busy.saw(&[]);
         loop {
             let read = tokio::select! {
                 biased;
@@ -142,13 +213,31 @@ pub(crate) async fn run<T: Transport>(
                     stream.stop().await;
                     continue 'session;
                 }
-                r = stream.next(config.batch_size) => r,
+                // Bounded: with this many rows carried, nothing more is read until they are
+                // done (a broker outage fails them all).
+                r = stream.next(config.batch_size), if carried.len() < carry_max(&config) => r,
+                // Carried rows are tried again when due, with or without new commits.
+                () = tokio::time::sleep_until(retry_at), if !carried.is_empty() => {
+                    Ok(stream::Read::Batch(stream::Batch::default()))
+                }
             };
+            if read.is_ok() && !streamed {
+                streamed = true;
+                failed_starts = None;
+            }
             match read {
                 Err(e) => {
                     failures += 1;
-                    tracing::warn!(error = %e, "WAL relay: the replication session ended; restarting from the slot's confirmed position");
                     stream.stop().await;
+                    // A session that ended before it gave anything did not start.
+                    if !streamed {
+                        if let Some(why) = failed_start(&mut failed_starts, &config, &e) {
+                            give_up = Some(why);
+                            continue 'session;
+                        }
+                        lease.end_walsender(&pool).await;
+                    }
+                    tracing::warn!(error = %e, "WAL relay: the replication session ended; restarting from the slot's confirmed position");
                     if pause(&config, failures, &mut shutdown).await {
                         break 'session;
                     }
@@ -161,13 +250,27 @@ pub(crate) async fn run<T: Transport>(
                 }
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
-                    confirm.received(batch.end_lsn);
-                    let publish = publish(&pool, &*transport, &config, &batch, lease, &mut stats);
+                    if batch.end_lsn > 0 {
+                        confirm.received(batch.end_lsn);
+                    }
+                    let was_carrying = !carried.is_empty();
+                    let due = !was_carrying || tokio::time::Instant::now() >= retry_at;
+                    let publish = publish::publish(
+                        &pool,
+                        &*transport,
+                        &config,
+                        std::mem::take(&mut carried),
+                        due,
+                        &batch,
+                        lease,
+                        &mut busy,
+                        &mut stats,
+                    );
                     let mut publish = std::pin::pin!(publish);
                     let done = tokio::select! {
                         () = &mut shutdown => {
                             let r = tokio::time::timeout(config.shutdown_timeout, &mut publish).await;
-                            if r == Ok(Ok(())) {
+                            if matches!(&r, Ok(Ok(left)) if left.rows.is_empty()) {
                                 stream.confirm(confirm.finished());
                             }
                             stream.stop().await;
@@ -179,7 +282,27 @@ pub(crate) async fn run<T: Transport>(
                         () = lease.lost() => Err(LeaseLost),
                     };
                     match done {
-                        Ok(()) => stream.confirm(confirm.finished()),
+                        Ok(left) if left.rows.is_empty() => {
+                            carry_failures = 0;
+                            stream.confirm(confirm.finished());
+                        }
+                        // Not confirmed past the carried rows.
+                        Ok(left) => {
+                            carried = left.rows;
+                            if due {
+                                let wait = if left.failed {
+                                    carry_failures += 1;
+                                    config
+                                        .backoff
+                                        .delay(carry_failures)
+                                        .min(Duration::from_secs(10))
+                                } else {
+                                    carry_failures = 0;
+                                    BUSY_RETRY
+                                };
+                                retry_at = tokio::time::Instant::now() + wait;
+                            }
+                        }
                         Err(LeaseLost) => {
                             tracing::warn!(slot = %source.slot, "WAL relay: lost the slot's lease with a batch in hand; nothing more of it is marked or confirmed, standing by");
                             lease.set_lost();
@@ -192,12 +315,67 @@ pub(crate) async fn run<T: Transport>(
         }
     }
     metrics.abort();
+    housekeeping.abort();
+    health.set(None);
     transport.flush(Duration::from_secs(1)).await;
     if let Some(h) = held {
         h.release(&pool).await;
     }
+    // A configuration to fix: the caller says it (one line).
+    ended?;
     tracing::info!(published = stats.published, "WAL relay stopped");
     Ok(stats)
+}
+
+/// Counts a failed start of streaming (`e`); what to say when it is time to give the lease up:
+/// [`FAILED_STARTS_TO_GIVE_UP`] failed starts in a row, over at least a lease.
+fn failed_start(
+    failed_starts: &mut Option<(u32, tokio::time::Instant)>,
+    config: &RelayConfig,
+    e: &Error,
+) -> Option<String> {
+    let (n, since) = failed_starts.get_or_insert((0, tokio::time::Instant::now()));
+    *n += 1;
+    if *n < FAILED_STARTS_TO_GIVE_UP || since.elapsed() < config.lease {
+        return None;
+    }
+    let why = format!(
+        "{n} failed starts in a row over {}s, the last: {e}",
+        since.elapsed().as_secs()
+    );
+    *failed_starts = None;
+    Some(why)
+}
+
+/// How long a holder that gave the slot's lease up waits before it tries to take it again: a
+/// lease, plus a second, so that a standby (which polls at most every second) takes it first.
+fn give_up_after(config: &RelayConfig) -> Duration {
+    config.lease + Duration::from_secs(1)
+}
+
+/// Checks the source's publication and slot ([`check::source`]), waiting out a database that
+/// does not answer (one line per attempt). `Ok(false)`: `shutdown` came first; an error: a
+/// configuration to fix.
+async fn checked(
+    pool: &PgPool,
+    source: &WalSource,
+    config: &RelayConfig,
+    shutdown: &mut std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+) -> Result<bool, Error> {
+    let mut failures = 0u32;
+    loop {
+        match check::source(pool, source).await {
+            Ok(()) => return Ok(true),
+            Err(e @ Error::Config(_)) => return Err(e),
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, slot = %source.slot, publication = %source.publication, "WAL relay: could not check the slot and publication (the database does not answer?); retrying");
+                if pause(config, failures, shutdown).await {
+                    return Ok(false);
+                }
+            }
+        }
+    }
 }
 
 /// Backs off after the `failures`th failure in a row; `true` when shutdown came meanwhile.
@@ -213,130 +391,6 @@ async fn pause(
     }
 }
 
-/// Publishes the rows of `batch` (whole transactions from the slot, in commit order) until each
-/// is acknowledged and marked, or found no longer to publish. Failed events are retried with
-/// backoff, each with its key's later events in the batch after it (the transport holds those
-/// back), before anything later is read from the slot. Ends early with [`LeaseLost`] once the
-/// slot's lease is no longer this relay's: nothing more is sent, and marks are refused.
-async fn publish<T: Transport>(
-    pool: &PgPool,
-    transport: &T,
-    config: &RelayConfig,
-    batch: &stream::Batch,
-    lease: &lease::Held,
-    stats: &mut RelayStats,
-) -> Result<(), LeaseLost> {
-    // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
-    // row not seen would be taken as published by someone else and skipped, and lost.
-    let mut failures = 0u32;
-    while let Err(e) = rows::visible(pool, &batch.xids).await {
-        failures += 1;
-        tracing::warn!(error = %e, "WAL relay: could not check that the batch's transactions are visible; retrying");
-        tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10))).await;
-    }
-    let mut todo: Vec<i64> = batch.seqs.clone();
-    let mut failures = 0u32;
-    while !todo.is_empty() {
-        let chunk_len = todo.len().min(config.batch_size);
-        let chunk: Vec<i64> = todo[..chunk_len].to_vec();
-        if !lease.may_send() {
-            return Err(LeaseLost);
-        }
-        let locked = match rows::lock(pool, &chunk, config.lease / 2).await {
-            Ok(l) => l,
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "WAL relay: could not lock the batch's rows; retrying");
-                tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
-                    .await;
-                continue;
-            }
-        };
-        if locked.left > 0 {
-            tracing::warn!(rows = locked.left, "WAL relay: rows held back (scheduled, retried, parked or behind such a row of their key) are left pending for a polling relay");
-        }
-        let events = locked.events.clone();
-        // The lease is checked again after the lock, which may have waited: a batch goes to
-        // the transport only with more than half the lease left.
-        if !lease.may_send() {
-            return Err(LeaseLost);
-        }
-        let outcomes = if events.is_empty() {
-            Vec::new()
-        } else {
-            transport.send(&events).await.await
-        };
-        let mut published = Vec::with_capacity(events.len());
-        let mut failed = Vec::new();
-        let mut parked = Vec::new();
-        let mut worst = None;
-        for (e, outcome) in events.iter().zip(&outcomes) {
-            match outcome {
-                Ok(()) => published.push(e.seq),
-                // Refused for good (too large, invalid): parked, as polling parks it; its
-                // key's later rows are then left behind it (`rows::lock`). Retrying it would
-                // stop the relay on this batch forever, every key with it.
-                Err(err) if err.kind == FailureKind::Permanent => {
-                    parked.push(crate::complete::Failure {
-                        seq: e.seq,
-                        counts: true,
-                        park: true,
-                        hold: true,
-                        retry_in: Duration::ZERO,
-                        reason: Some(err.reason.clone()),
-                    });
-                }
-                Err(err) => {
-                    if worst.is_none() && err.kind != FailureKind::HeldBack {
-                        worst = Some(err.clone());
-                    }
-                    failed.push(e.seq);
-                }
-            }
-        }
-        match locked
-            .mark(&published, &parked, config.delete_on_publish, lease)
-            .await
-        {
-            Ok(false) => {
-                transport.recorded(&events, false);
-                tracing::warn!(
-                    rows = published.len(),
-                    "WAL relay: marks refused: the slot's lease moved to another relay"
-                );
-                return Err(LeaseLost);
-            }
-            Ok(true) => {
-                transport.recorded(&events, true);
-                stats.published += published.len() as u64;
-                stats.parked += parked.len() as u64;
-                for p in &parked {
-                    tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
-                }
-                // Done with the chunk, except its failed rows: they go first again.
-                failed.extend_from_slice(&todo[chunk_len..]);
-                todo = failed;
-                if let Some(err) = worst {
-                    failures += 1;
-                    tracing::warn!(reason = %err, "WAL relay: a publish failed; retrying it (and its key's later events) before reading further");
-                    tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
-                        .await;
-                } else {
-                    failures = 0;
-                }
-            }
-            Err(e) => {
-                transport.recorded(&events, false);
-                failures += 1;
-                tracing::warn!(error = %e, "WAL relay: could not mark published rows; publishing the batch again (duplicates carry the same ce_id)");
-                tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
-                    .await;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The slot's lease is no longer this relay's.
 #[derive(Debug, PartialEq, Eq)]
-struct LeaseLost;
+pub(crate) struct LeaseLost;

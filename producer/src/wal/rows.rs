@@ -1,9 +1,11 @@
 //! The outbox rows of a batch read from the slot: locked, published, marked.
 //!
 //! The WAL says which rows were committed and in which order; the outbox row says whether one
-//! is still to publish. A batch's rows are locked (`FOR UPDATE`, waiting for any other session
-//! that holds one, such as a polling relay finishing its claim) and only those still pending,
-//! due at once and not behind a held row of their key are published, in commit order. The
+//! is still to publish. A batch's rows are locked (`FOR UPDATE SKIP LOCKED`) and only those
+//! still pending, due at once and not behind a held row of their key are published, in commit
+//! order. A row still pending that another session holds locked (an operator's open
+//! transaction, a polling relay finishing its claim) is [`Busy`]: it and its key's later rows
+//! of the batch are tried again later, while the batch's other keys go on. The
 //! acknowledged ones are marked in the same transaction, the way polling marks them (deleted,
 //! or marked `published` with `--keep-published`), and it commits before the relay confirms
 //! the slot's position. So a row already published by a polling relay, or by this relay before
@@ -21,6 +23,21 @@ pub(crate) struct Locked {
     /// Rows of the batch still pending that the relay does not publish: held, or behind a held
     /// row of their key (scheduled for later, waiting for a retry, parked, checked out).
     pub left: usize,
+    /// Rows still pending that another session holds locked, in commit order.
+    pub busy: Vec<Busy>,
+    /// The rows to try again: the busy and deferred ones and their keys' later rows of `seqs`.
+    pub again: std::collections::HashSet<i64>,
+}
+
+/// A row of the batch still pending that another session holds locked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Busy {
+    pub seq: i64,
+    pub topic: String,
+    pub key: String,
+    /// The backend holding the row's lock, when PostgreSQL tells (`pg_locks` on the row's
+    /// locking transaction; not for a lock shared by several).
+    pub pid: Option<i32>,
 }
 
 /// Waits until the transactions `xids` (32-bit ids from the stream) are visible to new
@@ -66,15 +83,19 @@ fn widen(near: i64, xid: u32) -> i64 {
     }
 }
 
-/// Locks the rows `seqs` that are still to publish and reads them. The transaction may stay
-/// idle for at most `idle` (half the slot's lease), and its session drops a client that stops
-/// acknowledging data after as long (`tcp_user_timeout`): a frozen or cut-off relay's locks end
-/// by themselves, and the slot's next holder gets the rows.
+/// Locks the rows `seqs` that are still to publish and reads them, without waiting for a row
+/// another session holds ([`Locked::busy`]). Such a row, a row of `defer` (not to send now),
+/// and their keys' later rows of `seqs` are left out, to try again ([`Locked::again`]). The transaction may stay idle for at most `idle` (half the slot's
+/// lease), and its session drops a client that stops acknowledging data after as long
+/// (`tcp_user_timeout`): a frozen or cut-off relay's locks end by themselves, and the slot's
+/// next holder gets the rows.
 pub(crate) async fn lock(
     pool: &PgPool,
     seqs: &[i64],
+    defer: &std::collections::HashSet<i64>,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
+    use sqlx::Row as _;
     let mut tx = pool.begin().await?;
     sqlx::query(
         "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
@@ -92,24 +113,76 @@ pub(crate) async fn lock(
               AND h.event_key = d.event_key AND h.topic = d.topic \
               AND h.seq < d.seq)) AS left_behind \
          FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
-         FOR UPDATE OF d"
+         FOR UPDATE OF d SKIP LOCKED"
     ))
     .bind(seqs)
     .fetch_all(&mut *tx)
     .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
-    let mut left = 0;
+    let mut behind = std::collections::HashSet::new();
     for row in &rows {
-        use sqlx::Row as _;
         if row.try_get::<bool, _>(16)? {
-            left += 1;
+            behind.insert(row.try_get::<i64, _>(0)?);
             continue;
         }
         let (event, _, _) = crate::claim::decode(row)?;
         found.insert(event.seq, event);
     }
-    let events = seqs.iter().filter_map(|s| found.remove(s)).collect();
-    Ok(Locked { tx, events, left })
+    // The rows not locked here: published or deleted meanwhile, or still pending and held by
+    // another session (whose pid the row's locking transaction tells).
+    let missing: Vec<i64> = seqs
+        .iter()
+        .copied()
+        .filter(|s| !found.contains_key(s) && !behind.contains(s))
+        .collect();
+    let mut busy: Vec<Busy> = if missing.is_empty() {
+        Vec::new()
+    } else {
+        sqlx::query_as::<_, (i64, String, String, Option<i32>)>(
+            "SELECT d.seq, d.topic, d.event_key,
+                    (SELECT l.pid FROM pg_locks l
+                     WHERE l.locktype = 'transactionid' AND l.transactionid = d.xmax
+                       AND l.mode = 'ExclusiveLock' AND l.granted LIMIT 1)
+             FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending'",
+        )
+        .bind(&missing)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|(seq, topic, key, pid)| Busy {
+            seq,
+            topic,
+            key,
+            pid,
+        })
+        .collect()
+    };
+    busy.sort_by_key(|b| seqs.iter().position(|s| *s == b.seq));
+    // A busy or deferred row holds back its key's later rows of the batch.
+    let mut again = std::collections::HashSet::new();
+    let mut blocked = std::collections::HashSet::<(String, String)>::new();
+    let mut events = Vec::with_capacity(found.len());
+    for seq in seqs {
+        if let Some(b) = busy.iter().find(|b| b.seq == *seq) {
+            blocked.insert((b.topic.clone(), b.key.clone()));
+            again.insert(*seq);
+        } else if let Some(event) = found.remove(seq) {
+            let key = (event.topic.clone(), event.key.clone());
+            if defer.contains(seq) || blocked.contains(&key) {
+                blocked.insert(key);
+                again.insert(*seq);
+            } else {
+                events.push(event);
+            }
+        }
+    }
+    Ok(Locked {
+        tx,
+        events,
+        left: behind.len(),
+        busy,
+        again,
+    })
 }
 
 impl Locked {

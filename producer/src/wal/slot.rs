@@ -7,7 +7,9 @@
 
 use sqlx::PgPool;
 
-fn checked(name: &str) -> Result<&str, sqlx::Error> {
+use crate::Error;
+
+fn checked(name: &str) -> Result<&str, Error> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && name
@@ -16,7 +18,7 @@ fn checked(name: &str) -> Result<&str, sqlx::Error> {
     if ok {
         Ok(name)
     } else {
-        Err(sqlx::Error::Protocol(format!(
+        Err(Error::Config(format!(
             "{name:?}: slot and publication names are 1 to 63 of a-z, 0-9 and _"
         )))
     }
@@ -24,12 +26,12 @@ fn checked(name: &str) -> Result<&str, sqlx::Error> {
 
 /// Creates the publication of `postal.outbox` inserts (if missing) and the logical slot with
 /// plugin `pgoutput` (if missing). Returns the slot's consistent point when it was created.
-pub async fn create(
-    pool: &PgPool,
-    slot: &str,
-    publication: &str,
-) -> Result<Option<String>, sqlx::Error> {
+///
+/// Slot names are server-wide: a slot of that name of another database (or not a `pgoutput`
+/// one) is refused with [`Error::Config`], one line naming both databases.
+pub async fn create(pool: &PgPool, slot: &str, publication: &str) -> Result<Option<String>, Error> {
     let (slot, publication) = (checked(slot)?, checked(publication)?);
+    super::check::slot_of_this_database(pool, slot).await?;
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
             .bind(publication)
@@ -43,7 +45,8 @@ pub async fn create(
         .await?;
     }
     let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots
+                        WHERE slot_name = $1 AND database = current_database())",
     )
     .bind(slot)
     .fetch_one(pool)
@@ -60,11 +63,13 @@ pub async fn create(
     Ok(Some(lsn))
 }
 
-/// Drops the slot (if present and inactive) and the publication (if present).
-pub async fn drop(pool: &PgPool, slot: &str, publication: &str) -> Result<(), sqlx::Error> {
+/// Drops the slot (if present in this database and inactive) and the publication (if
+/// present).
+pub async fn drop(pool: &PgPool, slot: &str, publication: &str) -> Result<(), Error> {
     let (slot, publication) = (checked(slot)?, checked(publication)?);
     sqlx::query(
-        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+         WHERE slot_name = $1 AND database = current_database()",
     )
     .bind(slot)
     .execute(pool)
@@ -75,10 +80,12 @@ pub async fn drop(pool: &PgPool, slot: &str, publication: &str) -> Result<(), sq
     Ok(())
 }
 
-/// The slot's confirmed position (`confirmed_flush_lsn`), if the slot exists.
+/// The slot's confirmed position (`confirmed_flush_lsn`), if the slot exists in this
+/// database.
 pub async fn confirmed(pool: &PgPool, slot: &str) -> Result<Option<String>, sqlx::Error> {
     Ok(sqlx::query_scalar(
-        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
+         WHERE slot_name = $1 AND database = current_database()",
     )
     .bind(slot)
     .fetch_optional(pool)

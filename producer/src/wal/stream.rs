@@ -38,6 +38,10 @@ pub(crate) struct Stream {
     /// The transaction being received (its id and inserts), when a `Begin` came without its
     /// `Commit`.
     open: Option<(u32, Vec<i64>)>,
+    /// The whole transactions received for the next batch, kept here so that [`Stream::next`]
+    /// is cancel-safe.
+    batch: Batch,
+    committed: bool,
 }
 
 impl Stream {
@@ -61,6 +65,8 @@ impl Stream {
             client,
             decoder: Decoder::default(),
             open: None,
+            batch: Batch::default(),
+            committed: false,
         })
     }
 
@@ -71,17 +77,16 @@ impl Stream {
 
     /// Waits for the next commit (or keepalive), then takes every further whole transaction
     /// already received without waiting, up to about `max` inserts: a batch grows with the
-    /// backlog and costs no wait when there is none.
+    /// backlog and costs no wait when there is none. Cancel-safe: what was received is kept
+    /// for the next call.
     pub(crate) async fn next(&mut self, max: usize) -> Result<Read, Error> {
-        let mut batch = Batch::default();
-        let mut committed = false;
         loop {
-            let event = if committed && self.open.is_none() {
-                if batch.seqs.len() >= max {
-                    return Ok(Read::Batch(batch));
+            let event = if self.committed && self.open.is_none() {
+                if self.batch.seqs.len() >= max {
+                    return Ok(Read::Batch(self.take()));
                 }
                 match self.client.recv().now_or_never() {
-                    None => return Ok(Read::Batch(batch)),
+                    None => return Ok(Read::Batch(self.take())),
                     Some(event) => event,
                 }
             } else {
@@ -109,14 +114,14 @@ impl Stream {
                         .take()
                         .ok_or_else(|| Error::Wal("a commit without its begin".into()))?;
                     if !seqs.is_empty() {
-                        batch.xids.push(xid);
+                        self.batch.xids.push(xid);
                     }
-                    batch.seqs.extend(seqs);
-                    batch.end_lsn = end_lsn.as_u64();
-                    committed = true;
+                    self.batch.seqs.extend(seqs);
+                    self.batch.end_lsn = end_lsn.as_u64();
+                    self.committed = true;
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } => {
-                    if !committed && self.open.is_none() {
+                    if !self.committed && self.open.is_none() {
                         return Ok(Read::KeepAlive(wal_end.as_u64()));
                     }
                 }
@@ -126,6 +131,12 @@ impl Stream {
                 }
             }
         }
+    }
+
+    /// The batch received so far, taken.
+    fn take(&mut self) -> Batch {
+        self.committed = false;
+        std::mem::take(&mut self.batch)
     }
 
     /// Ends the session (the server keeps the slot's confirmed position).

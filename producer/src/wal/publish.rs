@@ -1,0 +1,248 @@
+//! Publishing one batch read from the slot: its rows locked, handed to the transport in
+//! commit order, marked. Rows that failed and rows another session holds locked (each with
+//! its key's later rows) are carried into the next batch, to try again, while other keys go
+//! on.
+
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+use super::{lease, rows, stream, LeaseLost};
+use crate::config::RelayConfig;
+use crate::relay::{RelayHealth, RelayStats, STALL_AFTER};
+use crate::transport::{FailureKind, Transport};
+
+/// What a batch left to try again: rows that failed or were busy (locked by another session),
+/// with their keys' later rows, in commit order.
+#[derive(Debug, Default)]
+pub(super) struct Carry {
+    pub rows: Vec<i64>,
+    /// Some of them failed at the transport (not only busy): retried with backoff.
+    pub failed: bool,
+}
+
+/// Publishes the rows `carried` (left by earlier batches, earlier in commit order) and then
+/// those of `batch` (whole transactions from the slot, in commit order) until each is
+/// acknowledged and marked, or found no longer to publish, or is left to try again ([`Carry`]).
+/// The carried rows are sent again only when `due`; until then they, like a row that fails
+/// here or that another session holds locked, hold back their keys' later rows, which are
+/// carried with them, while the other keys go on: the relay does not confirm the slot past
+/// a carried row. Past [`STALL_AFTER`] of busy rows the relay's health says it is stalled
+/// (`/readyz`). Ends early with [`LeaseLost`] once the slot's lease is no longer this
+/// relay's: nothing more is sent, and marks are refused.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn publish<T: Transport>(
+    pool: &PgPool,
+    transport: &T,
+    config: &RelayConfig,
+    carried: Vec<i64>,
+    due: bool,
+    batch: &stream::Batch,
+    lease: &lease::Held,
+    busy: &mut BusyWatch<'_>,
+    stats: &mut RelayStats,
+) -> Result<Carry, LeaseLost> {
+    // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
+    // row not seen would be taken as published by someone else and skipped, and lost.
+    let mut failures = 0u32;
+    while let Err(e) = rows::visible(pool, &batch.xids).await {
+        failures += 1;
+        tracing::warn!(error = %e, "WAL relay: could not check that the batch's transactions are visible; retrying");
+        tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10))).await;
+    }
+    // Busy rows (and their keys' later rows) at the head of `todo`: the next chunk takes a
+    // batch's worth of rows past them.
+    let mut waiting = carried.len();
+    // Rows not to send in this call: carried ones not yet due, and those that fail here.
+    let mut defer: std::collections::HashSet<i64> = if due {
+        Default::default()
+    } else {
+        carried.iter().copied().collect()
+    };
+    let mut any_failed = false;
+    let mut todo: Vec<i64> = carried;
+    todo.extend_from_slice(&batch.seqs);
+    let mut failures = 0u32;
+    while !todo.is_empty() {
+        let chunk_len = todo.len().min(config.batch_size + waiting);
+        let chunk: Vec<i64> = todo[..chunk_len].to_vec();
+        if !lease.may_send() {
+            return Err(LeaseLost);
+        }
+        let locked = match rows::lock(pool, &chunk, &defer, config.lease / 2).await {
+            Ok(l) => l,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "WAL relay: could not lock the batch's rows; retrying");
+                tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
+                    .await;
+                continue;
+            }
+        };
+        if locked.left > 0 {
+            tracing::warn!(rows = locked.left, "WAL relay: rows held back (scheduled, retried, parked or behind such a row of their key) are left pending for a polling relay");
+        }
+        busy.saw(&locked.busy);
+        let again = locked.again.clone();
+        let events = locked.events.clone();
+        // The lease is checked again after the lock, which may have waited: a batch goes to
+        // the transport only with more than half the lease left.
+        if !lease.may_send() {
+            return Err(LeaseLost);
+        }
+        let outcomes = if events.is_empty() {
+            Vec::new()
+        } else {
+            transport.send(&events).await.await
+        };
+        let mut published = Vec::with_capacity(events.len());
+        let mut failed = Vec::new();
+        let mut parked = Vec::new();
+        let mut worst = None;
+        for (e, outcome) in events.iter().zip(&outcomes) {
+            match outcome {
+                Ok(()) => published.push(e.seq),
+                // Refused for good (too large, invalid): parked, as polling parks it; its
+                // key's later rows are then left behind it (`rows::lock`). Retrying it would
+                // stop the relay on this batch forever, every key with it.
+                Err(err) if err.kind == FailureKind::Permanent => {
+                    parked.push(crate::complete::Failure {
+                        seq: e.seq,
+                        counts: true,
+                        park: true,
+                        hold: true,
+                        retry_in: Duration::ZERO,
+                        reason: Some(err.reason.clone()),
+                    });
+                }
+                Err(err) => {
+                    if worst.is_none() && err.kind != FailureKind::HeldBack {
+                        worst = Some(err.clone());
+                    }
+                    failed.push(e.seq);
+                }
+            }
+        }
+        match locked
+            .mark(&published, &parked, config.delete_on_publish, lease)
+            .await
+        {
+            Ok(false) => {
+                transport.recorded(&events, false);
+                tracing::warn!(
+                    rows = published.len(),
+                    "WAL relay: marks refused: the slot's lease moved to another relay"
+                );
+                return Err(LeaseLost);
+            }
+            Ok(true) => {
+                transport.recorded(&events, true);
+                stats.published += published.len() as u64;
+                stats.parked += parked.len() as u64;
+                metrics::counter!("postal_relay_published_total").increment(published.len() as u64);
+                metrics::counter!("postal_relay_failed_total").increment(parked.len() as u64);
+                for p in &parked {
+                    tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
+                }
+                // Done with the chunk, except its failed, deferred and busy rows (and their
+                // keys' later rows): they stay ahead of the rest, in commit order.
+                let retried = failed.len();
+                if retried > 0 {
+                    metrics::counter!("postal_relay_retried_total").increment(retried as u64);
+                    any_failed = true;
+                }
+                if let Some(err) = worst {
+                    tracing::warn!(reason = %err, rows = retried, "WAL relay: a publish failed; it is tried again with backoff, its key's later events wait for it, other keys go on");
+                }
+                defer.extend(failed.iter().copied());
+                let mut next: Vec<i64> = chunk
+                    .iter()
+                    .copied()
+                    .filter(|s| failed.contains(s) || again.contains(s))
+                    .collect();
+                let rest = &todo[chunk_len..];
+                if rest.is_empty() {
+                    return Ok(Carry {
+                        rows: next,
+                        failed: any_failed,
+                    });
+                }
+                waiting = next.len();
+                next.extend_from_slice(rest);
+                todo = next;
+                failures = 0;
+            }
+            Err(e) => {
+                transport.recorded(&events, false);
+                failures += 1;
+                tracing::warn!(error = %e, "WAL relay: could not mark published rows; publishing the batch again (duplicates carry the same ce_id)");
+                tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
+                    .await;
+            }
+        }
+    }
+    busy.saw(&[]);
+    Ok(Carry::default())
+}
+
+/// Rows of the batch that another session holds locked, as the relay says so: one warning
+/// naming the row and the session when a row is first found busy, and past [`STALL_AFTER`]
+/// the relay's health (`/readyz`) not ready, until no row is busy.
+pub(super) struct BusyWatch<'a> {
+    health: &'a RelayHealth,
+    /// The busy rows seen last (by seq), and since when the batch has had busy rows.
+    seen: Vec<i64>,
+    since: Option<Instant>,
+    stalled: bool,
+}
+
+impl<'a> BusyWatch<'a> {
+    pub(super) fn new(health: &'a RelayHealth) -> Self {
+        BusyWatch {
+            health,
+            seen: Vec::new(),
+            since: None,
+            stalled: false,
+        }
+    }
+
+    /// The busy rows of the last lock (none: the batch goes on).
+    pub(super) fn saw(&mut self, busy: &[rows::Busy]) {
+        let Some(first) = busy.first() else {
+            if self.since.take().is_some() {
+                tracing::info!("WAL relay: the outbox rows locked by another session are free again; publishing them");
+            }
+            if std::mem::take(&mut self.stalled) {
+                self.health.set(None);
+            }
+            self.seen.clear();
+            return;
+        };
+        let since = *self.since.get_or_insert_with(Instant::now);
+        for b in busy {
+            if !self.seen.contains(&b.seq) {
+                tracing::warn!(seq = b.seq, topic = %b.topic, key = %b.key, blocking_pid = ?b.pid,
+                    "WAL relay: an outbox row is locked by another session; its key's later events wait for it, other keys go on, and the slot is not confirmed past it meanwhile: end that session's transaction if it is stuck");
+            }
+        }
+        self.seen = busy.iter().map(|b| b.seq).collect();
+        let waited = since.elapsed();
+        if waited >= STALL_AFTER {
+            let pid = first
+                .pid
+                .map_or_else(|| "a session not known".to_owned(), |p| format!("pid {p}"));
+            let problem = format!(
+                "outbox row seq {} (topic {}, key {}) has been locked by another session ({pid}) for {}s: its key's events wait and the slot (and the WAL it keeps) is not confirmed past it; end that session's transaction (pg_terminate_backend) if it is stuck",
+                first.seq,
+                first.topic,
+                first.key,
+                waited.as_secs()
+            );
+            if !self.stalled {
+                tracing::warn!("WAL relay stalled: {problem}");
+                self.stalled = true;
+            }
+            self.health.set(Some(problem));
+        }
+    }
+}
