@@ -60,6 +60,14 @@ macro_rules! string_newtype {
             }
         }
 
+        /// So that a `&String` is taken where a `&str` is (`NewEvent::json(&topic, &key, …)`).
+        impl TryFrom<&String> for $name {
+            type Error = Error;
+            fn try_from(value: &String) -> Result<Self, Error> {
+                Self::new(value.as_str())
+            }
+        }
+
         impl std::str::FromStr for $name {
             type Err = Error;
             fn from_str(value: &str) -> Result<Self, Error> {
