@@ -10,7 +10,7 @@ fn looks_like_event_id(s: &str) -> bool {
     s.len() >= 8
         && s.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
         && s.chars()
-            .any(|c| c.is_ascii_hexdigit() && !c.is_ascii_digit() || c == '-')
+            .any(|c| (c.is_ascii_hexdigit() && !c.is_ascii_digit()) || c == '-')
 }
 
 /// A dead letter's id (`postal dead-letters show|replay|resolve`).
