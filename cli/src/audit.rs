@@ -27,9 +27,10 @@ pub enum AuditCommand {
     #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "id_flag"])))]
     Show {
         /// The entry's id (first column of `list`; or `--id`).
+        #[arg(value_parser = crate::ids::audit_entry)]
         id: Option<i64>,
         /// The entry's id.
-        #[arg(long = "id", value_name = "ID", conflicts_with = "id")]
+        #[arg(long = "id", value_name = "ID", conflicts_with = "id", value_parser = crate::ids::audit_entry)]
         id_flag: Option<i64>,
     },
 }

@@ -102,6 +102,9 @@ pub async fn run(pool: &PgPool, args: CleanupArgs) -> anyhow::Result<()> {
             .fetch_all(pool)
             .await?
         } else {
+            for c in &args.consumers {
+                crate::known::consumer(pool, c).await?;
+            }
             args.consumers
         };
         for c in consumers {

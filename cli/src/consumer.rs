@@ -124,16 +124,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
     let target = parse_target(&to)?;
     let every_partition = partitions.is_empty();
     let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
-    let known: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM postal.consumer_offsets WHERE group_id = $1)",
-    )
-    .bind(&group)
-    .fetch_one(pool)
-    .await?;
-    anyhow::ensure!(
-        known || new_group,
-        "consumer group {group:?} has no stored offsets in this database (a typo? `postal status` lists the groups); nothing changed: pass --new-group to give a new group its first offsets"
-    );
+    crate::known::group(pool, &group, Some(new_group)).await?;
     // Partitions whose log was replaced under the group (a re-created topic, another
     // cluster): the consumers stopped the topic, or the stored offset is above the high
     // watermark (found below).
@@ -151,18 +142,7 @@ pub async fn run(pool: &PgPool, cmd: ConsumerCommand) -> anyhow::Result<()> {
     // A consumer named here that never deduplicated anything in this database (a typo, the
     // group's name) would leave the retention check with no horizon to hold: refused.
     for name in &consumers {
-        let known: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM postal.dedup_horizon WHERE consumer_name = $1)
-                 OR EXISTS (SELECT 1 FROM postal.processed_events WHERE consumer_name = $1)
-                 OR EXISTS (SELECT 1 FROM postal.consumer_settings WHERE consumer_name = $1)",
-        )
-        .bind(name)
-        .fetch_one(pool)
-        .await?;
-        anyhow::ensure!(
-            known,
-            "no consumer {name:?} has deduplicated events in this database: --consumer names the handlers' dedup scope (#[idempotent(consumer = \"...\")]; `postal status` lists them); nothing changed"
-        );
+        crate::known::consumer(pool, name).await?;
     }
     // The newest horizon among the consumers checked: the strictest.
     let horizon: Option<(String, DateTime<Utc>)> = if force_past_retention {

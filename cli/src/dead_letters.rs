@@ -1,4 +1,4 @@
-//! `postal dead-letters`: records consumers gave up on — list, show, replay.
+//! `postal dead-letters`: records consumers gave up on — list, show, replay, resolve.
 
 use crate::out::say;
 use crate::shown::{shown, shown_bytes};
@@ -19,6 +19,9 @@ pub enum DeadLetterCommand {
         /// Only this consumer.
         #[arg(long)]
         consumer: Option<String>,
+        /// Only the dead letters of this event (its event id, a UUID).
+        #[arg(long, value_name = "EVENT_ID", value_parser = crate::ids::event_id_of_dead_letter)]
+        event: Option<uuid::Uuid>,
         /// At most this many.
         #[arg(long, default_value_t = 50)]
         limit: i64,
@@ -37,9 +40,10 @@ pub enum DeadLetterCommand {
     #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "id_flag"])))]
     Show {
         /// The dead letter's id (first column of `list`; or `--id`).
+        #[arg(value_parser = crate::ids::dead_letter)]
         id: Option<i64>,
         /// The dead letter's id.
-        #[arg(long = "id", value_name = "ID", conflicts_with = "id")]
+        #[arg(long = "id", value_name = "ID", conflicts_with = "id", value_parser = crate::ids::dead_letter)]
         id_flag: Option<i64>,
         /// Print key, headers, payload and error as stored, control characters included
         /// (else escaped).
@@ -56,10 +60,10 @@ pub enum DeadLetterCommand {
     /// sending, so the event goes through the handler once more — once.
     Replay {
         /// Dead letter ids (or `--id`, repeatable).
-        #[arg(value_name = "ID", conflicts_with_all = ["consumer", "all"])]
+        #[arg(value_name = "ID", conflicts_with_all = ["consumer", "all"], value_parser = crate::ids::dead_letter)]
         listed: Vec<i64>,
         /// Dead letter ids (repeatable).
-        #[arg(long = "id", value_name = "ID", conflicts_with_all = ["consumer", "all"])]
+        #[arg(long = "id", value_name = "ID", conflicts_with_all = ["consumer", "all"], value_parser = crate::ids::dead_letter)]
         ids: Vec<i64>,
         /// Every unreplayed dead letter of this consumer.
         #[arg(long, conflicts_with = "all")]
@@ -75,12 +79,39 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         force_past_retention: bool,
     },
+    /// Mark open dead letters resolved: settled without a replay (the handler's effect was
+    /// made by hand, or the event is to be dropped). They stay recorded, with their dedup
+    /// rows, so their events are never applied; audited as the dashboard's resolve is.
+    Resolve {
+        /// Dead letter ids (or `--id`, repeatable).
+        #[arg(value_name = "ID", value_parser = crate::ids::dead_letter)]
+        listed: Vec<i64>,
+        /// Dead letter ids (repeatable).
+        #[arg(long = "id", value_name = "ID", value_parser = crate::ids::dead_letter)]
+        ids: Vec<i64>,
+        /// Show what would be resolved (one line per dead letter, and the count) and change
+        /// nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// A dead letter's state: open, replayed or resolved.
+fn state(d: &DeadLetter) -> &'static str {
+    if d.replayed {
+        "replayed"
+    } else if d.resolved {
+        "resolved"
+    } else {
+        "open"
+    }
 }
 
 pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
     match cmd {
         DeadLetterCommand::List {
             consumer,
+            event,
             limit,
             include_replayed,
             json,
@@ -88,7 +119,11 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
         } => {
             let mut filter = Filter::default().all(include_replayed);
             if let Some(consumer) = consumer {
+                crate::known::consumer(pool, &consumer).await?;
                 filter = filter.consumer(consumer);
+            }
+            if let Some(event) = event {
+                filter = filter.event_id(event);
             }
             let rows = dead_letters::oldest(pool, &filter, limit).await?;
             if json {
@@ -96,21 +131,23 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 return Ok(());
             }
             say!(
-                "{:>6}  {:<12} {:<24} {:>9}  {:<18} ERROR",
+                "{:>6}  {:<12} {:<24} {:>9}  {:<18} {:<8} ERROR",
                 "ID",
                 "CONSUMER",
                 "TOPIC",
                 "PART/OFF",
-                "REASON"
+                "REASON",
+                "STATE"
             );
             for r in &rows {
                 say!(
-                    "{:>6}  {:<12} {:<24} {:>9}  {:<18} {}",
+                    "{:>6}  {:<12} {:<24} {:>9}  {:<18} {:<8} {}",
                     r.id,
                     shown(&r.consumer_name, raw),
                     shown(&r.topic, raw),
                     format!("{}/{}", r.partition, r.kafka_offset),
                     r.reason,
+                    state(r),
                     shown(&r.error, raw)
                 );
             }
@@ -126,7 +163,11 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             full,
         } => {
             let id = id.or(id_flag).expect("clap requires one");
-            let Some(Full {
+            let Some(found) = dead_letters::show(pool, id).await? else {
+                anyhow::bail!("no dead letter {id}");
+            };
+            let st = state(&found.listed);
+            let Full {
                 listed:
                     DeadLetter {
                         consumer_name: consumer,
@@ -144,10 +185,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                 header_names: names,
                 header_values: values,
                 ..
-            }) = dead_letters::show(pool, id).await?
-            else {
-                anyhow::bail!("no dead letter {id}");
-            };
+            } = found;
             let text = |b: &[u8]| shown_bytes(b, raw);
             say!("dead letter:  {id} (consumer {})", shown(&consumer, raw));
             say!(
@@ -161,6 +199,7 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     .unwrap_or_else(|| "-".into())
             );
             say!("reason:       {reason} after {attempts} attempt(s)");
+            say!("state:        {st}");
             say!("error:        {}", shown(&error, raw));
             say!(
                 "key:          {}",
@@ -194,6 +233,9 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
                     "say what to replay: dead letter ids (or --id <id>), --consumer <name> or --all"
                 );
             }
+            if let Some(consumer) = &consumer {
+                crate::known::consumer(pool, consumer).await?;
+            }
             let bootstrap_servers = crate::required_bootstrap(bootstrap_servers.as_deref())?;
             let filter = consumer
                 .iter()
@@ -226,6 +268,54 @@ pub async fn run(pool: &PgPool, cmd: DeadLetterCommand) -> anyhow::Result<()> {
             };
             progress.finish();
             say!("replayed {done} dead letter(s) to their original topics");
+            Ok(())
+        }
+        DeadLetterCommand::Resolve {
+            listed,
+            mut ids,
+            dry_run,
+        } => {
+            ids.extend(listed);
+            anyhow::ensure!(
+                !ids.is_empty(),
+                "say what to resolve: dead letter ids (or --id <id>), from `postal dead-letters list`"
+            );
+            let found = dead_letters::matched(pool, &ids, &Filter::default(), None).await?;
+            if dry_run {
+                for r in dead_letters::by_ids(pool, &found, found.len() as i64).await? {
+                    say!(
+                        "{:>6}  {}  {}  {}/{}  {}  {}",
+                        r.id,
+                        shown(&r.consumer_name, false),
+                        shown(&r.topic, false),
+                        r.partition,
+                        r.kafka_offset,
+                        r.reason,
+                        shown(&postal_shared::text::bounded(&r.error, 200), false)
+                    );
+                }
+                eprintln!(
+                    "dry run: would resolve {} dead letter(s); nothing changed",
+                    found.len()
+                );
+                if found.len() < ids.len() {
+                    eprintln!(
+                        "({} of the given ids are not open dead letters)",
+                        ids.len() - found.len()
+                    );
+                }
+                return Ok(());
+            }
+            let by = crate::audit::operator();
+            let target = serde_json::json!({ "ids": ids });
+            let done = dead_letters::resolve(pool, &by, &target, &found).await?;
+            say!("resolved {done} dead letter(s): they stay recorded, and their events are not applied");
+            if (done as usize) < ids.len() {
+                say!(
+                    "({} of the given ids are not open dead letters)",
+                    ids.len() - done as usize
+                );
+            }
             Ok(())
         }
     }

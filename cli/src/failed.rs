@@ -43,9 +43,10 @@ pub enum FailedCommand {
     #[command(group(clap::ArgGroup::new("which").required(true).args(["event_id", "id"])))]
     Show {
         /// The event id (or `--id`).
+        #[arg(value_parser = crate::ids::parked_event)]
         event_id: Option<Uuid>,
         /// The event id.
-        #[arg(long = "id", value_name = "EVENT_ID", conflicts_with = "event_id")]
+        #[arg(long = "id", value_name = "EVENT_ID", conflicts_with = "event_id", value_parser = crate::ids::parked_event)]
         id: Option<Uuid>,
         /// Print key, headers, payload and error as stored, control characters included
         /// (else escaped).
@@ -74,10 +75,10 @@ pub enum FailedCommand {
 #[derive(Args, Debug)]
 pub struct Selection {
     /// Event ids (or `--id`, repeatable).
-    #[arg(value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"])]
+    #[arg(value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"], value_parser = crate::ids::parked_event)]
     listed: Vec<Uuid>,
     /// Event ids (repeatable).
-    #[arg(long = "id", value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"])]
+    #[arg(long = "id", value_name = "EVENT_ID", conflicts_with_all = ["topic", "all"], value_parser = crate::ids::parked_event)]
     ids: Vec<Uuid>,
     /// Every parked event of this topic.
     #[arg(long, conflicts_with = "all")]

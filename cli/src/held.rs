@@ -67,12 +67,7 @@ fn parse_base64(s: &str) -> anyhow::Result<Vec<u8>> {
 
 /// Refuses a group this database knows nothing of (a typo), as other commands do.
 async fn known(pool: &PgPool, group: &str) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        held::group_known(pool, group).await?,
-        "consumer group {} has no stored offsets in this database (a typo? `postal status` lists the groups)",
-        shown(group, false)
-    );
-    Ok(())
+    crate::known::group(pool, group, None).await
 }
 
 pub async fn run(pool: &PgPool, cmd: HeldCommand) -> anyhow::Result<()> {

@@ -25,7 +25,9 @@ mod dead_letters;
 mod failed;
 mod grant;
 mod held;
+mod ids;
 mod kafka_client;
+mod known;
 mod out;
 mod pause;
 mod progress;
@@ -125,7 +127,7 @@ enum Command {
     /// Parked outbox events: list, show, requeue, discard.
     #[command(subcommand)]
     Failed(failed::FailedCommand),
-    /// Consumer dead letters: list, show, replay.
+    /// Consumer dead letters: list, show, replay, resolve.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCommand),
     /// Held keys of a consumer group (`FinalFailure::HoldKey`): list, release.

@@ -66,6 +66,10 @@ pub struct ConsumerScope {
     /// Only this topic of the group.
     #[arg(long)]
     topic: Option<String>,
+    /// The group is new (it has not run yet: no stored offsets, held keys, pauses or dead
+    /// letters in this database). Without it, an unknown group (a typo) is refused.
+    #[arg(long)]
+    new_group: bool,
     #[command(flatten)]
     common: Common,
 }
@@ -98,6 +102,9 @@ pub async fn pause(pool: &PgPool, cmd: PauseCommand) -> anyhow::Result<()> {
         PauseCommand::Consumer(c) => (c.scope()?, &c.common),
         PauseCommand::List { json: as_json } => return list(pool, *as_json).await,
     };
+    if let PauseCommand::Consumer(c) = &cmd {
+        crate::known::group(pool, &c.group, Some(c.new_group)).await?;
+    }
     let by = crate::audit::operator();
     let mut tx = pool.begin().await?;
     let new = pauses::pause(&mut tx, &by, &scope, common.reason.as_deref(), common.wait).await?;
@@ -120,7 +127,10 @@ pub async fn pause(pool: &PgPool, cmd: PauseCommand) -> anyhow::Result<()> {
 pub async fn resume(pool: &PgPool, cmd: ResumeCommand) -> anyhow::Result<()> {
     let scope = match &cmd {
         ResumeCommand::Relay(r) => r.scope()?,
-        ResumeCommand::Consumer(c) => c.scope()?,
+        ResumeCommand::Consumer(c) => {
+            crate::known::group(pool, &c.group, Some(c.new_group)).await?;
+            c.scope()?
+        }
     };
     let by = crate::audit::operator();
     let mut tx = pool.begin().await?;

@@ -1958,3 +1958,289 @@ async fn failed_show_cuts_a_large_payload_unless_full() {
     assert!(out.contains(&"x".repeat(1_500_000)), "whole");
     assert!(!out.contains("not shown"));
 }
+
+/// A dead letter of consumer `consumer` (group `group`), open; its id.
+async fn dead_letter_of(e: &Env, consumer: &str, group: &str) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO postal.dead_letters (consumer_name, group_id, topic, partition,
+                                          kafka_offset, reason, error, dlq_topic, payload,
+                                          header_names, header_values)
+         VALUES ($1, $2, 'orders', 0, 7, 'permanent', 'boom', 'orders.dlq', '\\x7b7d', '{}', '{}')
+         RETURNING id",
+    )
+    .bind(consumer)
+    .bind(group)
+    .fetch_one(&e.pool)
+    .await
+    .unwrap()
+}
+
+async fn audit_rows(e: &Env) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM postal.operator_audit")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap()
+}
+
+/// Asserts `err` is one error line (clap's "For more information" hint aside).
+fn one_error_line(err: &str) -> &str {
+    let line = err.lines().next().unwrap_or_default();
+    assert!(line.starts_with("error: "), "{err}");
+    assert!(
+        err.lines()
+            .skip(1)
+            .all(|l| l.trim().is_empty() || l.contains("For more information")),
+        "{err}"
+    );
+    line
+}
+
+/// Guarantee: every subcommand that takes `--group` refuses, in one line and changing
+/// nothing, a consumer group the database knows nothing of (no stored offsets, held keys,
+/// pauses or dead letters), naming the known groups; `--new-group` (the flag `consumer reset`
+/// has) pauses a group before its first start. Every subcommand that takes `--consumer`
+/// refuses an unknown consumer the same way, naming the known ones, and `dead-letters replay`
+/// then writes no audit row. (Failed before: `pause consumer --group ledger-srvice` said it
+/// paused the group; `dead-letters list --consumer ledgr` printed "(no dead letters)" and
+/// `replay --consumer ledgr` "replayed 0" with an audit entry, all with exit 0.)
+#[tokio::test]
+async fn unknown_groups_and_consumers_are_refused_naming_the_known_ones() {
+    let Some(e) = env().await else { return };
+    sqlx::query(
+        "INSERT INTO postal.consumer_offsets (group_id, topic, partition, next_offset)
+         VALUES ('ledger-service', 'orders', 0, 5)",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    dead_letter_of(&e, "ledger", "ledger-service").await;
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args).env("KAFKA_BOOTSTRAP_SERVERS", &e.bootstrap);
+        c
+    };
+
+    for args in [
+        &["pause", "consumer", "--group", "ledger-srvice"][..],
+        &["resume", "consumer", "--group", "ledger-srvice"],
+        &[
+            "consumer",
+            "reset",
+            "--group",
+            "ledger-srvice",
+            "--topic",
+            "orders",
+            "--to",
+            "earliest",
+        ],
+    ] {
+        let err = fails(run(args));
+        let line = one_error_line(&err);
+        assert!(
+            line.contains("group ledger-srvice has no stored offsets")
+                && line.contains("known groups: ledger-service")
+                && line.contains("pass --new-group"),
+            "{args:?}: {err}"
+        );
+    }
+    for args in [
+        &["held", "list", "--group", "ledger-srvice"][..],
+        &[
+            "held",
+            "release",
+            "--group",
+            "ledger-srvice",
+            "--topic",
+            "orders",
+            "--key",
+            "k",
+        ],
+    ] {
+        let err = fails(run(args));
+        let line = one_error_line(&err);
+        assert!(
+            line.contains("known groups: ledger-service") && !line.contains("--new-group"),
+            "{args:?}: {err}"
+        );
+    }
+    let pauses = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.pauses")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(pauses().await, 0, "a refused pause changes nothing");
+    assert!(ok(run(&["pause", "consumer", "--group", "ledger-service"])).contains("paused"));
+    ok(run(&["resume", "consumer", "--group", "ledger-service"]));
+    // A group that has not run yet: paused before its first start, then known by its pause.
+    ok(run(&[
+        "pause",
+        "consumer",
+        "--group",
+        "billing-service",
+        "--new-group",
+    ]));
+    assert!(ok(run(&["resume", "consumer", "--group", "billing-service"])).contains("resumed"));
+
+    let audited = audit_rows(&e).await;
+    for args in [
+        &["dead-letters", "list", "--consumer", "ledgr"][..],
+        &["dead-letters", "replay", "--consumer", "ledgr"],
+        &[
+            "cleanup",
+            "--dedup-retention",
+            "1day",
+            "--consumer",
+            "ledgr",
+        ],
+        &[
+            "consumer",
+            "reset",
+            "--group",
+            "ledger-service",
+            "--topic",
+            "orders",
+            "--to",
+            "earliest",
+            "--consumer",
+            "ledgr",
+        ],
+    ] {
+        let err = fails(run(args));
+        let line = one_error_line(&err);
+        assert!(
+            line.contains("unknown consumer ledgr ")
+                && line.contains("consumers known to this database: ledger"),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(
+        audit_rows(&e).await,
+        audited,
+        "a refused replay is not audited"
+    );
+    let listed = ok(run(&["dead-letters", "list", "--consumer", "ledger"]));
+    assert!(listed.contains("ledger"), "{listed}");
+}
+
+/// Guarantee: `postal dead-letters resolve <ID>` (or `--id`) marks an open dead letter
+/// resolved through the function the dashboard calls, audited as `resolve`; `--dry-run` shows
+/// it and changes nothing; a resolved one is left out of `list` and, with
+/// `--include-replayed`, shown with its state, as in `show`. (Failed before: no such
+/// subcommand, and the text output had no state.)
+#[tokio::test]
+async fn dead_letters_resolve_is_audited_and_shown_with_its_state() {
+    let Some(e) = env().await else { return };
+    let (first, second) = (
+        dead_letter_of(&e, "ledger", "g").await,
+        dead_letter_of(&e, "ledger", "g").await,
+    );
+    let run = |args: &[&str]| {
+        let mut c = postal(&e.url);
+        c.args(args);
+        c
+    };
+    let resolved = |id: i64| {
+        let pool = e.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT resolved_at IS NOT NULL FROM postal.dead_letters WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let help = ok(run(&["dead-letters", "--help"]));
+    assert!(help.contains("resolve"), "{help}");
+
+    let out = run(&["dead-letters", "resolve", "--dry-run", &first.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("boom"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("would resolve 1 dead letter(s)"));
+    assert!(!resolved(first).await, "a dry run changes nothing");
+    assert_eq!(audit_rows(&e).await, 0);
+
+    let said = ok(run(&[
+        "dead-letters",
+        "resolve",
+        "--id",
+        &first.to_string(),
+    ]));
+    assert!(said.contains("resolved 1 dead letter(s)"), "{said}");
+    assert!(resolved(first).await && !resolved(second).await);
+    let audit: serde_json::Value =
+        serde_json::from_str(&ok(run(&["audit", "list", "--json"]))).unwrap();
+    assert_eq!(audit[0]["action"], "resolve", "{audit}");
+    let again = ok(run(&["dead-letters", "resolve", &first.to_string()]));
+    assert!(
+        again.contains("resolved 0") && again.contains("1 of the given ids are not open"),
+        "{again}"
+    );
+
+    let open = ok(run(&["dead-letters", "list"]));
+    let line = |text: &str, id: i64| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(&id.to_string()))
+            .map(str::to_owned)
+    };
+    assert!(line(&open, first).is_none(), "{open}");
+    assert!(line(&open, second).unwrap().contains(" open "), "{open}");
+    let all = ok(run(&["dead-letters", "list", "--include-replayed"]));
+    assert!(line(&all, first).unwrap().contains(" resolved "), "{all}");
+    let shown = ok(run(&["dead-letters", "show", &first.to_string()]));
+    assert!(shown.contains("state:        resolved"), "{shown}");
+    let shown = ok(run(&["dead-letters", "show", &second.to_string()]));
+    assert!(shown.contains("state:        open"), "{shown}");
+}
+
+/// Guarantee: a wrong id is one line saying what kind of id is expected and where to find it,
+/// for every subcommand that takes ids, never the parser's words. (Failed before: "invalid
+/// digit found in string", "invalid length: found 1", "invalid group count".)
+#[test]
+fn wrong_ids_are_one_line_naming_the_kind_of_id() {
+    let event = "01a22a4f-5483-7000-8000-000000000001";
+    let cases: [(&[&str], &str); 7] = [
+        (&["dead-letters", "show", event], "list --event"),
+        (
+            &["dead-letters", "replay", "--id", "x1"],
+            "dead-letter ids are numbers",
+        ),
+        (
+            &["dead-letters", "resolve", "01a22a4f-5483"],
+            "part of an event id",
+        ),
+        (
+            &["failed", "discard", "1"],
+            "parked events are named by their event id, a UUID from `postal failed list`",
+        ),
+        (
+            &["failed", "show", "01a22a4f-5483"],
+            "parked events are named",
+        ),
+        (
+            &["failed", "requeue", "--id", "x"],
+            "parked events are named",
+        ),
+        (
+            &["audit", "show", "x"],
+            "the first column of `postal audit list`",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut c = postal("postgres://unused@127.0.0.1:1/none");
+        c.args(args);
+        let err = fails(c);
+        let line = one_error_line(&err);
+        assert!(line.contains(expected), "{args:?}: {err}");
+        assert!(
+            !line.contains("invalid digit")
+                && !line.contains("invalid length")
+                && !line.contains("invalid group"),
+            "{args:?}: {err}"
+        );
+    }
+}
