@@ -401,6 +401,11 @@ impl Consumer {
         let schema_pool = shared.pool.clone();
         let schema = postal_shared::watch_schema(&schema_pool, postal_shared::SCHEMA_RECHECK);
         tokio::pin!(schema);
+        // A start that gets no partitions for a while says why once (a restarted member waits
+        // for the broker to expire the killed one it replaces; without a line it looked hung).
+        let waiting_note = tokio::time::sleep(ASSIGNMENT_NOTE_AFTER);
+        tokio::pin!(waiting_note);
+        let mut assigned_once = false;
         {
             let mut stream = shared.consumer.stream();
             loop {
@@ -412,7 +417,17 @@ impl Consumer {
                         break;
                     }
                     Some(ev) = events.recv() => {
+                        assigned_once |= matches!(ev, RebalanceEvent::Assigned(_));
                         apply(&shared, ev, &mut partitions, &mut turns, &mut workers, &stop);
+                    }
+                    _ = &mut waiting_note, if !assigned_once => {
+                        assigned_once = true;
+                        let session = config.kafka.get("session.timeout.ms").map_or("45000 (librdkafka's default)", String::as_str);
+                        tracing::info!(
+                            group = %config.group,
+                            "no partitions assigned after {}: the group is rebalancing; a member that stopped without leaving it (killed) keeps its partitions until the broker expires it after session.timeout.ms = {session}",
+                            humantime::format_duration(ASSIGNMENT_NOTE_AFTER)
+                        );
                     }
                     _ = commit_tick.tick() => commit(&shared, CommitMode::Async),
                     Some(_) = workers.join_next(), if !workers.is_empty() => {}
@@ -535,6 +550,8 @@ impl Consumer {
 
 /// Most records the runtime's loop takes from librdkafka in one turn.
 const PUMP_BURST: usize = 256;
+/// How long a start waits for its first partitions before saying why it may wait longer.
+const ASSIGNMENT_NOTE_AFTER: Duration = Duration::from_secs(10);
 
 /// Hands a fetched record to its partition's worker.
 fn route_record(
