@@ -14,8 +14,8 @@ use serde_json::json;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::common::{consumer_config, create_topic, effects, effects_table, produce, RawRecord};
 use crate::common::RunningConsumer;
+use crate::common::{consumer_config, create_topic, effects, effects_table, produce, RawRecord};
 
 const WAIT: Duration = Duration::from_secs(90);
 const CONSUMER: &str = "effects";
@@ -136,7 +136,9 @@ impl BatchHandler for Attacker {
                             .await;
                         match r {
                             Ok(_) => sp.commit().await?,
-                            Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("23505") => {
+                            Err(sqlx::Error::Database(d))
+                                if d.code().as_deref() == Some("23505") =>
+                            {
                                 sp.rollback().await?
                             }
                             Err(e) => return Err(e.into()),
@@ -239,7 +241,11 @@ async fn order(pool: &PgPool) -> Vec<i64> {
 #[ignore = "known: a commit-time failure (deferred FK) in a batch: 0 of 9 good events applied, 0 dead letters after 60 s, the batch retried forever"]
 async fn a_batch_whose_commit_fails_on_a_deferred_constraint_dead_letters_the_culprit() {
     let (applied, dead, calls) = deferred_constraint_run(64).await;
-    assert_eq!((applied, dead), (9, 1), "applied, dead letters (handler calls {calls})");
+    assert_eq!(
+        (applied, dead),
+        (9, 1),
+        "applied, dead letters (handler calls {calls})"
+    );
 }
 
 /// Control for the test above: the same stream one at a time (`max_batch` 1) is handled as the
@@ -247,7 +253,11 @@ async fn a_batch_whose_commit_fails_on_a_deferred_constraint_dead_letters_the_cu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_commit_failing_on_a_deferred_constraint_is_dead_lettered() {
     let (applied, dead, calls) = deferred_constraint_run(1).await;
-    assert_eq!((applied, dead), (9, 1), "applied, dead letters (handler calls {calls})");
+    assert_eq!(
+        (applied, dead),
+        (9, 1),
+        "applied, dead letters (handler calls {calls})"
+    );
 }
 
 /// Runs 10 events (the 5th violating a deferred FK) through [`Mode::Deferred`] with
@@ -264,7 +274,11 @@ async fn deferred_constraint_run(max_batch: usize) -> (u64, u64, u32) {
 #[ignore = "known: a commit-time failure (deferred FK) in throughput mode with a single-event handler: 0 of 9 applied, 0 dead letters after 60 s"]
 async fn throughput_mode_with_a_single_event_handler_dead_letters_a_deferred_constraint_culprit() {
     let (applied, dead, calls) = deferred_constraint_run_with(64, false).await;
-    assert_eq!((applied, dead), (9, 1), "applied, dead letters (handler calls {calls})");
+    assert_eq!(
+        (applied, dead),
+        (9, 1),
+        "applied, dead letters (handler calls {calls})"
+    );
 }
 
 /// A single-event handler writing `effects.parent` (as [`Mode::Deferred`] does per batch).
@@ -561,7 +575,10 @@ async fn a_batch_handler_with_savepoints_of_its_own_applies_each_event_once() {
     }
     want.sort();
     assert_eq!(uniq, want, "each distinct n once, by its first event");
-    assert!(calls.load(Ordering::SeqCst) > 1, "the batch was run again (halving)");
+    assert!(
+        calls.load(Ordering::SeqCst) > 1,
+        "the batch was run again (halving)"
+    );
 }
 
 /// Guarantee attacked: each event once and in order at the size limits: `max_batch` at its
@@ -608,7 +625,11 @@ async fn max_batch_at_its_limit_over_a_3000_record_backlog_applies_each_event_on
     let s = stats.snapshot();
     assert_eq!((s.applied, s.duplicates), (3000, copies));
     assert_eq!(effects(&db.pool).await, (3000, 3000), "each event once");
-    assert_eq!(order(&db.pool).await, (0..3000).collect::<Vec<i64>>(), "in order");
+    assert_eq!(
+        order(&db.pool).await,
+        (0..3000).collect::<Vec<i64>>(),
+        "in order"
+    );
     let biggest = sizes.lock().unwrap().iter().copied().max().unwrap_or(0);
     eprintln!("largest batch handler call: {biggest} events");
     assert!(biggest > 256, "a call took more than one burst ({biggest})");
@@ -620,13 +641,16 @@ async fn max_batch_at_its_limit_over_a_3000_record_backlog_applies_each_event_on
 /// event: well under the timeout for any one event). 40 events on one partition should all be
 /// applied once, as they are one at a time (the control below).
 ///
-/// Measured on the code under review: see the ignore reason. Cause: the runtime opens the batch
-/// transaction (dedup rows written) before the call, so the handler's per-event waits add up
-/// within one idle gap (40 × 40 ms = 1.6 s); the server ends the session; the error is an outage
-/// (`Unavailable`: not counted as an attempt) or a retryable one whose savepoint cannot be rolled
-/// back on the dead connection, so the whole transaction fails either way and `process_batch`
-/// runs the same full batch again. Halving never happens (it needs the transaction alive) and
-/// the batch is never made smaller, so no event of the partition is ever applied.
+/// Measured on the code under review: 0 of 40 applied, 0 dead letters, 0 retries counted, 34
+/// handler calls (each of the whole batch) in 60 s; the log says only "batch transaction
+/// failed; retrying error=error communicating with database: expected to read 5 bytes, got 0
+/// bytes at EOF", like a database outage. Cause: the runtime opens the batch transaction (dedup
+/// rows written) before the call, so the handler's per-event waits add up within one idle gap
+/// (40 x 40 ms = 1.6 s); the server ends the session; the error is an outage (`Unavailable`, not
+/// counted as an attempt), and with the connection gone the savepoint cannot be rolled back, so
+/// the whole transaction fails and `process_batch` runs the same full batch again. Halving
+/// needs a live transaction and the batch is never made smaller, so no event of the partition
+/// is ever applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "known: idle_in_transaction_session_timeout 1 s, 40 ms of outside work per event: 0 of 40 applied, 0 dead letters after 60 s (one at a time: 40 applied)"]
 async fn a_batch_longer_idle_than_the_dbas_timeout_still_moves_on() {
@@ -710,7 +734,11 @@ async fn idle_timeout_run(max_batch: usize) -> (u64, u32) {
     );
     if s.applied == 40 {
         assert_eq!(effects(&db.pool).await, (40, 40), "each event once");
-        assert_eq!(order(&db.pool).await, (0..40).collect::<Vec<i64>>(), "in order");
+        assert_eq!(
+            order(&db.pool).await,
+            (0..40).collect::<Vec<i64>>(),
+            "in order"
+        );
     }
     pool.close().await;
     (s.applied, calls.load(Ordering::SeqCst))
@@ -766,9 +794,16 @@ async fn a_batch_statement_over_the_dbas_statement_timeout_is_halved_until_it_fi
     let s = stats.snapshot();
     assert_eq!((s.applied, s.dead_letters), (64, 0));
     assert_eq!(effects(&db.pool).await, (64, 64), "each event once");
-    assert_eq!(order(&db.pool).await, (0..64).collect::<Vec<i64>>(), "in order");
+    assert_eq!(
+        order(&db.pool).await,
+        (0..64).collect::<Vec<i64>>(),
+        "in order"
+    );
     let sizes = sizes.lock().unwrap().clone();
     eprintln!("handler call sizes: {sizes:?}");
-    assert!(sizes.iter().any(|&n| n > 30), "a call exceeded the timeout: {sizes:?}");
+    assert!(
+        sizes.iter().any(|&n| n > 30),
+        "a call exceeded the timeout: {sizes:?}"
+    );
     pool.close().await;
 }
