@@ -6,6 +6,7 @@
 
 mod activity_off_publish_path;
 mod activity_totals;
+mod batch_attack;
 mod batch_failures;
 mod cancel;
 mod chain;
