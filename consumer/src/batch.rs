@@ -47,14 +47,22 @@ impl Worker {
         let mut head_attempts = 0u32;
         let mut outages = 0u32;
         let mut isolate = false;
+        // How many of the queue's records the next transaction takes. A transaction that fails
+        // with no body to blame (its COMMIT: a deferred constraint; its session ended by the
+        // server: `idle_in_transaction_session_timeout`) is tried again with half as many, down
+        // to the head alone, whose failures then count as its attempts (and end in a dead
+        // letter or a hold, as with one record per transaction). Doubled again after each
+        // commit.
+        let mut limit = queue.len();
         while !queue.is_empty() {
             if self.cancel.is_cancelled() {
                 return Step::Stop;
             }
             let exhausted = head_attempts >= self.shared.config.max_attempts;
             let started = std::time::Instant::now();
+            let take = limit.clamp(1, queue.len());
             let result = self
-                .batch_attempt(own, &queue, isolate, exhausted, head_attempts)
+                .batch_attempt(own, &queue.make_contiguous()[..take], isolate, exhausted, head_attempts)
                 .await;
             metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.clone(), "topic" => self.topic.clone())
                 .record(started.elapsed().as_secs_f64());
@@ -72,6 +80,7 @@ impl Worker {
                     if c.done > 0 {
                         head_attempts = 0;
                         outages = 0;
+                        limit = limit.saturating_mul(2);
                     }
                     queue.drain(..c.done);
                     match c.stopped {
@@ -106,19 +115,35 @@ impl Worker {
                     // A body failed in the optimistic pass: run again with savepoints.
                     isolate = true;
                 }
-                Err(Attempt::Unavailable(e)) | Err(Attempt::Retryable(e)) => {
-                    tracing::warn!(error = %e, "batch transaction failed; retrying");
+                Err(Attempt::Unavailable(e)) => {
+                    // An outage, or a session the server ended mid-transaction: wait as for an
+                    // outage, and take fewer records next time (a batch whose handlers' time adds
+                    // up past the server's idle timeout fits once it is small enough).
+                    limit = (take / 2).max(1);
+                    tracing::warn!(error = %e, records = take, "batch transaction failed; retrying");
                     if !self.wait(outages).await {
                         return Step::Stop;
                     }
                     outages = outages.saturating_add(1);
                 }
-                Err(Attempt::Permanent(_, e)) => {
-                    tracing::warn!(error = %e, "batch transaction failed; retrying");
-                    if !self.wait(outages).await {
-                        return Step::Stop;
+                Err(Attempt::Retryable(e)) | Err(Attempt::Permanent(_, e)) if take > 1 => {
+                    // Failed with savepoints around every body and none to blame (at COMMIT):
+                    // split until the failing record is alone.
+                    limit = take / 2;
+                    tracing::warn!(error = %e, records = take, "batch transaction failed with no handler to blame; trying the first {limit} records alone");
+                }
+                Err(Attempt::Retryable(e)) | Err(Attempt::Permanent(_, e)) => {
+                    // The head alone fails at COMMIT: one of its attempts, as with one record
+                    // per transaction; once they are used up it is dead-lettered (or held)
+                    // without running its handler.
+                    head_attempts += 1;
+                    if head_attempts < self.shared.config.max_attempts {
+                        self.shared.stats.retries(&consumer, &self.topic, 1);
+                        tracing::warn!(error = %e, attempt = head_attempts, "transaction failed; retrying");
+                        if !self.wait(head_attempts - 1).await {
+                            return Step::Stop;
+                        }
                     }
-                    outages = outages.saturating_add(1);
                 }
             }
         }
@@ -130,7 +155,7 @@ impl Worker {
     async fn batch_attempt(
         &self,
         own: &Ownership,
-        queue: &VecDeque<Record>,
+        queue: &[Record],
         isolate: bool,
         head_exhausted: bool,
         head_attempts: u32,
@@ -480,7 +505,7 @@ impl Worker {
         &self,
         tx: &mut Transaction<'static, Postgres>,
         route: &dyn Route,
-        queue: &VecDeque<Record>,
+        queue: &[Record],
         metas: &[Result<Meta, crate::record::Rejection>],
         items: &[usize],
         isolate: bool,

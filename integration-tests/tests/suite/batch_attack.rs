@@ -238,7 +238,6 @@ async fn order(pool: &PgPool) -> Vec<i64> {
 /// isolate mode as a transaction failure ("batch transaction failed; retrying") that neither
 /// counts a head attempt nor isolates anything: it retries the same transaction forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a commit-time failure (deferred FK) in a batch: 0 of 9 good events applied, 0 dead letters after 60 s, the batch retried forever"]
 async fn a_batch_whose_commit_fails_on_a_deferred_constraint_dead_letters_the_culprit() {
     let (applied, dead, calls) = deferred_constraint_run(64).await;
     assert_eq!(
@@ -271,7 +270,6 @@ async fn deferred_constraint_run(max_batch: usize) -> (u64, u64, u32) {
 /// for a single-event handler (`on`) in throughput mode (`max_batch` 64): the stall is in the
 /// throughput-mode transaction (`batch_attempt`), not in batch handlers alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a commit-time failure (deferred FK) in throughput mode with a single-event handler: 0 of 9 applied, 0 dead letters after 60 s"]
 async fn throughput_mode_with_a_single_event_handler_dead_letters_a_deferred_constraint_culprit() {
     let (applied, dead, calls) = deferred_constraint_run_with(64, false).await;
     assert_eq!(
@@ -652,7 +650,6 @@ async fn max_batch_at_its_limit_over_a_3000_record_backlog_applies_each_event_on
 /// needs a live transaction and the batch is never made smaller, so no event of the partition
 /// is ever applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: idle_in_transaction_session_timeout 1 s, 40 ms of outside work per event: 0 of 40 applied, 0 dead letters after 60 s (one at a time: 40 applied)"]
 async fn a_batch_longer_idle_than_the_dbas_timeout_still_moves_on() {
     let (applied, calls) = idle_timeout_run(64).await;
     assert_eq!(applied, 40, "applied (handler calls {calls})");
