@@ -62,7 +62,13 @@ impl Worker {
             let started = std::time::Instant::now();
             let take = limit.clamp(1, queue.len());
             let result = self
-                .batch_attempt(own, &queue.make_contiguous()[..take], isolate, exhausted, head_attempts)
+                .batch_attempt(
+                    own,
+                    &queue.make_contiguous()[..take],
+                    isolate,
+                    exhausted,
+                    head_attempts,
+                )
                 .await;
             metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.clone(), "topic" => self.topic.clone())
                 .record(started.elapsed().as_secs_f64());

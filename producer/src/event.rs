@@ -191,7 +191,11 @@ mod tests {
     /// `&String` used to fail to compile with E0271 "expected Error, found Infallible").
     #[test]
     fn names_are_taken_from_borrowed_strings() {
-        let (topic, key, event_type) = ("orders".to_string(), "customer-7".to_string(), "t".to_string());
+        let (topic, key, event_type) = (
+            "orders".to_string(),
+            "customer-7".to_string(),
+            "t".to_string(),
+        );
         let e = NewEvent::json(&topic, &key, &event_type, &1).unwrap();
         assert_eq!(e.key.as_str(), "customer-7");
         assert!(NewEvent::json(&topic, &String::new(), &event_type, &1).is_err());
