@@ -7,8 +7,9 @@
 # The rustdoc JSON is built here rather than by cargo-semver-checks: its own builds copy each
 # crate into a workspace of its own and compile every dependency again, for each crate and each
 # side (measured: 27 min 46 s for 4 of the crates on 2 loaded cores). Here the current side
-# reuses the workspace's target directory (what `cargo doc` left), and the previous release's
-# side the target directory of its build (scripts/previous-release.sh). Never one directory
+# uses the workspace's target directory, and the previous release's side the target directory
+# of its build (scripts/previous-release.sh). RUSTC_BOOTSTRAP=1 makes cargo check again the
+# dependencies it touches (CI runs this stage last). Never one directory
 # for both: their workspace crates have the same relative paths, and cargo would take one
 # side's for the other's. rustdoc's JSON output is unstable: RUSTC_BOOTSTRAP=1 lets the
 # stable toolchain write it.
