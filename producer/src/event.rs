@@ -198,7 +198,8 @@ mod tests {
         );
         let e = NewEvent::json(&topic, &key, &event_type, &1).unwrap();
         assert_eq!(e.key.as_str(), "customer-7");
-        assert!(NewEvent::json(&topic, &String::new(), &event_type, &1).is_err());
+        let empty = String::new();
+        assert!(NewEvent::json(&topic, &empty, &event_type, &1).is_err());
     }
 
     /// Guarantee: an event carries at most MAX_USER_HEADERS user headers (so that with
