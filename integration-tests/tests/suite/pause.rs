@@ -677,7 +677,13 @@ async fn the_cli_pauses_resumes_shows_and_audits() {
         ],
     );
     assert!(ok && out.contains("paused relay: topic"), "{out}");
-    let (ok, out, _) = postal(url, &["pause", "consumer", "--group", "billing"]);
+    // A group that has not run yet is refused unless named new (a typo is refused).
+    let (ok, _, err) = postal(url, &["pause", "consumer", "--group", "billing"]);
+    assert!(!ok && err.contains("--new-group"), "{err}");
+    let (ok, out, _) = postal(
+        url,
+        &["pause", "consumer", "--group", "billing", "--new-group"],
+    );
     assert!(ok && out.contains("paused consumer group"), "{out}");
 
     let (ok, out, _) = postal(url, &["pause", "list", "--json"]);
