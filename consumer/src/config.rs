@@ -121,7 +121,10 @@ pub struct ConsumerConfig {
     /// none beyond the per-partition bound). Half goes to librdkafka's prefetch queue, half is
     /// split evenly among the assigned partitions' buffers (each at most
     /// `partition_buffer_bytes`, at least 1 MiB: with more than budget/2 MiB partitions the
-    /// budget is exceeded); a partition's buffer may exceed its share by one record.
+    /// budget is exceeded). A partition's buffer may exceed its share by one record, plus the
+    /// records librdkafka hands over before a pause takes effect (librdkafka applies it on a
+    /// thread of its own): measured up to about 1.5 records per partition with the machine's
+    /// two cores under a load average of 11 (`hostile::a_memory_budget_bounds_the_whole_consumer`).
     pub memory_budget: Option<usize>,
     /// Most headers a record may carry (default 256). A record with more is dead-lettered as
     /// undecodable without its headers being copied (each costs about 48 bytes in memory
