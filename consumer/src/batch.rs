@@ -9,6 +9,7 @@
 //! the partition's order holds.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::Ordering;
 
 use postal_shared::EventId;
 use sqlx::{Connection, Postgres, Transaction};
@@ -52,8 +53,16 @@ impl Worker {
         // server: `idle_in_transaction_session_timeout`) is tried again with half as many, down
         // to the head alone, whose failures then count as its attempts (and end in a dead
         // letter or a hold, as with one record per transaction). Doubled again after each
-        // commit.
-        let mut limit = queue.len();
+        // commit, up to `fit`: what fitted since the server last ended a session, kept from one
+        // poll batch to the next and grown by a sixteenth per commit (a batch whose handlers'
+        // outside work adds up past the idle timeout would otherwise be too large again every
+        // other transaction, each time running twice before it is ended: measured 3 to 4 times
+        // slower than one record per transaction, `batch_split_attack::`).
+        let fit = |limit: usize| match self.fit.load(Ordering::Relaxed) {
+            0 => limit,
+            fit => limit.min(fit),
+        };
+        let mut limit = fit(queue.len());
         while !queue.is_empty() {
             if self.cancel.is_cancelled() {
                 return Step::Stop;
@@ -86,7 +95,12 @@ impl Worker {
                     if c.done > 0 {
                         head_attempts = 0;
                         outages = 0;
-                        limit = limit.saturating_mul(2);
+                        let _ = self
+                            .fit
+                            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| {
+                                (f > 0).then(|| f + (f / 16).max(1))
+                            });
+                        limit = fit(limit.saturating_mul(2));
                     }
                     queue.drain(..c.done);
                     match c.stopped {
@@ -121,11 +135,24 @@ impl Worker {
                     // A body failed in the optimistic pass: run again with savepoints.
                     isolate = true;
                 }
+                // The head alone lost its session although the database answers: the server
+                // ended it while the head ran (`idle_in_transaction_session_timeout`, a
+                // terminated backend). Its own failure, counted below as at COMMIT; otherwise an
+                // event whose handler alone outlasts the timeout would stall its partition for
+                // good, retried as an outage.
+                Err(Attempt::Unavailable(e)) if take == 1 && self.database_answers().await => {
+                    if !self.head_failed(&mut head_attempts, &e).await {
+                        return Step::Stop;
+                    }
+                }
                 Err(Attempt::Unavailable(e)) => {
                     // An outage, or a session the server ended mid-transaction: wait as for an
                     // outage, and take fewer records next time (a batch whose handlers' time adds
                     // up past the server's idle timeout fits once it is small enough).
                     limit = (take / 2).max(1);
+                    if take > 1 {
+                        self.fit.store(limit, Ordering::Relaxed);
+                    }
                     tracing::warn!(error = %e, records = take, "batch transaction failed; retrying");
                     if !self.wait(outages).await {
                         return Step::Stop;
@@ -139,21 +166,45 @@ impl Worker {
                     tracing::warn!(error = %e, records = take, "batch transaction failed with no handler to blame; trying the first {limit} records alone");
                 }
                 Err(Attempt::Retryable(e)) | Err(Attempt::Permanent(_, e)) => {
-                    // The head alone fails at COMMIT: one of its attempts, as with one record
-                    // per transaction; once they are used up it is dead-lettered (or held)
-                    // without running its handler.
-                    head_attempts += 1;
-                    if head_attempts < self.shared.config.max_attempts {
-                        self.shared.stats.retries(&consumer, &self.topic, 1);
-                        tracing::warn!(error = %e, attempt = head_attempts, "transaction failed; retrying");
-                        if !self.wait(head_attempts - 1).await {
-                            return Step::Stop;
-                        }
+                    if !self.head_failed(&mut head_attempts, &e).await {
+                        return Step::Stop;
                     }
                 }
             }
         }
         Step::Done
+    }
+
+    /// The head alone failed with no handler to blame (at COMMIT, or its session ended): one of
+    /// its attempts, as with one record per transaction; once they are used up it is
+    /// dead-lettered (or held) without running its handler. A transaction that cannot even do
+    /// that (a read-only database) is retried with backoff too, saying so. False: stopped.
+    async fn head_failed(&self, head_attempts: &mut u32, e: &str) -> bool {
+        let consumer = &self.shared.config.consumer;
+        *head_attempts += 1;
+        if *head_attempts < self.shared.config.max_attempts {
+            self.shared.stats.retries(consumer, &self.topic, 1);
+            tracing::warn!(error = %e, attempt = *head_attempts, "transaction failed; retrying");
+        } else if *head_attempts > self.shared.config.max_attempts {
+            tracing::warn!(error = %e, topic = %self.topic, partition = self.partition, "cannot record the outcome; retrying");
+        }
+        if *head_attempts == self.shared.config.max_attempts {
+            // The next transaction dead-letters (or holds) the head: at once.
+            return true;
+        }
+        self.wait(*head_attempts - 1).await
+    }
+
+    /// Whether the database answers a new session's `SELECT 1` within 5 s.
+    async fn database_answers(&self) -> bool {
+        let probe = async {
+            let mut c = self.shared.pool.acquire().await?;
+            sqlx::query("SELECT 1").execute(&mut *c).await
+        };
+        matches!(
+            tokio::time::timeout(std::time::Duration::from_secs(5), probe).await,
+            Ok(Ok(_))
+        )
     }
 
     /// One transaction over `queue`. Without `isolate`, any body failure aborts the whole
@@ -311,12 +362,7 @@ impl Worker {
                     .await?;
                 let run = match run {
                     Ok(run) => run,
-                    Err(f) => {
-                        return Err(match f {
-                            BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
-                            BodyFailure::Retry(e, _) => Attempt::Retryable(e),
-                        })
-                    }
+                    Err(f) => return Err(abandon(tx, f).await),
                 };
                 // Where the run's records stop being finished (a retryable failure, or a
                 // culprit whose key is held: it is finished, held).
@@ -404,12 +450,7 @@ impl Worker {
                     c.applied += 1;
                     c.done += 1;
                 }
-                Err(f) if !isolate => {
-                    return Err(match f {
-                        BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
-                        BodyFailure::Retry(e, _) => Attempt::Retryable(e),
-                    })
-                }
+                Err(f) if !isolate => return Err(abandon(tx, f).await),
                 Err(BodyFailure::Dead(reason, error))
                     if self.holds(record, Some(m), Some(route.name())) =>
                 {
@@ -598,6 +639,24 @@ impl Worker {
         self.record_dead(tx, record, dead)
             .await
             .map_err(Attempt::db)
+    }
+}
+
+/// A body failed in the optimistic pass (no savepoints): rolls the transaction back. If the
+/// rollback finds the session gone (the server ended it while the body ran:
+/// `idle_in_transaction_session_timeout`, a terminated backend), that is the attempt's failure,
+/// an unavailable database, so that the batch is halved at once rather than run again with
+/// savepoints to meet the same end (measured: each too-large batch ran twice).
+async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt {
+    let failure = match f {
+        BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
+        BodyFailure::Retry(e, _) => Attempt::Retryable(e),
+    };
+    match tx.rollback().await {
+        Err(e) if postal_shared::database_unavailable(&e) => {
+            Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
+        }
+        _ => failure,
     }
 }
 

@@ -655,6 +655,7 @@ fn apply(
                         cancel: cancel.clone(),
                         turn: turns.entry(tp.clone()).or_default().clone(),
                         held: Default::default(),
+                        fit: Default::default(),
                     }
                     .run(),
                 );

@@ -335,6 +335,7 @@ impl Protocol {
             cancel: Default::default(),
             turn: Default::default(),
             held: Default::default(),
+            fit: Default::default(),
         }
     }
 

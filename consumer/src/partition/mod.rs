@@ -223,6 +223,10 @@ pub(crate) struct Worker {
     pub turn: Arc<tokio::sync::Mutex<()>>,
     /// The partition's held keys (`hold`): read at each takeover, changed only by this worker.
     pub held: Mutex<std::collections::HashSet<Vec<u8>>>,
+    /// Throughput mode: the most records a transaction of this partition took and committed
+    /// since one whose session the server ended (0: none ended yet). Kept from one poll batch
+    /// to the next ([`crate::batch`]).
+    pub fit: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for Worker {
