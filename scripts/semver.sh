@@ -6,15 +6,16 @@
 #
 # The rustdoc JSON is built here rather than by cargo-semver-checks: its own builds copy each
 # crate into a workspace of its own and compile every dependency again, for each crate and each
-# side (measured: 27 min 46 s for 4 of the crates on 2 loaded cores). Here the current side
-# uses the workspace's target directory, and the previous release's side the target directory
-# of its build (scripts/previous-release.sh). RUSTC_BOOTSTRAP=1 makes cargo check again the
-# dependencies it touches (CI runs this stage last). Never one directory
-# for both: their workspace crates have the same relative paths, and cargo would take one
-# side's for the other's. rustdoc's JSON output is unstable: RUSTC_BOOTSTRAP=1 lets the
-# stable toolchain write it.
+# side (measured: 27 min 46 s for 4 of the crates on 2 loaded cores). Each side has a target
+# directory of its own under target/semver/: never one for both (their workspace crates have
+# the same relative paths, and cargo would take one side's for the other's), and not the
+# workspace's (RUSTC_BOOTSTRAP=1, which lets the stable toolchain write rustdoc's unstable JSON,
+# makes cargo check again every dependency it touches; and CI builds these while its tests run,
+# which hold the workspace's target directory).
 #
 #   bash scripts/semver.sh            check every crate that the previous release had
+#   bash scripts/semver.sh --prepare  only install the tool and build the JSON (CI, in the
+#                                     background while the tests run)
 #   SEMVER_CRATES="postal-shared" …   only these
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,9 +32,10 @@ fi
 
 rev="$(grep -v '^#' scripts/previous-release | head -1)"
 target="${CARGO_TARGET_DIR:-$ROOT/target}"
-base_src="$target/previous-release/src"
-base_target="$target/previous-release/target"
-# The previous release's sources, as scripts/previous-release.sh extracts them.
+base_src="$target/semver/base-src"
+base_target="$target/semver/base"
+current_target="$target/semver/current"
+# The previous release's sources.
 if [ "$(cat "$base_src/.rev" 2>/dev/null || true)" != "$rev" ]; then
   rm -rf "$base_src" && mkdir -p "$base_src"
   git archive "$rev" | tar -x -C "$base_src"
@@ -48,11 +50,19 @@ json() { # <workspace dir> <target dir> <crate> -> path of its rustdoc JSON
     -- -Z unstable-options --output-format json) >&2
   echo "$2/doc/${3//-/_}.json"
 }
+if [ "${1:-}" = "--prepare" ]; then
+  for crate in "${crates[@]}"; do
+    json "$base_src" "$base_target" "$crate" >/dev/null
+    json "$ROOT" "$current_target" "$crate" >/dev/null
+  done
+  echo "semver: the tool and the rustdoc JSON of ${#crates[@]} crates on both sides are ready"
+  exit 0
+fi
 failed=()
 for crate in "${crates[@]}"; do
   echo "semver: $crate against ${rev:0:10}"
   base="$(json "$base_src" "$base_target" "$crate")"
-  current="$(json "$ROOT" "$target" "$crate")"
+  current="$(json "$ROOT" "$current_target" "$crate")"
   if ! cargo-semver-checks semver-checks check-release --baseline-rustdoc "$base" \
     --current-rustdoc "$current"; then
     failed+=("$crate")
