@@ -25,7 +25,10 @@ async fn on_raw(tx: &mut Transaction<'_, Postgres>, event: Event<Raw>) -> Result
     let cents = lookup(invoice.cents)?; // anyhow::Error
     std::fs::metadata("/")?; // std::io::Error
     boxed()?; // Box<dyn Error + Send + Sync>
-    sqlx::query("SELECT $1").bind(cents).execute(&mut **tx).await?; // sqlx::Error
+    sqlx::query("SELECT $1")
+        .bind(cents)
+        .execute(&mut **tx)
+        .await?; // sqlx::Error
     Ok(())
 }
 
@@ -33,7 +36,10 @@ async fn on_raw(tx: &mut Transaction<'_, Postgres>, event: Event<Raw>) -> Result
 fn question_mark_classifies_the_errors_handlers_meet() {
     let _ = on_raw;
     let bad_json = serde_json::from_slice::<Invoice>(b"{").unwrap_err();
-    assert!(matches!(HandlerError::from(bad_json), HandlerError::Permanent(_)));
+    assert!(matches!(
+        HandlerError::from(bad_json),
+        HandlerError::Permanent(_)
+    ));
     let io = std::io::Error::other("disk");
     assert!(matches!(HandlerError::from(io), HandlerError::Retryable(_)));
 }
