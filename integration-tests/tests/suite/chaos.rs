@@ -11,8 +11,8 @@
 //!
 //! The binaries are found next to the test binary (`target/<profile>/`) or in
 //! `POSTAL_BIN_DIR`: the services are the demo's (package `postal-demo`, `demo/src/bin/`),
-//! built with `postal` by `scripts/test.sh` first (`cargo build -p postal-cli -p postal-demo`). Knobs: `POSTAL_CHAOS_ORDERS` (default 20,000), `POSTAL_CHAOS_KILLS`
-//! (kills of each of relay, billing and invoices; default 12), `POSTAL_CHAOS_RATE` (orders/s,
+//! built with `postal` by `scripts/test.sh` first (`cargo build -p postal-cli -p postal-demo`). Knobs: `POSTAL_CHAOS_ORDERS` (default 10,000; CI's time), `POSTAL_CHAOS_KILLS`
+//! (kills of each of relay, billing and invoices; default 10), `POSTAL_CHAOS_RATE` (orders/s,
 //! default 120, so orders keep flowing while the kills go on), `POSTAL_CHAOS_SEED` (replays a
 //! kill schedule), `POSTAL_CHAOS_SOAK=1` (soak mode: 200,000 orders and 60 kills each unless
 //! set explicitly). Logs of every process stay in `target/<profile>/chaos-<run>/`.
@@ -58,7 +58,7 @@ async fn chaos(source: Source) {
         "POSTAL_CHAOS_ORDERS",
         match (soak, wal) {
             (true, _) => 200_000,
-            (false, false) => 20_000,
+            (false, false) => 10_000,
             (false, true) => 8_000,
         },
     );
@@ -66,7 +66,7 @@ async fn chaos(source: Source) {
         "POSTAL_CHAOS_KILLS",
         match (soak, wal) {
             (true, _) => 60,
-            (false, false) => 12,
+            (false, false) => 10,
             (false, true) => 6,
         },
     ) as u32;
