@@ -24,7 +24,7 @@ record_step() {
 step() {
   record_step
   echo; echo "=== (previous step: $((SECONDS - step_t0)) s) $* ==="; step_t0=$SECONDS
-  step_name="${*:0:70}"
+  step_name="$*"; step_name="${step_name:0:70}"
 }
 # The last step (or the one that failed) too.
 trap 'rc=$?; [ "$rc" = 0 ] && record_step || record_step " (exit $rc)"' EXIT
