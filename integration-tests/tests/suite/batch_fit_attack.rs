@@ -625,3 +625,89 @@ async fn one_at_a_time_a_postgres_restart_while_the_head_runs_does_not_dead_lett
     let r = outage_run(1, 4, Fault::Restart, 2).await;
     assert_eq!((r.applied, r.dead_letters), (2, 0), "{r:?}");
 }
+
+/// 20 events on one partition, each handler call waiting 150 ms outside the database; every
+/// session of the database is terminated every 250 ms for 6 s from the first handler call on
+/// (connections terminated in a
+/// loop: a flapping network, a pooler restarting again and again), not in step with the
+/// handler; then no more. Returns (applied, dead letters, attempts counted: `retries`) once
+/// the partition is past the 20.
+async fn flap_run(max_batch: usize) -> (u64, i64, u64) {
+    let svc = services().await;
+    let rig = rig("fit_flap").await;
+    rig.writer.call_ms.store(150, Ordering::SeqCst);
+    let pool = rig.db.pool_of(5).await;
+    let records: Vec<RawRecord> = (0..20)
+        .map(|n| job(Uuid::now_v7(), "k", json!({ "n": n })))
+        .collect();
+    produce(&svc.bootstrap, &rig.topic, Some(0), &records).await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
+    config.max_batch = max_batch;
+    config.max_attempts = 3;
+    let running = start(&rig, &pool, config);
+    // From the first handler call on (the consumer has joined and owns the partition).
+    let sizes = rig.writer.sizes.clone();
+    wait::until(WAIT, "the first handler call", || {
+        let called = !sizes.lock().unwrap().is_empty();
+        async move { called }
+    })
+    .await;
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    while started.elapsed() < Duration::from_secs(6) {
+        tick.tick().await;
+        let (done, answered) = oneshot::channel();
+        rig.writer.killer.send(done).expect("killer task");
+        let _ = answered.await;
+    }
+    wait::until(WAIT, "the partition past the 20 records", || {
+        let pool = rig.db.pool.clone();
+        let topic = rig.topic.clone();
+        async move { stored_offset(&pool, &topic).await == Some(20) }
+    })
+    .await;
+    let stats = running.stats.clone();
+    running.stop().await;
+    let s = stats.snapshot();
+    let (rows, distinct) = effects(&rig.db.pool).await;
+    assert_eq!(rows, distinct, "no event applied twice");
+    let applied = order(&rig.db.pool).await;
+    assert!(
+        applied.windows(2).all(|w| w[0] < w[1]),
+        "in offset order: {applied:?}"
+    );
+    let dead = dead_letter_count(&rig.db.pool).await;
+    assert_eq!(s.applied as i64 + dead, 20, "none lost");
+    eprintln!(
+        "max_batch {max_batch}, {} terminations: applied {}, dead letters {dead}, retries {}, calls of sizes {:?}",
+        rig.killed.lock().unwrap().len(),
+        s.applied,
+        s.retries,
+        rig.writer.sizes.lock().unwrap()
+    );
+    pool.close().await;
+    (s.applied, dead, s.retries)
+}
+
+/// Guarantee attacked: as [`an_outage_while_the_head_runs_alone_does_not_dead_letter_it`], with
+/// terminations not in step with the handler: every session terminated every 250 ms for 6 s.
+/// No attempt counted (`retries` 0: "does not count as an attempt") and no innocent event
+/// dead-lettered, in throughput mode as one at a time (run first).
+///
+/// Measured on da943dc (2 shared cores): one at a time 20 applied, `retries` 0, 0 dead letters
+/// (25 terminations, 40 and 44 calls); throughput mode 20 applied, 0 dead letters, but
+/// `retries` 10 and 11 (two runs): that many of the outages were counted as attempts of innocent heads (calls of sizes [20, 10, 5, 2,
+/// 3, 1, 1, 2, 1, 1, 2, …]: the batch halved to 1 at once, then each head alone); the heads
+/// passed with 1 or 2 of their 3 attempts used, so `max_attempts` 3 was not reached this time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: 25 terminations in 6 s: throughput mode counted 10 and 11 attempts of innocent heads (two runs; 0 dead letters), one at a time 0"]
+async fn connections_terminated_in_a_loop_count_no_attempt() {
+    let single = flap_run(1).await;
+    let batched = flap_run(64).await;
+    eprintln!("one at a time {single:?}, throughput mode {batched:?}");
+    assert_eq!(
+        (single.1, single.2, batched.1, batched.2),
+        (0, 0, 0, 0),
+        "dead letters and attempts counted, one at a time then in throughput mode"
+    );
+}
