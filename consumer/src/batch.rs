@@ -135,22 +135,27 @@ impl Worker {
                     // A body failed in the optimistic pass: run again with savepoints.
                     isolate = true;
                 }
-                // The head alone lost its session although the database answers: the server
-                // ended it while the head ran (`idle_in_transaction_session_timeout`, a
-                // terminated backend). Its own failure, counted below as at COMMIT; otherwise an
-                // event whose handler alone outlasts the timeout would stall its partition for
-                // good, retried as an outage.
-                Err(Attempt::Unavailable(e)) if take == 1 && self.database_answers().await => {
-                    if !self.head_failed(&mut head_attempts, &e).await {
-                        return Step::Stop;
-                    }
-                }
                 Err(Attempt::Unavailable(e)) => {
-                    // An outage, or a session the server ended mid-transaction: wait as for an
-                    // outage, and take fewer records next time (a batch whose handlers' time adds
-                    // up past the server's idle timeout fits once it is small enough).
+                    // An outage, or a session the server ended mid-transaction. Taken for the
+                    // server's `idle_in_transaction_session_timeout` only when the database
+                    // answers a new session, has such a timeout, and the transaction lasted at
+                    // least that long (`idle_timeout_outlived`): a short outage, a restart or
+                    // terminated backends are waited out, never counted (counting them
+                    // dead-lettered innocent events, `batch_fit_attack::`).
+                    let idle_timeout = self.idle_timeout_outlived(started.elapsed()).await;
+                    if take == 1 && idle_timeout {
+                        // The head alone outlasts the timeout: its own failure, counted as at
+                        // COMMIT (else it would stall its partition for good).
+                        if !self.head_failed(&mut head_attempts, &e).await {
+                            return Step::Stop;
+                        }
+                        continue;
+                    }
+                    // Fewer records next time (a batch whose handlers' time adds up past the
+                    // timeout fits once it is small enough); what fits is kept when the timeout
+                    // ended it.
                     limit = (take / 2).max(1);
-                    if take > 1 {
+                    if take > 1 && idle_timeout {
                         self.fit.store(limit, Ordering::Relaxed);
                     }
                     tracing::warn!(error = %e, records = take, "batch transaction failed; retrying");
@@ -195,16 +200,22 @@ impl Worker {
         self.wait(*head_attempts - 1).await
     }
 
-    /// Whether the database answers a new session's `SELECT 1` within 5 s.
-    async fn database_answers(&self) -> bool {
+    /// Whether a transaction that lasted `lasted` and lost its session was likely ended by the
+    /// server's `idle_in_transaction_session_timeout`: a new session answers within 5 s, the
+    /// timeout it reads is set, and `lasted` is at least that long.
+    async fn idle_timeout_outlived(&self, lasted: std::time::Duration) -> bool {
         let probe = async {
             let mut c = self.shared.pool.acquire().await?;
-            sqlx::query("SELECT 1").execute(&mut *c).await
+            sqlx::query_scalar::<_, f64>(
+                "SELECT extract(epoch FROM current_setting('idle_in_transaction_session_timeout')::interval)::float8",
+            )
+            .fetch_one(&mut *c)
+            .await
         };
-        matches!(
-            tokio::time::timeout(std::time::Duration::from_secs(5), probe).await,
-            Ok(Ok(_))
-        )
+        match tokio::time::timeout(std::time::Duration::from_secs(5), probe).await {
+            Ok(Ok(secs)) => secs > 0.0 && lasted.as_secs_f64() >= secs,
+            _ => false,
+        }
     }
 
     /// One transaction over `queue`. Without `isolate`, any body failure aborts the whole
