@@ -53,11 +53,12 @@ impl Worker {
         // server: `idle_in_transaction_session_timeout`) is tried again with half as many, down
         // to the head alone, whose failures then count as its attempts (and end in a dead
         // letter or a hold, as with one record per transaction). Doubled again after each
-        // commit, up to `fit`: what fitted since the server last ended a session, kept from one
-        // poll batch to the next and grown by a sixteenth per commit (a batch whose handlers'
-        // outside work adds up past the idle timeout would otherwise be too large again every
-        // other transaction, each time running twice before it is ended: measured 3 to 4 times
-        // slower than one record per transaction, `batch_split_attack::`).
+        // commit, up to `fit`: what fitted since the idle timeout last ended a session (an
+        // outage leaves it), kept from one poll batch to the next and grown by a sixteenth per
+        // commit (a batch whose handlers' outside work adds up past the idle timeout would
+        // otherwise be too large again every other transaction, each time running twice before
+        // it is ended: measured 3 to 4 times slower than one record per transaction,
+        // `batch_split_attack::`).
         let fit = |limit: usize| match self.fit.load(Ordering::Relaxed) {
             0 => limit,
             fit => limit.min(fit),
