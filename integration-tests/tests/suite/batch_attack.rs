@@ -14,6 +14,7 @@ use serde_json::json;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use crate::batch_fixtures::{job, order};
 use crate::common::RunningConsumer;
 use crate::common::{consumer_config, create_topic, effects, effects_table, produce, RawRecord};
 
@@ -202,10 +203,6 @@ impl BatchHandler for Attacker {
     }
 }
 
-fn job(id: Uuid, key: &str, payload: serde_json::Value) -> RawRecord {
-    RawRecord::event(id, key, "job", payload)
-}
-
 async fn dead_letters(pool: &PgPool) -> Vec<Uuid> {
     let mut dead: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM postal.dead_letters")
         .fetch_all(pool)
@@ -213,13 +210,6 @@ async fn dead_letters(pool: &PgPool) -> Vec<Uuid> {
         .unwrap();
     dead.sort();
     dead
-}
-
-async fn order(pool: &PgPool) -> Vec<i64> {
-    sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
-        .fetch_all(pool)
-        .await
-        .unwrap()
 }
 
 /// Guarantee attacked: "a failure isolates the culprit ... then the usual retry / dead-letter

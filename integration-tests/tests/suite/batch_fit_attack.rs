@@ -20,6 +20,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+use crate::batch_fixtures::{dead_letter_count, job, order};
 use crate::common::{
     consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
 };
@@ -232,25 +233,6 @@ fn start(rig: &Rig, pool: &PgPool, config: postal_consumer::ConsumerConfig) -> R
         builder.on(&rig.topic, "job", WriterOne(rig.writer.clone()))
     };
     RunningConsumer::start(builder.build().expect("consumer"))
-}
-
-fn job(id: Uuid, key: &str, payload: serde_json::Value) -> RawRecord {
-    RawRecord::event(id, key, "job", payload)
-}
-
-async fn dead_letter_count(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-/// `n` of the applied events, in the order they were applied.
-async fn order(pool: &PgPool) -> Vec<i64> {
-    sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
-        .fetch_all(pool)
-        .await
-        .unwrap()
 }
 
 /// The partition's stored offset (`None` also when the query's session was just terminated by

@@ -19,6 +19,7 @@ use serde_json::json;
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use crate::batch_fixtures::{dead_letter_count, job, order};
 use crate::common::{
     consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
 };
@@ -144,10 +145,6 @@ async fn tables(pool: &PgPool) {
     }
 }
 
-fn job(id: Uuid, key: &str, payload: serde_json::Value) -> RawRecord {
-    RawRecord::event(id, key, "job", payload)
-}
-
 async fn dead_letters(pool: &PgPool) -> Vec<Uuid> {
     let mut dead: Vec<Uuid> =
         sqlx::query_scalar("SELECT event_id FROM postal.dead_letters WHERE event_id IS NOT NULL")
@@ -156,21 +153,6 @@ async fn dead_letters(pool: &PgPool) -> Vec<Uuid> {
             .unwrap();
     dead.sort();
     dead
-}
-
-async fn dead_letter_count(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM postal.dead_letters")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-/// `n` of the applied events, in the order they were applied.
-async fn order(pool: &PgPool) -> Vec<i64> {
-    sqlx::query_scalar("SELECT n FROM effects ORDER BY id")
-        .fetch_all(pool)
-        .await
-        .unwrap()
 }
 
 async fn stored_offset(pool: &PgPool, topic: &str) -> Option<i64> {

@@ -9,6 +9,7 @@ mod activity_totals;
 mod batch_attack;
 mod batch_failures;
 mod batch_fit_attack;
+mod batch_fixtures;
 mod batch_split_attack;
 mod cancel;
 mod chain;
