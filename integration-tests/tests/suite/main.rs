@@ -10,6 +10,7 @@ mod batch_attack;
 mod batch_failures;
 mod batch_fit_attack;
 mod batch_fixtures;
+mod batch_rule_attack;
 mod batch_split_attack;
 mod cancel;
 mod chain;
