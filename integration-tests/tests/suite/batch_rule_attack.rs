@@ -319,14 +319,33 @@ async fn one_at_a_time_an_outage_during_a_slow_active_head_does_not_dead_letter_
 
 /// Guarantee attacked: as above, with a quick handler (no slow query) and an outage that
 /// lasts longer than the DBA's timeout: PostgreSQL crashes and restarts (the transaction
-/// waits for it) 6 times in a row, the role's timeout 1 s. The rule's "lasted at least the
-/// timeout" is then met by the outage itself.
+/// waits for it) 6 times in a row. A restart here takes ~230 ms (measured, `outage_ms`), so the
+/// role's timeout is 100 ms: the ratio of a production failover (10-60 s) to a DBA's 5-30 s
+/// timeout. The rule's "lasted at least the timeout" is then met by the outage itself.
+/// (With the timeout 1 s, longer than the restart, it held: 4 applied, 0 dead letters.)
+///
+/// Measured on 0ac6c68 (2 shared cores): throughput mode 3 applied and the first event
+/// dead-lettered, `retries` 2, handler calls [4, 2, 1, 1, 1, 2, 1, 2], restarts 227-356 ms;
+/// one at a time (control below): 4 applied, 0 dead letters, `retries` 0. Cause: the same
+/// `idle_timeout_outlived` comparison: the time the transaction spent waiting for the
+/// restarted server counts as "lasted", and the restarted server answers the probe at once.
+/// Every outage longer than the DBA's timeout (a failover, a network partition that ends in
+/// resets) is charged to the head alone; `max_attempts` of them dead-letter it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: 6 PostgreSQL restarts (227-356 ms) with the role's idle timeout 100 ms: 3 applied, 1 dead letter, retries 2 in throughput mode; 4/0/0 one at a time"]
 async fn an_outage_longer_than_the_timeout_does_not_dead_letter_the_head() {
-    let r = run(64, Fault::Restart, "1s", 0, 6).await;
+    let r = run(64, Fault::Restart, "100ms", 0, 6).await;
     assert_eq!(
         (r.applied, r.dead_letters),
         (4, 0),
         "an outage dead-lettered an innocent event: {r:?}"
     );
+}
+
+/// Control: one record per transaction, the same 6 restarts longer than the 100 ms timeout:
+/// waited out uncounted, 4 applied, no dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_at_a_time_an_outage_longer_than_the_timeout_does_not_dead_letter_the_head() {
+    let r = run(1, Fault::Restart, "100ms", 0, 6).await;
+    assert_eq!((r.applied, r.dead_letters), (4, 0), "{r:?}");
 }
