@@ -137,26 +137,20 @@ impl Worker {
                     isolate = true;
                 }
                 Err(Attempt::Unavailable(e)) => {
-                    // An outage, or a session the server ended mid-transaction. Taken for the
-                    // server's `idle_in_transaction_session_timeout` only when the database
-                    // answers a new session, has such a timeout, and the transaction lasted at
-                    // least that long (`idle_timeout_outlived`): a short outage, a restart or
-                    // terminated backends are waited out, never counted (counting them
-                    // dead-lettered innocent events, `batch_fit_attack::`).
-                    let idle_timeout = self.idle_timeout_outlived(started.elapsed()).await;
-                    if take == 1 && idle_timeout {
-                        // The head alone outlasts the timeout: its own failure, counted as at
-                        // COMMIT (else it would stall its partition for good).
-                        if !self.head_failed(&mut head_attempts, &e).await {
-                            return Step::Stop;
-                        }
-                        continue;
-                    }
+                    // An outage, or a session the server ended mid-transaction: waited out,
+                    // never counted as an attempt, as one at a time. (Counting a lost session of
+                    // the head alone, when the database answered afterwards or when the
+                    // transaction outlasted the DBA's `idle_in_transaction_session_timeout`,
+                    // dead-lettered innocent events on outages: `batch_fit_attack::`,
+                    // `batch_rule_attack::`. Known cost: an event whose handler alone outlasts
+                    // that timeout waits for good, in both modes.)
                     // Fewer records next time (a batch whose handlers' time adds up past the
                     // timeout fits once it is small enough); what fits is kept when the timeout
-                    // ended it.
+                    // likely ended it (`idle_timeout_outlived`: a throughput matter only).
+                    let idle_timeout =
+                        take > 1 && self.idle_timeout_outlived(started.elapsed()).await;
                     limit = (take / 2).max(1);
-                    if take > 1 && idle_timeout {
+                    if idle_timeout {
                         self.fit.store(limit, Ordering::Relaxed);
                     }
                     tracing::warn!(error = %e, records = take, "batch transaction failed; retrying");
@@ -181,7 +175,7 @@ impl Worker {
         Step::Done
     }
 
-    /// The head alone failed with no handler to blame (at COMMIT, or its session ended): one of
+    /// The head alone failed with no handler to blame (at COMMIT): one of
     /// its attempts, as with one record per transaction; once they are used up it is
     /// dead-lettered (or held) without running its handler. A transaction that cannot even do
     /// that (a read-only database) is retried with backoff too, saying so. False: stopped.

@@ -261,7 +261,10 @@ async fn run(max_batch: usize, fault: Fault, timeout: &str, active_ms: u64, kill
         .fetch_all(&db.pool)
         .await
         .unwrap();
-    assert!(applied.windows(2).all(|w| w[0] < w[1]), "in order: {applied:?}");
+    assert!(
+        applied.windows(2).all(|w| w[0] < w[1]),
+        "in order: {applied:?}"
+    );
     let outage_ms = outage_ms.lock().unwrap().clone();
     let r = Outcome {
         applied: s.applied,
@@ -300,7 +303,6 @@ async fn run(max_batch: usize, fault: Fault, timeout: &str, active_ms: u64, kill
 /// statement returned, or reading the server's reason — the timeout's FATAL 25P03 is sent to
 /// the client before it closes — would tell them apart.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a 1.2 s active head + 6 terminations (0-19 ms) with the role's idle timeout 1 s: 3 applied, 1 dead letter, retries 2 in throughput mode; 4/0/0 one at a time"]
 async fn an_outage_during_a_slow_active_head_does_not_dead_letter_it() {
     let r = run(64, Fault::Terminate, "1s", 1200, 6).await;
     assert_eq!(
@@ -332,7 +334,6 @@ async fn one_at_a_time_an_outage_during_a_slow_active_head_does_not_dead_letter_
 /// Every outage longer than the DBA's timeout (a failover, a network partition that ends in
 /// resets) is charged to the head alone; `max_attempts` of them dead-letter it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: 6 PostgreSQL restarts (227-356 ms) with the role's idle timeout 100 ms: 3 applied, 1 dead letter, retries 2 in throughput mode; 4/0/0 one at a time"]
 async fn an_outage_longer_than_the_timeout_does_not_dead_letter_the_head() {
     let r = run(64, Fault::Restart, "100ms", 0, 6).await;
     assert_eq!(
