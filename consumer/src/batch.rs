@@ -19,7 +19,7 @@ use crate::config::UnknownTypes;
 use crate::dead_letter::Reason;
 use crate::offsets::{self, Ownership};
 use crate::partition::{
-    run_batch_body, run_body, Attempt, BodyFailure, Dead, Head, Held, Step, Worker,
+    run_batch_body, run_body, Attempt, BodyFailure, Dead, Head, Held, Retry, Step, Worker,
 };
 use crate::record::{meta, Meta, Record};
 use crate::route::Route;
@@ -37,8 +37,8 @@ struct Committed {
     held_keys: Vec<Vec<u8>>,
     /// Bytes this transaction holds (`hold_or_bound`).
     held_bytes: i64,
-    /// The record after the finished ones failed retryably: (error, is it an outage?).
-    stopped: Option<(String, bool)>,
+    /// The record after the finished ones failed retryably: (error, whose failure).
+    stopped: Option<(String, Retry)>,
 }
 
 impl Worker {
@@ -46,16 +46,19 @@ impl Worker {
         let consumer = self.shared.config.consumer.clone();
         let mut queue: VecDeque<Record> = records.into();
         let mut head_attempts = 0u32;
+        // The head's last counted failure: said on its dead letter (or hold) when its attempts
+        // are used up, as one at a time.
+        let mut head_error = String::new();
         let mut outages = 0u32;
         let mut isolate = false;
         // How many of the queue's records the next transaction takes. A transaction that fails
         // with no body to blame (its COMMIT: a deferred constraint; its session ended by the
-        // server: `idle_in_transaction_session_timeout`) is tried again with half as many, down
-        // to the head alone, whose failures then count as its attempts (and end in a dead
-        // letter or a hold, as with one record per transaction). Doubled again after each
-        // commit, up to `fit`: what fitted since the idle timeout last ended a session (an
-        // outage leaves it), kept from one poll batch to the next and grown by a sixteenth per
-        // commit (a batch whose handlers' outside work adds up past the idle timeout would
+        // server for idling: `idle_in_transaction_session_timeout`, 25P03) is tried again with
+        // half as many, down to the head alone, whose failures then count as its attempts (and
+        // end in a dead letter or a hold, as with one record per transaction). Doubled again
+        // after each commit, up to `fit`: what fitted since the idle timeout last ended a
+        // session (an outage leaves it), kept from one poll batch to the next and grown by a
+        // sixteenth per commit (a batch whose handlers' outside work adds up past the idle timeout would
         // otherwise be too large again every other transaction, each time running twice before
         // it is ended: measured 3 to 4 times slower than one record per transaction,
         // `batch_split_attack::`).
@@ -76,7 +79,7 @@ impl Worker {
                     own,
                     &queue.make_contiguous()[..take],
                     isolate,
-                    exhausted,
+                    exhausted.then_some(head_error.as_str()),
                     head_attempts,
                 )
                 .await;
@@ -95,6 +98,7 @@ impl Worker {
                     }
                     if c.done > 0 {
                         head_attempts = 0;
+                        head_error.clear();
                         outages = 0;
                         let _ = self
                             .fit
@@ -106,15 +110,16 @@ impl Worker {
                     queue.drain(..c.done);
                     match c.stopped {
                         None => isolate = false,
-                        Some((e, true)) => {
+                        Some((e, Retry::Outage)) => {
                             tracing::warn!(error = %e, "dependency unavailable; retrying (does not count as an attempt)");
                             if !self.wait(outages).await {
                                 return Step::Stop;
                             }
                             outages = outages.saturating_add(1);
                         }
-                        Some((e, false)) => {
+                        Some((e, Retry::Handler | Retry::IdleEnded)) => {
                             head_attempts += 1;
+                            head_error.clone_from(&e);
                             if head_attempts < self.shared.config.max_attempts {
                                 self.shared.stats.retries(&consumer, &self.topic, 1);
                                 tracing::warn!(error = %e, attempt = head_attempts, "handler failed; retrying");
@@ -136,23 +141,33 @@ impl Worker {
                     // A body failed in the optimistic pass: run again with savepoints.
                     isolate = true;
                 }
-                Err(Attempt::Unavailable(e)) => {
-                    // An outage, or a session the server ended mid-transaction: waited out,
-                    // never counted as an attempt, as one at a time. (Counting a lost session of
-                    // the head alone, when the database answered afterwards or when the
-                    // transaction outlasted the DBA's `idle_in_transaction_session_timeout`,
-                    // dead-lettered innocent events on outages: `batch_fit_attack::`,
-                    // `batch_rule_attack::`. Known cost: an event whose handler alone outlasts
-                    // that timeout waits for good, in both modes.)
-                    // Fewer records next time (a batch whose handlers' time adds up past the
-                    // timeout fits once it is small enough); what fits is kept when the timeout
-                    // likely ended it (`idle_timeout_outlived`: a throughput matter only).
-                    let idle_timeout =
-                        take > 1 && self.idle_timeout_outlived(started.elapsed()).await;
-                    limit = (take / 2).max(1);
-                    if idle_timeout {
-                        self.fit.store(limit, Ordering::Relaxed);
+                Err(Attempt::IdleEnded(e)) if take > 1 => {
+                    // The server ended the session for idling: the handlers' time outside the
+                    // database added up past the DBA's timeout. Fewer records, and what fits is
+                    // kept (a throughput matter only).
+                    limit = take / 2;
+                    self.fit.store(limit, Ordering::Relaxed);
+                    tracing::warn!(error = %e, records = take, "batch transaction ended by the server for idling; trying the first {limit} records alone");
+                }
+                Err(Attempt::IdleEnded(e)) => {
+                    // The head alone sat idle past the timeout: its attempt, as one at a time
+                    // (after `max_attempts` it is dead-lettered or held, and the partition
+                    // moves on).
+                    head_error.clone_from(&e);
+                    if !self.head_failed(&mut head_attempts, &e).await {
+                        return Step::Stop;
                     }
+                }
+                Err(Attempt::Unavailable(e)) => {
+                    // An outage, or a session the server ended mid-transaction for another
+                    // reason (a restart, a terminated backend): waited out, never counted as an
+                    // attempt, as one at a time. (Counting a lost session of the head alone,
+                    // when the database answered afterwards or when the transaction outlasted
+                    // the DBA's `idle_in_transaction_session_timeout`, dead-lettered innocent
+                    // events on outages: `batch_fit_attack::`, `batch_rule_attack::`; the
+                    // server's own word, 25P03, is what tells an idle end from an outage.)
+                    // Fewer records next time all the same.
+                    limit = (take / 2).max(1);
                     tracing::warn!(error = %e, records = take, "batch transaction failed; retrying");
                     if !self.wait(outages).await {
                         return Step::Stop;
@@ -166,6 +181,7 @@ impl Worker {
                     tracing::warn!(error = %e, records = take, "batch transaction failed with no handler to blame; trying the first {limit} records alone");
                 }
                 Err(Attempt::Retryable(e)) | Err(Attempt::Permanent(_, e)) => {
+                    head_error.clone_from(&e);
                     if !self.head_failed(&mut head_attempts, &e).await {
                         return Step::Stop;
                     }
@@ -195,32 +211,15 @@ impl Worker {
         self.wait(*head_attempts - 1).await
     }
 
-    /// Whether a transaction that lasted `lasted` and lost its session was likely ended by the
-    /// server's `idle_in_transaction_session_timeout`: a new session answers within 5 s, the
-    /// timeout it reads is set, and `lasted` is at least that long.
-    async fn idle_timeout_outlived(&self, lasted: std::time::Duration) -> bool {
-        let probe = async {
-            let mut c = self.shared.pool.acquire().await?;
-            sqlx::query_scalar::<_, f64>(
-                "SELECT extract(epoch FROM current_setting('idle_in_transaction_session_timeout')::interval)::float8",
-            )
-            .fetch_one(&mut *c)
-            .await
-        };
-        match tokio::time::timeout(std::time::Duration::from_secs(5), probe).await {
-            Ok(Ok(secs)) => secs > 0.0 && lasted.as_secs_f64() >= secs,
-            _ => false,
-        }
-    }
-
     /// One transaction over `queue`. Without `isolate`, any body failure aborts the whole
-    /// transaction (`Err`), and the caller retries with `isolate`.
+    /// transaction (`Err`), and the caller retries with `isolate`. `head_exhausted`: the head
+    /// used up its attempts (their last error), and is dead-lettered or held without running.
     async fn batch_attempt(
         &self,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
-        head_exhausted: bool,
+        head_exhausted: Option<&str>,
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
@@ -305,11 +304,14 @@ impl Worker {
                 i += 1;
                 continue;
             };
-            if i == 0 && head_exhausted && self.holds(record, Some(m), Some(route.name())) {
-                let error = format!("gave up after {head_attempts} attempts");
+            let gave_up = head_exhausted.filter(|_| i == 0).map(|last| match last {
+                "" => format!("gave up after {head_attempts} attempts"),
+                last => format!("gave up after {head_attempts} attempts: {last}"),
+            });
+            if let Some(error) = gave_up.as_ref().filter(|_| self.holds(record, Some(m), Some(route.name()))) {
                 let head = Head {
                     reason: Reason::RetriesExhausted,
-                    error: &error,
+                    error,
                     attempts: head_attempts as i32,
                 };
                 self.hold_or_bound(&mut tx, &mut c, record, Some(m), Some(head))
@@ -321,8 +323,7 @@ impl Worker {
                 i += 1;
                 continue;
             }
-            if i == 0 && head_exhausted {
-                let error = format!("gave up after {head_attempts} attempts");
+            if let Some(error) = gave_up {
                 self.dead_in(
                     &mut tx,
                     record,
@@ -418,8 +419,8 @@ impl Worker {
                 }
                 c.duplicates += ((i..upto).count() - taken) as u64;
                 c.done += upto - i;
-                if let Some((_, error, outage)) = run.stopped {
-                    c.stopped = Some((error, outage));
+                if let Some((_, error, whose)) = run.stopped {
+                    c.stopped = Some((error, whose));
                     break;
                 }
                 if run.held.is_some() {
@@ -439,10 +440,7 @@ impl Worker {
                     .await;
                 match r {
                     Ok(()) => release(sp).await?,
-                    Err(f) => {
-                        sp.rollback().await.map_err(Attempt::db)?;
-                        Err(f)
-                    }
+                    Err(f) => Err(roll_back(sp, f).await?),
                 }
             } else {
                 run_body(route.as_ref(), &mut tx, record, m)
@@ -488,8 +486,8 @@ impl Worker {
                     c.dead += 1;
                     c.done += 1;
                 }
-                Err(BodyFailure::Retry(error, outage)) => {
-                    c.stopped = Some((error, outage));
+                Err(BodyFailure::Retry(error, whose)) => {
+                    c.stopped = Some((error, whose));
                     break;
                 }
             }
@@ -590,15 +588,12 @@ impl Worker {
                 .await;
             let r = match r {
                 Ok(()) => release(sp).await?,
-                Err(f) => {
-                    sp.rollback().await.map_err(Attempt::db)?;
-                    Err(f)
-                }
+                Err(f) => Err(roll_back(sp, f).await?),
             };
             match r {
                 Ok(()) => run.applied.extend_from_slice(&items[lo..hi]),
-                Err(BodyFailure::Retry(error, true)) => {
-                    run.stopped = Some((items[lo], error, true));
+                Err(BodyFailure::Retry(error, Retry::Outage)) => {
+                    run.stopped = Some((items[lo], error, Retry::Outage));
                     break;
                 }
                 Err(_) if hi - lo > 1 => {
@@ -618,8 +613,8 @@ impl Worker {
                     break;
                 }
                 Err(BodyFailure::Dead(reason, error)) => run.dead.push((items[lo], reason, error)),
-                Err(BodyFailure::Retry(error, false)) => {
-                    run.stopped = Some((items[lo], error, false));
+                Err(BodyFailure::Retry(error, whose)) => {
+                    run.stopped = Some((items[lo], error, whose));
                     break;
                 }
             }
@@ -648,21 +643,32 @@ impl Worker {
     }
 }
 
-/// A body failed in the optimistic pass (no savepoints): rolls the transaction back. If the
-/// rollback finds the session gone (the server ended it while the body ran:
-/// `idle_in_transaction_session_timeout`, a terminated backend), that is the attempt's failure,
-/// an unavailable database, so that the batch is halved at once rather than run again with
-/// savepoints to meet the same end (measured: each too-large batch ran twice).
+/// A body failed in the optimistic pass (no savepoints): rolls the transaction back. A body
+/// failing because the server ended the session for idling is that (the rollback then fails
+/// with an I/O error that says less). Otherwise, if the rollback finds the session gone (a
+/// terminated backend, a restart), that is the attempt's failure, an unavailable database, so
+/// that the batch is halved at once rather than run again with savepoints to meet the same end
+/// (measured: each too-large batch ran twice).
 async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt {
-    let failure = match f {
-        BodyFailure::Dead(r, e) => Attempt::Permanent(r, e),
-        BodyFailure::Retry(e, _) => Attempt::Retryable(e),
-    };
+    let idle = f.ended_idle();
+    let failure = f.into_attempt();
     match tx.rollback().await {
+        _ if idle => failure,
         Err(e) if postal_shared::database_unavailable(&e) => {
             Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
         }
         _ => failure,
+    }
+}
+
+/// Rolls back the savepoint of a body that failed with `f`, and gives `f` back. A rollback
+/// that fails is the attempt's failure — unless the body's says the server ended the session
+/// for idling, which says more than the rollback's I/O error on the closed connection.
+async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<BodyFailure, Attempt> {
+    match sp.rollback().await {
+        Ok(()) => Ok(f),
+        Err(_) if f.ended_idle() => Err(f.into_attempt()),
+        Err(e) => Err(Attempt::db(e)),
     }
 }
 
@@ -673,8 +679,8 @@ struct Run {
     applied: Vec<usize>,
     /// Culprits to dead-letter: (index, reason, error).
     dead: Vec<(usize, Reason, String)>,
-    /// The record the run stopped at, retryably: (index, error, outage?).
-    stopped: Option<(usize, String, bool)>,
+    /// The record the run stopped at, retryably: (index, error, whose failure).
+    stopped: Option<(usize, String, Retry)>,
     /// The culprit whose key is held ([`crate::FinalFailure::HoldKey`]); the run stopped at
     /// it: (index, reason, error).
     held: Option<(usize, Reason, String)>,
@@ -709,9 +715,10 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
         Ok(()) => Ok(Ok(())),
         Err(e) => match Attempt::db(e) {
             Attempt::Unavailable(e) => Err(Attempt::Unavailable(e)),
+            Attempt::IdleEnded(e) => Err(Attempt::IdleEnded(e)),
             Attempt::Retryable(e) | Attempt::Permanent(_, e) => Ok(Err(BodyFailure::Retry(
                 format!("the handler returned Ok but its transaction had failed (a database error it did not return?): {e}"),
-                false,
+                Retry::Handler,
             ))),
             Attempt::Fenced => Err(Attempt::Fenced),
             Attempt::Paused => Err(Attempt::Paused),

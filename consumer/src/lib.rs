@@ -89,6 +89,7 @@ mod dlq_copy;
 mod error;
 mod event;
 mod handler;
+mod idle_end;
 mod offsets;
 mod packed_headers;
 mod partition;

@@ -17,7 +17,7 @@ mod stop;
 
 pub(crate) use dead::Dead;
 pub(crate) use hold::{Head, Held};
-pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure};
+pub(crate) use process::{run_batch_body, run_body, Attempt, BodyFailure, Retry};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -90,7 +90,9 @@ impl Worker {
                     }
                     outages = outages.saturating_add(1);
                 }
-                Err(Attempt::Retryable(e)) => {
+                // A session the server ended for idling is this event's doing (its handler
+                // waited inside the transaction): an attempt, as a handler's failure.
+                Err(Attempt::Retryable(e)) | Err(Attempt::IdleEnded(e)) => {
                     attempts += 1;
                     if attempts >= self.shared.config.max_attempts {
                         let error = format!("gave up after {attempts} attempts: {e}");
@@ -156,11 +158,7 @@ impl Worker {
         if fresh {
             run_body(route, &mut tx, record, meta)
                 .await
-                .map_err(|f| match f {
-                    BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
-                    BodyFailure::Retry(error, false) => Attempt::Retryable(error),
-                    BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
-                })?;
+                .map_err(BodyFailure::into_attempt)?;
         }
         let owned = offsets::advance(
             &mut tx,
@@ -208,11 +206,18 @@ pub(crate) enum Attempt {
     OverBound(i64),
     Unavailable(String),
     Retryable(String),
+    /// The server ended the session because the transaction sat idle past the database's
+    /// `idle_in_transaction_session_timeout` ([`crate::idle_end`]): not an outage but the
+    /// transaction's own doing — an attempt of the record it held, when it held one.
+    IdleEnded(String),
     Permanent(Reason, String),
 }
 
 impl Attempt {
     pub(crate) fn db(e: sqlx::Error) -> Self {
+        if crate::idle_end::ended_idle(&e) {
+            return Attempt::IdleEnded(crate::idle_end::explain(&e.to_string()));
+        }
         match classify_sqlx(&e) {
             Class::Unavailable => Attempt::Unavailable(e.to_string()),
             _ => Attempt::Retryable(e.to_string()),
@@ -233,8 +238,38 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub(crate) enum BodyFailure {
     /// Dead-letter it (reason, error).
     Dead(Reason, String),
-    /// Retry it later (error, outage?).
-    Retry(String, bool),
+    /// Retry it later (error, whose failure it is).
+    Retry(String, Retry),
+}
+
+/// Whose a retryable failure is, which decides whether it counts as an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// The handler's (retryable): an attempt.
+    Handler,
+    /// A dependency outage (the handler said unavailable): never an attempt.
+    Outage,
+    /// The server ended the session for idling in the transaction (`25P03`, seen in the
+    /// handler's error): the transaction's own doing, whatever the handler called it.
+    IdleEnded,
+}
+
+impl BodyFailure {
+    /// The attempt's failure, when the body's is the first one seen.
+    pub(crate) fn into_attempt(self) -> Attempt {
+        match self {
+            BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
+            BodyFailure::Retry(error, Retry::Handler) => Attempt::Retryable(error),
+            BodyFailure::Retry(error, Retry::Outage) => Attempt::Unavailable(error),
+            BodyFailure::Retry(error, Retry::IdleEnded) => Attempt::IdleEnded(error),
+        }
+    }
+
+    /// Whether the server ended the session for idling (the first statement after the wait
+    /// fails with it, the ones after with an I/O error: this says more than they do).
+    pub(crate) fn ended_idle(&self) -> bool {
+        matches!(self, BodyFailure::Retry(_, Retry::IdleEnded))
+    }
 }
 
 /// Runs a handler body, turning its errors and panics into a [`BodyFailure`].
@@ -281,15 +316,25 @@ fn body_outcome(
             Err(BodyFailure::Dead(Reason::Permanent, bounded(&e)))
         }
         Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
-            Err(BodyFailure::Retry(bounded(&e), false))
+            Err(retry(bounded(&e), e.as_ref(), Retry::Handler))
         }
         Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
-            Err(BodyFailure::Retry(bounded(&e), true))
+            Err(retry(bounded(&e), e.as_ref(), Retry::Outage))
         }
         Err(panic) => {
             let msg = bounded(&panic_message(panic.as_ref()));
             tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
             Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
         }
+    }
+}
+
+/// A retryable body failure: `whose`, unless the server ended the session for idling (in `e`'s
+/// chain), which says so whatever the handler called it.
+fn retry(error: String, e: &(dyn std::error::Error + 'static), whose: Retry) -> BodyFailure {
+    if crate::idle_end::ended_idle_within(e) {
+        BodyFailure::Retry(crate::idle_end::explain(&error), Retry::IdleEnded)
+    } else {
+        BodyFailure::Retry(error, whose)
     }
 }

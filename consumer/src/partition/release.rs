@@ -301,7 +301,7 @@ impl Worker {
                     outages = outages.saturating_add(1);
                     continue;
                 }
-                Err(Attempt::Retryable(e)) => {
+                Err(Attempt::Retryable(e)) | Err(Attempt::IdleEnded(e)) => {
                     attempts += 1;
                     if attempts < self.shared.config.max_attempts {
                         self.shared.stats.retries(consumer, &record.topic, 1);
@@ -351,11 +351,7 @@ impl Worker {
         if fresh {
             run_body(route, &mut tx, record, m)
                 .await
-                .map_err(|f| match f {
-                    BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
-                    BodyFailure::Retry(error, false) => Attempt::Retryable(error),
-                    BodyFailure::Retry(error, true) => Attempt::Unavailable(error),
-                })?;
+                .map_err(BodyFailure::into_attempt)?;
         }
         let last = self.unhold_in(&mut tx, row).await.map_err(Attempt::db)?;
         self.confirm(&mut tx, own).await?;
@@ -436,7 +432,12 @@ impl Worker {
                 }
                 Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => return Step::Fenced,
-                Err(Attempt::Unavailable(e) | Attempt::Retryable(e) | Attempt::Permanent(_, e)) => {
+                Err(
+                    Attempt::Unavailable(e)
+                    | Attempt::Retryable(e)
+                    | Attempt::IdleEnded(e)
+                    | Attempt::Permanent(_, e),
+                ) => {
                     tracing::warn!(error = %e, "cannot settle a held record; retrying");
                     if !self.wait(failures).await {
                         return Step::Stop;
@@ -516,7 +517,12 @@ impl Worker {
                 Err(Attempt::Paused) => return Step::Paused,
                 Err(Attempt::Fenced) => return Step::Fenced,
                 Err(Attempt::OverBound(_)) => return Step::Done,
-                Err(Attempt::Unavailable(e) | Attempt::Retryable(e) | Attempt::Permanent(_, e)) => {
+                Err(
+                    Attempt::Unavailable(e)
+                    | Attempt::Retryable(e)
+                    | Attempt::IdleEnded(e)
+                    | Attempt::Permanent(_, e),
+                ) => {
                     tracing::warn!(error = %e, "cannot record the held key's new head; retrying");
                     if !self.wait(failures).await {
                         return Step::Stop;

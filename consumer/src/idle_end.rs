@@ -1,0 +1,111 @@
+//! A session the server ended because its transaction sat idle.
+//!
+//! A DBA's `idle_in_transaction_session_timeout` ends a session whose transaction waits longer
+//! than it between two statements: SQLSTATE `25P03`, sent before the server closes the
+//! connection, so the first statement after the wait fails with it (the ones after that with
+//! an I/O error). The wait is the transaction's own doing — a handler waiting outside the
+//! database inside its transaction — not an outage: it is told apart from one (which is never
+//! an attempt) by this code, never by timing.
+
+use std::error::Error as StdError;
+
+/// SQLSTATE `idle_in_transaction_session_timeout`.
+const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
+
+/// Whether `e` is the server ending the session for sitting idle in a transaction.
+pub(crate) fn ended_idle(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IDLE_IN_TRANSACTION_TIMEOUT))
+}
+
+/// Whether `e` or an error it wraps (its `source` chain: a handler's own error type around a
+/// `sqlx::Error`) is [`ended_idle`].
+pub(crate) fn ended_idle_within(e: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<sqlx::Error>().is_some_and(ended_idle) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// The error a transaction ended for idling is retried with: what happened and what to look at.
+pub(crate) fn explain(e: &str) -> String {
+    format!(
+        "the server ended the transaction's session: it sat idle longer than the database's idle_in_transaction_session_timeout (a handler waiting outside the database inside its transaction?): {e}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Wrapper(sqlx::Error);
+    impl std::fmt::Display for Wrapper {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("lookup failed")
+        }
+    }
+    impl StdError for Wrapper {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    /// A server error with a code, as PostgreSQL sends one.
+    #[derive(Debug)]
+    struct Server(&'static str);
+    impl std::fmt::Display for Server {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "server error {}", self.0)
+        }
+    }
+    impl StdError for Server {}
+    impl sqlx::error::DatabaseError for Server {
+        fn message(&self) -> &str {
+            "server error"
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+        fn as_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn StdError + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn StdError + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    /// 25P03 is an idle end, also inside a handler's own error type.
+    #[test]
+    fn the_idle_code_is_an_idle_end_also_wrapped() {
+        let idle = || sqlx::Error::Database(Box::new(Server("25P03")));
+        assert!(ended_idle(&idle()));
+        assert!(ended_idle_within(&Wrapper(idle())));
+        let boxed: Box<dyn StdError + Send + Sync> = Box::new(Wrapper(idle()));
+        assert!(ended_idle_within(boxed.as_ref()));
+    }
+
+    /// Outage-like errors (a terminated backend, 57P01, among them) are never taken for an idle end (they must never count as an
+    /// attempt); an error wrapping something else is not one either.
+    #[test]
+    fn only_the_idle_code_is_an_idle_end() {
+        let io = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(!ended_idle(&io));
+        assert!(!ended_idle_within(&Wrapper(io)));
+        assert!(!ended_idle(&sqlx::Error::PoolTimedOut));
+        let terminated = sqlx::Error::Database(Box::new(Server("57P01")));
+        assert!(!ended_idle(&terminated));
+    }
+}
