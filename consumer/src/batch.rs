@@ -308,7 +308,10 @@ impl Worker {
                 "" => format!("gave up after {head_attempts} attempts"),
                 last => format!("gave up after {head_attempts} attempts: {last}"),
             });
-            if let Some(error) = gave_up.as_ref().filter(|_| self.holds(record, Some(m), Some(route.name()))) {
+            if let Some(error) = gave_up
+                .as_ref()
+                .filter(|_| self.holds(record, Some(m), Some(route.name())))
+            {
                 let head = Head {
                     reason: Reason::RetriesExhausted,
                     error,

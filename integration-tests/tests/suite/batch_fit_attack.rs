@@ -554,8 +554,8 @@ async fn self_kill_run(max_batch: usize, limit: Duration) -> SelfKill {
 /// time: the 11 others applied once, in order, the 6th dead-lettered after `max_attempts` (3),
 /// the stored offset at 12, within 20 s. (Held on da943dc: calls of sizes [12, 6, 3, 4, 2, 3,
 /// 1, 1, 1, 2, 3, 1]; 11 applied in order, 1 dead letter.) Since the fix of the outage
-/// breaks above, a lost session counts as an attempt only when the database has an
-/// `idle_in_transaction_session_timeout` the transaction outlived: a terminated backend is an
+/// breaks above, a lost session counts as an attempt only when the server says it ended it for
+/// idling (SQLSTATE 25P03, `idle_in_transaction_session_timeout`): a terminated backend is an
 /// outage, as one at a time (the ignored test below), so this event stalls its partition too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "known, as one at a time: a handler that terminates its own backend is taken for an outage (not counted), the partition waits"]

@@ -34,7 +34,7 @@ type Kill = oneshot::Sender<()>;
 /// `SELECT pg_sleep(active_ms)` in the transaction (a slow query: the session is *active*, never
 /// idle, so the server's idle timeout cannot end it); then, while `kills` is positive, asks the
 /// test's killer to end the database's sessions (terminate, or crash and restart the server)
-/// and waits until it is done: the write then finds its session gone.
+/// and waits, running a query, until it is done: the query fails with the session.
 #[derive(Clone)]
 struct Writer {
     kills: Arc<AtomicU32>,
@@ -64,7 +64,13 @@ impl Writer {
         {
             let (done, answered) = oneshot::channel();
             self.killer.send(done).expect("killer task");
-            let _ = answered.await;
+            // Active, not idle, until the outage ends the session: waiting idle in the
+            // transaction past the DBA's timeout would be the handler's own doing (the server
+            // ends it with 25P03, an attempt), not the outage modelled here. (Seen under load
+            // when the handler waited idle: the killer took longer than the 100 ms timeout.)
+            let busy = sqlx::query("SELECT pg_sleep(60)").execute(&mut **tx);
+            let (busy, _) = tokio::join!(busy, answered);
+            busy?;
         }
         let ids: Vec<Uuid> = events.iter().map(|e| e.0).collect();
         let ns: Vec<i64> = events.iter().map(|e| e.1).collect();

@@ -57,10 +57,7 @@ fn fields(e: &Event<serde_json::Value>) -> Result<Fields, HandlerError> {
     ))
 }
 
-async fn write(
-    tx: &mut Transaction<'_, Postgres>,
-    rows: &[Fields],
-) -> Result<(), HandlerError> {
+async fn write(tx: &mut Transaction<'_, Postgres>, rows: &[Fields]) -> Result<(), HandlerError> {
     let sleep: u64 = rows.iter().map(|r| r.3).sum();
     if sleep > 0 {
         tokio::time::sleep(Duration::from_millis(sleep)).await;
