@@ -686,7 +686,7 @@ async fn broker_run(broker: &Broker, opts: &E2eOpts) -> anyhow::Result<BrokerRun
 }
 
 /// `url` with its database replaced by `database` (the query string kept).
-fn with_database(url: &str, database: &str) -> String {
+pub(crate) fn with_database(url: &str, database: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, Some(q)),
         None => (url, None),

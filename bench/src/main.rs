@@ -11,6 +11,7 @@ mod cpu;
 mod dashboard;
 mod e2e;
 mod rabbitmq;
+mod wal_drain;
 
 use std::time::{Duration, Instant};
 
@@ -86,6 +87,11 @@ enum Command {
         /// relay --kafka` does.
         #[arg(long = "kafka", value_parser = parse_property)]
         kafka: Vec<(String, String)>,
+        /// Each round, also (w) one WAL relay (`--read-from wal`) draining the same backlog
+        /// from a logical slot, and (s) the server decoding that backlog from a slot (nothing
+        /// published): (w)/min(c, s) is printed. The server needs `wal_level=logical`.
+        #[arg(long)]
+        wal: bool,
     },
     /// The dashboard's pages on large tables: server time per page and the plans.
     Dashboard {
@@ -244,6 +250,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             relay_only,
             sql_connections,
             kafka,
+            wal,
         } => {
             let opts = RelayOpts {
                 n: events,
@@ -258,6 +265,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 relay_only,
                 sql_connections: sql_connections.max(1),
                 kafka,
+                wal,
             };
             relay_bench(&cli.database_url, &cli.bootstrap, opts).await
         }
@@ -462,6 +470,7 @@ struct RelayOpts {
     relay_only: bool,
     sql_connections: usize,
     kafka: Vec<(String, String)>,
+    wal: bool,
 }
 
 async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result<()> {
@@ -493,6 +502,9 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     // Per round: CPU per 1,000 events of (a) with the first instance count, and of what it
     // has to do at least: (d)'s database work plus (c)'s producer and broker work.
     let mut round_costs: Vec<(f64, f64, f64)> = Vec::new();
+    // Per round: (w) events/s, (s) events/s, (w)/min(c, s), (w)'s and (a)'s PostgreSQL CPU per
+    // 1,000 events.
+    let mut wal_rounds: Vec<(f64, f64, f64, f64, f64)> = Vec::new();
     for round in 1..=rounds {
         if rounds > 1 {
             println!("round {round} of {rounds}");
@@ -522,6 +534,7 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             ceiling = c.min(d);
         }
         let mut first = f64::NAN;
+        let mut first_pg = f64::NAN;
         for &instances in &o.instances {
             let (r, cpu) = relay_drain(&pool, bootstrap, &o, instances).await?;
             println!(
@@ -537,12 +550,33 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
             println!("    {cpu}");
             if first.is_nan() {
                 first = r;
+                first_pg = cpu.ms_per_k.postgres;
                 steal = steal.max(cpu.steal);
                 round_costs.push((cpu.ms_per_k.sum(), floor, ceiling));
             }
             a_rates.push((instances, r));
         }
         round_ratios.push((first / ceiling, steal));
+        if o.wal {
+            let w = wal_drain::run(&pool, url, bootstrap, &o).await?;
+            println!(
+                "(w) WAL relay, 1 instance, batch {}: {:>9.0} events/s",
+                o.batch_size, w.relay
+            );
+            println!("    {}", w.cpu);
+            println!(
+                "(s) the slot's read (server-side pgoutput decoding, nothing published): {:>9.0} events/s",
+                w.slot
+            );
+            let c = c_rates.last().copied().unwrap_or(f64::NAN);
+            wal_rounds.push((
+                w.relay,
+                w.slot,
+                w.relay / c.min(w.slot),
+                w.cpu.ms_per_k.postgres,
+                first_pg,
+            ));
+        }
     }
     let median = |mut r: Vec<f64>, what: &str| -> f64 {
         if r.is_empty() {
@@ -606,6 +640,13 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
         }
     }
     println!("(a)/(b)      = {:.1}x", a1 / b_rate);
+    for (i, (w, s, ratio, w_pg, a_pg)) in wal_rounds.iter().enumerate() {
+        println!(
+            "round {}: (w) {w:.0}/s, (s) {s:.0}/s, (w)/min(c, s) = {ratio:.2} (target >= 0.80); PostgreSQL CPU per 1000 events: (w) {w_pg:.1} ms, (a) {a_pg:.1} ms: (w)/(a) = {:.2} (target <= 0.50)",
+            i + 1,
+            w_pg / a_pg
+        );
+    }
     Ok(())
 }
 
