@@ -12,13 +12,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 # Each step's heading says how long the one before took (CI's log shows where the time goes).
-# With POSTAL_STEP_TIMES=<file>, each finished step's time is also appended there (.ci/run prints
+# With CI_STEP_TIMES=<file>, each finished step's time is also appended there (.ci/run prints
 # them with its stages' times at the end of its log).
 step_t0=$SECONDS
 step_name=""
 record_step() {
-  if [ -n "$step_name" ] && [ -n "${POSTAL_STEP_TIMES:-}" ]; then
-    echo "    $step_name: $((SECONDS - step_t0))s${1:-}" >> "$POSTAL_STEP_TIMES"
+  if [ -n "$step_name" ] && [ -n "${CI_STEP_TIMES:-}" ]; then
+    echo "    $step_name: $((SECONDS - step_t0))s${1:-}" >> "$CI_STEP_TIMES"
   fi
 }
 step() {

@@ -75,6 +75,7 @@ mod rebalance;
 mod recreated_topic;
 mod relay;
 mod relay_random;
+mod relay_stop;
 mod replay_attack;
 mod replay_order;
 mod replay_partitions;

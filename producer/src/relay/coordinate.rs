@@ -6,6 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use super::share::lanes_per_relay;
 use super::Shared;
 use crate::claim;
@@ -53,7 +55,13 @@ impl<T: Transport> Shared<T> {
     /// heartbeat takes less than a fifth of the lease (12 s by default), and
     /// gives up batches in flight (at a quarter left, [`Shared::give_up_at`]) only when its
     /// heartbeats fail or stall for half a lease.
-    pub(super) async fn coordinate(self: Arc<Self>, changed: tokio::sync::watch::Sender<u64>) {
+    ///
+    /// Returns once `stop` is cancelled, between heartbeats (never in the middle of one).
+    pub(super) async fn coordinate(
+        self: Arc<Self>,
+        changed: tokio::sync::watch::Sender<u64>,
+        stop: CancellationToken,
+    ) {
         let every = self.config.lease / 4;
         let host = std::env::var("HOSTNAME").unwrap_or_default();
         let mut failures = 0u32;
@@ -61,6 +69,9 @@ impl<T: Transport> Shared<T> {
         // clock: failed attempts and their back-off count; claims need the leases).
         let mut beating: Option<super::stall::Waiting> = None;
         loop {
+            if stop.is_cancelled() {
+                return;
+            }
             let round = tokio::time::Instant::now();
             let held = self.owned.read().expect("owned lock").clone();
             // In-flight slots held across a change of `owned` (see below).
@@ -84,13 +95,7 @@ impl<T: Transport> Shared<T> {
                 if l.wants_release {
                     // Record everything in flight before giving partitions away, so the next
                     // owner cannot overtake an event of ours.
-                    let all = self.config.max_in_flight_batches as u32;
-                    if let Ok(Ok(permits)) = tokio::time::timeout_at(
-                        round + every,
-                        self.slots.clone().acquire_many_owned(all),
-                    )
-                    .await
-                    {
+                    if let Some(permits) = self.all_slots(round + every, &stop).await {
                         let beat = tokio::time::Instant::now();
                         let waiting = self.claim_clock.start("the lease heartbeat");
                         result = lease::heartbeat(
@@ -123,14 +128,7 @@ impl<T: Transport> Shared<T> {
                         // moving to another lane cannot have its events in two lanes at once.
                         // Lanes read their share only once they hold a slot.
                         if drained.is_none() {
-                            let all = self.config.max_in_flight_batches as u32;
-                            drained = tokio::time::timeout_at(
-                                round + every,
-                                self.slots.clone().acquire_many_owned(all),
-                            )
-                            .await
-                            .ok()
-                            .and_then(Result::ok);
+                            drained = self.all_slots(round + every, &stop).await;
                         }
                         if drained.is_some() {
                             tracing::info!(relay = %self.id, partitions = l.held.len(), live_relays = l.live, lanes = active, "key partitions rebalanced");
@@ -161,12 +159,30 @@ impl<T: Transport> Shared<T> {
             // Lanes claim again while this waits (also after a failed release heartbeat, which
             // gave nothing away).
             drop(drained);
-            if failures > 0 {
+            let next = if failures > 0 {
                 let wait = self.config.backoff.delay(failures).min(every);
-                tokio::time::sleep(wait.max(Duration::from_millis(50))).await;
+                tokio::time::Instant::now() + wait.max(Duration::from_millis(50))
             } else {
-                tokio::time::sleep_until(round + every).await;
+                round + every
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(next) => {}
+                () = stop.cancelled() => return,
             }
+        }
+    }
+
+    /// Every in-flight slot (nothing can be claimed or in flight while they are held), or
+    /// `None` once `until` passed or `stop` came first.
+    async fn all_slots(
+        &self,
+        until: tokio::time::Instant,
+        stop: &CancellationToken,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let all = self.config.max_in_flight_batches as u32;
+        tokio::select! {
+            r = tokio::time::timeout_at(until, self.slots.clone().acquire_many_owned(all)) => r.ok().and_then(Result::ok),
+            () = stop.cancelled() => None,
         }
     }
 }
