@@ -650,6 +650,32 @@ async fn relay_bench(url: &str, bootstrap: &str, o: RelayOpts) -> anyhow::Result
     Ok(())
 }
 
+/// Enqueues `n` events of `payload_bytes` on `topic` over `keys` keys, in one transaction.
+async fn commit_backlog(
+    pool: &PgPool,
+    topic: &str,
+    n: usize,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    for start in (0..n).step_by(1000) {
+        let batch = (start..(start + 1000).min(n))
+            .map(|i| {
+                NewEvent::json(
+                    topic,
+                    format!("key-{}", i % keys),
+                    "bench.event",
+                    &payload(payload_bytes, i),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        enqueue_batch(&mut tx, batch).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Vacuums the outbox before a measured phase, so that no phase pays for cleaning up after the
 /// one before it (each still pays for the dead rows it leaves behind itself, through
 /// autovacuum, as in production).
@@ -858,21 +884,7 @@ async fn relay_drain(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     clean(pool).await?;
-    let mut tx = pool.begin().await?;
-    for start in (0..n).step_by(1000) {
-        let batch = (start..(start + 1000).min(n))
-            .map(|i| {
-                NewEvent::json(
-                    topic.as_str(),
-                    format!("key-{}", i % keys),
-                    "bench.event",
-                    &payload(payload_bytes, i),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        enqueue_batch(&mut tx, batch).await?;
-    }
-    tx.commit().await?;
+    commit_backlog(pool, &topic, n, payload_bytes, keys).await?;
     let wal = cpu::Wal::now(pool).await;
     let cpu = cpu::Cpu::now();
     let t = Instant::now();

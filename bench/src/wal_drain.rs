@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use postal_producer::{enqueue_batch, KafkaConfig, KafkaTransport, NewEvent, Relay, RelayConfig};
+use postal_producer::{KafkaConfig, KafkaTransport, Relay, RelayConfig};
 use sqlx::PgPool;
 
-use crate::{clean, cpu, create_topic, delete_topic, outbox_len, payload, rate, RelayOpts};
+use crate::{clean, cpu, create_topic, delete_topic, outbox_len, rate, RelayOpts};
 
 /// What one WAL drain measured.
 pub struct WalDrain {
@@ -75,21 +75,7 @@ pub async fn run(
     }
 
     clean(pool).await?;
-    let mut tx = pool.begin().await?;
-    for start in (0..n).step_by(1000) {
-        let batch = (start..(start + 1000).min(n))
-            .map(|i| {
-                NewEvent::json(
-                    topic.as_str(),
-                    format!("key-{}", i % keys),
-                    "bench.event",
-                    &payload(payload_bytes, i),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        enqueue_batch(&mut tx, batch).await?;
-    }
-    tx.commit().await?;
+    crate::commit_backlog(pool, &topic, n, payload_bytes, keys).await?;
     let backlog_end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
         .fetch_one(pool)
         .await?;
