@@ -47,6 +47,7 @@ mod held_random;
 mod hostile;
 mod hostile_sizes;
 mod idle;
+mod idle_end_attack;
 mod interop;
 mod key_order;
 mod maintenance_audit;
