@@ -203,6 +203,7 @@ enum Path {
 
 /// What [`slow_head_run`] saw.
 #[derive(Debug)]
+#[allow(dead_code)] // read through `Debug`
 struct Seen {
     secs: f64,
     applied: u64,
@@ -362,8 +363,19 @@ const LIMIT: Duration = Duration::from_secs(25);
 /// closed fails with an I/O error, which `abandon` makes `Attempt::Unavailable` (an outage,
 /// never an attempt), so the head alone is retried for good.
 ///
-/// Measured on b2830b3: see the ignore reason.
+/// Measured on b2830b3 (2 shared cores, under a CI rehearsal's load): single-event handler,
+/// `max_batch` 64: 3 of 10 applied in 25 s, 0 retries counted, no dead letter, 27 handler
+/// calls (the slow event alone again and again: "batch transaction failed; retrying … the
+/// session ended while a handler ran: error communicating with database: expected to read 5
+/// bytes, got 0 bytes at EOF records=1", each an outage); batch handler: the same, 18 calls
+/// of sizes [10, 5, 2, 4, 2, 1, 2, 1, 1, …]. One at a time (the control): 9 applied and the
+/// event dead-lettered after 3 attempts in 5.8 s. Nothing lost or applied twice; the
+/// partition waits for good. Cause (consumer/src/batch.rs): `abandon` (optimistic pass) and
+/// `roll_back` (isolated pass) let the rollback's I/O error on the closed session replace a
+/// body failure that is not `Retry::IdleEnded`, making the handler's own retryable failure an
+/// outage; one at a time the body's failure is the attempt's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: throughput mode stalls for good (3 of 10 applied in 25 s, 0 retries, 27 calls; one at a time 9 applied + 1 dead letter in 5.8 s): the rollback's I/O error on the session the server closed replaces the handler's retryable failure (abandon/roll_back), an outage"]
 async fn throughput_single_a_handler_that_keeps_the_idle_errors_text_does_not_stall() {
     let seen = slow_head_run(
         Form::ThroughputSingle,
@@ -376,8 +388,11 @@ async fn throughput_single_a_handler_that_keeps_the_idle_errors_text_does_not_st
     moved_on(&seen);
 }
 
-/// As above, with a batch handler (`max_batch` 64).
+/// As above, with a batch handler (`max_batch` 64). Measured on b2830b3: 3 of 10 applied in
+/// 25 s, 0 retries, no dead letter, 18 calls of sizes [10, 5, 2, 4, 2, 1, 2, 1, 1, 1, 1, 1, 1,
+/// 1, 1, 1, 1, 1].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: a batch handler's stringified 25P03 stalls the partition for good (3 of 10 applied in 25 s, 0 retries, 18 calls); one at a time moves on"]
 async fn throughput_batch_a_handler_that_keeps_the_idle_errors_text_does_not_stall() {
     let seen = slow_head_run(
         Form::ThroughputBatch,
@@ -391,7 +406,9 @@ async fn throughput_batch_a_handler_that_keeps_the_idle_errors_text_does_not_sta
 }
 
 /// Control, one at a time: the handler's retryable failure (the text of a 25P03) counts as an
-/// attempt; after 3 the event is dead-lettered and the 9 others are applied.
+/// attempt; after 3 the event is dead-lettered and the 9 others are applied. (Held on b2830b3:
+/// 5.8 s, dead letter "gave up after 3 attempts: writing the effect: … terminating connection
+/// due to idle-in-transaction timeout".)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handler_that_keeps_the_idle_errors_text_does_not_stall() {
     let seen = slow_head_run(Form::OneAtATime, Errors::Text, Path::Direct, 1500, LIMIT).await;
@@ -405,15 +422,30 @@ async fn one_at_a_time_a_handler_that_keeps_the_idle_errors_text_does_not_stall(
 /// statement whose error it logs and ignores, and returns `Ok`: the 25P03 went to that
 /// statement; the runtime's next statement (the offset's, the next record's, the savepoint's
 /// release) meets only the closed connection, an I/O error: an outage, never an attempt.
+///
+/// Measured on b2830b3, one at a time: 3 of 10 applied in 25 s, 0 retries counted, no dead
+/// letter, 18 handler calls (the slow event's, each followed by "database or dependency
+/// unavailable; retrying (does not count as an attempt) error=error communicating with
+/// database: expected to read 5 bytes, got 0 bytes at EOF"); throughput mode the same (single
+/// handler 31 calls, batch handler 18). Nothing lost or applied twice; the partition waits for
+/// good, in both modes. The handler is at fault (it ignored an error), but the runtime cannot
+/// see the 25P03 any more and never gives up: the head is never dead-lettered, and no attempt
+/// is counted, so `max_attempts` bounds nothing. Cause: only the first statement after the
+/// wait receives the 25P03; the runtime reads the code from its own statement or the handler's
+/// error, and an I/O error on a session closed while the transaction was idle is taken for an
+/// outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: one at a time stalls for good (3 of 10 applied in 25 s, 0 retries, 18 calls): the swallowed 25P03 leaves the runtime an I/O error, an outage; throughput mode the same"]
 async fn one_at_a_time_a_handler_that_swallows_the_idle_error_does_not_stall() {
     let seen =
         slow_head_run(Form::OneAtATime, Errors::Swallow, Path::Direct, 1500, LIMIT).await;
     moved_on(&seen);
 }
 
-/// As above in throughput mode (single-event handler, `max_batch` 64).
+/// As above in throughput mode (single-event handler, `max_batch` 64). Measured on b2830b3: 3
+/// of 10 applied in 25 s, 0 retries, 31 calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: stalls for good (3 of 10 applied in 25 s, 0 retries, 31 calls): the swallowed 25P03 leaves the runtime an I/O error, an outage"]
 async fn throughput_single_a_handler_that_swallows_the_idle_error_does_not_stall() {
     let seen = slow_head_run(
         Form::ThroughputSingle,
@@ -426,8 +458,10 @@ async fn throughput_single_a_handler_that_swallows_the_idle_error_does_not_stall
     moved_on(&seen);
 }
 
-/// As above with a batch handler.
+/// As above with a batch handler. Measured on b2830b3: 3 of 10 applied in 25 s, 0 retries, 18
+/// calls of sizes [10, 5, 2, 4, 2, 1, 2, 1, 1, …].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: stalls for good (3 of 10 applied in 25 s, 0 retries, 18 calls): the swallowed 25P03 leaves the runtime an I/O error, an outage"]
 async fn throughput_batch_a_handler_that_swallows_the_idle_error_does_not_stall() {
     let seen = slow_head_run(
         Form::ThroughputBatch,
@@ -446,6 +480,11 @@ async fn throughput_batch_a_handler_that_swallows_the_idle_error_does_not_stall(
 /// handler propagating the error with `?`), with the consumer behind a session-mode PgBouncer
 /// (which the docs say works): does the server's 25P03 reach the consumer through the pooler,
 /// or only PgBouncer's "server conn crashed?"? Throughput mode, batch handler.
+///
+/// Held on b2830b3: PgBouncer 1.18 forwards the server's 25P03 before closing the client
+/// ("closing because: server conn crashed?" in its log): 9 applied, the slow event
+/// dead-lettered after 3 attempts saying the idle timeout, in 15.3 s (calls of sizes
+/// [10, 5, 2, 3, 1, 2, 1, 1, 1, 2, 3, 1]); one at a time (below) in 5.0 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_a_session_pooler_the_dbas_idle_end_is_still_an_attempt() {
     let seen = slow_head_run(
@@ -479,7 +518,16 @@ async fn one_at_a_time_behind_a_session_pooler_the_dbas_idle_end_is_still_an_att
 /// connection closed by PgBouncer with its own error, SQLSTATE `08P01` "idle transaction
 /// timeout" — class 08, an outage by `database_unavailable`, never an attempt. Throughput
 /// mode, batch handler.
+///
+/// Measured on b2830b3: 3 of 10 applied in 25 s, 0 retries counted, no dead letter, 11 calls
+/// of sizes [10, 5, 2, 4, 2, 1, 2, 1, 1, 1, 1]; one at a time (below) 3 applied, 0 retries,
+/// 13 calls, each "database or dependency unavailable; retrying (does not count as an
+/// attempt) error=error returned from database: idle transaction timeout" (PgBouncer's log:
+/// "closing because: idle transaction timeout", "pooler error: idle transaction timeout").
+/// The partition waits for good in both modes, the stall b2830b3 fixed for the DBA's timeout,
+/// back when the same limit is set in the pooler. Nothing lost or applied twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: PgBouncer's idle_transaction_timeout (08P01 'idle transaction timeout') is an outage: the slow event stalls its partition for good (3 of 10 applied in 25 s, 0 retries, 11 calls; one at a time the same)"]
 async fn behind_a_pooler_with_its_own_idle_transaction_timeout_the_slow_event_does_not_stall() {
     let seen = slow_head_run(
         Form::ThroughputBatch,
@@ -492,8 +540,9 @@ async fn behind_a_pooler_with_its_own_idle_transaction_timeout_the_slow_event_do
     moved_on(&seen);
 }
 
-/// As above, one at a time.
+/// As above, one at a time. Measured on b2830b3: 3 of 10 applied in 25 s, 0 retries, 13 calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: PgBouncer's own idle_transaction_timeout (08P01) is an outage: one at a time the slow event stalls its partition for good (3 of 10 applied in 25 s, 0 retries, 13 calls)"]
 async fn one_at_a_time_behind_a_pooler_with_its_own_idle_transaction_timeout_the_slow_event_does_not_stall(
 ) {
     let seen = slow_head_run(
@@ -511,6 +560,7 @@ async fn one_at_a_time_behind_a_pooler_with_its_own_idle_transaction_timeout_the
 
 /// What [`blocked_runtime_run`] saw.
 #[derive(Debug)]
+#[allow(dead_code)] // read through `Debug`
 struct Blocked {
     /// Dead letters of the innocent partition's events (their handler waits for nothing).
     innocent_dead: i64,
@@ -519,6 +569,9 @@ struct Blocked {
     innocent_applied: i64,
     errors: Vec<String>,
     retries: u64,
+    /// Retries counted against innocent events: all retries less the blocking events' (each
+    /// of them is retried `max_attempts` − 1 times before its dead letter).
+    innocent_retries: i64,
 }
 
 /// Two partitions, the DBA's 1 s timeout, `max_attempts` 3, run on a runtime of one worker
@@ -526,7 +579,14 @@ struct Blocked {
 /// for 1.2 s (`std::thread::sleep`: a synchronous client, a CPU-bound step) — their own
 /// transactions idle past the timeout (dead letters they earned). Partition 1 (key `innocent`):
 /// 400 events whose handler waits for nothing. Runs until every event is finished or 60 s.
-async fn blocked_runtime_run(form: Form) -> Blocked {
+async fn blocked_runtime_run(form: Form, max_attempts: u32) -> Blocked {
+    blocked_runtime_run_with(form, max_attempts, false).await
+}
+
+/// [`blocked_runtime_run`]; with `trickle` the 400 innocent events are produced one at a time
+/// (one per produce call, a live low-rate stream: each poll batch holds one record, so a
+/// throughput-mode transaction holds one too), and 8 blocking events instead of 4.
+async fn blocked_runtime_run_with(form: Form, max_attempts: u32, trickle: bool) -> Blocked {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -543,14 +603,25 @@ async fn blocked_runtime_run(form: Form) -> Blocked {
     let innocent: Vec<RawRecord> = (0..400)
         .map(|n| job(Uuid::now_v7(), "innocent", json!({"n": 1000 + n})))
         .collect();
-    produce(&svc.bootstrap, &topic, Some(1), &innocent).await;
-    let blocker: Vec<RawRecord> = (0..4)
+    let blockers: usize = if trickle { 8 } else { 4 };
+    let producing = if trickle {
+        let (bootstrap, topic) = (svc.bootstrap.clone(), topic.clone());
+        Some(tokio::spawn(async move {
+            for r in innocent.chunks(1) {
+                produce(&bootstrap, &topic, Some(1), r).await;
+            }
+        }))
+    } else {
+        produce(&svc.bootstrap, &topic, Some(1), &innocent).await;
+        None
+    };
+    let blocker: Vec<RawRecord> = (0..blockers)
         .map(|n| job(Uuid::now_v7(), "blocker", json!({"n": n, "block_ms": 1200})))
         .collect();
     produce(&svc.bootstrap, &topic, Some(0), &blocker).await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
     config.max_batch = if form == Form::OneAtATime { 1 } else { 64 };
-    config.max_attempts = 3;
+    config.max_attempts = max_attempts;
     let writer = Writer::new(Errors::Chain);
     let builder = Consumer::builder(pool.clone(), config);
     let builder = match form {
@@ -559,10 +630,10 @@ async fn blocked_runtime_run(form: Form) -> Blocked {
     };
     let running = RunningConsumer::start(builder.build().expect("consumer"));
     let stats = running.stats.clone();
-    let _ = tokio::time::timeout(Duration::from_secs(60), async {
+    let _ = tokio::time::timeout(Duration::from_secs(if trickle { 90 } else { 60 }), async {
         loop {
             let s = stats.snapshot();
-            if s.applied + s.dead_letters >= 404 {
+            if s.applied + s.dead_letters >= 400 + blockers as u64 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -571,6 +642,9 @@ async fn blocked_runtime_run(form: Form) -> Blocked {
     .await;
     running.stop().await;
     pool.close().await;
+    if let Some(p) = producing {
+        p.await.unwrap();
+    }
     let s = stats.snapshot();
     let (rows, distinct) = effects(&db.pool).await;
     assert_eq!(rows, distinct, "no event applied twice");
@@ -604,6 +678,7 @@ async fn blocked_runtime_run(form: Form) -> Blocked {
         innocent_applied,
         errors,
         retries: s.retries,
+        innocent_retries: s.retries as i64 - blockers as i64 * (i64::from(max_attempts) - 1),
     };
     eprintln!("{form:?}: {b:?}, applied {}, dead letters {}", s.applied, s.dead_letters);
     b
@@ -614,18 +689,73 @@ async fn blocked_runtime_run(form: Form) -> Blocked {
 /// the idle time was its own handler's. But the session is idle whenever the consumer does not
 /// send the next statement, whatever holds it up: here another partition's handler blocks the
 /// runtime's only worker thread for 1.2 s, so the innocent partition's open transaction cannot
-/// send its next statement either. Throughput mode, batch handler.
+/// send its next statement either. Throughput mode, batch handler, `max_attempts` 3.
+///
+/// Held on b2830b3: 400 innocent events applied, 0 dead letters of them, 8 retries in all (the
+/// 4 blocking events' 2 each: none counted against an innocent event — its partition's
+/// transactions held several records, so a 25P03 halved them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn throughput_another_partitions_blocking_handler_dead_letters_no_innocent_event() {
-    let b = blocked_runtime_run(Form::ThroughputBatch).await;
+    let b = blocked_runtime_run(Form::ThroughputBatch, 3).await;
     assert_eq!(b.innocent_applied + b.innocent_dead, 400, "none lost: {b:?}");
     assert_eq!(b.innocent_dead, 0, "innocent dead letters: {b:?}");
+    assert_eq!(b.innocent_retries, 0, "attempts counted against innocent events: {b:?}");
 }
 
-/// As above, one at a time.
+/// As above, one at a time, `max_attempts` 3; also no attempt counted against an innocent
+/// event. Measured on b2830b3 (two runs): run 1, 400 innocent applied, 0 dead, but 14 retries
+/// in all: 6 attempts counted against innocent events (8 are the blocking events'); run 2, an
+/// innocent event dead-lettered — "gave up after 3 attempts: the server ended the
+/// transaction's session: it sat idle longer than the database's
+/// idle_in_transaction_session_timeout (a handler waiting outside the database inside its
+/// transaction?)" — its handler waits for nothing (399 applied, 4 more innocent retries). The
+/// 25P03 says the session sat idle, not whose the idle time was: here the runtime's, held up
+/// by another partition's handler. (One at a time counted a 25P03 as an attempt before
+/// b2830b3 too: a handler's `?` made it retryable.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[ignore = "known: an innocent event dead-lettered in 1 of 2 runs ('gave up after 3 attempts: … idle_in_transaction_session_timeout'), 6 and 4 attempts counted against innocent events: another partition's blocking handler held the runtime past the DBA's timeout"]
 async fn one_at_a_time_another_partitions_blocking_handler_dead_letters_no_innocent_event() {
-    let b = blocked_runtime_run(Form::OneAtATime).await;
+    let b = blocked_runtime_run(Form::OneAtATime, 3).await;
     assert_eq!(b.innocent_applied + b.innocent_dead, 400, "none lost: {b:?}");
     assert_eq!(b.innocent_dead, 0, "innocent dead letters: {b:?}");
+    assert_eq!(b.innocent_retries, 0, "attempts counted against innocent events: {b:?}");
+}
+
+/// As above with `max_attempts` 2 (a strict consumer: one retry), where an innocent event's
+/// first strike is a retry and its second a dead letter. One at a time. Measured on b2830b3:
+/// 400 innocent applied, 0 dead, 3 attempts counted against innocent events (7 retries, 4 the
+/// blocking events').
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[ignore = "known: 3 attempts counted against innocent events (7 retries, 4 of them the blocking events'), none dead-lettered in that run: another partition's blocking handler held the runtime past the DBA's timeout"]
+async fn one_at_a_time_with_two_attempts_another_partitions_blocking_handler_dead_letters_no_innocent_event(
+) {
+    let b = blocked_runtime_run(Form::OneAtATime, 2).await;
+    assert_eq!(b.innocent_applied + b.innocent_dead, 400, "none lost: {b:?}");
+    assert_eq!(b.innocent_dead, 0, "innocent dead letters: {b:?}");
+    assert_eq!(b.innocent_retries, 0, "attempts counted against innocent events: {b:?}");
+}
+
+/// As above (`max_attempts` 2), throughput mode, single-event handler (`max_batch` 64). Held
+/// on b2830b3: 400 innocent applied, 0 dead, 4 retries (all the blocking events'): the innocent
+/// partition's transactions held several records (400 queued), so each 25P03 halved them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn throughput_with_two_attempts_another_partitions_blocking_handler_dead_letters_no_innocent_event(
+) {
+    let b = blocked_runtime_run(Form::ThroughputSingle, 2).await;
+    assert_eq!(b.innocent_applied + b.innocent_dead, 400, "none lost: {b:?}");
+    assert_eq!(b.innocent_dead, 0, "innocent dead letters: {b:?}");
+    assert_eq!(b.innocent_retries, 0, "attempts counted against innocent events: {b:?}");
+}
+
+/// As above (`max_attempts` 2, throughput mode, single-event handler), the innocent events
+/// arriving one at a time (a live, low-rate stream, as most are): each poll batch holds one
+/// record, so the innocent partition's transactions hold one and a 25P03 is the head's
+/// attempt, as one at a time; 8 blocking events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn throughput_live_stream_another_partitions_blocking_handler_dead_letters_no_innocent_event(
+) {
+    let b = blocked_runtime_run_with(Form::ThroughputSingle, 2, true).await;
+    assert_eq!(b.innocent_applied + b.innocent_dead, 400, "none lost: {b:?}");
+    assert_eq!(b.innocent_dead, 0, "innocent dead letters: {b:?}");
+    assert_eq!(b.innocent_retries, 0, "attempts counted against innocent events: {b:?}");
 }
