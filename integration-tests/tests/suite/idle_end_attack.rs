@@ -645,7 +645,10 @@ async fn blocked_runtime_run_with(form: Form, max_attempts: u32, trickle: bool) 
     running.stop().await;
     pool.close().await;
     if let Some(p) = producing {
-        p.await.unwrap();
+        // What is not produced yet is not counted (none lost is checked against the stored
+        // offset).
+        p.abort();
+        let _ = p.await;
     }
     let s = stats.snapshot();
     let (rows, distinct) = effects(&db.pool).await;
