@@ -772,8 +772,9 @@ async fn throughput_with_two_attempts_another_partitions_blocking_handler_dead_l
 /// server ended the transaction's session: it sat idle longer than the database's
 /// idle_in_transaction_session_timeout (a handler waiting outside the database inside its
 /// transaction?)"), their handler waiting for nothing, beside 119 applied when the 90 s were
-/// up (the trickle is slow on a blocked runtime); the 8 blocking events dead-lettered as they
-/// should be. The server's 25P03 says the session sat idle, not that the event's handler
+/// up (the trickle is slow on a blocked runtime); a second run the same: 3 innocent dead
+/// letters, 82 applied, stored offset 85 (none lost); the 8 blocking events dead-lettered as
+/// they should be. The server's 25P03 says the session sat idle, not that the event's handler
 /// idled: a runtime held up (another partition's synchronous call, CPU starvation, a
 /// stop-the-world pause of the process) idles every open transaction at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
