@@ -141,7 +141,7 @@ impl Worker {
                     // A body failed in the optimistic pass: run again with savepoints.
                     isolate = true;
                 }
-                Err(Attempt::IdleEnded(e)) if take > 1 => {
+                Err(Attempt::SessionEnded(e)) if take > 1 => {
                     // The server ended the session for idling: the handlers' time outside the
                     // database added up past the DBA's timeout. Fewer records, and what fits is
                     // kept (a throughput matter only).
@@ -149,7 +149,7 @@ impl Worker {
                     self.fit.store(limit, Ordering::Relaxed);
                     tracing::warn!(error = %e, records = take, "batch transaction ended by the server for idling; trying the first {limit} records alone");
                 }
-                Err(Attempt::IdleEnded(e)) => {
+                Err(Attempt::SessionEnded(e)) => {
                     // The head alone sat idle past the timeout: its attempt, as one at a time
                     // (after `max_attempts` it is dead-lettered or held, and the partition
                     // moves on).
@@ -646,32 +646,38 @@ impl Worker {
     }
 }
 
-/// A body failed in the optimistic pass (no savepoints): rolls the transaction back. A body
-/// failing because the server ended the session for idling is that (the rollback then fails
-/// with an I/O error that says less). Otherwise, if the rollback finds the session gone (a
-/// terminated backend, a restart), that is the attempt's failure, an unavailable database, so
-/// that the batch is halved at once rather than run again with savepoints to meet the same end
-/// (measured: each too-large batch ran twice).
+/// A body failed in the optimistic pass (no savepoints): rolls the transaction back, and says
+/// how the attempt failed. A session found gone at the rollback (the server ended it while the
+/// body ran) makes the batch halve at once rather than run again with savepoints to meet the
+/// same end (measured: each too-large batch ran twice): an outage if the body said so (or
+/// said nothing of its own: never), otherwise the transaction's own failure
+/// ([`Attempt::SessionEnded`]: the head alone counts it, as one at a time counts the handler's
+/// failure; a handler that kept only the text of the server's 25P03 stalled its partition
+/// when the rollback's I/O error was taken for an outage, `idle_end_attack::`).
 async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt {
-    let idle = f.ended_idle();
-    let failure = f.into_attempt();
     match tx.rollback().await {
-        _ if idle => failure,
-        Err(e) if postal_shared::database_unavailable(&e) => {
-            Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
-        }
-        _ => failure,
+        Err(e) if postal_shared::database_unavailable(&e) => session_gone(f, &e),
+        _ => f.into_attempt(),
     }
 }
 
 /// Rolls back the savepoint of a body that failed with `f`, and gives `f` back. A rollback
-/// that fails is the attempt's failure — unless the body's says the server ended the session
-/// for idling, which says more than the rollback's I/O error on the closed connection.
+/// that finds the session gone is the attempt's failure, told as [`abandon`] tells it.
 async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<BodyFailure, Attempt> {
     match sp.rollback().await {
         Ok(()) => Ok(f),
-        Err(_) if f.ended_idle() => Err(f.into_attempt()),
+        Err(e) if postal_shared::database_unavailable(&e) => Err(session_gone(f, &e)),
         Err(e) => Err(Attempt::db(e)),
+    }
+}
+
+/// The attempt's failure when a body failed with `f` and its session is gone (`e`).
+fn session_gone(f: BodyFailure, e: &sqlx::Error) -> Attempt {
+    match f {
+        BodyFailure::Retry(_, Retry::Outage) => {
+            Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
+        }
+        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => Attempt::SessionEnded(error),
     }
 }
 
@@ -718,7 +724,7 @@ async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure
         Ok(()) => Ok(Ok(())),
         Err(e) => match Attempt::db(e) {
             Attempt::Unavailable(e) => Err(Attempt::Unavailable(e)),
-            Attempt::IdleEnded(e) => Err(Attempt::IdleEnded(e)),
+            Attempt::SessionEnded(e) => Err(Attempt::SessionEnded(e)),
             Attempt::Retryable(e) | Attempt::Permanent(_, e) => Ok(Err(BodyFailure::Retry(
                 format!("the handler returned Ok but its transaction had failed (a database error it did not return?): {e}"),
                 Retry::Handler,

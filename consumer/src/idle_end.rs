@@ -12,9 +12,22 @@ use std::error::Error as StdError;
 /// SQLSTATE `idle_in_transaction_session_timeout`.
 const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
 
-/// Whether `e` is the server ending the session for sitting idle in a transaction.
+/// What PgBouncer says (with SQLSTATE `08P01`) when its own `idle_transaction_timeout` ends a
+/// client's transaction.
+const PGBOUNCER_IDLE_TRANSACTION: &str = "idle transaction timeout";
+
+/// Whether `e` is the server ending the session for sitting idle in a transaction: PostgreSQL's
+/// `idle_in_transaction_session_timeout`, or PgBouncer's `idle_transaction_timeout` in front of
+/// it (which PostgreSQL's class `08` code would otherwise make an outage).
 pub(crate) fn ended_idle(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IDLE_IN_TRANSACTION_TIMEOUT))
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some(IDLE_IN_TRANSACTION_TIMEOUT) => true,
+        Some("08P01") => db.message() == PGBOUNCER_IDLE_TRANSACTION,
+        _ => false,
+    }
 }
 
 /// Whether `e` or an error it wraps (its `source` chain: a handler's own error type around a
@@ -33,7 +46,7 @@ pub(crate) fn ended_idle_within(e: &(dyn StdError + 'static)) -> bool {
 /// The error a transaction ended for idling is retried with: what happened and what to look at.
 pub(crate) fn explain(e: &str) -> String {
     format!(
-        "the server ended the transaction's session: it sat idle longer than the database's idle_in_transaction_session_timeout (a handler waiting outside the database inside its transaction?): {e}"
+        "the server ended the transaction's session: it sat idle longer than the database's idle_in_transaction_session_timeout or a pooler's idle_transaction_timeout (a handler waiting outside the database inside its transaction?): {e}"
     )
 }
 
@@ -56,7 +69,7 @@ mod tests {
 
     /// A server error with a code, as PostgreSQL sends one.
     #[derive(Debug)]
-    struct Server(&'static str);
+    struct Server(&'static str, &'static str);
     impl std::fmt::Display for Server {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(f, "server error {}", self.0)
@@ -65,7 +78,7 @@ mod tests {
     impl StdError for Server {}
     impl sqlx::error::DatabaseError for Server {
         fn message(&self) -> &str {
-            "server error"
+            self.1
         }
         fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
             Some(self.0.into())
@@ -87,11 +100,13 @@ mod tests {
     /// 25P03 is an idle end, also inside a handler's own error type.
     #[test]
     fn the_idle_code_is_an_idle_end_also_wrapped() {
-        let idle = || sqlx::Error::Database(Box::new(Server("25P03")));
+        let idle = || sqlx::Error::Database(Box::new(Server("25P03", "terminating")));
         assert!(ended_idle(&idle()));
         assert!(ended_idle_within(&Wrapper(idle())));
         let boxed: Box<dyn StdError + Send + Sync> = Box::new(Wrapper(idle()));
         assert!(ended_idle_within(boxed.as_ref()));
+        let pooler = sqlx::Error::Database(Box::new(Server("08P01", "idle transaction timeout")));
+        assert!(ended_idle(&pooler));
     }
 
     /// Outage-like errors (a terminated backend, 57P01, among them) are never taken for an idle end (they must never count as an
@@ -105,7 +120,10 @@ mod tests {
         assert!(!ended_idle(&io));
         assert!(!ended_idle_within(&Wrapper(io)));
         assert!(!ended_idle(&sqlx::Error::PoolTimedOut));
-        let terminated = sqlx::Error::Database(Box::new(Server("57P01")));
+        let terminated = sqlx::Error::Database(Box::new(Server("57P01", "terminating")));
         assert!(!ended_idle(&terminated));
+        // PgBouncer's other class-08 errors (a server connection lost) stay outages.
+        let lost = sqlx::Error::Database(Box::new(Server("08P01", "server conn crashed?")));
+        assert!(!ended_idle(&lost));
     }
 }

@@ -92,7 +92,7 @@ impl Worker {
                 }
                 // A session the server ended for idling is this event's doing (its handler
                 // waited inside the transaction): an attempt, as a handler's failure.
-                Err(Attempt::Retryable(e)) | Err(Attempt::IdleEnded(e)) => {
+                Err(Attempt::Retryable(e)) | Err(Attempt::SessionEnded(e)) => {
                     attempts += 1;
                     if attempts >= self.shared.config.max_attempts {
                         let error = format!("gave up after {attempts} attempts: {e}");
@@ -206,17 +206,20 @@ pub(crate) enum Attempt {
     OverBound(i64),
     Unavailable(String),
     Retryable(String),
-    /// The server ended the session because the transaction sat idle past the database's
-    /// `idle_in_transaction_session_timeout` ([`crate::idle_end`]): not an outage but the
-    /// transaction's own doing — an attempt of the record it held, when it held one.
-    IdleEnded(String),
+    /// The transaction failed by its own doing and its session is gone: the server ended it
+    /// for idling (`idle_in_transaction_session_timeout`, or PgBouncer's
+    /// `idle_transaction_timeout`: [`crate::idle_end`]), or a handler failed (retryably or for
+    /// good, not as an outage) and the rollback found the session closed. Not an outage: an
+    /// attempt of the record the transaction held, when it held one (as one at a time counts
+    /// the handler's failure); a batch is halved.
+    SessionEnded(String),
     Permanent(Reason, String),
 }
 
 impl Attempt {
     pub(crate) fn db(e: sqlx::Error) -> Self {
         if crate::idle_end::ended_idle(&e) {
-            return Attempt::IdleEnded(crate::idle_end::explain(&e.to_string()));
+            return Attempt::SessionEnded(crate::idle_end::explain(&e.to_string()));
         }
         match classify_sqlx(&e) {
             Class::Unavailable => Attempt::Unavailable(e.to_string()),
@@ -261,14 +264,8 @@ impl BodyFailure {
             BodyFailure::Dead(reason, error) => Attempt::Permanent(reason, error),
             BodyFailure::Retry(error, Retry::Handler) => Attempt::Retryable(error),
             BodyFailure::Retry(error, Retry::Outage) => Attempt::Unavailable(error),
-            BodyFailure::Retry(error, Retry::IdleEnded) => Attempt::IdleEnded(error),
+            BodyFailure::Retry(error, Retry::IdleEnded) => Attempt::SessionEnded(error),
         }
-    }
-
-    /// Whether the server ended the session for idling (the first statement after the wait
-    /// fails with it, the ones after with an I/O error: this says more than they do).
-    pub(crate) fn ended_idle(&self) -> bool {
-        matches!(self, BodyFailure::Retry(_, Retry::IdleEnded))
     }
 }
 

@@ -301,7 +301,7 @@ impl Worker {
                     outages = outages.saturating_add(1);
                     continue;
                 }
-                Err(Attempt::Retryable(e)) | Err(Attempt::IdleEnded(e)) => {
+                Err(Attempt::Retryable(e)) | Err(Attempt::SessionEnded(e)) => {
                     attempts += 1;
                     if attempts < self.shared.config.max_attempts {
                         self.shared.stats.retries(consumer, &record.topic, 1);
@@ -435,7 +435,7 @@ impl Worker {
                 Err(
                     Attempt::Unavailable(e)
                     | Attempt::Retryable(e)
-                    | Attempt::IdleEnded(e)
+                    | Attempt::SessionEnded(e)
                     | Attempt::Permanent(_, e),
                 ) => {
                     tracing::warn!(error = %e, "cannot settle a held record; retrying");
@@ -520,7 +520,7 @@ impl Worker {
                 Err(
                     Attempt::Unavailable(e)
                     | Attempt::Retryable(e)
-                    | Attempt::IdleEnded(e)
+                    | Attempt::SessionEnded(e)
                     | Attempt::Permanent(_, e),
                 ) => {
                     tracing::warn!(error = %e, "cannot record the held key's new head; retrying");
