@@ -11,8 +11,8 @@
 //!
 //! The binaries are found next to the test binary (`target/<profile>/`) or in
 //! `POSTAL_BIN_DIR`: the services are the demo's (package `postal-demo`, `demo/src/bin/`),
-//! built with `postal` by `scripts/test.sh` first (`cargo build -p postal-cli -p postal-demo`). Knobs: `POSTAL_CHAOS_ORDERS` (default 10,000; CI's time), `POSTAL_CHAOS_KILLS`
-//! (kills of each of relay, billing and invoices; default 10), `POSTAL_CHAOS_RATE` (orders/s,
+//! built with `postal` by `scripts/test.sh` first (`cargo build -p postal-cli -p postal-demo`). Knobs: `POSTAL_CHAOS_ORDERS` (default 6,000; CI's time), `POSTAL_CHAOS_KILLS`
+//! (kills of each of relay, billing and invoices; default 6), `POSTAL_CHAOS_RATE` (orders/s,
 //! default 120, so orders keep flowing while the kills go on), `POSTAL_CHAOS_SEED` (replays a
 //! kill schedule), `POSTAL_CHAOS_SOAK=1` (soak mode: 200,000 orders and 60 kills each unless
 //! set explicitly). Logs of every process stay in `target/<profile>/chaos-<run>/`.
@@ -37,7 +37,7 @@ async fn kill_9_and_restarts_never_lose_or_double_apply_an_order() {
 /// The same with both relays reading the outbox from a logical replication slot
 /// (`postal relay --read-from wal`): one streams while it holds the slot's lease, the other
 /// stands by; each is killed at random, the broker and PostgreSQL restarted once (the holder
-/// streams again from the slot's confirmed position). Smaller by default (8,000 orders, 6
+/// streams again from the slot's confirmed position). Smaller by default (5,000 orders, 4
 /// kills each; the same knobs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restarts_never_lose_or_double_apply_an_order_read_from_the_wal() {
@@ -58,16 +58,16 @@ async fn chaos(source: Source) {
         "POSTAL_CHAOS_ORDERS",
         match (soak, wal) {
             (true, _) => 200_000,
-            (false, false) => 10_000,
-            (false, true) => 8_000,
+            (false, false) => 6_000,
+            (false, true) => 5_000,
         },
     );
     let kills_each = env_u64(
         "POSTAL_CHAOS_KILLS",
         match (soak, wal) {
             (true, _) => 60,
-            (false, false) => 10,
-            (false, true) => 6,
+            (false, false) => 6,
+            (false, true) => 4,
         },
     ) as u32;
     let rate = env_u64("POSTAL_CHAOS_RATE", 120);
