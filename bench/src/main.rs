@@ -422,6 +422,25 @@ fn payload(n: usize, i: usize) -> serde_json::Value {
     serde_json::json!({"i": i, "p": "x".repeat(pad)})
 }
 
+/// Events `range` of a backlog on `topic`: keys `key-<i mod keys>`, payloads of `payload_bytes`.
+fn backlog_chunk(
+    topic: &str,
+    range: std::ops::Range<usize>,
+    payload_bytes: usize,
+    keys: usize,
+) -> anyhow::Result<Vec<NewEvent>> {
+    Ok(range
+        .map(|i| {
+            NewEvent::json(
+                topic,
+                format!("key-{}", i % keys),
+                "bench.event",
+                &payload(payload_bytes, i),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
 async fn seed(
     pool: &PgPool,
     topic: &str,
@@ -431,16 +450,7 @@ async fn seed(
 ) -> anyhow::Result<()> {
     let mut conn = pool.acquire().await?;
     for start in (0..n).step_by(1000) {
-        let batch = (start..(start + 1000).min(n))
-            .map(|i| {
-                NewEvent::json(
-                    topic,
-                    format!("key-{}", i % keys),
-                    "bench.event",
-                    &payload(payload_bytes, i),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let batch = backlog_chunk(topic, start..(start + 1000).min(n), payload_bytes, keys)?;
         enqueue_batch(&mut conn, batch).await?;
     }
     sqlx::query("ANALYZE postal.outbox").execute(pool).await?;
@@ -660,16 +670,7 @@ async fn commit_backlog(
 ) -> anyhow::Result<()> {
     let mut tx = pool.begin().await?;
     for start in (0..n).step_by(1000) {
-        let batch = (start..(start + 1000).min(n))
-            .map(|i| {
-                NewEvent::json(
-                    topic,
-                    format!("key-{}", i % keys),
-                    "bench.event",
-                    &payload(payload_bytes, i),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let batch = backlog_chunk(topic, start..(start + 1000).min(n), payload_bytes, keys)?;
         enqueue_batch(&mut tx, batch).await?;
     }
     tx.commit().await?;
