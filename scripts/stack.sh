@@ -556,7 +556,10 @@ kafka_wait() {
     # log4j rolls server.log over at 50 MB, also at start-up: a log shorter than the offset is
     # a new file, read from its start.
     [ "$(stat -c %s "$d/logs/server.log" 2>/dev/null || echo 0)" -lt "$offset" ] && offset=0
-    if [ -f "$d/logs/server.log" ] && tail -c +"$((offset + 1))" "$d/logs/server.log" | grep -q "Kafka Server started"; then
+    # grep reads a process substitution: in a pipe, its early exit would end tail with SIGPIPE,
+    # which pipefail takes for a failure once the new part of the log is larger than a pipe's
+    # buffer (a node loading thousands of topics).
+    if [ -f "$d/logs/server.log" ] && grep -q "Kafka Server started" <(tail -c +"$((offset + 1))" "$d/logs/server.log"); then
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || { tail -20 "$d/logs/broker.log" >&2; die "kafka node $KNODE exited during start-up (logs: $d/logs)"; }

@@ -45,6 +45,7 @@ pub(super) async fn publish<T: Transport>(
     // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
     // row not seen would be taken as published by someone else and skipped, and lost.
     let mut failures = 0u32;
+    let started = Instant::now();
     while let Err(e) = rows::visible(pool, &batch.xids).await {
         failures += 1;
         tracing::warn!(error = %e, "WAL relay: could not check that the batch's transactions are visible; retrying");
@@ -69,6 +70,7 @@ pub(super) async fn publish<T: Transport>(
         if !lease.may_send() {
             return Err(LeaseLost);
         }
+        let t_lock = Instant::now();
         let locked = match rows::lock(pool, &chunk, &defer, config.lease / 2).await {
             Ok(l) => l,
             Err(e) => {
@@ -90,6 +92,7 @@ pub(super) async fn publish<T: Transport>(
         if !lease.may_send() {
             return Err(LeaseLost);
         }
+        let t_send = Instant::now();
         let outcomes = if events.is_empty() {
             Vec::new()
         } else {
@@ -123,10 +126,19 @@ pub(super) async fn publish<T: Transport>(
                 }
             }
         }
-        match locked
+        let t_mark = Instant::now();
+        let marked = locked
             .mark(&published, &parked, config.delete_on_publish, lease)
-            .await
-        {
+            .await;
+        tracing::debug!(
+            rows = chunk.len(),
+            visible_us = (t_lock - started).as_micros() as u64,
+            lock_us = (t_send - t_lock).as_micros() as u64,
+            send_us = (t_mark - t_send).as_micros() as u64,
+            mark_us = t_mark.elapsed().as_micros() as u64,
+            "WAL relay: chunk timings"
+        );
+        match marked {
             Ok(false) => {
                 transport.recorded(&events, false);
                 tracing::warn!(
