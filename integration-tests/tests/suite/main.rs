@@ -8,6 +8,7 @@ mod activity_off_publish_path;
 mod activity_totals;
 mod batch_attack;
 mod batch_failures;
+mod batch_final_attack;
 mod batch_fit_attack;
 mod batch_fixtures;
 mod batch_rule_attack;
