@@ -539,6 +539,11 @@ async fn poison_run(events: usize, per_ms: u64, poison_at: usize) -> (Poisoned, 
 /// it, an outage), the batch is halved, and the poison is met again with fewer events (one
 /// call ≤ 0.9 s: no idle end).
 /// Expected: 11 applied, in offset order, once each; the dead letters exactly [event 7].
+///
+/// Held on 2109f4c (2 runs): 11 applied in order, dead letters [event 7], `retries` 0, calls
+/// [12, 12, 6, 3, 4, 2, 3, 3, 1, 2, 1, 1, 4, 2, 2]. It can fail: run with 1,100 ms per event
+/// (each event alone past the timeout, so each head is charged by the rule) the same
+/// assertions failed: 0 applied, 12 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_event_in_a_batch_ended_for_idling_dead_letters_it_alone() {
     let (r, ids) = poison_run(12, 300, 7).await;
@@ -548,7 +553,9 @@ async fn a_poison_event_in_a_batch_ended_for_idling_dead_letters_it_alone() {
 }
 
 /// As above with the poison at the head (event 0): every split keeps the poison in its first
-/// half, so the head-alone rule is met by the culprit itself, not by an innocent event.
+/// half, so the head-alone rule is met by the culprit itself, not by an innocent event. Held on
+/// 2109f4c (3 runs): 11 applied in order, dead letters [event 0], `retries` 0, calls [12, 12,
+/// 6, 3, 1, 2, 4, 2, 3, 4, 2, 2].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_head_of_a_batch_ended_for_idling_dead_letters_it_alone() {
     let (r, ids) = poison_run(12, 300, 0).await;
@@ -566,7 +573,7 @@ async fn a_poison_head_of_a_batch_ended_for_idling_dead_letters_it_alone() {
 /// 3.6 s (past the DBA's 1 s), then fails permanently with no statement after its wait.
 /// Expected: the calls begin [12, 6].
 ///
-/// Measured on 2109f4c (2 shared cores, 4 runs of this shape, the poison at 7 and at 0): the
+/// Measured on 2109f4c (2 shared cores, 6 runs of this shape, the poison at 7 and at 0): the
 /// calls begin [12, 12, 6] every time — the 12 events' outside work ran twice before the halving.
 /// Cause: the body ran no statement after its wait, so nothing had read the server's FATAL
 /// 25P03 yet; `abandon`'s ROLLBACK receives it (checked with psql: `BEGIN; SELECT 1;` idle past
@@ -579,7 +586,7 @@ async fn a_poison_head_of_a_batch_ended_for_idling_dead_letters_it_alone() {
 /// `Attempt::db`, would halve at once.) Nothing lost or applied twice; the poison alone
 /// dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a batch ended for idling whose handler then fails with no statement runs twice before halving: calls [12, 12, 6, …] (4 of 4 runs)"]
+#[ignore = "known: a batch ended for idling whose handler then fails with no statement runs twice before halving: calls [12, 12, 6, …] (6 of 6 runs)"]
 async fn a_batch_ended_for_idling_whose_handler_then_fails_is_halved_at_once() {
     let (r, _) = poison_run(12, 300, 7).await;
     assert_eq!(
@@ -703,13 +710,164 @@ async fn handover_run(handover: Handover) -> Handed {
 /// dead-lettered, when the consumer process dies right after an idle end halved its batch (the
 /// half running, the partition's remembered fit lost with the process, an earlier commit's
 /// Kafka offset commit possibly in flight) and another process takes over.
+///
+/// Held on 2109f4c (2 runs): killed at the start of a call of 2 after a commit; the first consumer's
+/// calls [12, 12, 6, 6, 3, 3, 4, 4, 2], the second's [9, 9, 4, 4, 2, 2, 3, 3, 4, 4, 2, 2, 2, 2];
+/// 24 applied once, each partition in order, 0 dead letters. It can fail: with the first
+/// consumer's handler writing its effects outside its transaction (a mutation of the test's
+/// handler, not kept) the same run counted 48 effect rows for 24 events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_killed_after_an_idle_end_halved_its_batch_loses_and_repeats_nothing() {
     handover_run(Handover::Kill).await;
 }
 
-/// As above, a second member joining the group (a rebalance) at that moment instead.
+/// As above, a second member joining the group (a rebalance) at that moment instead. Held on
+/// 2109f4c (2 runs): 24 once, in order, 0 dead letters (first consumer's calls [12, 12, 6, 6, 3, 3, 4,
+/// 4, 2, 2, 7, 3, 4, 2, 2], the joiner's [9, 4, 2, 3, 4, 2, 2]); the same mutation: 86 rows for
+/// 24 events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_joining_after_an_idle_end_halved_a_batch_loses_and_repeats_nothing() {
     handover_run(Handover::Join).await;
+}
+
+// --- 4. A held key whose head's retry meets an idle end ------------------------------------
+
+/// A batch handler for an ordered consumer (`FinalFailure::HoldKey`): events of key "a" and
+/// "b" (`n`: a0 = 0, a1 = 1, a2 = 2, b's from 10). a0 fails permanently while its key is not
+/// held (read in the handler's own transaction, `postal.held_keys`): its key is held, a1 and a2
+/// are held behind it. Once it is held (the retry policy releasing it), a0's first `idle_calls`
+/// calls wait 1.3 s outside the database (past the DBA's 1 s: the session is ended for idling,
+/// the insert after the wait meets the 25P03), then it succeeds.
+#[derive(Clone)]
+struct Ordered {
+    idle_calls: u32,
+    released_calls: Arc<AtomicU32>,
+    sizes: Arc<Mutex<Vec<usize>>>,
+}
+
+impl BatchHandler for Ordered {
+    type Payload = serde_json::Value;
+
+    fn consumer(&self) -> &str {
+        CONSUMER
+    }
+
+    fn name(&self) -> &str {
+        "ordered"
+    }
+
+    fn handle_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        events: Batch<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let events: Vec<(Uuid, i64)> = events.iter().map(fields).collect();
+            self.sizes.lock().unwrap().push(events.len());
+            if events.iter().any(|e| e.1 == 0) {
+                let held: bool =
+                    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM postal.held_keys)")
+                        .fetch_one(&mut **tx)
+                        .await?;
+                if !held {
+                    return Err(HandlerError::permanent("a0 refused until its key is held"));
+                }
+                let call = self.released_calls.fetch_add(1, Ordering::SeqCst) + 1;
+                if call <= self.idle_calls {
+                    tokio::time::sleep(Duration::from_millis(1300)).await;
+                }
+            }
+            insert(tx, &events).await?;
+            Ok(())
+        })
+    }
+}
+
+/// Guarantee attacked: with `FinalFailure::HoldKey` (per-key order), a held key's events are
+/// applied once each, in their key's order, after its head, and nothing is dead-lettered, when
+/// the head's retries by the policy (`hold_retry_after` 300 ms) meet an idle end: a0 is held
+/// (permanent), a1 and a2 behind it; its first 4 released calls wait past the DBA's 1 s idle
+/// timeout (the first release uses up its 3 attempts on idle ends and a0 is the key's head
+/// again, "retries_exhausted"; the next release's first call waits once more), then it
+/// succeeds. Throughput mode (`max_batch` 64), the key "b" in the same batches flowing.
+/// Expected: a0, a1, a2 applied in that order, the 6 b's in theirs, each once; no dead letter;
+/// no held key left.
+///
+/// Held on 2109f4c (2 runs): applied [10, 11, 12, 13, 14, 15, 0, 1, 2], 5 released calls of a0 (4 ended
+/// for idling), `retries` 3, 0 dead letters, calls [9, 9, 4, 2, 1, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1].
+/// It can fail: with `FinalFailure::DeadLetter` instead (a mutation, not kept) a0 is
+/// dead-lettered and the wait for 9 applied failed (20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_heads_retries_ended_for_idling_keep_its_key_in_order() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    idle_timeout(&db, "1s").await;
+    let topic = unique("final_held");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let plan: [(&str, i64); 9] = [
+        ("a", 0),
+        ("b", 10),
+        ("a", 1),
+        ("b", 11),
+        ("a", 2),
+        ("b", 12),
+        ("b", 13),
+        ("b", 14),
+        ("b", 15),
+    ];
+    let records: Vec<RawRecord> = plan
+        .iter()
+        .map(|(k, n)| job(Uuid::now_v7(), k, json!({ "n": n })))
+        .collect();
+    produce(&svc.bootstrap, &topic, Some(0), &records).await;
+    let pool = db.pool_of(5).await;
+    let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
+    config.max_batch = 64;
+    config.max_attempts = 3;
+    config.final_failure = postal_consumer::FinalFailure::HoldKey;
+    config.hold_retry_after = Some(Duration::from_millis(300));
+    config.held_poll = Duration::from_millis(200);
+    let handler = Ordered {
+        idle_calls: 4,
+        released_calls: Arc::default(),
+        sizes: Arc::default(),
+    };
+    let consumer = Consumer::builder(pool.clone(), config)
+        .on_batch(&topic, "job", handler.clone())
+        .build()
+        .expect("consumer");
+    let running = RunningConsumer::start(consumer);
+    wait::until(WAIT, "all 9 applied and no key held", || {
+        let pool = db.pool.clone();
+        async move {
+            let (rows, _) = effects(&pool).await;
+            let held: i64 = sqlx::query_scalar("SELECT count(*) FROM postal.held_keys")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            rows >= 9 && held == 0
+        }
+    })
+    .await;
+    let stats = running.stats.clone();
+    running.stop().await;
+    pool.close().await;
+    let s = stats.snapshot();
+    let (rows, distinct) = effects(&db.pool).await;
+    let applied = order(&db.pool).await;
+    let dead = dead_letter_count(&db.pool).await;
+    let released = handler.released_calls.load(Ordering::SeqCst);
+    let sizes = handler.sizes.lock().unwrap().clone();
+    eprintln!(
+        "held: applied {applied:?}, rows {rows}, dead {dead}, released calls {released}, retries {}, sizes {sizes:?}",
+        s.retries
+    );
+    assert_eq!((rows, distinct), (9, 9), "each event once: {applied:?}");
+    let a: Vec<i64> = applied.iter().copied().filter(|n| *n < 10).collect();
+    let b: Vec<i64> = applied.iter().copied().filter(|n| *n >= 10).collect();
+    assert_eq!(a, [0, 1, 2], "key a in order: {applied:?}");
+    assert_eq!(b, [10, 11, 12, 13, 14, 15], "key b in order: {applied:?}");
+    assert_eq!(dead, 0, "nothing dead-lettered");
+    assert!(released >= 5, "a0's retries met the idle ends: {released} released calls");
 }
