@@ -656,7 +656,7 @@ impl Worker {
 /// when the rollback's I/O error was taken for an outage, `idle_end_attack::`).
 async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt {
     match tx.rollback().await {
-        Err(e) if postal_shared::database_unavailable(&e) => session_gone(f, &e),
+        Err(e) if gone(&e) => session_gone(f, &e),
         _ => f.into_attempt(),
     }
 }
@@ -666,13 +666,22 @@ async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt 
 async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<BodyFailure, Attempt> {
     match sp.rollback().await {
         Ok(()) => Ok(f),
-        Err(e) if postal_shared::database_unavailable(&e) => Err(session_gone(f, &e)),
+        Err(e) if gone(&e) => Err(session_gone(f, &e)),
         Err(e) => Err(Attempt::db(e)),
     }
 }
 
+/// Whether a rollback's error `e` says the session is gone: unreachable, or ended for idling
+/// (the rollback is then the first statement to read the server's 25P03).
+fn gone(e: &sqlx::Error) -> bool {
+    crate::idle_end::ended_idle(e) || postal_shared::database_unavailable(e)
+}
+
 /// The attempt's failure when a body failed with `f` and its session is gone (`e`).
 fn session_gone(f: BodyFailure, e: &sqlx::Error) -> Attempt {
+    if crate::idle_end::ended_idle(e) {
+        return Attempt::SessionEnded(crate::idle_end::explain(&e.to_string()));
+    }
     match f {
         BodyFailure::Retry(_, Retry::Outage) => {
             Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))

@@ -33,9 +33,24 @@ pub(crate) fn ended_idle(e: &sqlx::Error) -> bool {
 /// Whether `e` or an error it wraps (its `source` chain: a handler's own error type around a
 /// `sqlx::Error`) is [`ended_idle`].
 pub(crate) fn ended_idle_within(e: &(dyn StdError + 'static)) -> bool {
+    any_within(e, ended_idle)
+}
+
+/// Whether `e` or an error it wraps is the database being unreachable or ending the session
+/// for a reason of its own (`postal_shared::database_unavailable`: a terminated backend
+/// `57P01`, a restart, an I/O error) and not for idling: an outage, whatever a handler that
+/// returned it called it.
+pub(crate) fn outage_within(e: &(dyn StdError + 'static)) -> bool {
+    any_within(e, |e| {
+        postal_shared::database_unavailable(e) && !ended_idle(e)
+    })
+}
+
+/// Whether a `sqlx::Error` in `e`'s `source` chain satisfies `test`.
+fn any_within(e: &(dyn StdError + 'static), test: impl Fn(&sqlx::Error) -> bool) -> bool {
     let mut next = Some(e);
     while let Some(e) = next {
-        if e.downcast_ref::<sqlx::Error>().is_some_and(ended_idle) {
+        if e.downcast_ref::<sqlx::Error>().is_some_and(&test) {
             return true;
         }
         next = e.source();
@@ -125,5 +140,24 @@ mod tests {
         // PgBouncer's other class-08 errors (a server connection lost) stay outages.
         let lost = sqlx::Error::Database(Box::new(Server("08P01", "server conn crashed?")));
         assert!(!ended_idle(&lost));
+    }
+
+    /// A terminated backend wrapped in a handler's error is an outage; an idle end (also
+    /// PgBouncer's, a class-08 code) and a statement's own error are not.
+    #[test]
+    fn an_outage_is_read_through_the_chain() {
+        let terminated = || sqlx::Error::Database(Box::new(Server("57P01", "terminating")));
+        assert!(outage_within(&Wrapper(terminated())));
+        let io = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(outage_within(&Wrapper(io)));
+        let idle = sqlx::Error::Database(Box::new(Server("25P03", "terminating")));
+        assert!(!outage_within(&Wrapper(idle)));
+        let pooler = sqlx::Error::Database(Box::new(Server("08P01", "idle transaction timeout")));
+        assert!(!outage_within(&Wrapper(pooler)));
+        let unique = sqlx::Error::Database(Box::new(Server("23505", "duplicate key")));
+        assert!(!outage_within(&Wrapper(unique)));
     }
 }

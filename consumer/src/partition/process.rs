@@ -309,6 +309,14 @@ fn body_outcome(
         Ok(Err(Failure::Undecodable(e))) => {
             Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))
         }
+        // The server's word on the session outranks the handler's label: an idle end is an
+        // attempt and an outage is none, whatever the handler called the error it returned.
+        Ok(Err(Failure::Handler(HandlerError::Permanent(e))))
+            if crate::idle_end::ended_idle_within(e.as_ref())
+                || crate::idle_end::outage_within(e.as_ref()) =>
+        {
+            Err(retry(bounded(&e), e.as_ref(), Retry::Handler))
+        }
         Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
             Err(BodyFailure::Dead(Reason::Permanent, bounded(&e)))
         }
@@ -326,11 +334,14 @@ fn body_outcome(
     }
 }
 
-/// A retryable body failure: `whose`, unless the server ended the session for idling (in `e`'s
-/// chain), which says so whatever the handler called it.
+/// A retryable body failure: `whose`, unless the server ended the session for idling (an
+/// attempt) or the database is unavailable (an outage, never an attempt), as `e`'s chain says
+/// whatever the handler called it.
 fn retry(error: String, e: &(dyn std::error::Error + 'static), whose: Retry) -> BodyFailure {
     if crate::idle_end::ended_idle_within(e) {
         BodyFailure::Retry(crate::idle_end::explain(&error), Retry::IdleEnded)
+    } else if crate::idle_end::outage_within(e) {
+        BodyFailure::Retry(error, Retry::Outage)
     } else {
         BodyFailure::Retry(error, whose)
     }

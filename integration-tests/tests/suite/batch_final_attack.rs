@@ -315,8 +315,9 @@ async fn terminate_run(max_batch: usize, says: Says, kills: u32) -> Terminations
 /// took that for an outage. (Reading `database_unavailable` through the chain in `retry()`, as
 /// 25P03 is read, would make this one an outage in both modes; the text-only form below
 /// cannot be told apart that way.)
+///
+/// Fixed after 2109f4c: the runtime reads an outage (57P01, I/O) through the returned error's chain as it reads 25P03 (`idle_end::outage_within`): an outage whatever the handler called it. Now 4 applied, 0 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: 6 terminations (57P01) the handler returned as HandlerError::retryable(e): 3 applied, event 0 dead-lettered after 3 attempts, calls [4, 2, 1, 1, 1, 2, 1, 2]"]
 async fn a_terminated_backend_the_handler_calls_retryable_dead_letters_nothing() {
     let r = terminate_run(64, Says::Explicit, 6).await;
     assert_eq!(
@@ -329,8 +330,9 @@ async fn a_terminated_backend_the_handler_calls_retryable_dead_letters_nothing()
 /// The same, one record per transaction (`max_batch` 1). Measured on 2109f4c: 2 applied,
 /// events 0 and 1 dead-lettered (3 terminations each, each `Attempt::Retryable`), `retries` 4
 /// — not 2109f4c's code (consumer/src/partition/process.rs), the same `retry()` cause.
+///
+/// Fixed after 2109f4c: as above (`retry()` reads the outage through the chain). Now 4 applied, 0 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: one at a time, 6 terminations (57P01) returned as HandlerError::retryable(e): 2 applied, events 0 and 1 dead-lettered after 3 attempts each"]
 async fn one_at_a_time_a_terminated_backend_the_handler_calls_retryable_dead_letters_nothing() {
     let r = terminate_run(1, Says::Explicit, 6).await;
     assert_eq!(
@@ -353,7 +355,7 @@ async fn one_at_a_time_a_terminated_backend_the_handler_calls_retryable_dead_let
 /// meet and the first wins; the runtime cannot tell the text of a 57P01 from the text of a
 /// 25P03 (`session_gone` sees only the rollback's I/O error).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: 6 terminations (57P01) whose text the handler keeps as retryable: 3 applied, event 0 dead-lettered after 3 attempts (as the docs' text-only rule says, against its 57P01 rule)"]
+#[ignore = "known, by design: a handler that keeps only the text of the server's error hides whether it was a 57P01 or a 25P03 (the rollback sees only an I/O error): 6 terminations, 3 applied, event 0 dead-lettered after 3 attempts (docs/consumer.md says so)"]
 async fn a_terminated_backend_whose_text_the_handler_keeps_dead_letters_nothing() {
     let r = terminate_run(64, Says::Text, 6).await;
     assert_eq!(
@@ -373,8 +375,9 @@ async fn a_terminated_backend_whose_text_the_handler_keeps_dead_letters_nothing(
 /// 2, calls [4, 2, 1, 1, 1, 2, 1, 2]: each termination of the head alone is an attempt, as
 /// for the retryable label. (Better than one at a time, below, where each is a dead letter at
 /// once.)
+///
+/// Fixed after 2109f4c: a permanent label over an idle end or an outage in the chain is not taken (`body_outcome`): an outage. Now 4 applied, 0 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: 6 terminations (57P01) the handler returned as HandlerError::permanent(e): 3 applied, event 0 dead-lettered after 3 attempts"]
 async fn a_terminated_backend_the_handler_calls_permanent_dead_letters_nothing() {
     let r = terminate_run(64, Says::Permanent, 6).await;
     assert_eq!(
@@ -389,8 +392,9 @@ async fn a_terminated_backend_the_handler_calls_permanent_dead_letters_nothing()
 /// "error returned from database: terminating connection due to administrator command") — not
 /// 2109f4c's code: the handler's label is taken as it is, a 57P01 in the returned error
 /// notwithstanding (`body_outcome`, consumer/src/partition/process.rs).
+///
+/// Fixed after 2109f4c: as above. Now 4 applied, 0 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: one at a time, 4 terminations (57P01) returned as HandlerError::permanent(e): all 4 events dead-lettered at once"]
 async fn one_at_a_time_a_terminated_backend_the_handler_calls_permanent_dead_letters_nothing() {
     let r = terminate_run(1, Says::Permanent, 6).await;
     assert_eq!(
@@ -586,8 +590,9 @@ async fn a_poison_head_of_a_batch_ended_for_idling_dead_letters_it_alone() {
 /// `idle_end::ended_idle` on the rollback's error in `abandon`, as `roll_back` does through
 /// `Attempt::db`, would halve at once.) Nothing lost or applied twice; the poison alone
 /// dead-lettered.
+///
+/// Fixed after 2109f4c: `abandon` and `roll_back` read `ended_idle` on the rollback's error (`batch::gone`): the batch is halved at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a batch ended for idling whose handler then fails with no statement runs twice before halving: calls [12, 12, 6, …] (7 of 7 runs)"]
 async fn a_batch_ended_for_idling_whose_handler_then_fails_is_halved_at_once() {
     let (r, _) = poison_run(12, 300, 7).await;
     assert_eq!(

@@ -79,6 +79,10 @@ const FAILED_STARTS_TO_GIVE_UP: u32 = 3;
 /// How often rows another session holds locked are tried again.
 const BUSY_RETRY: Duration = Duration::from_secs(1);
 
+/// How many chunks (of `batch_size` rows) a batch read from the slot holds at most: the next
+/// chunk's rows are taken while a chunk's acknowledgements are awaited.
+const READ_CHUNKS: usize = 4;
+
 /// How many rows may be carried (failed or busy, with their keys' later rows) before the
 /// relay reads nothing more until they are done.
 fn carry_max(config: &RelayConfig) -> usize {
@@ -215,7 +219,7 @@ pub(crate) async fn run<T: Transport>(
                 }
                 // Bounded: with this many rows carried, nothing more is read until they are
                 // done (a broker outage fails them all).
-                r = stream.next(config.batch_size), if carried.len() < carry_max(&config) => r,
+                r = stream.next(config.batch_size * READ_CHUNKS), if carried.len() < carry_max(&config) => r,
                 // Carried rows are tried again when due, with or without new commits.
                 () = tokio::time::sleep_until(retry_at), if !carried.is_empty() => {
                     Ok(stream::Read::Batch(stream::Batch::default()))

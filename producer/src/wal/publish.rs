@@ -61,6 +61,11 @@ pub(super) async fn publish<T: Transport>(
         carried.iter().copied().collect()
     };
     let mut any_failed = false;
+    // A row of this batch was locked by another session: the rest goes through `rows::lock`
+    // (a take would wait for the lock each time).
+    let mut saw_busy = false;
+    // The next chunk's rows, taken ahead (`rows::take`), with the chunk they were taken for.
+    let mut prefetched: Option<(Vec<i64>, Result<Option<rows::Locked>, sqlx::Error>)> = None;
     let mut todo: Vec<i64> = carried;
     todo.extend_from_slice(&batch.seqs);
     let mut failures = 0u32;
@@ -71,7 +76,30 @@ pub(super) async fn publish<T: Transport>(
             return Err(LeaseLost);
         }
         let t_lock = Instant::now();
-        let locked = match rows::lock(pool, &chunk, &defer, config.lease / 2).await {
+        // One statement takes (reads and deletes) the chunk's rows when nothing in it is to
+        // be held back; `rows::lock` does the rest, and the chunks after a busy row. The take
+        // may have been done while the previous chunk's acknowledgements were awaited.
+        let taken = match prefetched.take() {
+            Some((seqs, taken)) if seqs == chunk => taken,
+            // Not the chunk that follows (the last one left rows to try again): undone.
+            Some((_, Ok(Some(l)))) => {
+                l.undo().await;
+                Ok(None)
+            }
+            _ => Ok(None),
+        };
+        let taken = match taken {
+            Ok(None) if may_take(config, &defer, saw_busy) => {
+                rows::take(pool, &chunk, config.lease / 2).await
+            }
+            other => other,
+        };
+        let locked = match taken {
+            Ok(Some(l)) => Ok(l),
+            Ok(None) => rows::lock(pool, &chunk, &defer, config.lease / 2).await,
+            Err(e) => Err(e),
+        };
+        let locked = match locked {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;
@@ -85,6 +113,7 @@ pub(super) async fn publish<T: Transport>(
             tracing::warn!(rows = locked.left, "WAL relay: rows held back (scheduled, retried, parked or behind such a row of their key) are left pending for a polling relay");
         }
         busy.saw(&locked.busy);
+        saw_busy |= !locked.busy.is_empty();
         let again = locked.again.clone();
         let events = locked.events.clone();
         // The lease is checked again after the lock, which may have waited: a batch goes to
@@ -93,11 +122,25 @@ pub(super) async fn publish<T: Transport>(
             return Err(LeaseLost);
         }
         let t_send = Instant::now();
-        let outcomes = if events.is_empty() {
-            Vec::new()
-        } else {
-            transport.send(&events).await.await
+        // The next chunk, if this one leaves nothing to try again, is taken while this one's
+        // acknowledgements are awaited: the sends stay one after the other, in commit order.
+        let rest = &todo[chunk_len..];
+        let next_chunk: Option<Vec<i64>> =
+            (again.is_empty() && !rest.is_empty() && may_take(config, &defer, saw_busy))
+                .then(|| rest[..rest.len().min(config.batch_size)].to_vec());
+        let take_next = async {
+            match &next_chunk {
+                Some(c) => Some((c.clone(), rows::take(pool, c, config.lease / 2).await)),
+                None => None,
+            }
         };
+        let (outcomes, next_taken) = if events.is_empty() {
+            (Vec::new(), None)
+        } else {
+            let acks = transport.send(&events).await;
+            tokio::join!(acks, take_next)
+        };
+        prefetched = next_taken;
         let mut published = Vec::with_capacity(events.len());
         let mut failed = Vec::new();
         let mut parked = Vec::new();
@@ -156,6 +199,13 @@ pub(super) async fn publish<T: Transport>(
                 for p in &parked {
                     tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
                 }
+                // A row that failed or was parked holds its key's later rows back: the next
+                // chunk, taken before this one's outcomes were known, is undone and done again.
+                if !failed.is_empty() || !parked.is_empty() {
+                    if let Some((_, Ok(Some(l)))) = prefetched.take() {
+                        l.undo().await;
+                    }
+                }
                 // Done with the chunk, except its failed, deferred and busy rows (and their
                 // keys' later rows): they stay ahead of the rest, in commit order.
                 let retried = failed.len();
@@ -174,6 +224,9 @@ pub(super) async fn publish<T: Transport>(
                     .collect();
                 let rest = &todo[chunk_len..];
                 if rest.is_empty() {
+                    if let Some((_, Ok(Some(l)))) = prefetched.take() {
+                        l.undo().await;
+                    }
                     return Ok(Carry {
                         rows: next,
                         failed: any_failed,
@@ -195,6 +248,13 @@ pub(super) async fn publish<T: Transport>(
     }
     busy.saw(&[]);
     Ok(Carry::default())
+}
+
+/// Whether a chunk may be taken in one statement ([`rows::take`]): nothing in the batch is
+/// deferred, no row of it was found locked by another session, and published rows are
+/// deleted.
+fn may_take(config: &RelayConfig, defer: &std::collections::HashSet<i64>, saw_busy: bool) -> bool {
+    config.delete_on_publish && defer.is_empty() && !saw_busy
 }
 
 /// Rows of the batch that another session holds locked, as the relay says so: one warning

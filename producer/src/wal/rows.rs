@@ -18,6 +18,9 @@ use crate::transport::OutboundEvent;
 /// The batch's rows that are to publish, locked, in the order of `seqs`.
 pub(crate) struct Locked {
     tx: Transaction<'static, Postgres>,
+    /// The rows of `events` are already deleted in `tx` ([`take`]): the mark only commits when
+    /// every one was acknowledged.
+    taken: bool,
     /// In commit order.
     pub events: Vec<OutboundEvent>,
     /// Rows of the batch still pending that the relay does not publish: held, or behind a held
@@ -81,6 +84,101 @@ fn widen(near: i64, xid: u32) -> i64 {
     } else {
         near - ((1 << 32) - diff)
     }
+}
+
+/// How long [`take`]'s delete waits for a row another session holds locked before it gives
+/// the chunk to [`lock`] (which skips such rows): far below `deadlock_timeout` (1 s).
+const TAKE_LOCK_WAIT: &str = "50ms";
+
+/// The rows `seqs` still to publish, read and deleted in one statement, in a transaction that
+/// commits only once each is acknowledged ([`Locked::mark`]): the common case of a chunk with
+/// nothing deferred, costing one statement and one tuple write per row where [`lock`] then
+/// the mark cost two of each. The delete locks each row it takes as `FOR UPDATE` would, so a
+/// polling relay or an operator sees them as [`lock`] leaves them. Only with
+/// `delete_on_publish` and nothing deferred; `Ok(None)`: a row is locked by another session
+/// (its lock waited [`TAKE_LOCK_WAIT`]) and nothing was taken; [`lock`] does the chunk.
+pub(crate) async fn take(
+    pool: &PgPool,
+    seqs: &[i64],
+    idle: std::time::Duration,
+) -> Result<Option<Locked>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let (own_wait,): (String,) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), \
+                set_config('idle_in_transaction_session_timeout', $1, true), \
+                set_config('tcp_user_timeout', $1, true)",
+    )
+    .bind(idle.as_millis().max(1).to_string())
+    .fetch_one(&mut *tx)
+    .await
+    .map(|(w, _, _): (String, String, String)| (w,))?;
+    // The lock wait is set inside the savepoint: undoing the take (`Locked::mark`) restores
+    // the session's own for the marks.
+    sqlx::query("SAVEPOINT postal_wal_take")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(TAKE_LOCK_WAIT)
+        .execute(&mut *tx)
+        .await?;
+    let taken = sqlx::query(concat!(
+        "DELETE FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
+         AND NOT d.held AND NOT d.running \
+         AND NOT EXISTS (SELECT 1 FROM postal.outbox h \
+              WHERE h.held AND hashtextextended(h.event_key, 0) = hashtextextended(d.event_key, 0) \
+              AND h.event_key = d.event_key AND h.topic = d.topic AND h.seq < d.seq) \
+         RETURNING ",
+        crate::claim::returned!(),
+        ", NULL::int8[] AS skipped, 0::int8 AS passed"
+    ))
+    .bind(seqs)
+    .fetch_all(&mut *tx)
+    .await;
+    let rows = match taken {
+        Ok(rows) => rows,
+        // 55P03: a row locked by another session.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    // The marks and the lease's check wait for locks as the session would.
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(&own_wait)
+        .execute(&mut *tx)
+        .await?;
+    let mut found = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let (event, _, _) = crate::claim::decode(row)?;
+        found.insert(event.seq, event);
+    }
+    // Rows not taken: published or deleted meanwhile, or still pending behind a held row of
+    // their key (counted for the warning, left for a polling relay).
+    let left = if found.len() == seqs.len() {
+        0
+    } else {
+        let missing: Vec<i64> = seqs
+            .iter()
+            .copied()
+            .filter(|s| !found.contains_key(s))
+            .collect();
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending'",
+        )
+        .bind(&missing)
+        .fetch_one(&mut *tx)
+        .await? as usize
+    };
+    let events = seqs.iter().filter_map(|s| found.remove(s)).collect();
+    Ok(Some(Locked {
+        tx,
+        taken: true,
+        events,
+        left,
+        busy: Vec::new(),
+        again: std::collections::HashSet::new(),
+    }))
 }
 
 /// Locks the rows `seqs` that are still to publish and reads them, without waiting for a row
@@ -178,6 +276,7 @@ pub(crate) async fn lock(
     }
     Ok(Locked {
         tx,
+        taken: false,
         events,
         left: behind.len(),
         busy,
@@ -186,6 +285,13 @@ pub(crate) async fn lock(
 }
 
 impl Locked {
+    /// Gives the rows up unmarked (a take undone: they are pending again).
+    pub(crate) async fn undo(self) {
+        if let Err(e) = self.tx.rollback().await {
+            tracing::debug!(error = %e, "WAL relay: rolling back rows taken ahead failed (the session's end rolls them back)");
+        }
+    }
+
     /// Marks the acknowledged rows `published` as polling does (deleted, or kept and marked
     /// `published`), parks the rows in `parked` (refused for good: `status = 'failed'`,
     /// holding their key's later rows back, as polling parks them) and commits — only while
@@ -198,7 +304,16 @@ impl Locked {
         delete: bool,
         lease: &super::lease::Held,
     ) -> Result<bool, sqlx::Error> {
-        if delete {
+        // Taken rows ([`take`]) all acknowledged: their deletes stand. Otherwise the deletes
+        // are undone, and the acknowledged rows deleted (the refused ones parked) as after
+        // [`lock`].
+        let stand = self.taken && published.len() == self.events.len();
+        if self.taken && !stand {
+            sqlx::query("ROLLBACK TO SAVEPOINT postal_wal_take")
+                .execute(&mut *self.tx)
+                .await?;
+        }
+        if !stand && delete {
             sqlx::query("DELETE FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending'")
                 .bind(published)
                 .execute(&mut *self.tx)
@@ -206,7 +321,7 @@ impl Locked {
             if !parked.is_empty() {
                 crate::complete::mark(&mut self.tx, &[], parked).await?;
             }
-        } else {
+        } else if !stand {
             crate::complete::mark(&mut self.tx, published, parked).await?;
         }
         if !super::lease::check(&mut self.tx, &lease.slot, lease.holder, lease.token).await? {
