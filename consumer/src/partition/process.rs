@@ -279,7 +279,8 @@ pub(crate) async fn run_body(
     let caught = AssertUnwindSafe(route.call(tx, record, meta))
         .catch_unwind()
         .await;
-    body_outcome(route, caught)
+    let (outcome, outage_like) = body_outcome(route, caught);
+    own_session_says(tx, outcome, outage_like).await
 }
 
 /// Runs a batch handler's body once for `items`, as [`run_body`] does for one record.
@@ -291,57 +292,96 @@ pub(crate) async fn run_batch_body(
     let caught = AssertUnwindSafe(route.call_batch(tx, items))
         .catch_unwind()
         .await;
-    body_outcome(route, caught)
+    let (outcome, outage_like) = body_outcome(route, caught);
+    own_session_says(tx, outcome, outage_like).await
 }
 
+/// A handler's retryable or permanent failure holding a database error that looks like an
+/// outage (`outage_like`: a terminated backend, an I/O error, a pool timeout in its `source()`
+/// chain) is an outage only if the consumer's own session is gone: then the error was the
+/// session's loss (an operator's `pg_terminate_backend`, a restart), never an attempt. With
+/// the session alive the error came from elsewhere (the handler's own pool, another database,
+/// a file read through `sqlx`): the handler's label stands, so a record failing that way every
+/// time is still dead-lettered or held. One statement tells, run only then.
+async fn own_session_says(
+    tx: &mut Transaction<'_, Postgres>,
+    outcome: Result<(), BodyFailure>,
+    outage_like: bool,
+) -> Result<(), BodyFailure> {
+    let Err(f) = outcome else { return Ok(()) };
+    if !outage_like {
+        return Err(f);
+    }
+    // In a transaction the handler's error aborted, the statement fails with 25P02: the
+    // session is alive.
+    match sqlx::query("SELECT 1").execute(&mut **tx).await {
+        Err(e) if crate::idle_end::ended_idle(&e) => Err(BodyFailure::Retry(
+            crate::idle_end::explain(&e.to_string()),
+            Retry::IdleEnded,
+        )),
+        Err(e) if postal_shared::database_unavailable(&e) => Err(match f {
+            BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => {
+                BodyFailure::Retry(error, Retry::Outage)
+            }
+        }),
+        _ => Err(f),
+    }
+}
+
+/// The body's outcome, and whether a retryable or permanent failure holds an outage-like
+/// database error ([`own_session_says`] decides what it is).
 fn body_outcome(
     route: &dyn crate::route::Route,
     caught: Result<Result<(), Failure>, Box<dyn std::any::Any + Send>>,
-) -> Result<(), BodyFailure> {
+) -> (Result<(), BodyFailure>, bool) {
     // Handler errors and panic messages may quote the record (a payload's string in a decode
     // error): bounded and escaped before they are logged or stored.
     let bounded = |e: &dyn std::fmt::Display| {
         postal_shared::text::bounded(&e.to_string(), postal_shared::text::MAX_ERROR_BYTES)
             .into_owned()
     };
+    let outage_like = |e: &crate::handler::BoxError| crate::idle_end::outage_within(e.as_ref());
     match caught {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(Failure::Undecodable(e))) => {
-            Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e)))
-        }
+        Ok(Ok(())) => (Ok(()), false),
+        Ok(Err(Failure::Undecodable(e))) => (
+            Err(BodyFailure::Dead(Reason::Undecodable, bounded(&e))),
+            false,
+        ),
         // The server's word on the session outranks the handler's label: an idle end is an
-        // attempt and an outage is none, whatever the handler called the error it returned.
+        // attempt, whatever the handler called the error it returned.
         Ok(Err(Failure::Handler(HandlerError::Permanent(e))))
-            if crate::idle_end::ended_idle_within(e.as_ref())
-                || crate::idle_end::outage_within(e.as_ref()) =>
+            if crate::idle_end::ended_idle_within(e.as_ref()) =>
         {
-            Err(retry(bounded(&e), e.as_ref(), Retry::Handler))
+            (Err(retry(bounded(&e), e.as_ref(), Retry::Handler)), false)
         }
-        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => {
-            Err(BodyFailure::Dead(Reason::Permanent, bounded(&e)))
-        }
+        Ok(Err(Failure::Handler(HandlerError::Permanent(e)))) => (
+            Err(BodyFailure::Dead(Reason::Permanent, bounded(&e))),
+            outage_like(&e),
+        ),
         Ok(Err(Failure::Handler(HandlerError::Retryable(e)))) => {
-            Err(retry(bounded(&e), e.as_ref(), Retry::Handler))
+            let f = retry(bounded(&e), e.as_ref(), Retry::Handler);
+            let like = matches!(f, BodyFailure::Retry(_, Retry::Handler)) && outage_like(&e);
+            (Err(f), like)
         }
         Ok(Err(Failure::Handler(HandlerError::Unavailable(e)))) => {
-            Err(retry(bounded(&e), e.as_ref(), Retry::Outage))
+            (Err(retry(bounded(&e), e.as_ref(), Retry::Outage)), false)
         }
         Err(panic) => {
             let msg = bounded(&panic_message(panic.as_ref()));
             tracing::error!(handler = route.name(), panic = %msg, "handler panicked");
-            Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}")))
+            (
+                Err(BodyFailure::Dead(Reason::Panic, format!("panic: {msg}"))),
+                false,
+            )
         }
     }
 }
 
-/// A retryable body failure: `whose`, unless the server ended the session for idling (an
-/// attempt) or the database is unavailable (an outage, never an attempt), as `e`'s chain says
-/// whatever the handler called it.
+/// A retryable body failure: `whose`, unless the server ended the session for idling (in `e`'s
+/// chain), which says so whatever the handler called it.
 fn retry(error: String, e: &(dyn std::error::Error + 'static), whose: Retry) -> BodyFailure {
     if crate::idle_end::ended_idle_within(e) {
         BodyFailure::Retry(crate::idle_end::explain(&error), Retry::IdleEnded)
-    } else if crate::idle_end::outage_within(e) {
-        BodyFailure::Retry(error, Retry::Outage)
     } else {
         BodyFailure::Retry(error, whose)
     }

@@ -105,5 +105,6 @@ mod wal_idle;
 mod wal_lease;
 mod wal_migrate;
 mod wal_netsplit;
+mod wal_read_ahead;
 mod wal_relay;
 mod wal_slot_status;

@@ -65,7 +65,8 @@ pub(super) async fn publish<T: Transport>(
     // (a take would wait for the lock each time).
     let mut saw_busy = false;
     // The next chunk's rows, taken ahead (`rows::take`), with the chunk they were taken for.
-    let mut prefetched: Option<(Vec<i64>, Result<Option<rows::Locked>, sqlx::Error>)> = None;
+    let mut prefetched: Option<Ahead> = None;
+    let mut prefetched_at = Instant::now();
     let mut todo: Vec<i64> = carried;
     todo.extend_from_slice(&batch.seqs);
     let mut failures = 0u32;
@@ -80,7 +81,11 @@ pub(super) async fn publish<T: Transport>(
         // be held back; `rows::lock` does the rest, and the chunks after a busy row. The take
         // may have been done while the previous chunk's acknowledgements were awaited.
         let taken = match prefetched.take() {
-            Some((seqs, taken)) if seqs == chunk => taken,
+            // Taken long ago (acknowledgements slow to come): its session may be near the
+            // idle timeout set for it, which would end it after the send.
+            Some((seqs, taken)) if seqs == chunk && prefetched_at.elapsed() < config.lease / 4 => {
+                taken
+            }
             // Not the chunk that follows (the last one left rows to try again): undone.
             Some((_, Ok(Some(l)))) => {
                 l.undo().await;
@@ -138,6 +143,7 @@ pub(super) async fn publish<T: Transport>(
             (Vec::new(), None)
         } else {
             let acks = transport.send(&events).await;
+            prefetched_at = Instant::now();
             tokio::join!(acks, take_next)
         };
         prefetched = next_taken;
@@ -249,6 +255,9 @@ pub(super) async fn publish<T: Transport>(
     busy.saw(&[]);
     Ok(Carry::default())
 }
+
+/// A chunk's rows taken ahead ([`rows::take`]), with the chunk they were taken for.
+type Ahead = (Vec<i64>, Result<Option<rows::Locked>, sqlx::Error>);
 
 /// Whether a chunk may be taken in one statement ([`rows::take`]): nothing in the batch is
 /// deferred, no row of it was found locked by another session, and published rows are
