@@ -9,6 +9,7 @@ mod activity_totals;
 mod batch_attack;
 mod batch_failures;
 mod batch_final_attack;
+mod batch_outage_attack;
 mod batch_fit_attack;
 mod batch_fixtures;
 mod batch_rule_attack;
