@@ -132,6 +132,10 @@ enum Cause {
     /// The same query, ended by the DBA's `statement_timeout` of 300 ms (57014: class 57, not
     /// 57P). Labelled `.map_err(HandlerError::retryable)`.
     StatementTimeout,
+    /// The event's statement fails with SQLSTATE 40P01 (a deadlock: raised by the server with
+    /// that code, every time — a deadlock this event's writes always meet), reported with `?`
+    /// (Postal's table: `Retryable`).
+    Deadlock,
 }
 
 /// Writes `effects` for its events; a call holding the poison event fails as `cause` says.
@@ -170,6 +174,13 @@ impl Poisoned {
                         .acquire()
                         .await
                         .map_err(HandlerError::retryable)?;
+                }
+                Cause::Deadlock => {
+                    sqlx::query(
+                        "DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$",
+                    )
+                    .execute(&mut **tx)
+                    .await?;
                 }
                 Cause::Watchdog | Cause::StatementTimeout => {
                     sqlx::query("SELECT pg_sleep(30)")
@@ -358,7 +369,11 @@ fn assert_poison_dead_lettered(r: &PoisonRun) {
         vec![r.poison],
         "the poison event dead-lettered, nothing else: {r:?}"
     );
-    assert_eq!(r.applied, vec![0, 2, 3], "the innocent events applied: {r:?}");
+    assert_eq!(
+        r.applied,
+        vec![0, 2, 3],
+        "the innocent events applied: {r:?}"
+    );
     assert_eq!(r.offset, Some(4), "the partition past the poison: {r:?}");
 }
 
@@ -368,15 +383,42 @@ fn assert_poison_dead_lettered(r: &PoisonRun) {
 /// event names does not exist. 1090050's rule reads the error's chain first; here the chain is
 /// `sqlx::Error::Io(NotFound)`, because the author's helper returns `sqlx::Error` and `?` on
 /// the file read converts (`#[from] io::Error`). Throughput mode (`max_batch` 64).
+///
+/// Measured on 1090050 (2 shared cores, two runs, the same figures): the poison's body ran
+/// 20 times in 2.1 s, never an
+/// attempt (`retries` 0), no dead letter; applied [0], the stored offset stuck at 1: events 2
+/// and 3 — other keys — wait behind it for good (the outage loop only grows its backoff, up to
+/// `backoff.max`, 30 s by default). The runtime logs "dependency unavailable; retrying (does
+/// not count as an attempt)" with the error "error communicating with database: No such file
+/// or directory (os error 2)"; the stall watchdog's 503 after 30 s is the only other sign (as
+/// in [`a_handlers_other_database_down_waits_without_attempts_and_says_so_within_a_minute`]).
+/// The same test on 1090050^ (1090050's consumer part reverted, same build otherwise): the
+/// poison dead-lettered at once, applied [0, 2, 3], offset 4, in 0.27 s. 1090050's doing:
+/// `body_outcome`'s new arm (consumer/src/partition/process.rs) overrules a `Permanent` label
+/// whenever `idle_end::outage_within` finds any unavailable-looking `sqlx::Error` in the chain.
+///
+/// Cause: an `Io`, `PoolTimedOut`, class-08 or 57P `sqlx::Error` in a handler's error says
+/// nothing about the consumer's own session: it may come from the file system (here), the
+/// handler's own pool, another database. Possible fix: overrule the handler's label only when
+/// the consumer's own session is gone — the rollback of the failed call's savepoint (or of
+/// the transaction, one at a time) itself fails with `database_unavailable`, which
+/// `roll_back`/`abandon` already see — and keep the label when that rollback succeeds (the
+/// consumer's database answered: the failure is the handler's, as labelled).
+/// batch_final_attack's operator `pg_terminate_backend` ended the consumer's own session, so
+/// its fix would stand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: a permanent failure whose chain holds sqlx::Error::Io (a missing file read through a helper returning sqlx::Error) is waited out as an outage: 20 calls in 2.1 s, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered at once)"]
 async fn a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered() {
     let r = poison_run(Cause::MissingFile, 64).await;
     assert_poison_dead_lettered(&r);
 }
 
 /// As [`a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered`], one record per
-/// transaction (`max_batch` 1).
+/// transaction (`max_batch` 1). Measured on 1090050: 20 calls in 2.4 s, 0 dead letters,
+/// `retries` 0, applied [0], offset stuck at 1. On 1090050^: dead-lettered at once (1 call),
+/// applied [0, 2, 3], offset 4. Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: one at a time too, a permanent failure holding sqlx::Error::Io is an outage: 20 calls in 2.4 s, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered at once)"]
 async fn one_at_a_time_a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered() {
     let r = poison_run(Cause::MissingFile, 1).await;
     assert_poison_dead_lettered(&r);
@@ -387,14 +429,30 @@ async fn one_at_a_time_a_permanent_missing_attachment_read_through_sqlx_is_dead_
 /// through the handler: it takes a second connection of the handler's *own* lookup pool (one
 /// connection) while holding the first, so that pool's `PoolTimedOut` comes back on every try
 /// of that event, while the consumer's database is fine. Throughput mode.
+///
+/// Measured on 1090050 (two runs): 20 calls of the poison in 11.8 s and 7.5 s (each waits the
+/// lookup pool's 300 ms acquire timeout), never an attempt (`retries` 0), no dead letter, applied [0], offset stuck
+/// at 1 (events 2 and 3, other keys, stalled behind it). On 1090050^ (consumer part reverted):
+/// "gave up after 3 attempts: pool timed out while waiting for an open connection", applied
+/// [0, 2, 3], offset 4, 8 calls, 2.7 s. 1090050's doing (`retry()` now reads `PoolTimedOut` in
+/// the chain as an outage over the handler's retryable label). A handler using `?` instead got
+/// `Unavailable` from Postal's table before 1090050 too (code reading:
+/// `classify_sqlx` → `database_unavailable(PoolTimedOut)`). Possible fix: as for
+/// [`a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered`] — the consumer's own
+/// session answered the savepoint's rollback, so the handler's label stands; and `PoolTimedOut`
+/// / `PoolClosed` can only ever be a pool's, never the server's word on a session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: a handler's own pool timing out for one event (labelled retryable) is waited out for good: 20 calls in 11.8 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3 attempts)"]
 async fn a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered_after_max_attempts() {
     let r = poison_run(Cause::OwnPoolTimedOut, 64).await;
     assert_poison_dead_lettered(&r);
 }
 
-/// As above, one record per transaction.
+/// As above, one record per transaction. Measured on 1090050: 20 calls in 7.5 s, 0 attempts,
+/// 0 dead letters, applied [0], offset stuck at 1. On 1090050^: dead-lettered after 3
+/// attempts (3 calls, 1.2 s), applied [0, 2, 3].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: one at a time too: 20 calls in 7.5 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3 attempts)"]
 async fn one_at_a_time_a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered() {
     let r = poison_run(Cause::OwnPoolTimedOut, 1).await;
     assert_poison_dead_lettered(&r);
@@ -404,14 +462,37 @@ async fn one_at_a_time_a_handlers_own_pool_timing_out_for_one_event_is_dead_lett
 /// query runs long every time and the DBA's watchdog terminates it every time (57P01 — the
 /// form a query of death takes on databases whose operators kill long queries rather than set
 /// `statement_timeout`). Throughput mode.
+///
+/// Measured on 1090050 (two runs): the watchdog terminated the poison's session 20 times in
+/// 9.4 s and 9.1 s, never
+/// an attempt (`retries` 0), no dead letter, applied [0], offset stuck at 1: the partition
+/// stalls for as long as the watchdog runs, i.e. for good. On 1090050^ (consumer part
+/// reverted): "gave up after 3 attempts: error returned from database: terminating connection
+/// due to administrator command", applied [0, 2, 3], offset 4, 6 calls, 2.6 s. The trade-off
+/// 1090050 made: batch_final_attack's one-off operator termination no longer costs an innocent
+/// head an attempt, but a termination that recurs on every try of one event is now an outage
+/// for ever — and here, unlike the two cases above, the consumer's own session *is* gone, so
+/// the rollback cannot tell the two apart. (With `?` the 57P01 was `Unavailable` before
+/// 1090050 too, by Postal's table: code reading.) Possible fix: count a lost session of the
+/// head after `max_attempts` consecutive losses *while the database answers in between* (each
+/// new transaction begins and writes its dedup row, so the server is up and the loss follows
+/// the event's body every time) — e.g. as an attempt from the (`max_attempts` + 1)-th loss in
+/// a row, or with a limit of its own; an operator's one-off termination (or a restart, which
+/// makes `BEGIN` fail too) would still cost nothing. At least, the "dependency unavailable"
+/// line and the stall line could name the event id and offset at the head, so that an
+/// operator knows which record to remove.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: a query the DBA's watchdog terminates on every try (57P01, labelled retryable) stalls its partition for good: 20 terminations in 9.4 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3)"]
 async fn a_query_the_dbas_watchdog_terminates_every_time_is_dead_lettered() {
     let r = poison_run(Cause::Watchdog, 64).await;
     assert_poison_dead_lettered(&r);
 }
 
-/// As above, one record per transaction.
+/// As above, one record per transaction. Measured on 1090050: 20 terminations in 8.9 s, 0
+/// attempts, 0 dead letters, applied [0], offset stuck at 1. On 1090050^: dead-lettered after
+/// 3 attempts (3 calls, 1.5 s), applied [0, 2, 3].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known since 1090050: one at a time too: 20 terminations in 8.9 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3)"]
 async fn one_at_a_time_a_query_the_dbas_watchdog_terminates_every_time_is_dead_lettered() {
     let r = poison_run(Cause::Watchdog, 1).await;
     assert_poison_dead_lettered(&r);
@@ -422,6 +503,11 @@ async fn one_at_a_time_a_query_the_dbas_watchdog_terminates_every_time_is_dead_l
 /// retryable label holds, 3 attempts, then a dead letter; the other events commit around it.
 /// Throughput mode. (Fails if the chain reading took class 57 for 57P: the run would then end
 /// at [`ENOUGH_CALLS`] with no dead letter, as the watchdog runs above do.)
+///
+/// Measured on 1090050: holds — "gave up after 3 attempts: error returned from database:
+/// canceling statement due to statement timeout", applied [0, 2, 3], offset 4, 8 calls of the
+/// poison, 2.7 s (the same on 1090050^). Can fail: the same harness and assertion fail for
+/// the 57P01 runs above (20 calls, no dead letter).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_over_the_dbas_statement_timeout_is_dead_lettered_after_max_attempts() {
     let r = poison_run(Cause::StatementTimeout, 64).await;
@@ -433,7 +519,7 @@ async fn a_query_over_the_dbas_statement_timeout_is_dead_lettered_after_max_atte
     );
 }
 
-/// As above, one record per transaction.
+/// As above, one record per transaction. Measured on 1090050: holds, 3 calls, 1.3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_query_over_the_dbas_statement_timeout_is_dead_lettered() {
     let r = poison_run(Cause::StatementTimeout, 1).await;
@@ -442,6 +528,21 @@ async fn one_at_a_time_a_query_over_the_dbas_statement_timeout_is_dead_lettered(
         r.dead_letters[0].1.contains("gave up after 3 attempts")
             && r.dead_letters[0].1.contains("statement timeout"),
         "three attempts, each the statement timeout: {r:?}"
+    );
+}
+
+/// Guarantee: a deadlock (40P01) in the handler's error is the handler's retryable failure —
+/// neither an outage nor an idle end by 1090050's chain reading: 3 attempts, then a dead
+/// letter, the other events committed around it. Throughput mode. (Fails as the 57P01 runs
+/// above fail if class 40 were read as an outage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_every_try_is_dead_lettered_after_max_attempts() {
+    let r = poison_run(Cause::Deadlock, 64).await;
+    assert_poison_dead_lettered(&r);
+    assert!(
+        r.dead_letters[0].1.contains("gave up after 3 attempts")
+            && r.dead_letters[0].1.contains("deadlock detected"),
+        "three attempts, each the deadlock: {r:?}"
     );
 }
 
@@ -485,7 +586,20 @@ impl BatchHandler for Plain {
 /// ends when the first dead letter appears (or after 90 s); then every event is expected
 /// applied, none dead-lettered. (Without `lock_timeout` the statements wait for the lock:
 /// nothing counted, the stall watchdog says so — `idle::`.)
+///
+/// Measured on 1090050 (2 shared cores, two runs): event 0 dead-lettered after 17.3 s and
+/// 21.3 s of lock ("gave up after 10 attempts: error returned from database: canceling statement due to lock
+/// timeout"), applied [1, 2, 3]. Not 1090050's code: 55P03 is `Retryable` by Postal's
+/// documented table, so a migration lock longer than the sum of the backoff (about 15–25 s
+/// with the defaults, full jitter) dead-letters the head of every partition whose handler
+/// touches the table, one head per such span. Possible fix: a lock wait ended by
+/// `lock_timeout` (55P03) is another session's doing, like an outage: wait it out without
+/// counting (the stall watchdog says so after 30 s); or the runtime runs its transactions
+/// with `SET LOCAL lock_timeout = 0` unless told otherwise; at least docs/consumer.md should
+/// say that a DBA's `lock_timeout` on the consumer's role turns every long lock into
+/// attempts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known, not 1090050's: under the DBA's lock_timeout (55P03, retryable by the table) an operator's migration lock of 17.3 s / 21.3 s (two runs) dead-letters the innocent head with the default max_attempts and backoff"]
 async fn an_operators_migration_lock_under_the_dbas_lock_timeout_dead_letters_nothing() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -620,7 +734,13 @@ fn metric_sum(port: u16, name: &str, label: &str) -> f64 {
 
 fn readyz_status(port: u16) -> Option<u16> {
     let answer = http_get(port, "/readyz")?;
-    answer.lines().next()?.split_whitespace().nth(1)?.parse().ok()
+    answer
+        .lines()
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// Guarantee: a handler's *other* database that is down while the consumer's own is fine is
@@ -631,6 +751,13 @@ fn readyz_status(port: u16) -> Option<u16> {
 /// lookup database is back, all 4 events are applied once and `/readyz` answers 200 again.
 /// Throughput mode. (Fails if the outage were silent — `/readyz` 200 throughout, the gauge
 /// 0 — or counted: a dead letter after 3 attempts; or if it did not resume.)
+///
+/// Measured on 1090050 (two runs): holds — `/readyz` 503 and the gauge at 30.8 s (34.8 s),
+/// 35.7 s after the consumer started; meanwhile 52 (58) calls, `retries` 0, nothing applied,
+/// no dead letter; once the lookup database is back, 4 rows, once each, in order, `/readyz` 200. Can fail: on
+/// 1090050^ (its consumer part reverted) it fails — the retryable label on the lookup's I/O
+/// error was then an attempt, so the partition moved on past a dead letter and no stall was
+/// ever reported ("timed out after 60s waiting for … /readyz 503").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handlers_other_database_down_waits_without_attempts_and_says_so_within_a_minute() {
     let svc = services().await;
@@ -687,12 +814,16 @@ async fn a_handlers_other_database_down_waits_without_attempts_and_says_so_withi
     let dead_during = dead_letter_count(&db.pool).await;
     let calls_during = handler.calls.load(Ordering::SeqCst);
     handler.down.store(false, Ordering::SeqCst);
-    wait::until(WAIT, "the partition past the 4 records, /readyz 200", || {
-        let pool = db.pool.clone();
-        let topic = topic.clone();
-        let ready = readyz_status(ops_port);
-        async move { stored_offset(&pool, &topic, 0).await == Some(4) && ready == Some(200) }
-    })
+    wait::until(
+        WAIT,
+        "the partition past the 4 records, /readyz 200",
+        || {
+            let pool = db.pool.clone();
+            let topic = topic.clone();
+            let ready = readyz_status(ops_port);
+            async move { stored_offset(&pool, &topic, 0).await == Some(4) && ready == Some(200) }
+        },
+    )
     .await;
     running.stop().await;
     pool.close().await;
