@@ -433,7 +433,8 @@ fn assert_poison_dead_lettered(r: &PoisonRun) {
 /// batch_final_attack's operator `pg_terminate_backend` ended the consumer's own session, so
 /// its fix would stand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: a permanent failure whose chain holds sqlx::Error::Io (a missing file read through a helper returning sqlx::Error) is waited out as an outage: 20 calls in 2.1 s, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered at once)"]
+/// Fixed after 1090050: an outage-looking error in the chain is an outage only if the
+/// consumer's own session is gone (`own_session_says`); here it is alive, the label stands.
 async fn a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered() {
     let r = poison_run(Cause::MissingFile, 64).await;
     assert_poison_dead_lettered(&r);
@@ -444,7 +445,8 @@ async fn a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered() {
 /// `retries` 0, applied [0], offset stuck at 1. On 1090050^: dead-lettered at once (1 call),
 /// applied [0, 2, 3], offset 4. Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: one at a time too, a permanent failure holding sqlx::Error::Io is an outage: 20 calls in 2.4 s, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered at once)"]
+/// Fixed after 1090050: an outage-looking error in the chain is an outage only if the
+/// consumer's own session is gone (`own_session_says`); here it is alive, the label stands.
 async fn one_at_a_time_a_permanent_missing_attachment_read_through_sqlx_is_dead_lettered() {
     let r = poison_run(Cause::MissingFile, 1).await;
     assert_poison_dead_lettered(&r);
@@ -468,7 +470,8 @@ async fn one_at_a_time_a_permanent_missing_attachment_read_through_sqlx_is_dead_
 /// session answered the savepoint's rollback, so the handler's label stands; and `PoolTimedOut`
 /// / `PoolClosed` can only ever be a pool's, never the server's word on a session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: a handler's own pool timing out for one event (labelled retryable) is waited out for good: 20 calls in 11.8 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3 attempts)"]
+/// Fixed after 1090050: an outage-looking error in the chain is an outage only if the
+/// consumer's own session is gone (`own_session_says`); here it is alive, the label stands.
 async fn a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered_after_max_attempts() {
     let r = poison_run(Cause::OwnPoolTimedOut, 64).await;
     assert_poison_dead_lettered(&r);
@@ -478,7 +481,8 @@ async fn a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered_after_max
 /// 0 dead letters, applied [0], offset stuck at 1. On 1090050^: dead-lettered after 3
 /// attempts (3 calls, 1.2 s), applied [0, 2, 3].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: one at a time too: 20 calls in 7.5 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3 attempts)"]
+/// Fixed after 1090050: an outage-looking error in the chain is an outage only if the
+/// consumer's own session is gone (`own_session_says`); here it is alive, the label stands.
 async fn one_at_a_time_a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered() {
     let r = poison_run(Cause::OwnPoolTimedOut, 1).await;
     assert_poison_dead_lettered(&r);
@@ -499,7 +503,8 @@ async fn one_at_a_time_a_handlers_own_pool_timing_out_for_one_event_is_dead_lett
 /// possible fix as
 /// [`a_handlers_own_pool_timing_out_for_one_event_is_dead_lettered_after_max_attempts`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: with held keys too, the poison whose own pool times out is an outage: 20 calls in 7.8 s, nothing held, offset stuck at 1, other keys stalled (1090050^: its key held, the others applied)"]
+/// Fixed after 1090050: an outage-looking error in the chain is an outage only if the
+/// consumer's own session is gone (`own_session_says`); here it is alive, the label stands.
 async fn with_held_keys_a_handlers_own_pool_timing_out_for_one_event_holds_only_its_key() {
     let r = poison_run_with(
         Cause::OwnPoolTimedOut,
@@ -538,7 +543,7 @@ async fn with_held_keys_a_handlers_own_pool_timing_out_for_one_event_holds_only_
 /// line and the stall line could name the event id and offset at the head, so that an
 /// operator knows which record to remove.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: a query the DBA's watchdog terminates on every try (57P01, labelled retryable) stalls its partition for good: 20 terminations in 9.4 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3)"]
+#[ignore = "known: a query the DBA's watchdog terminates on every try (57P01) ends the consumer's own session each time, which the runtime cannot tell from an operator's one-off pg_terminate_backend: an outage, never an attempt, the partition stalled (20 terminations in 9.4 s, 0 dead letters; /readyz 503 after ~30 s); docs/consumer.md"]
 async fn a_query_the_dbas_watchdog_terminates_every_time_is_dead_lettered() {
     let r = poison_run(Cause::Watchdog, 64).await;
     assert_poison_dead_lettered(&r);
@@ -548,7 +553,7 @@ async fn a_query_the_dbas_watchdog_terminates_every_time_is_dead_lettered() {
 /// attempts, 0 dead letters, applied [0], offset stuck at 1. On 1090050^: dead-lettered after
 /// 3 attempts (3 calls, 1.5 s), applied [0, 2, 3].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known since 1090050: one at a time too: 20 terminations in 8.9 s, 0 attempts, 0 dead letters, offset stuck at 1 (1090050^: dead-lettered after 3)"]
+#[ignore = "known: one at a time too, a watchdog's 57P01 on every try is an outage (20 terminations in 8.9 s, 0 attempts, offset stuck at 1); docs/consumer.md"]
 async fn one_at_a_time_a_query_the_dbas_watchdog_terminates_every_time_is_dead_lettered() {
     let r = poison_run(Cause::Watchdog, 1).await;
     assert_poison_dead_lettered(&r);
@@ -761,10 +766,13 @@ impl BatchHandler for Lookup {
             } else {
                 &self.up_pool
             };
+            // The handler says what its lookup's failure is: its database unavailable. (Labelled
+            // retryable, it would count: the runtime cannot tell another database's outage
+            // from a failure of this event, and the consumer's own session is alive.)
             sqlx::query("SELECT 1")
                 .execute(lookup)
                 .await
-                .map_err(HandlerError::retryable)?;
+                .map_err(HandlerError::unavailable)?;
             let events: Vec<_> = events.iter().map(fields).collect();
             insert(tx, &events).await?;
             Ok(())
@@ -799,14 +807,19 @@ fn readyz_status(port: u16) -> Option<u16> {
         .ok()
 }
 
-/// Guarantee: a handler's *other* database that is down while the consumer's own is fine is
-/// an outage (1090050: whatever the handler called it) — waited out, no attempt counted, no
+/// Guarantee: a handler's *other* database that is down while the consumer's own is fine,
+/// reported by the handler as unavailable (`HandlerError::unavailable`, as docs/consumer.md
+/// asks), is an outage — waited out, no attempt counted, no
 /// innocent event dead-lettered — and the stall is not silent: within a minute `/readyz`
 /// answers 503 and `postal_consumer_stalled_seconds` for the partition reads 30 s or more
 /// (the stall watchdog's warning "consumer stalled" is logged on the same tick). Once the
 /// lookup database is back, all 4 events are applied once and `/readyz` answers 200 again.
 /// Throughput mode. (Fails if the outage were silent — `/readyz` 200 throughout, the gauge
 /// 0 — or counted: a dead letter after 3 attempts; or if it did not resume.)
+///
+/// (Written against 1090050, which took any outage-looking error in the chain for an outage
+/// and so let the handler label it retryable; since the consumer's own session decides, a
+/// retryable label is the handler's failure, as the poison tests above need.)
 ///
 /// Measured on 1090050 (two runs): holds — `/readyz` 503 and the gauge at 30.8 s (34.8 s),
 /// 35.7 s after the consumer started; meanwhile 52 (58) calls, `retries` 0, nothing applied,
