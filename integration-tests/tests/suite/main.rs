@@ -12,6 +12,7 @@ mod batch_final_attack;
 mod batch_fit_attack;
 mod batch_fixtures;
 mod batch_outage_attack;
+mod batch_probe_attack;
 mod batch_rule_attack;
 mod batch_split_attack;
 mod cancel;
