@@ -22,7 +22,25 @@
 //! - a poison whose wait outside the database outlasts the idle timeout: what its dead letter
 //!   says.
 //!
-//! Results (figures in each test's comment).
+//! Found (two runs each on a1fe312, which carries e2ecad2's consumer code; figures in each
+//! test's comment):
+//!
+//! - broke, throughput mode only: the doc's advice followed — the lookup database down, the
+//!   handler saying `Unavailable` after a 1.5 s pool wait, the DBA's idle timeout 1 s — dead-
+//!   letters innocent events (2 of 4, "gave up after 3 attempts: … idle …"): the batch
+//!   rollback reads the 25P03 and `session_gone` makes it `SessionEnded` before looking at the
+//!   handler's `Unavailable`; one at a time waits it out (held);
+//! - broke, both modes and with held keys: a poison whose handler abandons a `dblink`
+//!   statement on the consumer's transaction (client-side time-out, labelled permanent) stalls
+//!   its partition for good — the probe reads that statement's late 08001 (an ERROR on a live
+//!   session) as the session's loss; 20 tries in about 40 s, 0 attempts, other keys stuck;
+//! - broke (text only): a poison whose wait outlasts the idle timeout is dead-lettered after 3
+//!   attempts with a dead letter naming only the idle end; the handler's own error is dropped;
+//! - held: a 08001 the handler itself receives on the live own session (labelled permanent)
+//!   is dead-lettered in both modes (the probe reads 25P02); an abandoned statement that is
+//!   merely slow leaves the label standing in both modes (the probe waits it out). Each held
+//!   assertion is the one that fails in the broken variants above (`assert_poison_dead_lettered`,
+//!   the applied/dead-letter pair), so it can fail.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -164,6 +182,11 @@ enum Fault {
     /// 300 ms (client side, `sqlx::Error::Io(TimedOut)`), the handler says
     /// `.map_err(HandlerError::permanent)`. The abandoned statement fails 2 s later with 08001.
     RemoteSilentPermanent,
+    /// The poison only, a control for [`Fault::RemoteSilentPermanent`]: the same 300 ms
+    /// client-side time-out around a statement on the consumer's transaction that is merely
+    /// slow (`pg_sleep(2)`, succeeds late), reported as `sqlx::Error::Io(TimedOut)`, labelled
+    /// `.map_err(HandlerError::permanent)`.
+    SlowStatementPermanent,
     /// The poison only: its attachment comes from slow storage (1.5 s) and does not exist
     /// (`sqlx::Error::Io(NotFound)` from a helper whose error type is `sqlx::Error`), labelled
     /// `.map_err(HandlerError::permanent)`. The DBA's idle timeout is 1 s.
@@ -212,6 +235,18 @@ impl Probed {
                 remote_check(tx, self.port, Duration::from_millis(300))
                     .await
                     .map_err(HandlerError::permanent)?;
+            }
+            Fault::SlowStatementPermanent if poison => {
+                let slow = sqlx::query("SELECT pg_sleep(2)").execute(&mut **tx);
+                let r: Result<(), sqlx::Error> =
+                    match tokio::time::timeout(Duration::from_millis(300), slow).await {
+                        Ok(r) => r.map(|_| ()),
+                        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "lookup did not answer within 300ms",
+                        ))),
+                    };
+                r.map_err(HandlerError::permanent)?;
             }
             Fault::SlowMissingFile if poison => {
                 tokio::time::sleep(Duration::from_millis(1500)).await; // the slow storage
@@ -421,7 +456,26 @@ fn assert_poison_dead_lettered(r: &Run) {
 /// `HandlerError::unavailable`. The DBA's `idle_in_transaction_session_timeout` is 1 s: the
 /// consumer's own session is ended (25P03) while the handler waits. No event is at fault.
 /// Expected: 4 applied, 0 dead letters, in both modes. Throughput mode (`max_batch` 64).
+///
+/// Measured on a1fe312 (e2ecad2's rule; 2 shared cores, two runs, the same figures): two
+/// innocent events dead-lettered ("gave up after 3 attempts: the server ended the transaction's session: it sat idle longer
+/// than … idle_in_transaction_session_timeout …"), applied [2, 3], `retries` 4, 12 calls in
+/// 15.4 s and 15.5 s. One at a time (below) holds: 4 applied, 0 dead letters. Cause (not e2ecad2's code,
+/// but it is the path its advice sends handlers down): the handler's `Unavailable` makes
+/// `body_outcome` a `Retry::Outage` with no probe; in throughput mode `abandon` then rolls the
+/// transaction back, the rollback is the first statement to read the server's 25P03, and
+/// `session_gone` (consumer/src/batch.rs) checks `ended_idle` *before* it looks at the body's
+/// `Retry::Outage`: `Attempt::SessionEnded` — the batch halves to the head, whose next
+/// failures are its attempts. One at a time never reads the rollback (the dropped
+/// transaction's), so the same failure stays an outage there. The modes disagree, and the
+/// doc's "report another database's outage as `HandlerError::unavailable` to have it waited
+/// out" fails whenever the wait for that database is longer than the DBA's idle timeout
+/// (sqlx's default acquire timeout is 30 s). Possible fix: in `session_gone`, a body failure
+/// the handler called `Unavailable` stays an outage whatever ended the session (as one at a
+/// time does), or read the idle end the same way in both modes and say in the doc that an
+/// `Unavailable` wait inside the transaction longer than the idle timeout counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: 2 innocent events dead-lettered (gave up after 3 attempts: … idle_in_transaction_session_timeout), applied [2, 3], 12 calls: a handler's Unavailable whose wait outlasts the DBA's idle timeout is SessionEnded in throughput mode (one at a time holds)"]
 async fn another_databases_outage_reported_unavailable_dead_letters_nothing() {
     let r = run(Fault::LookupDownUnavailable, 64, FinalFailure::DeadLetter).await;
     assert_eq!(
@@ -432,7 +486,8 @@ async fn another_databases_outage_reported_unavailable_dead_letters_nothing() {
 }
 
 /// As [`another_databases_outage_reported_unavailable_dead_letters_nothing`], one record per
-/// transaction.
+/// transaction. Holds on a1fe312: 4 applied, 0 dead letters (the `Unavailable` is an outage;
+/// the dropped transaction's 25P03 is never read).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_another_databases_outage_reported_unavailable_dead_letters_nothing() {
     let r = run(Fault::LookupDownUnavailable, 1, FinalFailure::DeadLetter).await;
@@ -474,14 +529,37 @@ async fn one_at_a_time_a_class_08_error_on_the_live_own_session_labelled_permane
 /// error type is `sqlx::Error`), labelled permanent. The statement's future is dropped; the
 /// server gives up on the remote 2 s later with 08001 and sqlx hands that error to the
 /// connection's next statement: the probe. Throughput mode.
+///
+/// Measured on a1fe312 (e2ecad2's rule; two runs): the poison's body ran 20 times in 41.5 s
+/// and 40.3 s (each try
+/// about 2 s: the probe waits for the abandoned statement's end), never an attempt
+/// (`retries` 0), no dead letter, applied [0], offset stuck at 1 — keys k2 and k3 wait
+/// behind it for good. The log says only "batch transaction failed; retrying error=error
+/// communicating with database: remote on port … did not answer within 300ms" (the handler's
+/// time-out, as an outage); the 08001 that decided it is logged nowhere. Control: the same
+/// abandoned statement merely slow ([`an_abandoned_slow_statement_leaves_the_label_standing`])
+/// holds, and a 08001 the handler itself receives
+/// ([`a_class_08_error_on_the_live_own_session_labelled_permanent_is_dead_lettered`]) holds:
+/// the stall needs the probe to read a *late* error. Cause: `own_session_says` takes any
+/// `database_unavailable` error of its `SELECT 1` for the session's loss, but sqlx's
+/// `wait_until_ready` delivers a dropped statement's pending `ErrorResponse` to the
+/// connection's next statement; dblink's (and `postgres_fdw`'s) 08001 is an ERROR on a live
+/// session, not a FATAL. Possible fix: count the probe's database error as the session's loss
+/// only when its severity is FATAL or PANIC (`PgDatabaseError::severity`) or it is an I/O
+/// error (a closed connection); on an ERROR, probe once more (the late response is drained by
+/// then) and let that answer decide.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: stalls for good (20 poison calls in 41.5 s, 0 retries, no dead letter, applied [0], offset 1): the probe reads the abandoned dblink statement's late 08001 (an ERROR on a live session) as the session's loss"]
 async fn an_abandoned_statements_late_class_08_error_does_not_stall_the_partition() {
     let r = run(Fault::RemoteSilentPermanent, 64, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
 }
 
-/// As above, one record per transaction.
+/// As above, one record per transaction. Measured on a1fe312: 20 poison calls in 42.1 s and
+/// 39.6 s,
+/// `retries` 0, no dead letter, applied [0], offset stuck at 1. Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: stalls for good (20 poison calls in 42.1 s, 0 retries, no dead letter, applied [0], offset 1): the probe reads a late 08001 as the session's loss"]
 async fn one_at_a_time_an_abandoned_statements_late_class_08_error_does_not_stall_the_partition(
 ) {
     let r = run(Fault::RemoteSilentPermanent, 1, FinalFailure::DeadLetter).await;
@@ -490,13 +568,35 @@ async fn one_at_a_time_an_abandoned_statements_late_class_08_error_does_not_stal
 
 /// As [`an_abandoned_statements_late_class_08_error_does_not_stall_the_partition`], with held
 /// keys (`FinalFailure::HoldKey`): the poison's key held, the other keys flow.
+///
+/// Measured on a1fe312 (two runs): nothing held, no dead letter, 20 poison calls in 41.1 s
+/// and 39.1 s, applied [0],
+/// offset stuck at 1: the other keys stall behind the poison's (an outage is never a final
+/// failure, so the held-keys policy never gets its turn). Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: nothing held, 20 poison calls in 41.1 s, applied [0], offset 1: the late 08001 makes the poison an outage, keys k2 and k3 stall"]
 async fn with_held_keys_an_abandoned_statements_late_class_08_error_holds_only_its_key() {
     let r = run(Fault::RemoteSilentPermanent, 64, FinalFailure::HoldKey).await;
     assert_eq!(r.held, 1, "the poison held: {r:?}");
     assert!(r.dead_letters.is_empty(), "no dead letter: {r:?}");
     assert_eq!(r.applied, vec![0, 2, 3], "the other keys flow: {r:?}");
     assert_eq!(r.offset, Some(4), "the partition past the poison: {r:?}");
+}
+
+/// The control: the same abandoned statement, merely slow (it succeeds 2 s later): the probe
+/// waits it out, then answers; the label stands and the poison is dead-lettered. Throughput
+/// mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_slow_statement_leaves_the_label_standing() {
+    let r = run(Fault::SlowStatementPermanent, 64, FinalFailure::DeadLetter).await;
+    assert_poison_dead_lettered(&r);
+}
+
+/// As above, one record per transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_at_a_time_an_abandoned_slow_statement_leaves_the_label_standing() {
+    let r = run(Fault::SlowStatementPermanent, 1, FinalFailure::DeadLetter).await;
+    assert_poison_dead_lettered(&r);
 }
 
 // --- 4. What a poison's dead letter says when the probe reads an idle end -----------------
@@ -508,7 +608,19 @@ async fn with_held_keys_an_abandoned_statements_late_class_08_error_holds_only_i
 /// an attempt (by design, the server's word outranks the label). Expected: the poison
 /// dead-lettered, the others applied, and its dead letter still naming the missing file.
 /// Throughput mode.
+///
+/// Measured on a1fe312 (two runs): dead-lettered after 3 attempts (`retries` 2, 6 poison
+/// calls, 10.2 s and 9.9 s;
+/// the innocent events applied [0, 2, 3]), and the dead letter says only "gave up after 3
+/// attempts: the server ended the transaction's session: it sat idle longer than … error
+/// returned from database: terminating connection due to idle-in-transaction timeout" — the
+/// handler's "No such file or directory" is gone; an operator raises the timeout, replays, and
+/// only then learns the file is missing. Cause: `own_session_says` builds the `IdleEnded`
+/// failure from the probe's error alone (`explain(&e.to_string())`), dropping `f`'s text
+/// (the handler-error path, `retry()`, keeps it: `explain(&error)`). Possible fix: keep both,
+/// e.g. `explain(&format!("{e}; the handler had returned: {error}"))`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: the dead letter says only the idle end (gave up after 3 attempts: the server ended the transaction's session …); the handler's 'No such file or directory' is dropped by own_session_says"]
 async fn a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
     let r = run(Fault::SlowMissingFile, 64, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
@@ -518,8 +630,10 @@ async fn a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
     );
 }
 
-/// As above, one record per transaction.
+/// As above, one record per transaction. Measured on a1fe312: dead-lettered after 3
+/// attempts (3 poison calls, 5.0 s and 5.2 s), the dead letter naming only the idle end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: the dead letter names only the idle end; the handler's 'No such file or directory' is dropped"]
 async fn one_at_a_time_a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
     let r = run(Fault::SlowMissingFile, 1, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
