@@ -679,12 +679,16 @@ fn gone(e: &sqlx::Error) -> bool {
 
 /// The attempt's failure when a body failed with `f` and its session is gone (`e`).
 fn session_gone(f: BodyFailure, e: &sqlx::Error) -> Attempt {
-    if crate::idle_end::ended_idle(e) {
-        return Attempt::SessionEnded(crate::idle_end::explain(&e.to_string()));
-    }
     match f {
+        // The handler said a dependency was unavailable: an outage, also when its wait for it
+        // outlasted the idle timeout (as one at a time takes it).
         BodyFailure::Retry(_, Retry::Outage) => {
             Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
+        }
+        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error)
+            if crate::idle_end::ended_idle(e) =>
+        {
+            Attempt::SessionEnded(crate::idle_end::explain(&format!("{error}; then: {e}")))
         }
         BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => Attempt::SessionEnded(error),
     }

@@ -313,19 +313,41 @@ async fn own_session_says(
         return Err(f);
     }
     // In a transaction the handler's error aborted, the statement fails with 25P02: the
-    // session is alive.
-    match sqlx::query("SELECT 1").execute(&mut **tx).await {
+    // session is alive. An ordinary ERROR may be an abandoned statement's late answer (a
+    // handler that gave up waiting on it): asked once more, the session says what it is.
+    let mut answer = probe(tx).await;
+    if answer.as_ref().is_err_and(ordinary) {
+        answer = probe(tx).await;
+    }
+    let error = match &f {
+        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => error.clone(),
+    };
+    match answer {
         Err(e) if crate::idle_end::ended_idle(&e) => Err(BodyFailure::Retry(
-            crate::idle_end::explain(&e.to_string()),
+            crate::idle_end::explain(&format!("{error}; then: {e}")),
             Retry::IdleEnded,
         )),
-        Err(e) if postal_shared::database_unavailable(&e) => Err(match f {
-            BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => {
-                BodyFailure::Retry(error, Retry::Outage)
-            }
-        }),
+        Err(e) if postal_shared::database_unavailable(&e) && !ordinary(&e) => {
+            Err(BodyFailure::Retry(error, Retry::Outage))
+        }
         _ => Err(f),
     }
+}
+
+/// One statement on the consumer's own transaction, to learn whether its session is alive.
+async fn probe(tx: &mut Transaction<'_, Postgres>) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT 1").execute(&mut **tx).await.map(|_| ())
+}
+
+/// An error the server sent at severity ERROR: about a statement, on a session that goes on
+/// (the session's end comes as FATAL, or as an I/O error).
+fn ordinary(e: &sqlx::Error) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    db.try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|pg| matches!(pg.severity(), PgSeverity::Error))
 }
 
 /// The body's outcome, and whether a retryable or permanent failure holds an outage-like

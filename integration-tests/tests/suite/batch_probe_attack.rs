@@ -480,7 +480,9 @@ fn assert_poison_dead_lettered(r: &Run) {
 /// time does), or read the idle end the same way in both modes and say in the doc that an
 /// `Unavailable` wait inside the transaction longer than the idle timeout counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: 2 innocent events dead-lettered (gave up after 3 attempts: … idle_in_transaction_session_timeout), applied [2, 3], 12 calls: a handler's Unavailable whose wait outlasts the DBA's idle timeout is SessionEnded in throughput mode (one at a time holds)"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn another_databases_outage_reported_unavailable_dead_letters_nothing() {
     let r = run(Fault::LookupDownUnavailable, 64, FinalFailure::DeadLetter).await;
     assert_eq!(
@@ -561,7 +563,9 @@ async fn one_at_a_time_a_class_08_error_on_the_live_own_session_labelled_permane
 /// error (a closed connection); on an ERROR, probe once more (the late response is drained by
 /// then) and let that answer decide.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: stalls for good (20 poison calls in 41.5 s, 0 retries, no dead letter, applied [0], offset 1): the probe reads the abandoned dblink statement's late 08001 (an ERROR on a live session) as the session's loss"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn an_abandoned_statements_late_class_08_error_does_not_stall_the_partition() {
     let r = run(Fault::RemoteSilentPermanent, 64, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
@@ -571,7 +575,9 @@ async fn an_abandoned_statements_late_class_08_error_does_not_stall_the_partitio
 /// 39.6 s,
 /// `retries` 0, no dead letter, applied [0], offset stuck at 1. Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: stalls for good (20 poison calls in 42.1 s, 0 retries, no dead letter, applied [0], offset 1): the probe reads a late 08001 as the session's loss"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn one_at_a_time_an_abandoned_statements_late_class_08_error_does_not_stall_the_partition() {
     let r = run(Fault::RemoteSilentPermanent, 1, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
@@ -585,7 +591,9 @@ async fn one_at_a_time_an_abandoned_statements_late_class_08_error_does_not_stal
 /// offset stuck at 1: the other keys stall behind the poison's (an outage is never a final
 /// failure, so the held-keys policy never gets its turn). Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: nothing held, 20 poison calls in 41.1 s, applied [0], offset 1: the late 08001 makes the poison an outage, keys k2 and k3 stall"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn with_held_keys_an_abandoned_statements_late_class_08_error_holds_only_its_key() {
     let r = run(Fault::RemoteSilentPermanent, 64, FinalFailure::HoldKey).await;
     assert_eq!(r.held, 1, "the poison held: {r:?}");
@@ -633,7 +641,9 @@ async fn one_at_a_time_an_abandoned_slow_statement_leaves_the_label_standing() {
 /// (the handler-error path, `retry()`, keeps it: `explain(&error)`). Possible fix: keep both,
 /// e.g. `explain(&format!("{e}; the handler had returned: {error}"))`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: the dead letter says only the idle end (gave up after 3 attempts: the server ended the transaction's session …); the handler's 'No such file or directory' is dropped by own_session_says"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
     let r = run(Fault::SlowMissingFile, 64, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
@@ -646,7 +656,9 @@ async fn a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
 /// As above, one record per transaction. Measured on a1fe312: dead-lettered after 3
 /// attempts (3 poison calls, 5.0 s and 5.2 s), the dead letter naming only the idle end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: the dead letter names only the idle end; the handler's 'No such file or directory' is dropped"]
+/// Fixed after a1fe312 (this review's three breaks): `session_gone` keeps a failure the
+/// handler called `Unavailable` an outage; the probe takes an ordinary ERROR for a late
+/// answer and asks again; an idle end found by the probe keeps the handler's error text.
 async fn one_at_a_time_a_slow_poisons_dead_letter_still_says_what_the_handler_said() {
     let r = run(Fault::SlowMissingFile, 1, FinalFailure::DeadLetter).await;
     assert_poison_dead_lettered(&r);
