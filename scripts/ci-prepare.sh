@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What CI's stages after the tests need built: the fuzz target (scripts/fuzz.sh --build),
-# cargo-semver-checks and the rustdoc JSON of both sides (scripts/semver.sh --prepare). .ci/run
+# What CI's stage after the tests needs built: cargo-semver-checks and the rustdoc JSON of both
+# sides (scripts/semver.sh --prepare). .ci/run
 # starts this in the background, at the lowest CPU and I/O priority, before the test stage: the
 # tests mostly wait on the broker and the database, and this takes their idle cores (about
 # 25 min of CPU on 2 cores run one after the other, CI's log). Its own target directories: the
@@ -14,9 +14,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # a rehearsal's builds got so little CPU during the tests (the fuzz target alone 2,293 s, the
 # semver tool not installed when the tests ended at 4,176 s) that CI would pass its 90 minutes
 # waiting for them; at the same share they were done within the tests (stop 58).
-t0=$SECONDS
-bash scripts/fuzz.sh --build
-echo "ci-prepare: fuzz target built ($((SECONDS - t0)) s)"
 t1=$SECONDS
 bash scripts/semver.sh --prepare
 echo "ci-prepare: semver tool and JSON ready ($((SECONDS - t1)) s)"

@@ -2,9 +2,13 @@
 # Builds the previous release's `postal` binary (the commit named in scripts/previous-release)
 # for the previous-release test, and prints `export POSTAL_PREVIOUS_BIN=...`.
 #
-# Its own target directory: sharing the workspace's would let cargo take one release's
-# workspace crates for the other's (their paths inside the workspace are the same). Later runs
-# reuse the sources and the build.
+# Its binary goes to a target directory of its own; its intermediate artifacts to the
+# workspace's (cargo's build-dir), so that the dependencies it shares with the current build
+# (same version, features and profile) are not compiled again: run it after the current build
+# (scripts/test.sh does). Its workspace crates have another version than the current ones, so
+# other file names there; with the same version cargo could take one release's workspace crates
+# for the other's (their paths inside the workspace are the same): then it builds apart. Later
+# runs reuse the sources and the build.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,7 +27,13 @@ if [ "$(cat "$src/.rev" 2>/dev/null || true)" != "$rev" ]; then
   git archive "$rev" | tar -x -C "$src"
   echo "$rev" > "$src/.rev"
 fi
-echo "previous release: building postal at ${rev:0:10} (target $target/previous-release/target)" >&2
-(cd "$src" && CARGO_TARGET_DIR="$target/previous-release/target" cargo build -q --locked -p postal-cli >&2)
+version() { sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' "$1/Cargo.toml" | head -1; }
+build_dir="$target"
+if [ "$(version "$src")" = "$(version "$ROOT")" ]; then
+  echo "previous release: version $(version "$src") is the current one's: building apart" >&2
+  build_dir="$target/previous-release/target"
+fi
+echo "previous release: building postal at ${rev:0:10} (binary in $target/previous-release/target, build directory $build_dir)" >&2
+(cd "$src" && CARGO_BUILD_BUILD_DIR="$build_dir" CARGO_TARGET_DIR="$target/previous-release/target" cargo build -q --locked -p postal-cli >&2)
 cp "$target/previous-release/target/debug/postal" "$out"
 echo "export POSTAL_PREVIOUS_BIN=$out"

@@ -16,7 +16,9 @@
 #   … --secure                        Kafka as one node with a SASL_SSL listener (SCRAM-SHA-512,
 #                                     certificates from a local CA made on first start) and
 #                                     the standard authorizer with ACLs, in .stack/kafka-secure;
-#                                     `--secure acl ARGS…` runs Kafka's AclCommand as its admin
+#                                     `--secure acl ARGS…` runs Kafka's AclCommand as its admin;
+#                                     `--secure acl-repl` the same once per input line
+#                                     (tab-separated ARGS) in one JVM
 #   … --cluster 3                     Kafka as a 3-node KRaft cluster (every node broker and
 #                                     controller; topics replicated 3 times, min.insync.replicas 2)
 #                                     on POSTAL_KAFKA_CLUSTER_PORT (29092), 29094, 29096, data in
@@ -709,6 +711,13 @@ case "$cmd" in
     java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$KDIR/logs" \
       org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$KPORT" \
       --command-config "$KDIR/tls/admin.properties" "${ARGS[@]}" ;;
+  acl-repl)
+    # The same command in one JVM, once per input line (scripts/kafka/AclRepl.java says how).
+    [ "$SECURE" = "1" ] || die "acl-repl is for the --secure node"
+    kafka_node 1
+    exec java -Xmx256M -cp "$KAFKA_LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.logs.dir="$KDIR/logs" \
+      "$ROOT/scripts/kafka/AclRepl.java" --bootstrap-server "$HOST:$KPORT" \
+      --command-config "$KDIR/tls/admin.properties" ;;
   ensure-tools) ensure_postgres; ensure_kafka; ensure_iproute; if [ "$WITH_RABBITMQ" = "1" ]; then ensure_rabbitmq; fi; if [ "$WITH_PGBOUNCER" = "1" ]; then ensure_pgbouncer; fi; ensure_browser >/dev/null ;;
   browser) ensure_browser ;;
   status)

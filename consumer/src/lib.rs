@@ -110,7 +110,8 @@ mod trace;
 #[path = "private.rs"]
 pub mod __private;
 use __private as private;
-#[cfg(feature = "fuzzing")]
+// Also in the crate's own tests: its regression and random-input tests run in every test run.
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 

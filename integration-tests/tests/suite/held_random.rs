@@ -128,33 +128,54 @@ struct Seen {
     held_records: Vec<Uuid>,
 }
 
+/// A read-only transaction on one snapshot. A killed delivery's or release's transaction may
+/// still commit while the checks read, and a held record leaves `held_records` as it is
+/// applied or dead-lettered: reads in separate snapshots could see it in neither (seen once: a
+/// release killed after its COMMIT was sent landed between the ledger's read and the held
+/// records').
+async fn snapshot(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 async fn seen(pool: &PgPool, group: &str, case: &Case) -> Seen {
+    let mut tx = snapshot(pool).await;
+    let s = seen_in(&mut tx, group, case).await;
+    tx.commit().await.unwrap();
+    s
+}
+
+async fn seen_in(db: &mut sqlx::PgConnection, group: &str, case: &Case) -> Seen {
     let ids: Vec<Uuid> = case.events.iter().map(|e| e.id).collect();
     let applied =
         sqlx::query_as("SELECT event_id, key, n FROM ledger WHERE event_id = ANY($1) ORDER BY id")
             .bind(&ids)
-            .fetch_all(pool)
+            .fetch_all(&mut *db)
             .await
             .unwrap();
     let dead = sqlx::query_scalar(
         "SELECT event_id FROM postal.dead_letters WHERE group_id = $1 AND event_id IS NOT NULL ORDER BY id",
     )
     .bind(group)
-    .fetch_all(pool)
+    .fetch_all(&mut *db)
     .await
     .unwrap();
     let held: Vec<(i32, Vec<u8>, bool)> = sqlx::query_as(
         "SELECT partition, record_key, release IS NOT NULL FROM postal.held_keys WHERE group_id = $1",
     )
     .bind(group)
-    .fetch_all(pool)
+    .fetch_all(&mut *db)
     .await
     .unwrap();
     let held_records = sqlx::query_scalar(
         "SELECT event_id FROM postal.held_records WHERE group_id = $1 ORDER BY kafka_offset",
     )
     .bind(group)
-    .fetch_all(pool)
+    .fetch_all(&mut *db)
     .await
     .unwrap();
     Seen {
@@ -210,8 +231,20 @@ async fn stored_not_ahead(
     case: &Case,
     part: usize,
 ) -> Result<(), String> {
-    let below = stored(pool, group, topic, part).await;
-    let s = seen(pool, group, case).await;
+    let mut tx = snapshot(pool).await;
+    let next: Option<Option<i64>> = sqlx::query_scalar(
+        "SELECT next_offset FROM postal.consumer_offsets
+         WHERE group_id = $1 AND topic = $2 AND partition = $3",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(part as i32)
+    .fetch_optional(&mut *tx)
+    .await
+    .unwrap();
+    let below = next.flatten().unwrap_or(0) as usize;
+    let s = seen_in(&mut tx, group, case).await;
+    tx.commit().await.unwrap();
     for o in 0..below {
         let id = case.events[case.logs[part][o]].id;
         if !(s.applied.iter().any(|a| a.0 == id)
