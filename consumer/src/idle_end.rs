@@ -16,16 +16,28 @@ const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
 /// client's transaction.
 const PGBOUNCER_IDLE_TRANSACTION: &str = "idle transaction timeout";
 
-/// Whether `e` is the server ending the session for sitting idle in a transaction: PostgreSQL's
-/// `idle_in_transaction_session_timeout`, or PgBouncer's `idle_transaction_timeout` in front of
-/// it (which PostgreSQL's class `08` code would otherwise make an outage).
+/// What PgBouncer says (with SQLSTATE `08P01`) when its `query_timeout` closes a client's
+/// connection because one statement ran longer than it: the statement's own doing, as a
+/// server's `statement_timeout` (`57014`, an attempt) is. Read as an outage, a record whose
+/// statement is that slow every time was waited on for good (`batch_sixth_attack::`: 12 tries
+/// in 35 s, no attempt, the partition stuck).
+const PGBOUNCER_QUERY_TIMEOUT: &str = "query timeout";
+
+/// Whether `e` is the server ending the session by the transaction's own doing: sitting idle
+/// in a transaction (PostgreSQL's `idle_in_transaction_session_timeout`, or PgBouncer's
+/// `idle_transaction_timeout` in front of it), or a statement longer than PgBouncer's
+/// `query_timeout` (PgBouncer's two with class `08` codes, which would otherwise make them
+/// outages).
 pub(crate) fn ended_idle(e: &sqlx::Error) -> bool {
     let sqlx::Error::Database(db) = e else {
         return false;
     };
     match db.code().as_deref() {
         Some(IDLE_IN_TRANSACTION_TIMEOUT) => true,
-        Some("08P01") => db.message() == PGBOUNCER_IDLE_TRANSACTION,
+        Some("08P01") => matches!(
+            db.message(),
+            PGBOUNCER_IDLE_TRANSACTION | PGBOUNCER_QUERY_TIMEOUT
+        ),
         _ => false,
     }
 }
@@ -61,7 +73,7 @@ fn any_within(e: &(dyn StdError + 'static), test: impl Fn(&sqlx::Error) -> bool)
 /// The error a transaction ended for idling is retried with: what happened and what to look at.
 pub(crate) fn explain(e: &str) -> String {
     format!(
-        "the server ended the transaction's session: it sat idle longer than the database's idle_in_transaction_session_timeout or a pooler's idle_transaction_timeout (a handler waiting outside the database inside its transaction?): {e}"
+        "the server ended the transaction's session: it sat idle longer than the database's idle_in_transaction_session_timeout or a pooler's idle_transaction_timeout (a handler waiting outside the database inside its transaction?), or a statement ran longer than a pooler's query_timeout: {e}"
     )
 }
 
@@ -122,6 +134,10 @@ mod tests {
         assert!(ended_idle_within(boxed.as_ref()));
         let pooler = sqlx::Error::Database(Box::new(Server("08P01", "idle transaction timeout")));
         assert!(ended_idle(&pooler));
+        // PgBouncer's query_timeout: the statement's own doing too.
+        let slow = sqlx::Error::Database(Box::new(Server("08P01", "query timeout")));
+        assert!(ended_idle(&slow));
+        assert!(!outage_within(&Wrapper(slow)));
     }
 
     /// Outage-like errors (a terminated backend, 57P01, among them) are never taken for an idle end (they must never count as an
