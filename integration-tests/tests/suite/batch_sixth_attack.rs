@@ -474,23 +474,24 @@ struct Ended {
     applied: Vec<i64>,
     twice: bool,
     offset: Option<i64>,
-    dead_letters: usize,
+    /// The dead letters' errors.
+    dead_letters: Vec<String>,
     stats_applied: u64,
     stats_duplicates: u64,
     calls_of_fifth: u32,
     secs: f64,
 }
 
-/// 10 events (`n` 0..10) of one key on one partition, handled by [`Ender`] with `ends`; runs
-/// until the partition is past the 10 records (at most 60 s). Checks each event at most once,
+/// `events` events (`n` 0..events) of one key on one partition, handled by [`Ender`] with
+/// `ends`; runs until the partition is past them (at most 60 s). Checks each event at most once,
 /// in order.
-async fn ender_run(ends: Ends, max_batch: usize) -> Ended {
+async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
     let topic = unique("sixth_ender");
     create_topic(&svc.bootstrap, &topic, 1).await;
-    let records: Vec<RawRecord> = (0..10)
+    let records: Vec<RawRecord> = (0..events)
         .map(|n| job(Uuid::now_v7(), "k", json!({ "n": n })))
         .collect();
     produce(&svc.bootstrap, &topic, Some(0), &records).await;
@@ -508,9 +509,9 @@ async fn ender_run(ends: Ends, max_batch: usize) -> Ended {
         .expect("consumer");
     let started = Instant::now();
     let running = RunningConsumer::start(consumer);
-    // Measured, not asserted, here: a run that never gets past the 10 records ends after 60 s.
+    // Measured, not asserted, here: a run that never gets past the records ends after 60 s.
     let _ = tokio::time::timeout(Duration::from_secs(60), async {
-        while stored_offset(&db.pool, &topic).await != Some(10) {
+        while stored_offset(&db.pool, &topic).await != Some(events) {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
@@ -525,13 +526,17 @@ async fn ender_run(ends: Ends, max_batch: usize) -> Ended {
         applied,
         twice,
         offset: stored_offset(&db.pool, &topic).await,
-        dead_letters: dead_letters(&db.pool).await.len(),
+        dead_letters: dead_letters(&db.pool)
+            .await
+            .into_iter()
+            .map(|d| d.1)
+            .collect(),
         stats_applied: s.applied,
         stats_duplicates: s.duplicates,
         calls_of_fifth: handler.calls_of_fifth.load(Ordering::SeqCst),
         secs,
     };
-    eprintln!("{ends:?}, max_batch {max_batch}: {r:?}");
+    eprintln!("{ends:?}, max_batch {max_batch}, {events} events: {r:?}");
     assert_once_in_order(&r.applied, r.twice, &r);
     r
 }
@@ -557,7 +562,7 @@ async fn ender_run(ends: Ends, max_batch: usize) -> Ended {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "known: pending measurement"]
 async fn a_handler_script_that_commits_loses_no_event_of_its_batch() {
-    let r = ender_run(Ends::ScriptCommits, 64).await;
+    let r = ender_run(Ends::ScriptCommits, 64, 10).await;
     assert!(r.calls_of_fifth >= 1, "event 5's handler ran: {r:?}");
     assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "all 10 applied: {r:?}");
 }
@@ -566,7 +571,7 @@ async fn a_handler_script_that_commits_loses_no_event_of_its_batch() {
 /// order (event 5 on its second call). Figures: see the module's run notes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handler_script_that_commits_loses_no_event() {
-    let r = ender_run(Ends::ScriptCommits, 1).await;
+    let r = ender_run(Ends::ScriptCommits, 1, 10).await;
     assert!(r.calls_of_fifth >= 2, "event 5 failed once, then ran: {r:?}");
     assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "all 10 applied: {r:?}");
 }
@@ -585,7 +590,7 @@ async fn one_at_a_time_a_handler_script_that_commits_loses_no_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "known: pending measurement"]
 async fn a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
-    let r = ender_run(Ends::RollbackMeantForSavepoint, 64).await;
+    let r = ender_run(Ends::RollbackMeantForSavepoint, 64, 10).await;
     assert_eq!(
         r.applied,
         vec![0, 1, 2, 3, 4, 6, 7, 8, 9],
@@ -597,10 +602,43 @@ async fn a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
 /// Figures: see the module's run notes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
-    let r = ender_run(Ends::RollbackMeantForSavepoint, 1).await;
+    let r = ender_run(Ends::RollbackMeantForSavepoint, 1, 10).await;
     assert_eq!(
         r.applied,
         vec![0, 1, 2, 3, 4, 6, 7, 8, 9],
+        "every event but the discarded one applied: {r:?}"
+    );
+}
+
+/// As [`a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event`], with event 5 the
+/// last of the 6 records on the partition (the last of its batch: no later handler's
+/// statement meets the ended transaction). Throughput mode.
+///
+/// Measured on 5b2b439: see the ignore reason. Cause: as in
+/// [`a_handler_script_that_commits_loses_no_event_of_its_batch`] — the `ROLLBACK` rolls back
+/// the dedup rows and effects of events 0–4, the body returns `Ok`, and `settle_dedup`,
+/// `offsets::advance` and the `COMMIT` run in autocommit: the offset moves past all 6 with
+/// nothing applied (with 10 records, above, the next handler's `SAVEPOINT` fails outside a
+/// transaction block and the batch is run again: nothing lost). Possible fix: the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: pending measurement"]
+async fn a_handlers_rollback_meant_for_its_savepoint_at_the_end_of_a_batch_loses_no_other_event() {
+    let r = ender_run(Ends::RollbackMeantForSavepoint, 64, 6).await;
+    assert_eq!(
+        r.applied,
+        vec![0, 1, 2, 3, 4],
+        "every event but the discarded one applied: {r:?}"
+    );
+}
+
+/// The control of the above: 6 records, one per transaction: events 0–4 applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_at_the_end_loses_no_other_event(
+) {
+    let r = ender_run(Ends::RollbackMeantForSavepoint, 1, 6).await;
+    assert_eq!(
+        r.applied,
+        vec![0, 1, 2, 3, 4],
         "every event but the discarded one applied: {r:?}"
     );
 }
