@@ -20,7 +20,22 @@
 //!   its own pool while the consumer's session is fine (partial effects inside the
 //!   isolation savepoint, the probe run there).
 //!
-//! Findings: see each test's comment (figures measured on 5b2b439, 2 shared cores).
+//! Found (5b2b439, 2 shared cores; figures in each test's comment):
+//!
+//! - broke, both modes: behind PgBouncer with `query_timeout`, an event whose query outlasts
+//!   it is waited out as an outage on every try — 12 tries in about 35 s, 0 attempts, no dead
+//!   letter, other keys stalled behind it — where the same query under the server's
+//!   `statement_timeout` is dead-lettered after 3 attempts (held, the control);
+//! - broke, throughput mode only: a handler that ends the runtime's transaction loses
+//!   *other* events — a script's own `COMMIT` plus one transient failure: events 5–9 counted
+//!   duplicates, never applied; a `ROLLBACK` meant for the handler's savepoint in the last
+//!   body of a batch: events 0–4 rolled back and the offset moved past them, the counters
+//!   saying "applied". One at a time loses nothing in either case (held, the controls);
+//! - held: a batch upsert meeting one account twice (21000) halves to every event applied
+//!   once, in order, none blamed; a batch handler's partial effects before its own pool times
+//!   out are rolled back with the savepoint, the probe leaves the label standing, the culprit
+//!   alone is dead-lettered; a `ROLLBACK` followed by another body is noticed (the batch runs
+//!   again; the misbehaving event itself is dead-lettered). Each hold checked able to fail.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -238,14 +253,8 @@ async fn slow_run(limit: Limit, max_batch: usize) -> SlowRun {
             .unwrap();
         }
     }
-    let bouncer = PgBouncer::start_with(
-        &bin,
-        &svc.database_url,
-        PoolMode::Session,
-        20,
-        &[],
-        options,
-    );
+    let bouncer =
+        PgBouncer::start_with(&bin, &svc.database_url, PoolMode::Session, 20, &[], options);
     let pool = PgPoolOptions::new()
         .max_connections(5)
         .acquire_timeout(Duration::from_secs(20))
@@ -330,7 +339,11 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
         "the slow event dead-lettered, nothing else: {r:?}"
     );
     assert_eq!(r.applied, vec![0, 2, 3], "the other events applied: {r:?}");
-    assert_eq!(r.offset, Some(4), "the partition past the slow event: {r:?}");
+    assert_eq!(
+        r.offset,
+        Some(4),
+        "the partition past the slow event: {r:?}"
+    );
 }
 
 /// Guarantee attacked: a record that fails the same way on every try is dead-lettered (or
@@ -341,8 +354,11 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// connection with FATAL `08P01` "query timeout", on every try. The handler labels the error
 /// retryable. Throughput mode (`max_batch` 64, a batch handler).
 ///
-/// Measured on 5b2b439: see the ignore reason. Cause: the handler's error is an
-/// outage-looking `sqlx::Error` (class 08), so `own_session_says` probes; the probe reads an
+/// Measured on 5b2b439 (2 shared cores): the slow event's body ran 12 times in 35.0 s, never
+/// an attempt (`retries` 0), no dead letter; applied [0], the stored offset stuck at 1 —
+/// events 2 and 3, other keys, wait behind it for good (PgBouncer's log: 44 "closing because:
+/// query timeout" lines; the handler saw "error returned from database: query timeout").
+/// Cause: the handler's error is an outage-looking `sqlx::Error` (class 08), so `own_session_says` probes; the probe reads an
 /// I/O error (PgBouncer closed the connection), so the failure is an outage — never an
 /// attempt, waited out for good. The doc's one case that "cannot be told apart" (a watchdog's
 /// 57P01) is not this one: PgBouncer says why, as it does for its `idle_transaction_timeout`,
@@ -354,27 +370,37 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// [`with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered`]
 /// holds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: pending measurement"]
+#[ignore = "known: PgBouncer's query_timeout (FATAL 08P01 'query timeout') on a slow event's query is taken for an outage on every try: 12 tries in 35.0 s, 0 attempts, no dead letter, offset stuck at 1 (other keys stalled)"]
 async fn a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 64).await;
-    assert!(r.bouncer_timeouts > 0, "PgBouncer's query_timeout fired: {r:?}");
+    assert!(
+        r.bouncer_timeouts > 0,
+        "PgBouncer's query_timeout fired: {r:?}"
+    );
     assert_slow_dead_lettered(&r);
 }
 
 /// As [`a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered`], one record per
-/// transaction. Measured on 5b2b439: see the ignore reason; same cause and fix.
+/// transaction. Measured on 5b2b439: 12 tries in 35.5 s, `retries` 0, no dead letter, applied
+/// [0], offset stuck at 1 (46 PgBouncer closings for the query timeout). Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: pending measurement"]
+#[ignore = "known: one at a time too, PgBouncer's query_timeout on a slow event is an outage on every try: 12 tries in 35.5 s, 0 attempts, offset stuck at 1"]
 async fn one_at_a_time_a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 1).await;
-    assert!(r.bouncer_timeouts > 0, "PgBouncer's query_timeout fired: {r:?}");
+    assert!(
+        r.bouncer_timeouts > 0,
+        "PgBouncer's query_timeout fired: {r:?}"
+    );
     assert_slow_dead_lettered(&r);
 }
 
 /// The control: the same slow event behind the same PgBouncer configured as its manual
 /// advises (`query_timeout = 3`, the server's `statement_timeout` 1 s, just below): the server
 /// cancels the query (57014), the session lives, the label stands: dead-lettered after 3
-/// attempts, the other events applied. Throughput mode. Figures: see the module's run notes.
+/// attempts, the other events applied. Throughput mode. Held on 5b2b439: dead-lettered
+/// ("gave up after 3 attempts: … canceling statement due to statement timeout"), applied
+/// [0, 2, 3], offset 4, 8 slow calls in 12.0 s. It can fail: the same assertion fails with
+/// `query_timeout` alone (above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered(
 ) {
@@ -548,7 +574,9 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
 /// script commits its own event's dedup row with its effects, and a failure before it rolls
 /// back its own event only. Throughput mode (`max_batch` 64, a single-event handler).
 ///
-/// Measured on 5b2b439: see the ignore reason. Cause: the first script's `COMMIT` commits the
+/// Measured on 5b2b439: events 5–9 lost — applied [0, 1, 2, 3, 4], the offset past all 10,
+/// no dead letter, in 1.1 s; the runtime's counters say 0 applied and 10 duplicates. Cause:
+/// the first script's `COMMIT` commits the
 /// runtime's transaction — with the dedup rows `record_many` wrote for *every* event of the
 /// batch; the runtime does not notice (its own `COMMIT` only warns "there is no transaction in
 /// progress"). When event 5 then fails, `abandon`'s `ROLLBACK` rolls back nothing, and the
@@ -560,20 +588,31 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
 /// not public in 0.8) — and say in docs/consumer.md that a handler must not end the
 /// transaction it is given.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: pending measurement"]
+#[ignore = "known: a handler script's own COMMIT commits the batch's dedup rows; after one transient failure events 5-9 are counted duplicates, never applied (applied [0..4], offset 10); one at a time loses nothing"]
 async fn a_handler_script_that_commits_loses_no_event_of_its_batch() {
     let r = ender_run(Ends::ScriptCommits, 64, 10).await;
     assert!(r.calls_of_fifth >= 1, "event 5's handler ran: {r:?}");
-    assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "all 10 applied: {r:?}");
+    assert_eq!(
+        r.applied,
+        (0..10).collect::<Vec<_>>(),
+        "all 10 applied: {r:?}"
+    );
 }
 
 /// The control: the same handler one record per transaction. Each event applied once, in
-/// order (event 5 on its second call). Figures: see the module's run notes.
+/// order (event 5 on its second call). Held on 5b2b439: applied [0 … 9], offset 10, 0.55 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handler_script_that_commits_loses_no_event() {
     let r = ender_run(Ends::ScriptCommits, 1, 10).await;
-    assert!(r.calls_of_fifth >= 2, "event 5 failed once, then ran: {r:?}");
-    assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "all 10 applied: {r:?}");
+    assert!(
+        r.calls_of_fifth >= 2,
+        "event 5 failed once, then ran: {r:?}"
+    );
+    assert_eq!(
+        r.applied,
+        (0..10).collect::<Vec<_>>(),
+        "all 10 applied: {r:?}"
+    );
 }
 
 /// Guarantee attacked: "each event's effects happen exactly once" for the events a handler
@@ -582,13 +621,15 @@ async fn one_at_a_time_a_handler_script_that_commits_loses_no_event() {
 /// and returns `Ok`. One at a time only event 5's effects are gone, as its handler asked (the
 /// control below). Throughput mode (`max_batch` 64, a single-event handler).
 ///
-/// Measured on 5b2b439: see the ignore reason. Cause: the `ROLLBACK` rolls back the whole
-/// batch transaction — the dedup rows and the effects of events 0–4, whose handlers returned
-/// `Ok` — and the rest of the batch runs in autocommit; the runtime advances the offset past
-/// all 10 and "commits" without noticing. Possible fix: as for
-/// [`a_handler_script_that_commits_loses_no_event_of_its_batch`].
+/// Held on 5b2b439: applied [0, 1, 2, 3, 4, 6, 7, 8, 9], offset 10, 1.0 s — event 6's
+/// handler's `SAVEPOINT` fails outside a transaction block, so the batch runs again with
+/// savepoints, where the release after event 5's `Ok` fails; event 5 itself is dead-lettered
+/// ("gave up after 3 attempts: … ROLLBACK TO SAVEPOINT can only be used in transaction
+/// blocks", 8 calls) where one at a time counts it applied (the runtime noticed the misuse:
+/// defensible). It can fail: with event 5 last in its batch
+/// ([`a_handlers_rollback_meant_for_its_savepoint_at_the_end_of_a_batch_loses_no_other_event`])
+/// the same assertion fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: pending measurement"]
 async fn a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
     let r = ender_run(Ends::RollbackMeantForSavepoint, 64, 10).await;
     assert_eq!(
@@ -599,7 +640,7 @@ async fn a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
 }
 
 /// The control: the same handler one record per transaction: every event but 5 applied.
-/// Figures: see the module's run notes.
+/// Held on 5b2b439: applied [0, 1, 2, 3, 4, 6, 7, 8, 9], offset 10, no dead letter, 0.69 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_other_event() {
     let r = ender_run(Ends::RollbackMeantForSavepoint, 1, 10).await;
@@ -614,14 +655,15 @@ async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_othe
 /// last of the 6 records on the partition (the last of its batch: no later handler's
 /// statement meets the ended transaction). Throughput mode.
 ///
-/// Measured on 5b2b439: see the ignore reason. Cause: as in
+/// Measured on 5b2b439: nothing applied — events 0–4 lost, the offset past all 6, no dead
+/// letter, 0.51 s; the runtime's counters say 6 applied. Cause: as in
 /// [`a_handler_script_that_commits_loses_no_event_of_its_batch`] — the `ROLLBACK` rolls back
 /// the dedup rows and effects of events 0–4, the body returns `Ok`, and `settle_dedup`,
 /// `offsets::advance` and the `COMMIT` run in autocommit: the offset moves past all 6 with
 /// nothing applied (with 10 records, above, the next handler's `SAVEPOINT` fails outside a
 /// transaction block and the batch is run again: nothing lost). Possible fix: the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: pending measurement"]
+#[ignore = "known: a handler's ROLLBACK (meant for its savepoint) as the last body of a batch rolls back events 0-4's effects and dedup rows and the offset still moves past all 6: applied [], counters say 6 applied; one at a time applies 0-4"]
 async fn a_handlers_rollback_meant_for_its_savepoint_at_the_end_of_a_batch_loses_no_other_event() {
     let r = ender_run(Ends::RollbackMeantForSavepoint, 64, 6).await;
     assert_eq!(
@@ -631,10 +673,11 @@ async fn a_handlers_rollback_meant_for_its_savepoint_at_the_end_of_a_batch_loses
     );
 }
 
-/// The control of the above: 6 records, one per transaction: events 0–4 applied.
+/// The control of the above: 6 records, one per transaction: events 0–4 applied. Held on
+/// 5b2b439: applied [0, 1, 2, 3, 4], offset 6, 0.55 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_at_the_end_loses_no_other_event(
-) {
+async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_at_the_end_loses_no_other_event()
+{
     let r = ender_run(Ends::RollbackMeantForSavepoint, 1, 6).await;
     assert_eq!(
         r.applied,
@@ -849,13 +892,21 @@ async fn mix_run(mix: Mix) -> MixRun {
 /// twice (two events of account `a0` in one call: 21000, retryable by Postal's table). Every
 /// event alone succeeds, so halving must end with every event applied, none dead-lettered,
 /// and each account's `last_n` its last event's `n` (per-key order). Throughput mode.
-/// Held on 5b2b439: figures in the module's run notes.
+/// Held on 5b2b439: 20 applied once in offset order, 0 dead letters, `last_n` a0 14 … a5 19,
+/// a6 13, 8 calls of which 4 failed (the optimistic pass, then the halves holding two events
+/// of one account), 3.7 s. Checked that it can fail: with `batch_run` running the right half
+/// before the left (a temporary mutation of consumer/src/batch.rs, reverted) it fails on the
+/// order (applied [15 … 19, 10 … 14, 5 … 9, 0 … 4], `last_n` a0 0 …).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_upsert_meeting_one_account_twice_applies_each_event_once_in_order() {
     let r = mix_run(Mix::UpsertTwice).await;
     assert!(r.failed > 0, "a call met one account twice: {r:?}");
     assert!(r.dead_letters.is_empty(), "no event blamed: {r:?}");
-    assert_eq!(r.applied, (0..MIX_EVENTS).collect::<Vec<_>>(), "all applied: {r:?}");
+    assert_eq!(
+        r.applied,
+        (0..MIX_EVENTS).collect::<Vec<_>>(),
+        "all applied: {r:?}"
+    );
     let want: BTreeMap<String, i64> = (0..MIX_EVENTS).map(|n| (account_of(n), n)).collect();
     assert_eq!(r.last_n, want, "each account's last event last: {r:?}");
     assert_eq!(r.offset, Some(MIX_EVENTS));
@@ -868,7 +919,11 @@ async fn a_batch_upsert_meeting_one_account_twice_applies_each_event_once_in_ord
 /// try; the consumer's own session is fine. Expected: halving converges on event 5, which is
 /// dead-lettered after 3 attempts; the 19 others applied once, in order (the failed calls'
 /// partial effects rolled back with their savepoints). Throughput mode.
-/// Held on 5b2b439: figures in the module's run notes.
+/// Held on 5b2b439: event 5 dead-lettered ("gave up after 3 attempts: pool timed out while
+/// waiting for an open connection"), the 19 others applied once in order, offset 20,
+/// `retries` 2, 16 calls (14 failed), 6.8 s. Checked that it can fail: with `batch_run`
+/// releasing (not rolling back) a failed call's savepoint (a temporary mutation, reverted),
+/// events 0–4 are applied 3 times and the "no event applied twice" assertion fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_handlers_partial_effects_before_its_own_pool_times_out_are_kept_once() {
     let r = mix_run(Mix::PartialThenOwnPoolTimeout).await;
