@@ -354,10 +354,11 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// connection with FATAL `08P01` "query timeout", on every try. The handler labels the error
 /// retryable. Throughput mode (`max_batch` 64, a batch handler).
 ///
-/// Measured on 5b2b439 (2 shared cores): the slow event's body ran 12 times in 35.0 s, never
+/// Measured on 5b2b439 (2 shared cores, two runs): the slow event's body ran 12 times in 35.0 s
+/// and 33.5 s, never
 /// an attempt (`retries` 0), no dead letter; applied [0], the stored offset stuck at 1 —
 /// events 2 and 3, other keys, wait behind it for good (PgBouncer's log: 44 "closing because:
-/// query timeout" lines; the handler saw "error returned from database: query timeout").
+/// query timeout" lines, 46 the second time; the handler saw "error returned from database: query timeout").
 /// Cause: the handler's error is an outage-looking `sqlx::Error` (class 08), so `own_session_says` probes; the probe reads an
 /// I/O error (PgBouncer closed the connection), so the failure is an outage — never an
 /// attempt, waited out for good. The doc's one case that "cannot be told apart" (a watchdog's
@@ -370,7 +371,7 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// [`with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered`]
 /// holds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: PgBouncer's query_timeout (FATAL 08P01 'query timeout') on a slow event's query is taken for an outage on every try: 12 tries in 35.0 s, 0 attempts, no dead letter, offset stuck at 1 (other keys stalled)"]
+#[ignore = "known: PgBouncer's query_timeout (FATAL 08P01 'query timeout') on a slow event's query is taken for an outage on every try: 12 tries in 35.0 s and 33.5 s (two runs), 0 attempts, no dead letter, offset stuck at 1 (other keys stalled)"]
 async fn a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 64).await;
     assert!(
@@ -381,10 +382,11 @@ async fn a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
 }
 
 /// As [`a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered`], one record per
-/// transaction. Measured on 5b2b439: 12 tries in 35.5 s, `retries` 0, no dead letter, applied
-/// [0], offset stuck at 1 (46 PgBouncer closings for the query timeout). Same cause and fix.
+/// transaction. Measured on 5b2b439 (two runs): 12 tries in 35.5 s and 33.4 s, `retries` 0, no
+/// dead letter, applied [0], offset stuck at 1 (46 PgBouncer closings for the query timeout).
+/// Same cause and fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: one at a time too, PgBouncer's query_timeout on a slow event is an outage on every try: 12 tries in 35.5 s, 0 attempts, offset stuck at 1"]
+#[ignore = "known: one at a time too, PgBouncer's query_timeout on a slow event is an outage on every try: 12 tries in 35.5 s and 33.4 s (two runs), 0 attempts, offset stuck at 1"]
 async fn one_at_a_time_a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 1).await;
     assert!(
@@ -399,7 +401,7 @@ async fn one_at_a_time_a_query_pgbouncers_query_timeout_ends_every_time_is_dead_
 /// cancels the query (57014), the session lives, the label stands: dead-lettered after 3
 /// attempts, the other events applied. Throughput mode. Held on 5b2b439: dead-lettered
 /// ("gave up after 3 attempts: … canceling statement due to statement timeout"), applied
-/// [0, 2, 3], offset 4, 8 slow calls in 12.0 s. It can fail: the same assertion fails with
+/// [0, 2, 3], offset 4, 8 slow calls in 12.0 s and 8.7 s (two runs). It can fail: the same assertion fails with
 /// `query_timeout` alone (above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered(
@@ -574,8 +576,8 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
 /// script commits its own event's dedup row with its effects, and a failure before it rolls
 /// back its own event only. Throughput mode (`max_batch` 64, a single-event handler).
 ///
-/// Measured on 5b2b439: events 5–9 lost — applied [0, 1, 2, 3, 4], the offset past all 10,
-/// no dead letter, in 1.1 s; the runtime's counters say 0 applied and 10 duplicates. Cause:
+/// Measured on 5b2b439 (two runs, the same figures): events 5–9 lost — applied [0, 1, 2, 3,
+/// 4], the offset past all 10, no dead letter, in 1.1 s and 0.34 s; the runtime's counters say 0 applied and 10 duplicates. Cause:
 /// the first script's `COMMIT` commits the
 /// runtime's transaction — with the dedup rows `record_many` wrote for *every* event of the
 /// batch; the runtime does not notice (its own `COMMIT` only warns "there is no transaction in
@@ -655,8 +657,8 @@ async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_othe
 /// last of the 6 records on the partition (the last of its batch: no later handler's
 /// statement meets the ended transaction). Throughput mode.
 ///
-/// Measured on 5b2b439: nothing applied — events 0–4 lost, the offset past all 6, no dead
-/// letter, 0.51 s; the runtime's counters say 6 applied. Cause: as in
+/// Measured on 5b2b439 (two runs, the same figures): nothing applied — events 0–4 lost, the
+/// offset past all 6, no dead letter, 0.51 s and 0.36 s; the runtime's counters say 6 applied. Cause: as in
 /// [`a_handler_script_that_commits_loses_no_event_of_its_batch`] — the `ROLLBACK` rolls back
 /// the dedup rows and effects of events 0–4, the body returns `Ok`, and `settle_dedup`,
 /// `offsets::advance` and the `COMMIT` run in autocommit: the offset moves past all 6 with
@@ -894,7 +896,7 @@ async fn mix_run(mix: Mix) -> MixRun {
 /// and each account's `last_n` its last event's `n` (per-key order). Throughput mode.
 /// Held on 5b2b439: 20 applied once in offset order, 0 dead letters, `last_n` a0 14 … a5 19,
 /// a6 13, 8 calls of which 4 failed (the optimistic pass, then the halves holding two events
-/// of one account), 3.7 s. Checked that it can fail: with `batch_run` running the right half
+/// of one account), 3.7 s and 1.0 s (two runs). Checked that it can fail: with `batch_run` running the right half
 /// before the left (a temporary mutation of consumer/src/batch.rs, reverted) it fails on the
 /// order (applied [15 … 19, 10 … 14, 5 … 9, 0 … 4], `last_n` a0 0 …).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -921,7 +923,7 @@ async fn a_batch_upsert_meeting_one_account_twice_applies_each_event_once_in_ord
 /// partial effects rolled back with their savepoints). Throughput mode.
 /// Held on 5b2b439: event 5 dead-lettered ("gave up after 3 attempts: pool timed out while
 /// waiting for an open connection"), the 19 others applied once in order, offset 20,
-/// `retries` 2, 16 calls (14 failed), 6.8 s. Checked that it can fail: with `batch_run`
+/// `retries` 2, 16 calls (14 failed), 6.8 s and 4.6 s (two runs). Checked that it can fail: with `batch_run`
 /// releasing (not rolling back) a failed call's savepoint (a temporary mutation, reverted),
 /// events 0–4 are applied 3 times and the "no event applied twice" assertion fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
