@@ -10,9 +10,9 @@
 //!   slightly below it). The probe then reads an I/O error: the session is gone, an outage —
 //!   on every try of a slow event;
 //! - a handler that ends the runtime's transaction under it: a SQL script with its own
-//!   `BEGIN … COMMIT` run as one simple-protocol query, or a `ROLLBACK` meant for the handler's own
-//!   savepoint. One at a time the damage stays on that handler's own event; in throughput
-//!   mode the transaction holds other events' dedup rows and effects;
+//!   `BEGIN … COMMIT` run as one simple-protocol query, or a `ROLLBACK` meant for the
+//!   handler's own savepoint. One at a time the damage stays on that handler's own event; in
+//!   throughput mode the transaction holds other events' dedup rows and effects;
 //! - a failure that depends on the batch's composition, not on any one event: a batch upsert
 //!   meeting one account twice (`ON CONFLICT DO UPDATE command cannot affect row a second
 //!   time`, 21000) — every event alone succeeds; and a batch handler that writes the effects
@@ -35,7 +35,9 @@
 //!   once, in order, none blamed; a batch handler's partial effects before its own pool times
 //!   out are rolled back with the savepoint, the probe leaves the label standing, the culprit
 //!   alone is dead-lettered; a `ROLLBACK` followed by another body is noticed (the batch runs
-//!   again; the misbehaving event itself is dead-lettered). Each hold checked able to fail.
+//!   again; the misbehaving event itself is dead-lettered). The upsert and partial-effects
+//!   holds were checked able to fail by temporary mutations of consumer/src/batch.rs
+//!   (reverted); each control shares its assertion with a break that fails it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -354,20 +356,20 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// connection with FATAL `08P01` "query timeout", on every try. The handler labels the error
 /// retryable. Throughput mode (`max_batch` 64, a batch handler).
 ///
-/// Measured on 5b2b439 (2 shared cores, two runs): the slow event's body ran 12 times in 35.0 s
-/// and 33.5 s, never
-/// an attempt (`retries` 0), no dead letter; applied [0], the stored offset stuck at 1 —
-/// events 2 and 3, other keys, wait behind it for good (PgBouncer's log: 44 "closing because:
-/// query timeout" lines, 46 the second time; the handler saw "error returned from database: query timeout").
-/// Cause: the handler's error is an outage-looking `sqlx::Error` (class 08), so `own_session_says` probes; the probe reads an
-/// I/O error (PgBouncer closed the connection), so the failure is an outage — never an
-/// attempt, waited out for good. The doc's one case that "cannot be told apart" (a watchdog's
-/// 57P01) is not this one: PgBouncer says why, as it does for its `idle_transaction_timeout`,
-/// which `idle_end::ended_idle` already reads by its message. Possible fix: read 08P01 "query
-/// timeout" (in the handler's error chain or at the rollback) as the statement's own doing —
-/// an attempt, as a `statement_timeout`'s 57014 is — the way "idle transaction timeout" is
-/// read as an idle end; or say in docs/consumer.md and docs/operations.md#poolers that
-/// PgBouncer's `query_timeout` needs a server `statement_timeout` below it (the control
+/// Measured on 5b2b439 (2 shared cores, two runs): the slow event's body ran 12 times in 35.0 s and
+/// 33.5 s, never an attempt (`retries` 0), no dead letter; applied [0], the stored offset stuck at
+/// 1 — events 2 and 3, other keys, wait behind it for good (PgBouncer's log: 44 "closing because:
+/// query timeout" lines, 46 the second time; the handler saw "error returned from database: query
+/// timeout"). Cause: the handler's error is an outage-looking `sqlx::Error` (class 08), so
+/// `own_session_says` probes; the probe reads an I/O error (PgBouncer closed the connection), so
+/// the failure is an outage — never an attempt, waited out for good. The doc's one case that
+/// "cannot be told apart" (a watchdog's 57P01) is not this one: PgBouncer says why, as it does for
+/// its `idle_transaction_timeout`, which `idle_end::ended_idle` already reads by its message.
+/// Possible fix: read 08P01 "query timeout" (in the handler's error chain or at the rollback) as
+/// the statement's own doing — an attempt, as a `statement_timeout`'s 57014 is — the way "idle
+/// transaction timeout" is read as an idle end; or say in docs/consumer.md and
+/// docs/operations.md#poolers that PgBouncer's `query_timeout` needs a server `statement_timeout`
+/// below it (the control
 /// [`with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered`]
 /// holds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,8 +403,8 @@ async fn one_at_a_time_a_query_pgbouncers_query_timeout_ends_every_time_is_dead_
 /// cancels the query (57014), the session lives, the label stands: dead-lettered after 3
 /// attempts, the other events applied. Throughput mode. Held on 5b2b439: dead-lettered
 /// ("gave up after 3 attempts: … canceling statement due to statement timeout"), applied
-/// [0, 2, 3], offset 4, 8 slow calls in 12.0 s and 8.7 s (two runs). It can fail: the same assertion fails with
-/// `query_timeout` alone (above).
+/// [0, 2, 3], offset 4, 8 slow calls in 12.0 s and 8.7 s (two runs). It can fail: the same
+/// assertion fails with `query_timeout` alone (above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered(
 ) {
@@ -577,8 +579,8 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
 /// back its own event only. Throughput mode (`max_batch` 64, a single-event handler).
 ///
 /// Measured on 5b2b439 (two runs, the same figures): events 5–9 lost — applied [0, 1, 2, 3,
-/// 4], the offset past all 10, no dead letter, in 1.1 s and 0.34 s; the runtime's counters say 0 applied and 10 duplicates. Cause:
-/// the first script's `COMMIT` commits the
+/// 4], the offset past all 10, no dead letter, in 1.1 s and 0.34 s; the runtime's counters say 0
+/// applied and 10 duplicates. Cause: the first script's `COMMIT` commits the
 /// runtime's transaction — with the dedup rows `record_many` wrote for *every* event of the
 /// batch; the runtime does not notice (its own `COMMIT` only warns "there is no transaction in
 /// progress"). When event 5 then fails, `abandon`'s `ROLLBACK` rolls back nothing, and the
@@ -658,9 +660,9 @@ async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_othe
 /// statement meets the ended transaction). Throughput mode.
 ///
 /// Measured on 5b2b439 (two runs, the same figures): nothing applied — events 0–4 lost, the
-/// offset past all 6, no dead letter, 0.51 s and 0.36 s; the runtime's counters say 6 applied. Cause: as in
-/// [`a_handler_script_that_commits_loses_no_event_of_its_batch`] — the `ROLLBACK` rolls back
-/// the dedup rows and effects of events 0–4, the body returns `Ok`, and `settle_dedup`,
+/// offset past all 6, no dead letter, 0.51 s and 0.36 s; the runtime's counters say 6 applied.
+/// Cause: as in [`a_handler_script_that_commits_loses_no_event_of_its_batch`] — the `ROLLBACK`
+/// rolls back the dedup rows and effects of events 0–4, the body returns `Ok`, and `settle_dedup`,
 /// `offsets::advance` and the `COMMIT` run in autocommit: the offset moves past all 6 with
 /// nothing applied (with 10 records, above, the next handler's `SAVEPOINT` fails outside a
 /// transaction block and the batch is run again: nothing lost). Possible fix: the same.
@@ -896,9 +898,9 @@ async fn mix_run(mix: Mix) -> MixRun {
 /// and each account's `last_n` its last event's `n` (per-key order). Throughput mode.
 /// Held on 5b2b439: 20 applied once in offset order, 0 dead letters, `last_n` a0 14 … a5 19,
 /// a6 13, 8 calls of which 4 failed (the optimistic pass, then the halves holding two events
-/// of one account), 3.7 s and 1.0 s (two runs). Checked that it can fail: with `batch_run` running the right half
-/// before the left (a temporary mutation of consumer/src/batch.rs, reverted) it fails on the
-/// order (applied [15 … 19, 10 … 14, 5 … 9, 0 … 4], `last_n` a0 0 …).
+/// of one account), 3.7 s and 1.0 s (two runs). Checked that it can fail: with `batch_run` running
+/// the right half before the left (a temporary mutation of consumer/src/batch.rs, reverted) it
+/// fails on the order (applied [15 … 19, 10 … 14, 5 … 9, 0 … 4], `last_n` a0 0 …).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_upsert_meeting_one_account_twice_applies_each_event_once_in_order() {
     let r = mix_run(Mix::UpsertTwice).await;
@@ -923,9 +925,9 @@ async fn a_batch_upsert_meeting_one_account_twice_applies_each_event_once_in_ord
 /// partial effects rolled back with their savepoints). Throughput mode.
 /// Held on 5b2b439: event 5 dead-lettered ("gave up after 3 attempts: pool timed out while
 /// waiting for an open connection"), the 19 others applied once in order, offset 20,
-/// `retries` 2, 16 calls (14 failed), 6.8 s and 4.6 s (two runs). Checked that it can fail: with `batch_run`
-/// releasing (not rolling back) a failed call's savepoint (a temporary mutation, reverted),
-/// events 0–4 are applied 3 times and the "no event applied twice" assertion fails.
+/// `retries` 2, 16 calls (14 failed), 6.8 s and 4.6 s (two runs). Checked that it can fail: with
+/// `batch_run` releasing (not rolling back) a failed call's savepoint (a temporary mutation,
+/// reverted), events 0–4 are applied 3 times and the "no event applied twice" assertion fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_handlers_partial_effects_before_its_own_pool_times_out_are_kept_once() {
     let r = mix_run(Mix::PartialThenOwnPoolTimeout).await;
