@@ -14,6 +14,7 @@ mod batch_fixtures;
 mod batch_outage_attack;
 mod batch_probe_attack;
 mod batch_rule_attack;
+mod batch_sixth_attack;
 mod batch_split_attack;
 mod cancel;
 mod chain;
