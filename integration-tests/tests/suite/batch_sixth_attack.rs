@@ -371,9 +371,9 @@ fn assert_slow_dead_lettered(r: &SlowRun) {
 /// docs/operations.md#poolers that PgBouncer's `query_timeout` needs a server `statement_timeout`
 /// below it (the control
 /// [`with_the_servers_statement_timeout_below_pgbouncers_query_timeout_the_slow_event_is_dead_lettered`]
-/// holds).
+/// holds). Fixed in fa35d83: PgBouncer's "query timeout" is read as the transaction's own
+/// doing (`idle_end::ended_idle`), an attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: PgBouncer's query_timeout (FATAL 08P01 'query timeout') on a slow event's query is taken for an outage on every try: 12 tries in 35.0 s and 33.5 s (two runs), 0 attempts, no dead letter, offset stuck at 1 (other keys stalled)"]
 async fn a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 64).await;
     assert!(
@@ -386,9 +386,8 @@ async fn a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
 /// As [`a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered`], one record per
 /// transaction. Measured on 5b2b439 (two runs): 12 tries in 35.5 s and 33.4 s, `retries` 0, no
 /// dead letter, applied [0], offset stuck at 1 (46 PgBouncer closings for the query timeout).
-/// Same cause and fix.
+/// Same cause and fix (fa35d83).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: one at a time too, PgBouncer's query_timeout on a slow event is an outage on every try: 12 tries in 35.5 s and 33.4 s (two runs), 0 attempts, offset stuck at 1"]
 async fn one_at_a_time_a_query_pgbouncers_query_timeout_ends_every_time_is_dead_lettered() {
     let r = slow_run(Limit::BouncerQueryTimeout, 1).await;
     assert!(
