@@ -468,7 +468,7 @@ impl Handler for Ender {
                     let script = format!(
                         "BEGIN;\nINSERT INTO effects (event_id, n, consumer) VALUES ('{id}', {n}, '{CONSUMER}');\nCOMMIT;"
                     );
-                    script_run(&mut **tx, &script).await?;
+                    script_run(tx, &script).await?;
                 }
                 Ends::RollbackMeantForSavepoint => {
                     sqlx::query("SAVEPOINT before_effects")
