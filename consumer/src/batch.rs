@@ -685,10 +685,8 @@ fn session_gone(f: BodyFailure, e: &sqlx::Error) -> Attempt {
         BodyFailure::Retry(_, Retry::Outage) => {
             Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
         }
-        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error)
-            if crate::idle_end::ended_idle(e) =>
-        {
-            Attempt::SessionEnded(crate::idle_end::explain(&format!("{error}; then: {e}")))
+        f if crate::idle_end::ended_idle(e) => {
+            Attempt::SessionEnded(crate::idle_end::explain_after(f.error(), e))
         }
         BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => Attempt::SessionEnded(error),
     }

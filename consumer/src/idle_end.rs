@@ -77,6 +77,12 @@ pub(crate) fn explain(e: &str) -> String {
     )
 }
 
+/// [`explain`] for a failure whose error was `error` when a later statement (the probe, a
+/// rollback) read the server's end of the session, `e`: both texts.
+pub(crate) fn explain_after(error: &str, e: &sqlx::Error) -> String {
+    explain(&format!("{error}; then: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

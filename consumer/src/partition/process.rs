@@ -245,6 +245,15 @@ pub(crate) enum BodyFailure {
     Retry(String, Retry),
 }
 
+impl BodyFailure {
+    /// The failure's error text.
+    pub(crate) fn error(&self) -> &str {
+        match self {
+            BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => error,
+        }
+    }
+}
+
 /// Whose a retryable failure is, which decides whether it counts as an attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Retry {
@@ -319,16 +328,13 @@ async fn own_session_says(
     if answer.as_ref().is_err_and(ordinary) {
         answer = probe(tx).await;
     }
-    let error = match &f {
-        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => error.clone(),
-    };
     match answer {
         Err(e) if crate::idle_end::ended_idle(&e) => Err(BodyFailure::Retry(
-            crate::idle_end::explain(&format!("{error}; then: {e}")),
+            crate::idle_end::explain_after(f.error(), &e),
             Retry::IdleEnded,
         )),
         Err(e) if postal_shared::database_unavailable(&e) && !ordinary(&e) => {
-            Err(BodyFailure::Retry(error, Retry::Outage))
+            Err(BodyFailure::Retry(f.error().to_owned(), Retry::Outage))
         }
         _ => Err(f),
     }
