@@ -52,6 +52,39 @@ pub async fn record_many(
         .collect())
 }
 
+/// [`record_many`], also returning the transaction's id (`pg_current_xact_id()`, as text) when
+/// any row was new: what [`crate::ended`] compares after each handler body, to notice a body
+/// that ended the transaction it was given. Same round trip.
+pub(crate) async fn record_many_with_xid(
+    conn: &mut PgConnection,
+    consumer: &str,
+    event_ids: &[EventId],
+) -> Result<(Vec<EventId>, Option<String>), sqlx::Error> {
+    if event_ids.is_empty() {
+        return Ok((Vec::new(), None));
+    }
+    let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
+    let rows: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+        "WITH fresh AS (
+             INSERT INTO postal.processed_events (consumer_name, event_id)
+             SELECT $1, unnest($2::uuid[])
+             ON CONFLICT DO NOTHING
+             RETURNING event_id
+         )
+         SELECT event_id, pg_current_xact_id()::text FROM fresh",
+    )
+    .bind(consumer)
+    .bind(&ids)
+    .fetch_all(conn)
+    .await?;
+    let xid = rows.first().map(|r| r.1.clone());
+    let fresh = rows
+        .into_iter()
+        .filter_map(|(u, _)| EventId::from_uuid(u).ok())
+        .collect();
+    Ok((fresh, xid))
+}
+
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written
 /// in this transaction but which were not applied after all.
 pub(crate) async fn forget_many(

@@ -425,6 +425,15 @@ enum Ends {
     /// business rule: "discard it") rolls back — with `ROLLBACK`, meant as `ROLLBACK TO
     /// SAVEPOINT` — and returns `Ok`. Expected: every event but 5 applied.
     RollbackMeantForSavepoint,
+    /// Each event writes its effect with plain statements (no savepoint); event 5's handler
+    /// then runs `ROLLBACK` ("discard it") and returns `Ok`. The events after it in a batch run
+    /// their inserts in autocommit, each committed at once, without their dedup rows: a batch
+    /// that only noticed at its end would run them again (applied twice).
+    RollbackThenAutocommit,
+    /// Each event writes its effect; event 5's handler checkpoints with `COMMIT AND CHAIN`
+    /// (a new transaction at once, so the runtime's later statements fail nothing); event
+    /// 7's first call fails before its insert (a transient). No event is at fault.
+    CommitAndChain,
 }
 
 /// The event whose handler fails once ([`Ends::ScriptCommits`]) or discards its own work
@@ -435,6 +444,73 @@ const FIFTH: i64 = 5;
 struct Ender {
     ends: Ends,
     calls_of_fifth: Arc<AtomicU32>,
+}
+
+impl Ender {
+    /// What the handler does for the events of one call (one event, or a batch handler's
+    /// events): as [`Ends`] says.
+    async fn act(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        events: &[(Uuid, i64)],
+    ) -> Result<(), HandlerError> {
+        let calls_of = |n: i64| {
+            if events.iter().any(|e| e.1 == n) {
+                self.calls_of_fifth.fetch_add(1, Ordering::SeqCst) + 1
+            } else {
+                0
+            }
+        };
+        let has = |n: i64| events.iter().any(|e| e.1 == n);
+        match self.ends {
+            Ends::ScriptCommits => {
+                if calls_of(FIFTH) == 1 {
+                    return Err(HandlerError::retryable("the rates service timed out"));
+                }
+                let values: Vec<String> = events
+                    .iter()
+                    .map(|(id, n)| format!("('{id}', {n}, '{CONSUMER}')"))
+                    .collect();
+                let script = format!(
+                    "BEGIN;\nINSERT INTO effects (event_id, n, consumer) VALUES {};\nCOMMIT;",
+                    values.join(", ")
+                );
+                script_run(tx, &script).await?;
+            }
+            Ends::RollbackMeantForSavepoint => {
+                calls_of(FIFTH);
+                sqlx::query("SAVEPOINT before_effects")
+                    .execute(&mut **tx)
+                    .await?;
+                insert(tx, events).await?;
+                if has(FIFTH) {
+                    // Meant: ROLLBACK TO SAVEPOINT before_effects.
+                    sqlx::query("ROLLBACK").execute(&mut **tx).await?;
+                } else {
+                    sqlx::query("RELEASE SAVEPOINT before_effects")
+                        .execute(&mut **tx)
+                        .await?;
+                }
+            }
+            Ends::RollbackThenAutocommit => {
+                calls_of(FIFTH);
+                insert(tx, events).await?;
+                if has(FIFTH) {
+                    sqlx::query("ROLLBACK").execute(&mut **tx).await?;
+                }
+            }
+            Ends::CommitAndChain => {
+                if calls_of(7) == 1 {
+                    return Err(HandlerError::retryable("the rates service timed out"));
+                }
+                insert(tx, events).await?;
+                if has(FIFTH) {
+                    sqlx::query("COMMIT AND CHAIN").execute(&mut **tx).await?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Handler for Ender {
@@ -453,39 +529,33 @@ impl Handler for Ender {
         tx: &'a mut Transaction<'c, Postgres>,
         event: Event<serde_json::Value>,
     ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move { self.act(tx, &[fields(&event)]).await })
+    }
+}
+
+/// [`Ender`] as a batch handler: one call for the events of a run.
+#[derive(Clone)]
+struct BatchEnder(Ender);
+
+impl BatchHandler for BatchEnder {
+    type Payload = serde_json::Value;
+
+    fn consumer(&self) -> &str {
+        CONSUMER
+    }
+
+    fn name(&self) -> &str {
+        "batch_ender"
+    }
+
+    fn handle_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        events: Batch<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
-            let (id, n) = fields(&event);
-            let fifth_call = if n == FIFTH {
-                self.calls_of_fifth.fetch_add(1, Ordering::SeqCst) + 1
-            } else {
-                0
-            };
-            match self.ends {
-                Ends::ScriptCommits => {
-                    if fifth_call == 1 {
-                        return Err(HandlerError::retryable("the rates service timed out"));
-                    }
-                    let script = format!(
-                        "BEGIN;\nINSERT INTO effects (event_id, n, consumer) VALUES ('{id}', {n}, '{CONSUMER}');\nCOMMIT;"
-                    );
-                    script_run(tx, &script).await?;
-                }
-                Ends::RollbackMeantForSavepoint => {
-                    sqlx::query("SAVEPOINT before_effects")
-                        .execute(&mut **tx)
-                        .await?;
-                    insert(tx, &[(id, n)]).await?;
-                    if n == FIFTH {
-                        // Meant: ROLLBACK TO SAVEPOINT before_effects.
-                        sqlx::query("ROLLBACK").execute(&mut **tx).await?;
-                    } else {
-                        sqlx::query("RELEASE SAVEPOINT before_effects")
-                            .execute(&mut **tx)
-                            .await?;
-                    }
-                }
-            }
-            Ok(())
+            let events: Vec<(Uuid, i64)> = events.iter().map(fields).collect();
+            self.0.act(tx, &events).await
         })
     }
 }
@@ -512,9 +582,13 @@ struct Ended {
 }
 
 /// `events` events (`n` 0..events) of one key on one partition, handled by [`Ender`] with
-/// `ends`; runs until the partition is past them (at most 60 s). Checks each event at most once,
-/// in order.
+/// `ends` (as a batch handler with `batch`); runs until the partition is past them (at most 60
+/// s). Checks each event at most once, in order.
 async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
+    ender_run_as(ends, max_batch, events, false).await
+}
+
+async fn ender_run_as(ends: Ends, max_batch: usize, events: i64, batch: bool) -> Ended {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -532,10 +606,13 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
     config.max_batch = max_batch;
     config.max_attempts = 3;
-    let consumer = Consumer::builder(pool.clone(), config)
-        .on(&topic, "job", handler.clone())
-        .build()
-        .expect("consumer");
+    let builder = Consumer::builder(pool.clone(), config);
+    let builder = if batch {
+        builder.on_batch(&topic, "job", BatchEnder(handler.clone()))
+    } else {
+        builder.on(&topic, "job", handler.clone())
+    };
+    let consumer = builder.build().expect("consumer");
     let started = Instant::now();
     let running = RunningConsumer::start(consumer);
     // Measured, not asserted, here: a run that never gets past the records ends after 60 s.
@@ -591,7 +668,6 @@ async fn ender_run(ends: Ends, max_batch: usize, events: i64) -> Ended {
 /// not public in 0.8) — and say in docs/consumer.md that a handler must not end the
 /// transaction it is given.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a handler script's own COMMIT commits the batch's dedup rows; after one transient failure events 5-9 are counted duplicates, never applied (applied [0..4], offset 10); one at a time loses nothing"]
 async fn a_handler_script_that_commits_loses_no_event_of_its_batch() {
     let r = ender_run(Ends::ScriptCommits, 64, 10).await;
     assert!(r.calls_of_fifth >= 1, "event 5's handler ran: {r:?}");
@@ -666,7 +742,6 @@ async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_loses_no_othe
 /// nothing applied (with 10 records, above, the next handler's `SAVEPOINT` fails outside a
 /// transaction block and the batch is run again: nothing lost). Possible fix: the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: a handler's ROLLBACK (meant for its savepoint) as the last body of a batch rolls back events 0-4's effects and dedup rows and the offset still moves past all 6: applied [], counters say 6 applied; one at a time applies 0-4"]
 async fn a_handlers_rollback_meant_for_its_savepoint_at_the_end_of_a_batch_loses_no_other_event() {
     let r = ender_run(Ends::RollbackMeantForSavepoint, 64, 6).await;
     assert_eq!(
@@ -687,6 +762,90 @@ async fn one_at_a_time_a_handlers_rollback_meant_for_its_savepoint_at_the_end_lo
         vec![0, 1, 2, 3, 4],
         "every event but the discarded one applied: {r:?}"
     );
+}
+
+/// The events 0..10 but `n`.
+fn all_but(n: i64) -> Vec<i64> {
+    (0..10).filter(|&k| k != n).collect()
+}
+
+/// Asserts event 5 was dead-lettered once, saying its handler ended the transaction.
+fn assert_fifth_dead_lettered_for_ending(r: &Ended) {
+    assert_eq!(r.dead_letters.len(), 1, "one dead letter: {r:?}");
+    assert!(
+        r.dead_letters[0].contains("ended the transaction it was given"),
+        "the dead letter says why: {r:?}"
+    );
+}
+
+/// Guarantee: each event's effects happen exactly once, in order, though a handler ends the
+/// transaction it was given with a `ROLLBACK` and the events after it in the batch write with
+/// plain statements (in autocommit, once the transaction is gone). Throughput mode, a
+/// single-event handler: every event but 5 applied once; event 5 (whose handler discards its
+/// own work every time) dead-lettered after its attempts, saying why. It fails if the runtime
+/// only notices at the batch's end (events 6–9 applied in autocommit, then again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_rollback_with_later_events_in_autocommit_applies_each_other_event_once() {
+    let r = ender_run(Ends::RollbackThenAutocommit, 64, 10).await;
+    assert_eq!(
+        r.applied,
+        all_but(FIFTH),
+        "every other event applied: {r:?}"
+    );
+    assert_fifth_dead_lettered_for_ending(&r);
+}
+
+/// The control: one record per transaction, the same handler: every event but 5 applied
+/// (event 5's rollback is its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_at_a_time_a_handlers_rollback_with_later_events_applies_each_other_event_once() {
+    let r = ender_run(Ends::RollbackThenAutocommit, 1, 10).await;
+    assert_eq!(
+        r.applied,
+        all_but(FIFTH),
+        "every other event applied: {r:?}"
+    );
+}
+
+/// Guarantee: no event lost when a handler commits the runtime's transaction with `COMMIT AND
+/// CHAIN` (the session stays in a transaction, so no later statement fails) and a later event
+/// fails once. Throughput mode: all 10 applied once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_commit_and_chain_loses_no_event_of_its_batch() {
+    let r = ender_run(Ends::CommitAndChain, 64, 10).await;
+    assert_eq!(
+        r.applied,
+        (0..10).collect::<Vec<_>>(),
+        "all 10 applied: {r:?}"
+    );
+}
+
+/// Guarantee: as [`a_handler_script_that_commits_loses_no_event_of_its_batch`], for a batch
+/// handler whose one script commits the whole call's effects; its call holding event 5 fails
+/// once first. All 10 applied once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_script_that_commits_loses_no_event() {
+    let r = ender_run_as(Ends::ScriptCommits, 64, 10, true).await;
+    assert_eq!(
+        r.applied,
+        (0..10).collect::<Vec<_>>(),
+        "all 10 applied: {r:?}"
+    );
+}
+
+/// Guarantee: as [`a_handlers_rollback_with_later_events_in_autocommit_applies_each_other_event_once`],
+/// for a batch handler that discards a whole call holding event 5 with `ROLLBACK`: the calls
+/// shrink until event 5 is alone; every other event applied once, in order; event 5
+/// dead-lettered, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handlers_rollback_applies_each_other_event_once() {
+    let r = ender_run_as(Ends::RollbackThenAutocommit, 64, 10, true).await;
+    assert_eq!(
+        r.applied,
+        all_but(FIFTH),
+        "every other event applied: {r:?}"
+    );
+    assert_fifth_dead_lettered_for_ending(&r);
 }
 
 // --- 3. Failures that depend on the batch, partial effects ------------------------------------

@@ -8,6 +8,8 @@
 //! the records before it and retries it (with backoff) at the head of the next transaction, so
 //! the partition's order holds.
 
+mod ended;
+
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 
@@ -39,6 +41,9 @@ struct Committed {
     held_bytes: i64,
     /// The record after the finished ones failed retryably: (error, whose failure).
     stopped: Option<(String, Retry)>,
+    /// A body rolled the transaction back under the runtime: nothing committed
+    /// ([`ended`]).
+    rolled_back: Option<ended::RolledBack>,
 }
 
 impl Worker {
@@ -86,6 +91,24 @@ impl Worker {
             metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.clone(), "topic" => self.topic.clone())
                 .record(started.elapsed().as_secs_f64());
             match result {
+                Ok(Committed {
+                    rolled_back: Some(rb),
+                    ..
+                }) => {
+                    // A body rolled the transaction back ([`ended`]): the records before it
+                    // alone next, then its record(s) alone at the head, where each such end is
+                    // an attempt.
+                    if rb.before > 0 {
+                        limit = rb.before;
+                    } else if !rb.alone {
+                        limit = 1;
+                    } else {
+                        head_error.clone_from(&rb.error);
+                        if !self.head_failed(&mut head_attempts, &rb.error).await {
+                            return Step::Stop;
+                        }
+                    }
+                }
                 Ok(c) => {
                     let topic = &self.topic;
                     let stats = &self.shared.stats;
@@ -233,11 +256,20 @@ impl Worker {
             .iter()
             .filter_map(|m| m.as_ref().ok().map(|m| m.id))
             .collect();
-        let fresh: HashSet<EventId> = crate::dedup::record_many(&mut tx, &config.consumer, &ids)
+        let (fresh, xid) = crate::dedup::record_many_with_xid(&mut tx, &config.consumer, &ids)
             .await
-            .map_err(Attempt::db)?
-            .into_iter()
-            .collect();
+            .map_err(Attempt::db)?;
+        let fresh: HashSet<EventId> = fresh.into_iter().collect();
+        // Where a body ended the transaction under the runtime ([`ended`]): the offset after
+        // the records before index `k`, and the rest of what `settle_ended` needs.
+        let ended_at = |k: usize, ids: Vec<EventId>, alone: bool, handler: &str| ended::EndedAt {
+            before: k,
+            ids,
+            alone,
+            handler: handler.to_string(),
+            xid: xid.clone().unwrap_or_default(),
+            next_offset: k.checked_sub(1).map(|p| queue[p].offset + 1),
+        };
         // The ids whose first record in this batch was handled: later copies are duplicates.
         let mut claimed: HashSet<EventId> = HashSet::new();
         // The ids whose dedup row stays: applied, or dead-lettered (a later copy of a dead
@@ -368,8 +400,30 @@ impl Worker {
                     end += 1;
                 }
                 let run = self
-                    .batch_run(&mut tx, route.as_ref(), queue, &metas, &items, isolate)
+                    .batch_run(
+                        &mut tx,
+                        route.as_ref(),
+                        queue,
+                        &metas,
+                        &items,
+                        isolate,
+                        xid.as_deref(),
+                    )
                     .await?;
+                if let Ok(Run {
+                    ended: Some(part),
+                    applied,
+                    ..
+                }) = &run
+                {
+                    let ids = applied
+                        .iter()
+                        .chain(part)
+                        .filter_map(|&k| metas[k].as_ref().ok().map(|m| m.id))
+                        .collect();
+                    let at = ended_at(part[0], ids, part.len() == 1, route.name());
+                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                }
                 let run = match run {
                     Ok(run) => run,
                     Err(f) => return Err(abandon(tx, f).await),
@@ -441,14 +495,26 @@ impl Worker {
                 let r = run_body(route.as_ref(), &mut sp, record, m)
                     .instrument(span)
                     .await;
+                if !ended::still_ours(&mut sp, xid.as_deref()).await {
+                    ended::end_what_the_body_left(&mut sp).await;
+                    drop(sp);
+                    let at = ended_at(i, vec![m.id], true, route.name());
+                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                }
                 match r {
                     Ok(()) => release(sp).await?,
                     Err(f) => Err(roll_back(sp, f).await?),
                 }
             } else {
-                run_body(route.as_ref(), &mut tx, record, m)
+                let r = run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
-                    .await
+                    .await;
+                if !ended::still_ours(&mut tx, xid.as_deref()).await {
+                    ended::end_what_the_body_left(&mut tx).await;
+                    let at = ended_at(i, vec![m.id], true, route.name());
+                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                }
+                r
             };
             i += 1;
             match outcome {
@@ -563,6 +629,7 @@ impl Worker {
         metas: &[Result<Meta, crate::record::Rejection>],
         items: &[usize],
         isolate: bool,
+        xid: Option<&str>,
     ) -> Result<Result<Run, BodyFailure>, Attempt> {
         let pair = |k: usize| {
             let m = metas[k].as_ref().expect("batch items have their meta");
@@ -573,13 +640,16 @@ impl Worker {
         let mut run = Run::default();
         if !isolate {
             let all: Vec<(&Record, &Meta)> = items.iter().map(|&k| pair(k)).collect();
-            return Ok(run_batch_body(route, tx, &all)
-                .instrument(span)
-                .await
-                .map(|()| {
-                    run.applied = items.to_vec();
-                    run
-                }));
+            let r = run_batch_body(route, tx, &all).instrument(span).await;
+            if !ended::still_ours(tx, xid).await {
+                ended::end_what_the_body_left(tx).await;
+                run.ended = Some(items.to_vec());
+                return Ok(Ok(run));
+            }
+            return Ok(r.map(|()| {
+                run.applied = items.to_vec();
+                run
+            }));
         }
         // Ranges of `items` still to run, the next on top: processed in partition order.
         let mut todo = vec![(0, items.len())];
@@ -589,6 +659,12 @@ impl Worker {
             let r = run_batch_body(route, &mut sp, &part)
                 .instrument(span.clone())
                 .await;
+            if !ended::still_ours(&mut sp, xid).await {
+                ended::end_what_the_body_left(&mut sp).await;
+                drop(sp);
+                run.ended = Some(items[lo..hi].to_vec());
+                break;
+            }
             let r = match r {
                 Ok(()) => release(sp).await?,
                 Err(f) => Err(roll_back(sp, f).await?),
@@ -704,6 +780,8 @@ struct Run {
     /// The culprit whose key is held ([`crate::FinalFailure::HoldKey`]); the run stopped at
     /// it: (index, reason, error).
     held: Option<(usize, Reason, String)>,
+    /// The call whose body ended the transaction ([`ended`]): its items; the run stopped there.
+    ended: Option<Vec<usize>>,
 }
 
 /// Whether two routes are the same handler.

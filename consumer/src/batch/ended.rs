@@ -1,0 +1,173 @@
+//! A handler body that ends the transaction it was given.
+//!
+//! A handler runs in the runtime's transaction. If its SQL ends it — a script written for
+//! `psql` with its own `BEGIN; …; COMMIT;`, a `ROLLBACK` meant for its savepoint, `COMMIT AND
+//! CHAIN` — PostgreSQL commits or rolls back everything the transaction held so far, and the
+//! statements after it run in autocommit; sqlx does not notice (the runtime's `COMMIT` then
+//! only warns). One record per transaction the damage stays on the handler's own event. In
+//! throughput mode the transaction also holds other events' dedup rows and effects: a
+//! script's `COMMIT` and then a transient failure left the rest of the batch counted as
+//! duplicates, never applied; a `ROLLBACK` in the last body rolled back the earlier events and
+//! the offset still moved past them (`batch_sixth_attack::`).
+//!
+//! So after each body, in throughput mode, the runtime asks whether its transaction is still
+//! the one it began (`pg_current_xact_id_if_assigned()` against the id the dedup insert
+//! returned: one round trip per body, none when no body runs). When it is not, nothing more
+//! runs in it, and a new transaction settles what the body left:
+//! - the batch's dedup rows were committed (a `COMMIT`): the records before the body, and the
+//!   body's own events, went with it. Their dedup rows stay, the rest of the batch's are
+//!   deleted, the offset moves past the records before the body, and the other records run
+//!   again (the body's own events as duplicates: applied once, by the body's commit);
+//! - they were not (a `ROLLBACK`): nothing of the transaction stands. The next transaction
+//!   takes the records before the body alone; then the body's record, alone at the head, counts
+//!   an attempt each time (dead-lettered or held after `max_attempts`, saying why), as any
+//!   handler failure.
+
+use std::collections::HashSet;
+
+use postal_shared::EventId;
+use sqlx::{PgConnection, Postgres, Transaction};
+
+use super::Committed;
+use crate::offsets::{self, Ownership};
+use crate::partition::{Attempt, Worker};
+
+/// Whether the session's transaction is still `xid` (the batch's; `None`: no dedup row was
+/// new, so no body runs). A transaction a failed statement aborted is still ours (the check
+/// fails with 25P02), as is any other failure of the check: the runtime's next statement
+/// meets it and handles it as before.
+pub(super) async fn still_ours(conn: &mut PgConnection, xid: Option<&str>) -> bool {
+    let Some(xid) = xid else { return true };
+    match sqlx::query_scalar::<_, Option<String>>("SELECT pg_current_xact_id_if_assigned()::text")
+        .fetch_one(conn)
+        .await
+    {
+        Ok(now) => now.as_deref() == Some(xid),
+        Err(_) => true,
+    }
+}
+
+/// Ends whatever the body left open on `conn` (a transaction it began after its own
+/// `COMMIT`: its writes are not the batch's to keep); in autocommit a warning only.
+pub(super) async fn end_what_the_body_left(conn: &mut PgConnection) {
+    if let Err(e) = sqlx::query("ROLLBACK").execute(conn).await {
+        tracing::debug!(error = %e, "rolling back after a handler ended its transaction");
+    }
+}
+
+/// Where a body ended the batch's transaction.
+pub(super) struct EndedAt {
+    /// How many records of the queue come before the body's.
+    pub before: usize,
+    /// The events the body ran for, with those a batch handler's earlier calls of this
+    /// transaction applied (a `COMMIT` kept them).
+    pub ids: Vec<EventId>,
+    /// Whether the body ran for one record.
+    pub alone: bool,
+    pub handler: String,
+    /// The batch transaction's id (`pg_current_xact_id()`).
+    pub xid: String,
+    /// The offset after the records before the body (`None`: there are none).
+    pub next_offset: Option<i64>,
+}
+
+/// What the caller does after a body's `ROLLBACK`: nothing of the transaction stands.
+pub(super) struct RolledBack {
+    pub before: usize,
+    pub alone: bool,
+    pub error: String,
+}
+
+impl Worker {
+    /// Settles a batch whose transaction a body ended (see the module's text), in a new
+    /// transaction. `c` and `finished` are what the batch had done before the body (`c.done`
+    /// records, all before it). `tx` is dropped (the session's state is the body's doing: sqlx
+    /// may close the connection on its return to the pool).
+    pub(super) async fn settle_ended(
+        &self,
+        own: &Ownership,
+        tx: Transaction<'static, Postgres>,
+        fresh: &HashSet<EventId>,
+        mut finished: HashSet<EventId>,
+        mut c: Committed,
+        at: EndedAt,
+    ) -> Result<Committed, Attempt> {
+        drop(tx);
+        let config = &self.shared.config;
+        let mut rtx = self
+            .shared
+            .begin_for(&self.topic)
+            .await
+            .map_err(Attempt::db)?;
+        let ids: Vec<uuid::Uuid> = fresh.iter().map(EventId::as_uuid).collect();
+        // The rows the batch's own transaction wrote (`xmin`): a new owner's rows of the same
+        // events (a takeover meanwhile) are neither counted nor deleted.
+        let kept: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM postal.processed_events
+             WHERE consumer_name = $1 AND event_id = ANY($2) AND xmin = $3::xid8::xid",
+        )
+        .bind(&config.consumer)
+        .bind(&ids)
+        .bind(&at.xid)
+        .fetch_one(&mut *rtx)
+        .await
+        .map_err(Attempt::db)?;
+        if kept == 0 {
+            let error = format!(
+                "handler {} ended the transaction it was given (a ROLLBACK in its SQL?); use a savepoint (`tx.begin()`) to undo part of a handler's work",
+                postal_shared::text::quoted(&at.handler)
+            );
+            tracing::warn!(topic = %self.topic, partition = self.partition, handler = %at.handler, "{error}: the batch's work was rolled back with it; running it again");
+            return Ok(Committed {
+                rolled_back: Some(RolledBack {
+                    before: at.before,
+                    alone: at.alone,
+                    error,
+                }),
+                ..Committed::default()
+            });
+        }
+        finished.extend(at.ids);
+        // The body's commit took the batch's dedup rows with it, outside the epoch's fence:
+        // those of events not applied are deleted even if the partition was taken over or
+        // paused meanwhile (a new owner would count them duplicates and never apply them).
+        let unfinished: Vec<uuid::Uuid> =
+            fresh.difference(&finished).map(EventId::as_uuid).collect();
+        sqlx::query(
+            "DELETE FROM postal.processed_events
+             WHERE consumer_name = $1 AND event_id = ANY($2) AND xmin = $3::xid8::xid",
+        )
+        .bind(&config.consumer)
+        .bind(&unfinished)
+        .bind(&at.xid)
+        .execute(&mut *rtx)
+        .await
+        .map_err(Attempt::db)?;
+        let mut refused = None;
+        if let Some(next) = at.next_offset {
+            let owned = offsets::advance(
+                &mut rtx,
+                &config.group,
+                &self.topic,
+                self.partition,
+                own.epoch,
+                next,
+            )
+            .await
+            .map_err(Attempt::db)?;
+            refused = match owned {
+                offsets::Advance::Advanced => None,
+                offsets::Advance::Fenced => Some(Attempt::Fenced),
+                offsets::Advance::Paused => Some(Attempt::Paused),
+            };
+        }
+        rtx.commit().await.map_err(Attempt::db)?;
+        self.now_held(c.held_keys.iter().cloned());
+        if let Some(refused) = refused {
+            return Err(refused);
+        }
+        tracing::warn!(topic = %self.topic, partition = self.partition, handler = %at.handler, "handler {} committed the transaction it was given (a COMMIT in its SQL?); its own events and the {} records before them were committed with it, the rest of the batch runs again", postal_shared::text::quoted(&at.handler), c.done);
+        c.stopped = None;
+        Ok(c)
+    }
+}
