@@ -32,27 +32,25 @@ use super::Committed;
 use crate::offsets::{self, Ownership};
 use crate::partition::{Attempt, Worker};
 
-/// Whether the session's transaction is still `xid` (the batch's; `None`: no dedup row was
-/// new, so no body runs). A transaction a failed statement aborted is still ours (the check
-/// fails with 25P02), as is any other failure of the check: the runtime's next statement
-/// meets it and handles it as before.
-pub(super) async fn still_ours(conn: &mut PgConnection, xid: Option<&str>) -> bool {
-    let Some(xid) = xid else { return true };
-    match sqlx::query_scalar::<_, Option<String>>("SELECT pg_current_xact_id_if_assigned()::text")
-        .fetch_one(conn)
-        .await
-    {
-        Ok(now) => now.as_deref() == Some(xid),
-        Err(_) => true,
+/// Whether a body ended the batch's transaction: the session's transaction is no longer `xid`
+/// (the batch's; `None`: no dedup row was new, so no body runs). If so, also ends whatever the
+/// body left open (a transaction it began after its own `COMMIT`: its writes are not the
+/// batch's to keep; in autocommit a warning only). A transaction a failed statement aborted is
+/// still the batch's (the check fails with 25P02), as is any other failure of the check: the
+/// runtime's next statement meets it and handles it as before.
+pub(super) async fn body_ended(conn: &mut PgConnection, xid: Option<&str>) -> bool {
+    let Some(xid) = xid else { return false };
+    let now =
+        sqlx::query_scalar::<_, Option<String>>("SELECT pg_current_xact_id_if_assigned()::text")
+            .fetch_one(&mut *conn)
+            .await;
+    if !now.is_ok_and(|now| now.as_deref() != Some(xid)) {
+        return false;
     }
-}
-
-/// Ends whatever the body left open on `conn` (a transaction it began after its own
-/// `COMMIT`: its writes are not the batch's to keep); in autocommit a warning only.
-pub(super) async fn end_what_the_body_left(conn: &mut PgConnection) {
     if let Err(e) = sqlx::query("ROLLBACK").execute(conn).await {
         tracing::debug!(error = %e, "rolling back after a handler ended its transaction");
     }
+    true
 }
 
 /// Where a body ended the batch's transaction.
@@ -155,11 +153,7 @@ impl Worker {
             )
             .await
             .map_err(Attempt::db)?;
-            refused = match owned {
-                offsets::Advance::Advanced => None,
-                offsets::Advance::Fenced => Some(Attempt::Fenced),
-                offsets::Advance::Paused => Some(Attempt::Paused),
-            };
+            refused = Attempt::owned(owned).err();
         }
         rtx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());

@@ -495,8 +495,7 @@ impl Worker {
                 let r = run_body(route.as_ref(), &mut sp, record, m)
                     .instrument(span)
                     .await;
-                if !ended::still_ours(&mut sp, xid.as_deref()).await {
-                    ended::end_what_the_body_left(&mut sp).await;
+                if ended::body_ended(&mut sp, xid.as_deref()).await {
                     drop(sp);
                     let at = ended_at(i, vec![m.id], true, route.name());
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
@@ -509,8 +508,7 @@ impl Worker {
                 let r = run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
                     .await;
-                if !ended::still_ours(&mut tx, xid.as_deref()).await {
-                    ended::end_what_the_body_left(&mut tx).await;
+                if ended::body_ended(&mut tx, xid.as_deref()).await {
                     let at = ended_at(i, vec![m.id], true, route.name());
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
                 }
@@ -574,11 +572,7 @@ impl Worker {
             )
             .await
             .map_err(Attempt::db)?;
-            match owned {
-                offsets::Advance::Advanced => {}
-                offsets::Advance::Fenced => return Err(Attempt::Fenced),
-                offsets::Advance::Paused => return Err(Attempt::Paused),
-            }
+            Attempt::owned(owned)?;
         }
         tx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());
@@ -641,8 +635,7 @@ impl Worker {
         if !isolate {
             let all: Vec<(&Record, &Meta)> = items.iter().map(|&k| pair(k)).collect();
             let r = run_batch_body(route, tx, &all).instrument(span).await;
-            if !ended::still_ours(tx, xid).await {
-                ended::end_what_the_body_left(tx).await;
+            if ended::body_ended(tx, xid).await {
                 run.ended = Some(items.to_vec());
                 return Ok(Ok(run));
             }
@@ -659,8 +652,7 @@ impl Worker {
             let r = run_batch_body(route, &mut sp, &part)
                 .instrument(span.clone())
                 .await;
-            if !ended::still_ours(&mut sp, xid).await {
-                ended::end_what_the_body_left(&mut sp).await;
+            if ended::body_ended(&mut sp, xid).await {
                 drop(sp);
                 run.ended = Some(items[lo..hi].to_vec());
                 break;

@@ -170,11 +170,7 @@ impl Worker {
         )
         .await
         .map_err(Attempt::db)?;
-        match owned {
-            offsets::Advance::Advanced => {}
-            offsets::Advance::Fenced => return Err(Attempt::Fenced),
-            offsets::Advance::Paused => return Err(Attempt::Paused),
-        }
+        Attempt::owned(owned)?;
         tx.commit().await.map_err(Attempt::db)?;
         Ok(fresh)
     }
@@ -217,6 +213,16 @@ pub(crate) enum Attempt {
 }
 
 impl Attempt {
+    /// The offset update's answer: `Err` when another consumer took the partition over or
+    /// its group or topic is paused (the transaction must roll back).
+    pub(crate) fn owned(advance: offsets::Advance) -> Result<(), Attempt> {
+        match advance {
+            offsets::Advance::Advanced => Ok(()),
+            offsets::Advance::Fenced => Err(Attempt::Fenced),
+            offsets::Advance::Paused => Err(Attempt::Paused),
+        }
+    }
+
     pub(crate) fn db(e: sqlx::Error) -> Self {
         if crate::idle_end::ended_idle(&e) {
             return Attempt::SessionEnded(crate::idle_end::explain(&e.to_string()));

@@ -599,11 +599,7 @@ impl Worker {
         )
         .await
         .map_err(Attempt::db)?;
-        match owned {
-            offsets::Advance::Advanced => Ok(()),
-            offsets::Advance::Fenced => Err(Attempt::Fenced),
-            offsets::Advance::Paused => Err(Attempt::Paused),
-        }
+        Attempt::owned(owned)
     }
 
     /// The key's last held record was settled: its records flow again.
