@@ -615,6 +615,7 @@ impl Worker {
     /// failure stops the run there. A dependency outage stops the run at the failed call's
     /// first record without splitting (it names no culprit). Nothing a failed call wrote
     /// survives its savepoint, so no record's effects are kept twice.
+    #[allow(clippy::too_many_arguments)] // the batch transaction's state, passed through
     async fn batch_run(
         &self,
         tx: &mut Transaction<'static, Postgres>,
