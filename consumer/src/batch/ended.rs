@@ -29,7 +29,7 @@ use postal_shared::EventId;
 use sqlx::{PgConnection, Postgres, Transaction};
 
 use super::Committed;
-use crate::offsets::{self, Ownership};
+use crate::offsets::Ownership;
 use crate::partition::{Attempt, Worker};
 
 /// Whether a body ended the batch's transaction: the session's transaction is no longer `xid`
@@ -143,17 +143,7 @@ impl Worker {
         .map_err(Attempt::db)?;
         let mut refused = None;
         if let Some(next) = at.next_offset {
-            let owned = offsets::advance(
-                &mut rtx,
-                &config.group,
-                &self.topic,
-                self.partition,
-                own.epoch,
-                next,
-            )
-            .await
-            .map_err(Attempt::db)?;
-            refused = Attempt::owned(owned).err();
+            refused = self.advance(&mut rtx, own, next).await?.err();
         }
         rtx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());

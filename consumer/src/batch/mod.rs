@@ -561,22 +561,34 @@ impl Worker {
         }
         settle_dedup(&mut tx, &config.consumer, &fresh, &finished).await?;
         if c.done > 0 {
-            let next = queue[c.done - 1].offset + 1;
-            let owned = offsets::advance(
-                &mut tx,
-                &config.group,
-                &self.topic,
-                self.partition,
-                own.epoch,
-                next,
-            )
-            .await
-            .map_err(Attempt::db)?;
-            Attempt::owned(owned)?;
+            self.advance(&mut tx, own, queue[c.done - 1].offset + 1)
+                .await??;
         }
         tx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());
         Ok(c)
+    }
+
+    /// Moves the partition's stored offset to `next` in `tx`; `Ok(Err(_))`: another consumer
+    /// took the partition over, or its group or topic is paused (the update did nothing).
+    async fn advance(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        own: &Ownership,
+        next: i64,
+    ) -> Result<Result<(), Attempt>, Attempt> {
+        let config = &self.shared.config;
+        let owned = offsets::advance(
+            tx,
+            &config.group,
+            &self.topic,
+            self.partition,
+            own.epoch,
+            next,
+        )
+        .await
+        .map_err(Attempt::db)?;
+        Ok(Attempt::owned(owned))
     }
 
     /// Holds `record` in the batch's transaction (`c.held_bytes`: what it holds so far);
