@@ -35,22 +35,30 @@ use crate::partition::{Attempt, Worker};
 /// Whether a body ended the batch's transaction: the session's transaction is no longer `xid`
 /// (the batch's; `None`: no dedup row was new, so no body runs). If so, also ends whatever the
 /// body left open (a transaction it began after its own `COMMIT`: its writes are not the
-/// batch's to keep; in autocommit a warning only). A transaction a failed statement aborted is
+/// batch's to keep; in autocommit a warning only). `Err`: the check found the session gone
+/// (ended for idling, 25P03, or unreachable): the caller tells the attempt's failure from it,
+/// as from the statement that would have met it. A transaction a failed statement aborted is
 /// still the batch's (the check fails with 25P02), as is any other failure of the check: the
 /// runtime's next statement meets it and handles it as before.
-pub(super) async fn body_ended(conn: &mut PgConnection, xid: Option<&str>) -> bool {
-    let Some(xid) = xid else { return false };
+pub(super) async fn body_ended(
+    conn: &mut PgConnection,
+    xid: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let Some(xid) = xid else { return Ok(false) };
     let now =
         sqlx::query_scalar::<_, Option<String>>("SELECT pg_current_xact_id_if_assigned()::text")
             .fetch_one(&mut *conn)
             .await;
-    if !now.is_ok_and(|now| now.as_deref() != Some(xid)) {
-        return false;
+    match now {
+        Ok(now) if now.as_deref() == Some(xid) => return Ok(false),
+        Ok(_) => {}
+        Err(e) if super::gone(&e) => return Err(e),
+        Err(_) => return Ok(false),
     }
     if let Err(e) = sqlx::query("ROLLBACK").execute(conn).await {
         tracing::debug!(error = %e, "rolling back after a handler ended its transaction");
     }
-    true
+    Ok(true)
 }
 
 /// Where a body ended the batch's transaction.

@@ -495,7 +495,10 @@ impl Worker {
                 let r = run_body(route.as_ref(), &mut sp, record, m)
                     .instrument(span)
                     .await;
-                if ended::body_ended(&mut sp, xid.as_deref()).await {
+                if ended::body_ended(&mut sp, xid.as_deref())
+                    .await
+                    .map_err(|e| after_gone(&r, e))?
+                {
                     drop(sp);
                     let at = ended_at(i, vec![m.id], true, route.name());
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
@@ -508,7 +511,10 @@ impl Worker {
                 let r = run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
                     .await;
-                if ended::body_ended(&mut tx, xid.as_deref()).await {
+                if ended::body_ended(&mut tx, xid.as_deref())
+                    .await
+                    .map_err(|e| after_gone(&r, e))?
+                {
                     let at = ended_at(i, vec![m.id], true, route.name());
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
                 }
@@ -648,7 +654,10 @@ impl Worker {
         if !isolate {
             let all: Vec<(&Record, &Meta)> = items.iter().map(|&k| pair(k)).collect();
             let r = run_batch_body(route, tx, &all).instrument(span).await;
-            if ended::body_ended(tx, xid).await {
+            if ended::body_ended(tx, xid)
+                .await
+                .map_err(|e| after_gone(&r, e))?
+            {
                 run.ended = Some(items.to_vec());
                 return Ok(Ok(run));
             }
@@ -665,7 +674,10 @@ impl Worker {
             let r = run_batch_body(route, &mut sp, &part)
                 .instrument(span.clone())
                 .await;
-            if ended::body_ended(&mut sp, xid).await {
+            if ended::body_ended(&mut sp, xid)
+                .await
+                .map_err(|e| after_gone(&r, e))?
+            {
                 drop(sp);
                 run.ended = Some(items[lo..hi].to_vec());
                 break;
@@ -756,6 +768,16 @@ async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<Body
 /// (the rollback is then the first statement to read the server's 25P03).
 fn gone(e: &sqlx::Error) -> bool {
     crate::idle_end::ended_idle(e) || postal_shared::database_unavailable(e)
+}
+
+/// The attempt's failure when the check after a body ([`ended::body_ended`]) found the session
+/// gone (`e`), read as the runtime's next statement would have read it: the body's failure
+/// `r` told with the session's end ([`session_gone`]), or the transaction's own.
+fn after_gone(r: &Result<(), BodyFailure>, e: sqlx::Error) -> Attempt {
+    match r {
+        Ok(()) => Attempt::db(e),
+        Err(f) => session_gone(f.clone(), &e),
+    }
 }
 
 /// The attempt's failure when a body failed with `f` and its session is gone (`e`).

@@ -244,6 +244,7 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// How a handler body failed.
+#[derive(Clone)]
 pub(crate) enum BodyFailure {
     /// Dead-letter it (reason, error).
     Dead(Reason, String),
