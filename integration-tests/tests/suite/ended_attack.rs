@@ -31,6 +31,12 @@
 //! - broke, both modes: an operator's row lock on the offset row held for about 5–7 s behind
 //!   PgBouncer's `query_timeout = 1` dead-letters the event at the head, whose handler never
 //!   failed (fa35d83); the same under the server's `statement_timeout` (older than fa35d83);
+//! - broke, under the server's `statement_timeout` (older than fa35d83): `postal pause` waiting
+//!   5 s for a slow transaction (a handler waiting 10 s inside it) and giving up dead-letters
+//!   the innocent head of another partition (its `BEGIN`'s shared lock queued behind the
+//!   pause). Held behind PgBouncer's `query_timeout = 1`: PgBouncer 1.18 ends the slow
+//!   transaction itself after 1 s ("query timeout" also closes a transaction idle between
+//!   statements), so the pause succeeds at once;
 //! - 08P01 texts: `ended_idle` matches PgBouncer's "query timeout" and "idle transaction
 //!   timeout" exactly; its other 08P01 closings ("query_wait_timeout", "client_idle_timeout",
 //!   "server conn crashed?", …) stay outages (read, not run).
@@ -720,4 +726,335 @@ async fn one_at_a_time_an_operators_lock_on_the_offset_row_behind_pgbouncers_que
 async fn an_operators_lock_on_the_offset_row_under_statement_timeout_dead_letters_no_event() {
     let r = lock_run(Limit::StatementTimeoutBelow, 64).await;
     assert_innocent_applied(&r);
+}
+
+// --- 4. `postal pause` waiting for a slow transaction, behind PgBouncer's query_timeout -----
+
+/// Writes `effects` for its events; the first call holding event 0 first waits `slow` inside
+/// its transaction (a call to another service), after telling `started`.
+#[derive(Clone)]
+struct SlowFirst {
+    slow: Duration,
+    slowed: Arc<AtomicBool>,
+    started: Arc<Notify>,
+}
+
+impl SlowFirst {
+    async fn act(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        events: &[(Uuid, i64)],
+    ) -> Result<(), HandlerError> {
+        if events.iter().any(|e| e.1 == 0) && !self.slowed.swap(true, Ordering::SeqCst) {
+            self.started.notify_one();
+            tokio::time::sleep(self.slow).await;
+        }
+        insert(tx, events).await?;
+        Ok(())
+    }
+}
+
+impl Handler for SlowFirst {
+    type Payload = serde_json::Value;
+
+    fn consumer(&self) -> &str {
+        CONSUMER
+    }
+
+    fn name(&self) -> &str {
+        "slow_first"
+    }
+
+    fn handle<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        event: Event<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move { self.act(tx, &[fields(&event)]).await })
+    }
+}
+
+impl BatchHandler for SlowFirst {
+    type Payload = serde_json::Value;
+
+    fn consumer(&self) -> &str {
+        CONSUMER
+    }
+
+    fn name(&self) -> &str {
+        "slow_first_batch"
+    }
+
+    fn handle_batch<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        events: Batch<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let events: Vec<(Uuid, i64)> = events.events().iter().map(fields).collect();
+            self.act(tx, &events).await
+        })
+    }
+}
+
+/// `topic`'s stored next offset on `partition`.
+async fn stored_offset_of(pool: &PgPool, topic: &str, partition: i32) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT next_offset FROM postal.consumer_offsets WHERE topic = $1 AND partition = $2",
+    )
+    .bind(topic)
+    .bind(partition)
+    .fetch_optional(pool)
+    .await
+    .ok()
+    .flatten()
+    .flatten()
+}
+
+/// Which limit ends the consumer's statements waiting behind the pause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PauseLimit {
+    /// A session-mode PgBouncer with `query_timeout = 1`.
+    BouncerQueryTimeout,
+    /// The server's `statement_timeout` (1 s, a DBA's setting on the database), no pooler.
+    ServerStatementTimeout,
+}
+
+/// What [`pause_run`] measured.
+#[derive(Debug)]
+#[allow(dead_code)] // read through `Debug`
+struct PauseRun {
+    /// What the operator's `postal pause` said.
+    pause: Result<bool, String>,
+    applied: Vec<i64>,
+    twice: bool,
+    offsets: (Option<i64>, Option<i64>),
+    dead_letters: Vec<String>,
+    retries: u64,
+    bouncer_timeouts: usize,
+}
+
+/// A topic of 2 partitions, one consumer (limited as `limit` says, `max_attempts` 3). Event 0 (partition 0) has a handler that waits 10 s inside its
+/// transaction. While it waits, an operator runs `postal pause` on the topic with a 5 s wait
+/// (it waits for the transactions in flight: event 0's outlasts it, so the pause gives up,
+/// "still running"; if it does not, the operator resumes at once); meanwhile event 1 arrives
+/// on partition 1. Runs until both partitions are past their record (at most 60 s).
+async fn pause_run(limit: PauseLimit, max_batch: usize) -> PauseRun {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let (bouncer, pool) = match limit {
+        PauseLimit::BouncerQueryTimeout => {
+            let Some(bin) = pgbouncer::binary("ended_attack") else {
+                panic!("no PgBouncer binary (scripts/stack.sh pooler-up installs it)");
+            };
+            let mut options = Options::default();
+            options.settings.push("query_timeout = 1".into());
+            let bouncer =
+                PgBouncer::start_with(&bin, &svc.database_url, PoolMode::Session, 20, &[], options);
+            let pool = PgPoolOptions::new()
+                .max_connections(5)
+                .acquire_timeout(Duration::from_secs(20))
+                .connect(&bouncer.url(&db.name))
+                .await
+                .expect("connect through pgbouncer");
+            (Some(bouncer), pool)
+        }
+        PauseLimit::ServerStatementTimeout => {
+            sqlx::query(&format!(
+                "ALTER DATABASE \"{}\" SET statement_timeout = '1s'",
+                db.name
+            ))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+            (None, db.pool_of(5).await)
+        }
+    };
+    let topic = unique("ended_pause");
+    let group = unique("g");
+    create_topic(&svc.bootstrap, &topic, 2).await;
+    let handler = SlowFirst {
+        slow: Duration::from_secs(10),
+        slowed: Arc::default(),
+        started: Arc::default(),
+    };
+    let mut config = consumer_config(&svc.bootstrap, &group, CONSUMER);
+    config.max_batch = max_batch;
+    config.max_attempts = 3;
+    let builder = Consumer::builder(pool.clone(), config);
+    let builder = if max_batch > 1 {
+        builder.on_batch(&topic, "job", handler.clone())
+    } else {
+        builder.on(&topic, "job", handler.clone())
+    };
+    let running = RunningConsumer::start(builder.build().expect("consumer"));
+    produce(
+        &svc.bootstrap,
+        &topic,
+        Some(0),
+        &[job(Uuid::now_v7(), "k0", json!({ "n": 0 }))],
+    )
+    .await;
+    tokio::time::timeout(WAIT, handler.started.notified())
+        .await
+        .expect("event 0's handler started");
+    // The operator's `postal pause --wait 5s` (directly on the database).
+    let scope = postal_admin::pauses::Scope::consumer(&group, Some(&topic)).unwrap();
+    let operator_pool = db.pool.clone();
+    let pausing = tokio::spawn(async move {
+        let mut tx = operator_pool.begin().await.unwrap();
+        // The operator's session has no statement_timeout of its own (its --wait is the limit).
+        sqlx::query("SET LOCAL statement_timeout = 0")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let r = postal_admin::pauses::pause(
+            &mut tx,
+            &postal_admin::audit::Operator::cli("operator"),
+            &scope,
+            Some("deploy"),
+            Duration::from_secs(5),
+        )
+        .await;
+        match r {
+            Ok(new) => {
+                tx.commit().await.unwrap();
+                Ok(new)
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    wait::until(WAIT, "the pause waiting for event 0's transaction", || {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks
+                 WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND NOT granted",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    produce(
+        &svc.bootstrap,
+        &topic,
+        Some(1),
+        &[job(Uuid::now_v7(), "k1", json!({ "n": 1 }))],
+    )
+    .await;
+    let pause = pausing.await.unwrap();
+    if pause.is_ok() {
+        // The operator resumes at once.
+        let scope = postal_admin::pauses::Scope::consumer(&group, Some(&topic)).unwrap();
+        let mut tx = db.pool.begin().await.unwrap();
+        postal_admin::pauses::resume(
+            &mut tx,
+            &postal_admin::audit::Operator::cli("operator"),
+            &scope,
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // Measured, not asserted, here.
+    let _ = tokio::time::timeout(WAIT, async {
+        while stored_offset_of(&db.pool, &topic, 0).await != Some(1)
+            || stored_offset_of(&db.pool, &topic, 1).await != Some(1)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let stats = running.stats.clone();
+    running.stop().await;
+    pool.close().await;
+    let log = bouncer.as_ref().map(|b| b.log()).unwrap_or_default();
+    drop(bouncer);
+    let (mut applied, twice) = applied(&db.pool).await;
+    applied.sort_unstable();
+    let r = PauseRun {
+        pause,
+        applied,
+        twice,
+        offsets: (
+            stored_offset_of(&db.pool, &topic, 0).await,
+            stored_offset_of(&db.pool, &topic, 1).await,
+        ),
+        dead_letters: dead_letters(&db.pool)
+            .await
+            .into_iter()
+            .map(|d| d.1)
+            .collect(),
+        retries: stats.snapshot().retries,
+        bouncer_timeouts: log
+            .lines()
+            .filter(|l| l.contains("closing because: query timeout"))
+            .count(),
+    };
+    eprintln!("pause, {limit:?}, max_batch {max_batch}: {r:?}");
+    assert!(!r.twice, "{r:?}");
+    r
+}
+
+/// Guarantee attacked: an event whose handler never failed is not dead-lettered — here when
+/// an operator runs `postal pause` (docs/operations.md, "Pausing": it waits for the consumer
+/// transactions in flight) while another partition's handler is slow (10 s inside its
+/// transaction, a call to another service), behind PgBouncer's `query_timeout = 1`. The pause
+/// queues for its exclusive lock; every later consumer transaction of the topic queues behind
+/// it at its `BEGIN`'s shared lock, for longer than the pooler's limit. The pause gives up
+/// after its 5 s wait ("still running"), nothing is paused. Throughput mode (`max_batch` 64).
+///
+/// Held on ac4445f (two runs): PgBouncer 1.18's `query_timeout` also closes a client whose
+/// transaction sits idle between statements (event 0's handler ran no statement during its
+/// wait) with the same "query timeout": event 0's transaction is ended after about 1 s, the
+/// pause gets its lock in 1.1–1.2 s and succeeds (the test resumes at once); event 0 counts
+/// one attempt (its own slowness), then both events are applied, no dead letter, `retries` 1,
+/// 2 PgBouncer closings. So behind PgBouncer's `query_timeout` alone no transaction outlives
+/// it to hold a pause up. It can fail: the same assertions fail under the server's
+/// `statement_timeout` (below).
+#[tokio::test]
+async fn a_pause_waiting_for_a_slow_transaction_behind_pgbouncers_query_timeout_dead_letters_no_event(
+) {
+    let r = pause_run(PauseLimit::BouncerQueryTimeout, 64).await;
+    assert!(
+        r.dead_letters.is_empty(),
+        "no innocent event dead-lettered: {r:?}"
+    );
+    assert_eq!(r.applied, vec![0, 1], "{r:?}");
+    assert_eq!(r.offsets, (Some(1), Some(1)), "{r:?}");
+}
+
+/// As [`a_pause_waiting_for_a_slow_transaction_behind_pgbouncers_query_timeout_dead_letters_no_event`],
+/// under the server's `statement_timeout` (1 s, set on the database by a DBA) instead of
+/// PgBouncer: the slow transaction (no statement running while its handler waits) outlives
+/// it, so the pause waits its full 5 s and every consumer transaction of the topic that
+/// begins meanwhile waits behind it at its `BEGIN`'s shared lock past the timeout (57014).
+///
+/// Measured on ac4445f: the pause gives up ("consumer transactions of consumer group … still
+/// running after 5 s"), nothing is paused — and event 1, on the other partition, whose handler
+/// never ran, is dead-lettered ("gave up after 3 attempts: error returned from database:
+/// canceling statement due to statement timeout"; in the second run "… current transaction is
+/// aborted, commands ignored until end of transaction block": a dead letter whose error names
+/// neither the lock nor the pause), `retries` 2; applied [0] (two runs). Cause (older than
+/// fa35d83): `begin_for`'s shared advisory lock waits behind the pause's exclusive request;
+/// `Attempt::db` makes the 57014 `Retryable`, and the head alone counts it (`head_failed`), so
+/// the operator's failed pause blames the innocent head of every partition of the topic that
+/// began a transaction while it waited. Possible fix: as for the offset row's lock — a timeout
+/// met by the runtime's own statements (here the `BEGIN`'s lock) is waited out, not counted;
+/// e.g. take the pause locks with `SET LOCAL lock_timeout` (55P03, told apart) or
+/// `pg_try_advisory_xact_lock_shared` in a loop, so a pause never reaches the head's attempts.
+#[tokio::test]
+#[ignore = "known: event 1 (other partition, handler never ran) dead-lettered 'gave up after 3 attempts: …' (57014, or 25P02 'current transaction is aborted') while a postal pause waited 5 s and gave up"]
+async fn a_pause_waiting_for_a_slow_transaction_under_statement_timeout_dead_letters_no_event() {
+    let r = pause_run(PauseLimit::ServerStatementTimeout, 64).await;
+    assert!(
+        r.dead_letters.is_empty(),
+        "no innocent event dead-lettered: {r:?}"
+    );
+    assert_eq!(r.applied, vec![0, 1], "{r:?}");
+    assert_eq!(r.offsets, (Some(1), Some(1)), "{r:?}");
 }
