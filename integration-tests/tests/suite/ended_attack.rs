@@ -28,7 +28,7 @@
 //! - broke, throughput mode with a batch handler: a poison found by the isolating pass before
 //!   the call that commits is neither applied nor dead-lettered once the process dies after
 //!   the settle (the settle stored offset 4, past it, and deleted its dedup row);
-//! - broke, both modes: an operator's row lock on the offset row held for about 5–7 s behind
+//! - broke, both modes: an operator's row lock on the offset row held for about 5–8 s behind
 //!   PgBouncer's `query_timeout = 1` dead-letters the event at the head, whose handler never
 //!   failed (fa35d83); the same under the server's `statement_timeout` (older than fa35d83);
 //! - broke, under the server's `statement_timeout` (older than fa35d83): `postal pause` waiting
