@@ -57,11 +57,11 @@ use crate::common::{
     consumer_config, create_topic, effects, effects_table, produce, RawRecord, RunningConsumer,
 };
 
-const CONSUMER: &str = "effects";
+pub(crate) const CONSUMER: &str = "effects";
 const WAIT: Duration = Duration::from_secs(120);
 
 /// Inserts `effects (event_id, n)` for `events`, in order, in the handler's transaction.
-async fn insert(
+pub(crate) async fn insert(
     tx: &mut Transaction<'_, Postgres>,
     events: &[(Uuid, i64)],
 ) -> Result<(), sqlx::Error> {
@@ -80,11 +80,11 @@ async fn insert(
     Ok(())
 }
 
-fn fields(e: &Event<serde_json::Value>) -> (Uuid, i64) {
+pub(crate) fn fields(e: &Event<serde_json::Value>) -> (Uuid, i64) {
     (e.id.as_uuid(), e.payload["n"].as_i64().unwrap_or(-1))
 }
 
-async fn stored_offset(pool: &PgPool, topic: &str) -> Option<i64> {
+pub(crate) async fn stored_offset(pool: &PgPool, topic: &str) -> Option<i64> {
     sqlx::query_scalar(
         "SELECT next_offset FROM postal.consumer_offsets WHERE topic = $1 AND partition = 0",
     )
@@ -96,7 +96,7 @@ async fn stored_offset(pool: &PgPool, topic: &str) -> Option<i64> {
     .flatten()
 }
 
-async fn dead_letters(pool: &PgPool) -> Vec<(Uuid, String)> {
+pub(crate) async fn dead_letters(pool: &PgPool) -> Vec<(Uuid, String)> {
     sqlx::query_as("SELECT event_id, error FROM postal.dead_letters ORDER BY kafka_offset")
         .fetch_all(pool)
         .await
@@ -105,13 +105,13 @@ async fn dead_letters(pool: &PgPool) -> Vec<(Uuid, String)> {
 
 /// The applied `n`s in the order written (`effects.n` is the offset), and whether any event
 /// was applied twice (rows != distinct ids).
-async fn applied(pool: &PgPool) -> (Vec<i64>, bool) {
+pub(crate) async fn applied(pool: &PgPool) -> (Vec<i64>, bool) {
     let (rows, distinct) = effects(pool).await;
     (order(pool).await, rows != distinct)
 }
 
 /// No event applied twice, the applied ones in offset order.
-fn assert_once_in_order(applied: &[i64], twice: bool, what: &dyn std::fmt::Debug) {
+pub(crate) fn assert_once_in_order(applied: &[i64], twice: bool, what: &dyn std::fmt::Debug) {
     assert!(!twice, "no event applied twice: {what:?}");
     assert!(
         applied.windows(2).all(|w| w[0] < w[1]),
@@ -561,7 +561,7 @@ impl BatchHandler for BatchEnder {
 }
 
 /// Runs `script` as one simple-protocol query (several statements), as `psql -f` would.
-async fn script_run(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
+pub(crate) async fn script_run(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
     sqlx::Executor::execute(conn, script).await?;
     Ok(())
 }

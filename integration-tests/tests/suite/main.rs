@@ -36,6 +36,7 @@ mod dead_letter_headers;
 mod dead_letter_replay_chunks;
 mod dead_letters;
 mod discard_storage;
+mod ended_attack;
 mod enqueue;
 mod examples;
 mod explorer;
