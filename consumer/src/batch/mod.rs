@@ -256,19 +256,28 @@ impl Worker {
             .iter()
             .filter_map(|m| m.as_ref().ok().map(|m| m.id))
             .collect();
-        let (fresh, xid) = crate::dedup::record_many_with_xid(&mut tx, &config.consumer, &ids)
+        // The events with no dedup row yet (a read): the plan. Each event's row is written
+        // just before its body (`record`), never before: a body that commits the transaction
+        // it is given (a misuse, [`ended`]) then commits only the rows of events that ran.
+        let planned: HashSet<EventId> = crate::dedup::unrecorded(&mut tx, &config.consumer, &ids)
             .await
-            .map_err(Attempt::db)?;
-        let fresh: HashSet<EventId> = fresh.into_iter().collect();
-        // Where a body ended the transaction under the runtime ([`ended`]): the offset after
-        // the records before index `k`, and the rest of what `settle_ended` needs.
-        let ended_at = |k: usize, ids: Vec<EventId>, alone: bool, handler: &str| ended::EndedAt {
+            .map_err(Attempt::db)?
+            .into_iter()
+            .collect();
+        // The rows this transaction wrote, and its id (read with the first of them).
+        let mut fresh: HashSet<EventId> = HashSet::new();
+        let mut xid: Option<String> = None;
+        // The last body that ran and whose end nobody checked yet ([`ended`]): the next row
+        // written checks it, and a runtime statement before that (a hold, a dead letter, the
+        // settle) checks it first.
+        let mut unchecked: Option<ended::EndedAt> = None;
+        let body_at = |k: usize, ids: Vec<EventId>, alone: bool, handler: &str| ended::EndedAt {
             before: k,
             ids,
             alone,
             handler: handler.to_string(),
-            xid: xid.clone().unwrap_or_default(),
-            next_offset: k.checked_sub(1).map(|p| queue[p].offset + 1),
+            xid: String::new(),
+            next_offset: None,
         };
         // The ids whose first record in this batch was handled: later copies are duplicates.
         let mut claimed: HashSet<EventId> = HashSet::new();
@@ -283,7 +292,20 @@ impl Worker {
         let mut i = 0;
         while i < queue.len() {
             let record = &queue[i];
-            if record.key.as_ref().is_some_and(|k| held.contains(k)) {
+            let held_key = record.key.as_ref().is_some_and(|k| held.contains(k));
+            if held_key || metas[i].is_err() {
+                // A runtime write follows: first, did the body before end the transaction?
+                if let Some(at) = unchecked.take() {
+                    if ended::body_ended(&mut tx, xid.as_deref())
+                        .await
+                        .map_err(Attempt::db)?
+                    {
+                        let at = self.ended_here(at, &xid, queue, c.done);
+                        return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                    }
+                }
+            }
+            if held_key {
                 // Its key waits for an earlier event: taken out of the batch and stored (also
                 // without an envelope: dead-lettered at the release, in its key's order).
                 self.hold_or_bound(&mut tx, &mut c, record, metas[i].as_ref().ok(), None)
@@ -303,7 +325,7 @@ impl Worker {
                     continue;
                 }
             };
-            if !fresh.contains(&m.id) || !claimed.insert(m.id) {
+            if !planned.contains(&m.id) || claimed.contains(&m.id) {
                 c.duplicates += 1;
                 c.done += 1;
                 i += 1;
@@ -314,24 +336,43 @@ impl Worker {
                 .router
                 .find(&record.topic, &m.event_type, m.schema_version)
                 .cloned();
+            if route.is_none() && config.unknown_types == UnknownTypes::Skip {
+                // Skipped, as one at a time (no dedup row): a later copy of the id as a
+                // routed type is still applied, not counted a duplicate of this one.
+                c.skipped += 1;
+                c.done += 1;
+                i += 1;
+                continue;
+            }
+            // Its dedup row, in the statement that checks the body before.
+            let Some(new) = self.record(&mut tx, &mut xid, &[m.id]).await? else {
+                let Some(at) = unchecked.take() else {
+                    return Err(not_by_a_body());
+                };
+                let at = self.ended_here(at, &xid, queue, c.done);
+                return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+            };
+            unchecked = None;
+            claimed.insert(m.id);
+            if new.is_empty() {
+                // Recorded meanwhile by another consumer (a takeover): a duplicate.
+                c.duplicates += 1;
+                c.done += 1;
+                i += 1;
+                continue;
+            }
+            fresh.insert(m.id);
             let Some(route) = route else {
-                if config.unknown_types == UnknownTypes::Skip {
-                    // Skipped, as one at a time (no dedup row): a later copy of the id as a
-                    // routed type is still applied, not counted a duplicate of this one.
-                    claimed.remove(&m.id);
-                    c.skipped += 1;
-                } else {
-                    let error = format!(
-                        "no handler for event type {} (schema version {}) on topic {}",
-                        postal_shared::text::quoted(&m.event_type),
-                        m.schema_version,
-                        postal_shared::text::quoted(&record.topic)
-                    );
-                    self.dead_in(&mut tx, record, Some(m), Reason::UnknownType, &error, 0)
-                        .await?;
-                    finished.insert(m.id);
-                    c.dead += 1;
-                }
+                let error = format!(
+                    "no handler for event type {} (schema version {}) on topic {}",
+                    postal_shared::text::quoted(&m.event_type),
+                    m.schema_version,
+                    postal_shared::text::quoted(&record.topic)
+                );
+                self.dead_in(&mut tx, record, Some(m), Reason::UnknownType, &error, 0)
+                    .await?;
+                finished.insert(m.id);
+                c.dead += 1;
                 c.done += 1;
                 i += 1;
                 continue;
@@ -378,14 +419,14 @@ impl Worker {
                 // The run of records from here that this batch handler applies: new events
                 // routed to it, and copies of events already taken (duplicates: no effects);
                 // anything else ends it.
-                let mut items = vec![i];
+                let mut candidates = Vec::new();
                 let mut end = i + 1;
                 while end < queue.len() {
                     let Ok(mj) = &metas[end] else { break };
                     if queue[end].key.as_ref().is_some_and(|k| held.contains(k)) {
                         break;
                     }
-                    if fresh.contains(&mj.id) && !claimed.contains(&mj.id) {
+                    if planned.contains(&mj.id) && !claimed.contains(&mj.id) {
                         let same = self
                             .shared
                             .router
@@ -395,9 +436,30 @@ impl Worker {
                             break;
                         }
                         claimed.insert(mj.id);
-                        items.push(end);
+                        candidates.push(end);
                     }
                     end += 1;
+                }
+                // Their dedup rows (the head's is written): one statement for the run.
+                let mut items = vec![i];
+                if !candidates.is_empty() {
+                    let ids: Vec<EventId> = candidates
+                        .iter()
+                        .filter_map(|&k| metas[k].as_ref().ok().map(|m| m.id))
+                        .collect();
+                    let new: HashSet<EventId> = self
+                        .record(&mut tx, &mut xid, &ids)
+                        .await?
+                        .ok_or_else(not_by_a_body)?
+                        .into_iter()
+                        .collect();
+                    for k in candidates {
+                        let id = metas[k].as_ref().expect("candidates have their meta").id;
+                        if new.contains(&id) {
+                            fresh.insert(id);
+                            items.push(k);
+                        }
+                    }
                 }
                 let run = self
                     .batch_run(
@@ -421,7 +483,10 @@ impl Worker {
                         .chain(part)
                         .filter_map(|&k| metas[k].as_ref().ok().map(|m| m.id))
                         .collect();
-                    let at = ended_at(part[0], ids, part.len() == 1, route.name());
+                    let at = body_at(part[0], ids, part.len() == 1, route.name());
+                    // The run's records from its first on run again (not only from the
+                    // call's: a culprit of an earlier call is not dead-lettered yet).
+                    let at = self.ended_here(at, &xid, queue, c.done);
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
                 }
                 let run = match run {
@@ -500,7 +565,8 @@ impl Worker {
                     .map_err(|e| after_gone(&r, e))?
                 {
                     drop(sp);
-                    let at = ended_at(i, vec![m.id], true, route.name());
+                    let at = body_at(i, vec![m.id], true, route.name());
+                    let at = self.ended_here(at, &xid, queue, c.done);
                     return self.settle_ended(own, tx, &fresh, finished, c, at).await;
                 }
                 match r {
@@ -508,17 +574,11 @@ impl Worker {
                     Err(f) => Err(roll_back(sp, f).await?),
                 }
             } else {
-                let r = run_body(route.as_ref(), &mut tx, record, m)
+                // Checked by the next row written, or before the next runtime statement.
+                unchecked = Some(body_at(i, vec![m.id], true, route.name()));
+                run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
-                    .await;
-                if ended::body_ended(&mut tx, xid.as_deref())
                     .await
-                    .map_err(|e| after_gone(&r, e))?
-                {
-                    let at = ended_at(i, vec![m.id], true, route.name());
-                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
-                }
-                r
             };
             i += 1;
             match outcome {
@@ -565,6 +625,16 @@ impl Worker {
                 }
             }
         }
+        if let Some(at) = unchecked.take() {
+            let r: Result<(), BodyFailure> = Ok(());
+            if ended::body_ended(&mut tx, xid.as_deref())
+                .await
+                .map_err(|e| after_gone(&r, e))?
+            {
+                let at = self.ended_here(at, &xid, queue, c.done);
+                return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+            }
+        }
         settle_dedup(&mut tx, &config.consumer, &fresh, &finished).await?;
         if c.done > 0 {
             self.advance(&mut tx, own, queue[c.done - 1].offset + 1)
@@ -573,6 +643,38 @@ impl Worker {
         tx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());
         Ok(c)
+    }
+
+    /// Writes the dedup rows of `ids` in the batch's transaction if it is still `xid`'s (set
+    /// from the first): `None` when a body ended it ([`ended`]).
+    async fn record(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        xid: &mut Option<String>,
+        ids: &[EventId],
+    ) -> Result<Option<Vec<EventId>>, Attempt> {
+        let consumer = &self.shared.config.consumer;
+        let recorded = crate::dedup::record_checked(tx, consumer, ids, xid.as_deref())
+            .await
+            .map_err(Attempt::db)?;
+        Ok(recorded.map(|(new, now)| {
+            xid.get_or_insert(now);
+            new
+        }))
+    }
+
+    /// `at` completed with where the batch stands: its transaction's id, and the offset after
+    /// the `done` records before the body (what a body's `COMMIT` kept).
+    fn ended_here(
+        &self,
+        mut at: ended::EndedAt,
+        xid: &Option<String>,
+        queue: &[Record],
+        done: usize,
+    ) -> ended::EndedAt {
+        at.xid = xid.clone().unwrap_or_default();
+        at.next_offset = done.checked_sub(1).map(|p| queue[p].offset + 1);
+        at
     }
 
     /// Moves the partition's stored offset to `next` in `tx`; `Ok(Err(_))`: another consumer
@@ -768,6 +870,12 @@ async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<Body
 /// (the rollback is then the first statement to read the server's 25P03).
 fn gone(e: &sqlx::Error) -> bool {
     crate::idle_end::ended_idle(e) || postal_shared::database_unavailable(e)
+}
+
+/// The batch's transaction ended where no body ran since it was last checked: never expected
+/// (only a body's SQL ends it); the attempt fails and the batch runs again.
+fn not_by_a_body() -> Attempt {
+    Attempt::Retryable("the batch's transaction ended with no handler body to blame".into())
 }
 
 /// The attempt's failure when the check after a body ([`ended::body_ended`]) found the session

@@ -365,7 +365,6 @@ async fn crash_run(crash: Crash, max_batch: usize, events: i64, batch: bool) -> 
 /// costs), or write the batch's rows up front as pending (a column the batch's last statement
 /// clears, which the dedup check treats as absent and the next owner overwrites).
 #[tokio::test]
-#[ignore = "known: events 4-9 lost: applied [0,1,2,3], offset 10, no dead letter; 10 dedup rows at the death, the second process counted 10 duplicates"]
 async fn a_process_dying_after_a_handlers_commit_loses_no_later_event_of_its_batch() {
     let r = crash_run(Crash::AfterTheBodysCommit, 64, 10, false).await;
     assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "{r:?}");
@@ -388,7 +387,6 @@ async fn a_process_dying_after_a_handlers_commit_loses_no_later_event_of_its_bat
 /// what it never gets to run; the same possible fix (no dedup row of an event not yet run in
 /// the transaction a body can commit).
 #[tokio::test]
-#[ignore = "known: events 4-9 lost: applied [0,1,2,3], offset 10, no dead letter; counters 0 applied, 10 duplicates"]
 async fn an_outage_after_a_handlers_commit_loses_no_later_event_of_its_batch() {
     let r = crash_run(Crash::OutageAfterTheBodysCommit, 64, 10, false).await;
     assert_eq!(r.applied, (0..10).collect::<Vec<_>>(), "{r:?}");
@@ -425,7 +423,6 @@ async fn one_at_a_time_a_process_dying_after_a_handlers_commit_loses_no_event() 
 /// write `run.dead`'s dead letters in the settle's transaction, and keep their dedup rows), so
 /// that the stored offset never passes a record that is neither applied nor dead-lettered.
 #[tokio::test]
-#[ignore = "known: the poison (event 1) lost: at the death stored offset 4, its dedup row deleted, no dead letter; second process: 4 duplicates, offset 8, no dead letter"]
 async fn a_poison_before_a_batch_handlers_commit_is_dead_lettered_across_a_death() {
     let r = crash_run(Crash::AfterTheSettle, 64, 8, true).await;
     assert_eq!(
