@@ -10,14 +10,19 @@
 //! duplicates, never applied; a `ROLLBACK` in the last body rolled back the earlier events and
 //! the offset still moved past them (`batch_sixth_attack::`).
 //!
-//! So after each body, in throughput mode, the runtime asks whether its transaction is still
-//! the one it began (`pg_current_xact_id_if_assigned()` against the id the dedup insert
-//! returned: one round trip per body, none when no body runs). When it is not, nothing more
-//! runs in it, and a new transaction settles what the body left:
-//! - the batch's dedup rows were committed (a `COMMIT`): the records before the body, and the
-//!   body's own events, went with it. Their dedup rows stay, the rest of the batch's are
-//!   deleted, the offset moves past the records before the body, and the other records run
-//!   again (the body's own events as duplicates: applied once, by the body's commit);
+//! So in throughput mode each event's dedup row is written just before its body, never
+//! before (a body's `COMMIT` then commits only the rows of events that ran: a death or an
+//! outage right after it loses nothing, `ended_attack::`), in the same statement that checks
+//! that the transaction is still the one the batch began (`pg_current_xact_id_if_assigned()`
+//! against the id read with the first row: the round trip the row costs anyway). A runtime
+//! statement that follows a body otherwise (a hold, a dead letter, the offset) checks first,
+//! as does the isolating pass after each body. When the transaction is no longer the batch's,
+//! nothing more runs in it, and a new transaction settles what the body left:
+//! - its dedup rows were committed (a `COMMIT`): the records before the body, and the body's
+//!   own events, went with it. Their dedup rows stay, any other row of the batch's
+//!   transaction is deleted, the offset moves past the records done before the body, and the
+//!   other records run again (the body's own events as duplicates: applied once, by the body's
+//!   commit);
 //! - they were not (a `ROLLBACK`): nothing of the transaction stands. The next transaction
 //!   takes the records before the body alone; then the body's record, alone at the head, counts
 //!   an attempt each time (dead-lettered or held after `max_attempts`, saying why), as any

@@ -1,12 +1,14 @@
 //! Throughput mode: several records of a partition in one transaction.
 //!
-//! One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING` records the dedup rows; bodies run
-//! only for the ids it returned; the offset advances once. The first pass runs the bodies
-//! without savepoints; if any of them fails, the transaction is rolled back and the batch runs
-//! again with a savepoint around each body, so the failure is isolated: a permanent failure
-//! becomes a dead letter in the same transaction and the rest commit; a retryable failure commits
-//! the records before it and retries it (with backoff) at the head of the next transaction, so
-//! the partition's order holds.
+//! One read finds which of the batch's events have no dedup row yet (the plan); each event's
+//! row is written just before its body runs (a batch handler's run: one multi-row `INSERT … ON
+//! CONFLICT DO NOTHING RETURNING` for the run), in the statement that also checks that the
+//! body before did not end the transaction ([`ended`]); the offset advances once. The first
+//! pass runs the bodies without savepoints; if any of them fails, the transaction is rolled
+//! back and the batch runs again with a savepoint around each body, so the failure is
+//! isolated: a permanent failure becomes a dead letter in the same transaction and the rest
+//! commit; a retryable failure commits the records before it and retries it (with backoff) at
+//! the head of the next transaction, so the partition's order holds.
 
 mod ended;
 
