@@ -79,43 +79,53 @@ pub(crate) async fn unrecorded(
 }
 
 /// Records the dedup rows of `event_ids` (as [`record_many`]) only if the session's
-/// transaction is still `xid` (`None`: the first rows of the transaction; its id is read).
-/// `None`: it is not — a handler body ended it ([`crate::batch`]'s `ended`), nothing was
-/// written; otherwise the ids that were new and the transaction's id. One round trip, which is
-/// also the check that the body before ended nothing.
+/// transaction is still `xid` (`None`: no row of the transaction was written yet, nothing to
+/// check). `None`: it is not — a handler body ended it ([`crate::batch`]'s `ended`), nothing
+/// was written; otherwise the ids that were new and, when any was, the transaction's id. One
+/// plain insert (the round trip the row costs anyway is the check that the body before ended
+/// nothing); only when no row was new does a second statement tell a duplicate from an ended
+/// transaction.
 pub(crate) async fn record_checked(
     conn: &mut PgConnection,
     consumer: &str,
     event_ids: &[EventId],
     xid: Option<&str>,
-) -> Result<Option<(Vec<EventId>, String)>, sqlx::Error> {
+) -> Result<Option<(Vec<EventId>, Option<String>)>, sqlx::Error> {
     let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
-    let (ours, now, fresh): (bool, Option<String>, Vec<uuid::Uuid>) = sqlx::query_as(
-        "WITH ours AS MATERIALIZED (
-             SELECT $3::text IS NULL OR pg_current_xact_id_if_assigned()::text = $3 AS ok
-         ), fresh AS (
-             INSERT INTO postal.processed_events (consumer_name, event_id)
-             SELECT $1, i.id FROM unnest($2::uuid[]) AS i(id), ours WHERE ours.ok
-             ON CONFLICT DO NOTHING
-             RETURNING event_id
-         )
-         SELECT (SELECT ok FROM ours),
-                CASE WHEN (SELECT ok FROM ours) THEN pg_current_xact_id()::text END,
-                ARRAY(SELECT event_id FROM fresh)",
+    let rows: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+        "INSERT INTO postal.processed_events (consumer_name, event_id)
+         SELECT $1, i.id FROM unnest($2::uuid[]) AS i(id)
+         WHERE $3::text IS NULL OR pg_current_xact_id_if_assigned()::text = $3
+         ON CONFLICT DO NOTHING
+         RETURNING event_id, pg_current_xact_id()::text",
     )
     .bind(consumer)
     .bind(&ids)
     .bind(xid)
-    .fetch_one(conn)
+    .fetch_all(&mut *conn)
     .await?;
-    let (true, Some(now)) = (ours, now) else {
-        return Ok(None);
-    };
-    let fresh = fresh
-        .into_iter()
-        .filter_map(|u| EventId::from_uuid(u).ok())
-        .collect();
-    Ok(Some((fresh, now)))
+    if let Some((_, now)) = rows.first() {
+        if xid.is_some_and(|x| x != now) {
+            return Ok(None);
+        }
+        let now = now.clone();
+        let fresh = rows
+            .into_iter()
+            .filter_map(|(u, _)| EventId::from_uuid(u).ok())
+            .collect();
+        return Ok(Some((fresh, Some(now))));
+    }
+    // Nothing new: duplicates, or no longer the batch's transaction.
+    if let Some(xid) = xid {
+        let now: Option<String> =
+            sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
+                .fetch_one(&mut *conn)
+                .await?;
+        if now.as_deref() != Some(xid) {
+            return Ok(None);
+        }
+    }
+    Ok(Some((Vec::new(), None)))
 }
 
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written

@@ -660,7 +660,9 @@ impl Worker {
             .await
             .map_err(Attempt::db)?;
         Ok(recorded.map(|(new, now)| {
-            xid.get_or_insert(now);
+            if let Some(now) = now {
+                xid.get_or_insert(now);
+            }
             new
         }))
     }
