@@ -92,18 +92,36 @@ pub(crate) async fn record_checked(
     xid: Option<&str>,
 ) -> Result<Option<(Vec<EventId>, Option<String>)>, sqlx::Error> {
     let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
-    let rows: Vec<(uuid::Uuid, String)> = sqlx::query_as(
-        "INSERT INTO postal.processed_events (consumer_name, event_id)
-         SELECT $1, i.id FROM unnest($2::uuid[]) AS i(id)
-         WHERE $3::text IS NULL OR pg_current_xact_id_if_assigned()::text = $3
-         ON CONFLICT DO NOTHING
-         RETURNING event_id, pg_current_xact_id()::text",
-    )
-    .bind(consumer)
-    .bind(&ids)
-    .bind(xid)
-    .fetch_all(&mut *conn)
-    .await?;
+    // Two statements, not one with `$3 IS NULL OR …`: a generic plan each (with the `OR`,
+    // PostgreSQL kept planning every execution anew).
+    let rows: Vec<(uuid::Uuid, String)> = match xid {
+        None => {
+            sqlx::query_as(
+                "INSERT INTO postal.processed_events (consumer_name, event_id)
+                 SELECT $1, unnest($2::uuid[])
+                 ON CONFLICT DO NOTHING
+                 RETURNING event_id, pg_current_xact_id()::text",
+            )
+            .bind(consumer)
+            .bind(&ids)
+            .fetch_all(&mut *conn)
+            .await?
+        }
+        Some(xid) => {
+            sqlx::query_as(
+                "INSERT INTO postal.processed_events (consumer_name, event_id)
+                 SELECT $1, i.id FROM unnest($2::uuid[]) AS i(id)
+                 WHERE pg_current_xact_id_if_assigned()::text = $3
+                 ON CONFLICT DO NOTHING
+                 RETURNING event_id, $3",
+            )
+            .bind(consumer)
+            .bind(&ids)
+            .bind(xid)
+            .fetch_all(&mut *conn)
+            .await?
+        }
+    };
     if let Some((_, now)) = rows.first() {
         if xid.is_some_and(|x| x != now) {
             return Ok(None);
