@@ -92,8 +92,7 @@ pub(crate) async fn record_checked(
     xid: Option<&str>,
 ) -> Result<Option<(Vec<EventId>, Option<String>)>, sqlx::Error> {
     let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
-    // Two statements, not one with `$3 IS NULL OR …`: a generic plan each (with the `OR`,
-    // PostgreSQL kept planning every execution anew).
+    // The batch's first rows (its id read back), then later rows (guarded by it).
     let rows: Vec<(uuid::Uuid, String)> = match xid {
         None => {
             sqlx::query_as(
