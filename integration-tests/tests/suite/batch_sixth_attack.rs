@@ -199,9 +199,45 @@ impl Handler for ReportOne {
     }
 }
 
-/// Which limit ends the slow query.
+/// A session-mode PgBouncer (named `name` in its directory) in front of `db`, configured as
+/// `limit` says (the server's `statement_timeout` is set on `db` for
+/// [`Limit::StatementTimeoutBelow`]), and a pool of 5 through it.
+pub(crate) async fn limited_pool(
+    database_url: &str,
+    db: &postal_integration_tests::TestDb,
+    limit: Limit,
+    name: &str,
+) -> (PgBouncer, PgPool) {
+    let Some(bin) = pgbouncer::binary(name) else {
+        panic!("no PgBouncer binary (scripts/stack.sh pooler-up installs it)");
+    };
+    let mut options = Options::default();
+    match limit {
+        Limit::BouncerQueryTimeout => options.settings.push("query_timeout = 1".into()),
+        Limit::StatementTimeoutBelow => {
+            options.settings.push("query_timeout = 3".into());
+            sqlx::query(&format!(
+                "ALTER DATABASE \"{}\" SET statement_timeout = '1s'",
+                db.name
+            ))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        }
+    }
+    let bouncer = PgBouncer::start_with(&bin, database_url, PoolMode::Session, 20, &[], options);
+    let pool = PgPoolOptions::new()
+        .max_connections(5)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(&bouncer.url(&db.name))
+        .await
+        .expect("connect through pgbouncer");
+    (bouncer, pool)
+}
+
+/// Which limit ends a statement that runs (or waits) too long.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Limit {
+pub(crate) enum Limit {
     /// PgBouncer's `query_timeout = 1` alone (it closes the client: FATAL 08P01 "query
     /// timeout").
     BouncerQueryTimeout,
@@ -238,31 +274,7 @@ async fn slow_run(limit: Limit, max_batch: usize) -> SlowRun {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
-    let Some(bin) = pgbouncer::binary("batch_sixth_attack") else {
-        panic!("no PgBouncer binary (scripts/stack.sh pooler-up installs it)");
-    };
-    let mut options = Options::default();
-    match limit {
-        Limit::BouncerQueryTimeout => options.settings.push("query_timeout = 1".into()),
-        Limit::StatementTimeoutBelow => {
-            options.settings.push("query_timeout = 3".into());
-            sqlx::query(&format!(
-                "ALTER DATABASE \"{}\" SET statement_timeout = '1s'",
-                db.name
-            ))
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        }
-    }
-    let bouncer =
-        PgBouncer::start_with(&bin, &svc.database_url, PoolMode::Session, 20, &[], options);
-    let pool = PgPoolOptions::new()
-        .max_connections(5)
-        .acquire_timeout(Duration::from_secs(20))
-        .connect(&bouncer.url(&db.name))
-        .await
-        .expect("connect through pgbouncer");
+    let (bouncer, pool) = limited_pool(&svc.database_url, &db, limit, "batch_sixth_attack").await;
     let topic = unique("sixth_bouncer");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();

@@ -56,7 +56,8 @@ use uuid::Uuid;
 
 use crate::batch_fixtures::job;
 use crate::batch_sixth_attack::{
-    applied, assert_once_in_order, dead_letters, fields, insert, stored_offset, CONSUMER,
+    applied, assert_once_in_order, dead_letters, fields, insert, limited_pool, stored_offset,
+    Limit, CONSUMER,
 };
 use crate::common::{
     consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer,
@@ -487,16 +488,6 @@ impl BatchHandler for Plain {
     }
 }
 
-/// Which limit ends the runtime's statement waiting for the operator's lock.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Limit {
-    /// PgBouncer's `query_timeout = 1` (FATAL 08P01 "query timeout").
-    BouncerQueryTimeout,
-    /// The server's `statement_timeout` (1 s), behind a PgBouncer with `query_timeout = 3`
-    /// (its manual's advice): 57014.
-    StatementTimeoutBelow,
-}
-
 /// What [`lock_run`] measured.
 #[derive(Debug)]
 #[allow(dead_code)] // read through `Debug`
@@ -535,31 +526,7 @@ async fn lock_run(limit: Limit, max_batch: usize) -> LockRun {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
-    let Some(bin) = pgbouncer::binary("ended_attack") else {
-        panic!("no PgBouncer binary (scripts/stack.sh pooler-up installs it)");
-    };
-    let mut options = Options::default();
-    match limit {
-        Limit::BouncerQueryTimeout => options.settings.push("query_timeout = 1".into()),
-        Limit::StatementTimeoutBelow => {
-            options.settings.push("query_timeout = 3".into());
-            sqlx::query(&format!(
-                "ALTER DATABASE \"{}\" SET statement_timeout = '1s'",
-                db.name
-            ))
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        }
-    }
-    let bouncer =
-        PgBouncer::start_with(&bin, &svc.database_url, PoolMode::Session, 20, &[], options);
-    let pool = PgPoolOptions::new()
-        .max_connections(5)
-        .acquire_timeout(Duration::from_secs(20))
-        .connect(&bouncer.url(&db.name))
-        .await
-        .expect("connect through pgbouncer");
+    let (bouncer, pool) = limited_pool(&svc.database_url, &db, limit, "ended_attack").await;
     let topic = unique("ended_lock");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
