@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use postal_consumer::{
     Batch, BatchHandler, BoxFuture, Consumer, Event, Handler, HandlerError, UnknownTypes,
 };
+use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
 use postal_integration_tests::{services, unique};
 use serde_json::json;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -595,4 +596,110 @@ async fn a_row_committed_by_another_partition_after_the_plan_makes_the_copy_a_du
 async fn a_row_committed_by_another_partition_after_the_plan_leaves_a_run_candidate_out() {
     let r = copy_run(true).await;
     assert_eq!(r.copies_applied, 1, "X applied once: {r:?}");
+}
+
+// --- 4. The cost of a batch of duplicates ----------------------------------------------------
+
+/// PgBouncer's `total_query_count` for `db` (its admin console, `SHOW STATS`): the round trips
+/// the clients of that database made through it.
+async fn queries_through(bouncer: &PgBouncer, db: &str) -> i64 {
+    use sqlx::{Connection, Row, ValueRef};
+    let mut admin = sqlx::PgConnection::connect(&bouncer.url("pgbouncer"))
+        .await
+        .expect("PgBouncer's admin console");
+    let rows = sqlx::raw_sql("SHOW STATS")
+        .fetch_all(&mut admin)
+        .await
+        .expect("SHOW STATS");
+    let _ = admin.close().await;
+    for row in rows {
+        let text = |i: usize| -> String {
+            let raw = row.try_get_raw(i).expect("a column");
+            if raw.is_null() {
+                return String::new();
+            }
+            raw.as_str().expect("text").to_owned()
+        };
+        if text(0) == db {
+            return text(2).parse().expect("total_query_count");
+        }
+    }
+    0
+}
+
+/// Guarantee attacked: the cost side of the lazy plan — a batch whose events are all
+/// duplicates (a redelivery after a rebalance, a producer's resend, a replay of a topic) must
+/// not cost a round trip per duplicate (the plan's one read finds them; no `record_checked`,
+/// no body). 400 events applied, the consumer stopped, the same 400 produced again; a new
+/// consumer of the group (through PgBouncer in session mode, which counts the round trips)
+/// reads the 400 copies. Expected: 400 duplicates, each event once, and far fewer than 400
+/// queries for the whole second run (its start-up included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_duplicates_costs_no_round_trip_per_duplicate() {
+    const EVENTS: i64 = 400;
+    let Some(bin) = pgbouncer::binary("lazy_dedup_attack::a_batch_of_duplicates_costs") else {
+        return;
+    };
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    let bouncer = PgBouncer::start(&bin, &svc.database_url, PoolMode::Session, 10, &[]);
+    let topic = unique("lazy_dups");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let ids: Vec<Uuid> = (0..EVENTS).map(|_| Uuid::now_v7()).collect();
+    let batch: Vec<RawRecord> = ids
+        .iter()
+        .enumerate()
+        .map(|(n, id)| RawRecord::event(*id, "k", "note", json!({ "n": n })))
+        .collect();
+    produce(&svc.bootstrap, &topic, Some(0), &batch).await;
+    let group = unique("g");
+    let run = |pool: PgPool| {
+        let mut config = consumer_config(&svc.bootstrap, &group, CONSUMER);
+        config.max_batch = 1000;
+        let consumer = Consumer::builder(pool, config)
+            .on(&topic, "note", Notes::default())
+            .build()
+            .expect("consumer");
+        RunningConsumer::start(consumer)
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .connect(&bouncer.url(&db.name))
+        .await
+        .expect("a pool through PgBouncer");
+    let first = run(pool.clone());
+    until_past(&db.pool, &topic, &[(0, EVENTS)]).await;
+    first.stop().await;
+    pool.close().await;
+    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(EVENTS), "the first run past all");
+    produce(&svc.bootstrap, &topic, Some(0), &batch).await;
+    let before = queries_through(&bouncer, &db.name).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .connect(&bouncer.url(&db.name))
+        .await
+        .expect("a pool through PgBouncer");
+    let started = Instant::now();
+    let second = run(pool.clone());
+    until_past(&db.pool, &topic, &[(0, 2 * EVENTS)]).await;
+    let secs = started.elapsed().as_secs_f64();
+    let after = queries_through(&bouncer, &db.name).await;
+    let stats = second.stats.clone();
+    second.stop().await;
+    pool.close().await;
+    let s = stats.snapshot();
+    let (rows, distinct) = crate::common::effects(&db.pool).await;
+    let queries = after - before;
+    eprintln!(
+        "{EVENTS} duplicates: {queries} queries through PgBouncer ({before} before), {secs:.2} s, stats applied {} duplicates {}, effects {rows} rows {distinct} ids",
+        s.applied, s.duplicates
+    );
+    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(2 * EVENTS), "past the copies");
+    assert_eq!((rows, distinct), (EVENTS, EVENTS), "each event once");
+    assert_eq!((s.applied, s.duplicates), (0, EVENTS as u64), "the copies duplicates");
+    assert!(
+        queries < EVENTS / 4,
+        "{queries} round trips for {EVENTS} duplicates (start-up included)"
+    );
 }
