@@ -55,6 +55,7 @@ mod idle;
 mod idle_end_attack;
 mod interop;
 mod key_order;
+mod lazy_dedup_attack;
 mod maintenance_audit;
 mod migrations;
 mod missing_topic;
