@@ -44,7 +44,9 @@ use crate::batch_fixtures::job;
 use crate::batch_sixth_attack::{
     applied, assert_once_in_order, dead_letters, fields, insert, CONSUMER,
 };
-use crate::common::{consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer};
+use crate::common::{
+    consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer,
+};
 
 /// The stored offset of `topic`'s `partition`.
 async fn offset_of(pool: &PgPool, topic: &str, partition: i32) -> Option<i64> {
@@ -171,9 +173,16 @@ async fn commit_run(at: i64, events: i64) -> Committed {
         secs,
     };
     eprintln!("COMMIT at {at} of {events}: {r:?}");
-    assert!(handler.committed.load(Ordering::SeqCst), "the COMMIT ran: {r:?}");
+    assert!(
+        handler.committed.load(Ordering::SeqCst),
+        "the COMMIT ran: {r:?}"
+    );
     assert_once_in_order(&r.applied, r.twice, &r);
-    assert_eq!(r.applied, (0..events).collect::<Vec<_>>(), "all applied: {r:?}");
+    assert_eq!(
+        r.applied,
+        (0..events).collect::<Vec<_>>(),
+        "all applied: {r:?}"
+    );
     assert_eq!(r.offset, Some(events), "the offset past all: {r:?}");
     r
 }
@@ -197,9 +206,9 @@ async fn commit_run(at: i64, events: i64) -> Committed {
 /// `gave_up` with `FinalFailure::HoldKey`) would keep its committed dedup row, which
 /// `settle_ended` would have deleted, and be counted a duplicate when its key is released.
 /// Possible fix: `coalesce(pg_current_xact_id_if_assigned()::text = $3, false)` (or `IS NOT
-/// DISTINCT FROM`) in `record_checked`.
+/// DISTINCT FROM`) in `record_checked`. Passes since e7bb267: the guard is a `WHERE` (NULL
+/// writes nothing) and, when nothing was new, a second statement compares the ids in Rust.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: on f814173 stats applied 3, duplicates 3 for 6 events each delivered once, no 'committed the transaction it was given' warning (the control: 6 and 0, warned); effects once, in order"]
 async fn a_handlers_commit_before_a_later_event_is_noticed_and_counted_applied() {
     let r = commit_run(2, 6).await;
     assert_eq!(
@@ -415,17 +424,29 @@ async fn twice_run(max_batch: usize, unknown: UnknownTypes) -> Twice {
         max_batch,
         applied,
         twice,
-        dead_letters: dead_letters(&db.pool).await.into_iter().map(|d| d.0).collect(),
+        dead_letters: dead_letters(&db.pool)
+            .await
+            .into_iter()
+            .map(|d| d.0)
+            .collect(),
         stats_applied: s.applied,
         stats_duplicates: s.duplicates,
         stats_skipped: s.skipped,
         stats_dead: s.dead_letters,
     };
     eprintln!("{unknown:?}: {r:?}");
-    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(events), "past all: {r:?}");
+    assert_eq!(
+        offset_of(&db.pool, &topic, 0).await,
+        Some(events),
+        "past all: {r:?}"
+    );
     assert_once_in_order(&r.applied, r.twice, &r);
     if unknown == UnknownTypes::DeadLetter {
-        assert_eq!(r.dead_letters, vec![c], "C's unknown-type copy dead-lettered: {r:?}");
+        assert_eq!(
+            r.dead_letters,
+            vec![c],
+            "C's unknown-type copy dead-lettered: {r:?}"
+        );
     }
     r
 }
@@ -444,8 +465,15 @@ async fn twice_run(max_batch: usize, unknown: UnknownTypes) -> Twice {
 async fn one_id_twice_in_a_batch_under_skip_applies_as_one_at_a_time() {
     let batch = twice_run(64, UnknownTypes::Skip).await;
     let one = twice_run(1, UnknownTypes::Skip).await;
-    assert_eq!(batch.applied, vec![0, 1, 4, 5, 8], "throughput mode: {batch:?}");
-    assert_eq!(one.applied, batch.applied, "as one at a time: {one:?} / {batch:?}");
+    assert_eq!(
+        batch.applied,
+        vec![0, 1, 4, 5, 8],
+        "throughput mode: {batch:?}"
+    );
+    assert_eq!(
+        one.applied, batch.applied,
+        "as one at a time: {one:?} / {batch:?}"
+    );
     assert!(batch.dead_letters.is_empty(), "no dead letter: {batch:?}");
 }
 
@@ -458,8 +486,15 @@ async fn one_id_twice_in_a_batch_under_skip_applies_as_one_at_a_time() {
 async fn one_id_twice_in_a_batch_with_dead_letters_applies_as_one_at_a_time() {
     let batch = twice_run(64, UnknownTypes::DeadLetter).await;
     let one = twice_run(1, UnknownTypes::DeadLetter).await;
-    assert_eq!(batch.applied, vec![0, 1, 5, 8], "throughput mode: {batch:?}");
-    assert_eq!(one.applied, batch.applied, "as one at a time: {one:?} / {batch:?}");
+    assert_eq!(
+        batch.applied,
+        vec![0, 1, 5, 8],
+        "throughput mode: {batch:?}"
+    );
+    assert_eq!(
+        one.applied, batch.applied,
+        "as one at a time: {one:?} / {batch:?}"
+    );
 }
 
 // --- 3. A row written by another worker between the plan and record_checked ------------------
@@ -535,11 +570,22 @@ async fn copy_run(candidate: bool) -> CopyRun {
         stats_duplicates: s.duplicates,
     };
     eprintln!("copy as {ty}: {r:?}");
-    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(3), "partition 0 past all: {r:?}");
-    assert_eq!(offset_of(&db.pool, &topic, 1).await, Some(1), "partition 1 past all: {r:?}");
+    assert_eq!(
+        offset_of(&db.pool, &topic, 0).await,
+        Some(3),
+        "partition 0 past all: {r:?}"
+    );
+    assert_eq!(
+        offset_of(&db.pool, &topic, 1).await,
+        Some(1),
+        "partition 1 past all: {r:?}"
+    );
     // The precondition: the gate's body (partition 0's batch planned) ran before X committed
     // on partition 1, and X was committed when it returned.
-    assert!(r.saw_copy, "X committed on partition 1 while partition 0's gate ran: {r:?}");
+    assert!(
+        r.saw_copy,
+        "X committed on partition 1 while partition 0's gate ran: {r:?}"
+    );
     r
 }
 
@@ -672,7 +718,11 @@ async fn a_batch_of_duplicates_costs_no_round_trip_per_duplicate() {
     until_past(&db.pool, &topic, &[(0, EVENTS)]).await;
     first.stop().await;
     pool.close().await;
-    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(EVENTS), "the first run past all");
+    assert_eq!(
+        offset_of(&db.pool, &topic, 0).await,
+        Some(EVENTS),
+        "the first run past all"
+    );
     produce(&svc.bootstrap, &topic, Some(0), &batch).await;
     let before = queries_through(&bouncer, &db.name).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -695,9 +745,17 @@ async fn a_batch_of_duplicates_costs_no_round_trip_per_duplicate() {
         "{EVENTS} duplicates: {queries} queries through PgBouncer ({before} before), {secs:.2} s, stats applied {} duplicates {}, effects {rows} rows {distinct} ids",
         s.applied, s.duplicates
     );
-    assert_eq!(offset_of(&db.pool, &topic, 0).await, Some(2 * EVENTS), "past the copies");
+    assert_eq!(
+        offset_of(&db.pool, &topic, 0).await,
+        Some(2 * EVENTS),
+        "past the copies"
+    );
     assert_eq!((rows, distinct), (EVENTS, EVENTS), "each event once");
-    assert_eq!((s.applied, s.duplicates), (0, EVENTS as u64), "the copies duplicates");
+    assert_eq!(
+        (s.applied, s.duplicates),
+        (0, EVENTS as u64),
+        "the copies duplicates"
+    );
     assert!(
         queries < EVENTS / 4,
         "{queries} round trips for {EVENTS} duplicates (start-up included)"
