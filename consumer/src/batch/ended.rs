@@ -163,7 +163,7 @@ impl Worker {
         if let Some(refused) = refused {
             return Err(refused);
         }
-        tracing::warn!(topic = %self.topic, partition = self.partition, handler = %at.handler, "handler {} committed the transaction it was given (a COMMIT in its SQL?); its own events and the {} records before them were committed with it, the rest of the batch runs again", postal_shared::text::quoted(&at.handler), c.done);
+        tracing::warn!(topic = %self.topic, partition = self.partition, handler = %at.handler, "handler {} committed the transaction it was given (a COMMIT in its SQL?): the batch's first {} records (its own events among them) were committed with it, the rest of the batch runs again", postal_shared::text::quoted(&at.handler), c.done);
         c.stopped = None;
         Ok(c)
     }

@@ -12,20 +12,28 @@
 //! - a row another worker writes between the plan and the row's `record_checked`: the same
 //!   event on two partitions of one topic (a producer that re-sent it after a re-partition, a
 //!   replay), the copy on the second partition committed while the first partition's batch
-//!   runs an earlier body — as the single-event route and as a batch handler's later candidate.
+//!   runs an earlier body — as the single-event route and as a batch handler's later candidate;
+//! - the head held after its attempts (`FinalFailure::HoldKey`) in the transaction a later
+//!   body commits, followed by another event: the NULL check's error path;
+//! - the cost of a batch of duplicates (round trips counted by PgBouncer).
 //!
 //! Found (f814173, 2 shared cores; figures in each test's comment or `#[ignore]` reason):
 //!
-//! - broke (silence, not loss): a single-event handler's `COMMIT` followed in its batch by
-//!   another event is never noticed as one: `record_checked`'s NULL check fails to decode
-//!   (sqlx: unexpected NULL for `bool`), the attempt fails as an ordinary retryable one, the
+//! - broke: a single-event handler's `COMMIT` (or `ROLLBACK`) followed in its batch by another
+//!   event is never settled as one: `record_checked`'s check is NULL and its `bool` fails to
+//!   decode (sqlx: unexpected NULL), the attempt fails as an ordinary retryable one, the
 //!   isolating pass finds the committed events' rows and counts them duplicates. No warning
-//!   names the handler; the counters say duplicates for events delivered once. Effects held:
-//!   each event once, in order;
+//!   names the handler; the counters say 3 duplicates of 6 events delivered once (effects
+//!   each once, in order). With the head held after its attempts in that transaction, the
+//!   head is lost and its key reordered: its dedup row stays, its key is not known held (the
+//!   release waits for a restart, which then skips the head as a duplicate), a later event
+//!   of its key runs before it. Fixed by a `coalesce(…, false)` (checked, reverted);
 //! - held: duplicates inside one batch (both unknown-type policies) give the same effects and
 //!   dead letters as one record per transaction;
 //! - held: a row committed by another partition's worker between the plan and the row's
-//!   `record_checked` makes the later copy a duplicate (single route and batch-run candidate).
+//!   `record_checked` makes the later copy a duplicate (single route and batch-run candidate);
+//! - held: 400 duplicates in one batch cost 74 round trips through PgBouncer, the consumer's
+//!   start-up included (474 with the plan mutated to plan every event).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -207,7 +215,9 @@ async fn commit_run(at: i64, events: i64) -> Committed {
 /// `settle_ended` would have deleted, and be counted a duplicate when its key is released.
 /// Possible fix: `coalesce(pg_current_xact_id_if_assigned()::text = $3, false)` (or `IS NOT
 /// DISTINCT FROM`) in `record_checked`. Passes since e7bb267: the guard is a `WHERE` (NULL
-/// writes nothing) and, when nothing was new, a second statement compares the ids in Rust.
+/// writes nothing) and, when nothing was new, a second statement compares the ids in Rust. Checked (the fix applied, then reverted): this test
+/// held, stats applied 6, duplicates 0, and `settle_ended` warned; the loss this path causes is
+/// [`a_held_head_is_applied_on_release_after_a_later_bodys_commit`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handlers_commit_before_a_later_event_is_noticed_and_counted_applied() {
     let r = commit_run(2, 6).await;
@@ -680,6 +690,10 @@ async fn queries_through(bouncer: &PgBouncer, db: &str) -> i64 {
 /// consumer of the group (through PgBouncer in session mode, which counts the round trips)
 /// reads the 400 copies. Expected: 400 duplicates, each event once, and far fewer than 400
 /// queries for the whole second run (its start-up included).
+/// Held on f814173: 74 queries (the first run, 400 events applied: 884), 0.64 s, 400
+/// duplicates, each event once. Checked able to fail by a temporary mutation (reverted):
+/// `dedup::unrecorded` answering every id as unrecorded (a `record_checked` per duplicate):
+/// 474 queries, the assertion failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_duplicates_costs_no_round_trip_per_duplicate() {
     const EVENTS: i64 = 400;
@@ -759,5 +773,191 @@ async fn a_batch_of_duplicates_costs_no_round_trip_per_duplicate() {
     assert!(
         queries < EVENTS / 4,
         "{queries} round trips for {EVENTS} duplicates (start-up included)"
+    );
+}
+
+// --- 5. The head held after its attempts, then a COMMIT: the NULL check's path ---------------
+
+/// Event 0 (the head, key `kh`): its first two calls write their effect, run `ROLLBACK AND
+/// CHAIN` (meant as `ROLLBACK TO SAVEPOINT`: "discard it") and then an audit row in the new
+/// transaction; later calls behave. Event 1 (key `k2`): its effect, then `COMMIT` (a `psql`
+/// script's end). Event 2 (key `k3`): its effect.
+#[derive(Clone, Default)]
+struct Misuser {
+    head_calls: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Handler for Misuser {
+    type Payload = serde_json::Value;
+
+    fn consumer(&self) -> &str {
+        CONSUMER
+    }
+
+    fn name(&self) -> &str {
+        "misuser"
+    }
+
+    fn handle<'a, 'c>(
+        &'a self,
+        tx: &'a mut Transaction<'c, Postgres>,
+        event: Event<serde_json::Value>,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let e = fields(&event);
+            insert(tx, &[e]).await?;
+            match e.1 {
+                0 if self.head_calls.fetch_add(1, Ordering::SeqCst) < 2 => {
+                    sqlx::query("ROLLBACK AND CHAIN").execute(&mut **tx).await?;
+                    sqlx::query("INSERT INTO audit (n) VALUES (0)")
+                        .execute(&mut **tx)
+                        .await?;
+                }
+                1 => {
+                    sqlx::query("COMMIT").execute(&mut **tx).await?;
+                }
+                _ => {}
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Guarantee attacked: an event held after its attempts (`FinalFailure::HoldKey`) is applied
+/// when an operator releases its key — "bad input … loses nothing" — in throughput mode, when
+/// a later body of the same batch commits the batch's transaction (the head's hold and its
+/// dedup row are in it) and another event follows. 3 events on one partition, keys `kh`, `k2`,
+/// `k3`; `max_batch` 64, `max_attempts` 2; [`Misuser`]. The head's two `ROLLBACK AND CHAIN`
+/// runs are noticed at event 1's `record_checked` (an xid, not NULL: the audit row) and
+/// settled as rollbacks, its attempts counted while the first pass stays unisolated; the third
+/// try holds the head (its dedup row written by `record_checked` before `gave_up`), runs event
+/// 1, whose `COMMIT` commits the hold *and the head's dedup row*; event 2's `record_checked`
+/// then meets the NULL check (see
+/// [`a_handlers_commit_before_a_later_event_is_noticed_and_counted_applied`]). `settle_ended`
+/// would delete the head's row (written by the batch, not finished); the error path keeps it.
+/// The test then releases `kh` (`release = 'retry'`, as `postal held release` does) and waits
+/// until the key is no longer held (15 s; then a restart, 30 s). Event 3 (key `kh` again)
+/// must wait behind the head. Expected: effects [1, 2] before the release, [1, 2, 0, 3] after.
+///
+/// Measured on f814173: see the `#[ignore]` reason. Cause: the NULL check's error path
+/// (`record_checked` → sqlx "unexpected null" → `Attempt::Retryable` → `isolate`) skips
+/// `settle_ended`: the head's committed dedup row is not deleted and `now_held` is never called
+/// for `kh`; the isolating pass plans the head as recorded (a duplicate) and, not knowing `kh`
+/// held, applies event 3 before it; `apply_releases` skips a key its worker does not know
+/// held, so the operator's release waits for a restart, which then finds the head's dedup
+/// row and moves on without running it: neither applied nor dead-lettered. Checked with the
+/// fix in `record_checked` (`coalesce(pg_current_xact_id_if_assigned()::text = $3, false)`,
+/// reverted): held — the head's row not there before the release, effects [1, 2] then [1, 2,
+/// 0, 3], released by the owner, the head called 3 times.
+/// Passes since e7bb267 (the guard is a `WHERE`; NULL writes nothing and is told apart in
+/// Rust): see [`a_handlers_commit_before_a_later_event_is_noticed_and_counted_applied`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_head_is_applied_on_release_after_a_later_bodys_commit() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    effects_table(&db.pool).await;
+    sqlx::query("CREATE TABLE audit (n bigint)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let topic = unique("lazy_held");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
+    // Event 3: the head's key again, after it: held behind the head, applied after it.
+    let records: Vec<RawRecord> = ["kh", "k2", "k3", "kh"]
+        .iter()
+        .enumerate()
+        .map(|(n, k)| RawRecord::event(ids[n], k, "job", json!({ "n": n })))
+        .collect();
+    produce(&svc.bootstrap, &topic, Some(0), &records).await;
+    let handler = Misuser::default();
+    let group = unique("g");
+    let start = || {
+        let mut config = consumer_config(&svc.bootstrap, &group, CONSUMER);
+        config.max_batch = 64;
+        config.max_attempts = 2;
+        config.final_failure = postal_consumer::FinalFailure::HoldKey;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(5)
+            .connect_lazy(&db.url)
+            .expect("a pool");
+        let consumer = Consumer::builder(pool.clone(), config)
+            .on(&topic, "job", handler.clone())
+            .build()
+            .expect("consumer");
+        (RunningConsumer::start(consumer), pool)
+    };
+    let (running, pool) = start();
+    until_past(&db.pool, &topic, &[(0, 4)]).await;
+    let held_rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM postal.held_keys WHERE group_id = $1")
+            .bind(&group)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    let head_row: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM postal.processed_events WHERE event_id = $1)",
+    )
+    .bind(ids[0])
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let held_before = held_rows().await;
+    let before_release = crate::batch_fixtures::order(&db.pool).await;
+    sqlx::query(
+        "UPDATE postal.held_keys SET release = 'retry', released_by = 'lazy_dedup_attack'
+         WHERE group_id = $1",
+    )
+    .bind(&group)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let until_released = |secs: u64| {
+        let held_rows = &held_rows;
+        async move {
+            tokio::time::timeout(Duration::from_secs(secs), async {
+                while held_rows().await > 0 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await
+            .is_ok()
+        }
+    };
+    let released = until_released(15).await;
+    let stats = running.stats.clone();
+    running.stop().await;
+    pool.close().await;
+    // Not released by the owner: a restart (a deploy) reads the held keys anew.
+    let mut released_after_restart = None;
+    if !released {
+        let (again, pool) = start();
+        released_after_restart = Some(until_released(30).await);
+        again.stop().await;
+        pool.close().await;
+    }
+    let s = stats.snapshot();
+    let applied: Vec<i64> = crate::batch_fixtures::order(&db.pool).await;
+    let head_effects = applied.iter().filter(|n| **n == 0).count();
+    let dead = dead_letters(&db.pool).await;
+    eprintln!(
+        "held head: held keys before release {held_before}, head's dedup row before release {head_row}, effects before release {before_release:?}, released by the owner {released}, after a restart {released_after_restart:?}, head calls {}, effects {applied:?} (the head's {head_effects}), dead letters {}, first process's stats applied {} duplicates {}",
+        handler.head_calls.load(Ordering::SeqCst),
+        dead.len(),
+        s.applied,
+        s.duplicates
+    );
+    assert_eq!(held_before, 1, "the head held after its attempts");
+    assert_eq!(
+        before_release,
+        vec![1, 2],
+        "before the release: events 1 and 2 applied, event 3 held behind the head"
+    );
+    assert!(released, "the owner released the key within 15 s");
+    assert_eq!(
+        applied,
+        vec![1, 2, 0, 3],
+        "the head, then event 3, once each"
     );
 }
