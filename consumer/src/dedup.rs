@@ -134,15 +134,19 @@ pub(crate) async fn record_checked(
     }
     // Nothing new: duplicates, or no longer the batch's transaction.
     if let Some(xid) = xid {
-        let now: Option<String> =
-            sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
-                .fetch_one(&mut *conn)
-                .await?;
-        if now.as_deref() != Some(xid) {
+        if current_xid(conn).await?.as_deref() != Some(xid) {
             return Ok(None);
         }
     }
     Ok(Some((Vec::new(), None)))
+}
+
+/// The session's transaction id (`pg_current_xact_id_if_assigned()`, as text): `None` outside a
+/// transaction or before it wrote anything.
+pub(crate) async fn current_xid(conn: &mut PgConnection) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
+        .fetch_one(conn)
+        .await
 }
 
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written

@@ -50,10 +50,7 @@ pub(super) async fn body_ended(
     xid: Option<&str>,
 ) -> Result<bool, sqlx::Error> {
     let Some(xid) = xid else { return Ok(false) };
-    let now =
-        sqlx::query_scalar::<_, Option<String>>("SELECT pg_current_xact_id_if_assigned()::text")
-            .fetch_one(&mut *conn)
-            .await;
+    let now = crate::dedup::current_xid(&mut *conn).await;
     match now {
         Ok(now) if now.as_deref() == Some(xid) => return Ok(false),
         Ok(_) => {}
