@@ -52,93 +52,35 @@ pub async fn record_many(
         .collect())
 }
 
-/// Of `event_ids`, those `consumer` has no dedup row for (a read: throughput mode plans its
-/// batch with it and records each event's row just before its body, [`record_checked`]).
-pub(crate) async fn unrecorded(
+/// Records the dedup rows of a batch's `event_ids` up front, in its transaction (as
+/// [`record_many`]): the ids that were new and, when any was, the transaction's id (read in
+/// the same statement), against which [`crate::batch`] checks later that no handler body ended
+/// the transaction.
+pub(crate) async fn record_batch(
     conn: &mut PgConnection,
     consumer: &str,
     event_ids: &[EventId],
-) -> Result<Vec<EventId>, sqlx::Error> {
+) -> Result<(Vec<EventId>, Option<String>), sqlx::Error> {
     if event_ids.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
     let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
-    let fresh: Vec<uuid::Uuid> = sqlx::query_scalar(
-        "SELECT DISTINCT i.id FROM unnest($2::uuid[]) AS i(id)
-         WHERE NOT EXISTS (SELECT 1 FROM postal.processed_events p
-                           WHERE p.consumer_name = $1 AND p.event_id = i.id)",
+    let rows: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+        "INSERT INTO postal.processed_events (consumer_name, event_id)
+         SELECT $1, unnest($2::uuid[])
+         ON CONFLICT DO NOTHING
+         RETURNING event_id, pg_current_xact_id()::text",
     )
     .bind(consumer)
     .bind(&ids)
-    .fetch_all(conn)
+    .fetch_all(&mut *conn)
     .await?;
-    Ok(fresh
+    let xid = rows.first().map(|(_, x)| x.clone());
+    let fresh = rows
         .into_iter()
-        .filter_map(|u| EventId::from_uuid(u).ok())
-        .collect())
-}
-
-/// Records the dedup rows of `event_ids` (as [`record_many`]) only if the session's
-/// transaction is still `xid` (`None`: no row of the transaction was written yet, nothing to
-/// check). `None`: it is not — a handler body ended it ([`crate::batch`]'s `ended`), nothing
-/// was written; otherwise the ids that were new and, when any was, the transaction's id. One
-/// plain insert (the round trip the row costs anyway is the check that the body before ended
-/// nothing); only when no row was new does a second statement tell a duplicate from an ended
-/// transaction.
-pub(crate) async fn record_checked(
-    conn: &mut PgConnection,
-    consumer: &str,
-    event_ids: &[EventId],
-    xid: Option<&str>,
-) -> Result<Option<(Vec<EventId>, Option<String>)>, sqlx::Error> {
-    let ids: Vec<uuid::Uuid> = event_ids.iter().map(EventId::as_uuid).collect();
-    // The batch's first rows (its id read back), then later rows (guarded by it).
-    let rows: Vec<(uuid::Uuid, String)> = match xid {
-        None => {
-            sqlx::query_as(
-                "INSERT INTO postal.processed_events (consumer_name, event_id)
-                 SELECT $1, unnest($2::uuid[])
-                 ON CONFLICT DO NOTHING
-                 RETURNING event_id, pg_current_xact_id()::text",
-            )
-            .bind(consumer)
-            .bind(&ids)
-            .fetch_all(&mut *conn)
-            .await?
-        }
-        Some(xid) => {
-            sqlx::query_as(
-                "INSERT INTO postal.processed_events (consumer_name, event_id)
-                 SELECT $1, i.id FROM unnest($2::uuid[]) AS i(id)
-                 WHERE pg_current_xact_id_if_assigned()::text = $3
-                 ON CONFLICT DO NOTHING
-                 RETURNING event_id, $3",
-            )
-            .bind(consumer)
-            .bind(&ids)
-            .bind(xid)
-            .fetch_all(&mut *conn)
-            .await?
-        }
-    };
-    if let Some((_, now)) = rows.first() {
-        if xid.is_some_and(|x| x != now) {
-            return Ok(None);
-        }
-        let now = now.clone();
-        let fresh = rows
-            .into_iter()
-            .filter_map(|(u, _)| EventId::from_uuid(u).ok())
-            .collect();
-        return Ok(Some((fresh, Some(now))));
-    }
-    // Nothing new: duplicates, or no longer the batch's transaction.
-    if let Some(xid) = xid {
-        if current_xid(conn).await?.as_deref() != Some(xid) {
-            return Ok(None);
-        }
-    }
-    Ok(Some((Vec::new(), None)))
+        .filter_map(|(u, _)| EventId::from_uuid(u).ok())
+        .collect();
+    Ok((fresh, xid))
 }
 
 /// The session's transaction id (`pg_current_xact_id_if_assigned()`, as text): `None` outside a
@@ -147,6 +89,19 @@ pub(crate) async fn current_xid(conn: &mut PgConnection) -> Result<Option<String
     sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
         .fetch_one(conn)
         .await
+}
+
+/// [`current_xid`], sealing the transaction for the runtime's own `COMMIT` in the same
+/// statement (`postal.sealed`: without it a batch's dedup rows refuse the commit, migration
+/// 0040). In a transaction a body began after ending the batch's, the seal is rolled back with
+/// it (the caller sees another id).
+pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT pg_current_xact_id_if_assigned()::text
+         FROM (SELECT set_config('postal.sealed', 'on', true)) AS sealed",
+    )
+    .fetch_one(conn)
+    .await
 }
 
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written

@@ -10,36 +10,43 @@
 //! duplicates, never applied; a `ROLLBACK` in the last body rolled back the earlier events and
 //! the offset still moved past them (`batch_sixth_attack::`).
 //!
-//! So in throughput mode each event's dedup row is written just before its body, never
-//! before (a body's `COMMIT` then commits only the rows of events that ran: a death or an
-//! outage right after it loses nothing, `ended_attack::`), in the same statement that checks
-//! that the transaction is still the one the batch began (`pg_current_xact_id_if_assigned()`
-//! against the id read with the first row: the round trip the row costs anyway). A runtime
-//! statement that follows a body otherwise (a hold, a dead letter, the offset) checks first,
-//! as does the isolating pass after each body. When the transaction is no longer the batch's,
-//! nothing more runs in it, and a new transaction settles what the body left:
-//! - its dedup rows were committed (a `COMMIT`): the records before the body, and the body's
-//!   own events, went with it. Their dedup rows stay, any other row of the batch's
-//!   transaction is deleted, the offset moves past the records done before the body, and the
-//!   other records run again (the body's own events as duplicates: applied once, by the body's
-//!   commit);
-//! - they were not (a `ROLLBACK`): nothing of the transaction stands. The next transaction
-//!   takes the records before the body alone; then the body's record, alone at the head, counts
-//!   an attempt each time (dead-lettered or held after `max_attempts`, saying why), as any
-//!   handler failure.
+//! So a batch transaction is sealed: every dedup row it writes queues a deferred check
+//! (migration 0040) that refuses any `COMMIT` but the runtime's own, which seals the
+//! transaction in the statement that checks it is still the batch's (`pg_current_xact_id_if_assigned()`
+//! against the id read with the batch's rows). A body's `COMMIT` (or `COMMIT AND CHAIN`) fails,
+//! and nothing of the batch is kept. After that, or a `ROLLBACK`, the session is out of any
+//! transaction and read-only by default ([`super::session`]): the writes of the bodies after
+//! it fail instead of committing one by one. The runtime checks the transaction before each of
+//! its own writes (a hold, a dead letter, the offset) when a body ran since the last check, and,
+//! in the isolating pass, after each body; an end found in the first pass runs the batch again
+//! isolated, where the body is named. Nothing of the transaction stands: the next transaction
+//! takes the records before the body alone; then the body's record, alone at the head, counts
+//! an attempt each time (dead-lettered or held after `max_attempts`, saying why), as any handler
+//! failure.
+//!
+//! Not covered: a body that opens a transaction of its own after ending the batch's (`ROLLBACK
+//! AND CHAIN`, whose new transaction copies the batch's `READ WRITE`, or `BEGIN READ WRITE`)
+//! and commits it, or whose later body does: those writes are its own, outside the batch, as
+//! writes through another connection would be (`lazy_dedup_attack::a_held_head_is_applied_on_release_after_a_later_bodys_commit`).
+//!
+//! Should a `COMMIT` get through all the same (the check dropped by hand), the settle below
+//! keeps what it committed: the dedup rows of the records before the body and of the body's
+//! own events stay, the batch's other rows are deleted, and the offset moves past the records
+//! done before the body.
 
 use std::collections::HashSet;
 
 use postal_shared::EventId;
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::PgConnection;
 
 use super::Committed;
 use crate::offsets::Ownership;
+use crate::partition::BodyFailure;
 use crate::partition::{Attempt, Worker};
 
 /// Whether a body ended the batch's transaction: the session's transaction is no longer `xid`
 /// (the batch's; `None`: no dedup row was new, so no body runs). If so, also ends whatever the
-/// body left open (a transaction it began after its own `COMMIT`: its writes are not the
+/// body left open (a transaction it began after ending the batch's: its writes are not the
 /// batch's to keep; in autocommit a warning only). `Err`: the check found the session gone
 /// (ended for idling, 25P03, or unreachable): the caller tells the attempt's failure from it,
 /// as from the statement that would have met it. A transaction a failed statement aborted is
@@ -49,8 +56,29 @@ pub(super) async fn body_ended(
     conn: &mut PgConnection,
     xid: Option<&str>,
 ) -> Result<bool, sqlx::Error> {
+    check(conn, xid, false).await
+}
+
+/// [`body_ended`], sealing the transaction for the runtime's `COMMIT` in the same statement
+/// ([`crate::dedup::seal`]): the check before the runtime's last writes.
+pub(super) async fn sealed_or_ended(
+    conn: &mut PgConnection,
+    xid: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    check(conn, xid, true).await
+}
+
+async fn check(
+    conn: &mut PgConnection,
+    xid: Option<&str>,
+    seal: bool,
+) -> Result<bool, sqlx::Error> {
     let Some(xid) = xid else { return Ok(false) };
-    let now = crate::dedup::current_xid(&mut *conn).await;
+    let now = if seal {
+        crate::dedup::seal(&mut *conn).await
+    } else {
+        crate::dedup::current_xid(&mut *conn).await
+    };
     match now {
         Ok(now) if now.as_deref() == Some(xid) => return Ok(false),
         Ok(_) => {}
@@ -77,6 +105,17 @@ pub(super) struct EndedAt {
     pub xid: String,
     /// The offset after the records before the body (`None`: there are none).
     pub next_offset: Option<i64>,
+    /// The body failed with the seal's refusal of its `COMMIT` ([`refused`]).
+    pub refused: bool,
+}
+
+/// The text of the seal's refusal (migration 0040), as the body's error carries it.
+const REFUSAL: &str = "a handler committed the transaction it was given";
+
+/// Whether a body's result is the seal's refusal of its `COMMIT` (a body that swallowed the
+/// error cannot be told from one that ran `ROLLBACK`).
+pub(super) fn refused(r: &Result<(), BodyFailure>) -> bool {
+    matches!(r, Err(f) if f.error().contains(REFUSAL))
 }
 
 /// What the caller does after a body's `ROLLBACK`: nothing of the transaction stands.
@@ -89,18 +128,15 @@ pub(super) struct RolledBack {
 impl Worker {
     /// Settles a batch whose transaction a body ended (see the module's text), in a new
     /// transaction. `c` and `finished` are what the batch had done before the body (`c.done`
-    /// records, all before it). `tx` is dropped (the session's state is the body's doing: sqlx
-    /// may close the connection on its return to the pool).
+    /// records, all before it). The caller has dropped the batch's transaction.
     pub(super) async fn settle_ended(
         &self,
         own: &Ownership,
-        tx: Transaction<'static, Postgres>,
         fresh: &HashSet<EventId>,
         mut finished: HashSet<EventId>,
         mut c: Committed,
         at: EndedAt,
     ) -> Result<Committed, Attempt> {
-        drop(tx);
         let config = &self.shared.config;
         let mut rtx = self
             .shared
@@ -121,10 +157,12 @@ impl Worker {
         .await
         .map_err(Attempt::db)?;
         if kept == 0 {
-            let error = format!(
-                "handler {} ended the transaction it was given (a ROLLBACK in its SQL?); use a savepoint (`tx.begin()`) to undo part of a handler's work",
-                postal_shared::text::quoted(&at.handler)
-            );
+            let handler = postal_shared::text::quoted(&at.handler);
+            let error = if at.refused {
+                format!("handler {handler} ended the transaction it was given with a COMMIT, which was refused (only the consumer commits it): remove COMMIT and BEGIN from its SQL")
+            } else {
+                format!("handler {handler} ended the transaction it was given (a ROLLBACK or COMMIT in its SQL?); use a savepoint (`tx.begin()`) to undo part of a handler's work")
+            };
             tracing::warn!(topic = %self.topic, partition = self.partition, handler = %at.handler, "{error}: the batch's work was rolled back with it; running it again");
             return Ok(Committed {
                 rolled_back: Some(RolledBack {

@@ -1,16 +1,18 @@
 //! Throughput mode: several records of a partition in one transaction.
 //!
-//! One read finds which of the batch's events have no dedup row yet (the plan); each event's
-//! row is written just before its body runs (a batch handler's run: one multi-row `INSERT … ON
-//! CONFLICT DO NOTHING RETURNING` for the run), in the statement that also checks that the
-//! body before did not end the transaction ([`ended`]); the offset advances once. The first
-//! pass runs the bodies without savepoints; if any of them fails, the transaction is rolled
-//! back and the batch runs again with a savepoint around each body, so the failure is
-//! isolated: a permanent failure becomes a dead letter in the same transaction and the rest
-//! commit; a retryable failure commits the records before it and retries it (with backoff) at
-//! the head of the next transaction, so the partition's order holds.
+//! The batch's dedup rows are written in one statement (`INSERT … ON CONFLICT DO NOTHING
+//! RETURNING`: the new ones are the plan), the bodies run, the offset advances once: no
+//! statement of the runtime's between two bodies. A body cannot end the transaction under the
+//! others unnoticed ([`ended`]: its `COMMIT` is refused, and the session is read-only outside
+//! the batch's transaction, [`session`]). The first pass runs the bodies without savepoints;
+//! if any of them fails, the transaction is rolled back and the batch runs again with a
+//! savepoint around each body, so the failure is isolated: a permanent failure becomes a dead
+//! letter in the same transaction and the rest commit; a retryable failure commits the records
+//! before it and retries it (with backoff) at the head of the next transaction, so the
+//! partition's order holds.
 
 mod ended;
+mod session;
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
@@ -247,10 +249,36 @@ impl Worker {
         head_exhausted: Option<&str>,
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
+        let mut session = session::Session::open(&self.shared.pool)
+            .await
+            .map_err(Attempt::db)?;
+        let r = self
+            .attempt_in(
+                session.conn(),
+                own,
+                queue,
+                isolate,
+                head_exhausted,
+                head_attempts,
+            )
+            .await;
+        session.close().await;
+        r
+    }
+
+    /// [`Self::batch_attempt`] on `conn` (a [`session::Session`]'s).
+    async fn attempt_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        own: &Ownership,
+        queue: &[Record],
+        isolate: bool,
+        head_exhausted: Option<&str>,
+        head_attempts: u32,
+    ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut tx = self
-            .shared
-            .begin_for(&self.topic)
+        let mut tx = conn
+            .begin_with(self.shared.batch_begin_statement(&self.topic))
             .await
             .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
@@ -258,28 +286,27 @@ impl Worker {
             .iter()
             .filter_map(|m| m.as_ref().ok().map(|m| m.id))
             .collect();
-        // The events with no dedup row yet (a read): the plan. Each event's row is written
-        // just before its body (`record`), never before: a body that commits the transaction
-        // it is given (a misuse, [`ended`]) then commits only the rows of events that ran.
-        let planned: HashSet<EventId> = crate::dedup::unrecorded(&mut tx, &config.consumer, &ids)
+        // The events' dedup rows, all in one statement (those that were new: the plan), and
+        // the transaction's id. A body cannot commit them early: the seal ([`ended`]).
+        let (new, xid) = crate::dedup::record_batch(&mut tx, &config.consumer, &ids)
             .await
-            .map_err(Attempt::db)?
-            .into_iter()
-            .collect();
-        // The rows this transaction wrote, and its id (read with the first of them).
-        let mut fresh: HashSet<EventId> = HashSet::new();
-        let mut xid: Option<String> = None;
-        // The last body that ran and whose end nobody checked yet ([`ended`]): the next row
-        // written checks it, and a runtime statement before that (a hold, a dead letter, the
-        // settle) checks it first.
-        let mut unchecked: Option<ended::EndedAt> = None;
-        let body_at = |k: usize, ids: Vec<EventId>, alone: bool, handler: &str| ended::EndedAt {
-            before: k,
-            ids,
-            alone,
-            handler: handler.to_string(),
-            xid: String::new(),
-            next_offset: None,
+            .map_err(Attempt::db)?;
+        let planned: HashSet<EventId> = new.into_iter().collect();
+        // The rows this transaction wrote.
+        let fresh = planned.clone();
+        // Whether a body ran (without a savepoint) since the transaction was last checked
+        // ([`ended`]): a runtime write checks first.
+        let mut unchecked = false;
+        let body_at = |k: usize, ids: Vec<EventId>, alone: bool, handler: &str, refused: bool| {
+            ended::EndedAt {
+                before: k,
+                ids,
+                alone,
+                handler: handler.to_string(),
+                xid: String::new(),
+                next_offset: None,
+                refused,
+            }
         };
         // The ids whose first record in this batch was handled: later copies are duplicates.
         let mut claimed: HashSet<EventId> = HashSet::new();
@@ -296,16 +323,8 @@ impl Worker {
             let record = &queue[i];
             let held_key = record.key.as_ref().is_some_and(|k| held.contains(k));
             if held_key || metas[i].is_err() {
-                // A runtime write follows: first, did the body before end the transaction?
-                if let Some(at) = unchecked.take() {
-                    if ended::body_ended(&mut tx, xid.as_deref())
-                        .await
-                        .map_err(Attempt::db)?
-                    {
-                        let at = self.ended_here(at, &xid, queue, c.done);
-                        return self.settle_ended(own, tx, &fresh, finished, c, at).await;
-                    }
-                }
+                // A runtime write follows: first, did a body before end the transaction?
+                still_ours(&mut tx, &mut unchecked, xid.as_deref()).await?;
             }
             if held_key {
                 // Its key waits for an earlier event: taken out of the batch and stored (also
@@ -346,25 +365,9 @@ impl Worker {
                 i += 1;
                 continue;
             }
-            // Its dedup row, in the statement that checks the body before.
-            let Some(new) = self.record(&mut tx, &mut xid, &[m.id]).await? else {
-                let Some(at) = unchecked.take() else {
-                    return Err(not_by_a_body());
-                };
-                let at = self.ended_here(at, &xid, queue, c.done);
-                return self.settle_ended(own, tx, &fresh, finished, c, at).await;
-            };
-            unchecked = None;
             claimed.insert(m.id);
-            if new.is_empty() {
-                // Recorded meanwhile by another consumer (a takeover): a duplicate.
-                c.duplicates += 1;
-                c.done += 1;
-                i += 1;
-                continue;
-            }
-            fresh.insert(m.id);
             let Some(route) = route else {
+                still_ours(&mut tx, &mut unchecked, xid.as_deref()).await?;
                 let error = format!(
                     "no handler for event type {} (schema version {}) on topic {}",
                     postal_shared::text::quoted(&m.event_type),
@@ -383,6 +386,9 @@ impl Worker {
                 "" => format!("gave up after {head_attempts} attempts"),
                 last => format!("gave up after {head_attempts} attempts: {last}"),
             });
+            if gave_up.is_some() {
+                still_ours(&mut tx, &mut unchecked, xid.as_deref()).await?;
+            }
             if let Some(error) = gave_up
                 .as_ref()
                 .filter(|_| self.holds(record, Some(m), Some(route.name())))
@@ -442,27 +448,10 @@ impl Worker {
                     }
                     end += 1;
                 }
-                // Their dedup rows (the head's is written): one statement for the run.
                 let mut items = vec![i];
-                if !candidates.is_empty() {
-                    let ids: Vec<EventId> = candidates
-                        .iter()
-                        .filter_map(|&k| metas[k].as_ref().ok().map(|m| m.id))
-                        .collect();
-                    let new: HashSet<EventId> = self
-                        .record(&mut tx, &mut xid, &ids)
-                        .await?
-                        .ok_or_else(not_by_a_body)?
-                        .into_iter()
-                        .collect();
-                    for k in candidates {
-                        let id = metas[k].as_ref().expect("candidates have their meta").id;
-                        if new.contains(&id) {
-                            fresh.insert(id);
-                            items.push(k);
-                        }
-                    }
-                }
+                items.extend(candidates);
+                // The run's body is checked after it: the bodies before it, before.
+                still_ours(&mut tx, &mut unchecked, xid.as_deref()).await?;
                 let run = self
                     .batch_run(
                         &mut tx,
@@ -475,7 +464,7 @@ impl Worker {
                     )
                     .await?;
                 if let Ok(Run {
-                    ended: Some(part),
+                    ended: Some((part, refused)),
                     applied,
                     ..
                 }) = &run
@@ -485,11 +474,12 @@ impl Worker {
                         .chain(part)
                         .filter_map(|&k| metas[k].as_ref().ok().map(|m| m.id))
                         .collect();
-                    let at = body_at(part[0], ids, part.len() == 1, route.name());
+                    let at = body_at(part[0], ids, part.len() == 1, route.name(), *refused);
                     // The run's records from its first on run again (not only from the
                     // call's: a culprit of an earlier call is not dead-lettered yet).
                     let at = self.ended_here(at, &xid, queue, c.done);
-                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                    drop(tx);
+                    return self.settle_ended(own, &fresh, finished, c, at).await;
                 }
                 let run = match run {
                     Ok(run) => run,
@@ -567,17 +557,18 @@ impl Worker {
                     .map_err(|e| after_gone(&r, e))?
                 {
                     drop(sp);
-                    let at = body_at(i, vec![m.id], true, route.name());
+                    let at = body_at(i, vec![m.id], true, route.name(), ended::refused(&r));
                     let at = self.ended_here(at, &xid, queue, c.done);
-                    return self.settle_ended(own, tx, &fresh, finished, c, at).await;
+                    drop(tx);
+                    return self.settle_ended(own, &fresh, finished, c, at).await;
                 }
                 match r {
                     Ok(()) => release(sp).await?,
                     Err(f) => Err(roll_back(sp, f).await?),
                 }
             } else {
-                // Checked by the next row written, or before the next runtime statement.
-                unchecked = Some(body_at(i, vec![m.id], true, route.name()));
+                // Checked before the next runtime write (or the commit).
+                unchecked = true;
                 run_body(route.as_ref(), &mut tx, record, m)
                     .instrument(span)
                     .await
@@ -627,15 +618,17 @@ impl Worker {
                 }
             }
         }
-        if let Some(at) = unchecked.take() {
-            let r: Result<(), BodyFailure> = Ok(());
-            if ended::body_ended(&mut tx, xid.as_deref())
-                .await
-                .map_err(|e| after_gone(&r, e))?
-            {
-                let at = self.ended_here(at, &xid, queue, c.done);
-                return self.settle_ended(own, tx, &fresh, finished, c, at).await;
-            }
+        // Sealed for the commit below, and checked: a body since the last check may have ended
+        // the transaction.
+        if ended::sealed_or_ended(&mut tx, xid.as_deref())
+            .await
+            .map_err(Attempt::db)?
+        {
+            return Err(if unchecked {
+                ended_unnamed()
+            } else {
+                not_by_a_body()
+            });
         }
         settle_dedup(&mut tx, &config.consumer, &fresh, &finished).await?;
         if c.done > 0 {
@@ -645,26 +638,6 @@ impl Worker {
         tx.commit().await.map_err(Attempt::db)?;
         self.now_held(c.held_keys.iter().cloned());
         Ok(c)
-    }
-
-    /// Writes the dedup rows of `ids` in the batch's transaction if it is still `xid`'s (set
-    /// from the first): `None` when a body ended it ([`ended`]).
-    async fn record(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        xid: &mut Option<String>,
-        ids: &[EventId],
-    ) -> Result<Option<Vec<EventId>>, Attempt> {
-        let consumer = &self.shared.config.consumer;
-        let recorded = crate::dedup::record_checked(tx, consumer, ids, xid.as_deref())
-            .await
-            .map_err(Attempt::db)?;
-        Ok(recorded.map(|(new, now)| {
-            if let Some(now) = now {
-                xid.get_or_insert(now);
-            }
-            new
-        }))
     }
 
     /// `at` completed with where the batch stands: its transaction's id, and the offset after
@@ -707,7 +680,7 @@ impl Worker {
     /// `Err(OverBound)` (the whole transaction rolls back) past the group's bound.
     async fn hold_or_bound(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut sqlx::PgConnection,
         c: &mut Committed,
         record: &Record,
         meta: Option<&Meta>,
@@ -742,7 +715,7 @@ impl Worker {
     #[allow(clippy::too_many_arguments)] // the batch transaction's state, passed through
     async fn batch_run(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         route: &dyn Route,
         queue: &[Record],
         metas: &[Result<Meta, crate::record::Rejection>],
@@ -764,7 +737,7 @@ impl Worker {
                 .await
                 .map_err(|e| after_gone(&r, e))?
             {
-                run.ended = Some(items.to_vec());
+                run.ended = Some((items.to_vec(), ended::refused(&r)));
                 return Ok(Ok(run));
             }
             return Ok(r.map(|()| {
@@ -785,7 +758,7 @@ impl Worker {
                 .map_err(|e| after_gone(&r, e))?
             {
                 drop(sp);
-                run.ended = Some(items[lo..hi].to_vec());
+                run.ended = Some((items[lo..hi].to_vec(), ended::refused(&r)));
                 break;
             }
             let r = match r {
@@ -826,7 +799,7 @@ impl Worker {
 
     async fn dead_in(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut sqlx::PgConnection,
         record: &Record,
         meta: Option<&Meta>,
         reason: Reason,
@@ -853,7 +826,7 @@ impl Worker {
 /// ([`Attempt::SessionEnded`]: the head alone counts it, as one at a time counts the handler's
 /// failure; a handler that kept only the text of the server's 25P03 stalled its partition
 /// when the rollback's I/O error was taken for an outage, `idle_end_attack::`).
-async fn abandon(tx: Transaction<'static, Postgres>, f: BodyFailure) -> Attempt {
+async fn abandon(tx: Transaction<'_, Postgres>, f: BodyFailure) -> Attempt {
     match tx.rollback().await {
         Err(e) if gone(&e) => session_gone(f, &e),
         _ => f.into_attempt(),
@@ -874,6 +847,28 @@ async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<Body
 /// (the rollback is then the first statement to read the server's 25P03).
 fn gone(e: &sqlx::Error) -> bool {
     crate::idle_end::ended_idle(e) || postal_shared::database_unavailable(e)
+}
+
+/// Before a runtime write in the batch's transaction: if a body ran (without a savepoint) since
+/// the last check, did one of them end the transaction? Then the batch runs again with a
+/// savepoint around each body, which names the body ([`ended_unnamed`]).
+async fn still_ours(
+    tx: &mut sqlx::PgConnection,
+    unchecked: &mut bool,
+    xid: Option<&str>,
+) -> Result<(), Attempt> {
+    if std::mem::take(unchecked) && ended::body_ended(tx, xid).await.map_err(Attempt::db)? {
+        return Err(ended_unnamed());
+    }
+    Ok(())
+}
+
+/// A body run without a savepoint ended the batch's transaction (nothing of it was kept:
+/// [`ended`]); which one is found by running the batch again with a savepoint around each.
+fn ended_unnamed() -> Attempt {
+    Attempt::Retryable(
+        "a handler ended the batch's transaction (a COMMIT or ROLLBACK in its SQL); running the batch again with a savepoint around each handler".into(),
+    )
 }
 
 /// The batch's transaction ended where no body ran since it was last checked: never expected
@@ -920,7 +915,8 @@ struct Run {
     /// it: (index, reason, error).
     held: Option<(usize, Reason, String)>,
     /// The call whose body ended the transaction ([`ended`]): its items; the run stopped there.
-    ended: Option<Vec<usize>>,
+    /// Whether its `COMMIT` was refused (the seal, [`ended`]).
+    ended: Option<(Vec<usize>, bool)>,
 }
 
 /// Whether two routes are the same handler.
@@ -932,7 +928,7 @@ fn same_route(a: &std::sync::Arc<dyn Route>, b: &std::sync::Arc<dyn Route>) -> b
 /// (`finished`: applied or dead-lettered): records after a retryable stop, skipped unknown
 /// types. The only place a batch deletes dedup rows.
 async fn settle_dedup(
-    tx: &mut Transaction<'static, Postgres>,
+    tx: &mut sqlx::PgConnection,
     consumer: &str,
     fresh: &HashSet<EventId>,
     finished: &HashSet<EventId>,

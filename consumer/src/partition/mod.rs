@@ -85,6 +85,19 @@ impl Shared {
         );
         postal_shared::cancel_safe::begin_with(&self.pool, statement).await
     }
+
+    /// The statement that opens a batch transaction of `topic` (throughput mode): as
+    /// [`Self::begin_for`]'s, `READ WRITE` (its session is read-only outside it, `batch`'s
+    /// `session`) and marked a batch (`postal.batch`: its dedup rows refuse a commit the runtime
+    /// did not seal, migration 0040).
+    pub(crate) fn batch_begin_statement(&self, topic: &str) -> String {
+        let begin = self.config.begin_statement();
+        let rest = begin.strip_prefix("BEGIN").unwrap_or(&begin);
+        format!(
+            "BEGIN READ WRITE{rest}; SET LOCAL postal.batch = 'open'; {}",
+            postal_shared::pause::consumer_lock_sql(&self.config.group, topic)
+        )
+    }
 }
 
 /// What a partition's buffer holds: records and their bytes (see [`Record::weight`]).

@@ -133,7 +133,8 @@ impl Dying {
             Crash::AfterTheBodysCommit => {
                 insert(tx, events).await?;
                 if self.first && has(COMMITTER) && !self.committed.swap(true, Ordering::SeqCst) {
-                    sqlx::query("COMMIT").execute(&mut **tx).await?;
+                    // Its result unread, as a script's (refused since the seal, 0040).
+                    let _ = sqlx::query("COMMIT").execute(&mut **tx).await;
                     // The script's statements after its COMMIT (a report, a VACUUM, a call to
                     // another service) still run when the process is killed.
                     self.dies.notify_one();
@@ -143,7 +144,8 @@ impl Dying {
             Crash::OutageAfterTheBodysCommit => {
                 insert(tx, events).await?;
                 if has(COMMITTER) && !self.committed.swap(true, Ordering::SeqCst) {
-                    sqlx::query("COMMIT").execute(&mut **tx).await?;
+                    // Its result unread, as a script's (refused since the seal, 0040).
+                    let _ = sqlx::query("COMMIT").execute(&mut **tx).await;
                     self.dies.notify_one();
                     self.resume.notified().await;
                 }
@@ -162,7 +164,8 @@ impl Dying {
                     && has(BATCH_COMMITTER)
                     && !self.committed.swap(true, Ordering::SeqCst)
                 {
-                    sqlx::query("COMMIT").execute(&mut **tx).await?;
+                    // Its result unread, as a script's (refused since the seal, 0040).
+                    let _ = sqlx::query("COMMIT").execute(&mut **tx).await;
                 }
             }
         }

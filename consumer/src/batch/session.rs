@@ -1,0 +1,48 @@
+//! The session a batch transaction runs in: read-only outside that transaction.
+//!
+//! A handler body whose SQL ends the batch's transaction — a `ROLLBACK`, or a `COMMIT` the
+//! seal refused (migration 0040, [`super::ended`]) — leaves the session in autocommit: the
+//! statements of the bodies after it would each commit on their own, outside the batch, and run
+//! again when the batch does. So for the batch's time the session's default is read-only
+//! (`default_transaction_read_only`, set before the batch's `BEGIN READ WRITE`, outside it): a
+//! write after the transaction's end fails, the body that made it fails, and the runtime finds
+//! the end before its own next write (or its commit) and runs the batch again with a savepoint
+//! around each body, which names the body that ended it. No statement per event: one before and
+//! one after the batch.
+//!
+//! The setting is the session's, so it is reset before the connection goes back to the pool;
+//! a connection whose reset did not happen (a cancelled batch, a session already gone) is closed
+//! instead ([`CloseUnlessFinished`]): the application's other users of the pool never see it.
+
+use postal_shared::cancel_safe::CloseUnlessFinished;
+use sqlx::{Executor, PgConnection, PgPool};
+
+/// A pooled connection, read-only outside the transaction the batch opens on it.
+pub(super) struct Session {
+    conn: CloseUnlessFinished,
+}
+
+impl Session {
+    pub(super) async fn open(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        let mut conn = CloseUnlessFinished::new(pool.acquire().await?);
+        conn.execute("SET default_transaction_read_only = on")
+            .await?;
+        Ok(Session { conn })
+    }
+
+    pub(super) fn conn(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+
+    /// Resets the session (after a transaction left unfinished was rolled back: sqlx sends
+    /// that first) and gives the connection back to the pool; closes it if that fails.
+    pub(super) async fn close(mut self) {
+        let reset = self
+            .conn
+            .execute("RESET default_transaction_read_only")
+            .await;
+        if reset.is_ok() {
+            self.conn.finish();
+        }
+    }
+}
