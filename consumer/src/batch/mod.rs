@@ -252,9 +252,11 @@ impl Worker {
         let mut session = session::Session::open(&self.shared.pool)
             .await
             .map_err(Attempt::db)?;
+        let begin = session.begin();
         let r = self
             .attempt_in(
                 session.conn(),
+                begin,
                 own,
                 queue,
                 isolate,
@@ -270,6 +272,7 @@ impl Worker {
     async fn attempt_in(
         &self,
         conn: &mut sqlx::PgConnection,
+        begin: &str,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
@@ -278,7 +281,7 @@ impl Worker {
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
         let mut tx = conn
-            .begin_with(self.shared.batch_begin_statement(&self.topic))
+            .begin_with(self.shared.batch_begin_statement(begin, &self.topic))
             .await
             .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();

@@ -20,14 +20,38 @@ use sqlx::{Executor, PgConnection, PgPool};
 /// A pooled connection, read-only outside the transaction the batch opens on it.
 pub(super) struct Session {
     conn: CloseUnlessFinished,
+    /// Whether the session was read-only by default already (a DBA's maintenance window,
+    /// `ALTER DATABASE … SET default_transaction_read_only`): the batch then begins as any
+    /// transaction would, read-only, and fails as before rather than write through it.
+    read_only_before: bool,
 }
 
 impl Session {
     pub(super) async fn open(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let mut conn = CloseUnlessFinished::new(pool.acquire().await?);
-        conn.execute("SET default_transaction_read_only = on")
-            .await?;
-        Ok(Session { conn })
+        // The default before, and the new one, in one round trip.
+        let before: String = sqlx::query_scalar(
+            "WITH b AS MATERIALIZED (SELECT current_setting('default_transaction_read_only') AS before)
+             SELECT before FROM b,
+                 LATERAL (SELECT set_config('default_transaction_read_only', 'on', false)
+                          WHERE b.before IS NOT NULL) AS s",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok(Session {
+            conn,
+            read_only_before: before == "on",
+        })
+    }
+
+    /// The batch transaction's `BEGIN`: `READ WRITE` unless the session was read-only by
+    /// default before the batch set it.
+    pub(super) fn begin(&self) -> &'static str {
+        if self.read_only_before {
+            "BEGIN"
+        } else {
+            "BEGIN READ WRITE"
+        }
     }
 
     pub(super) fn conn(&mut self) -> &mut PgConnection {

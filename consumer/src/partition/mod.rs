@@ -87,14 +87,14 @@ impl Shared {
     }
 
     /// The statement that opens a batch transaction of `topic` (throughput mode): as
-    /// [`Self::begin_for`]'s, `READ WRITE` (its session is read-only outside it, `batch`'s
-    /// `session`) and marked a batch (`postal.batch`: its dedup rows refuse a commit the runtime
+    /// [`Self::begin_for`]'s, opened with `begin` (`BEGIN READ WRITE`: its session is read-only
+    /// outside it, `batch`'s `session`) and marked a batch (`postal.batch`: its dedup rows refuse a commit the runtime
     /// did not seal, migration 0040).
-    pub(crate) fn batch_begin_statement(&self, topic: &str) -> String {
-        let begin = self.config.begin_statement();
-        let rest = begin.strip_prefix("BEGIN").unwrap_or(&begin);
+    pub(crate) fn batch_begin_statement(&self, begin: &str, topic: &str) -> String {
+        let statement = self.config.begin_statement();
+        let rest = statement.strip_prefix("BEGIN").unwrap_or(&statement);
         format!(
-            "BEGIN READ WRITE{rest}; SET LOCAL postal.batch = 'open'; {}",
+            "{begin}{rest}; SET LOCAL postal.batch = 'open'; {}",
             postal_shared::pause::consumer_lock_sql(&self.config.group, topic)
         )
     }
