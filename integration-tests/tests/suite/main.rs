@@ -92,6 +92,7 @@ mod row_locks_by_hand;
 mod row_locks_ended_claims;
 mod row_locks_ended_mid_claim;
 mod row_locks_relay;
+mod seal_attack;
 mod secrets;
 mod security;
 mod size_fence_attack;
