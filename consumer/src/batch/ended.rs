@@ -37,7 +37,7 @@
 use std::collections::HashSet;
 
 use postal_shared::EventId;
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
 
 use super::Committed;
 use crate::offsets::Ownership;
@@ -128,9 +128,14 @@ pub(super) struct RolledBack {
 impl Worker {
     /// Settles a batch whose transaction a body ended (see the module's text), in a new
     /// transaction. `c` and `finished` are what the batch had done before the body (`c.done`
-    /// records, all before it). The caller has dropped the batch's transaction.
+    /// records, all before it). The caller has dropped the batch's transaction; the settle's
+    /// runs on the same session (`begin`: the batch's `BEGIN`), not a second connection of the
+    /// pool.
+    #[allow(clippy::too_many_arguments)] // the batch's state, handed over
     pub(super) async fn settle_ended(
         &self,
+        conn: &mut PgConnection,
+        begin: &str,
         own: &Ownership,
         fresh: &HashSet<EventId>,
         mut finished: HashSet<EventId>,
@@ -138,9 +143,8 @@ impl Worker {
         at: EndedAt,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
-        let mut rtx = self
-            .shared
-            .begin_for(&self.topic)
+        let mut rtx = conn
+            .begin_with(self.shared.batch_begin_statement(begin, &self.topic, false))
             .await
             .map_err(Attempt::db)?;
         let ids: Vec<uuid::Uuid> = fresh.iter().map(EventId::as_uuid).collect();

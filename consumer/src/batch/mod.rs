@@ -281,7 +281,7 @@ impl Worker {
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
         let mut tx = conn
-            .begin_with(self.shared.batch_begin_statement(begin, &self.topic))
+            .begin_with(self.shared.batch_begin_statement(begin, &self.topic, true))
             .await
             .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
@@ -482,7 +482,9 @@ impl Worker {
                     // call's: a culprit of an earlier call is not dead-lettered yet).
                     let at = self.ended_here(at, &xid, queue, c.done);
                     drop(tx);
-                    return self.settle_ended(own, &fresh, finished, c, at).await;
+                    return self
+                        .settle_ended(conn, begin, own, &fresh, finished, c, at)
+                        .await;
                 }
                 let run = match run {
                     Ok(run) => run,
@@ -563,7 +565,9 @@ impl Worker {
                     let at = body_at(i, vec![m.id], true, route.name(), ended::refused(&r));
                     let at = self.ended_here(at, &xid, queue, c.done);
                     drop(tx);
-                    return self.settle_ended(own, &fresh, finished, c, at).await;
+                    return self
+                        .settle_ended(conn, begin, own, &fresh, finished, c, at)
+                        .await;
                 }
                 match r {
                     Ok(()) => release(sp).await?,

@@ -88,13 +88,18 @@ impl Shared {
 
     /// The statement that opens a batch transaction of `topic` (throughput mode): as
     /// [`Self::begin_for`]'s, opened with `begin` (`BEGIN READ WRITE`: its session is read-only
-    /// outside it, `batch`'s `session`) and marked a batch (`postal.batch`: its dedup rows refuse a commit the runtime
-    /// did not seal, migration 0040).
-    pub(crate) fn batch_begin_statement(&self, begin: &str, topic: &str) -> String {
+    /// outside it, `batch`'s `session`) and, when `sealed`, marked a batch (`postal.batch`: its
+    /// dedup rows refuse a commit the runtime did not seal, migration 0040).
+    pub(crate) fn batch_begin_statement(&self, begin: &str, topic: &str, sealed: bool) -> String {
         let statement = self.config.begin_statement();
         let rest = statement.strip_prefix("BEGIN").unwrap_or(&statement);
+        let mark = if sealed {
+            "; SET LOCAL postal.batch = 'open'"
+        } else {
+            ""
+        };
         format!(
-            "{begin}{rest}; SET LOCAL postal.batch = 'open'; {}",
+            "{begin}{rest}{mark}; {}",
             postal_shared::pause::consumer_lock_sql(&self.config.group, topic)
         )
     }
