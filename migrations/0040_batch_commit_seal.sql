@@ -11,6 +11,10 @@
 -- again with a savepoint around each body, finds that body, and retries it or dead-letters it
 -- with that reason.
 --
+-- `SET CONSTRAINTS ALL IMMEDIATE` in a handler runs these checks early, in a transaction that is
+-- still the batch's: the runtime tells that from a commit (the transaction's id is unchanged)
+-- and runs that handler's records one per transaction, unsealed, as `max_batch` 1 does.
+--
 -- Other writers of `processed_events` (`postal_consumer::dedup::record` in an application's
 -- own transaction, releases, replays) do not set `postal.batch`: no check is queued for them.
 --
@@ -20,9 +24,9 @@ CREATE FUNCTION postal.batch_commit_sealed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('postal.sealed', true) IS DISTINCT FROM 'on' THEN
-        RAISE EXCEPTION 'postal: a handler committed the transaction it was given; only the consumer commits it (nothing of the batch was kept)'
+        RAISE EXCEPTION 'postal: a handler committed the transaction it was given (or ran SET CONSTRAINTS ALL IMMEDIATE); only the consumer commits it'
             USING ERRCODE = '2D000',
-                  HINT = 'remove COMMIT/BEGIN from the handler''s SQL; use a savepoint (tx.begin()) to undo part of its work';
+                  HINT = 'remove COMMIT and BEGIN from the handler''s SQL (a savepoint, tx.begin(), undoes part of its work); name its own constraints in SET CONSTRAINTS';
     END IF;
     RETURN NULL;
 END

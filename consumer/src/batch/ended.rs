@@ -112,6 +112,13 @@ pub(super) struct EndedAt {
 /// The text of the seal's refusal (migration 0040), as the body's error carries it.
 const REFUSAL: &str = "a handler committed the transaction it was given";
 
+/// Logs that `handler`'s body set the batch's seal off before the commit (its transaction
+/// still the batch's): `SET CONSTRAINTS ALL IMMEDIATE` runs every deferred check queued so far,
+/// the seal's too. Its records then run one per transaction, unsealed (as with `max_batch` 1).
+pub(super) fn warn_early(topic: &str, partition: i32, handler: &str) {
+    tracing::warn!(%topic, partition, %handler, "handler {} set off the batch's commit check before the commit (SET CONSTRAINTS ALL IMMEDIATE in its SQL?): its records run one per transaction from here in this batch; name its own constraints in SET CONSTRAINTS to keep throughput mode", postal_shared::text::quoted(handler));
+}
+
 /// Whether a body's result is the seal's refusal of its `COMMIT` (a body that swallowed the
 /// error cannot be told from one that ran `ROLLBACK`).
 pub(super) fn refused(r: &Result<(), BodyFailure>) -> bool {
@@ -143,6 +150,14 @@ impl Worker {
         at: EndedAt,
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
+        // The batch's dropped transaction (and savepoint) queued their rollbacks; sqlx answers
+        // the next statement with their error (`ROLLBACK TO SAVEPOINT` outside a transaction,
+        // once a body ended it): read them off first (a dead session fails the begin below).
+        for _ in 0..3 {
+            if conn.ping().await.is_ok() {
+                break;
+            }
+        }
         let mut rtx = conn
             .begin_with(self.shared.batch_begin_statement(begin, &self.topic, false))
             .await

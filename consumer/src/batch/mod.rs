@@ -48,6 +48,10 @@ struct Committed {
     /// A body rolled the transaction back under the runtime: nothing committed
     /// ([`ended`]).
     rolled_back: Option<ended::RolledBack>,
+    /// The record after the finished ones set the seal off before the commit (`SET
+    /// CONSTRAINTS ALL IMMEDIATE` in its body, [`ended`]): it runs alone, in a transaction
+    /// that is not sealed, as do the records after it in this call.
+    unseal: bool,
 }
 
 impl Worker {
@@ -76,15 +80,23 @@ impl Worker {
             fit => limit.min(fit),
         };
         let mut limit = fit(queue.len());
+        // A body set the seal off before the commit ([`ended::warn_early`]): from then on in
+        // this call, one record per transaction, not sealed.
+        let mut unsealed = false;
         while !queue.is_empty() {
             if self.cancel.is_cancelled() {
                 return Step::Stop;
             }
             let exhausted = head_attempts >= self.shared.config.max_attempts;
             let started = std::time::Instant::now();
-            let take = limit.clamp(1, queue.len());
+            let take = if unsealed {
+                1
+            } else {
+                limit.clamp(1, queue.len())
+            };
             let result = self
                 .batch_attempt(
+                    !unsealed,
                     own,
                     &queue.make_contiguous()[..take],
                     isolate,
@@ -135,6 +147,9 @@ impl Worker {
                         limit = fit(limit.saturating_mul(2));
                     }
                     queue.drain(..c.done);
+                    if c.unseal {
+                        unsealed = true;
+                    }
                     match c.stopped {
                         None => isolate = false,
                         Some((e, Retry::Outage)) => {
@@ -243,6 +258,7 @@ impl Worker {
     /// used up its attempts (their last error), and is dead-lettered or held without running.
     async fn batch_attempt(
         &self,
+        sealed: bool,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
@@ -257,6 +273,7 @@ impl Worker {
             .attempt_in(
                 session.conn(),
                 begin,
+                sealed,
                 own,
                 queue,
                 isolate,
@@ -273,6 +290,7 @@ impl Worker {
         &self,
         conn: &mut sqlx::PgConnection,
         begin: &str,
+        sealed: bool,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
@@ -281,7 +299,10 @@ impl Worker {
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
         let mut tx = conn
-            .begin_with(self.shared.batch_begin_statement(begin, &self.topic, true))
+            .begin_with(
+                self.shared
+                    .batch_begin_statement(begin, &self.topic, sealed),
+            )
             .await
             .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
@@ -492,10 +513,11 @@ impl Worker {
                 };
                 // Where the run's records stop being finished (a retryable failure, or a
                 // culprit whose key is held: it is finished, held).
-                let upto = match (&run.stopped, &run.held) {
-                    (Some(s), _) => s.0,
-                    (None, Some(h)) => h.0 + 1,
-                    (None, None) => end,
+                let upto = match (&run.stopped, run.unseal, &run.held) {
+                    (Some(s), _, _) => s.0,
+                    (None, Some(u), _) => u,
+                    (None, None, Some(h)) => h.0 + 1,
+                    (None, None, None) => end,
                 };
                 for &k in &run.applied {
                     if let Ok(mk) = &metas[k] {
@@ -542,6 +564,10 @@ impl Worker {
                     c.stopped = Some((error, whose));
                     break;
                 }
+                if run.unseal.is_some() {
+                    c.unseal = true;
+                    break;
+                }
                 if run.held.is_some() {
                     // The run's records after the culprit have not run: the next
                     // transaction takes them, with the key held.
@@ -569,10 +595,18 @@ impl Worker {
                         .settle_ended(conn, begin, own, &fresh, finished, c, at)
                         .await;
                 }
-                match r {
+                let early = ended::refused(&r);
+                let r = match r {
                     Ok(()) => release(sp).await?,
                     Err(f) => Err(roll_back(sp, f).await?),
+                };
+                if early {
+                    // The seal fired before the commit, in a transaction still the batch's.
+                    ended::warn_early(&self.topic, self.partition, route.name());
+                    c.unseal = true;
+                    break;
                 }
+                r
             } else {
                 // Checked before the next runtime write (or the commit).
                 unchecked = true;
@@ -768,10 +802,16 @@ impl Worker {
                 run.ended = Some((items[lo..hi].to_vec(), ended::refused(&r)));
                 break;
             }
+            let early = ended::refused(&r);
             let r = match r {
                 Ok(()) => release(sp).await?,
                 Err(f) => Err(roll_back(sp, f).await?),
             };
+            if early {
+                ended::warn_early(&first.topic, first.partition, route.name());
+                run.unseal = Some(items[lo]);
+                break;
+            }
             match r {
                 Ok(()) => run.applied.extend_from_slice(&items[lo..hi]),
                 Err(BodyFailure::Retry(error, Retry::Outage)) => {
@@ -924,6 +964,9 @@ struct Run {
     /// The call whose body ended the transaction ([`ended`]): its items; the run stopped there.
     /// Whether its `COMMIT` was refused (the seal, [`ended`]).
     ended: Option<(Vec<usize>, bool)>,
+    /// The first record of the call that set the seal off before the commit (`unseal` of
+    /// [`Committed`]); the run stopped there.
+    unseal: Option<usize>,
 }
 
 /// Whether two routes are the same handler.
