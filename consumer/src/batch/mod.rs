@@ -286,6 +286,7 @@ impl Worker {
     }
 
     /// [`Self::batch_attempt`] on `conn` (a [`session::Session`]'s).
+    #[allow(clippy::too_many_arguments)] // the session's and the attempt's state, passed through
     async fn attempt_in(
         &self,
         conn: &mut sqlx::PgConnection,
