@@ -82,7 +82,7 @@ async fn check(
     match now {
         Ok(now) if now.as_deref() == Some(xid) => return Ok(false),
         Ok(_) => {}
-        Err(e) if super::gone(&e) => return Err(e),
+        Err(e) if super::failure::gone(&e) => return Err(e),
         Err(_) => return Ok(false),
     }
     if let Err(e) = sqlx::query("ROLLBACK").execute(conn).await {

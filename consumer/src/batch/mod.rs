@@ -12,23 +12,25 @@
 //! partition's order holds.
 
 mod ended;
+mod failure;
+mod run;
 mod session;
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 
 use postal_shared::EventId;
-use sqlx::{Connection, Postgres, Transaction};
+use sqlx::Connection;
 use tracing::Instrument;
 
 use crate::config::UnknownTypes;
 use crate::dead_letter::Reason;
 use crate::offsets::{self, Ownership};
-use crate::partition::{
-    run_batch_body, run_body, Attempt, BodyFailure, Dead, Head, Held, Retry, Step, Worker,
-};
+use crate::partition::{run_body, Attempt, BodyFailure, Dead, Head, Held, Retry, Step, Worker};
 use crate::record::{meta, Meta, Record};
 use crate::route::Route;
+use failure::{abandon, after_gone, release, roll_back};
+use run::Run;
 
 /// What one batch transaction committed.
 #[derive(Default)]
@@ -743,108 +745,6 @@ impl Worker {
         }
     }
 
-    /// Runs a batch handler over the records `items` (indices into `queue`, in order).
-    ///
-    /// Without `isolate` the body runs once in `tx`; its failure is returned as `Ok(Err)` and
-    /// aborts the transaction (the caller runs the batch again with `isolate`). With `isolate`
-    /// each call runs under a savepoint: a failed call is rolled back and its records are
-    /// split in halves, run in order, until the failing record is alone — it is the culprit:
-    /// a permanent failure (or panic, or a payload that does not decode) makes it a dead letter
-    /// (returned in `dead`, for the caller to write) and the records after it go on; a retryable
-    /// failure stops the run there. A dependency outage stops the run at the failed call's
-    /// first record without splitting (it names no culprit). Nothing a failed call wrote
-    /// survives its savepoint, so no record's effects are kept twice.
-    #[allow(clippy::too_many_arguments)] // the batch transaction's state, passed through
-    async fn batch_run(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        route: &dyn Route,
-        queue: &[Record],
-        metas: &[Result<Meta, crate::record::Rejection>],
-        items: &[usize],
-        isolate: bool,
-        xid: Option<&str>,
-    ) -> Result<Result<Run, BodyFailure>, Attempt> {
-        let pair = |k: usize| {
-            let m = metas[k].as_ref().expect("batch items have their meta");
-            (&queue[k], m)
-        };
-        let first = &queue[items[0]];
-        let span = tracing::info_span!("postal.handle_batch", handler = route.name(), events = items.len(), topic = %first.topic, partition = first.partition, offset = first.offset);
-        let mut run = Run::default();
-        if !isolate {
-            let all: Vec<(&Record, &Meta)> = items.iter().map(|&k| pair(k)).collect();
-            let r = run_batch_body(route, tx, &all).instrument(span).await;
-            if ended::body_ended(tx, xid)
-                .await
-                .map_err(|e| after_gone(&r, e))?
-            {
-                run.ended = Some((items.to_vec(), ended::refused(&r)));
-                return Ok(Ok(run));
-            }
-            return Ok(r.map(|()| {
-                run.applied = items.to_vec();
-                run
-            }));
-        }
-        // Ranges of `items` still to run, the next on top: processed in partition order.
-        let mut todo = vec![(0, items.len())];
-        while let Some((lo, hi)) = todo.pop() {
-            let part: Vec<(&Record, &Meta)> = items[lo..hi].iter().map(|&k| pair(k)).collect();
-            let mut sp = (**tx).begin().await.map_err(Attempt::db)?;
-            let r = run_batch_body(route, &mut sp, &part)
-                .instrument(span.clone())
-                .await;
-            if ended::body_ended(&mut sp, xid)
-                .await
-                .map_err(|e| after_gone(&r, e))?
-            {
-                drop(sp);
-                run.ended = Some((items[lo..hi].to_vec(), ended::refused(&r)));
-                break;
-            }
-            let early = ended::refused(&r);
-            let r = match r {
-                Ok(()) => release(sp).await?,
-                Err(f) => Err(roll_back(sp, f).await?),
-            };
-            if early {
-                ended::warn_early(&first.topic, first.partition, route.name());
-                run.unseal = Some(items[lo]);
-                break;
-            }
-            match r {
-                Ok(()) => run.applied.extend_from_slice(&items[lo..hi]),
-                Err(BodyFailure::Retry(error, Retry::Outage)) => {
-                    run.stopped = Some((items[lo], error, Retry::Outage));
-                    break;
-                }
-                Err(_) if hi - lo > 1 => {
-                    let mid = lo + (hi - lo) / 2;
-                    todo.push((mid, hi));
-                    todo.push((lo, mid));
-                }
-                Err(BodyFailure::Dead(reason, error))
-                    if self.holds(
-                        &queue[items[lo]],
-                        metas[items[lo]].as_ref().ok(),
-                        Some(route.name()),
-                    ) =>
-                {
-                    // Its key is held from here: the records after it wait (not run).
-                    run.held = Some((items[lo], reason, error));
-                    break;
-                }
-                Err(BodyFailure::Dead(reason, error)) => run.dead.push((items[lo], reason, error)),
-                Err(BodyFailure::Retry(error, whose)) => {
-                    run.stopped = Some((items[lo], error, whose));
-                    break;
-                }
-            }
-        }
-        Ok(Ok(run))
-    }
-
     async fn dead_in(
         &self,
         tx: &mut sqlx::PgConnection,
@@ -864,37 +764,6 @@ impl Worker {
             .await
             .map_err(Attempt::db)
     }
-}
-
-/// A body failed in the optimistic pass (no savepoints): rolls the transaction back, and says
-/// how the attempt failed. A session found gone at the rollback (the server ended it while the
-/// body ran) makes the batch halve at once rather than run again with savepoints to meet the
-/// same end (measured: each too-large batch ran twice): an outage if the body said so (or
-/// said nothing of its own: never), otherwise the transaction's own failure
-/// ([`Attempt::SessionEnded`]: the head alone counts it, as one at a time counts the handler's
-/// failure; a handler that kept only the text of the server's 25P03 stalled its partition
-/// when the rollback's I/O error was taken for an outage, `idle_end_attack::`).
-async fn abandon(tx: Transaction<'_, Postgres>, f: BodyFailure) -> Attempt {
-    match tx.rollback().await {
-        Err(e) if gone(&e) => session_gone(f, &e),
-        _ => f.into_attempt(),
-    }
-}
-
-/// Rolls back the savepoint of a body that failed with `f`, and gives `f` back. A rollback
-/// that finds the session gone is the attempt's failure, told as [`abandon`] tells it.
-async fn roll_back(sp: Transaction<'_, Postgres>, f: BodyFailure) -> Result<BodyFailure, Attempt> {
-    match sp.rollback().await {
-        Ok(()) => Ok(f),
-        Err(e) if gone(&e) => Err(session_gone(f, &e)),
-        Err(e) => Err(Attempt::db(e)),
-    }
-}
-
-/// Whether a rollback's error `e` says the session is gone: unreachable, or ended for idling
-/// (the rollback is then the first statement to read the server's 25P03).
-fn gone(e: &sqlx::Error) -> bool {
-    crate::idle_end::ended_idle(e) || postal_shared::database_unavailable(e)
 }
 
 /// Before a runtime write in the batch's transaction: if a body ran (without a savepoint) since
@@ -925,51 +794,6 @@ fn not_by_a_body() -> Attempt {
     Attempt::Retryable("the batch's transaction ended with no handler body to blame".into())
 }
 
-/// The attempt's failure when the check after a body ([`ended::body_ended`]) found the session
-/// gone (`e`), read as the runtime's next statement would have read it: the body's failure
-/// `r` told with the session's end ([`session_gone`]), or the transaction's own.
-fn after_gone(r: &Result<(), BodyFailure>, e: sqlx::Error) -> Attempt {
-    match r {
-        Ok(()) => Attempt::db(e),
-        Err(f) => session_gone(f.clone(), &e),
-    }
-}
-
-/// The attempt's failure when a body failed with `f` and its session is gone (`e`).
-fn session_gone(f: BodyFailure, e: &sqlx::Error) -> Attempt {
-    match f {
-        // The handler said a dependency was unavailable: an outage, also when its wait for it
-        // outlasted the idle timeout (as one at a time takes it).
-        BodyFailure::Retry(_, Retry::Outage) => {
-            Attempt::Unavailable(format!("the session ended while a handler ran: {e}"))
-        }
-        f if crate::idle_end::ended_idle(e) => {
-            Attempt::SessionEnded(crate::idle_end::explain_after(f.error(), e))
-        }
-        BodyFailure::Retry(error, _) | BodyFailure::Dead(_, error) => Attempt::SessionEnded(error),
-    }
-}
-
-/// What a batch handler's run did (indices into the queue).
-#[derive(Default)]
-struct Run {
-    /// Applied (committed with the transaction).
-    applied: Vec<usize>,
-    /// Culprits to dead-letter: (index, reason, error).
-    dead: Vec<(usize, Reason, String)>,
-    /// The record the run stopped at, retryably: (index, error, whose failure).
-    stopped: Option<(usize, String, Retry)>,
-    /// The culprit whose key is held ([`crate::FinalFailure::HoldKey`]); the run stopped at
-    /// it: (index, reason, error).
-    held: Option<(usize, Reason, String)>,
-    /// The call whose body ended the transaction ([`ended`]): its items; the run stopped there.
-    /// Whether its `COMMIT` was refused (the seal, [`ended`]).
-    ended: Option<(Vec<usize>, bool)>,
-    /// The first record of the call that set the seal off before the commit (`unseal` of
-    /// [`Committed`]); the run stopped there.
-    unseal: Option<usize>,
-}
-
 /// Whether two routes are the same handler.
 fn same_route(a: &std::sync::Arc<dyn Route>, b: &std::sync::Arc<dyn Route>) -> bool {
     std::ptr::addr_eq(std::sync::Arc::as_ptr(a), std::sync::Arc::as_ptr(b))
@@ -988,25 +812,4 @@ async fn settle_dedup(
     crate::dedup::forget_many(tx, consumer, &unfinished)
         .await
         .map_err(Attempt::db)
-}
-
-/// Releases the savepoint of a body that returned `Ok`. A handler that swallowed a database
-/// error leaves the transaction aborted and the release fails: that is the body's failure (a
-/// retryable one, counted as an attempt and dead-lettered after `max_attempts`), not the
-/// database's; the savepoint is rolled back when `sp` is dropped, before the next statement.
-async fn release(sp: Transaction<'_, Postgres>) -> Result<Result<(), BodyFailure>, Attempt> {
-    match sp.commit().await {
-        Ok(()) => Ok(Ok(())),
-        Err(e) => match Attempt::db(e) {
-            Attempt::Unavailable(e) => Err(Attempt::Unavailable(e)),
-            Attempt::SessionEnded(e) => Err(Attempt::SessionEnded(e)),
-            Attempt::Retryable(e) | Attempt::Permanent(_, e) => Ok(Err(BodyFailure::Retry(
-                format!("the handler returned Ok but its transaction had failed (a database error it did not return?): {e}"),
-                Retry::Handler,
-            ))),
-            Attempt::Fenced => Err(Attempt::Fenced),
-            Attempt::Paused => Err(Attempt::Paused),
-            Attempt::OverBound(need) => Err(Attempt::OverBound(need)),
-        },
-    }
 }
