@@ -104,6 +104,38 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Option<String>, sqlx
     .await
 }
 
+/// The advisory lock the batch seal takes in the session when it refuses (migration 0041):
+/// `(SEAL_MARK, pg_backend_pid())`, session-level, so it outlives the rollback of the body's
+/// savepoint.
+const SEAL_MARK: i32 = 1_936_023_916;
+
+/// The SQL that reads and releases the seal's mark: a row (`true`) if the seal refused in this
+/// session since the mark was last released.
+fn seal_mark_sql() -> String {
+    format!(
+        "SELECT pg_advisory_unlock({SEAL_MARK}, pg_backend_pid()) FROM pg_catalog.pg_locks
+         WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+           AND classid = {SEAL_MARK} AND objid = pg_backend_pid() AND objsubid = 2"
+    )
+}
+
+/// Whether the batch seal refused in this session since last asked (and releases its mark):
+/// after a body's failure, rolled back to its savepoint, this tells a body whose `SET
+/// CONSTRAINTS ALL IMMEDIATE` set the seal off early whatever its error says (a handler that
+/// wraps its database errors hides the seal's message).
+pub(crate) async fn seal_refused(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    let released: Option<bool> = sqlx::query_scalar(&seal_mark_sql())
+        .fetch_optional(conn)
+        .await?;
+    Ok(released.is_some())
+}
+
+/// The statement that releases the seal's mark if the session holds it (no result), for the
+/// reset before a connection goes back to the pool.
+pub(crate) fn seal_mark_release_sql() -> String {
+    seal_mark_sql()
+}
+
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written
 /// in this transaction but which were not applied after all.
 pub(crate) async fn forget_many(

@@ -125,6 +125,22 @@ pub(super) fn refused(r: &Result<(), BodyFailure>) -> bool {
     matches!(r, Err(f) if f.error().contains(REFUSAL))
 }
 
+/// Whether a failed body (`r`, rolled back to its savepoint, in a transaction still the
+/// batch's) set the seal off before the commit, whatever its error says: the seal marks the
+/// session when it refuses (migration 0041), and a handler that wraps its database errors
+/// (`anyhow`'s `.context`, an error type of its own) hides the seal's message ([`refused`]).
+/// Asked only after a failure of a sealed batch's body: no statement per event.
+pub(super) async fn set_off_early(
+    tx: &mut PgConnection,
+    sealed: bool,
+    r: &Result<(), BodyFailure>,
+) -> Result<bool, Attempt> {
+    if !sealed || r.is_ok() {
+        return Ok(false);
+    }
+    crate::dedup::seal_refused(tx).await.map_err(Attempt::db)
+}
+
 /// What the caller does after a body's `ROLLBACK`: nothing of the transaction stands.
 pub(super) struct RolledBack {
     pub before: usize,

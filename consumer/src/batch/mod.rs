@@ -267,9 +267,17 @@ impl Worker {
         head_exhausted: Option<&str>,
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
-        let mut session = session::Session::open(&self.shared.pool)
+        let mut session = session::Session::open(&self.shared.pool, sealed)
             .await
             .map_err(Attempt::db)?;
+        if sealed && isolate {
+            // A mark the seal left on this connection before (a body that swallowed its
+            // refusal) would name the wrong body ([`ended::set_off_early`]).
+            if let Err(e) = crate::dedup::seal_refused(session.conn()).await {
+                session.close(true).await;
+                return Err(Attempt::db(e));
+            }
+        }
         let begin = session.begin();
         let r = self
             .attempt_in(
@@ -283,7 +291,11 @@ impl Worker {
                 head_attempts,
             )
             .await;
-        session.close().await;
+        // Where the seal may have refused: a body failed, or ended the transaction.
+        let refusals = isolate
+            || r.as_ref()
+                .map_or(true, |c| c.rolled_back.is_some() || c.unseal);
+        session.close(refusals).await;
         r
     }
 
@@ -487,6 +499,7 @@ impl Worker {
                         &metas,
                         &items,
                         isolate,
+                        sealed,
                         xid.as_deref(),
                     )
                     .await?;
@@ -598,12 +611,12 @@ impl Worker {
                         .settle_ended(conn, begin, own, &fresh, finished, c, at)
                         .await;
                 }
-                let early = ended::refused(&r);
+                let refused = ended::refused(&r);
                 let r = match r {
                     Ok(()) => release(sp).await?,
                     Err(f) => Err(roll_back(sp, f).await?),
                 };
-                if early {
+                if refused || ended::set_off_early(&mut tx, sealed, &r).await? {
                     // The seal fired before the commit, in a transaction still the batch's.
                     ended::warn_early(&self.topic, self.partition, route.name());
                     c.unseal = true;

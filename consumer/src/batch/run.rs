@@ -52,6 +52,7 @@ impl Worker {
         metas: &[Result<Meta, crate::record::Rejection>],
         items: &[usize],
         isolate: bool,
+        sealed: bool,
         xid: Option<&str>,
     ) -> Result<Result<Run, BodyFailure>, Attempt> {
         let pair = |k: usize| {
@@ -92,12 +93,12 @@ impl Worker {
                 run.ended = Some((items[lo..hi].to_vec(), ended::refused(&r)));
                 break;
             }
-            let early = ended::refused(&r);
+            let refused = ended::refused(&r);
             let r = match r {
                 Ok(()) => release(sp).await?,
                 Err(f) => Err(roll_back(sp, f).await?),
             };
-            if early {
+            if refused || ended::set_off_early(tx, sealed, &r).await? {
                 ended::warn_early(&first.topic, first.partition, route.name());
                 run.unseal = Some(items[lo]);
                 break;

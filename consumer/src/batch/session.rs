@@ -24,11 +24,25 @@ pub(super) struct Session {
     /// `ALTER DATABASE … SET default_transaction_read_only`): the batch then begins as any
     /// transaction would, read-only, and fails as before rather than write through it.
     read_only_before: bool,
+    /// Whether the session was set read-only (a sealed batch's).
+    sealed: bool,
 }
 
 impl Session {
-    pub(super) async fn open(pool: &PgPool) -> Result<Self, sqlx::Error> {
+    /// A session for a sealed batch (`sealed`), read-only outside its transaction; or, for the
+    /// unsealed records after a body set the seal off early ([`super::ended::warn_early`]), the
+    /// pooled connection as it is: those run as with `max_batch` 1, whose transactions a
+    /// handler's `COMMIT` may end (a second transaction of a script is then its own, not
+    /// refused for a read-only default).
+    pub(super) async fn open(pool: &PgPool, sealed: bool) -> Result<Self, sqlx::Error> {
         let mut conn = CloseUnlessFinished::new(pool.acquire().await?);
+        if !sealed {
+            return Ok(Session {
+                conn,
+                read_only_before: false,
+                sealed,
+            });
+        }
         // The default before, and the new one, in one round trip.
         let before: String = sqlx::query_scalar(
             "WITH b AS MATERIALIZED (SELECT current_setting('default_transaction_read_only') AS before)
@@ -41,13 +55,14 @@ impl Session {
         Ok(Session {
             conn,
             read_only_before: before == "on",
+            sealed,
         })
     }
 
     /// The batch transaction's `BEGIN`: `READ WRITE` unless the session was read-only by
-    /// default before the batch set it.
+    /// default before the batch set it (or not set, unsealed: a plain `BEGIN`).
     pub(super) fn begin(&self) -> &'static str {
-        if self.read_only_before {
+        if self.read_only_before || !self.sealed {
             "BEGIN"
         } else {
             "BEGIN READ WRITE"
@@ -60,11 +75,24 @@ impl Session {
 
     /// Resets the session (after a transaction left unfinished was rolled back: sqlx sends
     /// that first) and gives the connection back to the pool; closes it if that fails.
-    pub(super) async fn close(mut self) {
-        let reset = self
-            .conn
-            .execute("RESET default_transaction_read_only")
-            .await;
+    /// `refusals`: the seal may have refused in this session (a body failed, or a transaction
+    /// ended early), and its mark ([`crate::dedup::seal_refused`]) is released with the reset.
+    pub(super) async fn close(mut self, refusals: bool) {
+        if !self.sealed {
+            self.conn.finish();
+            return;
+        }
+        let reset = if refusals {
+            let sql = format!(
+                "RESET default_transaction_read_only; {}",
+                crate::dedup::seal_mark_release_sql()
+            );
+            self.conn.execute(sql.as_str()).await
+        } else {
+            self.conn
+                .execute("RESET default_transaction_read_only")
+                .await
+        };
         if reset.is_ok() {
             self.conn.finish();
         }
