@@ -1,29 +1,52 @@
--- The batch seal (0040) leaves a mark in the session when it refuses.
+-- The batch seal (0040) counts its refusals in the session.
 --
 -- A handler's `SET CONSTRAINTS ALL IMMEDIATE` runs the seal's check early, in a transaction that
--- is still the batch's; the runtime then runs that handler's records one per transaction,
--- unsealed. It told that case by the seal's message in the body's error, and a handler that
--- wraps its database errors (`anyhow`'s `.context`, an error type of its own) hides the message:
--- every event of a correct handler was dead-lettered. So the check, before it raises, takes a
--- session-level advisory lock (1936023916, "seal", with the backend's pid): unlike anything done
--- in the transaction, it outlives the rollback of the handler's savepoint. The runtime reads and
--- releases it after a body fails, in the batch's transaction (`postal_consumer`'s
--- `dedup::seal_refused`), and before the connection goes back to the pool.
+-- is still the batch's. The runtime used to tell that case by the seal's message in the body's
+-- error, and missed it twice: a handler that wraps its database errors (`anyhow`'s `.context`)
+-- hides the message, and a handler that catches the failure in a savepoint of its own and takes
+-- another branch ("constraint check failed: reject the order") returns no error at all — so in
+-- throughput mode it rejected every event that one record per transaction applies.
 --
--- Compatible: binaries from before this migration never read the mark, and release it with the
--- session; `oldest_compatible` is unchanged.
+-- So the check, before it raises, takes a number from a sequence: unlike anything done in the
+-- transaction, `nextval` outlives the rollback of the handler's savepoint, and `currval` is the
+-- session's own. The runtime reads `postal.batch_seal_refusals()` when it opens a batch's session
+-- and again in the statement that seals the batch for its commit (and after a failed body): a
+-- different number means the seal refused in this session meanwhile, and the batch runs again one
+-- record per transaction, unsealed, as `max_batch` 1 does. No statement of its own: both reads ride
+-- on statements the batch runs anyway.
+--
+-- Both functions run as their owner (SECURITY DEFINER), so the consumer's role needs no privilege
+-- on the sequence; `postal grant --consumer` grants EXECUTE on the reader for a database whose
+-- functions are not executable by PUBLIC.
+--
+-- Compatible: binaries from before this migration never read the count; `oldest_compatible` is
+-- unchanged.
+CREATE SEQUENCE postal.batch_seal_refusals;
+
+-- Counts a refusal (called by the seal's check only when it refuses).
+CREATE FUNCTION postal.batch_seal_refused() RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    PERFORM nextval('postal.batch_seal_refusals');
+END
+$$;
+
+-- The number of this session's last refusal (0: none yet).
+CREATE FUNCTION postal.batch_seal_refusals() RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN currval('postal.batch_seal_refusals');
+EXCEPTION WHEN object_not_in_prerequisite_state THEN
+    -- 55000: currval before any nextval in this session.
+    RETURN 0;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION postal.batch_commit_sealed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     IF current_setting('postal.sealed', true) IS DISTINCT FROM 'on' THEN
-        -- Taken once (session locks count their takes; one release must clear the mark).
-        IF NOT EXISTS (
-            SELECT 1 FROM pg_catalog.pg_locks
-            WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-              AND classid = 1936023916 AND objid = pg_backend_pid() AND objsubid = 2
-        ) THEN
-            PERFORM pg_try_advisory_lock(1936023916, pg_backend_pid());
-        END IF;
+        PERFORM postal.batch_seal_refused();
         RAISE EXCEPTION 'postal: a handler committed the transaction it was given (or ran SET CONSTRAINTS ALL IMMEDIATE); only the consumer commits it'
             USING ERRCODE = '2D000',
                   HINT = 'remove COMMIT and BEGIN from the handler''s SQL (a savepoint, tx.begin(), undoes part of its work); name its own constraints in SET CONSTRAINTS';

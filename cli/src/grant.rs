@@ -86,6 +86,9 @@ fn consumer(role: &str) -> Vec<String> {
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON postal.processed_events, postal.consumer_offsets, postal.consumer_settings, postal.dead_letters, postal.dedup_horizon, postal.offset_marks, postal.consumer_stops, postal.held_keys, postal.held_records, postal.held_bytes TO {role}"),
         format!("GRANT SELECT ON postal.pauses TO {role}"),
         format!("GRANT USAGE ON SEQUENCE postal.dead_letters_id_seq TO {role}"),
+        // The batch seal's count of its refusals (migration 0041; the functions run as their
+        // owner), for a database whose functions are not executable by PUBLIC.
+        format!("GRANT EXECUTE ON FUNCTION postal.batch_seal_refused, postal.batch_seal_refusals TO {role}"),
     ]);
     out
 }

@@ -95,45 +95,24 @@ pub(crate) async fn current_xid(conn: &mut PgConnection) -> Result<Option<String
 /// statement (`postal.sealed`: without it a batch's dedup rows refuse the commit, migration
 /// 0040). In a transaction a body began after ending the batch's, the seal is rolled back with
 /// it (the caller sees another id).
-pub(crate) async fn seal(conn: &mut PgConnection) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT pg_current_xact_id_if_assigned()::text
+/// Also reads the seal's refusals in the session ([`seal_refusals`]).
+pub(crate) async fn seal(conn: &mut PgConnection) -> Result<(Option<String>, i64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT pg_current_xact_id_if_assigned()::text, postal.batch_seal_refusals()
          FROM (SELECT set_config('postal.sealed', 'on', true)) AS sealed",
     )
     .fetch_one(conn)
     .await
 }
 
-/// The advisory lock the batch seal takes in the session when it refuses (migration 0041):
-/// `(SEAL_MARK, pg_backend_pid())`, session-level, so it outlives the rollback of the body's
-/// savepoint.
-const SEAL_MARK: i32 = 1_936_023_916;
-
-/// The SQL that reads and releases the seal's mark: a row (`true`) if the seal refused in this
-/// session since the mark was last released.
-fn seal_mark_sql() -> String {
-    format!(
-        "SELECT pg_advisory_unlock({SEAL_MARK}, pg_backend_pid()) FROM pg_catalog.pg_locks
-         WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-           AND classid = {SEAL_MARK} AND objid = pg_backend_pid() AND objsubid = 2"
-    )
-}
-
-/// Whether the batch seal refused in this session since last asked (and releases its mark):
-/// after a body's failure, rolled back to its savepoint, this tells a body whose `SET
-/// CONSTRAINTS ALL IMMEDIATE` set the seal off early whatever its error says (a handler that
-/// wraps its database errors hides the seal's message).
-pub(crate) async fn seal_refused(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    let released: Option<bool> = sqlx::query_scalar(&seal_mark_sql())
-        .fetch_optional(conn)
-        .await?;
-    Ok(released.is_some())
-}
-
-/// The statement that releases the seal's mark if the session holds it (no result), for the
-/// reset before a connection goes back to the pool.
-pub(crate) fn seal_mark_release_sql() -> String {
-    seal_mark_sql()
+/// The number of the batch seal's last refusal in this session (migration 0041; 0: none yet).
+/// Outlives the rollback of a handler's savepoint: a change since the batch's session was
+/// opened means the seal refused meanwhile, whatever the handler made of the error (wrapped
+/// it, caught it and went on).
+pub(crate) async fn seal_refusals(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT postal.batch_seal_refusals()")
+        .fetch_one(conn)
+        .await
 }
 
 /// Deletes dedup rows (in the caller's transaction): for records whose dedup row was written

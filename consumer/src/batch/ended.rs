@@ -56,39 +56,68 @@ pub(super) async fn body_ended(
     conn: &mut PgConnection,
     xid: Option<&str>,
 ) -> Result<bool, sqlx::Error> {
-    check(conn, xid, false).await
+    check(conn, xid).await
+}
+
+/// What the check before the runtime's last writes found ([`sealed_or_ended`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Sealed {
+    /// The transaction is the batch's, sealed for the runtime's `COMMIT`.
+    Ours,
+    /// A body ended it (rolled back here, as [`body_ended`] does).
+    Ended,
+    /// It is the batch's, but the seal refused in it meanwhile (a body's `SET CONSTRAINTS ALL
+    /// IMMEDIATE`, whatever the body made of the error: wrapped it, or caught it in a
+    /// savepoint of its own and went on): the body may have taken a branch it would not take
+    /// one record per transaction. Not committed: the batch runs again unsealed.
+    RefusedEarly,
 }
 
 /// [`body_ended`], sealing the transaction for the runtime's `COMMIT` in the same statement
-/// ([`crate::dedup::seal`]): the check before the runtime's last writes.
+/// ([`crate::dedup::seal`]), which also reads the seal's refusals in the session (against
+/// `refusals`, the count when the batch's session was opened): the check before the
+/// runtime's last writes.
 pub(super) async fn sealed_or_ended(
     conn: &mut PgConnection,
     xid: Option<&str>,
-) -> Result<bool, sqlx::Error> {
-    check(conn, xid, true).await
+    refusals: i64,
+) -> Result<Sealed, sqlx::Error> {
+    let Some(xid) = xid else {
+        return Ok(Sealed::Ours);
+    };
+    match crate::dedup::seal(&mut *conn).await {
+        Ok((now, count)) if now.as_deref() == Some(xid) => {
+            return Ok(if count == refusals {
+                Sealed::Ours
+            } else {
+                Sealed::RefusedEarly
+            });
+        }
+        Ok(_) => {}
+        Err(e) if super::failure::gone(&e) => return Err(e),
+        Err(_) => return Ok(Sealed::Ours),
+    }
+    roll_back_ended(conn).await;
+    Ok(Sealed::Ended)
 }
 
-async fn check(
-    conn: &mut PgConnection,
-    xid: Option<&str>,
-    seal: bool,
-) -> Result<bool, sqlx::Error> {
+async fn check(conn: &mut PgConnection, xid: Option<&str>) -> Result<bool, sqlx::Error> {
     let Some(xid) = xid else { return Ok(false) };
-    let now = if seal {
-        crate::dedup::seal(&mut *conn).await
-    } else {
-        crate::dedup::current_xid(&mut *conn).await
-    };
-    match now {
+    match crate::dedup::current_xid(&mut *conn).await {
         Ok(now) if now.as_deref() == Some(xid) => return Ok(false),
         Ok(_) => {}
         Err(e) if super::failure::gone(&e) => return Err(e),
         Err(_) => return Ok(false),
     }
+    roll_back_ended(conn).await;
+    Ok(true)
+}
+
+/// Ends whatever a body left open after ending the batch's transaction.
+async fn roll_back_ended(conn: &mut PgConnection) {
     if let Err(e) = sqlx::query("ROLLBACK").execute(conn).await {
         tracing::debug!(error = %e, "rolling back after a handler ended its transaction");
     }
-    Ok(true)
 }
 
 /// Where a body ended the batch's transaction.
@@ -112,11 +141,17 @@ pub(super) struct EndedAt {
 /// The text of the seal's refusal (migration 0040), as the body's error carries it.
 const REFUSAL: &str = "a handler committed the transaction it was given";
 
-/// Logs that `handler`'s body set the batch's seal off before the commit (its transaction
-/// still the batch's): `SET CONSTRAINTS ALL IMMEDIATE` runs every deferred check queued so far,
-/// the seal's too. Its records then run one per transaction, unsealed (as with `max_batch` 1).
-pub(super) fn warn_early(topic: &str, partition: i32, handler: &str) {
-    tracing::warn!(%topic, partition, %handler, "handler {} set off the batch's commit check before the commit (SET CONSTRAINTS ALL IMMEDIATE in its SQL?): its records run one per transaction from here in this batch; name its own constraints in SET CONSTRAINTS to keep throughput mode", postal_shared::text::quoted(handler));
+/// Logs that `handler`'s body (`None`: a body of the batch, which one not known: it went on
+/// after the refusal) set the batch's seal off before the commit, its transaction still the
+/// batch's: `SET CONSTRAINTS ALL IMMEDIATE` runs every deferred check queued so far, the
+/// seal's too. Nothing of the transaction is committed; the rest of the poll batch runs one
+/// record per transaction, unsealed, as with `max_batch` 1.
+pub(super) fn warn_early(topic: &str, partition: i32, handler: Option<&str>) {
+    let who = match handler {
+        Some(h) => format!("handler {}", postal_shared::text::quoted(h)),
+        None => "a handler of the batch".to_string(),
+    };
+    tracing::warn!(%topic, partition, handler = handler.unwrap_or(""), "{who} set off the batch's commit check before the commit (SET CONSTRAINTS ALL IMMEDIATE in its SQL?): the batch runs again one record per transaction; name the handler's own constraints in SET CONSTRAINTS to keep throughput mode");
 }
 
 /// Whether a body's result is the seal's refusal of its `COMMIT` (a body that swallowed the
@@ -126,19 +161,21 @@ pub(super) fn refused(r: &Result<(), BodyFailure>) -> bool {
 }
 
 /// Whether a failed body (`r`, rolled back to its savepoint, in a transaction still the
-/// batch's) set the seal off before the commit, whatever its error says: the seal marks the
-/// session when it refuses (migration 0041), and a handler that wraps its database errors
-/// (`anyhow`'s `.context`, an error type of its own) hides the seal's message ([`refused`]).
-/// Asked only after a failure of a sealed batch's body: no statement per event.
+/// batch's) set the seal off before the commit, whatever its error says: the seal counts its
+/// refusals in the session (migration 0041; `refusals`: the count when the batch's session was
+/// opened), and a handler that wraps its database errors (`anyhow`'s `.context`, an error
+/// type of its own) hides the seal's message ([`refused`]). Asked only after a failed body:
+/// no statement per event.
 pub(super) async fn set_off_early(
     tx: &mut PgConnection,
-    sealed: bool,
+    refusals: i64,
     r: &Result<(), BodyFailure>,
 ) -> Result<bool, Attempt> {
-    if !sealed || r.is_ok() {
+    if r.is_ok() {
         return Ok(false);
     }
-    crate::dedup::seal_refused(tx).await.map_err(Attempt::db)
+    let now = crate::dedup::seal_refusals(tx).await.map_err(Attempt::db)?;
+    Ok(now != refusals)
 }
 
 /// What the caller does after a body's `ROLLBACK`: nothing of the transaction stands.

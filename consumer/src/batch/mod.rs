@@ -50,9 +50,9 @@ struct Committed {
     /// A body rolled the transaction back under the runtime: nothing committed
     /// ([`ended`]).
     rolled_back: Option<ended::RolledBack>,
-    /// The record after the finished ones set the seal off before the commit (`SET
-    /// CONSTRAINTS ALL IMMEDIATE` in its body, [`ended`]): it runs alone, in a transaction
-    /// that is not sealed, as do the records after it in this call.
+    /// The seal refused before the commit in a transaction still the batch's (`SET
+    /// CONSTRAINTS ALL IMMEDIATE` in a body, [`ended::Sealed::RefusedEarly`]): nothing
+    /// committed; the records run one per transaction, unsealed, from here in this call.
     unseal: bool,
 }
 
@@ -82,23 +82,15 @@ impl Worker {
             fit => limit.min(fit),
         };
         let mut limit = fit(queue.len());
-        // A body set the seal off before the commit ([`ended::warn_early`]): from then on in
-        // this call, one record per transaction, not sealed.
-        let mut unsealed = false;
         while !queue.is_empty() {
             if self.cancel.is_cancelled() {
                 return Step::Stop;
             }
             let exhausted = head_attempts >= self.shared.config.max_attempts;
             let started = std::time::Instant::now();
-            let take = if unsealed {
-                1
-            } else {
-                limit.clamp(1, queue.len())
-            };
+            let take = limit.clamp(1, queue.len());
             let result = self
                 .batch_attempt(
-                    !unsealed,
                     own,
                     &queue.make_contiguous()[..take],
                     isolate,
@@ -150,7 +142,11 @@ impl Worker {
                     }
                     queue.drain(..c.done);
                     if c.unseal {
-                        unsealed = true;
+                        // A body set the seal off before the commit ([`ended::warn_early`]):
+                        // the rest of this call runs one record per transaction, exactly as
+                        // with `max_batch` 1 (its retries, its handling of a body that ends
+                        // its transaction).
+                        return self.one_at_a_time(own, queue).await;
                     }
                     match c.stopped {
                         None => isolate = false,
@@ -235,6 +231,18 @@ impl Worker {
         Step::Done
     }
 
+    /// The records of `queue`, one per transaction, as with `max_batch` 1
+    /// ([`Worker::process`]): after a body set the seal off before the commit.
+    async fn one_at_a_time(&self, own: &Ownership, queue: VecDeque<Record>) -> Step {
+        for record in &queue {
+            match self.process(own, record).await {
+                Step::Done => {}
+                other => return other,
+            }
+        }
+        Step::Done
+    }
+
     /// The head alone failed with no handler to blame (at COMMIT): one of
     /// its attempts, as with one record per transaction; once they are used up it is
     /// dead-lettered (or held) without running its handler. A transaction that cannot even do
@@ -260,30 +268,22 @@ impl Worker {
     /// used up its attempts (their last error), and is dead-lettered or held without running.
     async fn batch_attempt(
         &self,
-        sealed: bool,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
         head_exhausted: Option<&str>,
         head_attempts: u32,
     ) -> Result<Committed, Attempt> {
-        let mut session = session::Session::open(&self.shared.pool, sealed)
+        let mut session = session::Session::open(&self.shared.pool)
             .await
             .map_err(Attempt::db)?;
-        if sealed && isolate {
-            // A mark the seal left on this connection before (a body that swallowed its
-            // refusal) would name the wrong body ([`ended::set_off_early`]).
-            if let Err(e) = crate::dedup::seal_refused(session.conn()).await {
-                session.close(true).await;
-                return Err(Attempt::db(e));
-            }
-        }
         let begin = session.begin();
+        let refusals = session.refusals;
         let r = self
             .attempt_in(
                 session.conn(),
                 begin,
-                sealed,
+                refusals,
                 own,
                 queue,
                 isolate,
@@ -291,11 +291,7 @@ impl Worker {
                 head_attempts,
             )
             .await;
-        // Where the seal may have refused: a body failed, or ended the transaction.
-        let refusals = isolate
-            || r.as_ref()
-                .map_or(true, |c| c.rolled_back.is_some() || c.unseal);
-        session.close(refusals).await;
+        session.close().await;
         r
     }
 
@@ -305,7 +301,7 @@ impl Worker {
         &self,
         conn: &mut sqlx::PgConnection,
         begin: &str,
-        sealed: bool,
+        refusals: i64,
         own: &Ownership,
         queue: &[Record],
         isolate: bool,
@@ -314,10 +310,7 @@ impl Worker {
     ) -> Result<Committed, Attempt> {
         let config = &self.shared.config;
         let mut tx = conn
-            .begin_with(
-                self.shared
-                    .batch_begin_statement(begin, &self.topic, sealed),
-            )
+            .begin_with(self.shared.batch_begin_statement(begin, &self.topic, true))
             .await
             .map_err(Attempt::db)?;
         let metas: Vec<_> = queue.iter().map(meta).collect();
@@ -499,7 +492,7 @@ impl Worker {
                         &metas,
                         &items,
                         isolate,
-                        sealed,
+                        refusals,
                         xid.as_deref(),
                     )
                     .await?;
@@ -527,13 +520,15 @@ impl Worker {
                     Ok(run) => run,
                     Err(f) => return Err(abandon(tx, f).await),
                 };
+                if run.unseal {
+                    return Ok(refused_early());
+                }
                 // Where the run's records stop being finished (a retryable failure, or a
                 // culprit whose key is held: it is finished, held).
-                let upto = match (&run.stopped, run.unseal, &run.held) {
-                    (Some(s), _, _) => s.0,
-                    (None, Some(u), _) => u,
-                    (None, None, Some(h)) => h.0 + 1,
-                    (None, None, None) => end,
+                let upto = match (&run.stopped, &run.held) {
+                    (Some(s), _) => s.0,
+                    (None, Some(h)) => h.0 + 1,
+                    (None, None) => end,
                 };
                 for &k in &run.applied {
                     if let Ok(mk) = &metas[k] {
@@ -580,10 +575,6 @@ impl Worker {
                     c.stopped = Some((error, whose));
                     break;
                 }
-                if run.unseal.is_some() {
-                    c.unseal = true;
-                    break;
-                }
                 if run.held.is_some() {
                     // The run's records after the culprit have not run: the next
                     // transaction takes them, with the key held.
@@ -616,11 +607,10 @@ impl Worker {
                     Ok(()) => release(sp).await?,
                     Err(f) => Err(roll_back(sp, f).await?),
                 };
-                if refused || ended::set_off_early(&mut tx, sealed, &r).await? {
+                if refused || ended::set_off_early(&mut tx, refusals, &r).await? {
                     // The seal fired before the commit, in a transaction still the batch's.
-                    ended::warn_early(&self.topic, self.partition, route.name());
-                    c.unseal = true;
-                    break;
+                    ended::warn_early(&self.topic, self.partition, Some(route.name()));
+                    return Ok(refused_early());
                 }
                 r
             } else {
@@ -677,15 +667,22 @@ impl Worker {
         }
         // Sealed for the commit below, and checked: a body since the last check may have ended
         // the transaction.
-        if ended::sealed_or_ended(&mut tx, xid.as_deref())
+        match ended::sealed_or_ended(&mut tx, xid.as_deref(), refusals)
             .await
             .map_err(Attempt::db)?
         {
-            return Err(if unchecked {
-                ended_unnamed()
-            } else {
-                not_by_a_body()
-            });
+            ended::Sealed::Ours => {}
+            ended::Sealed::Ended => {
+                return Err(if unchecked {
+                    ended_unnamed()
+                } else {
+                    not_by_a_body()
+                });
+            }
+            ended::Sealed::RefusedEarly => {
+                ended::warn_early(&self.topic, self.partition, None);
+                return Ok(refused_early());
+            }
         }
         settle_dedup(&mut tx, &config.consumer, &fresh, &finished).await?;
         if c.done > 0 {
@@ -776,6 +773,15 @@ impl Worker {
         self.record_dead(tx, record, dead)
             .await
             .map_err(Attempt::db)
+    }
+}
+
+/// The seal refused before the commit in a transaction still the batch's: nothing of it is
+/// committed (the caller drops it), and the records run one per transaction from here.
+fn refused_early() -> Committed {
+    Committed {
+        unseal: true,
+        ..Committed::default()
     }
 }
 

@@ -26,9 +26,9 @@ pub(super) struct Run {
     /// The call whose body ended the transaction ([`ended`]): its items; the run stopped there.
     /// Whether its `COMMIT` was refused (the seal, [`ended`]).
     pub(super) ended: Option<(Vec<usize>, bool)>,
-    /// The first record of the call that set the seal off before the commit (`unseal` of
-    /// [`super::Committed`]); the run stopped there.
-    pub(super) unseal: Option<usize>,
+    /// A call set the seal off before the commit (`unseal` of [`super::Committed`]): the
+    /// run stopped there, and nothing of the transaction is to commit.
+    pub(super) unseal: bool,
 }
 
 impl Worker {
@@ -52,7 +52,7 @@ impl Worker {
         metas: &[Result<Meta, crate::record::Rejection>],
         items: &[usize],
         isolate: bool,
-        sealed: bool,
+        refusals: i64,
         xid: Option<&str>,
     ) -> Result<Result<Run, BodyFailure>, Attempt> {
         let pair = |k: usize| {
@@ -98,9 +98,9 @@ impl Worker {
                 Ok(()) => release(sp).await?,
                 Err(f) => Err(roll_back(sp, f).await?),
             };
-            if refused || ended::set_off_early(tx, sealed, &r).await? {
-                ended::warn_early(&first.topic, first.partition, route.name());
-                run.unseal = Some(items[lo]);
+            if refused || ended::set_off_early(tx, refusals, &r).await? {
+                ended::warn_early(&first.topic, first.partition, Some(route.name()));
+                run.unseal = true;
                 break;
             }
             match r {

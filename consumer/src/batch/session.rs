@@ -24,29 +24,18 @@ pub(super) struct Session {
     /// `ALTER DATABASE … SET default_transaction_read_only`): the batch then begins as any
     /// transaction would, read-only, and fails as before rather than write through it.
     read_only_before: bool,
-    /// Whether the session was set read-only (a sealed batch's).
-    sealed: bool,
+    /// The seal's refusals in this session when it was opened
+    /// ([`crate::dedup::seal_refusals`]).
+    pub(super) refusals: i64,
 }
 
 impl Session {
-    /// A session for a sealed batch (`sealed`), read-only outside its transaction; or, for the
-    /// unsealed records after a body set the seal off early ([`super::ended::warn_early`]), the
-    /// pooled connection as it is: those run as with `max_batch` 1, whose transactions a
-    /// handler's `COMMIT` may end (a second transaction of a script is then its own, not
-    /// refused for a read-only default).
-    pub(super) async fn open(pool: &PgPool, sealed: bool) -> Result<Self, sqlx::Error> {
+    pub(super) async fn open(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let mut conn = CloseUnlessFinished::new(pool.acquire().await?);
-        if !sealed {
-            return Ok(Session {
-                conn,
-                read_only_before: false,
-                sealed,
-            });
-        }
-        // The default before, and the new one, in one round trip.
-        let before: String = sqlx::query_scalar(
+        // The default before, the new one and the seal's refusals so far, in one round trip.
+        let (before, refusals): (String, i64) = sqlx::query_as(
             "WITH b AS MATERIALIZED (SELECT current_setting('default_transaction_read_only') AS before)
-             SELECT before FROM b,
+             SELECT before, postal.batch_seal_refusals() FROM b,
                  LATERAL (SELECT set_config('default_transaction_read_only', 'on', false)
                           WHERE b.before IS NOT NULL) AS s",
         )
@@ -55,14 +44,14 @@ impl Session {
         Ok(Session {
             conn,
             read_only_before: before == "on",
-            sealed,
+            refusals,
         })
     }
 
     /// The batch transaction's `BEGIN`: `READ WRITE` unless the session was read-only by
-    /// default before the batch set it (or not set, unsealed: a plain `BEGIN`).
+    /// default before the batch set it.
     pub(super) fn begin(&self) -> &'static str {
-        if self.read_only_before || !self.sealed {
+        if self.read_only_before {
             "BEGIN"
         } else {
             "BEGIN READ WRITE"
@@ -75,24 +64,11 @@ impl Session {
 
     /// Resets the session (after a transaction left unfinished was rolled back: sqlx sends
     /// that first) and gives the connection back to the pool; closes it if that fails.
-    /// `refusals`: the seal may have refused in this session (a body failed, or a transaction
-    /// ended early), and its mark ([`crate::dedup::seal_refused`]) is released with the reset.
-    pub(super) async fn close(mut self, refusals: bool) {
-        if !self.sealed {
-            self.conn.finish();
-            return;
-        }
-        let reset = if refusals {
-            let sql = format!(
-                "RESET default_transaction_read_only; {}",
-                crate::dedup::seal_mark_release_sql()
-            );
-            self.conn.execute(sql.as_str()).await
-        } else {
-            self.conn
-                .execute("RESET default_transaction_read_only")
-                .await
-        };
+    pub(super) async fn close(mut self) {
+        let reset = self
+            .conn
+            .execute("RESET default_transaction_read_only")
+            .await;
         if reset.is_ok() {
             self.conn.finish();
         }

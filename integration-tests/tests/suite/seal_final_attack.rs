@@ -9,18 +9,18 @@
 //!   commits there is not refused, but its next transaction (plain `BEGIN`) is read-only.
 //!
 //! Found on 9dd640a (2 shared cores), both fixed since (migration 0041 and
-//! `batch::session::Session::open`'s `sealed`); the figures before the fix are in each test's
-//! comment:
+//! the one-record-per-transaction path after a refusal); the figures before the fix are in
+//! each test's comment:
 //!
 //! - broke: `SET CONSTRAINTS ALL IMMEDIATE` whose error the handler wraps with context: every
 //!   event of a correct handler was dead-lettered in throughput mode (the early seal was told
-//!   from the error's text only). Now the seal marks the session when it refuses (a session
-//!   advisory lock, which the savepoint's rollback does not undo) and the runtime reads the mark
-//!   after a failed body;
+//!   from the error's text only). Now the seal counts its refusals in the session (a
+//!   sequence's `currval`, which the savepoint's rollback does not undo) and the runtime reads
+//!   the count after a failed body and when it seals the batch;
 //! - broke: after the switch to unsealed, a `psql`-style script (`BEGIN; …; COMMIT; BEGIN; …;
 //!   COMMIT;`) kept its first transaction and failed its second (read-only): the event was
 //!   counted a duplicate, its second part never applied, no dead letter, no retry. Now the
-//!   unsealed records run on a session as it is, as with `max_batch` 1.
+//!   rest of the poll batch runs through `Worker::process`, the `max_batch` 1 path itself.
 
 use std::time::{Duration, Instant};
 
@@ -178,8 +178,8 @@ fn assert_context_all_applied(r: &ContextRun, events: i64) {
 /// application's own wrapping the `sqlx::Error`) is the outermost message only. So
 /// `batch/mod.rs`'s isolated pass takes the body's failure for an ordinary retryable one
 /// (`early` false), the record is retried `max_attempts` times in sealed transactions and
-/// dead-lettered; the next record met the same. Fixed: the seal marks the session when it
-/// refuses (migration 0041) and the isolated pass reads the mark after a failed body
+/// dead-lettered; the next record met the same. Fixed: the seal counts its refusals in the
+/// session (migration 0041) and the isolated pass reads the count after a failed body
 /// (`batch::ended::set_off_early`), whatever the body's error says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_wraps_its_constraint_check_applies_every_event() {
@@ -348,8 +348,8 @@ async fn script_run_of(max_batch: usize, checks: bool) -> ScriptRun {
 /// rerun finds the dedup row committed: a duplicate. The read-only default is what keeps a
 /// *sealed* batch safe (nothing of a refused commit is kept, so a failing write after it is
 /// retried whole); without the seal it turns a script that one record per transaction applies
-/// into a silent half. Fixed: the unsealed records run on the session as it is, not read-only
-/// (`batch::session::Session::open` with `sealed` false), as with `max_batch` 1.
+/// into a silent half. Fixed: after the switch the records go through `Worker::process`, the
+/// `max_batch` 1 path itself (`batch/mod.rs` `one_at_a_time`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_switch_to_unsealed_a_scripts_two_transactions_are_both_applied() {
     let r = script_run_of(64, true).await;

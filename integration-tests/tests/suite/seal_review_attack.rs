@@ -26,6 +26,14 @@
 //! - held: a stale mark costs a needless switch to unsealed records only; a `COMMIT` then a
 //!   retryable failure, a held key, and a consumer killed mid unsealed run all end as with
 //!   `max_batch` 1.
+//!
+//! Both breaks fixed since: the seal counts its refusals in the session (migration 0041, a
+//! sequence's `currval`, read with statements the batch runs anyway: when its session is
+//! opened and in the statement that seals it), so a refusal the body caught is found at the
+//! commit and nothing of the batch is committed; and after a refusal the rest of the poll
+//! batch runs through the one-record-per-transaction path itself (`Worker::process`), not
+//! the batch machinery on a plain session. The advisory-lock mark the review attacked is
+//! gone: there is no mark left to go stale.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -231,9 +239,6 @@ struct Measured {
     held: i64,
     offset: Option<i64>,
     calls_of_odd: u32,
-    /// Seal marks (advisory locks 1936023916) held by the database's sessions after the run
-    /// (the consumer's pool still open).
-    marks_left: i64,
     secs: f64,
 }
 
@@ -312,11 +317,6 @@ async fn run(mode: Mode, max_batch: usize) -> Measured {
         pool
     };
     let secs = started.elapsed().as_secs_f64();
-    let marks_left = scalar(
-        &db.pool,
-        "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND classid = 1936023916",
-    )
-    .await;
     pool.close().await;
     let (applied, twice) = applied(&db.pool).await;
     let rejected: Vec<i64> = sqlx::query_scalar("SELECT n FROM rejected ORDER BY n")
@@ -338,7 +338,6 @@ async fn run(mode: Mode, max_batch: usize) -> Measured {
         held: scalar(&db.pool, "SELECT count(*) FROM postal.held_records").await,
         offset: stored_offset(&db.pool, &topic).await,
         calls_of_odd: probe.calls_of_odd.load(Ordering::SeqCst),
-        marks_left,
         secs,
     };
     eprintln!("seal review: {r:?}");
@@ -373,8 +372,11 @@ fn all() -> Vec<i64> {
 /// (`batch_attempt`'s `refusals` is false after a clean commit, `Session::close`). Reading
 /// (and releasing) the mark in the sealing statement, and running the batch again unsealed
 /// from the first body when it is set, would close it at no statement per event.
+///
+/// Fixed: the statement that seals the batch reads the seal's count of refusals in the
+/// session (migration 0041); a refusal since the session was opened leaves the batch
+/// uncommitted and runs its records one per transaction (`ended::Sealed::RefusedEarly`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: max_batch 64 applied 0 of 6, rejected [0, 1, 2, 3, 4, 5], offset 6, no dead letter, 1 seal mark left on a pooled connection (max_batch 1: applied all 6, rejected 0)"]
 async fn a_handler_that_catches_the_seals_refusal_applies_what_one_at_a_time_applies() {
     let r = run(Mode::RejectOnFailedCheck, 64).await;
     assert_once_in_order(&r.applied, r.twice, &r);
@@ -404,13 +406,12 @@ async fn one_at_a_time_a_handler_that_checks_in_a_savepoint_applies_every_event(
 /// (the mark is set, the body returns `Ok`); event 3 fails retryably on its first two calls
 /// ([`Mode::StaleMark`]). In the isolated pass event 3's ordinary failure finds event 1's mark
 /// (`ended::set_off_early`) and switches the rest of the poll batch to unsealed records.
-/// Measured: applied, dead letters, offset, event 3's calls, marks left on the pool's
-/// connections; against `max_batch` 1.
+/// Measured: applied, dead letters, offset, event 3's calls; against `max_batch` 1.
 ///
 /// Held on 8ee87a8: applied [0..5] once in order, no dead letter, offset 6, event 3 called 3
 /// times (as `max_batch` 1), the switch logged: a needless switch to unsealed records, nothing
-/// more (the isolated attempt clears a mark left by an earlier attempt, `batch_attempt`; a
-/// failed attempt's session releases it, `Session::close`).
+/// more. Since the count replaced the mark, event 1's caught refusal is found at event 3's
+/// failure (or the commit) of the same attempt: the switch is no longer needless.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_seal_mark_costs_only_the_switch_to_unsealed() {
     let r = run(Mode::StaleMark, 64).await;
@@ -457,8 +458,10 @@ async fn one_at_a_time_a_stale_mark_scenario_applies_every_event() {
 /// (retry a body that ended its transaction, then dead-letter it) is only safe on the
 /// read-only session, which 8ee87a8 dropped for unsealed records; one record per transaction
 /// (`partition/process.rs` `attempt`) never retries it (its offset autocommits, once).
+///
+/// Fixed: after the switch the rest of the poll batch goes through `Worker::process`, the
+/// one-record-per-transaction path itself (`batch/mod.rs` `one_at_a_time`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: max_batch 64 after the switch: event 3's audit row written 4 times (1 + max_attempts 3), event 3 dead-lettered, offset 6 (max_batch 1: 1 audit row, no dead letter; sealed: 0 rows, dead-lettered)"]
 async fn after_the_switch_to_unsealed_a_rollback_then_write_is_written_once() {
     let r = run(Mode::RollbackThenAudit { checks: true }, 64).await;
     assert_once_in_order(&r.applied, r.twice, &r);
