@@ -93,6 +93,7 @@ mod row_locks_ended_claims;
 mod row_locks_ended_mid_claim;
 mod row_locks_relay;
 mod seal_attack;
+mod seal_count_attack;
 mod seal_final_attack;
 mod seal_review_attack;
 mod secrets;
