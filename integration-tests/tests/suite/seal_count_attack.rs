@@ -12,6 +12,27 @@
 //!   refusal in its own savepoint.
 //!
 //! Every scenario runs against `max_batch` 1 (one record per transaction, the yardstick) too.
+//!
+//! Found on 048f92b (2 shared cores, 3 runs alike):
+//!
+//! - broke: an event whose attempts were used up, dead-lettered in a transaction that a later
+//!   body's `SET CONSTRAINTS ALL IMMEDIATE` then dropped, runs again with `max_attempts` new
+//!   attempts in `Worker::process`: a handler that fails its first 4 calls is applied (5 calls;
+//!   `max_batch` 1 dead-letters it after 3), one that always fails runs 7 times and its dead
+//!   letter says 3 attempts;
+//! - broke (contrived): a body that catches the refusal in its own savepoint and then runs
+//!   `DISCARD SEQUENCES` resets the count to the 0 a fresh session opened with: the refusal is
+//!   never seen and the batch commits the body's other branch (6 of 6 rejected; `max_batch` 1:
+//!   6 applied);
+//! - held: a batch handler (and a single one) meeting the refusal with a copy of an event, a
+//!   record without an envelope, an undecodable payload, an unknown type and a copied event in
+//!   the rest of the poll batch; a key held (`HoldKey`) in the transaction that refused, with a
+//!   second key on the partition — all as `max_batch` 1.
+//!
+//! Not attacked here: a transaction pooler (the consumer refuses one at start,
+//! `poolers::relay_consumer_and_commands_refuse_transaction_pooling_with_one_line`; and the
+//! count read at `Session::open` and the seal's read could only differ falsely there — a new
+//! refusal's number is always above any number read before it, so none is missed).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -305,7 +326,7 @@ fn exhausted_head(checks: bool) -> Scenario {
 /// event 0's calls and fate, dead letters, offset; against `max_batch` 1 and against
 /// `max_batch` 64 without the check (the controls below).
 ///
-/// Measured on 048f92b (2 runs alike, 2 shared cores): `max_batch` 64 applied [0, 1, 2, 3, 4,
+/// Measured on 048f92b (3 runs alike, 2 shared cores): `max_batch` 64 applied [0, 1, 2, 3, 4,
 /// 5], no dead letter, offset 6, event 0 called 5 times (events 1 and 2 twice); `max_batch` 1:
 /// event 0 dead-lettered (`retries_exhausted`, attempts 3, "gave up after 3 attempts: the rates
 /// service is starting", 3 calls), [1..5] applied, offset 6; `max_batch` 64 without the check:
