@@ -31,14 +31,20 @@ BEGIN
 END
 $$;
 
--- The number of this session's last refusal (0: none yet).
+-- The number of this session's last refusal. A session with none yet (a new one, or one whose
+-- numbers `DISCARD SEQUENCES` / `DISCARD ALL` forgot) takes a number now, unlike any read before
+-- in it: a handler that discards them after a refusal cannot make the count look unchanged. In a
+-- read-only transaction (a DBA's read-only window, where a batch writes nothing) 0.
 CREATE FUNCTION postal.batch_seal_refusals() RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     RETURN currval('postal.batch_seal_refusals');
 EXCEPTION WHEN object_not_in_prerequisite_state THEN
     -- 55000: currval before any nextval in this session.
-    RETURN 0;
+    IF current_setting('transaction_read_only') = 'on' THEN
+        RETURN 0;
+    END IF;
+    RETURN nextval('postal.batch_seal_refusals');
 END
 $$;
 

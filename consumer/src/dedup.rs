@@ -105,7 +105,8 @@ pub(crate) async fn seal(conn: &mut PgConnection) -> Result<(Option<String>, i64
     .await
 }
 
-/// The number of the batch seal's last refusal in this session (migration 0041; 0: none yet).
+/// The number of the batch seal's last refusal in this session (migration 0041; a session with
+/// none yet takes a fresh number, so that `DISCARD SEQUENCES` cannot make it look unchanged).
 /// Outlives the rollback of a handler's savepoint: a change since the batch's session was
 /// opened means the seal refused meanwhile, whatever the handler made of the error (wrapped
 /// it, caught it and went on).

@@ -146,7 +146,9 @@ impl Worker {
                         // the rest of this call runs one record per transaction, exactly as
                         // with `max_batch` 1 (its retries, its handling of a body that ends
                         // its transaction).
-                        return self.one_at_a_time(own, queue).await;
+                        return self
+                            .one_at_a_time(own, queue, head_attempts, &head_error)
+                            .await;
                     }
                     match c.stopped {
                         None => isolate = false,
@@ -232,10 +234,23 @@ impl Worker {
     }
 
     /// The records of `queue`, one per transaction, as with `max_batch` 1
-    /// ([`Worker::process`]): after a body set the seal off before the commit.
-    async fn one_at_a_time(&self, own: &Ownership, queue: VecDeque<Record>) -> Step {
-        for record in &queue {
-            match self.process(own, record).await {
+    /// ([`Worker::process`]): after a body set the seal off before the commit. The head's
+    /// attempts so far (`head_attempts`, the last failing with `head_error`) go on counting.
+    async fn one_at_a_time(
+        &self,
+        own: &Ownership,
+        queue: VecDeque<Record>,
+        head_attempts: u32,
+        head_error: &str,
+    ) -> Step {
+        for (i, record) in queue.iter().enumerate() {
+            let step = if i == 0 {
+                self.process_after(own, record, head_attempts, head_error)
+                    .await
+            } else {
+                self.process(own, record).await
+            };
+            match step {
                 Step::Done => {}
                 other => return other,
             }

@@ -18,6 +18,20 @@ use super::{Step, Worker};
 
 impl Worker {
     pub(crate) async fn process(&self, own: &Ownership, record: &Record) -> Step {
+        self.process_after(own, record, 0, "").await
+    }
+
+    /// [`Self::process`] of a record whose handler already failed `used` times (the last with
+    /// `last`), as counted by throughput mode before it handed the record over: its attempts
+    /// go on from there (used up: dead-lettered or held without running, as throughput mode
+    /// would have).
+    pub(crate) async fn process_after(
+        &self,
+        own: &Ownership,
+        record: &Record,
+        used: u32,
+        last: &str,
+    ) -> Step {
         let consumer = self.shared.config.consumer.as_str();
         let meta = meta(record);
         if self.is_held(record.key.as_deref()) {
@@ -51,7 +65,24 @@ impl Worker {
                 }
             };
         };
-        let mut attempts = 0u32;
+        let mut attempts = used;
+        if attempts > 0 && attempts >= self.shared.config.max_attempts {
+            let error = match last {
+                "" => format!("gave up after {attempts} attempts"),
+                last => format!("gave up after {attempts} attempts: {last}"),
+            };
+            return self
+                .failed_for_good(
+                    own,
+                    record,
+                    Some(&meta),
+                    Some(route.name()),
+                    Reason::RetriesExhausted,
+                    &error,
+                    attempts as i32,
+                )
+                .await;
+        }
         let mut outages = 0u32;
         loop {
             if self.cancel.is_cancelled() {

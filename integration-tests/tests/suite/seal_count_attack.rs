@@ -29,6 +29,12 @@
 //!   the rest of the poll batch; a key held (`HoldKey`) in the transaction that refused, with a
 //!   second key on the partition — all as `max_batch` 1.
 //!
+//! Both breaks fixed since: the head's attempts and last error go on into the first
+//! `Worker::process_after` call (used up: dead-lettered or held without running, as throughput
+//! mode would have); and a session with no number (a new one, or one whose numbers `DISCARD
+//! SEQUENCES` forgot) takes a fresh one when the count is read, so the count after a discard
+//! never equals the one read at open. The figures before the fixes are in each test's comment.
+//!
 //! Not attacked here: a transaction pooler (the consumer refuses one at start,
 //! `poolers::relay_consumer_and_commands_refuse_transaction_pooling_with_one_line`; and the
 //! count read at `Session::open` and the seal's read could only differ falsely there — a new
@@ -345,8 +351,10 @@ fn exhausted_head(checks: bool) -> Scenario {
 /// head's used-up attempts are forgotten and its handler runs up to `max_attempts` more times.
 /// Passing the head's attempts (and last error) to the first `process` call — or dead-lettering
 /// an exhausted head in a transaction of its own — would keep the rule.
+///
+/// Fixed: `one_at_a_time` hands the head's attempts and last error to
+/// `Worker::process_after`, which goes on counting from there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: max_batch 64 applied event 0 after 5 calls (no dead letter); max_batch 1 dead-letters it after 3 calls"]
 async fn an_exhausted_head_is_not_given_new_attempts_by_a_later_bodys_refusal() {
     let r = run(&exhausted_head(true), 64).await;
     assert_eq!(r.offset, Some(6), "the offset past all: {r:?}");
@@ -384,10 +392,10 @@ async fn without_a_refusal_an_event_failing_its_first_four_calls_is_dead_lettere
 /// [`an_exhausted_head_is_not_given_new_attempts_by_a_later_bodys_refusal`], but event 0 fails
 /// every call. Measured: event 0's calls and its dead letter.
 ///
-/// Measured on 048f92b: see the figures in the `ignore` reason. Cause: the same
-/// (`one_at_a_time` restarts the head's attempts in `Worker::process`).
+/// Measured on 048f92b: event 0 ran 7 times (4 before the refusal, 3 after), its dead letter
+/// said 3 attempts; `max_batch` 1: 3 calls. Cause: the same (`one_at_a_time` restarted the
+/// head's attempts in `Worker::process`). Fixed with it (`Worker::process_after`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: event 0 ran 7 times (4 before the refusal, 3 after), its dead letter says 3 attempts; max_batch 1: 3 calls"]
 async fn an_always_failing_head_runs_at_most_max_attempts_and_one() {
     let mut s = exhausted_head(true);
     s.acts.insert(0, Act::FailFirst(u32::MAX));
@@ -562,8 +570,11 @@ async fn a_key_held_in_the_refused_transaction_stays_held() {
 /// runtime relies on), kept as the count's edge: a count that `DISCARD` cannot reset (e.g.
 /// read `last_value` of a per-session sequence, or compare `nextval` taken at open) would
 /// close it.
+///
+/// Fixed: a session with no number takes a fresh one when the count is read (migration
+/// 0041's `postal.batch_seal_refusals()`), so the count read at the seal after a discard is
+/// never the one read at open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: max_batch 64 applied [] and rejected [0..5]; max_batch 1 applied all 6"]
 async fn a_body_that_discards_sequences_after_a_caught_refusal_applies_what_one_at_a_time_applies()
 {
     let s = Scenario {
