@@ -69,6 +69,10 @@ pub(super) async fn publish<T: Transport>(
     let mut prefetched_at = Instant::now();
     let mut todo: Vec<i64> = carried;
     todo.extend_from_slice(&batch.seqs);
+    // The rows the stream gave this call, to publish in it: a pending row of a key before them
+    // that is not one of these holds the key's later rows back (`rows::lock`). A row left
+    // pending here stops being one.
+    let mut known: std::collections::HashSet<i64> = todo.iter().copied().collect();
     let mut failures = 0u32;
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size + waiting);
@@ -95,13 +99,13 @@ pub(super) async fn publish<T: Transport>(
         };
         let taken = match taken {
             Ok(None) if may_take(config, &defer, saw_busy) => {
-                rows::take(pool, &chunk, config.lease / 2).await
+                rows::take(pool, &chunk, &known, config.lease / 2).await
             }
             other => other,
         };
         let locked = match taken {
             Ok(Some(l)) => Ok(l),
-            Ok(None) => rows::lock(pool, &chunk, &defer, config.lease / 2).await,
+            Ok(None) => rows::lock(pool, &chunk, &known, &defer, config.lease / 2).await,
             Err(e) => Err(e),
         };
         let locked = match locked {
@@ -114,8 +118,11 @@ pub(super) async fn publish<T: Transport>(
                 continue;
             }
         };
-        if locked.left > 0 {
-            tracing::warn!(rows = locked.left, "WAL relay: rows held back (scheduled, retried, parked or behind such a row of their key) are left pending for a polling relay");
+        if !locked.left.is_empty() {
+            tracing::warn!(rows = locked.left.len(), first = locked.left[0], "WAL relay: rows held back (scheduled, retried, parked, or behind such a row or a pending row the slot's stream does not hold: committed before the slot, or requeued) are left pending for a polling relay");
+            for seq in &locked.left {
+                known.remove(seq);
+            }
         }
         busy.saw(&locked.busy);
         saw_busy |= !locked.busy.is_empty();
@@ -135,7 +142,10 @@ pub(super) async fn publish<T: Transport>(
                 .then(|| rest[..rest.len().min(config.batch_size)].to_vec());
         let take_next = async {
             match &next_chunk {
-                Some(c) => Some((c.clone(), rows::take(pool, c, config.lease / 2).await)),
+                Some(c) => Some((
+                    c.clone(),
+                    rows::take(pool, c, &known, config.lease / 2).await,
+                )),
                 None => None,
             }
         };

@@ -24,8 +24,9 @@ pub(crate) struct Locked {
     /// In commit order.
     pub events: Vec<OutboundEvent>,
     /// Rows of the batch still pending that the relay does not publish: held, or behind a held
-    /// row of their key (scheduled for later, waiting for a retry, parked, checked out).
-    pub left: usize,
+    /// row of their key (scheduled for later, waiting for a retry, parked, checked out), or
+    /// behind a pending row of their key that the stream did not give ([`older_column`]).
+    pub left: Vec<i64>,
     /// Rows still pending that another session holds locked, in commit order.
     pub busy: Vec<Busy>,
     /// The rows to try again: the busy and deferred ones and their keys' later rows of `seqs`.
@@ -86,6 +87,28 @@ fn widen(near: i64, xid: u32) -> i64 {
     }
 }
 
+/// The column that names a row's key's oldest pending row before it (`NULL`: none), one
+/// probe of the index `outbox_pending_key_seq` (migration 0042). The slot's stream holds only
+/// rows committed after its start: a row pending that is not in it — committed before the
+/// slot existed (or while it was dropped and made again), requeued by an operator, or left
+/// pending by an earlier batch — must go before the key's later rows. Per key, commit order is
+/// `seq` order and the stream is in commit order, so such a row is older than every row of its
+/// key the stream gave this call: the oldest pending row tells.
+macro_rules! older_column {
+    () => {
+        "(SELECT p.seq FROM postal.outbox p WHERE p.status = 'pending' \
+              AND hashtextextended(p.event_key, 0) = hashtextextended(d.event_key, 0) \
+              AND p.event_key = d.event_key AND p.topic = d.topic AND p.seq < d.seq \
+              ORDER BY p.seq LIMIT 1) AS older"
+    };
+}
+
+/// Whether a row must wait for an earlier pending row of its key that is not one of `known`
+/// (the rows of the stream this call publishes): its column [`older_column`] names one.
+fn behind_unknown(older: Option<i64>, known: &std::collections::HashSet<i64>) -> bool {
+    older.is_some_and(|s| !known.contains(&s))
+}
+
 /// How long [`take`]'s delete waits for a row another session holds locked before it gives
 /// the chunk to [`lock`] (which skips such rows): far below `deadlock_timeout` (1 s).
 const TAKE_LOCK_WAIT: &str = "50ms";
@@ -100,8 +123,10 @@ const TAKE_LOCK_WAIT: &str = "50ms";
 pub(crate) async fn take(
     pool: &PgPool,
     seqs: &[i64],
+    known: &std::collections::HashSet<i64>,
     idle: std::time::Duration,
 ) -> Result<Option<Locked>, sqlx::Error> {
+    use sqlx::Row as _;
     let mut tx = pool.begin().await?;
     let (own_wait,): (String,) = sqlx::query_as(
         "SELECT current_setting('lock_timeout'), \
@@ -129,7 +154,8 @@ pub(crate) async fn take(
               AND h.event_key = d.event_key AND h.topic = d.topic AND h.seq < d.seq) \
          RETURNING ",
         crate::claim::returned!(),
-        ", NULL::int8[] AS skipped, 0::int8 AS passed"
+        ", NULL::int8[] AS skipped, 0::int8 AS passed, ",
+        older_column!()
     ))
     .bind(seqs)
     .fetch_all(&mut *tx)
@@ -143,6 +169,14 @@ pub(crate) async fn take(
         }
         Err(e) => return Err(e),
     };
+    // A row behind an earlier pending row of its key that the stream did not give: the chunk
+    // is not taken whole; `lock` leaves such rows pending.
+    for row in &rows {
+        if behind_unknown(row.try_get::<Option<i64>, _>(16)?, known) {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    }
     // The marks and the lease's check wait for locks as the session would.
     sqlx::query("SELECT set_config('lock_timeout', $1, true)")
         .bind(&own_wait)
@@ -155,21 +189,34 @@ pub(crate) async fn take(
     }
     // Rows not taken: published or deleted meanwhile, or still pending behind a held row of
     // their key (counted for the warning, left for a polling relay).
-    let left = if found.len() == seqs.len() {
-        0
+    let left: Vec<(i64, String, String)> = if found.len() == seqs.len() {
+        Vec::new()
     } else {
         let missing: Vec<i64> = seqs
             .iter()
             .copied()
             .filter(|s| !found.contains_key(s))
             .collect();
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM postal.outbox WHERE seq = ANY($1) AND status = 'pending'",
+        sqlx::query_as(
+            "SELECT seq, topic, event_key FROM postal.outbox
+             WHERE seq = ANY($1) AND status = 'pending' ORDER BY seq",
         )
         .bind(&missing)
-        .fetch_one(&mut *tx)
-        .await? as usize
+        .fetch_all(&mut *tx)
+        .await?
     };
+    // A row taken after a row of its key left here (checked out, say: not `held`, so the
+    // delete's condition did not see it): `lock` does the chunk, leaving both.
+    let passes = left.iter().any(|(first, topic, key)| {
+        found
+            .values()
+            .any(|e| e.seq > *first && e.topic == *topic && e.key == *key)
+    });
+    if passes {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let left = left.into_iter().map(|(seq, _, _)| seq).collect();
     let events = seqs.iter().filter_map(|s| found.remove(s)).collect();
     Ok(Some(Locked {
         tx,
@@ -190,6 +237,7 @@ pub(crate) async fn take(
 pub(crate) async fn lock(
     pool: &PgPool,
     seqs: &[i64],
+    known: &std::collections::HashSet<i64>,
     defer: &std::collections::HashSet<i64>,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
@@ -209,8 +257,9 @@ pub(crate) async fn lock(
          (d.held OR d.running OR EXISTS (SELECT 1 FROM postal.outbox h \
               WHERE h.held AND hashtextextended(h.event_key, 0) = hashtextextended(d.event_key, 0) \
               AND h.event_key = d.event_key AND h.topic = d.topic \
-              AND h.seq < d.seq)) AS left_behind \
-         FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
+              AND h.seq < d.seq)) AS left_behind, ",
+        older_column!(),
+        " FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
          FOR UPDATE OF d SKIP LOCKED"
     ))
     .bind(seqs)
@@ -218,14 +267,30 @@ pub(crate) async fn lock(
     .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
     let mut behind = std::collections::HashSet::new();
+    // The keys of the rows left behind, with the first such row: the key's later rows of the
+    // chunk stay behind it too (a row left because it is checked out is not `held`).
+    let mut left_keys = std::collections::HashMap::<(String, String), i64>::new();
     for row in &rows {
-        if row.try_get::<bool, _>(16)? {
-            behind.insert(row.try_get::<i64, _>(0)?);
+        if row.try_get::<bool, _>(16)? || behind_unknown(row.try_get(17)?, known) {
+            let seq = row.try_get::<i64, _>(0)?;
+            behind.insert(seq);
+            let key = (row.try_get::<String, _>(2)?, row.try_get::<String, _>(3)?);
+            let first = left_keys.entry(key).or_insert(seq);
+            *first = (*first).min(seq);
             continue;
         }
         let (event, _, _) = crate::claim::decode(row)?;
         found.insert(event.seq, event);
     }
+    found.retain(|seq, event| {
+        let later = left_keys
+            .get(&(event.topic.clone(), event.key.clone()))
+            .is_some_and(|first| first < seq);
+        if later {
+            behind.insert(*seq);
+        }
+        !later
+    });
     // The rows not locked here: published or deleted meanwhile, or still pending and held by
     // another session (whose pid the row's locking transaction tells).
     let missing: Vec<i64> = seqs
@@ -278,7 +343,11 @@ pub(crate) async fn lock(
         tx,
         taken: false,
         events,
-        left: behind.len(),
+        left: seqs
+            .iter()
+            .copied()
+            .filter(|s| behind.contains(s))
+            .collect(),
         busy,
         again,
     })
