@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use postal_consumer::{BoxFuture, Consumer, Event, Handler, HandlerError};
 use postal_integration_tests::pgbouncer::{self, PgBouncer, PoolMode};
 use postal_integration_tests::{services, unique};
@@ -42,7 +43,7 @@ use crate::common::{
 };
 
 /// Waits (at most `within`) until the partition's stored offset is `next`.
-async fn until_offset(pool: &PgPool, topic: &str, next: i64, within: Duration) -> bool {
+pub(crate) async fn until_offset(pool: &PgPool, topic: &str, next: i64, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if stored_offset(pool, topic).await == Some(next) {
@@ -57,9 +58,13 @@ async fn until_offset(pool: &PgPool, topic: &str, next: i64, within: Duration) -
 
 /// Writes its effect, then checks the transaction's deferred constraints so far and defers
 /// them again (`SET CONSTRAINTS ALL IMMEDIATE; SET CONSTRAINTS ALL DEFERRED`, what Django's
-/// `connection.check_constraints()` sends): a correct handler, which commits nothing.
+/// `connection.check_constraints()` sends): a correct handler, which commits nothing. With
+/// `context`, a failed check's error carries `anyhow` context, as many handlers add
+/// (`seal_final_attack::`).
 #[derive(Clone)]
-struct ChecksConstraints;
+struct ChecksConstraints {
+    context: bool,
+}
 
 impl Handler for ChecksConstraints {
     type Payload = serde_json::Value;
@@ -79,9 +84,14 @@ impl Handler for ChecksConstraints {
     ) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
             insert(tx, &[fields(&event)]).await?;
-            sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
+            let checked = sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
                 .execute(&mut **tx)
-                .await?;
+                .await;
+            if self.context {
+                checked.context("checking the order's deferred constraints")?;
+            } else {
+                checked?;
+            }
             sqlx::query("SET CONSTRAINTS ALL DEFERRED")
                 .execute(&mut **tx)
                 .await?;
@@ -93,8 +103,9 @@ impl Handler for ChecksConstraints {
 /// What [`constraints_run`] measured.
 #[derive(Debug)]
 #[allow(dead_code)] // read through `Debug`
-struct ConstraintsRun {
+pub(crate) struct ConstraintsRun {
     max_batch: usize,
+    context: bool,
     applied: Vec<i64>,
     twice: bool,
     dead: Vec<String>,
@@ -102,9 +113,13 @@ struct ConstraintsRun {
     secs: f64,
 }
 
-/// `events` events of one key on one partition, [`ChecksConstraints`], `max_attempts` 2;
-/// until the partition is past them (or 60 s).
-async fn constraints_run(max_batch: usize, events: i64) -> ConstraintsRun {
+/// `events` events of one key on one partition, [`ChecksConstraints`] (with `context` on its
+/// errors or not), `max_attempts` 2; until the partition is past them (or 60 s).
+pub(crate) async fn constraints_run(
+    max_batch: usize,
+    events: i64,
+    context: bool,
+) -> ConstraintsRun {
     let svc = services().await;
     let db = svc.fresh_db().await;
     effects_table(&db.pool).await;
@@ -119,7 +134,7 @@ async fn constraints_run(max_batch: usize, events: i64) -> ConstraintsRun {
     config.max_batch = max_batch;
     config.max_attempts = 2;
     let consumer = Consumer::builder(pool.clone(), config)
-        .on(&topic, "job", ChecksConstraints)
+        .on(&topic, "job", ChecksConstraints { context })
         .build()
         .expect("consumer");
     let started = Instant::now();
@@ -131,6 +146,7 @@ async fn constraints_run(max_batch: usize, events: i64) -> ConstraintsRun {
     let (applied, twice) = applied(&db.pool).await;
     let r = ConstraintsRun {
         max_batch,
+        context,
         applied,
         twice,
         dead: dead_letters(&db.pool)
@@ -145,7 +161,7 @@ async fn constraints_run(max_batch: usize, events: i64) -> ConstraintsRun {
     r
 }
 
-fn assert_all_applied(r: &ConstraintsRun, events: i64) {
+pub(crate) fn assert_all_applied(r: &ConstraintsRun, events: i64) {
     assert_once_in_order(&r.applied, r.twice, r);
     assert_eq!(r.offset, Some(events), "the offset past all: {r:?}");
     assert!(
@@ -190,7 +206,7 @@ fn assert_all_applied(r: &ConstraintsRun, events: i64) {
 /// transaction, unsealed, for the rest of that poll batch (`batch::ended::warn_early`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_checks_its_deferred_constraints_applies_every_event() {
-    let r = constraints_run(64, 4).await;
+    let r = constraints_run(64, 4, false).await;
     assert_all_applied(&r, 4);
 }
 
@@ -198,7 +214,7 @@ async fn a_handler_that_checks_its_deferred_constraints_applies_every_event() {
 /// Held on 56bd5b2 (see the figures in the ignored test above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handler_that_checks_its_deferred_constraints_applies_every_event() {
-    let r = constraints_run(1, 4).await;
+    let r = constraints_run(1, 4, false).await;
     assert_all_applied(&r, 4);
 }
 

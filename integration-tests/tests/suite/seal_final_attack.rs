@@ -24,11 +24,10 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use postal_consumer::{BoxFuture, Consumer, Event, Handler, HandlerError};
 use postal_integration_tests::{services, unique};
 use serde_json::json;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::batch_fixtures::job;
@@ -39,125 +38,9 @@ use crate::batch_sixth_attack::{
 use crate::common::{
     consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer,
 };
-
-/// Waits (at most `within`) until the partition's stored offset is `next`.
-async fn until_offset(pool: &PgPool, topic: &str, next: i64, within: Duration) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if stored_offset(pool, topic).await == Some(next) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
-}
+use crate::seal_attack::{assert_all_applied, constraints_run, until_offset};
 
 // --- 1. The seal's refusal, wrapped with context ----------------------------------------------
-
-/// Writes its effect, then checks its deferred constraints so far (`SET CONSTRAINTS ALL
-/// IMMEDIATE; SET CONSTRAINTS ALL DEFERRED`), adding context to a failure as `anyhow` users do:
-/// a correct handler, which commits nothing.
-#[derive(Clone)]
-struct ChecksWithContext;
-
-impl Handler for ChecksWithContext {
-    type Payload = serde_json::Value;
-
-    fn consumer(&self) -> &str {
-        CONSUMER
-    }
-
-    fn name(&self) -> &str {
-        "checks_with_context"
-    }
-
-    fn handle<'a, 'c>(
-        &'a self,
-        tx: &'a mut Transaction<'c, Postgres>,
-        event: Event<serde_json::Value>,
-    ) -> BoxFuture<'a, Result<(), HandlerError>> {
-        Box::pin(async move {
-            insert(tx, &[fields(&event)]).await?;
-            sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
-                .execute(&mut **tx)
-                .await
-                .context("checking the order's deferred constraints")?;
-            sqlx::query("SET CONSTRAINTS ALL DEFERRED")
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
-        })
-    }
-}
-
-/// What [`context_run`] measured.
-#[derive(Debug)]
-#[allow(dead_code)] // read through `Debug`
-struct ContextRun {
-    max_batch: usize,
-    applied: Vec<i64>,
-    twice: bool,
-    dead: Vec<String>,
-    offset: Option<i64>,
-    secs: f64,
-}
-
-/// `events` events of one key on one partition, [`ChecksWithContext`], `max_attempts` 2; until
-/// the partition is past them (or 60 s).
-async fn context_run(max_batch: usize, events: i64) -> ContextRun {
-    let svc = services().await;
-    let db = svc.fresh_db().await;
-    effects_table(&db.pool).await;
-    let topic = unique("seal_context");
-    create_topic(&svc.bootstrap, &topic, 1).await;
-    let records: Vec<RawRecord> = (0..events)
-        .map(|n| job(Uuid::now_v7(), "k", json!({ "n": n })))
-        .collect();
-    produce(&svc.bootstrap, &topic, Some(0), &records).await;
-    let pool = db.pool_of(5).await;
-    let mut config = consumer_config(&svc.bootstrap, &unique("g"), CONSUMER);
-    config.max_batch = max_batch;
-    config.max_attempts = 2;
-    let consumer = Consumer::builder(pool.clone(), config)
-        .on(&topic, "job", ChecksWithContext)
-        .build()
-        .expect("consumer");
-    let started = Instant::now();
-    let running = RunningConsumer::start(consumer);
-    until_offset(&db.pool, &topic, events, Duration::from_secs(60)).await;
-    let secs = started.elapsed().as_secs_f64();
-    running.stop().await;
-    pool.close().await;
-    let (applied, twice) = applied(&db.pool).await;
-    let r = ContextRun {
-        max_batch,
-        applied,
-        twice,
-        dead: dead_letters(&db.pool)
-            .await
-            .into_iter()
-            .map(|(_, e)| e)
-            .collect(),
-        offset: stored_offset(&db.pool, &topic).await,
-        secs,
-    };
-    eprintln!("SET CONSTRAINTS ALL IMMEDIATE with context: {r:?}");
-    r
-}
-
-fn assert_context_all_applied(r: &ContextRun, events: i64) {
-    assert_once_in_order(&r.applied, r.twice, r);
-    assert_eq!(r.offset, Some(events), "the offset past all: {r:?}");
-    assert!(
-        r.dead.is_empty(),
-        "no dead letter (no handler failed): {r:?}"
-    );
-    assert_eq!(
-        r.applied,
-        (0..events).collect::<Vec<_>>(),
-        "every event applied: {r:?}"
-    );
-}
 
 /// Guarantee attacked: a correct handler's events are applied, never dead-lettered, and
 /// throughput mode applies what one record per transaction applies (what 6fab02f fixed for
@@ -183,16 +66,16 @@ fn assert_context_all_applied(r: &ContextRun, events: i64) {
 /// (`batch::ended::set_off_early`), whatever the body's error says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_wraps_its_constraint_check_applies_every_event() {
-    let r = context_run(64, 4).await;
-    assert_context_all_applied(&r, 4);
+    let r = constraints_run(64, 4, true).await;
+    assert_all_applied(&r, 4);
 }
 
 /// The control: the same handler one record per transaction (not sealed) applies every event.
 /// Held on 9dd640a (see the figures in the ignored test above).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_at_a_time_a_handler_that_wraps_its_constraint_check_applies_every_event() {
-    let r = context_run(1, 4).await;
-    assert_context_all_applied(&r, 4);
+    let r = constraints_run(1, 4, true).await;
+    assert_all_applied(&r, 4);
 }
 
 // --- 2. A script's two transactions after the switch to unsealed ------------------------------

@@ -52,6 +52,7 @@ use crate::batch_sixth_attack::{
 use crate::common::{
     consumer_config, create_topic, effects_table, produce, RawRecord, RunningConsumer,
 };
+use crate::seal_attack::until_offset;
 
 /// Events per run (one key, one partition, produced before the consumer starts: one poll
 /// batch).
@@ -240,17 +241,6 @@ struct Measured {
     offset: Option<i64>,
     calls_of_odd: u32,
     secs: f64,
-}
-
-async fn until_offset(pool: &PgPool, topic: &str, next: i64, within: Duration) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if stored_offset(pool, topic).await == Some(next) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
 }
 
 async fn scalar(pool: &PgPool, sql: &str) -> i64 {
