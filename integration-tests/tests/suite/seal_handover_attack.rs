@@ -529,6 +529,8 @@ async fn a_head_whose_outages_came_first_is_dead_lettered_as_one_at_a_time() {
 /// Held on 320d876: event 0 dead-lettered (`retries_exhausted`, attempts 3, "gave up after 3
 /// attempts: … violates foreign key constraint …"), [1..4] applied, offset 5 — as `max_batch`
 /// 1 (the seal's trigger, queued with the batch's dedup rows before any body, fires first).
+/// Event 0's handler ran 5 times (3 with `max_batch` 1): the refused transaction's two passes
+/// (optimistic, isolated) are nobody's attempt, as a split's are not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heads_deferred_violation_set_off_by_a_later_check_ends_as_one_at_a_time() {
     let s = Scenario {
@@ -550,8 +552,8 @@ async fn a_heads_deferred_violation_set_off_by_a_later_check_ends_as_one_at_a_ti
 /// constraints (the seal refuses in the same run, after the culprit). Measured: applied, held,
 /// held keys, dead letters, offset; against `max_batch` 1.
 ///
-/// Held on 320d876: applied [0, 1, 3, 5, 7], held [2, 4, 6], key a's head 2 (`handler_failed`,
-/// 1 attempt, "event 2 is malformed"), offset 8 — as `max_batch` 1.
+/// Held on 320d876: applied [0, 1, 3, 5, 7], held [2, 4, 6], key a's head 2 (`permanent`, 1
+/// attempt, "event 2 is malformed"), offset 8 — as `max_batch` 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_handlers_held_key_and_refusal_in_one_run_end_as_one_at_a_time() {
     let s = Scenario {
