@@ -95,6 +95,7 @@ mod row_locks_relay;
 mod seal_attack;
 mod seal_count_attack;
 mod seal_final_attack;
+mod seal_handover_attack;
 mod seal_review_attack;
 mod secrets;
 mod security;
