@@ -95,7 +95,10 @@ impl Worker {
                     &queue.make_contiguous()[..take],
                     isolate,
                     exhausted.then_some(head_error.as_str()),
-                    head_attempts,
+                    // Past `max_attempts` the count only paces the retries of the transaction
+                    // that records the head's end (`head_failed`): what it records is the
+                    // attempts its handler had, as one at a time.
+                    head_attempts.min(self.shared.config.max_attempts),
                 )
                 .await;
             metrics::histogram!("postal_consumer_transaction_seconds", "consumer" => consumer.clone(), "topic" => self.topic.clone())
@@ -147,7 +150,12 @@ impl Worker {
                         // with `max_batch` 1 (its retries, its handling of a body that ends
                         // its transaction).
                         return self
-                            .one_at_a_time(own, queue, head_attempts, &head_error)
+                            .one_at_a_time(
+                                own,
+                                queue,
+                                head_attempts.min(self.shared.config.max_attempts),
+                                &head_error,
+                            )
                             .await;
                     }
                     match c.stopped {
