@@ -10,5 +10,5 @@
 -- backlog.
 --
 -- Compatible: additive; `oldest_compatible` is unchanged.
-CREATE INDEX outbox_pending_key_seq ON postal.outbox (hashtextextended(event_key, 0), seq)
+CREATE INDEX outbox_key_pending_seq ON postal.outbox (hashtextextended(event_key, 0), seq)
     WHERE status = 'pending';

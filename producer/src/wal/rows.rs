@@ -88,7 +88,7 @@ fn widen(near: i64, xid: u32) -> i64 {
 }
 
 /// The column that names a row's key's oldest pending row before it (`NULL`: none), one
-/// probe of the index `outbox_pending_key_seq` (migration 0042). The slot's stream holds only
+/// probe of the index `outbox_key_pending_seq` (migration 0042). The slot's stream holds only
 /// rows committed after its start: a row pending that is not in it — committed before the
 /// slot existed (or while it was dropped and made again), requeued by an operator, or left
 /// pending by an earlier batch — must go before the key's later rows. Per key, commit order is
