@@ -97,6 +97,7 @@ mod seal_count_attack;
 mod seal_final_attack;
 mod seal_handover_attack;
 mod seal_review_attack;
+mod seal_sixth_attack;
 mod secrets;
 mod security;
 mod size_fence_attack;
