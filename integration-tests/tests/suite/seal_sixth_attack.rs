@@ -18,6 +18,22 @@
 //! Each scenario runs with `max_batch` 64 and 1 (one record per transaction, the yardstick), on
 //! its own database, topic and group.
 //!
+//! Found on 67e0c94 (2 shared cores; figures in each test's comment):
+//!
+//! - broke (ignored, `a_progressing_one_at_a_time_run_is_not_reported_stalled`): after a
+//!   refusal, a poll batch whose one-record transactions commit one after another for more than
+//!   30 s is reported stalled (`/readyz` 503 from 30.4–32.4 s, stall gauge up to 35.6 s, "consumer
+//!   stalled" warning); `max_batch` 1 side by side: gauge at most 0.8 s. The stall clock restarts
+//!   only when the whole poll batch is done;
+//! - broke (ignored, `a_deferred_constraint_satisfied_by_a_later_event_ends_as_one_at_a_time`;
+//!   not the seal's doing): an event whose own transaction always fails a deferred foreign key,
+//!   satisfied by a later event of the same poll batch, is applied in a batch; `max_batch` 1
+//!   dead-letters it (or holds its key, and the later event with it);
+//! - held: `max_attempts` 1 with the giving-up transaction dropped by a refusal (dead letter and
+//!   hold); a key held before the batch and one held in the refused transaction; a batch
+//!   handler refusing in bulk among copies; the deferred constraint with a refusal between —
+//!   fate and counters as `max_batch` 1.
+//!
 //! Not attacked here, by reasoning: a consumer killed, or its partition revoked, during the
 //! one-at-a-time run after a refusal. The head's carried attempts live in memory only, as one
 //! record per transaction's do: a new owner starts from 0 in both modes; and the carried count
