@@ -38,7 +38,7 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
-    /// A metrics recorder is already installed in this process.
+    /// Another metrics recorder (not this crate's) is installed in this process.
     #[error("cannot install the Prometheus recorder: {0}")]
     Recorder(String),
 }
@@ -91,21 +91,36 @@ impl Readiness {
     }
 }
 
-/// Installs the Prometheus recorder for this process and serves the endpoints on `addr` in a
-/// background task (returned; abort it to stop). `ready` answers `/readyz`: one check at a
-/// time, its answer reused for [`READY_CACHE`], a check over [`READY_TIMEOUT`] not ready.
-pub async fn serve<F, Fut>(addr: SocketAddr, ready: F) -> Result<tokio::task::JoinHandle<()>, Error>
-where
-    F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = bool> + Send + 'static,
-{
-    let metrics = PrometheusBuilder::new()
+/// The process's Prometheus recorder: installed by the first call, shared by the later ones (a
+/// relay and a consumer in one process, each serving its own address: each endpoint renders
+/// the process's metrics, told apart by their labels). Fails if another recorder was installed.
+fn recorder() -> Result<PrometheusHandle, Error> {
+    static HANDLE: std::sync::Mutex<Option<PrometheusHandle>> = std::sync::Mutex::new(None);
+    let mut handle = HANDLE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(h) = &*handle {
+        return Ok(h.clone());
+    }
+    let installed = PrometheusBuilder::new()
         .set_buckets(&[
             0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ])
         .map_err(|e| Error::Recorder(e.to_string()))?
         .install_recorder()
         .map_err(|e| Error::Recorder(e.to_string()))?;
+    *handle = Some(installed.clone());
+    Ok(installed)
+}
+
+/// Installs the Prometheus recorder for this process (once: a second call shares it, see
+/// [`recorder`]) and serves the endpoints on `addr` in a background task (returned; abort it
+/// to stop). `ready` answers `/readyz`: one check at a
+/// time, its answer reused for [`READY_CACHE`], a check over [`READY_TIMEOUT`] not ready.
+pub async fn serve<F, Fut>(addr: SocketAddr, ready: F) -> Result<tokio::task::JoinHandle<()>, Error>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send + 'static,
+{
+    let metrics = recorder()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
@@ -209,6 +224,35 @@ mod tests {
         }
         assert!(changed.elapsed() >= READY_CACHE / 2);
         server.abort();
+    }
+
+    /// Guarantee: a second service in the same process (a relay and a consumer, each with its
+    /// own address) serves too: both render the process's metrics, each `/readyz` its own
+    /// check (before, the second failed: "attempted to set a recorder after the metrics
+    /// system was already initialized").
+    #[tokio::test]
+    async fn two_services_in_one_process_both_serve() {
+        let addr = |()| -> SocketAddr {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            ([127, 0, 0, 1], port).into()
+        };
+        let (a, b) = (addr(()), addr(()));
+        let first = serve(a, || async { true }).await.unwrap();
+        let second = serve(b, || async { false }).await.unwrap();
+        metrics::counter!("postal_ops_two_services_total").increment(2);
+        for at in [a, b] {
+            let (status, body) = get(at, "/metrics").await;
+            assert_eq!(status, 200);
+            assert!(body.contains("postal_ops_two_services_total 2"), "{body}");
+        }
+        assert_eq!(get(a, "/readyz").await.0, 200);
+        assert_eq!(get(b, "/readyz").await.0, 503);
+        first.abort();
+        second.abort();
     }
 
     /// Guarantee: a flood of readiness requests runs the check once per cache interval, one

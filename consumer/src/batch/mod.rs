@@ -133,6 +133,9 @@ impl Worker {
                         self.shared.dlq_wake.notify_one();
                     }
                     if c.done > 0 {
+                        // The partition advanced: the stall watchdog's clock starts again
+                        // (a poll batch of many transactions is no stall while they commit).
+                        self.queued.waiting.advanced();
                         head_attempts = 0;
                         head_error.clear();
                         outages = 0;
@@ -259,7 +262,8 @@ impl Worker {
                 self.process(own, record).await
             };
             match step {
-                Step::Done => {}
+                // Each record's transaction is the partition advancing, as one at a time.
+                Step::Done => self.queued.waiting.advanced(),
                 other => return other,
             }
         }

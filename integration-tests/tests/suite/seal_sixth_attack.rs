@@ -20,7 +20,7 @@
 //!
 //! Found on 67e0c94 (2 shared cores; figures in each test's comment):
 //!
-//! - broke (ignored, `a_progressing_one_at_a_time_run_is_not_reported_stalled`): after a
+//! - broke (fixed since: the clock restarts after each commit), `a_progressing_one_at_a_time_run_is_not_reported_stalled`: after a
 //!   refusal, a poll batch whose one-record transactions commit one after another for more than
 //!   30 s is reported stalled (`/readyz` 503 from 30.4–32.4 s, stall gauge up to 35.6 s, "consumer
 //!   stalled" warning); `max_batch` 1 side by side: gauge at most 0.8 s. The stall clock restarts
@@ -852,10 +852,10 @@ async fn watched_pair(events: usize) -> (Watched, Watched) {
 /// commit (`waiting.advanced()` in `process_after`'s success and in `process_batch` when
 /// `c.done > 0`).
 ///
-/// Uses `ops_addr`, whose Prometheus recorder is process-wide: run this test alone (it is
-/// ignored; `batch_outage_attack`'s `/readyz` test installs the recorder too).
+/// Fixed: the clock restarts after each committed transaction of a poll batch (both places).
+/// Uses `ops_addr`: the Prometheus recorder is the process's, shared with the suite's other
+/// tests that serve `/metrics` (`postal_ops::serve` installs it once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: max_batch 64 /readyz 503 after 30.5 s, stall gauge 35.6 s while 46 one-record transactions committed after a refusal (one_at_a_time never restarts stall::Waiting); max_batch 1 side by side: gauge 0.8 s"]
 async fn a_progressing_one_at_a_time_run_is_not_reported_stalled() {
     let (batched, single) = watched_pair(46).await;
     for r in [&batched, &single] {
