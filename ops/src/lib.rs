@@ -111,9 +111,10 @@ fn recorder() -> Result<PrometheusHandle, Error> {
     Ok(installed)
 }
 
-/// Installs the Prometheus recorder for this process (once: a second call shares it, see
-/// [`recorder`]) and serves the endpoints on `addr` in a background task (returned; abort it
-/// to stop). `ready` answers `/readyz`: one check at a
+/// Installs the Prometheus recorder for this process (once: a later call in the same process
+/// shares it, and each endpoint renders the process's metrics; an error if a recorder other
+/// than this crate's was installed) and serves the endpoints on `addr` in a background task
+/// (returned; abort it to stop). `ready` answers `/readyz`: one check at a
 /// time, its answer reused for [`READY_CACHE`], a check over [`READY_TIMEOUT`] not ready.
 pub async fn serve<F, Fut>(addr: SocketAddr, ready: F) -> Result<tokio::task::JoinHandle<()>, Error>
 where
