@@ -175,6 +175,14 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
 
+    /// A loopback address with a port free a moment ago.
+    fn free_addr() -> SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -193,12 +201,7 @@ mod tests {
     /// follows the readiness check.
     #[tokio::test]
     async fn endpoints_serve_metrics_liveness_and_readiness() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let addr = free_addr();
         let ready = Arc::new(AtomicBool::new(false));
         let r = ready.clone();
         let server = serve(addr, move || {
@@ -233,15 +236,7 @@ mod tests {
     /// system was already initialized").
     #[tokio::test]
     async fn two_services_in_one_process_both_serve() {
-        let addr = |()| -> SocketAddr {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            ([127, 0, 0, 1], port).into()
-        };
-        let (a, b) = (addr(()), addr(()));
+        let (a, b) = (free_addr(), free_addr());
         let first = serve(a, || async { true }).await.unwrap();
         let second = serve(b, || async { false }).await.unwrap();
         metrics::counter!("postal_ops_two_services_total").increment(2);
