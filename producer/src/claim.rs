@@ -416,6 +416,7 @@ fn send_margin(lease: Duration) -> Duration {
 /// claimed by anyone else, and no earlier row of its topic and key holds it back (parked,
 /// waiting for a retry, or scheduled for later). Only topics that `topics` lets through are
 /// claimed.
+#[cfg_attr(not(feature = "test-util"), allow(dead_code))] // the tests' and the bench's (`testing`)
 pub async fn claim(
     pool: &PgPool,
     relay: Uuid,
@@ -424,6 +425,35 @@ pub async fn claim(
     lease: Duration,
     delete_on_claim: bool,
     topics: &TopicFilter,
+) -> Result<Option<Claim>, sqlx::Error> {
+    claim_below(
+        pool,
+        relay,
+        partitions,
+        limit,
+        lease,
+        delete_on_claim,
+        topics,
+        i64::MAX,
+    )
+    .await
+}
+
+/// [`claim`], of rows whose `seq` is below `below` only: the WAL relay's sweep
+/// (`crate::wal::sweep`) leaves the rows its stream has not passed yet to the stream. A bound
+/// on `seq` keeps every key's order: a key's earlier rows have lower sequence numbers, so a
+/// row below the bound has all of its key's earlier rows below it too (a bound on a time would
+/// not: `created_at` is the start of the writer's transaction).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn claim_below(
+    pool: &PgPool,
+    relay: Uuid,
+    partitions: &[i16],
+    limit: usize,
+    lease: Duration,
+    delete_on_claim: bool,
+    topics: &TopicFilter,
+    below: i64,
 ) -> Result<Option<Claim>, sqlx::Error> {
     let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let requested = mask(partitions);
@@ -492,7 +522,8 @@ pub async fn claim(
                 concat(",
         plan_settings!(),
         ", set_config('idle_in_transaction_session_timeout', $3, true),
-           set_config('tcp_user_timeout', $3, true)),
+           set_config('tcp_user_timeout', $3, true),
+           set_config('postal.claim_below', $5, true)),
                 pg_current_xact_id()::xid::text::int8,
                 EXISTS (SELECT 1 FROM p WHERE p.topic IS NULL),
                 ARRAY(SELECT p.topic FROM p WHERE p.topic IS NOT NULL ORDER BY p.topic)"
@@ -501,6 +532,7 @@ pub async fn claim(
     .bind(&locked)
     .bind(&half)
     .bind(reserve)
+    .bind(below.to_string())
     .fetch_one(&mut *tx)
     .await?;
     // A paused group claims nothing; paused topics leave the claim's topic filter. A key's
@@ -854,7 +886,9 @@ macro_rules! skipped_column {
 /// has row-locked is skipped, `SKIP LOCKED`; the claim then leaves its key's later rows behind,
 /// see `claimed!` and the `skipped` module.) A key's scope is its topic and key
 /// ([`crate::OutboundEvent::order_key`]): the topic filters of relay groups pass or stop both
-/// rows alike.
+/// rows alike. Only rows below `postal.claim_below` (a transaction-local setting, unset but
+/// for the WAL relay's sweep: [`claim_below`]) are taken; a condition on the index's leading
+/// column, read once per statement.
 macro_rules! publishable {
     () => {
         r#"
@@ -863,6 +897,8 @@ macro_rules! publishable {
             WHERE o.status = 'pending'
               AND (NOT o.held OR o.available_at <= now())
               AND o.key_partition BETWEEN $5 AND $6
+              AND o.seq < coalesce(nullif(current_setting('postal.claim_below', true), '')::int8,
+                                   9223372036854775807)
               AND ($1::bool[] IS NULL OR ($1::bool[])[o.key_partition + 1])
               AND ($3::text[] IS NULL OR o.topic = ANY($3))
               AND ($4::text[] IS NULL OR o.topic <> ALL($4))

@@ -184,10 +184,15 @@ impl Default for RelayConfig {
 impl RelayConfig {
     /// The connections this configuration can use at once: a claim per lane and per batch in
     /// flight, plus the lease heartbeat, the `LISTEN` session, housekeeping and the activity
-    /// report (the dashboard's charts). Size the
+    /// report (the dashboard's charts). A WAL relay wants its own (two row-locking
+    /// transactions, the lease, housekeeping and the slot's metrics) and its sweep's (one lane,
+    /// its batches in flight, its lease heartbeat, its activity report, its bound). Size the
     /// relay's pool so (`postal relay` does); a smaller pool makes claims wait.
     pub fn connections_wanted(&self) -> u32 {
-        (self.max_in_flight_batches + self.lanes + 4) as u32
+        match self.source {
+            RelaySource::Poll => (self.max_in_flight_batches + self.lanes + 4) as u32,
+            RelaySource::Wal(_) => (5 + self.max_in_flight_batches + 1 + 4) as u32,
+        }
     }
 
     /// Checks the settings; the error names the offending one.

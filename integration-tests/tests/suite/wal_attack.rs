@@ -91,9 +91,11 @@ impl Transport for NotifiesFailure {
 /// Broke before the fix: the missing topic's event failed as `Waiting` and the WAL relay
 /// retried it (with its key's later events) "before reading further" — every other topic's
 /// events committed after it waited too. In a run, 3 events of an existing topic committed
-/// after one event of a missing topic were all still pending 20 s later. Now a failed event
-/// (and its key's later events) is carried from batch to batch and tried again with backoff
-/// while other keys go on; the slot is not confirmed past it.
+/// after one event of a missing topic were all still pending 20 s later. Then a failed event
+/// (and its key's later events) was carried from batch to batch and tried again with backoff
+/// while other keys went on. Now it is written back as polling writes it back (held, tried
+/// again a minute later), its key's later events are left behind it, and the sweep publishes
+/// them in order.
 #[tokio::test]
 async fn a_missing_topic_does_not_stall_other_topics() {
     let svc = services().await;
@@ -128,7 +130,9 @@ async fn a_missing_topic_does_not_stall_other_topics() {
     create_topic(&svc.bootstrap, &missing, 4).await;
     let (next, _) = enqueue_each(&db.pool, &missing, "a", 1).await;
     waiting.extend(next);
-    let drained = holds_within(Duration::from_secs(60), || async {
+    // Written back as polling writes a missing topic's event back, it is tried again a minute
+    // after it failed (by the sweep), its key's next event after it.
+    let drained = holds_within(Duration::from_secs(90), || async {
         outbox_count(&db.pool).await == 0
     })
     .await;
@@ -184,8 +188,8 @@ impl Transport for RefusesOne {
                 self.0.refusals.fetch_add(1, Ordering::SeqCst);
                 failed_keys.insert(e.key.clone());
                 out.push(Err(PublishError::new(
-                    FailureKind::Waiting,
-                    "topic missing",
+                    FailureKind::Transient,
+                    "refused until opened",
                 )));
             } else {
                 self.0.acked.lock().unwrap().push((e.seq, e.key.clone()));
@@ -196,14 +200,15 @@ impl Transport for RefusesOne {
     }
 }
 
-/// Promise: an event that fails (here `Waiting`, as for a missing topic) holds back its key's
+/// Promise: an event that fails (a transient error, retried with backoff) holds back its key's
 /// later events also when they come in later batches, read while it waits for its next try:
 /// they are published after it, once it goes through; other keys go on meanwhile.
 ///
 /// New with the fix to [`a_missing_topic_does_not_stall_other_topics`] (failed rows carried
-/// from batch to batch instead of retried before reading further). A transport that fails one
-/// event of key `a` until opened: the key's next event is committed after 4 refusals (the
-/// retry backoff grown to 400 ms, so it is read while the first waits), with one of key `b`.
+/// from batch to batch instead of retried before reading further); since the sweep, a failed
+/// row is written back for a retry as polling writes it back, and the sweep retries it. A
+/// transport that fails one event of key `a` until opened: the key's next event is committed
+/// after 4 refusals (so it is read while the first waits), with one of key `b`.
 /// Measured: with a carried row not blocking its key (`rows::lock`) the test failed 3 of 3
 /// runs (key `a`'s second event published before, or while, its first waited: acked order
 /// `[2, 3, 1]` in one).
@@ -225,7 +230,9 @@ async fn a_failed_event_holds_its_keys_later_events_back_across_batches() {
         .await
         .unwrap();
     transport.refused.store(seqs[0], Ordering::SeqCst);
-    let relay = RunningRelay::start(&db.pool, RefusesOne(transport.clone()), slot.config());
+    let mut config = slot.config();
+    config.max_attempts = 1000;
+    let relay = RunningRelay::start(&db.pool, RefusesOne(transport.clone()), config);
     wait::until(Duration::from_secs(30), "4 refusals", || async {
         transport.refusals.load(Ordering::SeqCst) >= 4
     })
@@ -293,9 +300,9 @@ async fn a_failed_event_holds_its_keys_later_events_back_across_batches() {
 /// Since migration 0042 (the relay checks each row's key for an older pending row the stream
 /// did not give, `producer/src/wal/rows.rs` `older_column`) the key is no longer reordered:
 /// the 3 later events are left pending behind the 3 lost ones (6 of 9 pending, Kafka holds
-/// seqs 1-3). They are still never published by the WAL relay.
+/// seqs 1-3). Since the sweep (`producer/src/wal/sweep.rs`) the WAL relay publishes them all,
+/// in order.
 #[tokio::test]
-#[ignore = "known: a slot re-created under a running WAL relay is streamed from its new consistent point: the 3 rows committed while it was gone are never published, and since migration 0042 they hold the key's 3 later rows back (6 of 9 pending, Kafka holds seqs 1-3: lost for the WAL relay, not reordered)"]
 async fn a_slot_dropped_and_recreated_under_a_running_relay_loses_nothing() {
     let svc = services().await;
     let db = svc.fresh_db().await;
@@ -374,9 +381,9 @@ async fn a_slot_dropped_and_recreated_under_a_running_relay_loses_nothing() {
 /// rules together (one mode at a time; held rows are for polling) leave no one to publish a
 /// scheduled event, a retried event or a parked one released by `postal failed retry`. Obvious
 /// fix: the WAL relay runs a polling claim restricted to `held` rows (and their keys) as they
-/// come due, under its slot lease.
+/// come due, under its slot lease. Done by the sweep (`producer/src/wal/sweep.rs`), which
+/// claims every pending row below a bound the stream has passed.
 #[tokio::test]
-#[ignore = "known: a WAL-only deployment never publishes a scheduled event nor its key's later events (2 of 2 pending 15 s after due)"]
 async fn a_scheduled_event_is_published_when_due_by_a_wal_only_deployment() {
     let svc = services().await;
     let db = svc.fresh_db().await;

@@ -277,7 +277,7 @@ impl<T: Transport> Shared<T> {
         partitions: &[i16],
         limit: usize,
     ) -> Result<Option<claim::Claim>, sqlx::Error> {
-        claim::claim(
+        claim::claim_below(
             &self.pool,
             self.id,
             partitions,
@@ -286,6 +286,9 @@ impl<T: Transport> Shared<T> {
             // Checked-out rows stay in the outbox while they are in flight.
             self.config.delete_on_publish && self.checkout.is_none(),
             &self.config.topics,
+            self.below
+                .as_ref()
+                .map_or(i64::MAX, |b| b.load(Ordering::Relaxed)),
         )
         .await
     }

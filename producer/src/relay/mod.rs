@@ -5,7 +5,7 @@
 //! one [`Shared`] state, and stops them in order.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,6 +58,9 @@ pub struct Relay<T: Transport> {
     config: RelayConfig,
     id: Uuid,
     health: RelayHealth,
+    /// Set for a WAL relay's sweep (`crate::wal::sweep`): claims take only rows below this
+    /// `seq`, and the sweep neither listens nor does the housekeeping (its WAL relay does).
+    below: Option<Arc<AtomicI64>>,
 }
 
 impl<T: Transport> Relay<T> {
@@ -91,7 +94,26 @@ impl<T: Transport> Relay<T> {
             config,
             id: Uuid::now_v7(),
             health: RelayHealth::default(),
+            below: None,
         })
+    }
+
+    /// A WAL relay's sweep: a polling relay over `pool` and `transport` that claims only rows
+    /// below `below` (`crate::wal::sweep`).
+    pub(crate) fn sweep(
+        pool: PgPool,
+        transport: Arc<T>,
+        config: RelayConfig,
+        below: Arc<AtomicI64>,
+    ) -> Self {
+        Relay {
+            pool,
+            transport,
+            config,
+            id: Uuid::now_v7(),
+            health: RelayHealth::default(),
+            below: Some(below),
+        }
     }
 
     /// The connections `config` can use at once ([`RelayConfig::connections_wanted`]).
@@ -174,11 +196,12 @@ impl<T: Transport> Relay<T> {
             wake: wake_tx.clone(),
             claim_clock: stall::ClaimClock::default(),
             health: self.health.clone(),
+            below: self.below.clone(),
         });
         // Background tasks live in JoinSets, which abort them when dropped: if this future is
         // dropped (the relay is killed), nothing keeps heartbeating on its behalf.
         let mut background = tokio::task::JoinSet::new();
-        if self.config.listen {
+        if self.config.listen && self.below.is_none() {
             background.spawn(listen::listen(
                 self.pool.clone(),
                 wake_tx.clone(),
@@ -201,10 +224,12 @@ impl<T: Transport> Relay<T> {
                 .clone()
                 .coordinate(owned_tx, coordinator_stop.clone()),
         );
-        background.spawn(housekeeping::housekeeping(
-            self.pool.clone(),
-            self.config.clone(),
-        ));
+        if self.below.is_none() {
+            background.spawn(housekeeping::housekeeping(
+                self.pool.clone(),
+                self.config.clone(),
+            ));
+        }
         background.spawn(shared.clone().watch_claims());
         // Not in `background`: it writes the last activity as the relay stops (below).
         let report_stop = CancellationToken::new();
@@ -407,6 +432,8 @@ struct Shared<T: Transport> {
     claim_clock: stall::ClaimClock,
     /// What the claim watchdog found ([`Relay::health`]).
     health: RelayHealth,
+    /// Claims take only rows below this `seq` (a WAL relay's sweep, [`Relay::sweep`]).
+    below: Option<Arc<AtomicI64>>,
 }
 
 impl<T: Transport> Shared<T> {

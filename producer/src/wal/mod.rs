@@ -3,8 +3,9 @@
 //! polling, published through the same transport in commit order. docs/wal-relay.md has the
 //! design; `check` checks the publication and slot before streaming, `stream` reads the
 //! slot, `pgoutput` decodes it, `rows` locks and marks a batch's rows, `publish` hands them to
-//! the transport (carrying failed and busy rows to the next batch), and `confirm` is the rule
-//! for the slot's confirmed position.
+//! the transport (carrying failed and busy rows to the next batch), `confirm` is the rule
+//! for the slot's confirmed position, and `sweep` publishes, by polling, the rows the stream
+//! leaves pending (from before the slot, scheduled, retried, requeued).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,6 +26,7 @@ mod publish;
 mod rows;
 pub mod slot;
 mod stream;
+mod sweep;
 
 /// Where the WAL relay reads: a logical replication slot (plugin `pgoutput`) and a
 /// publication of the inserts into `postal.outbox` ([`slot::create`] makes both).
@@ -138,8 +140,22 @@ pub(crate) async fn run<T: Transport>(
     // Set once streaming failed to start too often: the lease is given up (below).
     let mut give_up: Option<String> = None;
     let mut busy = publish::BusyWatch::new(&health);
+    // The sweep runs while this relay holds the slot's lease (`sweep`).
+    let progress = sweep::Progress::default();
+    // Failed publishes are judged as polling judges them (attempts, backoff, parking, a pause
+    // while the destination is unavailable).
+    let judge = crate::outcome::Judge {
+        config: config.clone(),
+        counters: std::sync::Arc::new(crate::outcome::Counters::default()),
+        unavailable_streak: std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0)),
+        paused_until: std::sync::Arc::new(std::sync::Mutex::new(None)),
+    };
+    let mut sweeping: Option<sweep::Sweep> = None;
     'session: loop {
         if let Some(why) = give_up.take() {
+            if let Some(s) = sweeping.take() {
+                add(&mut stats, s.stop(&config).await);
+            }
             // A holder that cannot stream (its replication session refused: a pooler, no
             // REPLICATION attribute, max_wal_senders used up) must not keep the slot from a
             // standby that can.
@@ -158,6 +174,9 @@ pub(crate) async fn run<T: Transport>(
             Some(h) if !h.is_lost() => h,
             _ => {
                 held = None;
+                if let Some(s) = sweeping.take() {
+                    add(&mut stats, s.stop(&config).await);
+                }
                 match lease::acquire(&pool, &source.slot, holder, config.lease, &mut shutdown).await
                 {
                     Some(h) => held.insert(h),
@@ -165,6 +184,9 @@ pub(crate) async fn run<T: Transport>(
                 }
             }
         };
+        if sweeping.is_none() {
+            sweeping = Some(sweep::start(&pool, transport.clone(), &config, &progress));
+        }
         // The slot and publication again as they are opened (dropped, re-created, altered
         // meanwhile?).
         match checked(&pool, &source, &config, &mut shutdown).await {
@@ -203,7 +225,6 @@ pub(crate) async fn run<T: Transport>(
         // new session reads them from the slot again.
         let mut carried: Vec<i64> = Vec::new();
         let mut retry_at = tokio::time::Instant::now();
-        let mut carry_failures = 0u32;
         busy.saw(&[]);
         loop {
             let read = tokio::select! {
@@ -250,10 +271,12 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::KeepAlive(lsn)) => {
                     if let Some(lsn) = confirm.keepalive(lsn) {
                         stream.confirm(lsn);
+                        progress.idle();
                     }
                 }
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
+                    progress.read(batch.seqs.len(), config.batch_size * READ_CHUNKS);
                     if batch.end_lsn > 0 {
                         confirm.received(batch.end_lsn);
                     }
@@ -268,6 +291,7 @@ pub(crate) async fn run<T: Transport>(
                         &batch,
                         lease,
                         &mut busy,
+                        &judge,
                         &mut stats,
                     );
                     let mut publish = std::pin::pin!(publish);
@@ -287,24 +311,13 @@ pub(crate) async fn run<T: Transport>(
                     };
                     match done {
                         Ok(left) if left.rows.is_empty() => {
-                            carry_failures = 0;
                             stream.confirm(confirm.finished());
                         }
                         // Not confirmed past the carried rows.
                         Ok(left) => {
                             carried = left.rows;
                             if due {
-                                let wait = if left.failed {
-                                    carry_failures += 1;
-                                    config
-                                        .backoff
-                                        .delay(carry_failures)
-                                        .min(Duration::from_secs(10))
-                                } else {
-                                    carry_failures = 0;
-                                    BUSY_RETRY
-                                };
-                                retry_at = tokio::time::Instant::now() + wait;
+                                retry_at = tokio::time::Instant::now() + BUSY_RETRY;
                             }
                         }
                         Err(LeaseLost) => {
@@ -318,6 +331,9 @@ pub(crate) async fn run<T: Transport>(
             }
         }
     }
+    if let Some(s) = sweeping.take() {
+        add(&mut stats, s.stop(&config).await);
+    }
     metrics.abort();
     housekeeping.abort();
     health.set(None);
@@ -329,6 +345,14 @@ pub(crate) async fn run<T: Transport>(
     ended?;
     tracing::info!(published = stats.published, "WAL relay stopped");
     Ok(stats)
+}
+
+/// Adds the sweep's totals to the relay's.
+fn add(stats: &mut RelayStats, sweep: RelayStats) {
+    stats.published += sweep.published;
+    stats.parked += sweep.parked;
+    stats.retried += sweep.retried;
+    stats.held_back += sweep.held_back;
 }
 
 /// Counts a failed start of streaming (`e`); what to say when it is time to give the lease up:

@@ -12,13 +12,11 @@ use crate::config::RelayConfig;
 use crate::relay::{RelayHealth, RelayStats, STALL_AFTER};
 use crate::transport::{FailureKind, Transport};
 
-/// What a batch left to try again: rows that failed or were busy (locked by another session),
-/// with their keys' later rows, in commit order.
+/// What a batch left to try again: rows that were busy (locked by another session), with
+/// their keys' later rows, in commit order.
 #[derive(Debug, Default)]
 pub(super) struct Carry {
     pub rows: Vec<i64>,
-    /// Some of them failed at the transport (not only busy): retried with backoff.
-    pub failed: bool,
 }
 
 /// Publishes the rows `carried` (left by earlier batches, earlier in commit order) and then
@@ -40,6 +38,7 @@ pub(super) async fn publish<T: Transport>(
     batch: &stream::Batch,
     lease: &lease::Held,
     busy: &mut BusyWatch<'_>,
+    judge: &crate::outcome::Judge,
     stats: &mut RelayStats,
 ) -> Result<Carry, LeaseLost> {
     // The commits are in the WAL, but their rows may not be visible yet (`rows::visible`): a
@@ -55,12 +54,11 @@ pub(super) async fn publish<T: Transport>(
     // batch's worth of rows past them.
     let mut waiting = carried.len();
     // Rows not to send in this call: carried ones not yet due, and those that fail here.
-    let mut defer: std::collections::HashSet<i64> = if due {
+    let defer: std::collections::HashSet<i64> = if due {
         Default::default()
     } else {
         carried.iter().copied().collect()
     };
-    let mut any_failed = false;
     // A row of this batch was locked by another session: the rest goes through `rows::lock`
     // (a take would wait for the lock each time).
     let mut saw_busy = false;
@@ -77,6 +75,13 @@ pub(super) async fn publish<T: Transport>(
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size + waiting);
         let chunk: Vec<i64> = todo[..chunk_len].to_vec();
+        // An unavailable destination pauses the relay (`outcome::Judge`, at most 10 s), as it
+        // pauses a polling relay: the rows read meanwhile are not failed one chunk after
+        // another.
+        let paused = *judge.paused_until.lock().expect("pause lock");
+        if let Some(wait) = paused.and_then(|until| until.checked_duration_since(Instant::now())) {
+            tokio::time::sleep(wait).await;
+        }
         if !lease.may_send() {
             return Err(LeaseLost);
         }
@@ -119,7 +124,7 @@ pub(super) async fn publish<T: Transport>(
             }
         };
         if !locked.left.is_empty() {
-            tracing::warn!(rows = locked.left.len(), first = locked.left[0], "WAL relay: rows held back (scheduled, retried, parked, or behind such a row or a pending row the slot's stream does not hold: committed before the slot, or requeued) are left pending for a polling relay");
+            tracing::info!(rows = locked.left.len(), first = locked.left[0], "WAL relay: rows held back (scheduled, retried, parked, or behind such a row or a pending row the slot's stream does not hold: committed before the slot, or requeued) are left pending for the sweep, which publishes them in order when due");
             for seq in &locked.left {
                 known.remove(seq);
             }
@@ -140,54 +145,40 @@ pub(super) async fn publish<T: Transport>(
         let next_chunk: Option<Vec<i64>> =
             (again.is_empty() && !rest.is_empty() && may_take(config, &defer, saw_busy))
                 .then(|| rest[..rest.len().min(config.batch_size)].to_vec());
-        let take_next = async {
-            match &next_chunk {
-                Some(c) => Some((
-                    c.clone(),
-                    rows::take(pool, c, &known, config.lease / 2).await,
-                )),
-                None => None,
-            }
-        };
         let (outcomes, next_taken) = if events.is_empty() {
             (Vec::new(), None)
         } else {
+            let take_next = async {
+                match &next_chunk {
+                    Some(c) => Some((
+                        c.clone(),
+                        rows::take(pool, c, &known, config.lease / 2).await,
+                    )),
+                    None => None,
+                }
+            };
             let acks = transport.send(&events).await;
             prefetched_at = Instant::now();
             tokio::join!(acks, take_next)
         };
         prefetched = next_taken;
-        let mut published = Vec::with_capacity(events.len());
-        let mut failed = Vec::new();
-        let mut parked = Vec::new();
-        let mut worst = None;
-        for (e, outcome) in events.iter().zip(&outcomes) {
-            match outcome {
-                Ok(()) => published.push(e.seq),
-                // Refused for good (too large, invalid): parked, as polling parks it; its
-                // key's later rows are then left behind it (`rows::lock`). Retrying it would
-                // stop the relay on this batch forever, every key with it.
-                Err(err) if err.kind == FailureKind::Permanent => {
-                    parked.push(crate::complete::Failure {
-                        seq: e.seq,
-                        counts: true,
-                        park: true,
-                        hold: true,
-                        retry_in: Duration::ZERO,
-                        reason: Some(err.reason.clone()),
-                    });
-                }
-                Err(err) => {
-                    if worst.is_none() && err.kind != FailureKind::HeldBack {
-                        worst = Some(err.clone());
-                    }
-                    failed.push(e.seq);
-                }
-            }
-        }
+        // A failed event is written back as polling writes it back (`outcome::Judge`): held
+        // for a retry with backoff (counting an attempt unless the destination was
+        // unavailable or waits, e.g. a missing topic), parked once its attempts are used up or
+        // when refused for good, and its key's later events of the send released behind it.
+        // Held, it holds its key's later rows back (`rows::lock` leaves them), and the sweep
+        // (`super::sweep`) publishes them in order once it is due.
+        let worst = outcomes.iter().find_map(|o| match o {
+            Err(err) if err.kind != FailureKind::HeldBack => Some(err.clone()),
+            _ => None,
+        });
+        let crate::outcome::Verdict {
+            published,
+            failures: written,
+        } = judge.verdict(&events, outcomes);
         let t_mark = Instant::now();
         let marked = locked
-            .mark(&published, &parked, config.delete_on_publish, lease)
+            .mark(&published, &written, config.delete_on_publish, lease)
             .await;
         tracing::debug!(
             rows = chunk.len(),
@@ -208,45 +199,48 @@ pub(super) async fn publish<T: Transport>(
             }
             Ok(true) => {
                 transport.recorded(&events, true);
+                let parked = written.iter().filter(|f| f.park).count();
+                let held_back = written.iter().filter(|f| !f.hold && !f.counts).count();
+                let retried = written.len() - parked - held_back;
                 stats.published += published.len() as u64;
-                stats.parked += parked.len() as u64;
+                stats.parked += parked as u64;
+                stats.retried += retried as u64;
+                stats.held_back += held_back as u64;
                 metrics::counter!("postal_relay_published_total").increment(published.len() as u64);
-                metrics::counter!("postal_relay_failed_total").increment(parked.len() as u64);
-                for p in &parked {
-                    tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event refused for good is parked; its key's later events are left pending behind it");
+                metrics::counter!("postal_relay_failed_total").increment(parked as u64);
+                metrics::counter!("postal_relay_retried_total").increment(retried as u64);
+                metrics::counter!("postal_relay_held_back_total").increment(held_back as u64);
+                for p in written.iter().filter(|f| f.park) {
+                    tracing::warn!(seq = p.seq, reason = ?p.reason, "WAL relay: an event is parked (refused for good, or its attempts used up); its key's later events are left pending behind it");
                 }
-                // A row that failed or was parked holds its key's later rows back: the next
-                // chunk, taken before this one's outcomes were known, is undone and done again.
-                if !failed.is_empty() || !parked.is_empty() {
+                if let Some(err) = worst {
+                    tracing::warn!(reason = %err, rows = retried, "WAL relay: a publish failed; written back for a retry with backoff (the sweep publishes it when due), its key's later events wait for it, other keys go on");
+                }
+                // A row written back holds its key's later rows back: the next chunk, taken
+                // before this one's outcomes were known, is undone and done again.
+                if !written.is_empty() {
                     if let Some((_, Ok(Some(l)))) = prefetched.take() {
                         l.undo().await;
                     }
+                    // The rows written back are no longer the stream's to publish: a key's
+                    // later row behind one is left to the sweep, not taken past it.
+                    for f in &written {
+                        known.remove(&f.seq);
+                    }
                 }
-                // Done with the chunk, except its failed, deferred and busy rows (and their
-                // keys' later rows): they stay ahead of the rest, in commit order.
-                let retried = failed.len();
-                if retried > 0 {
-                    metrics::counter!("postal_relay_retried_total").increment(retried as u64);
-                    any_failed = true;
-                }
-                if let Some(err) = worst {
-                    tracing::warn!(reason = %err, rows = retried, "WAL relay: a publish failed; it is tried again with backoff, its key's later events wait for it, other keys go on");
-                }
-                defer.extend(failed.iter().copied());
+                // Done with the chunk, except its deferred and busy rows (and their keys'
+                // later rows): they stay ahead of the rest, in commit order.
                 let mut next: Vec<i64> = chunk
                     .iter()
                     .copied()
-                    .filter(|s| failed.contains(s) || again.contains(s))
+                    .filter(|s| again.contains(s))
                     .collect();
                 let rest = &todo[chunk_len..];
                 if rest.is_empty() {
                     if let Some((_, Ok(Some(l)))) = prefetched.take() {
                         l.undo().await;
                     }
-                    return Ok(Carry {
-                        rows: next,
-                        failed: any_failed,
-                    });
+                    return Ok(Carry { rows: next });
                 }
                 waiting = next.len();
                 next.extend_from_slice(rest);
