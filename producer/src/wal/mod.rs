@@ -118,7 +118,10 @@ pub(crate) async fn run<T: Transport>(
     }
     // The slot's state as metrics, every 5 s, holder or standby alike (alerts take the
     // maximum per slot).
-    let metrics = tokio::spawn({
+    // In a set, which aborts its tasks when dropped: a relay dropped in-process (killed)
+    // leaves nothing running on its behalf.
+    let mut background = tokio::task::JoinSet::new();
+    background.spawn({
         let (pool, slot) = (pool.clone(), source.slot.clone());
         async move {
             loop {
@@ -131,7 +134,7 @@ pub(crate) async fn run<T: Transport>(
     });
     // The outbox's gauges (backlog, parked, oldest pending) and its upkeep, as polling relays
     // record them: the alerts on them hold for WAL deployments too.
-    let housekeeping = tokio::spawn(crate::relay::housekeeping::housekeeping(
+    background.spawn(crate::relay::housekeeping::housekeeping(
         pool.clone(),
         config.clone(),
     ));
@@ -334,8 +337,7 @@ pub(crate) async fn run<T: Transport>(
     if let Some(s) = sweeping.take() {
         add(&mut stats, s.stop(&config).await);
     }
-    metrics.abort();
-    housekeeping.abort();
+    background.abort_all();
     health.set(None);
     transport.flush(Duration::from_secs(1)).await;
     if let Some(h) = held {
