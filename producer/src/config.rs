@@ -73,8 +73,10 @@ pub enum RelaySource {
     #[default]
     Poll,
     /// Reads the outbox inserts from a logical replication slot, in commit order, and marks
-    /// the rows it published as polling does. One relay per slot (no lease yet: see
-    /// docs/wal-relay.md); do not run a polling relay on the same outbox at the same time.
+    /// the rows it published as polling does. One relay streams from a slot at a time (a
+    /// lease; others stand by), and while it does it runs a sweep, a polling relay of its
+    /// group for the rows the stream leaves pending (from before the slot, scheduled,
+    /// retried): docs/wal-relay.md. Do not run other polling relays on the same outbox.
     Wal(crate::wal::WalSource),
 }
 
