@@ -838,12 +838,7 @@ enum Schedule {
     Calm,
 }
 
-async fn run_case(
-    seed: u64,
-    tasks: bool,
-    schedule: Schedule,
-    wal: bool,
-) -> Result<String, String> {
+async fn run_case(seed: u64, tasks: bool, schedule: Schedule, wal: bool) -> Result<String, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let calm = schedule == Schedule::Calm;
     let mut params = Params {
