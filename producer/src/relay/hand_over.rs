@@ -79,6 +79,7 @@ impl<T: Transport> Shared<T> {
         }
         // The events to hand over: all, unless the chain holds some back.
         let sent = unheld(&batch, &held);
+        tracing::trace!(relay = %self.id, seqs = ?sent.iter().map(|e| e.seq).collect::<Vec<_>>(), "handing a claimed batch over");
         let Some(handed) = self.send(&sent, &batch).await else {
             drop(claim);
             self.leave_chain(&mut chain);

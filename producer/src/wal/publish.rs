@@ -67,10 +67,15 @@ pub(super) async fn publish<T: Transport>(
     let mut prefetched_at = Instant::now();
     let mut todo: Vec<i64> = carried;
     todo.extend_from_slice(&batch.seqs);
-    // The rows the stream gave this call, to publish in it: a pending row of a key before them
-    // that is not one of these holds the key's later rows back (`rows::lock`). A row left
+    // The rows the stream gave this call, to publish in it, ranked in commit order: a pending
+    // row of a key before one of them that is not one of these, or comes after it in the
+    // stream (written back after a failed publish), holds it back (`rows::lock`). A row left
     // pending here stops being one.
-    let mut known: std::collections::HashSet<i64> = todo.iter().copied().collect();
+    let mut known: rows::Known = todo
+        .iter()
+        .enumerate()
+        .map(|(rank, s)| (*s, rank))
+        .collect();
     let mut failures = 0u32;
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size + waiting);
@@ -157,6 +162,7 @@ pub(super) async fn publish<T: Transport>(
                     None => None,
                 }
             };
+            tracing::trace!(seqs = ?events.iter().map(|e| e.seq).collect::<Vec<_>>(), left = ?locked.left, busy = ?locked.busy.iter().map(|b| b.seq).collect::<Vec<_>>(), taken = locked.is_taken(), "WAL relay: handing a chunk over");
             let acks = transport.send(&events).await;
             prefetched_at = Instant::now();
             tokio::join!(acks, take_next)

@@ -87,26 +87,37 @@ fn widen(near: i64, xid: u32) -> i64 {
     }
 }
 
-/// The column that names a row's key's oldest pending row before it (`NULL`: none), one
-/// probe of the index `outbox_key_pending_seq` (migration 0042). The slot's stream holds only
-/// rows committed after its start: a row pending that is not in it — committed before the
-/// slot existed (or while it was dropped and made again), requeued by an operator, or left
-/// pending by an earlier batch — must go before the key's later rows. Per key, commit order is
-/// `seq` order and the stream is in commit order, so such a row is older than every row of its
-/// key the stream gave this call: the oldest pending row tells.
+/// The column that names a row's key's newest pending row before it (`NULL`: none), one
+/// backward probe of the index `outbox_key_pending_seq` (migration 0042). The slot's stream
+/// holds only rows committed after its start: a row pending that is not in it — committed
+/// before the slot existed (or while it was dropped and made again), requeued by an operator,
+/// or left pending by an earlier batch — must go before the key's later rows. Per key, commit
+/// order is `seq` order for the rows `enqueue` writes, but not for a row written back after a
+/// failed publish (`complete::restore` inserts it again, same `seq`, in a later transaction):
+/// the stream may give it after a later row of its key. So the check is by rank in the
+/// stream ([`Known`]), against the newest pending row before the row: the rows before that
+/// one were checked, in stream order, when it was.
 macro_rules! older_column {
     () => {
         "(SELECT p.seq FROM postal.outbox p WHERE p.status = 'pending' \
               AND hashtextextended(p.event_key, 0) = hashtextextended(d.event_key, 0) \
               AND p.event_key = d.event_key AND p.topic = d.topic AND p.seq < d.seq \
-              ORDER BY p.seq LIMIT 1) AS older"
+              ORDER BY hashtextextended(p.event_key, 0) DESC, p.seq DESC LIMIT 1) AS older"
     };
 }
 
-/// Whether a row must wait for an earlier pending row of its key that is not one of `known`
-/// (the rows of the stream this call publishes): its column [`older_column`] names one.
-fn behind_unknown(older: Option<i64>, known: &std::collections::HashSet<i64>) -> bool {
-    older.is_some_and(|s| !known.contains(&s))
+/// The rows the slot's stream gave a call of `publish`, each with its rank in commit order; a
+/// row left pending by the call stops being one.
+pub(crate) type Known = std::collections::HashMap<i64, usize>;
+
+/// Whether the row `seq` must wait for its key's newest earlier pending row, `older` (its
+/// column [`older_column`]): unless that row is one of `known` and comes before this one in
+/// the stream (it is then published first, or holds this one back when it fails).
+fn behind_unknown(seq: i64, older: Option<i64>, known: &Known) -> bool {
+    older.is_some_and(|p| match (known.get(&p), known.get(&seq)) {
+        (Some(rank_older), Some(rank)) => rank_older > rank,
+        _ => true,
+    })
 }
 
 /// How long [`take`]'s delete waits for a row another session holds locked before it gives
@@ -123,7 +134,7 @@ const TAKE_LOCK_WAIT: &str = "50ms";
 pub(crate) async fn take(
     pool: &PgPool,
     seqs: &[i64],
-    known: &std::collections::HashSet<i64>,
+    known: &Known,
     idle: std::time::Duration,
 ) -> Result<Option<Locked>, sqlx::Error> {
     use sqlx::Row as _;
@@ -172,7 +183,7 @@ pub(crate) async fn take(
     // A row behind an earlier pending row of its key that the stream did not give: the chunk
     // is not taken whole; `lock` leaves such rows pending.
     for row in &rows {
-        if behind_unknown(row.try_get::<Option<i64>, _>(16)?, known) {
+        if behind_unknown(row.try_get(0)?, row.try_get::<Option<i64>, _>(16)?, known) {
             tx.rollback().await?;
             return Ok(None);
         }
@@ -237,7 +248,7 @@ pub(crate) async fn take(
 pub(crate) async fn lock(
     pool: &PgPool,
     seqs: &[i64],
-    known: &std::collections::HashSet<i64>,
+    known: &Known,
     defer: &std::collections::HashSet<i64>,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
@@ -271,7 +282,7 @@ pub(crate) async fn lock(
     // chunk stay behind it too (a row left because it is checked out is not `held`).
     let mut left_keys = std::collections::HashMap::<(String, String), i64>::new();
     for row in &rows {
-        if row.try_get::<bool, _>(16)? || behind_unknown(row.try_get(17)?, known) {
+        if row.try_get::<bool, _>(16)? || behind_unknown(row.try_get(0)?, row.try_get(17)?, known) {
             let seq = row.try_get::<i64, _>(0)?;
             behind.insert(seq);
             let key = (row.try_get::<String, _>(2)?, row.try_get::<String, _>(3)?);
@@ -354,6 +365,11 @@ pub(crate) async fn lock(
 }
 
 impl Locked {
+    /// Whether the rows were taken in one statement ([`take`]).
+    pub(crate) fn is_taken(&self) -> bool {
+        self.taken
+    }
+
     /// Gives the rows up unmarked (a take undone: they are pending again).
     pub(crate) async fn undo(self) {
         if let Err(e) = self.tx.rollback().await {
@@ -404,7 +420,21 @@ impl Locked {
 
 #[cfg(test)]
 mod tests {
-    use super::widen;
+    use super::{behind_unknown, widen, Known};
+
+    /// Guarantee: a row waits for its key's earlier pending row unless the stream gave that
+    /// row before it — not for a row written back after a failed publish (inserted again,
+    /// same `seq`, after the row in the stream), nor for one the stream did not give.
+    #[test]
+    fn a_row_waits_for_an_earlier_row_the_stream_gives_after_it() {
+        // Stream order: 30, 157, then 40 (a write-back's insert).
+        let known: Known = [(30, 0), (157, 1), (40, 2)].into_iter().collect();
+        assert!(!behind_unknown(157, None, &known));
+        assert!(!behind_unknown(157, Some(30), &known));
+        assert!(behind_unknown(157, Some(40), &known));
+        assert!(behind_unknown(157, Some(12), &known), "not in the stream");
+        assert!(!behind_unknown(40, Some(30), &known));
+    }
 
     #[test]
     fn ids_widen_to_the_nearest_epoch() {

@@ -136,9 +136,12 @@ async fn move_bound(pool: PgPool, tick: Duration, progress: Progress) {
         tokio::time::sleep(tick).await;
         if progress.caught_up.load(Ordering::Relaxed) {
             if let Some(seq) = before {
-                progress
+                let was = progress
                     .below
                     .fetch_max(seq.saturating_add(1), Ordering::Relaxed);
+                if was <= seq {
+                    tracing::trace!(below = seq + 1, "WAL relay: the sweep's bound moved");
+                }
             }
         }
         match sqlx::query_scalar::<_, Option<i64>>("SELECT max(seq) FROM postal.outbox")
