@@ -14,7 +14,8 @@
 //! run (20,000 orders) is ignored by default: `cargo test -p postal-integration-tests --test
 //! suite -- --ignored --nocapture cluster::` after `cargo build -p postal-cli -p postal-demo`
 //! (the services are the demo's, `demo/src/bin/`). `POSTAL_CLUSTER_ORDERS` (default 20,000) and `POSTAL_CLUSTER_RATE`
-//! (orders/s, default 150) tune it.
+//! (orders/s, default 150) tune it. `..._read_from_the_wal` (ignored too) is the short run with
+//! the relay reading the WAL.
 
 use std::time::{Duration, Instant};
 
@@ -114,6 +115,7 @@ async fn broker_faults_on_a_three_node_cluster_lose_nothing() {
     broker_faults(
         env_u64("POSTAL_CLUSTER_ORDERS", 20_000),
         env_u64("POSTAL_CLUSTER_RATE", 150),
+        false,
     )
     .await;
 }
@@ -122,10 +124,25 @@ async fn broker_faults_on_a_three_node_cluster_lose_nothing() {
 /// last fault): the version CI runs (on its own, after the suite).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_faults_on_a_three_node_cluster_lose_nothing_short() {
-    broker_faults(12_000, 60).await;
+    broker_faults(12_000, 60, false).await;
 }
 
-async fn broker_faults(orders: u64, rate: u64) {
+/// The short run's faults with the relay reading the WAL (`postal relay --read-from wal`, one
+/// slot for both hops' outbox rows): the same guarantees. Ignored by default (three broker
+/// JVMs, about five minutes; CI's fault step runs the polling one): `cargo test -p
+/// postal-integration-tests --test suite -- --ignored --nocapture cluster::broker_faults_on_a_three_node_cluster_lose_nothing_read_from_the_wal`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "three broker JVMs, minutes long: run with --ignored (see the module's documentation)"]
+async fn broker_faults_on_a_three_node_cluster_lose_nothing_read_from_the_wal() {
+    broker_faults(
+        env_u64("POSTAL_CLUSTER_ORDERS", 12_000),
+        env_u64("POSTAL_CLUSTER_RATE", 60),
+        true,
+    )
+    .await;
+}
+
+async fn broker_faults(orders: u64, rate: u64, wal: bool) {
     // Orders the flow must make while one node is down.
     let one_down = (orders as i64 / 10).min(2_000);
     let pg = PrivatePostgres::start().await;
@@ -142,9 +159,29 @@ async fn broker_faults(orders: u64, rate: u64) {
     let logs = dir.join(format!("cluster-{}", db.name));
     std::fs::create_dir_all(&logs).expect("log dir");
     eprintln!(
-        "cluster: {orders} orders at {rate}/s through a 3-node cluster, logs in {}",
+        "cluster: {orders} orders at {rate}/s through a 3-node cluster, relay {}, logs in {}",
+        if wal { "reading the WAL" } else { "polling" },
         logs.display()
     );
+    let slot = unique("cluster_slot").replace('-', "_");
+    let relay_args: Vec<&str> = if wal {
+        postal_producer::wal::slot::create(&db.pool, &slot, "postal_outbox")
+            .await
+            .expect("the slot and its publication");
+        vec![
+            "relay",
+            "--read-from",
+            "wal",
+            "--wal-slot",
+            &slot,
+            "--wal-publication",
+            "postal_outbox",
+            "--topic-replication",
+            "3",
+        ]
+    } else {
+        vec!["relay", "--topic-replication", "3"]
+    };
     let common = [
         ("DATABASE_URL", db.url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS", bootstrap.clone()),
@@ -159,14 +196,7 @@ async fn broker_faults(orders: u64, rate: u64) {
     )];
     let mut svc = Services {
         orders: orders as i64,
-        relay: Proc::new(
-            &dir,
-            &logs,
-            "relay",
-            "postal",
-            &["relay", "--topic-replication", "3"],
-        )
-        .env(&common),
+        relay: Proc::new(&dir, &logs, "relay", "postal", &relay_args).env(&common),
         billing: Proc::new(&dir, &logs, "billing", "billing_service", &[])
             .env(&common)
             .env(&consumer_env),
