@@ -1334,3 +1334,29 @@ async fn a_publication_without_the_outbox_is_refused_before_the_slot_moves() {
         .collect();
     assert_eq!(got, ids, "every event once, in commit order");
 }
+
+/// Guarantee: in-process tasks are not run by a WAL relay, whose stream hands rows to the
+/// transport inside the transaction that took them (ended by PostgreSQL after half the lease
+/// idle): a task longer than that would run again with the same `task.attempt`, and a key's
+/// tasks out of order (helper-64's reproduction). `Relay::new` refuses the combination with one
+/// line saying what to do; a polling relay takes the same transport.
+#[tokio::test]
+async fn a_wal_relay_refuses_a_task_runner() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let tasks = || {
+        postal_producer::TaskTransport::new(postal_producer::TaskConfig::default())
+            .on("x", |_task: postal_producer::Task| async { Ok(()) })
+    };
+    let err = postal_producer::Relay::new(db.pool.clone(), tasks(), slot.config())
+        .err()
+        .expect("a WAL relay given a task runner is refused");
+    assert!(
+        err.to_string().contains("does not run in-process tasks"),
+        "{err}"
+    );
+    let mut polling = slot.config();
+    polling.source = postal_producer::RelaySource::default();
+    assert!(postal_producer::Relay::new(db.pool.clone(), tasks(), polling).is_ok());
+}

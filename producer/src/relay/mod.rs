@@ -79,6 +79,16 @@ impl<T: Transport> Relay<T> {
                 )));
             }
         }
+        // The WAL relay's stream hands rows to the transport inside the transaction that took
+        // them, which PostgreSQL ends after half the lease idle: a task that runs longer would
+        // be run again. Tasks are checked out, and only polling checks out.
+        if matches!(config.source, crate::config::RelaySource::Wal(_))
+            && transport.checks_out().is_some()
+        {
+            return Err(Error::Config(
+                "the WAL relay (--read-from wal) does not run in-process tasks: give a transport that checks rows out (TaskTransport, or a route to one) to a polling relay".into(),
+            ));
+        }
         let wanted = Self::connections_wanted(&config);
         let max = pool.options().get_max_connections();
         if max < wanted {
