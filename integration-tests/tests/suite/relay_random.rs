@@ -402,11 +402,20 @@ struct Params {
     /// The relays read the outbox from this slot (WAL relays, each running its sweep while it
     /// holds the slot's lease) instead of polling.
     wal: Option<WalSource>,
+    /// With `wal`: odd-numbered relay instances poll instead (a rolling hand-over between the
+    /// modes, in either direction, while batches are in flight), and an operator requeues the
+    /// parked events now and then (`postal requeue`, racing the relays).
+    mixed: bool,
 }
 
-fn relay_config(p: &Params) -> RelayConfig {
+fn relay_config(p: &Params, n: usize) -> RelayConfig {
     let config = RelayConfig::default();
-    let config = match &p.wal {
+    let wal = if p.mixed && n % 2 == 1 {
+        None
+    } else {
+        p.wal.as_ref()
+    };
+    let config = match wal {
         Some(w) => config.source(RelaySource::Wal(w.clone())),
         None => config,
     };
@@ -456,7 +465,7 @@ async fn start_instance(
         frozen: dest_rx,
         tasks: params.tasks.then(|| task_runner(world.clone(), n)),
     };
-    let relay = RunningRelay::start(&pool, dest, relay_config(params));
+    let relay = RunningRelay::start(&pool, dest, relay_config(params, n));
     Ok(Instance {
         n,
         relay,
@@ -838,7 +847,13 @@ enum Schedule {
     Calm,
 }
 
-async fn run_case(seed: u64, tasks: bool, schedule: Schedule, wal: bool) -> Result<String, String> {
+async fn run_case(
+    seed: u64,
+    tasks: bool,
+    schedule: Schedule,
+    wal: bool,
+    mixed: bool,
+) -> Result<String, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let calm = schedule == Schedule::Calm;
     let mut params = Params {
@@ -868,6 +883,7 @@ async fn run_case(seed: u64, tasks: bool, schedule: Schedule, wal: bool) -> Resu
             )
         }),
         wal: None,
+        mixed,
     };
     let db = fresh_postgres_db().await;
     // Declared after `db`: dropped (the slot and publication with it) before the database.
@@ -1042,6 +1058,25 @@ async fn run_case(seed: u64, tasks: bool, schedule: Schedule, wal: bool) -> Resu
                     log.note(format!("stall database of relay {} for {d:?}", i.n));
                     freeze_for(&i.db_frozen, d);
                 }
+            }
+            // An operator requeues every parked event (`postal requeue`), racing the relays.
+            90..=94 if params.mixed => {
+                let parked: Vec<i64> = sqlx::query_scalar(
+                    "SELECT seq FROM postal.outbox WHERE status = 'failed' ORDER BY seq",
+                )
+                .fetch_all(&writers_pool)
+                .await
+                .map_err(|e| e.to_string())?;
+                let n = postal_admin::parked::requeue_seqs(
+                    &writers_pool,
+                    &postal_admin::audit::Operator::cli("test"),
+                    &serde_json::json!({"seqs": parked}),
+                    &parked,
+                    |_| {},
+                )
+                .await
+                .map_err(|e| format!("requeue: {e}"))?;
+                log.note(format!("requeue {n} parked events {parked:?}"));
             }
             _ => {
                 let f = random_faults(&mut rng);
@@ -1373,7 +1408,7 @@ async fn random_relay_interleavings_keep_order_and_lose_nothing() {
         .unwrap_or_else(rand::random);
     for seed in first..first.wrapping_add(cases) {
         let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, false).await {
+        match run_case(seed, false, Schedule::Faults, false, false).await {
             Ok(summary) => eprintln!(
                 "relay_random seed {seed}: ok in {:.1} s: {summary}",
                 t.elapsed().as_secs_f64()
@@ -1405,7 +1440,7 @@ async fn random_task_interleavings_keep_order_and_lose_nothing() {
         .unwrap_or_else(rand::random);
     for seed in first..first.wrapping_add(cases) {
         let t = Instant::now();
-        match run_case(seed, true, Schedule::Faults, false).await {
+        match run_case(seed, true, Schedule::Faults, false, false).await {
             Ok(summary) => eprintln!(
                 "relay_random tasks seed {seed}: ok in {:.1} s: {summary}",
                 t.elapsed().as_secs_f64()
@@ -1437,7 +1472,7 @@ async fn random_overlapping_writers_with_held_up_claims_keep_order() {
         .unwrap_or_else(rand::random);
     for seed in first..first.wrapping_add(cases) {
         let t = Instant::now();
-        match run_case(seed, false, Schedule::Calm, false).await {
+        match run_case(seed, false, Schedule::Calm, false, false).await {
             Ok(summary) => eprintln!(
                 "relay_random calm seed {seed}: ok in {:.1} s: {summary}",
                 t.elapsed().as_secs_f64()
@@ -1471,13 +1506,43 @@ async fn random_wal_relay_interleavings_keep_order_and_lose_nothing() {
         .unwrap_or_else(rand::random);
     for seed in first..first.wrapping_add(cases) {
         let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, true).await {
+        match run_case(seed, false, Schedule::Faults, true, false).await {
             Ok(summary) => eprintln!(
                 "relay_random wal seed {seed}: ok in {:.1} s: {summary}",
                 t.elapsed().as_secs_f64()
             ),
             Err(e) => panic!(
                 "WAL relay invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_wal --nocapture"
+            ),
+        }
+    }
+}
+
+/// Guarantee: the WAL variant's guarantees (nothing lost, no rolled-back event published, each
+/// key's events first published in sequence order, parked ones aside) hold also when polling
+/// relays run beside the WAL relays on the same outbox — a rolling hand-over between the modes,
+/// in either direction, with batches in flight on both sides (odd-numbered instances poll,
+/// even-numbered ones read the slot and run their sweep) — and while an operator requeues the
+/// parked events (`postal requeue`) under the running relays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_mixed_wal_and_polling_relays_keep_order_and_lose_nothing() {
+    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    for seed in first..first.wrapping_add(cases) {
+        let t = Instant::now();
+        match run_case(seed, false, Schedule::Faults, true, true).await {
+            Ok(summary) => eprintln!(
+                "relay_random mixed seed {seed}: ok in {:.1} s: {summary}",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => panic!(
+                "mixed WAL/polling invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_mixed --nocapture"
             ),
         }
     }
