@@ -119,4 +119,3 @@ mod wal_netsplit;
 mod wal_read_ahead;
 mod wal_relay;
 mod wal_slot_status;
-mod wal_tasks_attack;
