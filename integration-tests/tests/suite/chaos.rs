@@ -26,7 +26,8 @@ use sqlx::PgPool;
 
 use crate::common::create_topic;
 use crate::procs::{
-    bin_dir, check_wire, env_u64, log_tail, records_in, scalar, wait_for_claims_in_flight, Proc,
+    bin_dir, check_wire, env_u64, log_tail, records_in, scalar, wait_for_claims_in_flight,
+    wal_flags, Proc,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,32 +115,13 @@ async fn chaos(source: Source) {
     // WAL relays: one holder at a time, so a killed holder's standby takes over only when
     // its lease ends: 8 s (a delivery timeout of 3 s, under half of it).
     let slot = unique("chaos_slot").replace('-', "_");
-    let relay_args: Vec<&str> = if wal {
-        postal_producer::wal::slot::create(&db.pool, &slot, "postal_outbox")
-            .await
-            .expect("the slot and its publication");
-        vec![
-            "relay",
-            "--read-from",
-            "wal",
-            "--wal-slot",
-            &slot,
-            "--wal-publication",
-            "postal_outbox",
-            "--lease",
-            "8s",
-            "--kafka",
-            "message.timeout.ms=3000",
-        ]
+    let mut relay_args = vec!["relay"];
+    if wal {
+        relay_args.extend(wal_flags(&db.pool, &slot).await);
+        relay_args.extend(["--lease", "8s", "--kafka", "message.timeout.ms=3000"]);
     } else {
-        vec![
-            "relay",
-            "--lease",
-            "20s",
-            "--kafka",
-            "message.timeout.ms=9000",
-        ]
-    };
+        relay_args.extend(["--lease", "20s", "--kafka", "message.timeout.ms=9000"]);
+    }
     let mut relays = [
         Proc::new(&dir, &logs, "relay-a", "postal", &relay_args).env(&common),
         Proc::new(&dir, &logs, "relay-b", "postal", &relay_args).env(&common),

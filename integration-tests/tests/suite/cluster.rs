@@ -23,7 +23,7 @@ use postal_integration_tests::private::{PrivateCluster, PrivatePostgres};
 use postal_integration_tests::{create_db, unique};
 use sqlx::PgPool;
 
-use crate::procs::{bin_dir, check_wire, env_u64, records_in, scalar, Proc};
+use crate::procs::{bin_dir, check_wire, env_u64, records_in, scalar, wal_flags, Proc};
 
 /// The processes of one run, so that the test can keep checking they are alive.
 struct Services {
@@ -164,24 +164,10 @@ async fn broker_faults(orders: u64, rate: u64, wal: bool) {
         logs.display()
     );
     let slot = unique("cluster_slot").replace('-', "_");
-    let relay_args: Vec<&str> = if wal {
-        postal_producer::wal::slot::create(&db.pool, &slot, "postal_outbox")
-            .await
-            .expect("the slot and its publication");
-        vec![
-            "relay",
-            "--read-from",
-            "wal",
-            "--wal-slot",
-            &slot,
-            "--wal-publication",
-            "postal_outbox",
-            "--topic-replication",
-            "3",
-        ]
-    } else {
-        vec!["relay", "--topic-replication", "3"]
-    };
+    let mut relay_args = vec!["relay", "--topic-replication", "3"];
+    if wal {
+        relay_args.extend(wal_flags(&db.pool, &slot).await);
+    }
     let common = [
         ("DATABASE_URL", db.url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS", bootstrap.clone()),

@@ -18,6 +18,22 @@ pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// Creates the logical slot `slot` on `pool`'s database (publication `postal_outbox`) and
+/// returns `postal relay`'s flags that read the outbox from it.
+pub(crate) async fn wal_flags<'a>(pool: &PgPool, slot: &'a str) -> [&'a str; 6] {
+    postal_producer::wal::slot::create(pool, slot, "postal_outbox")
+        .await
+        .expect("the slot and its publication");
+    [
+        "--read-from",
+        "wal",
+        "--wal-slot",
+        slot,
+        "--wal-publication",
+        "postal_outbox",
+    ]
+}
+
 /// Directory holding `postal` (`postal-cli`), the demo's services (`order_service`,
 /// `billing_service`, `invoice_recorder`, `demo` from `postal-demo`) and this package's
 /// fixtures (`report_worker`, `roundtrip` from `src/bin/`):

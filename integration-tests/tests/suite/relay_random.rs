@@ -852,14 +852,63 @@ enum Schedule {
     Calm,
 }
 
-async fn run_case(
-    seed: u64,
+/// What a test's random cases run.
+#[derive(Clone, Copy)]
+struct Variant {
+    /// The events run as tasks by the task runner.
     tasks: bool,
     schedule: Schedule,
+    /// WAL relays (with `mixed`: polling relays beside them, and operator requeues).
     wal: bool,
     mixed: bool,
+    /// Published rows kept (`delete_on_publish` off).
     keep: bool,
-) -> Result<String, String> {
+}
+
+impl Variant {
+    const POLLING: Variant = Variant {
+        tasks: false,
+        schedule: Schedule::Faults,
+        wal: false,
+        mixed: false,
+        keep: false,
+    };
+}
+
+/// Runs `POSTAL_RELAY_RANDOM_CASES` (default `default_cases`) cases of `variant` from the seed
+/// `POSTAL_RELAY_RANDOM_SEED` (default random); a broken case panics with `broken`, its seed
+/// and the command (`relay_random::{filter}`) that runs it again.
+async fn run_cases(default_cases: u64, label: &str, broken: &str, filter: &str, variant: Variant) {
+    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_cases);
+    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    for seed in first..first.wrapping_add(cases) {
+        let t = Instant::now();
+        match run_case(seed, variant).await {
+            Ok(summary) => eprintln!(
+                "relay_random {label}seed {seed}: ok in {:.1} s: {summary}",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => panic!(
+                "{broken} (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::{filter} --nocapture"
+            ),
+        }
+    }
+}
+
+async fn run_case(seed: u64, variant: Variant) -> Result<String, String> {
+    let Variant {
+        tasks,
+        schedule,
+        wal,
+        mixed,
+        keep,
+    } = variant;
     let mut rng = StdRng::seed_from_u64(seed);
     let calm = schedule == Schedule::Calm;
     let mut params = Params {
@@ -1408,26 +1457,14 @@ async fn check(
 /// events are first published in sequence order, parked ones aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_relay_interleavings_keep_order_and_lose_nothing() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, false, false, false).await {
-            Ok(summary) => eprintln!(
-                "relay_random seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "relay protocol invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        8,
+        "",
+        "relay protocol invariant broken",
+        "random",
+        Variant::POLLING,
+    )
+    .await;
 }
 
 /// Guarantee: the same random interleavings (concurrent writers, delayed relay statements,
@@ -1440,26 +1477,17 @@ async fn random_relay_interleavings_keep_order_and_lose_nothing() {
 /// relay frozen past its run lease) and never sees a run number twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_task_interleavings_keep_order_and_lose_nothing() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, true, Schedule::Faults, false, false, false).await {
-            Ok(summary) => eprintln!(
-                "relay_random tasks seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "task protocol invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_task --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        8,
+        "tasks ",
+        "task protocol invariant broken",
+        "random_task",
+        Variant {
+            tasks: true,
+            ..Variant::POLLING
+        },
+    )
+    .await;
 }
 
 /// Guarantee: with one relay running throughout and a destination that never fails, while
@@ -1472,26 +1500,17 @@ async fn random_task_interleavings_keep_order_and_lose_nothing() {
 /// code before issue 45's fix (26a357e) it broke a key's order in about one case in four.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_overlapping_writers_with_held_up_claims_keep_order() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, false, Schedule::Calm, false, false, false).await {
-            Ok(summary) => eprintln!(
-                "relay_random calm seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "relay order broken under concurrent writers (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_overlapping --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        8,
+        "calm ",
+        "relay order broken under concurrent writers",
+        "random_overlapping",
+        Variant {
+            schedule: Schedule::Calm,
+            ..Variant::POLLING
+        },
+    )
+    .await;
 }
 
 /// Guarantee: the same random interleavings with WAL relays (each reads the outbox from one
@@ -1506,26 +1525,17 @@ async fn random_overlapping_writers_with_held_up_claims_keep_order() {
 /// order, parked ones aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_wal_relay_interleavings_keep_order_and_lose_nothing() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, true, false, false).await {
-            Ok(summary) => eprintln!(
-                "relay_random wal seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "WAL relay invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_wal --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        8,
+        "wal ",
+        "WAL relay invariant broken",
+        "random_wal",
+        Variant {
+            wal: true,
+            ..Variant::POLLING
+        },
+    )
+    .await;
 }
 
 /// Guarantee: the WAL variant's guarantees (nothing lost, no rolled-back event published, each
@@ -1536,26 +1546,18 @@ async fn random_wal_relay_interleavings_keep_order_and_lose_nothing() {
 /// parked events (`postal requeue`) under the running relays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_mixed_wal_and_polling_relays_keep_order_and_lose_nothing() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, true, true, false).await {
-            Ok(summary) => eprintln!(
-                "relay_random mixed seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "mixed WAL/polling invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_mixed --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        4,
+        "mixed ",
+        "mixed WAL/polling invariant broken",
+        "random_mixed",
+        Variant {
+            wal: true,
+            mixed: true,
+            ..Variant::POLLING
+        },
+    )
+    .await;
 }
 
 /// Guarantee: the WAL variant's guarantees hold with published rows kept (`delete_on_publish`
@@ -1563,24 +1565,17 @@ async fn random_mixed_wal_and_polling_relays_keep_order_and_lose_nothing() {
 /// place rather than written back), WAL relays and polling relays running side by side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_mixed_relays_keeping_published_rows_keep_order_and_lose_nothing() {
-    let cases: u64 = std::env::var("POSTAL_RELAY_RANDOM_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let first: u64 = std::env::var("POSTAL_RELAY_RANDOM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    for seed in first..first.wrapping_add(cases) {
-        let t = Instant::now();
-        match run_case(seed, false, Schedule::Faults, true, true, true).await {
-            Ok(summary) => eprintln!(
-                "relay_random mixed keep seed {seed}: ok in {:.1} s: {summary}",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => panic!(
-                "mixed WAL/polling (kept rows) invariant broken (seed {seed}): {e}\n  reproduce: POSTAL_RELAY_RANDOM_SEED={seed} POSTAL_RELAY_RANDOM_CASES=1 cargo test -p postal-integration-tests --test suite -- relay_random::random_mixed_relays_keeping --nocapture"
-            ),
-        }
-    }
+    run_cases(
+        4,
+        "mixed keep ",
+        "mixed WAL/polling (kept rows) invariant broken",
+        "random_mixed_relays_keeping",
+        Variant {
+            wal: true,
+            mixed: true,
+            keep: true,
+            ..Variant::POLLING
+        },
+    )
+    .await;
 }
