@@ -235,13 +235,15 @@ pub async fn wait_for_relay_claims(
     // One exclusive lock after the other, in partition order (as a takeover takes them): a
     // claim holds its partitions' locks shared for its transaction's whole life, and asks for
     // them with `try`, so a claim that starts meanwhile skips a partition held here (and sees
-    // the pause on the next).
+    // the pause on the next). Then 256, which a WAL relay's stream holds shared while a chunk
+    // it took is in flight (`postal_producer`'s `wal/rows.rs`): its next chunk waits for this
+    // transaction's end, then sees the pause.
     let locked: Vec<(String, String)> = sqlx::query_as(
         "SELECT g.relay_group,
                 pg_advisory_xact_lock(hashtext('postal.relay:' || g.relay_group), p)::text
          FROM (SELECT DISTINCT relay_group FROM postal.relay_partitions
                WHERE $1::text IS NULL OR relay_group = $1) g,
-              generate_series(0, 255) p",
+              generate_series(0, 256) p",
     )
     .bind(&scope.group)
     .fetch_all(&mut *tx)

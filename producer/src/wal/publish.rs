@@ -109,13 +109,23 @@ pub(super) async fn publish<T: Transport>(
         };
         let taken = match taken {
             Ok(None) if may_take(config, &defer, saw_busy) => {
-                rows::take(pool, &chunk, &known, config.lease / 2).await
+                rows::take(pool, &chunk, &known, &config.group, config.lease / 2).await
             }
             other => other,
         };
         let locked = match taken {
             Ok(Some(l)) => Ok(l),
-            Ok(None) => rows::lock(pool, &chunk, &known, &defer, config.lease / 2).await,
+            Ok(None) => {
+                rows::lock(
+                    pool,
+                    &chunk,
+                    &known,
+                    &defer,
+                    &config.group,
+                    config.lease / 2,
+                )
+                .await
+            }
             Err(e) => Err(e),
         };
         let locked = match locked {
@@ -129,7 +139,7 @@ pub(super) async fn publish<T: Transport>(
             }
         };
         if !locked.left.is_empty() {
-            tracing::info!(rows = locked.left.len(), first = locked.left[0], "WAL relay: rows held back (scheduled, retried, parked, or behind such a row or a pending row the slot's stream does not hold: committed before the slot, or requeued) are left pending for the sweep, which publishes them in order when due");
+            tracing::info!(rows = locked.left.len(), first = locked.left[0], "WAL relay: rows held back (paused, scheduled, retried, parked, or behind such a row or a pending row the slot's stream does not hold: committed before the slot, or requeued) are left pending for the sweep, which publishes them in order when due");
             for seq in &locked.left {
                 known.remove(seq);
             }
@@ -157,7 +167,7 @@ pub(super) async fn publish<T: Transport>(
                 match &next_chunk {
                     Some(c) => Some((
                         c.clone(),
-                        rows::take(pool, c, &known, config.lease / 2).await,
+                        rows::take(pool, c, &known, &config.group, config.lease / 2).await,
                     )),
                     None => None,
                 }

@@ -106,6 +106,32 @@ macro_rules! older_column {
     };
 }
 
+/// The condition that a row's topic is paused for relays of the group `$2` (`postal.pauses`,
+/// `postal pause relay`), read by the statement that takes or locks it, as a claim reads it:
+/// a paused row is left pending, its key's later rows behind it, and the sweep publishes them
+/// once resumed.
+macro_rules! paused {
+    () => {
+        "EXISTS (SELECT 1 FROM postal.pauses z WHERE z.side = 'relay' \
+              AND (z.group_name IS NULL OR z.group_name = $2) \
+              AND (z.topic IS NULL OR z.topic = d.topic))"
+    };
+}
+
+/// The advisory lock a chunk's transaction holds shared for its whole life (taken by its
+/// first statement; the group is `$2`), so that `postal pause relay`
+/// (`postal_admin::pauses::wait_for_relay_claims`, which takes the group's partition locks
+/// one after the other and then this one, exclusively) returns only once the chunks taken
+/// before the pause ended, as it does for claims. A group's key partitions are 0–255; the
+/// stream's lock is 256, which no partition's takeover fences. [`lock`] waits for it; [`take`]
+/// only tries (it may run while an earlier chunk's transaction is still open, which a waiting
+/// pause waits for: waiting there would hold both until the pause's `--wait` ends).
+macro_rules! stream_lock {
+    ($f:literal) => {
+        concat!($f, "(", crate::fence::fence_lock_class!("$2"), ", 256)")
+    };
+}
+
 /// The rows the slot's stream gave a call of `publish`, each with its rank in commit order; a
 /// row left pending by the call stops being one.
 pub(crate) type Known = std::collections::HashMap<i64, usize>;
@@ -130,24 +156,32 @@ const TAKE_LOCK_WAIT: &str = "50ms";
 /// the mark cost two of each. The delete locks each row it takes as `FOR UPDATE` would, so a
 /// polling relay or an operator sees them as [`lock`] leaves them. Only with
 /// `delete_on_publish` and nothing deferred; `Ok(None)`: a row is locked by another session
-/// (its lock waited [`TAKE_LOCK_WAIT`]) and nothing was taken; [`lock`] does the chunk.
+/// (its lock waited [`TAKE_LOCK_WAIT`]), or a pause is waiting for the stream's chunks
+/// ([`stream_lock`]), and nothing was taken; [`lock`] does the chunk.
 pub(crate) async fn take(
     pool: &PgPool,
     seqs: &[i64],
     known: &Known,
+    group: &str,
     idle: std::time::Duration,
 ) -> Result<Option<Locked>, sqlx::Error> {
     use sqlx::Row as _;
     let mut tx = pool.begin().await?;
-    let (own_wait,): (String,) = sqlx::query_as(
+    let (own_wait, _, _, locked): (String, String, String, bool) = sqlx::query_as(concat!(
         "SELECT current_setting('lock_timeout'), \
                 set_config('idle_in_transaction_session_timeout', $1, true), \
-                set_config('tcp_user_timeout', $1, true)",
-    )
+                set_config('tcp_user_timeout', $1, true), ",
+        stream_lock!("pg_try_advisory_xact_lock_shared")
+    ))
     .bind(idle.as_millis().max(1).to_string())
+    .bind(group)
     .fetch_one(&mut *tx)
-    .await
-    .map(|(w, _, _): (String, String, String)| (w,))?;
+    .await?;
+    // A pause waits for the stream's chunks in flight: `lock` waits for it.
+    if !locked {
+        tx.rollback().await?;
+        return Ok(None);
+    }
     // The lock wait is set inside the savepoint: undoing the take (`Locked::mark`) restores
     // the session's own for the marks.
     sqlx::query("SAVEPOINT postal_wal_take")
@@ -163,12 +197,15 @@ pub(crate) async fn take(
          AND NOT EXISTS (SELECT 1 FROM postal.outbox h \
               WHERE h.held AND hashtextextended(h.event_key, 0) = hashtextextended(d.event_key, 0) \
               AND h.event_key = d.event_key AND h.topic = d.topic AND h.seq < d.seq) \
-         RETURNING ",
+         AND NOT ",
+        paused!(),
+        " RETURNING ",
         crate::claim::returned!(),
         ", NULL::int8[] AS skipped, 0::int8 AS passed, ",
         older_column!()
     ))
     .bind(seqs)
+    .bind(group)
     .fetch_all(&mut *tx)
     .await;
     let rows = match taken {
@@ -250,15 +287,19 @@ pub(crate) async fn lock(
     seqs: &[i64],
     known: &Known,
     defer: &std::collections::HashSet<i64>,
+    group: &str,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
     use sqlx::Row as _;
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    sqlx::query(concat!(
         "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                set_config('tcp_user_timeout', $1, true)",
-    )
+                set_config('tcp_user_timeout', $1, true), ",
+        stream_lock!("pg_advisory_xact_lock_shared"),
+        "::text"
+    ))
     .bind(idle.as_millis().max(1).to_string())
+    .bind(group)
     .execute(&mut *tx)
     .await?;
     let rows = sqlx::query(concat!(
@@ -268,12 +309,15 @@ pub(crate) async fn lock(
          (d.held OR d.running OR EXISTS (SELECT 1 FROM postal.outbox h \
               WHERE h.held AND hashtextextended(h.event_key, 0) = hashtextextended(d.event_key, 0) \
               AND h.event_key = d.event_key AND h.topic = d.topic \
-              AND h.seq < d.seq)) AS left_behind, ",
+              AND h.seq < d.seq) OR ",
+        paused!(),
+        ") AS left_behind, ",
         older_column!(),
         " FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
          FOR UPDATE OF d SKIP LOCKED"
     ))
     .bind(seqs)
+    .bind(group)
     .fetch_all(&mut *tx)
     .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
