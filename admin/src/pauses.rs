@@ -236,8 +236,9 @@ pub async fn wait_for_relay_claims(
     // claim holds its partitions' locks shared for its transaction's whole life, and asks for
     // them with `try`, so a claim that starts meanwhile skips a partition held here (and sees
     // the pause on the next). Then 256, which a WAL relay's stream holds shared while a chunk
-    // it took is in flight (`postal_producer`'s `wal/rows.rs`): its next chunk waits for this
-    // transaction's end, then sees the pause.
+    // it took is in flight (`postal_producer`'s `wal/rows.rs`, which checks that the key
+    // partitions are 0–255): its next chunk waits for this transaction's end, then sees the
+    // pause.
     let locked: Vec<(String, String)> = sqlx::query_as(
         "SELECT g.relay_group,
                 pg_advisory_xact_lock(hashtext('postal.relay:' || g.relay_group), p)::text

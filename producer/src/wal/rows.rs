@@ -132,6 +132,10 @@ macro_rules! stream_lock {
     };
 }
 
+// The stream's lock (256, [`stream_lock`]) must be past every key partition's, or a
+// partition's takeover would fence the stream's chunks as stale claims.
+const _: () = assert!(crate::lease::KEY_PARTITIONS == 256);
+
 /// The rows the slot's stream gave a call of `publish`, each with its rank in commit order; a
 /// row left pending by the call stops being one.
 pub(crate) type Known = std::collections::HashMap<i64, usize>;
