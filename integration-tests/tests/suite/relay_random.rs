@@ -1545,7 +1545,6 @@ async fn random_wal_relay_interleavings_keep_order_and_lose_nothing() {
 /// even-numbered ones read the slot and run their sweep) — and while an operator requeues the
 /// parked events (`postal requeue`) under the running relays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: reorders a key (seed 4481965649440346300: a WAL relay published seq 155 before seq 41 of k0 in one batch, polling relays beside it); RelaySource::Wal's doc says not to run polling relays on the same outbox"]
 async fn random_mixed_wal_and_polling_relays_keep_order_and_lose_nothing() {
     run_cases(
         4,

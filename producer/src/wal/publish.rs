@@ -50,32 +50,29 @@ pub(super) async fn publish<T: Transport>(
         tracing::warn!(error = %e, "WAL relay: could not check that the batch's transactions are visible; retrying");
         tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10))).await;
     }
-    // Busy rows (and their keys' later rows) at the head of `todo`: the next chunk takes a
-    // batch's worth of rows past them.
-    let mut waiting = carried.len();
     // Rows not to send in this call: carried ones not yet due, and those that fail here.
     let defer: std::collections::HashSet<i64> = if due {
         Default::default()
     } else {
         carried.iter().copied().collect()
     };
+    // The rows the stream gave this call, to publish in it, in the order they are done and
+    // ranked in it: a pending row of a key before one of them that is not one of these, or
+    // comes after it here (written back after a failed publish), holds it back
+    // (`rows::lock`). A row left pending here stops being one. Busy rows (and their keys'
+    // later rows) at the head of `todo` (`waiting` of them): the next chunk takes a batch's
+    // worth of rows past them.
+    let Order {
+        mut todo,
+        mut known,
+        carried: mut waiting,
+    } = Order::of(carried, &batch.seqs);
     // A row of this batch was locked by another session: the rest goes through `rows::lock`
     // (a take would wait for the lock each time).
     let mut saw_busy = false;
     // The next chunk's rows, taken ahead (`rows::take`), with the chunk they were taken for.
     let mut prefetched: Option<Ahead> = None;
     let mut prefetched_at = Instant::now();
-    let mut todo: Vec<i64> = carried;
-    todo.extend_from_slice(&batch.seqs);
-    // The rows the stream gave this call, to publish in it, ranked in commit order: a pending
-    // row of a key before one of them that is not one of these, or comes after it in the
-    // stream (written back after a failed publish), holds it back (`rows::lock`). A row left
-    // pending here stops being one.
-    let mut known: rows::Known = todo
-        .iter()
-        .enumerate()
-        .map(|(rank, s)| (*s, rank))
-        .collect();
     let mut failures = 0u32;
     while !todo.is_empty() {
         let chunk_len = todo.len().min(config.batch_size + waiting);
@@ -276,6 +273,47 @@ pub(super) async fn publish<T: Transport>(
     Ok(Carry::default())
 }
 
+/// The rows of one call of [`publish`]: the carried ones, then the batch's, each once.
+#[derive(Debug, PartialEq)]
+struct Order {
+    /// In the order they are done.
+    todo: Vec<i64>,
+    /// Each row's place in `todo`: the rank [`rows::take`] and [`rows::lock`] compare, which
+    /// must be the order the rows are sent in. The stream gives a row again when a relay
+    /// writes it back after a failed publish (inserted again, same `seq`), and a carried row
+    /// may be given again that way: the row is done once, at its first place, and ranked
+    /// there. (Ranked at its last place while sent at its first, a key's later row passed
+    /// the check and went out before the row's earlier ones: seed 4481965649440346300.)
+    known: rows::Known,
+    /// How many rows of `todo`'s head are carried ones.
+    carried: usize,
+}
+
+impl Order {
+    fn of(carried: Vec<i64>, batch: &[i64]) -> Order {
+        let mut known = rows::Known::with_capacity(carried.len() + batch.len());
+        let mut todo = Vec::with_capacity(carried.len() + batch.len());
+        for s in carried {
+            if !known.contains_key(&s) {
+                known.insert(s, todo.len());
+                todo.push(s);
+            }
+        }
+        let carried = todo.len();
+        for &s in batch {
+            if !known.contains_key(&s) {
+                known.insert(s, todo.len());
+                todo.push(s);
+            }
+        }
+        Order {
+            todo,
+            known,
+            carried,
+        }
+    }
+}
+
 /// A chunk's rows taken ahead ([`rows::take`]), with the chunk they were taken for.
 type Ahead = (Vec<i64>, Result<Option<rows::Locked>, sqlx::Error>);
 
@@ -345,5 +383,26 @@ impl<'a> BusyWatch<'a> {
             }
             self.health.set(Some(problem));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Order;
+
+    /// Guarantee: a row the stream gives twice (written back after a failed publish, or
+    /// carried and given again) is done once, and ranked where it is done, so that the check
+    /// of a key's earlier rows compares the order the rows are sent in.
+    #[test]
+    fn a_row_given_twice_is_done_and_ranked_at_its_first_place() {
+        // Carried 22 and 174; the batch gives 161, 22 again (written back), 174 again, 180.
+        let o = Order::of(vec![22, 174], &[161, 22, 174, 180]);
+        assert_eq!(o.todo, vec![22, 174, 161, 180]);
+        assert_eq!(o.carried, 2);
+        for (rank, seq) in o.todo.iter().enumerate() {
+            assert_eq!(o.known[seq], rank, "seq {seq}");
+        }
+        let o = Order::of(vec![], &[5, 7, 5]);
+        assert_eq!((o.todo, o.carried, o.known[&5]), (vec![5, 7], 0, 0));
     }
 }
