@@ -227,31 +227,39 @@ pub async fn wait_for_relay_claims(
     scope: &Scope,
     wait: Duration,
 ) -> Result<usize, Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-        .bind(format!("{}ms", wait.as_millis().max(1)))
-        .execute(&mut *tx)
-        .await?;
-    // One exclusive lock after the other, in partition order (as a takeover takes them): a
-    // claim holds its partitions' locks shared for its transaction's whole life, and asks for
-    // them with `try`, so a claim that starts meanwhile skips a partition held here (and sees
-    // the pause on the next). Then 256, which a WAL relay's stream holds shared while a chunk
-    // it took is in flight (`postal_producer`'s `wal/rows.rs`, which checks that the key
-    // partitions are 0–255): its next chunk waits for this transaction's end, then sees the
-    // pause.
-    let locked: Vec<(String, String)> = sqlx::query_as(
-        "SELECT g.relay_group,
-                pg_advisory_xact_lock(hashtext('postal.relay:' || g.relay_group), p)::text
-         FROM (SELECT DISTINCT relay_group FROM postal.relay_partitions
-               WHERE $1::text IS NULL OR relay_group = $1) g,
-              generate_series(0, 256) p",
+    let groups: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT relay_group FROM postal.relay_partitions
+         WHERE $1::text IS NULL OR relay_group = $1 ORDER BY relay_group",
     )
     .bind(&scope.group)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(|e| timed_out(e, wait, "relay claims", scope))?;
-    let groups: std::collections::HashSet<String> = locked.into_iter().map(|(g, _)| g).collect();
-    tx.rollback().await?;
+    .fetch_all(pool)
+    .await?;
+    // One group at a time, each in its own transaction: the locks held here stop the group's
+    // claims (and a WAL relay's next chunk) until the transaction ends, so a group must not
+    // stay stopped while the pause waits for another group's claims.
+    for group in &groups {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(format!("{}ms", wait.as_millis().max(1)))
+            .execute(&mut *tx)
+            .await?;
+        // One exclusive lock after the other, in partition order (as a takeover takes them):
+        // a claim holds its partitions' locks shared for its transaction's whole life, and
+        // asks for them with `try`, so a claim that starts meanwhile skips a partition held
+        // here (and sees the pause on the next). Then 256, which a WAL relay's stream holds
+        // shared while a chunk it took is in flight (`postal_producer`'s `wal/rows.rs`, which
+        // checks that the key partitions are 0–255): its next chunk waits for this
+        // transaction's end, then sees the pause.
+        sqlx::query(
+            "SELECT count(pg_advisory_xact_lock(hashtext('postal.relay:' || $1), p)::text)
+             FROM generate_series(0, 256) p",
+        )
+        .bind(group)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| timed_out(e, wait, "relay claims", scope))?;
+        tx.rollback().await?;
+    }
     Ok(groups.len())
 }
 

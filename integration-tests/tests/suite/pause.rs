@@ -412,6 +412,58 @@ async fn a_relay_pause_returns_only_after_the_batch_claimed_before_it_ended() {
     .is_none());
 }
 
+/// Guarantee: a pause of every relay group, while it waits for one group's claim in flight,
+/// does not stop the other groups: their claims' partition locks and a WAL relay's stream lock
+/// (256) are free, so they go on publishing what the pause does not cover meanwhile.
+#[tokio::test]
+async fn a_pause_of_every_group_stops_no_group_while_it_waits_for_another() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let pool = db.pool.clone();
+    let lease_for = Duration::from_secs(30);
+    // "a-free" comes before "z-busy": the pause's wait reaches it first.
+    for group in ["a-free", "z-busy"] {
+        lease::heartbeat(&pool, group, Uuid::now_v7(), "", lease_for, &[], true)
+            .await
+            .unwrap();
+    }
+    // A claim of "z-busy" in flight: its partition's lock held shared.
+    let mut busy = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock_shared(hashtext('postal.relay:z-busy'), 7)::text")
+        .execute(&mut *busy)
+        .await
+        .unwrap();
+    let scope = Scope::relay(None, None).unwrap();
+    let pausing = tokio::spawn({
+        let (pool, scope) = (pool.clone(), scope.clone());
+        async move { pause(&pool, &scope).await }
+    });
+    wait::until(WAIT, "the pause waits for z-busy's claim", || async {
+        a_pause_waits(&pool).await
+    })
+    .await;
+    let mut probe = pool.begin().await.unwrap();
+    let free: (bool, bool) = sqlx::query_as(
+        "SELECT pg_try_advisory_xact_lock_shared(hashtext('postal.relay:a-free'), 3),
+                pg_try_advisory_xact_lock_shared(hashtext('postal.relay:a-free'), 256)",
+    )
+    .fetch_one(&mut *probe)
+    .await
+    .unwrap();
+    probe.rollback().await.unwrap();
+    assert_eq!(
+        free,
+        (true, true),
+        "a-free's partition and stream locks were held by a pause waiting for z-busy"
+    );
+    assert!(
+        !pausing.is_finished(),
+        "the pause returned with z-busy's claim in flight"
+    );
+    busy.rollback().await.unwrap();
+    tokio::time::timeout(WAIT, pausing).await.unwrap().unwrap();
+}
+
 /// Records `n` (key `k{n % keys}`) on `topic`, key `k{i}` on partition `i % partitions`;
 /// returns their event ids.
 async fn produce_jobs(

@@ -123,9 +123,10 @@ macro_rules! paused {
 /// (`postal_admin::pauses::wait_for_relay_claims`, which takes the group's partition locks
 /// one after the other and then this one, exclusively) returns only once the chunks taken
 /// before the pause ended, as it does for claims. A group's key partitions are 0–255; the
-/// stream's lock is 256, which no partition's takeover fences. [`lock`] waits for it; [`take`]
-/// only tries (it may run while an earlier chunk's transaction is still open, which a waiting
-/// pause waits for: waiting there would hold both until the pause's `--wait` ends).
+/// stream's lock is 256, which no partition's takeover fences. Both [`take`] and [`lock`]
+/// only try it, never queue for it: [`take`] may run while an earlier chunk's transaction is
+/// still open, which a waiting pause waits for (waiting there would hold both until the
+/// pause's `--wait` ends), and [`lock`] asks again until the pause is through.
 macro_rules! stream_lock {
     ($f:literal) => {
         concat!($f, "(", crate::fence::fence_lock_class!("$2"), ", 256)")
@@ -295,17 +296,38 @@ pub(crate) async fn lock(
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
     use sqlx::Row as _;
-    let mut tx = pool.begin().await?;
-    sqlx::query(concat!(
-        "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                set_config('tcp_user_timeout', $1, true), ",
-        stream_lock!("pg_advisory_xact_lock_shared"),
-        "::text"
-    ))
-    .bind(idle.as_millis().max(1).to_string())
-    .bind(group)
-    .execute(&mut *tx)
-    .await?;
+    // A pause waiting for the group's chunks in flight ([`stream_lock`]) is waited for here,
+    // asked again every 10–500 ms rather than queued behind it, with one line when the wait
+    // starts and one when it ends (the pause's own `--wait` bounds it).
+    let mut waited: Option<std::time::Instant> = None;
+    let mut tx = loop {
+        let mut tx = pool.begin().await?;
+        let (_, _, locked): (String, String, bool) = sqlx::query_as(concat!(
+            "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
+                    set_config('tcp_user_timeout', $1, true), ",
+            stream_lock!("pg_try_advisory_xact_lock_shared")
+        ))
+        .bind(idle.as_millis().max(1).to_string())
+        .bind(group)
+        .fetch_one(&mut *tx)
+        .await?;
+        if locked {
+            if let Some(since) = waited {
+                tracing::info!(waited_ms = since.elapsed().as_millis() as u64, "WAL relay: the pause is through waiting; the stream goes on (what it pauses is left pending)");
+            }
+            break tx;
+        }
+        tx.rollback().await?;
+        let since = *waited.get_or_insert_with(|| {
+            tracing::info!(group, "WAL relay: a `postal pause relay` is waiting for this group's batches in flight; the stream waits for it, then leaves what it pauses pending");
+            std::time::Instant::now()
+        });
+        let wait = (since.elapsed() / 4).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_millis(500),
+        );
+        tokio::time::sleep(wait).await;
+    };
     let rows = sqlx::query(concat!(
         "SELECT ",
         crate::claim::returned!(),
