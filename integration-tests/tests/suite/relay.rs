@@ -359,8 +359,26 @@ async fn missing_topic_waits_until_created_and_other_topics_flow() {
 /// returns, the backlog drains by itself and every event arrives.
 #[tokio::test]
 async fn broker_outage_longer_than_retry_budget_parks_nothing() {
+    broker_outage_longer_than_retry_budget(false).await;
+}
+
+/// Guarantee: the same with a WAL relay: the stream's failed chunks are written back without
+/// charging an attempt, the sweep retries them through the outage, nothing is parked, and the
+/// backlog drains by itself once the broker returns.
+#[tokio::test]
+async fn broker_outage_longer_than_retry_budget_parks_nothing_wal() {
+    broker_outage_longer_than_retry_budget(true).await;
+}
+
+/// With a WAL relay (a slot created before any event) when `wal`, else a polling one.
+async fn broker_outage_longer_than_retry_budget(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = if wal {
+        Some(crate::wal_relay::Slot::create(&db).await)
+    } else {
+        None
+    };
     let mut broker = PrivateBroker::start().await;
     let topic = unique("outage");
     // Create the topic while the broker is up.
@@ -376,7 +394,9 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
         inner: KafkaTransport::new(kcfg).unwrap(),
         counts: counts.clone(),
     };
-    let cfg = fast_config()
+    let cfg = slot
+        .as_ref()
+        .map_or_else(fast_config, |s| s.config())
         .lease(Duration::from_secs(4))
         .max_attempts(2)
         .backoff(postal_producer::Backoff {
@@ -428,11 +448,35 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing() {
 /// published or still pending — nothing is lost.
 #[tokio::test]
 async fn graceful_shutdown_leaves_nothing_claimed() {
+    graceful_shutdown(false).await;
+}
+
+/// Guarantee: the same with a WAL relay stopped mid-drain: no row left locked, every event
+/// published or still pending, and none both.
+#[tokio::test]
+async fn graceful_shutdown_leaves_nothing_claimed_wal() {
+    graceful_shutdown(true).await;
+}
+
+/// With a WAL relay (a slot created before any event) when `wal`, else a polling one.
+async fn graceful_shutdown(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = if wal {
+        Some(crate::wal_relay::Slot::create(&db).await)
+    } else {
+        None
+    };
     let topic = unique("shutdown");
     let ids = seed(&db.pool, &topic, 20_000, 100).await;
-    let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
+    let relay = match &slot {
+        Some(s) => RunningRelay::start(
+            &db.pool,
+            crate::common::kafka_transport(&svc.bootstrap),
+            s.config(),
+        ),
+        None => RunningRelay::kafka(&db.pool, &svc.bootstrap),
+    };
     wait::until(Duration::from_secs(60), "relay under way", || async {
         outbox_count(&db.pool).await < 20_000
     })
@@ -461,12 +505,32 @@ async fn graceful_shutdown_leaves_nothing_claimed() {
 /// back, and every event is still in the outbox, unclaimed.
 #[tokio::test]
 async fn a_hand_over_that_never_returns_does_not_block_shutdown() {
+    hand_over_that_never_returns(false).await;
+}
+
+/// Guarantee: the same with a WAL relay: a chunk whose hand-over never returns does not keep
+/// it from stopping; the chunk's rows are given back unmarked, every event still pending.
+#[tokio::test]
+async fn a_hand_over_that_never_returns_does_not_block_a_wal_relay_s_shutdown() {
+    hand_over_that_never_returns(true).await;
+}
+
+/// With a WAL relay (a slot created before any event) when `wal`, else a polling one.
+async fn hand_over_that_never_returns(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = if wal {
+        Some(crate::wal_relay::Slot::create(&db).await)
+    } else {
+        None
+    };
     let topic = unique("stuck");
     let ids = seed(&db.pool, &topic, 10, 2).await;
     let entered = std::sync::Arc::new(tokio::sync::Notify::new());
-    let config = fast_config().shutdown_timeout(Duration::from_secs(1));
+    let config = slot
+        .as_ref()
+        .map_or_else(fast_config, |s| s.config())
+        .shutdown_timeout(Duration::from_secs(1));
     let relay = RunningRelay::start(
         &db.pool,
         NeverHandsOver {
@@ -591,15 +655,40 @@ async fn scheduled_event_waits_and_holds_its_key() {
 /// publishes what is committed afterwards; nothing is lost.
 #[tokio::test]
 async fn relay_reconnects_after_database_restart() {
+    relay_reconnects_after_database_restart_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay: after PostgreSQL crashed and came back, it streams
+/// from its slot again by itself (the slot survives the crash) and publishes what was
+/// committed before and after; nothing is lost.
+#[tokio::test]
+async fn a_wal_relay_reconnects_after_database_restart() {
+    relay_reconnects_after_database_restart_with(true).await;
+}
+
+/// With a WAL relay (a slot created before any event) when `wal`, else a polling one.
+async fn relay_reconnects_after_database_restart_with(wal: bool) {
     use postal_integration_tests::private::PrivatePostgres;
 
     let svc = services().await;
     let mut pg = PrivatePostgres::start().await;
     let db = postal_integration_tests::create_db(&pg.url()).await;
     postal_shared::migrate(&db.pool).await.unwrap();
+    let slot = if wal {
+        Some(crate::wal_relay::Slot::create(&db).await)
+    } else {
+        None
+    };
     let topic = unique("dbrestart");
     let mut ids = seed(&db.pool, &topic, 10, 3).await;
-    let relay = RunningRelay::kafka(&db.pool, &svc.bootstrap);
+    let relay = match &slot {
+        Some(s) => RunningRelay::start(
+            &db.pool,
+            crate::common::kafka_transport(&svc.bootstrap),
+            s.config(),
+        ),
+        None => RunningRelay::kafka(&db.pool, &svc.bootstrap),
+    };
     wait::until(
         Duration::from_secs(30),
         "first events published",
