@@ -166,6 +166,18 @@ pub(crate) struct Kept {
     raw_times: Option<String>,
 }
 
+impl Kept {
+    /// Why the row is parked before it is sent, when its `occurred_at` or `created_at` lies
+    /// outside the times the relay can carry (written around `enqueue`, e.g. `'infinity'`).
+    pub(crate) fn times_refused(&self) -> Option<String> {
+        let raw = self.raw_times.as_deref()?;
+        let (occurred, created) = raw.split_once('|').unwrap_or((raw, ""));
+        Some(format!(
+            "occurred_at {occurred:?} or created_at {created:?} lies outside the times Postal can carry (a row written around postal.enqueue): parked; fix the row and requeue it, or discard it"
+        ))
+    }
+}
+
 /// Rows claimed in one open transaction.
 pub struct Claim {
     tx: Transaction<'static, Postgres>,
@@ -771,11 +783,7 @@ async fn park_rows_with_times_out_of_range(
         .zip(std::mem::take(skipped));
     for ((e, k), s) in all {
         let key = (e.topic.clone(), e.key.clone());
-        if let Some(raw) = &k.raw_times {
-            let (occurred, created) = raw.split_once('|').unwrap_or((raw.as_str(), ""));
-            let reason = format!(
-                "occurred_at {occurred:?} or created_at {created:?} lies outside the times Postal can carry (a row written around postal.enqueue): parked; fix the row and requeue it, or discard it"
-            );
+        if let Some(reason) = k.times_refused() {
             tracing::warn!(seq = e.seq, topic = %postal_shared::text::field(&e.topic), "{reason}");
             failures.push(Failure {
                 seq: e.seq,

@@ -81,8 +81,19 @@ async fn only_parked_left(pool: &PgPool, bad: &BTreeSet<Uuid>, what: &str) -> Ve
 /// relay).
 #[tokio::test]
 async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow() {
+    occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the rows).
+#[tokio::test]
+async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_wal() {
+    occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_with(true).await;
+}
+
+async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = slot_if(&db, wal).await;
     let topic = unique("hostile-time");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let mut bad = BTreeSet::new();
@@ -131,7 +142,7 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow()
         bad.insert(id);
     }
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
     only_parked_left(&db.pool, &bad, "outside the times").await;
     let kept: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM postal.outbox WHERE status = 'failed'
@@ -155,8 +166,19 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow()
 /// headers included) to dead-letter.
 #[tokio::test]
 async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() {
+    an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the rows).
+#[tokio::test]
+async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_wal() {
+    an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_with(true).await;
+}
+
+async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = slot_if(&db, wal).await;
     let topic = unique("hostile-header-count");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad: Uuid = sqlx::query_scalar(
@@ -170,7 +192,7 @@ async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() 
     .await
     .unwrap();
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
     let reasons = only_parked_left(&db.pool, &BTreeSet::from([bad]), "300 headers").await;
     relay.stop().await;
     assert!(reasons[0].contains("300 user headers"), "{reasons:?}");
@@ -183,8 +205,19 @@ async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked() 
 /// 20 others are published (the count at its ceiling stalls nothing).
 #[tokio::test]
 async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow() {
+    a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the rows).
+#[tokio::test]
+async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_wal() {
+    a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_with(true).await;
+}
+
+async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = slot_if(&db, wal).await;
     let topic = unique("hostile-attempts");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad = Uuid::now_v7();
@@ -198,7 +231,7 @@ async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow() {
     .await
     .unwrap();
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
     only_parked_left(&db.pool, &BTreeSet::from([bad]), "attempts at i32::MAX").await;
     relay.stop().await;
 }
@@ -209,8 +242,19 @@ async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow() {
 /// one-line reason (nothing is created, no retry loop), and the 20 others are published.
 #[tokio::test]
 async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow() {
+    stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the rows).
+#[tokio::test]
+async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_wal() {
+    stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_with(true).await;
+}
+
+async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = slot_if(&db, wal).await;
     let topic = unique("hostile-topics");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let mut bad = BTreeSet::new();
@@ -238,7 +282,7 @@ async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow() {
         bad.insert(id);
     }
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
     let reasons = only_parked_left(&db.pool, &bad, "invalid topics").await;
     relay.stop().await;
     for r in reasons {
@@ -253,14 +297,25 @@ async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow() {
 /// collision, so an operator knows what to rename), nothing else stalls.
 #[tokio::test]
 async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason() {
+    a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the rows).
+#[tokio::test]
+async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_wal() {
+    a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_with(true).await;
+}
+
+async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = slot_if(&db, wal).await;
     let base = unique("hostile").replace('-', "");
     let (dotted, underscored) = (format!("{base}.col"), format!("{base}_col"));
     let topic = unique("hostile-ok");
     create_topic(&svc.bootstrap, &topic, 1).await;
     small_events(&db.pool, &dotted, 3).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), fast_config());
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
     wait::until(WAIT, "the dotted topic's events published", || async {
         rows(&db.pool).await.is_empty()
     })
@@ -640,4 +695,22 @@ async fn discard_batches_are_bounded_by_bytes() {
     .await
     .unwrap();
     assert_eq!((affected, kept), (5, 4 * 614400 + 3145728));
+}
+
+/// A slot of the test's own when `wal` (created before the test's rows, so that the stream
+/// holds them), dropped at the end of the test.
+pub(crate) async fn slot_if(
+    db: &postal_integration_tests::TestDb,
+    wal: bool,
+) -> Option<crate::wal_relay::Slot> {
+    if wal {
+        Some(crate::wal_relay::Slot::create(db).await)
+    } else {
+        None
+    }
+}
+
+/// The relay's configuration: a WAL relay's on `slot`, else a polling relay's.
+pub(crate) fn config_for(slot: &Option<crate::wal_relay::Slot>) -> postal_producer::RelayConfig {
+    slot.as_ref().map_or_else(fast_config, |s| s.config())
 }

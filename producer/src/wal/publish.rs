@@ -125,7 +125,7 @@ pub(super) async fn publish<T: Transport>(
             }
             Err(e) => Err(e),
         };
-        let locked = match locked {
+        let mut locked = match locked {
             Ok(l) => l,
             Err(e) => {
                 failures += 1;
@@ -140,6 +140,12 @@ pub(super) async fn publish<T: Transport>(
             for seq in &locked.left {
                 known.remove(seq);
             }
+        }
+        // Rows parked before they are sent: no longer the stream's to publish (a key's later
+        // row behind one is left, not taken past it by the next chunk's take).
+        let refused = std::mem::take(&mut locked.refused);
+        for f in &refused {
+            known.remove(&f.seq);
         }
         busy.saw(&locked.busy);
         saw_busy |= !locked.busy.is_empty();
@@ -187,8 +193,9 @@ pub(super) async fn publish<T: Transport>(
         });
         let crate::outcome::Verdict {
             published,
-            failures: written,
+            failures: mut written,
         } = judge.verdict(&events, outcomes);
+        written.extend(refused);
         let t_mark = Instant::now();
         let marked = locked
             .mark(&published, &written, config.delete_on_publish, lease)

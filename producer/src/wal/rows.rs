@@ -31,6 +31,10 @@ pub(crate) struct Locked {
     pub busy: Vec<Busy>,
     /// The rows to try again: the busy and deferred ones and their keys' later rows of `seqs`.
     pub again: std::collections::HashSet<i64>,
+    /// Rows parked before they are sent, with the reason (their `occurred_at` or `created_at`
+    /// lies outside the times the relay can carry, as a claim parks them); their keys' later
+    /// rows of `seqs` are in `left`.
+    pub refused: Vec<crate::complete::Failure>,
 }
 
 /// A row of the batch still pending that another session holds locked.
@@ -237,7 +241,12 @@ pub(crate) async fn take(
         .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
     for row in &rows {
-        let (event, _, _) = crate::claim::decode(row)?;
+        let (event, kept, _) = crate::claim::decode(row)?;
+        // A row to park before it is sent: `lock` does the chunk.
+        if kept.times_refused().is_some() {
+            tx.rollback().await?;
+            return Ok(None);
+        }
         found.insert(event.seq, event);
     }
     // Rows not taken: published or deleted meanwhile, or still pending behind a held row of
@@ -278,6 +287,7 @@ pub(crate) async fn take(
         left,
         busy: Vec::new(),
         again: std::collections::HashSet::new(),
+        refused: Vec::new(),
     }))
 }
 
@@ -351,6 +361,7 @@ pub(crate) async fn lock(
     // The keys of the rows left behind, with the first such row: the key's later rows of the
     // chunk stay behind it too (a row left because it is checked out is not `held`).
     let mut left_keys = std::collections::HashMap::<(String, String), i64>::new();
+    let mut refused = Vec::new();
     for row in &rows {
         if row.try_get::<bool, _>(16)? || behind_unknown(row.try_get(0)?, row.try_get(17)?, known) {
             let seq = row.try_get::<i64, _>(0)?;
@@ -360,7 +371,23 @@ pub(crate) async fn lock(
             *first = (*first).min(seq);
             continue;
         }
-        let (event, _, _) = crate::claim::decode(row)?;
+        let (event, kept, _) = crate::claim::decode(row)?;
+        if let Some(reason) = kept.times_refused() {
+            // Parked at the mark, holding its key's later rows back as a parked row does.
+            let first = left_keys
+                .entry((event.topic.clone(), event.key.clone()))
+                .or_insert(event.seq);
+            *first = (*first).min(event.seq);
+            refused.push(crate::complete::Failure {
+                seq: event.seq,
+                counts: false,
+                park: true,
+                hold: true,
+                retry_in: std::time::Duration::ZERO,
+                reason: Some(reason),
+            });
+            continue;
+        }
         found.insert(event.seq, event);
     }
     found.retain(|seq, event| {
@@ -377,7 +404,9 @@ pub(crate) async fn lock(
     let missing: Vec<i64> = seqs
         .iter()
         .copied()
-        .filter(|s| !found.contains_key(s) && !behind.contains(s))
+        .filter(|s| {
+            !found.contains_key(s) && !behind.contains(s) && !refused.iter().any(|f| f.seq == *s)
+        })
         .collect();
     let mut busy: Vec<Busy> = if missing.is_empty() {
         Vec::new()
@@ -431,6 +460,7 @@ pub(crate) async fn lock(
             .collect(),
         busy,
         again,
+        refused,
     })
 }
 
