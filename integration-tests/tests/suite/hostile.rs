@@ -164,9 +164,20 @@ async fn a_record_with_a_reserved_header_twice_is_dead_lettered() {
 /// out carrying both ids, and the consumer took it for the other event (a duplicate, dropped).
 #[tokio::test]
 async fn a_stored_row_with_a_reserved_header_is_parked_not_published() {
+    a_stored_row_with_a_reserved_header_is_parked_not_published_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn a_stored_row_with_a_reserved_header_is_parked_not_published_wal() {
+    a_stored_row_with_a_reserved_header_is_parked_not_published_with(true).await;
+}
+
+async fn a_stored_row_with_a_reserved_header_is_parked_not_published_with(wal: bool) {
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = unique("hostile-row");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let other = Uuid::now_v7();
@@ -192,7 +203,7 @@ async fn a_stored_row_with_a_reserved_header_is_parked_not_published() {
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::common::fast_config(),
+        crate::hostile_sizes::config_for(&slot),
     );
     wait::until(
         WAIT,
@@ -337,10 +348,23 @@ async fn oversized_fields_give_bounded_escaped_dead_letter_reasons() {
 /// Before, the relay created and published to whatever topic a row named.
 #[tokio::test]
 async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created() {
+    rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created_wal() {
+    rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created_with(true).await;
+}
+
+async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_created_with(
+    wal: bool,
+) {
     use crate::missing_topic::topic_exists;
     use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, TopicAllowList};
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let allowed = unique("allow-ok");
     let other = unique("allow-no");
     let dlq = format!("{allowed}.dlq");
@@ -362,7 +386,7 @@ async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_cre
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        crate::common::fast_config(),
+        crate::hostile_sizes::config_for(&slot),
     );
     let pool = db.pool.clone();
     wait::until(WAIT, "one published, two parked", || {

@@ -159,9 +159,20 @@ async fn empty_scope_handler_first_gives_two_scopes() {
 /// key its claim lane covers — not only its own key — are never published.
 #[tokio::test]
 async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() {
+    a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_wal() {
+    a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_with(true).await;
+}
+
+async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_with(wal: bool) {
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = unique("hostile-num");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let odd = Uuid::now_v7();
@@ -192,7 +203,7 @@ async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay() 
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::common::fast_config(),
+        crate::hostile_sizes::config_for(&slot),
     );
     let outcome = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
@@ -354,9 +365,20 @@ fn a_dead_letter_suffix_that_makes_no_valid_topic_is_refused() {
 /// of its key — they are not published ahead of it — while other keys flow.
 #[tokio::test]
 async fn a_row_parked_for_its_header_holds_back_its_key() {
+    a_row_parked_for_its_header_holds_back_its_key_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn a_row_parked_for_its_header_holds_back_its_key_wal() {
+    a_row_parked_for_its_header_holds_back_its_key_with(true).await;
+}
+
+async fn a_row_parked_for_its_header_holds_back_its_key_with(wal: bool) {
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = unique("hdr-order");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad = Uuid::now_v7();
@@ -380,7 +402,7 @@ async fn a_row_parked_for_its_header_holds_back_its_key() {
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::common::fast_config(),
+        crate::hostile_sizes::config_for(&slot),
     );
     wait::until(WAIT, "the row parked", || async {
         sqlx::query_scalar::<_, bool>(
