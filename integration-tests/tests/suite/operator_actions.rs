@@ -213,12 +213,27 @@ async fn backends_waiting_on_a_lock(pool: &PgPool, query_like: &str) -> i64 {
 /// dashboard the window is the discard's commit round trip).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake() {
+    a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_wal() {
+    a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_with(true).await;
+}
+
+async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let admin = db.pool_of(4).await;
     let topic = unique("rev-dash-race");
     let ledger = Ledger::default();
-    let relay = RunningRelay::start(&db.pool, ledger.clone(), fast_config());
+    let relay = RunningRelay::start(
+        &db.pool,
+        ledger.clone(),
+        crate::hostile_sizes::config_for(&slot),
+    );
     enqueue(
         &db.pool,
         vec![NewEvent::json(topic.as_str(), "warm", "step", &0).unwrap()],
@@ -575,8 +590,14 @@ async fn a_key_with_a_control_character_is_acted_on_not_its_lookalike() {
 /// cause), discards heads, requeues heads that fail again; then checks each key's hand-overs
 /// against its events less the discarded ones.
 async fn operator_at_work(keep_published: bool, seed: u64) {
+    operator_at_work_with(keep_published, seed, false).await;
+}
+
+/// [`operator_at_work`] with a WAL relay when `wal` (its slot created first).
+async fn operator_at_work_with(keep_published: bool, seed: u64, wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let admin = db.pool_of(4).await;
     let topic = unique("rev-dash-work");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -590,7 +611,7 @@ async fn operator_at_work(keep_published: bool, seed: u64) {
     let relay = RunningRelay::start(
         &db.pool,
         ledger.clone(),
-        fast_config()
+        crate::hostile_sizes::config_for(&slot)
             .batch_size(4)
             .lanes(2)
             .max_in_flight_batches(4)
@@ -744,6 +765,19 @@ async fn operator_actions_during_publishing_keep_each_keys_order() {
     operator_at_work(false, seed()).await;
 }
 
+/// Guarantee: the same with a WAL relay (its sweep publishing what operators requeue and
+/// release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_actions_during_publishing_keep_each_keys_order_wal() {
+    operator_at_work_with(false, seed(), true).await;
+}
+
+/// Guarantee: the same with a WAL relay that keeps published rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_actions_during_publishing_keep_each_keys_order_when_rows_are_kept_wal() {
+    operator_at_work_with(true, seed(), true).await;
+}
+
 /// The same with a relay that keeps published rows (its claim locks rows and marks them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_actions_during_publishing_keep_each_keys_order_when_rows_are_kept() {
@@ -755,8 +789,19 @@ async fn operator_actions_during_publishing_keep_each_keys_order_when_rows_are_k
 /// event is ahead; releasing the key then publishes the rest in order.
 #[tokio::test]
 async fn requeueing_a_later_parked_event_never_jumps_the_parked_head() {
+    requeueing_a_later_parked_event_never_jumps_the_parked_head_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn requeueing_a_later_parked_event_never_jumps_the_parked_head_wal() {
+    requeueing_a_later_parked_event_never_jumps_the_parked_head_with(true).await;
+}
+
+async fn requeueing_a_later_parked_event_never_jumps_the_parked_head_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = unique("rev-dash-later");
     let ids = park(
         &db.pool,
@@ -769,7 +814,11 @@ async fn requeueing_a_later_parked_event_never_jumps_the_parked_head() {
     let ledger = Ledger::default();
     // One lane: each claim reads every partition in sequence order, so a marker event (a
     // later sequence number) going out means a claim passed the key's events by.
-    let relay = RunningRelay::start(&db.pool, ledger.clone(), fast_config().lanes(1));
+    let relay = RunningRelay::start(
+        &db.pool,
+        ledger.clone(),
+        crate::hostile_sizes::config_for(&slot).lanes(1),
+    );
     let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
     let page = request(addr, "GET", "/parked", &[], "").await;
     let token = csrf(&page.body).unwrap();
