@@ -343,7 +343,8 @@ hostnossl all all 0.0.0.0/0 reject
 HBA
   fi
   log "starting secure postgres (TLS only) on $HOST:$PG_SECURE_PORT"
-  as_postgres "$PG_BIN/pg_ctl" -D "$PGS/data" -o "-p $PG_SECURE_PORT -h $HOST" -l "$PGS/postgres.log" -w -t 60 start >/dev/null \
+  # wal_level=logical: a WAL relay reads its slot over verified TLS (pg_security::).
+  as_postgres "$PG_BIN/pg_ctl" -D "$PGS/data" -o "-p $PG_SECURE_PORT -h $HOST -c wal_level=logical -c max_replication_slots=8 -c max_wal_senders=8" -l "$PGS/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$PGS/postgres.log" >&2; die "secure postgres did not start"; }
 }
 

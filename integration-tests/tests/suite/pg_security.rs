@@ -132,6 +132,83 @@ async fn relay_consumer_and_cli_work_over_verified_tls() {
     assert_eq!(effects(&pool).await, (20, 20), "each event applied once");
 }
 
+/// Guarantee (issue 50, PostgreSQL security): a WAL relay reads its slot over
+/// `sslmode=verify-full` with the CA as `sslrootcert` (the replication session reads the same
+/// URL settings as the relay's pool), publishes every event once, and its replication session
+/// is encrypted (`pg_stat_ssl`). Before, the replication session ignored `sslrootcert` (a
+/// private CA could not be verified) and used no TLS at all unless `sslmode` said so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_relay_reads_its_slot_over_verified_tls() {
+    let Some((url, ca)) = secure() else { return };
+    let svc = services().await;
+    let db = fresh_db(&url, &ca).await;
+    let db_url = verified(&url, &db, &ca);
+    let pool: PgPool = PgPoolOptions::new()
+        .max_connections(12)
+        .connect(&db_url)
+        .await
+        .unwrap();
+    postal_shared::migrate(&pool).await.unwrap();
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    let (slot, publication) = (format!("postal_t_slot_{id}"), format!("postal_t_pub_{id}"));
+    postal_producer::wal::slot::create(&pool, &slot, &publication)
+        .await
+        .expect("create slot and publication");
+    let topic = unique("tls-pg-wal");
+    create_topic(&svc.bootstrap, &topic, 1).await;
+    let source = postal_producer::WalSource::new(db_url.clone(), slot.clone(), publication);
+    let relay = crate::common::RunningRelay::start(
+        &pool,
+        crate::common::kafka_transport(&svc.bootstrap),
+        crate::common::fast_config().source(postal_producer::RelaySource::Wal(source)),
+    );
+    let mut ids = std::collections::BTreeSet::new();
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..20 {
+        let e = NewEvent::json(topic.as_str(), "k", "job", &serde_json::json!({ "n": n })).unwrap();
+        ids.insert(enqueue(&mut tx, e).await.unwrap().to_string());
+    }
+    tx.commit().await.unwrap();
+    let records = postal_integration_tests::kafka::read_all(
+        &svc.bootstrap,
+        &topic,
+        20,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(postal_integration_tests::kafka::event_ids(&records), ids);
+    let streaming: Vec<(bool,)> = sqlx::query_as(
+        "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_replication r USING (pid)
+          WHERE r.application_name = 'postal-wal-relay'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    relay.stop().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, bool>(
+        "SELECT coalesce((SELECT active FROM pg_replication_slots WHERE slot_name = $1), false)",
+    )
+    .bind(&slot)
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    {
+        assert!(Instant::now() < deadline, "the slot stayed active");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(&slot)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        streaming,
+        vec![(true,)],
+        "the relay's replication session over TLS"
+    );
+}
+
 /// Guarantee (issue: PostgreSQL security): a one-shot command that cannot verify the server's
 /// certificate (a CA that did not sign it), or that asks for no encryption from a server that
 /// requires it, fails at once with one line saying so; a relay in the same situation keeps

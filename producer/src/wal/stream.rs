@@ -186,18 +186,43 @@ fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
         decode(database)
     };
     let host = url.host_str().unwrap_or("localhost").to_owned();
+    // As libpq and the relay's own pool read the URL: `prefer` unless `sslmode` says
+    // otherwise, the CA from `sslrootcert`, a client certificate from `sslcert` and `sslkey`.
     let mut tls = TlsConfig::disabled();
+    tls.mode = SslMode::Prefer;
+    let (mut cert, mut key) = (None, None);
     for (k, v) in url.query_pairs() {
-        if k == "sslmode" {
-            tls.mode = match v.as_ref() {
-                "disable" => SslMode::Disable,
-                "allow" | "prefer" => SslMode::Prefer,
-                "require" => SslMode::Require,
-                "verify-ca" => SslMode::VerifyCa,
-                "verify-full" => SslMode::VerifyFull,
-                _ => return Err(bad("unknown sslmode")),
-            };
+        match k.as_ref() {
+            "sslmode" => {
+                tls.mode = match v.as_ref() {
+                    "disable" => SslMode::Disable,
+                    "allow" | "prefer" => SslMode::Prefer,
+                    "require" => SslMode::Require,
+                    "verify-ca" => SslMode::VerifyCa,
+                    "verify-full" => SslMode::VerifyFull,
+                    _ => return Err(bad("unknown sslmode")),
+                }
+            }
+            "sslrootcert" => tls.ca_pem_path = Some(v.into_owned().into()),
+            "sslcert" => cert = Some(std::path::PathBuf::from(v.into_owned())),
+            "sslkey" => key = Some(std::path::PathBuf::from(v.into_owned())),
+            _ => {}
         }
+    }
+    match (cert, key) {
+        (Some(cert), Some(key)) => tls = tls.with_client_cert(cert, key),
+        (None, None) => {}
+        _ => return Err(bad("sslcert and sslkey go together")),
+    }
+    // An IP address is checked against the certificate's IP names, as libpq does (the crate
+    // refuses `verify-full` to an IP address unless it is named as the server's name).
+    let host = match url.host() {
+        Some(url::Host::Ipv4(ip)) => ip.to_string(),
+        Some(url::Host::Ipv6(ip)) => ip.to_string(),
+        _ => host,
+    };
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        tls.sni_hostname = Some(host.clone());
     }
     Ok(ReplicationConfig::new(
         host,
@@ -212,4 +237,45 @@ fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
     .with_status_interval(source.status_interval)
     .with_wakeup_interval(source.status_interval)
     .with_application_name("postal-wal-relay"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replication_config;
+    use crate::wal::WalSource;
+    use pgwire_replication::SslMode;
+
+    fn config(url: &str) -> pgwire_replication::ReplicationConfig {
+        replication_config(&WalSource::new(url, "s", "p")).expect(url)
+    }
+
+    /// Guarantee: the replication session reads the URL's TLS settings as libpq and the
+    /// relay's pool do: `prefer` by default, the CA from `sslrootcert`, a client certificate
+    /// from `sslcert` and `sslkey` (both or neither), and an IP address verified against the
+    /// certificate's IP names.
+    #[test]
+    fn the_replication_session_reads_the_url_s_tls_settings() {
+        let c = config("postgres://u:p@db.example:5433/app");
+        assert_eq!(
+            (c.tls.mode, c.port, c.database.as_str()),
+            (SslMode::Prefer, 5433, "app")
+        );
+        let c = config("postgres://u@10.0.0.7/app?sslmode=verify-full&sslrootcert=/ca.pem");
+        assert_eq!(c.tls.mode, SslMode::VerifyFull);
+        assert_eq!(
+            c.tls.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        assert_eq!(c.tls.sni_hostname.as_deref(), Some("10.0.0.7"));
+        let c = config("postgres://u@db.example/app?sslmode=require&sslcert=/c.pem&sslkey=/k.pem");
+        assert!(c.tls.is_mtls() && c.tls.sni_hostname.is_none());
+        assert!(
+            replication_config(&WalSource::new("postgres://u@h/a?sslcert=/c.pem", "s", "p"))
+                .is_err()
+        );
+        assert!(
+            replication_config(&WalSource::new("postgres://u@h/a?sslmode=bogus", "s", "p"))
+                .is_err()
+        );
+    }
 }
