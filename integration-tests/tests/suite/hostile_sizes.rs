@@ -714,3 +714,14 @@ pub(crate) async fn slot_if(
 pub(crate) fn config_for(slot: &Option<crate::wal_relay::Slot>) -> postal_producer::RelayConfig {
     slot.as_ref().map_or_else(fast_config, |s| s.config())
 }
+
+/// `config` reading from `slot` when there is one (a WAL relay), else unchanged.
+pub(crate) fn on_slot(
+    slot: &Option<crate::wal_relay::Slot>,
+    config: postal_producer::RelayConfig,
+) -> postal_producer::RelayConfig {
+    match slot {
+        Some(s) => config.source(postal_producer::RelaySource::Wal(s.source.clone())),
+        None => config,
+    }
+}

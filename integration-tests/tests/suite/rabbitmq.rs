@@ -49,13 +49,28 @@ async fn parked(pool: &PgPool) -> Vec<(String, String)> {
 /// key in outbox order.
 #[tokio::test]
 async fn events_arrive_with_confirms_headers_and_order() {
+    events_arrive_with_confirms_headers_and_order_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn events_arrive_with_confirms_headers_and_order_wal() {
+    events_arrive_with_confirms_headers_and_order_with(true).await;
+}
+
+async fn events_arrive_with_confirms_headers_and_order_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
     let ids = seed(&db.pool, &topic, 2000, 20).await;
-    let relay = RunningRelay::start(&db.pool, transport(&mq.url()), fast_config());
+    let relay = RunningRelay::start(
+        &db.pool,
+        transport(&mq.url()),
+        crate::hostile_sizes::config_for(&slot),
+    );
     wait::until(Duration::from_secs(60), "outbox drained", || async {
         outbox_count(&db.pool).await == 0
     })
@@ -96,8 +111,19 @@ async fn events_arrive_with_confirms_headers_and_order() {
 /// holding back only its own key while other keys flow.
 #[tokio::test]
 async fn unroutable_and_oversized_events_are_parked_with_reason() {
+    unroutable_and_oversized_events_are_parked_with_reason_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn unroutable_and_oversized_events_are_parked_with_reason_wal() {
+    unroutable_and_oversized_events_are_parked_with_reason_with(true).await;
+}
+
+async fn unroutable_and_oversized_events_are_parked_with_reason_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let routed = unique("rmq-routed");
     let queue = rabbit::bind_queue(&mq.url(), &routed, "order.*").await;
@@ -139,7 +165,11 @@ async fn unroutable_and_oversized_events_are_parked_with_reason() {
         inner: RabbitTransport::new(cfg).unwrap(),
         counts: counts.clone(),
     };
-    let relay = RunningRelay::start(&db.pool, transport, fast_config().max_attempts(3));
+    let relay = RunningRelay::start(
+        &db.pool,
+        transport,
+        crate::hostile_sizes::config_for(&slot).max_attempts(3),
+    );
     wait::until(Duration::from_secs(60), "both parked", || async {
         parked(&db.pool).await.len() == 2
     })
@@ -171,9 +201,20 @@ async fn unroutable_and_oversized_events_are_parked_with_reason() {
 /// later events of its key only, while another key's event on an open exchange flows.
 #[tokio::test]
 async fn nacked_event_is_retried_then_parked_with_reason() {
+    nacked_event_is_retried_then_parked_with_reason_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn nacked_event_is_retried_then_parked_with_reason_wal() {
+    nacked_event_is_retried_then_parked_with_reason_with(true).await;
+}
+
+async fn nacked_event_is_retried_then_parked_with_reason_with(wal: bool) {
     use lapin::types::{AMQPValue, FieldTable};
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let full = unique("rmq-full");
     let open = unique("rmq-open");
@@ -206,7 +247,7 @@ async fn nacked_event_is_retried_then_parked_with_reason() {
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        fast_config().max_attempts(2),
+        crate::hostile_sizes::config_for(&slot).max_attempts(2),
     );
     wait::until(
         Duration::from_secs(60),
@@ -288,8 +329,19 @@ async fn relay_killed_between_confirm_and_mark_republishes_same_message_id() {
 /// parked, nothing lost; the backlog drains by itself once it is back.
 #[tokio::test]
 async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing() {
+    rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_wal() {
+    rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_with(true).await;
+}
+
+async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mut mq = PrivateRabbit::start().await;
     let topic = unique("rmq-outage");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
@@ -299,7 +351,11 @@ async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing() {
         inner: transport(&mq.url()),
         counts: counts.clone(),
     };
-    let relay = RunningRelay::start(&db.pool, transport, fast_config().max_attempts(2));
+    let relay = RunningRelay::start(
+        &db.pool,
+        transport,
+        crate::hostile_sizes::config_for(&slot).max_attempts(2),
+    );
     wait::until(
         Duration::from_secs(30),
         "first events published",
@@ -344,8 +400,19 @@ async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing() {
 /// destination is parked with a clear reason.
 #[tokio::test]
 async fn one_relay_serves_kafka_and_rabbitmq_topics() {
+    one_relay_serves_kafka_and_rabbitmq_topics_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn one_relay_serves_kafka_and_rabbitmq_topics_wal() {
+    one_relay_serves_kafka_and_rabbitmq_topics_with(true).await;
+}
+
+async fn one_relay_serves_kafka_and_rabbitmq_topics_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let to_kafka = unique("mixed-k");
     let to_rabbit = unique("mixed-r");
@@ -361,7 +428,7 @@ async fn one_relay_serves_kafka_and_rabbitmq_topics() {
         .unwrap()
         .route(to_rabbit.as_str(), "rabbitmq")
         .unwrap();
-    let relay = RunningRelay::start(&db.pool, router, fast_config());
+    let relay = RunningRelay::start(&db.pool, router, crate::hostile_sizes::config_for(&slot));
     wait::until(
         Duration::from_secs(60),
         "routed events published",
@@ -495,9 +562,20 @@ async fn unroutable_returns_are_matched_to_their_own_events() {
 /// first deliveries a consumer sees are in outbox order, and nothing is lost.
 #[tokio::test]
 async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key() {
+    back_pressure_nacks_never_reorder_first_deliveries_of_a_key_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key_wal() {
+    back_pressure_nacks_never_reorder_first_deliveries_of_a_key_with(true).await;
+}
+
+async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key_with(wal: bool) {
     use lapin::types::{AMQPValue, FieldTable};
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq-bp");
     let mut args = FieldTable::default();
@@ -512,7 +590,7 @@ async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key() {
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        many_in_flight(300, i32::MAX),
+        crate::hostile_sizes::on_slot(&slot, many_in_flight(300, i32::MAX)),
     );
     wait::until(Duration::from_secs(60), "everything read", || async {
         reader.distinct() >= ids.len()
@@ -541,8 +619,19 @@ async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key() {
 /// batch of a key waits for the earlier one's outcome).
 #[tokio::test]
 async fn connection_drops_with_batches_in_flight_keep_first_delivery_order() {
+    connection_drops_with_batches_in_flight_keep_first_delivery_order_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (its slot created before the test's rows).
+#[tokio::test]
+async fn connection_drops_with_batches_in_flight_keep_first_delivery_order_wal() {
+    connection_drops_with_batches_in_flight_keep_first_delivery_order_with(true).await;
+}
+
+async fn connection_drops_with_batches_in_flight_keep_first_delivery_order_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq-drop");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
@@ -554,7 +643,7 @@ async fn connection_drops_with_batches_in_flight_keep_first_delivery_order() {
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        many_in_flight(100, 5),
+        crate::hostile_sizes::on_slot(&slot, many_in_flight(100, 5)),
     );
     wait::until(Duration::from_secs(60), "outbox drained", || async {
         outbox_count(&db.pool).await == 0
