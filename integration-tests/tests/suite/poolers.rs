@@ -145,7 +145,8 @@ async fn enqueue_works_through_transaction_pooling() {
     pool.close().await;
 }
 
-/// Guarantee: through PgBouncer in transaction mode, `postal relay`, `postal status` and
+/// Guarantee: through PgBouncer in transaction mode, `postal relay` (polling or reading the
+/// WAL), `postal status` and
 /// `postal migrate` stop at start, within seconds, with one line that names the transaction
 /// pooler and says to connect directly or through a session pool — the relay never loops on
 /// "claim failed", and migrate writes nothing into `public`; a consumer's `run` returns the
@@ -182,6 +183,17 @@ async fn relay_consumer_and_commands_refuse_transaction_pooling_with_one_line() 
     let (exited, ok, stderr) = postal(&bouncer.url(&db.name), &["relay"], Duration::from_secs(30));
     assert!(exited && !ok, "postal relay must stop at start: {stderr}");
     says_what_to_do("postal relay", &stderr);
+    // A WAL relay too (its slot need not exist: the pooler is refused first).
+    let (exited, ok, stderr) = postal(
+        &bouncer.url(&db.name),
+        &["relay", "--read-from", "wal"],
+        Duration::from_secs(30),
+    );
+    assert!(
+        exited && !ok,
+        "postal relay --read-from wal must stop at start: {stderr}"
+    );
+    says_what_to_do("postal relay --read-from wal", &stderr);
     let (exited, ok, stderr) = postal(&bouncer.url(&db.name), &["status"], Duration::from_secs(30));
     assert!(exited && !ok, "postal status must refuse: {stderr}");
     says_what_to_do("postal status", &stderr);

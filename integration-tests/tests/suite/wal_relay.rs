@@ -433,3 +433,55 @@ async fn rows_published_by_polling_are_not_published_again_from_the_slot() {
             .unwrap();
     assert_eq!(published, 8, "every row kept and marked published");
 }
+
+/// Guarantee: a WAL relay stopped gracefully gives its slot's lease up, so that a standby
+/// streams at once — not after the lease (30 s here) expires — and publishes what was committed
+/// after the stop; nothing is lost between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_relay_stopped_gracefully_hands_its_slot_to_a_standby_at_once() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-handover");
+    let config = slot.config().lease(Duration::from_secs(30));
+    let (mut ids, _) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    let first = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config.clone());
+    wait::until(
+        Duration::from_secs(30),
+        "the first relay published",
+        || async { outbox_pending(&db.pool).await == 0 },
+    )
+    .await;
+    let holder = || async {
+        sqlx::query_scalar::<_, Option<uuid::Uuid>>(
+            "SELECT holder FROM postal.wal_slot_leases WHERE slot_name = $1",
+        )
+        .bind(&slot.source.slot)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+        .flatten()
+    };
+    let before = holder()
+        .await
+        .expect("the first relay holds the slot's lease");
+    let standby = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config);
+    first.stop().await;
+    let (more, _) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    ids.extend(more);
+    // Well within the 30 s lease: only a lease given up lets the standby stream by then.
+    wait::until(Duration::from_secs(15), "the standby published", || async {
+        outbox_pending(&db.pool).await == 0
+    })
+    .await;
+    let after = holder().await.expect("the standby holds the slot's lease");
+    assert_ne!(before, after);
+    standby.stop().await;
+    let records = read_all(&svc.bootstrap, &topic, ids.len(), Duration::from_secs(30)).await;
+    let seen: BTreeSet<String> = records
+        .iter()
+        .filter_map(|r| r.header("ce_id").map(str::to_owned))
+        .collect();
+    let want: BTreeSet<String> = ids.iter().cloned().collect();
+    assert_eq!(seen, want, "every event published");
+}
