@@ -182,8 +182,21 @@ async fn partitions_owned_drop_to_zero_once_the_leases_lapse() {
 /// through again the outbox drains. (Before, only a log line said so.)
 #[tokio::test]
 async fn failed_batch_commits_are_counted() {
+    failed_batch_commits_are_counted_with(false).await;
+}
+
+/// Guarantee: the same with a WAL relay (`--read-from wal`): a chunk whose mark cannot commit
+/// is counted, published again, and the outbox drains once commits go through. (Before, a WAL
+/// relay did not count it: the alert never fired.)
+#[tokio::test]
+async fn failed_batch_commits_are_counted_wal() {
+    failed_batch_commits_are_counted_with(true).await;
+}
+
+async fn failed_batch_commits_are_counted_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = postal_integration_tests::unique("record-failures");
     sqlx::query(
         "CREATE FUNCTION postal.refuse_commit() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -208,13 +221,18 @@ async fn failed_batch_commits_are_counted() {
     let dir = bin_dir();
     let logs = dir.join(format!("monitoring-{}", db.name));
     std::fs::create_dir_all(&logs).expect("log dir");
-    let (mut relay, port) = relay(
-        &dir,
-        &logs,
-        &db.url,
-        &svc.bootstrap,
-        &["--lease", "20s", "--kafka", "message.timeout.ms=9000"],
-    );
+    let mut args = vec!["--lease", "20s", "--kafka", "message.timeout.ms=9000"];
+    if let Some(s) = &slot {
+        args.extend([
+            "--read-from",
+            "wal",
+            "--wal-slot",
+            s.source.slot.as_str(),
+            "--wal-publication",
+            s.source.publication.as_str(),
+        ]);
+    }
+    let (mut relay, port) = relay(&dir, &logs, &db.url, &svc.bootstrap, &args);
     relay.start();
     let within = Duration::from_secs(60);
     until_metric(

@@ -270,6 +270,8 @@ pub(super) async fn publish<T: Transport>(
             Err(e) => {
                 transport.recorded(&events, false);
                 failures += 1;
+                // As polling counts a batch it could not record (alert `PostalBatchRecordFailures`).
+                metrics::counter!("postal_relay_record_failures_total").increment(1);
                 tracing::warn!(error = %e, "WAL relay: could not mark published rows; publishing the batch again (duplicates carry the same ce_id)");
                 tokio::time::sleep(config.backoff.delay(failures).min(Duration::from_secs(10)))
                     .await;
