@@ -167,6 +167,11 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
+    /// When the row was enqueued (its history row keeps it).
+    pub(crate) fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+
     /// Why the row is parked before it is sent, when its `occurred_at` or `created_at` lies
     /// outside the times the relay can carry (written around `enqueue`, e.g. `'infinity'`).
     pub(crate) fn times_refused(&self) -> Option<String> {

@@ -76,7 +76,9 @@ pub enum RelaySource {
     /// the rows it published as polling does. One relay streams from a slot at a time (a
     /// lease; others stand by), and while it does it runs a sweep, a polling relay of its
     /// group for the rows the stream leaves pending (from before the slot, scheduled,
-    /// retried): docs/wal-relay.md. Do not run other polling relays on the same outbox.
+    /// retried): docs/wal-relay.md. With a topic filter it publishes only those topics of the
+    /// stream (another relay group, on a slot of its own or polling, publishes the others).
+    /// Do not run other polling relays of its topics on the same outbox.
     Wal(crate::wal::WalSource),
 }
 
@@ -238,14 +240,6 @@ impl RelayConfig {
         if let TopicFilter::Only(t) = &self.topics {
             if t.is_empty() {
                 return bad("a relay limited to topics needs at least one topic");
-            }
-        }
-        if matches!(self.source, RelaySource::Wal(_)) {
-            if self.history.is_some() {
-                return bad("the WAL source does not write the history yet: drop the history or use the polling source");
-            }
-            if self.topics != TopicFilter::All {
-                return bad("the WAL source publishes every topic of its publication: drop the topic filter or use the polling source");
             }
         }
         Ok(())

@@ -378,9 +378,25 @@ async fn waiting_backlog_does_not_starve_other_topics() {
 /// waiting events stay pending, in order, unpublished.
 #[tokio::test]
 async fn waiting_event_holds_its_key_on_its_own_topic_only() {
+    waiting_event_holds_its_key_on_its_own_topic_only_with(false).await;
+}
+
+/// Guarantee: the same with two WAL relay groups split by topic, each reading a slot of its own
+/// with its topic filter: each publishes only its topics from the stream, and the waiting
+/// events hold their keys on their own topic only.
+#[tokio::test]
+async fn waiting_event_holds_its_key_on_its_own_topic_only_wal() {
+    waiting_event_holds_its_key_on_its_own_topic_only_with(true).await;
+}
+
+async fn waiting_event_holds_its_key_on_its_own_topic_only_with(wal: bool) {
     use postal_producer::TopicFilter;
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let (slot_a, slot_b) = (
+        crate::hostile_sizes::slot_if(&db, wal).await,
+        crate::hostile_sizes::slot_if(&db, wal).await,
+    );
     let (missing, present) = (unique("missing"), unique("present"));
     create_topic(&svc.bootstrap, &present, 1).await;
     let keys = 20;
@@ -403,9 +419,12 @@ async fn waiting_event_holds_its_key_on_its_own_topic_only() {
     let ga = RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        fast_config()
-            .group("ga".into())
-            .topics(TopicFilter::Only(vec![missing.clone()])),
+        crate::hostile_sizes::on_slot(
+            &slot_a,
+            fast_config()
+                .group("ga".into())
+                .topics(TopicFilter::Only(vec![missing.clone()])),
+        ),
     );
     // Every first event is waiting (held) before the later ones are written.
     postal_integration_tests::wait::until(Duration::from_secs(30), "all waiting", || async {
@@ -433,9 +452,12 @@ async fn waiting_event_holds_its_key_on_its_own_topic_only() {
     let gb = RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        fast_config()
-            .group("gb".into())
-            .topics(TopicFilter::Only(vec![present.clone()])),
+        crate::hostile_sizes::on_slot(
+            &slot_b,
+            fast_config()
+                .group("gb".into())
+                .topics(TopicFilter::Only(vec![present.clone()])),
+        ),
     );
     let start = Instant::now();
     let mut overtaken = 0;

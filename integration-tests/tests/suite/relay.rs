@@ -751,11 +751,25 @@ async fn keep_published_mode_marks_rows() {
 /// younger days, and runs in one instance at a time.
 #[tokio::test]
 async fn history_mode_keeps_events_in_daily_partitions_and_drops_old_days() {
+    history_mode(false).await;
+}
+
+/// Guarantee: the same with a WAL relay: each event the stream (or its sweep) publishes leaves
+/// the outbox and lands once in today's history partition, in the transaction that marks it.
+#[tokio::test]
+async fn history_mode_keeps_events_in_daily_partitions_and_drops_old_days_wal() {
+    history_mode(true).await;
+}
+
+/// With a WAL relay (a slot created before any event) when `wal`, else a polling one.
+async fn history_mode(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
     let topic = unique("history");
     let ids = seed(&db.pool, &topic, 300, 7).await;
-    let cfg = fast_config().history(Some(Duration::from_secs(3 * 86_400)));
+    let cfg =
+        crate::hostile_sizes::config_for(&slot).history(Some(Duration::from_secs(3 * 86_400)));
     let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
     wait::until(Duration::from_secs(30), "outbox drained", || async {
         outbox_count(&db.pool).await == 0

@@ -106,7 +106,15 @@ pub(super) async fn publish<T: Transport>(
         };
         let taken = match taken {
             Ok(None) if may_take(config, &defer, saw_busy) => {
-                rows::take(pool, &chunk, &known, &config.group, config.lease / 2).await
+                rows::take(
+                    pool,
+                    &chunk,
+                    &known,
+                    &config.group,
+                    &config.topics,
+                    config.lease / 2,
+                )
+                .await
             }
             other => other,
         };
@@ -119,6 +127,7 @@ pub(super) async fn publish<T: Transport>(
                     &known,
                     &defer,
                     &config.group,
+                    &config.topics,
                     config.lease / 2,
                 )
                 .await
@@ -170,7 +179,15 @@ pub(super) async fn publish<T: Transport>(
                 match &next_chunk {
                     Some(c) => Some((
                         c.clone(),
-                        rows::take(pool, c, &known, &config.group, config.lease / 2).await,
+                        rows::take(
+                            pool,
+                            c,
+                            &known,
+                            &config.group,
+                            &config.topics,
+                            config.lease / 2,
+                        )
+                        .await,
                     )),
                     None => None,
                 }
@@ -198,7 +215,13 @@ pub(super) async fn publish<T: Transport>(
         written.extend(refused);
         let t_mark = Instant::now();
         let marked = locked
-            .mark(&published, &written, config.delete_on_publish, lease)
+            .mark(
+                &published,
+                &written,
+                config.delete_on_publish,
+                config.history.is_some(),
+                lease,
+            )
             .await;
         tracing::debug!(
             rows = chunk.len(),

@@ -23,6 +23,8 @@ pub(crate) struct Locked {
     taken: bool,
     /// In commit order.
     pub events: Vec<OutboundEvent>,
+    /// When each row of `events` was enqueued, by `seq`: what its history row keeps.
+    created: std::collections::HashMap<i64, chrono::DateTime<chrono::Utc>>,
     /// Rows of the batch still pending that the relay does not publish: held, or behind a held
     /// row of their key (scheduled for later, waiting for a retry, parked, checked out), or
     /// behind a pending row of their key that the stream did not give ([`older_column`]).
@@ -122,6 +124,25 @@ macro_rules! paused {
     };
 }
 
+/// The condition that a row's topic is one the relay publishes (its topic filter, `only` and
+/// `except` as [`crate::config::TopicFilter::binds`] gives them): the stream's rows of other
+/// topics are another relay group's, neither published, left nor waited for here.
+macro_rules! ours {
+    ($only:literal, $except:literal) => {
+        concat!(
+            "(",
+            $only,
+            "::text[] IS NULL OR d.topic = ANY(",
+            $only,
+            ")) AND (",
+            $except,
+            "::text[] IS NULL OR d.topic <> ALL(",
+            $except,
+            "))"
+        )
+    };
+}
+
 /// The advisory lock a chunk's transaction holds shared for its whole life (taken by its
 /// first statement; the group is `$2`), so that `postal pause relay`
 /// (`postal_admin::pauses::wait_for_relay_claims`, which takes the group's partition locks
@@ -172,9 +193,11 @@ pub(crate) async fn take(
     seqs: &[i64],
     known: &Known,
     group: &str,
+    topics: &crate::config::TopicFilter,
     idle: std::time::Duration,
 ) -> Result<Option<Locked>, sqlx::Error> {
     use sqlx::Row as _;
+    let (only, except) = topics.binds();
     let mut tx = pool.begin().await?;
     let (own_wait, _, _, locked): (String, String, String, bool) = sqlx::query_as(concat!(
         "SELECT current_setting('lock_timeout'), \
@@ -208,6 +231,8 @@ pub(crate) async fn take(
               AND h.event_key = d.event_key AND h.topic = d.topic AND h.seq < d.seq) \
          AND NOT ",
         paused!(),
+        " AND ",
+        ours!("$3", "$4"),
         " RETURNING ",
         crate::claim::returned!(),
         ", NULL::int8[] AS skipped, 0::int8 AS passed, ",
@@ -215,6 +240,8 @@ pub(crate) async fn take(
     ))
     .bind(seqs)
     .bind(group)
+    .bind(only)
+    .bind(except)
     .fetch_all(&mut *tx)
     .await;
     let rows = match taken {
@@ -240,6 +267,7 @@ pub(crate) async fn take(
         .execute(&mut *tx)
         .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
+    let mut created = std::collections::HashMap::with_capacity(rows.len());
     for row in &rows {
         let (event, kept, _) = crate::claim::decode(row)?;
         // A row to park before it is sent: `lock` does the chunk.
@@ -247,6 +275,7 @@ pub(crate) async fn take(
             tx.rollback().await?;
             return Ok(None);
         }
+        created.insert(event.seq, kept.created_at());
         found.insert(event.seq, event);
     }
     // Rows not taken: published or deleted meanwhile, or still pending behind a held row of
@@ -259,11 +288,15 @@ pub(crate) async fn take(
             .copied()
             .filter(|s| !found.contains_key(s))
             .collect();
-        sqlx::query_as(
-            "SELECT seq, topic, event_key FROM postal.outbox
-             WHERE seq = ANY($1) AND status = 'pending' ORDER BY seq",
-        )
+        sqlx::query_as(concat!(
+            "SELECT d.seq, d.topic, d.event_key FROM postal.outbox d
+             WHERE d.seq = ANY($1) AND d.status = 'pending' AND ",
+            ours!("$2", "$3"),
+            " ORDER BY d.seq"
+        ))
         .bind(&missing)
+        .bind(only)
+        .bind(except)
         .fetch_all(&mut *tx)
         .await?
     };
@@ -284,6 +317,7 @@ pub(crate) async fn take(
         tx,
         taken: true,
         events,
+        created,
         left,
         busy: Vec::new(),
         again: std::collections::HashSet::new(),
@@ -303,9 +337,11 @@ pub(crate) async fn lock(
     known: &Known,
     defer: &std::collections::HashSet<i64>,
     group: &str,
+    topics: &crate::config::TopicFilter,
     idle: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
     use sqlx::Row as _;
+    let (only, except) = topics.binds();
     // A pause waiting for the group's chunks in flight ([`stream_lock`]) is waited for here,
     // asked again every 10–500 ms rather than queued behind it, with one line when the wait
     // starts and one when it ends (the pause's own `--wait` bounds it).
@@ -349,11 +385,14 @@ pub(crate) async fn lock(
         paused!(),
         ") AS left_behind, ",
         older_column!(),
-        " FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' \
-         FOR UPDATE OF d SKIP LOCKED"
+        " FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' AND ",
+        ours!("$3", "$4"),
+        " FOR UPDATE OF d SKIP LOCKED"
     ))
     .bind(seqs)
     .bind(group)
+    .bind(only)
+    .bind(except)
     .fetch_all(&mut *tx)
     .await?;
     let mut found = std::collections::HashMap::with_capacity(rows.len());
@@ -362,6 +401,7 @@ pub(crate) async fn lock(
     // chunk stay behind it too (a row left because it is checked out is not `held`).
     let mut left_keys = std::collections::HashMap::<(String, String), i64>::new();
     let mut refused = Vec::new();
+    let mut created = std::collections::HashMap::with_capacity(rows.len());
     for row in &rows {
         if row.try_get::<bool, _>(16)? || behind_unknown(row.try_get(0)?, row.try_get(17)?, known) {
             let seq = row.try_get::<i64, _>(0)?;
@@ -388,6 +428,7 @@ pub(crate) async fn lock(
             });
             continue;
         }
+        created.insert(event.seq, kept.created_at());
         found.insert(event.seq, event);
     }
     found.retain(|seq, event| {
@@ -411,14 +452,17 @@ pub(crate) async fn lock(
     let mut busy: Vec<Busy> = if missing.is_empty() {
         Vec::new()
     } else {
-        sqlx::query_as::<_, (i64, String, String, Option<i32>)>(
+        sqlx::query_as::<_, (i64, String, String, Option<i32>)>(concat!(
             "SELECT d.seq, d.topic, d.event_key,
                     (SELECT l.pid FROM pg_locks l
                      WHERE l.locktype = 'transactionid' AND l.transactionid = d.xmax
                        AND l.mode = 'ExclusiveLock' AND l.granted LIMIT 1)
-             FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending'",
-        )
+             FROM postal.outbox d WHERE d.seq = ANY($1) AND d.status = 'pending' AND ",
+            ours!("$2", "$3")
+        ))
         .bind(&missing)
+        .bind(only)
+        .bind(except)
         .fetch_all(&mut *tx)
         .await?
         .into_iter()
@@ -453,6 +497,7 @@ pub(crate) async fn lock(
         tx,
         taken: false,
         events,
+        created,
         left: seqs
             .iter()
             .copied()
@@ -481,12 +526,15 @@ impl Locked {
     /// `published`), parks the rows in `parked` (refused for good: `status = 'failed'`,
     /// holding their key's later rows back, as polling parks them) and commits — only while
     /// `lease` is still this relay's (checked in the transaction, [`super::lease::check`]).
+    /// With `history`, the acknowledged rows (deleted) are written into
+    /// `postal.outbox_history` in the same transaction, as polling's history mode writes them.
     /// `Ok(false)`: the lease moved to another relay; nothing was marked.
     pub(crate) async fn mark(
         mut self,
         published: &[i64],
         parked: &[crate::complete::Failure],
         delete: bool,
+        history: bool,
         lease: &super::lease::Held,
     ) -> Result<bool, sqlx::Error> {
         // Taken rows ([`take`]) all acknowledged: their deletes stand. Otherwise the deletes
@@ -508,6 +556,17 @@ impl Locked {
             }
         } else if !stand {
             crate::complete::mark(&mut self.tx, published, parked).await?;
+        }
+        if history && delete && !published.is_empty() {
+            let kept: Vec<_> = self
+                .events
+                .iter()
+                .map(|e| {
+                    let created = self.created.get(&e.seq).copied();
+                    (created.unwrap_or(chrono::DateTime::UNIX_EPOCH), None, None)
+                })
+                .collect();
+            crate::complete::archive(&mut self.tx, &self.events, kept, published).await?;
         }
         if !super::lease::check(&mut self.tx, &lease.slot, lease.holder, lease.token).await? {
             self.tx.rollback().await?;
