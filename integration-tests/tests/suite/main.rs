@@ -119,3 +119,4 @@ mod wal_netsplit;
 mod wal_read_ahead;
 mod wal_relay;
 mod wal_slot_status;
+mod wal_written_back;
