@@ -128,11 +128,14 @@ async fn take(
 }
 
 /// Ends the walsender still streaming from `slot` (a previous holder's) and waits, up to
-/// `within`, until the slot is free.
+/// `within`, until the slot is free. Only a walsender: a slot is also active while an
+/// operator's session creates it (`pg_create_logical_replication_slot`), and that session is
+/// waited for, not ended.
 async fn end_walsender(pool: &PgPool, slot: &str, within: Duration) -> Result<(), sqlx::Error> {
     let ended: Vec<(i32, bool)> = sqlx::query_as(
-        "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots
-         WHERE slot_name = $1 AND database = current_database() AND active_pid IS NOT NULL",
+        "SELECT s.active_pid, pg_terminate_backend(s.active_pid) FROM pg_replication_slots s
+         JOIN pg_stat_activity a ON a.pid = s.active_pid AND a.backend_type = 'walsender'
+         WHERE s.slot_name = $1 AND s.database = current_database()",
     )
     .bind(slot)
     .fetch_all(pool)

@@ -279,9 +279,14 @@ pub(crate) async fn run<T: Transport>(
                 }
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
-                    progress.read(batch.seqs.len(), config.batch_size * READ_CHUNKS);
+                    // Only a read from the slot says whether the stream is caught up, not the
+                    // retry timer's empty batch; and while the carried rows are at their bound
+                    // nothing is read, so the stream is not (the sweep leaves the backlog to it).
                     if batch.end_lsn > 0 {
+                        progress.read(batch.seqs.len(), config.batch_size * READ_CHUNKS);
                         confirm.received(batch.end_lsn);
+                    } else if carried.len() >= carry_max(&config) {
+                        progress.behind();
                     }
                     let was_carrying = !carried.is_empty();
                     let due = !was_carrying || tokio::time::Instant::now() >= retry_at;
