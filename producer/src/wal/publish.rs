@@ -325,18 +325,18 @@ impl Order {
     fn of(carried: Vec<i64>, batch: &[i64]) -> Order {
         let mut known = rows::Known::with_capacity(carried.len() + batch.len());
         let mut todo = Vec::with_capacity(carried.len() + batch.len());
-        for s in carried {
-            if !known.contains_key(&s) {
-                known.insert(s, todo.len());
+        let mut add = |s: i64, todo: &mut Vec<i64>| {
+            if let std::collections::hash_map::Entry::Vacant(e) = known.entry(s) {
+                e.insert(todo.len());
                 todo.push(s);
             }
+        };
+        for s in carried {
+            add(s, &mut todo);
         }
         let carried = todo.len();
         for &s in batch {
-            if !known.contains_key(&s) {
-                known.insert(s, todo.len());
-                todo.push(s);
-            }
+            add(s, &mut todo);
         }
         Order {
             todo,
