@@ -177,7 +177,7 @@ async fn a_stored_row_with_a_reserved_header_is_parked_not_published_with(wal: b
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-row");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let other = Uuid::now_v7();
@@ -203,7 +203,7 @@ async fn a_stored_row_with_a_reserved_header_is_parked_not_published_with(wal: b
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     wait::until(
         WAIT,
@@ -364,7 +364,7 @@ async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_cre
     use postal_producer::{enqueue, KafkaConfig, KafkaTransport, NewEvent, TopicAllowList};
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let allowed = unique("allow-ok");
     let other = unique("allow-no");
     let dlq = format!("{allowed}.dlq");
@@ -386,7 +386,7 @@ async fn rows_naming_topics_outside_the_allow_list_are_parked_and_nothing_is_cre
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     let pool = db.pool.clone();
     wait::until(WAIT, "one published, two parked", || {

@@ -10,7 +10,7 @@ use postal_producer::{enqueue, NewEvent};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::common::{create_topic, fast_config, kafka_transport, RunningRelay};
+use crate::common::{create_topic, kafka_transport, RunningRelay};
 
 const WAIT: Duration = Duration::from_secs(45);
 
@@ -93,7 +93,7 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_w
 async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-time");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let mut bad = BTreeSet::new();
@@ -142,7 +142,11 @@ async fn occurred_at_out_of_chronos_range_is_refused_or_parked_and_others_flow_w
         bad.insert(id);
     }
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     only_parked_left(&db.pool, &bad, "outside the times").await;
     let kept: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM postal.outbox WHERE status = 'failed'
@@ -178,7 +182,7 @@ async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_wa
 async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-header-count");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad: Uuid = sqlx::query_scalar(
@@ -192,7 +196,11 @@ async fn an_sql_enqueued_event_with_more_headers_than_enqueue_takes_is_parked_wi
     .await
     .unwrap();
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     let reasons = only_parked_left(&db.pool, &BTreeSet::from([bad]), "300 headers").await;
     relay.stop().await;
     assert!(reasons[0].contains("300 user headers"), "{reasons:?}");
@@ -217,7 +225,7 @@ async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_wal() {
 async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-attempts");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad = Uuid::now_v7();
@@ -231,7 +239,11 @@ async fn a_stored_row_at_the_attempts_ceiling_is_parked_and_others_flow_with(wal
     .await
     .unwrap();
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     only_parked_left(&db.pool, &BTreeSet::from([bad]), "attempts at i32::MAX").await;
     relay.stop().await;
 }
@@ -254,7 +266,7 @@ async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_wal() 
 async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-topics");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let mut bad = BTreeSet::new();
@@ -282,7 +294,11 @@ async fn stored_rows_with_topics_kafka_refuses_are_parked_and_others_flow_with(w
         bad.insert(id);
     }
     small_events(&db.pool, &topic, 20).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     let reasons = only_parked_left(&db.pool, &bad, "invalid topics").await;
     relay.stop().await;
     for r in reasons {
@@ -309,13 +325,17 @@ async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_wal() 
 async fn a_topic_colliding_with_an_existing_one_is_parked_with_its_reason_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let base = unique("hostile").replace('-', "");
     let (dotted, underscored) = (format!("{base}.col"), format!("{base}_col"));
     let topic = unique("hostile-ok");
     create_topic(&svc.bootstrap, &topic, 1).await;
     small_events(&db.pool, &dotted, 3).await;
-    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), config_for(&slot));
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     wait::until(WAIT, "the dotted topic's events published", || async {
         rows(&db.pool).await.is_empty()
     })
@@ -695,33 +715,4 @@ async fn discard_batches_are_bounded_by_bytes() {
     .await
     .unwrap();
     assert_eq!((affected, kept), (5, 4 * 614400 + 3145728));
-}
-
-/// A slot of the test's own when `wal` (created before the test's rows, so that the stream
-/// holds them), dropped at the end of the test.
-pub(crate) async fn slot_if(
-    db: &postal_integration_tests::TestDb,
-    wal: bool,
-) -> Option<crate::wal_relay::Slot> {
-    if wal {
-        Some(crate::wal_relay::Slot::create(db).await)
-    } else {
-        None
-    }
-}
-
-/// The relay's configuration: a WAL relay's on `slot`, else a polling relay's.
-pub(crate) fn config_for(slot: &Option<crate::wal_relay::Slot>) -> postal_producer::RelayConfig {
-    slot.as_ref().map_or_else(fast_config, |s| s.config())
-}
-
-/// `config` reading from `slot` when there is one (a WAL relay), else unchanged.
-pub(crate) fn on_slot(
-    slot: &Option<crate::wal_relay::Slot>,
-    config: postal_producer::RelayConfig,
-) -> postal_producer::RelayConfig {
-    match slot {
-        Some(s) => config.source(postal_producer::RelaySource::Wal(s.source.clone())),
-        None => config,
-    }
 }

@@ -62,11 +62,7 @@ async fn deleted_topic_after_ready(
     let svc = services().await;
     let db = svc.fresh_db().await;
     // With `wal`, a WAL relay (its own slot, dropped at the end) instead of a polling one.
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let (gone, other) = (unique("gone"), unique("other"));
     create_topic(&svc.bootstrap, &gone, 1).await;
     create_topic(&svc.bootstrap, &other, 1).await;
@@ -75,9 +71,7 @@ async fn deleted_topic_after_ready(
     cfg.topic_partitions = 1;
     cfg.properties
         .insert("message.timeout.ms".into(), timeout_ms.into());
-    let config = slot
-        .as_ref()
-        .map_or_else(fast_config, |s| s.config())
+    let config = crate::wal_relay::config_for(&slot)
         .max_attempts(3)
         .lease(Duration::from_secs(lease_s));
     let relay = RunningRelay::start(&db.pool, KafkaTransport::new(cfg).unwrap(), config);
@@ -394,8 +388,8 @@ async fn waiting_event_holds_its_key_on_its_own_topic_only_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
     let (slot_a, slot_b) = (
-        crate::hostile_sizes::slot_if(&db, wal).await,
-        crate::hostile_sizes::slot_if(&db, wal).await,
+        crate::wal_relay::slot_if(&db, wal).await,
+        crate::wal_relay::slot_if(&db, wal).await,
     );
     let (missing, present) = (unique("missing"), unique("present"));
     create_topic(&svc.bootstrap, &present, 1).await;
@@ -419,7 +413,7 @@ async fn waiting_event_holds_its_key_on_its_own_topic_only_with(wal: bool) {
     let ga = RunningRelay::start(
         &db.pool,
         KafkaTransport::new(cfg).unwrap(),
-        crate::hostile_sizes::on_slot(
+        crate::wal_relay::on_slot(
             &slot_a,
             fast_config()
                 .group("ga".into())
@@ -452,7 +446,7 @@ async fn waiting_event_holds_its_key_on_its_own_topic_only_with(wal: bool) {
     let gb = RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::hostile_sizes::on_slot(
+        crate::wal_relay::on_slot(
             &slot_b,
             fast_config()
                 .group("gb".into())

@@ -196,7 +196,7 @@ async fn failed_batch_commits_are_counted_wal() {
 async fn failed_batch_commits_are_counted_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = postal_integration_tests::unique("record-failures");
     sqlx::query(
         "CREATE FUNCTION postal.refuse_commit() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -172,7 +172,7 @@ async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_wi
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hostile-num");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let odd = Uuid::now_v7();
@@ -203,7 +203,7 @@ async fn a_stored_row_with_a_non_string_header_value_does_not_stall_the_relay_wi
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     let outcome = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
@@ -378,7 +378,7 @@ async fn a_row_parked_for_its_header_holds_back_its_key_with(wal: bool) {
     use postal_producer::NewEvent;
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("hdr-order");
     create_topic(&svc.bootstrap, &topic, 1).await;
     let bad = Uuid::now_v7();
@@ -402,7 +402,7 @@ async fn a_row_parked_for_its_header_holds_back_its_key_with(wal: bool) {
     let relay = crate::common::RunningRelay::start(
         &db.pool,
         crate::common::kafka_transport(&svc.bootstrap),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     wait::until(WAIT, "the row parked", || async {
         sqlx::query_scalar::<_, bool>(

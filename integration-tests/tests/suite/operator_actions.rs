@@ -225,14 +225,14 @@ async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_w
 async fn a_discard_losing_to_a_requeue_never_lets_the_keys_next_event_overtake_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let admin = db.pool_of(4).await;
     let topic = unique("rev-dash-race");
     let ledger = Ledger::default();
     let relay = RunningRelay::start(
         &db.pool,
         ledger.clone(),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     enqueue(
         &db.pool,
@@ -597,7 +597,7 @@ async fn operator_at_work(keep_published: bool, seed: u64) {
 async fn operator_at_work_with(keep_published: bool, seed: u64, wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let admin = db.pool_of(4).await;
     let topic = unique("rev-dash-work");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -611,7 +611,7 @@ async fn operator_at_work_with(keep_published: bool, seed: u64, wal: bool) {
     let relay = RunningRelay::start(
         &db.pool,
         ledger.clone(),
-        crate::hostile_sizes::config_for(&slot)
+        crate::wal_relay::config_for(&slot)
             .batch_size(4)
             .lanes(2)
             .max_in_flight_batches(4)
@@ -801,7 +801,7 @@ async fn requeueing_a_later_parked_event_never_jumps_the_parked_head_wal() {
 async fn requeueing_a_later_parked_event_never_jumps_the_parked_head_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("rev-dash-later");
     let ids = park(
         &db.pool,
@@ -817,7 +817,7 @@ async fn requeueing_a_later_parked_event_never_jumps_the_parked_head_with(wal: b
     let relay = RunningRelay::start(
         &db.pool,
         ledger.clone(),
-        crate::hostile_sizes::config_for(&slot).lanes(1),
+        crate::wal_relay::config_for(&slot).lanes(1),
     );
     let addr = start(Dashboard::new(db.pool.clone()).actions(true)).await;
     let page = request(addr, "GET", "/parked", &[], "").await;

@@ -61,7 +61,7 @@ async fn events_arrive_with_confirms_headers_and_order_wal() {
 async fn events_arrive_with_confirms_headers_and_order_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
@@ -69,7 +69,7 @@ async fn events_arrive_with_confirms_headers_and_order_with(wal: bool) {
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        crate::hostile_sizes::config_for(&slot),
+        crate::wal_relay::config_for(&slot),
     );
     wait::until(Duration::from_secs(60), "outbox drained", || async {
         outbox_count(&db.pool).await == 0
@@ -123,7 +123,7 @@ async fn unroutable_and_oversized_events_are_parked_with_reason_wal() {
 async fn unroutable_and_oversized_events_are_parked_with_reason_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let routed = unique("rmq-routed");
     let queue = rabbit::bind_queue(&mq.url(), &routed, "order.*").await;
@@ -168,7 +168,7 @@ async fn unroutable_and_oversized_events_are_parked_with_reason_with(wal: bool) 
     let relay = RunningRelay::start(
         &db.pool,
         transport,
-        crate::hostile_sizes::config_for(&slot).max_attempts(3),
+        crate::wal_relay::config_for(&slot).max_attempts(3),
     );
     wait::until(Duration::from_secs(60), "both parked", || async {
         parked(&db.pool).await.len() == 2
@@ -214,7 +214,7 @@ async fn nacked_event_is_retried_then_parked_with_reason_with(wal: bool) {
     use lapin::types::{AMQPValue, FieldTable};
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let full = unique("rmq-full");
     let open = unique("rmq-open");
@@ -247,7 +247,7 @@ async fn nacked_event_is_retried_then_parked_with_reason_with(wal: bool) {
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        crate::hostile_sizes::config_for(&slot).max_attempts(2),
+        crate::wal_relay::config_for(&slot).max_attempts(2),
     );
     wait::until(
         Duration::from_secs(60),
@@ -341,7 +341,7 @@ async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_wal() {
 async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mut mq = PrivateRabbit::start().await;
     let topic = unique("rmq-outage");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
@@ -354,7 +354,7 @@ async fn rabbitmq_stopped_and_restarted_loses_nothing_parks_nothing_with(wal: bo
     let relay = RunningRelay::start(
         &db.pool,
         transport,
-        crate::hostile_sizes::config_for(&slot).max_attempts(2),
+        crate::wal_relay::config_for(&slot).max_attempts(2),
     );
     wait::until(
         Duration::from_secs(30),
@@ -412,7 +412,7 @@ async fn one_relay_serves_kafka_and_rabbitmq_topics_wal() {
 async fn one_relay_serves_kafka_and_rabbitmq_topics_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let to_kafka = unique("mixed-k");
     let to_rabbit = unique("mixed-r");
@@ -428,7 +428,7 @@ async fn one_relay_serves_kafka_and_rabbitmq_topics_with(wal: bool) {
         .unwrap()
         .route(to_rabbit.as_str(), "rabbitmq")
         .unwrap();
-    let relay = RunningRelay::start(&db.pool, router, crate::hostile_sizes::config_for(&slot));
+    let relay = RunningRelay::start(&db.pool, router, crate::wal_relay::config_for(&slot));
     wait::until(
         Duration::from_secs(60),
         "routed events published",
@@ -575,7 +575,7 @@ async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key_with(wal: b
     use lapin::types::{AMQPValue, FieldTable};
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq-bp");
     let mut args = FieldTable::default();
@@ -590,7 +590,7 @@ async fn back_pressure_nacks_never_reorder_first_deliveries_of_a_key_with(wal: b
     let relay = RunningRelay::start(
         &db.pool,
         transport(&mq.url()),
-        crate::hostile_sizes::on_slot(&slot, many_in_flight(300, i32::MAX)),
+        crate::wal_relay::on_slot(&slot, many_in_flight(300, i32::MAX)),
     );
     wait::until(Duration::from_secs(60), "everything read", || async {
         reader.distinct() >= ids.len()
@@ -631,7 +631,7 @@ async fn connection_drops_with_batches_in_flight_keep_first_delivery_order_wal()
 async fn connection_drops_with_batches_in_flight_keep_first_delivery_order_with(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mq = Rabbit::get().await;
     let topic = unique("rmq-drop");
     let queue = rabbit::bind_queue(&mq.url(), &topic, "#").await;
@@ -643,7 +643,7 @@ async fn connection_drops_with_batches_in_flight_keep_first_delivery_order_with(
     let relay = RunningRelay::start(
         &db.pool,
         RabbitTransport::new(cfg).unwrap(),
-        crate::hostile_sizes::on_slot(&slot, many_in_flight(100, 5)),
+        crate::wal_relay::on_slot(&slot, many_in_flight(100, 5)),
     );
     wait::until(Duration::from_secs(60), "outbox drained", || async {
         outbox_count(&db.pool).await == 0

@@ -374,11 +374,7 @@ async fn broker_outage_longer_than_retry_budget_parks_nothing_wal() {
 async fn broker_outage_longer_than_retry_budget(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let mut broker = PrivateBroker::start().await;
     let topic = unique("outage");
     // Create the topic while the broker is up.
@@ -394,9 +390,7 @@ async fn broker_outage_longer_than_retry_budget(wal: bool) {
         inner: KafkaTransport::new(kcfg).unwrap(),
         counts: counts.clone(),
     };
-    let cfg = slot
-        .as_ref()
-        .map_or_else(fast_config, |s| s.config())
+    let cfg = crate::wal_relay::config_for(&slot)
         .lease(Duration::from_secs(4))
         .max_attempts(2)
         .backoff(postal_producer::Backoff {
@@ -462,21 +456,14 @@ async fn graceful_shutdown_leaves_nothing_claimed_wal() {
 async fn graceful_shutdown(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("shutdown");
     let ids = seed(&db.pool, &topic, 20_000, 100).await;
-    let relay = match &slot {
-        Some(s) => RunningRelay::start(
-            &db.pool,
-            crate::common::kafka_transport(&svc.bootstrap),
-            s.config(),
-        ),
-        None => RunningRelay::kafka(&db.pool, &svc.bootstrap),
-    };
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     wait::until(Duration::from_secs(60), "relay under way", || async {
         outbox_count(&db.pool).await < 20_000
     })
@@ -519,18 +506,11 @@ async fn a_hand_over_that_never_returns_does_not_block_a_wal_relay_s_shutdown() 
 async fn hand_over_that_never_returns(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("stuck");
     let ids = seed(&db.pool, &topic, 10, 2).await;
     let entered = std::sync::Arc::new(tokio::sync::Notify::new());
-    let config = slot
-        .as_ref()
-        .map_or_else(fast_config, |s| s.config())
-        .shutdown_timeout(Duration::from_secs(1));
+    let config = crate::wal_relay::config_for(&slot).shutdown_timeout(Duration::from_secs(1));
     let relay = RunningRelay::start(
         &db.pool,
         NeverHandsOver {
@@ -674,21 +654,14 @@ async fn relay_reconnects_after_database_restart_with(wal: bool) {
     let mut pg = PrivatePostgres::start().await;
     let db = postal_integration_tests::create_db(&pg.url()).await;
     postal_shared::migrate(&db.pool).await.unwrap();
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("dbrestart");
     let mut ids = seed(&db.pool, &topic, 10, 3).await;
-    let relay = match &slot {
-        Some(s) => RunningRelay::start(
-            &db.pool,
-            crate::common::kafka_transport(&svc.bootstrap),
-            s.config(),
-        ),
-        None => RunningRelay::kafka(&db.pool, &svc.bootstrap),
-    };
+    let relay = RunningRelay::start(
+        &db.pool,
+        kafka_transport(&svc.bootstrap),
+        crate::wal_relay::config_for(&slot),
+    );
     wait::until(
         Duration::from_secs(30),
         "first events published",
@@ -765,11 +738,10 @@ async fn history_mode_keeps_events_in_daily_partitions_and_drops_old_days_wal() 
 async fn history_mode(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
-    let slot = crate::hostile_sizes::slot_if(&db, wal).await;
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("history");
     let ids = seed(&db.pool, &topic, 300, 7).await;
-    let cfg =
-        crate::hostile_sizes::config_for(&slot).history(Some(Duration::from_secs(3 * 86_400)));
+    let cfg = crate::wal_relay::config_for(&slot).history(Some(Duration::from_secs(3 * 86_400)));
     let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), cfg);
     wait::until(Duration::from_secs(30), "outbox drained", || async {
         outbox_count(&db.pool).await == 0

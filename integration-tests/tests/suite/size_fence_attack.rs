@@ -250,11 +250,7 @@ async fn limit_lowered_under_a_running_relay(wal: bool) {
     let topic = unique("size-fence-lowered");
     crate::dead_letters::create_topic_with(&svc.bootstrap, &topic, &[]).await;
     // Dropped (with its publication) at the end of the test, not before.
-    let slot = if wal {
-        Some(crate::wal_relay::Slot::create(&db).await)
-    } else {
-        None
-    };
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let relay = if let Some(slot) = &slot {
         RunningRelay::start(
             &db.pool,

@@ -67,6 +67,29 @@ impl Slot {
     }
 }
 
+/// A slot of the test's own when `wal` (created before the test's rows, so that the stream
+/// holds them), dropped at the end of the test: a test's WAL twin.
+pub(crate) async fn slot_if(db: &TestDb, wal: bool) -> Option<Slot> {
+    if wal {
+        Some(Slot::create(db).await)
+    } else {
+        None
+    }
+}
+
+/// The tests' relay configuration: a WAL relay's on `slot`, else a polling relay's.
+pub(crate) fn config_for(slot: &Option<Slot>) -> RelayConfig {
+    on_slot(slot, fast_config())
+}
+
+/// `config` reading from `slot` when there is one (a WAL relay), else unchanged.
+pub(crate) fn on_slot(slot: &Option<Slot>, config: RelayConfig) -> RelayConfig {
+    match slot {
+        Some(s) => config.source(RelaySource::Wal(s.source.clone())),
+        None => config,
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let (url, slot, publication) = (

@@ -176,6 +176,29 @@ fn behind_unknown(seq: i64, older: Option<i64>, known: &Known) -> bool {
     })
 }
 
+/// A chunk's transaction: idle for at most `idle` (its session drops a client that stops
+/// acknowledging data after as long, `tcp_user_timeout`), holding the group's stream lock
+/// shared if it could be had at once ([`stream_lock`]; `false`: a pause waits for it). Also
+/// the session's own `lock_timeout`, which [`take`] restores after its short wait.
+async fn begin(
+    pool: &PgPool,
+    group: &str,
+    idle: std::time::Duration,
+) -> Result<(Transaction<'static, Postgres>, String, bool), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let (own_wait, _, _, locked): (String, String, String, bool) = sqlx::query_as(concat!(
+        "SELECT current_setting('lock_timeout'), \
+                set_config('idle_in_transaction_session_timeout', $1, true), \
+                set_config('tcp_user_timeout', $1, true), ",
+        stream_lock!("pg_try_advisory_xact_lock_shared")
+    ))
+    .bind(idle.as_millis().max(1).to_string())
+    .bind(group)
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok((tx, own_wait, locked))
+}
+
 /// How long [`take`]'s delete waits for a row another session holds locked before it gives
 /// the chunk to [`lock`] (which skips such rows): far below `deadlock_timeout` (1 s).
 const TAKE_LOCK_WAIT: &str = "50ms";
@@ -198,17 +221,7 @@ pub(crate) async fn take(
 ) -> Result<Option<Locked>, sqlx::Error> {
     use sqlx::Row as _;
     let (only, except) = topics.binds();
-    let mut tx = pool.begin().await?;
-    let (own_wait, _, _, locked): (String, String, String, bool) = sqlx::query_as(concat!(
-        "SELECT current_setting('lock_timeout'), \
-                set_config('idle_in_transaction_session_timeout', $1, true), \
-                set_config('tcp_user_timeout', $1, true), ",
-        stream_lock!("pg_try_advisory_xact_lock_shared")
-    ))
-    .bind(idle.as_millis().max(1).to_string())
-    .bind(group)
-    .fetch_one(&mut *tx)
-    .await?;
+    let (mut tx, own_wait, locked) = begin(pool, group, idle).await?;
     // A pause waits for the stream's chunks in flight: `lock` waits for it.
     if !locked {
         tx.rollback().await?;
@@ -347,16 +360,7 @@ pub(crate) async fn lock(
     // starts and one when it ends (the pause's own `--wait` bounds it).
     let mut waited: Option<std::time::Instant> = None;
     let mut tx = loop {
-        let mut tx = pool.begin().await?;
-        let (_, _, locked): (String, String, bool) = sqlx::query_as(concat!(
-            "SELECT set_config('idle_in_transaction_session_timeout', $1, true), \
-                    set_config('tcp_user_timeout', $1, true), ",
-            stream_lock!("pg_try_advisory_xact_lock_shared")
-        ))
-        .bind(idle.as_millis().max(1).to_string())
-        .bind(group)
-        .fetch_one(&mut *tx)
-        .await?;
+        let (tx, _, locked) = begin(pool, group, idle).await?;
         if locked {
             if let Some(since) = waited {
                 tracing::info!(waited_ms = since.elapsed().as_millis() as u64, "WAL relay: the pause is through waiting; the stream goes on (what it pauses is left pending)");
