@@ -80,3 +80,41 @@ pub use sqlx;
 pub use tasks::{Task, TaskConfig, TaskError, TaskHandler, TaskTransport};
 pub use transport::{FailureKind, OutboundEvent, PublishError, Transport};
 pub use wal::WalSource;
+
+#[cfg(test)]
+mod source_rules {
+    /// Guarantee: no transaction of the producer is begun with a bare `pool.begin()`, which
+    /// sqlx leaves half-open on the pooled connection when the future is dropped after its
+    /// `BEGIN` was sent (`postal_shared::cancel_safe`); the WAL relay's chunks began that way
+    /// until helper-68 found it.
+    #[test]
+    fn transactions_begin_cancel_safe() {
+        fn walk(dir: &std::path::Path, found: &mut Vec<String>) {
+            // Spelled in two halves so that this test does not find itself.
+            let needle = [".begin", "().await"].concat();
+            for entry in std::fs::read_dir(dir).expect("src") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    walk(&path, found);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).expect("source");
+                    for (i, line) in text.lines().enumerate() {
+                        let code = line.split("//").next().unwrap_or("");
+                        if code.contains(&needle) {
+                            found.push(format!("{}:{}", path.display(), i + 1));
+                        }
+                    }
+                }
+            }
+        }
+        let mut found = Vec::new();
+        walk(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut found,
+        );
+        assert!(
+            found.is_empty(),
+            "use postal_shared::cancel_safe::begin: {found:?}"
+        );
+    }
+}

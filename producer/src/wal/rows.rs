@@ -185,7 +185,10 @@ async fn begin(
     group: &str,
     idle: std::time::Duration,
 ) -> Result<(Transaction<'static, Postgres>, String, bool), sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    // Cancel-safe: the publish future is dropped when the slot's lease is lost or the
+    // shutdown timeout ends, maybe here (a bare `pool.begin()` cancelled after its `BEGIN` was
+    // sent leaves the pooled connection inside a transaction: helper-68's finding).
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let (own_wait, _, _, locked): (String, String, String, bool) = sqlx::query_as(concat!(
         "SELECT current_setting('lock_timeout'), \
                 set_config('idle_in_transaction_session_timeout', $1, true), \
