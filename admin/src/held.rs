@@ -156,7 +156,7 @@ pub async fn release(
             postal_shared::text::quoted(group)
         )));
     }
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     let marked: Vec<i32> = sqlx::query_scalar(
         "UPDATE postal.held_keys SET release = $4, released_by = $5
          WHERE group_id = $1 AND topic = $2 AND key_hash = sha256($3) AND record_key = $3

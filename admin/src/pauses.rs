@@ -238,7 +238,7 @@ pub async fn wait_for_relay_claims(
     // claims (and a WAL relay's next chunk) until the transaction ends, so a group must not
     // stay stopped while the pause waits for another group's claims.
     for group in &groups {
-        let mut tx = pool.begin().await?;
+        let mut tx = postal_shared::cancel_safe::begin(pool).await?;
         sqlx::query("SELECT set_config('lock_timeout', $1, true)")
             .bind(format!("{}ms", wait.as_millis().max(1)))
             .execute(&mut *tx)

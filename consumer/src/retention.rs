@@ -51,7 +51,7 @@ pub async fn cleanup_processed_recorded(
     // In a transaction of its own, unnamed: behind a transaction pooler each round trip
     // outside a transaction may reach another server connection, where the statement sqlx
     // prepared (named, or unnamed in the round trip before) does not exist.
-    let mut tx = pool.begin().await?;
+    let mut tx = postal_shared::cancel_safe::begin(pool).await?;
     sqlx::query(
         "INSERT INTO postal.dedup_horizon (consumer_name, horizon)
          SELECT $1, max(processed_at) FROM postal.processed_events

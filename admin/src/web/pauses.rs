@@ -156,7 +156,7 @@ pub(crate) async fn pause(
     }
     let by = audit::Operator::dashboard(&actor.0);
     let result = async {
-        let mut tx = state.pool.begin().await?;
+        let mut tx = postal_shared::cancel_safe::begin(&state.pool).await?;
         let new = pauses::pause(&mut tx, &by, &scope, get(&p, "reason"), WAIT).await?;
         tx.commit().await?;
         if scope.side() == pauses::Side::Relay {
@@ -205,7 +205,7 @@ pub(crate) async fn resume(
     }
     let by = audit::Operator::dashboard(&actor.0);
     let result = async {
-        let mut tx = state.pool.begin().await?;
+        let mut tx = postal_shared::cancel_safe::begin(&state.pool).await?;
         let lifted = pauses::resume(&mut tx, &by, &scope).await?;
         tx.commit().await?;
         Ok::<_, Error>(lifted)
