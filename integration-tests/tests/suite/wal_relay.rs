@@ -508,3 +508,33 @@ async fn a_wal_relay_stopped_gracefully_hands_its_slot_to_a_standby_at_once() {
     let want: BTreeSet<String> = ids.iter().cloned().collect();
     assert_eq!(seen, want, "every event published");
 }
+
+/// Guarantee: a WAL relay whose replication URL names a CA file it cannot read stops at start
+/// with one line naming the setting and the file, instead of restarting its session for ever.
+#[tokio::test]
+async fn a_wal_relay_with_an_unreadable_ca_file_stops_at_start_with_one_line() {
+    let db = services().await.fresh_db().await;
+    let sep = if db.url.contains('?') { '&' } else { '?' };
+    let url = format!(
+        "{}{sep}sslmode=verify-full&sslrootcert=/nonexistent/postal-ca.pem",
+        db.url
+    );
+    let source = WalSource::new(url, "postal_t_no_slot", "postal_t_no_pub");
+    let relay = postal_producer::Relay::new(
+        db.pool.clone(),
+        kafka_transport(&services().await.bootstrap),
+        fast_config().source(RelaySource::Wal(source)),
+    )
+    .expect("a valid configuration");
+    let ended = tokio::time::timeout(
+        Duration::from_secs(30),
+        relay.run(std::future::pending::<()>()),
+    )
+    .await
+    .expect("the relay stopped at start");
+    let error = ended.expect_err("the relay refused the URL").to_string();
+    assert!(
+        error.contains("sslrootcert /nonexistent/postal-ca.pem") && error.lines().count() == 1,
+        "{error}"
+    );
+}

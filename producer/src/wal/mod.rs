@@ -112,6 +112,9 @@ pub(crate) async fn run<T: Transport>(
     // Failed starts of streaming in a row, and since when.
     let mut failed_starts: Option<(u32, tokio::time::Instant)> = None;
     let mut held: Option<lease::Held> = None;
+    // A connection URL the replication session cannot use (an unknown `sslmode`, a CA file
+    // that cannot be read): one line, and no stream at all.
+    stream::replication_config(&source)?;
     // A wrong publication or another database's slot: one line, and no stream at all.
     if !checked(&pool, &source, &config, &mut shutdown).await? {
         return Ok(stats);

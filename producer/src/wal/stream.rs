@@ -170,7 +170,7 @@ fn decode(s: &str) -> String {
 
 /// The replication session's settings from the source's connection URL
 /// (`postgres://user:password@host:port/database?sslmode=…`).
-fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
+pub(super) fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
     use pgwire_replication::{SslMode, TlsConfig};
     let bad = |m: &str| Error::Config(format!("WAL source connection: {m}"));
     let url = url::Url::parse(&source.url).map_err(|_| bad("not a postgres:// URL"))?;
@@ -214,6 +214,18 @@ fn replication_config(source: &WalSource) -> Result<ReplicationConfig, Error> {
         (None, None) => {}
         _ => return Err(bad("sslcert and sslkey go together")),
     }
+    // A file the session cannot read fails every start the same way: said once, at start.
+    for (name, path) in [
+        ("sslrootcert", &tls.ca_pem_path),
+        ("sslcert", &tls.client_cert_pem_path),
+        ("sslkey", &tls.client_key_pem_path),
+    ] {
+        if let Some(path) = path {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(bad(&format!("{name} {}: {e}", path.display())));
+            }
+        }
+    }
     // An IP address is checked against the certificate's IP names, as libpq does (the crate
     // refuses `verify-full` to an IP address unless it is named as the server's name).
     let host = match url.host() {
@@ -255,27 +267,39 @@ mod tests {
     /// certificate's IP names.
     #[test]
     fn the_replication_session_reads_the_url_s_tls_settings() {
+        let pem = std::env::temp_dir().join(format!("postal-wal-tls-{}.pem", std::process::id()));
+        std::fs::write(&pem, "not read here").unwrap();
+        let pem_s = pem.display().to_string();
         let c = config("postgres://u:p@db.example:5433/app");
         assert_eq!(
             (c.tls.mode, c.port, c.database.as_str()),
             (SslMode::Prefer, 5433, "app")
         );
-        let c = config("postgres://u@10.0.0.7/app?sslmode=verify-full&sslrootcert=/ca.pem");
+        let c = config(&format!(
+            "postgres://u@10.0.0.7/app?sslmode=verify-full&sslrootcert={pem_s}"
+        ));
         assert_eq!(c.tls.mode, SslMode::VerifyFull);
-        assert_eq!(
-            c.tls.ca_pem_path.as_deref(),
-            Some(std::path::Path::new("/ca.pem"))
-        );
+        assert_eq!(c.tls.ca_pem_path.as_deref(), Some(pem.as_path()));
         assert_eq!(c.tls.sni_hostname.as_deref(), Some("10.0.0.7"));
-        let c = config("postgres://u@db.example/app?sslmode=require&sslcert=/c.pem&sslkey=/k.pem");
+        let c = config(&format!(
+            "postgres://u@db.example/app?sslmode=require&sslcert={pem_s}&sslkey={pem_s}"
+        ));
         assert!(c.tls.is_mtls() && c.tls.sni_hostname.is_none());
+        let refused = |url: &str| {
+            replication_config(&WalSource::new(url, "s", "p"))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        assert!(refused(&format!("postgres://u@h/a?sslcert={pem_s}")).contains("go together"));
+        assert!(refused("postgres://u@h/a?sslmode=bogus").contains("unknown sslmode"));
+        let missing =
+            refused("postgres://u@h/a?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem");
         assert!(
-            replication_config(&WalSource::new("postgres://u@h/a?sslcert=/c.pem", "s", "p"))
-                .is_err()
+            missing.contains("sslrootcert /nonexistent/ca.pem"),
+            "{missing}"
         );
-        assert!(
-            replication_config(&WalSource::new("postgres://u@h/a?sslmode=bogus", "s", "p"))
-                .is_err()
-        );
+        assert_eq!(missing.lines().count(), 1);
+        let _ = std::fs::remove_file(&pem);
     }
 }
