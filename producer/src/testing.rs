@@ -1,5 +1,6 @@
 //! The relay's steps as plain functions, for tests that play a relay by hand: take a lease,
-//! claim rows, complete them (feature `test-util`; not a stable API).
+//! claim rows, complete them, and the WAL relay's (read a slot's transactions, take its lease,
+//! publish a batch) (feature `test-util`; not a stable API).
 
 /// Claiming rows for publication (see `Claim`).
 pub mod claim {
@@ -12,4 +13,12 @@ pub mod claim {
 /// Partition leases between relays.
 pub mod lease {
     pub use crate::lease::{heartbeat, Lease, DEFAULT_GROUP};
+}
+
+/// The WAL relay's steps: a slot's changes read by SQL decoded into transactions, the slot's
+/// lease, one batch published.
+pub mod wal {
+    pub use crate::wal::by_hand::{
+        publish, take_lease, transactions, Committed, LeaseLost, SlotLease,
+    };
 }

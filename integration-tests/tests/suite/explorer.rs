@@ -20,6 +20,14 @@
 //! out under an open claim), and seeded random schedules of random scenarios (`random`, and
 //! the long run `long_random`, ignored).
 //!
+//! The WAL relay (issue 50, [`wal`]) is played the same way: it reads the slot's committed
+//! transactions by SQL and publishes them with the WAL relay's own row take, lock, verdict
+//! and marks under the slot's lease, confirming the slot only past what it finished
+//! (`enumeration_wal`, `enumeration_wal_takeover`: a second WAL relay takes the slot over,
+//! `enumeration_mixed`: a polling relay writes a failed row back beside the stream,
+//! `random_wal` and `long_random_wal`: random scenarios with r1 on the slot and r2 taking
+//! it over or claiming beside it).
+//!
 //! Replays are exact up to what PostgreSQL decides by itself: sessions that one commit wakes
 //! together run concurrently (as in production), and which of two deadlocked writers is
 //! aborted can vary.
@@ -41,6 +49,7 @@
 
 mod gate;
 mod sched;
+mod wal;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -156,8 +165,11 @@ struct Relay {
     session: usize,
     id: Uuid,
     rounds: u32,
-    /// Takes its partitions over during the schedule (heartbeats first).
+    /// Takes its partitions over during the schedule (heartbeats first), or (`wal`) the
+    /// slot's lease once r1's ran out.
     takes_over: bool,
+    /// Reads the slot and publishes with the WAL relay's code (`wal`) instead of claiming.
+    wal: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -168,7 +180,8 @@ struct Scenario {
     delete_on_claim: bool,
     /// `ops` requeues whatever is parked when it runs.
     requeue: bool,
-    /// `clock` ends `r1`'s lease (and its heartbeat) during the schedule.
+    /// `clock` ends `r1`'s lease (and its heartbeat; a WAL r1's slot lease) during the
+    /// schedule.
     expire_r1: bool,
 }
 
@@ -220,14 +233,19 @@ impl Scenario {
         }
         for r in &self.relays {
             out += &format!(
-                "\n    {}: {}{} claim rounds",
+                "\n    {}: {}{} {} rounds",
                 NAMES[r.session],
-                if r.takes_over {
-                    "2 heartbeats (takeover), "
-                } else {
-                    ""
+                match (r.takes_over, r.wal) {
+                    (true, false) => "2 heartbeats (takeover), ",
+                    (true, true) => "takes the slot's lease over, ",
+                    _ => "",
                 },
-                r.rounds
+                r.rounds,
+                if r.wal {
+                    "slot read and publish"
+                } else {
+                    "claim"
+                }
             );
         }
         out += &format!(
@@ -294,6 +312,7 @@ fn random_scenario(rng: &mut Rng) -> Scenario {
         id: Uuid::from_u64_pair(1, rng.next_u64()),
         rounds: 2 + rng.below(2) as u32,
         takes_over: false,
+        wal: false,
     }];
     if expire_r1 {
         relays.push(Relay {
@@ -301,6 +320,7 @@ fn random_scenario(rng: &mut Rng) -> Scenario {
             id: Uuid::from_u64_pair(2, rng.next_u64()),
             rounds: 2,
             takes_over: true,
+            wal: false,
         });
     }
     let mut s = Scenario {
@@ -312,6 +332,69 @@ fn random_scenario(rng: &mut Rng) -> Scenario {
     };
     let parks = s.events().any(|e| e.fail == Fail::Permanent);
     s.requeue = parks || rng.chance(1, 5);
+    s
+}
+
+/// A random scenario of [`random_scenario`]'s with r1 a WAL relay: when its lease runs out,
+/// r2 is a WAL relay that takes the slot over; else, half the time, r2 is a polling relay
+/// beside it (a WAL relay's sweep, or polling relays taking over from a slot).
+fn random_wal_scenario(rng: &mut Rng) -> Scenario {
+    let mut s = random_scenario(rng);
+    s.relays[0].wal = true;
+    // A slot read is one statement: more of them, so that more reads come after commits.
+    s.relays[0].rounds += 1 + rng.below(2) as u32;
+    if s.expire_r1 {
+        s.relays[1].wal = true;
+    } else if rng.chance(1, 2) {
+        s.relays.push(Relay {
+            session: R2,
+            id: Uuid::from_u64_pair(2, rng.next_u64()),
+            rounds: 2,
+            takes_over: false,
+            wal: false,
+        });
+    }
+    s
+}
+
+/// `scenario` with r1 a WAL relay, and r2 (if any) one too; r1 reads the slot once more (a
+/// read is one statement, and one before the commits finds nothing).
+fn on_the_slot(mut scenario: Scenario) -> Scenario {
+    for r in &mut scenario.relays {
+        r.wal = true;
+    }
+    scenario.relays[0].rounds += 1;
+    scenario
+}
+
+/// A WAL relay and a polling relay on one key (issue 50, the mixed-mode reorder of seed
+/// 4481965649440346300): two writers enqueue one event each for the same key, the first
+/// failing once at the destination and retried at once; r2 claims (writing the failed row
+/// back: inserted again, so that the slot gives it again), and r1 reads the slot twice.
+fn mixed_scenario() -> Scenario {
+    let mut s = review_scenario(1);
+    if let Op::Rust(e) = &mut s.writers[0].ops[0] {
+        e.fail = Fail::Transient {
+            times: 1,
+            later: false,
+        };
+    }
+    s.relays = vec![
+        Relay {
+            session: R1,
+            id: Uuid::from_u64_pair(1, 1),
+            rounds: 2,
+            takes_over: false,
+            wal: true,
+        },
+        Relay {
+            session: R2,
+            id: Uuid::from_u64_pair(2, 2),
+            rounds: 1,
+            takes_over: false,
+            wal: false,
+        },
+    ];
     s
 }
 
@@ -338,6 +421,7 @@ fn review_scenario(rounds: u32) -> Scenario {
             id: Uuid::from_u64_pair(1, 1),
             rounds,
             takes_over: false,
+            wal: false,
         }],
         delete_on_claim: true,
         requeue: false,
@@ -380,12 +464,14 @@ fn takeover_scenario() -> Scenario {
                 id: Uuid::from_u64_pair(1, 1),
                 rounds: 1,
                 takes_over: false,
+                wal: false,
             },
             Relay {
                 session: R2,
                 id: Uuid::from_u64_pair(2, 2),
                 rounds: 1,
                 takes_over: true,
+                wal: false,
             },
         ],
         delete_on_claim: true,
@@ -438,6 +524,8 @@ fn note(log: &Shared, what: &'static str, s: String) {
 /// The explorer's fixture: a database, the gate, one pool of one connection per session
 /// through the gate.
 struct Harness {
+    /// The slot and publication of WAL scenarios (dropped before the database).
+    slot: Option<crate::wal_relay::Slot>,
     _db: TestDb,
     direct: PgPool,
     engine: Engine,
@@ -446,7 +534,8 @@ struct Harness {
 }
 
 impl Harness {
-    async fn new() -> Harness {
+    /// A harness; with `wal`, with a slot and publication for WAL relays.
+    async fn new(wal: bool) -> Harness {
         let db = fresh_postgres_db().await;
         sqlx::query("CREATE TABLE explorer_business (id bigserial PRIMARY KEY, note text)")
             .execute(&db.pool)
@@ -505,7 +594,13 @@ impl Harness {
             names: NAMES.to_vec(),
             atomic: Vec::new(),
         };
+        let slot = if wal {
+            Some(crate::wal_relay::Slot::create(&db).await)
+        } else {
+            None
+        };
         Harness {
+            slot,
             _db: db,
             direct,
             engine,
@@ -521,6 +616,12 @@ impl Harness {
         // A fresh state: an empty outbox, and r1 holding every partition (as its heartbeat
         // leaves them; a relay that takes over starts without a lease).
         let r1 = &scenario.relays[0];
+        // The polling relays' partitions: the first polling relay's (a WAL r1 has none).
+        let owner = scenario
+            .relays
+            .iter()
+            .find(|r| !r.wal)
+            .map_or(r1.id, |r| r.id);
         sqlx::raw_sql(&format!(
             "DELETE FROM postal.outbox;
              DELETE FROM explorer_business;
@@ -528,11 +629,30 @@ impl Harness {
              INSERT INTO postal.relay_instances (relay_id) VALUES ('{0}');
              UPDATE postal.relay_partitions
                 SET owner = '{0}', lease_until = now() + interval '1 hour', acquired_at = now();",
-            r1.id
+            owner
         ))
         .execute(direct)
         .await
         .unwrap();
+        // WAL relays: the slot past everything before this schedule, its lease r1's.
+        let mut r1_lease = None;
+        let slot = self.slot_names();
+        if let Some(names) = slot.as_ref().filter(|_| r1.wal) {
+            sqlx::query(
+                "WITH gone AS (DELETE FROM postal.wal_slot_leases RETURNING 1)
+                 SELECT pg_replication_slot_advance($1, pg_current_wal_flush_lsn())",
+            )
+            .bind(&names.slot)
+            .execute(direct)
+            .await
+            .unwrap();
+            r1_lease = Some(
+                postal_producer::testing::wal::take_lease(direct, &names.slot, r1.id, LEASE)
+                    .await
+                    .unwrap()
+                    .expect("r1 takes the free slot lease"),
+            );
+        }
         let log: Shared = Default::default();
         let fails: Arc<HashMap<Uuid, Fail>> =
             Arc::new(scenario.events().map(|e| (e.id, e.fail)).collect());
@@ -546,7 +666,33 @@ impl Harness {
             );
             tasks.push((w.session, writer(pool, w, topics, log).boxed()));
         }
+        // A WAL relay's retries: at once, or within an hour when the scenario retries later.
+        let later = scenario
+            .events()
+            .any(|e| matches!(e.fail, Fail::Transient { later: true, .. }));
         for r in &scenario.relays {
+            if r.wal {
+                let name = NAMES[r.session];
+                let relay = wal::SimWal {
+                    pool: self.pools[r.session].clone(),
+                    id: r.id,
+                    name,
+                    slot: slot.clone().expect("a WAL scenario's harness has a slot"),
+                    config: wal::config(scenario.delete_on_claim, later),
+                    destination: wal::Destination {
+                        name,
+                        fails: fails.clone(),
+                        log: log.clone(),
+                        drain: false,
+                    },
+                    log: log.clone(),
+                    lease: if r.takes_over { None } else { r1_lease.take() },
+                    received: 0,
+                    carried: Vec::new(),
+                };
+                tasks.push((r.session, relay.run(r.rounds, r.takes_over).boxed()));
+                continue;
+            }
             let relay = SimRelay {
                 pool: self.pools[r.session].clone(),
                 monitor: direct.clone(),
@@ -569,7 +715,23 @@ impl Harness {
             let (pool, log) = (self.pools[OPS].clone(), log.clone());
             tasks.push((OPS, requeue(pool, log).boxed()));
         }
-        if scenario.expire_r1 {
+        if scenario.expire_r1 && r1.wal {
+            let (pool, id) = (self.pools[CLOCK].clone(), r1.id);
+            tasks.push((
+                CLOCK,
+                async move {
+                    sqlx::query(
+                        "UPDATE postal.wal_slot_leases SET lease_until = now() - interval '1 hour'
+                         WHERE holder = $1",
+                    )
+                    .bind(id)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                }
+                .boxed(),
+            ));
+        } else if scenario.expire_r1 {
             let (pool, id) = (self.pools[CLOCK].clone(), r1.id);
             tasks.push((
                 CLOCK,
@@ -590,7 +752,7 @@ impl Harness {
             ));
         }
         let run = self.engine.run(tasks, chooser).await;
-        self.drain(scenario.delete_on_claim, &fails, &log).await;
+        self.drain(scenario, &fails, &log).await;
         let mut log = Arc::try_unwrap(log)
             .map(|m| m.into_inner().unwrap())
             .unwrap_or_else(|a| std::mem::take(&mut *a.lock().unwrap()));
@@ -600,7 +762,16 @@ impl Harness {
 
     /// Publishes everything left: a fresh relay takes every partition, the clock moves on a
     /// day, parked events are requeued, and claims run until the outbox is empty.
-    async fn drain(&self, delete_on_claim: bool, fails: &Arc<HashMap<Uuid, Fail>>, log: &Shared) {
+    /// The slot's names, on a harness with a slot.
+    fn slot_names(&self) -> Option<wal::SlotNames> {
+        self.slot.as_ref().map(|s| wal::SlotNames {
+            slot: s.source.slot.clone(),
+            publication: s.source.publication.clone(),
+        })
+    }
+
+    async fn drain(&self, scenario: &Scenario, fails: &Arc<HashMap<Uuid, Fail>>, log: &Shared) {
+        let delete_on_claim = scenario.delete_on_claim;
         let direct = &self.direct;
         let id = Uuid::now_v7();
         sqlx::raw_sql(&format!(
@@ -621,6 +792,41 @@ impl Harness {
             delete_on_claim,
             fails: fails.clone(),
             log: log.clone(),
+        };
+        // After a WAL schedule, a WAL relay reads what is left in the slot, beside the
+        // polling drain (as a WAL relay's sweep runs beside its stream).
+        let mut wal_drain = match self.slot_names() {
+            Some(slot) if scenario.relays.iter().any(|r| r.wal) => {
+                sqlx::query(
+                    "UPDATE postal.wal_slot_leases SET lease_until = now() - interval '1 hour'",
+                )
+                .execute(direct)
+                .await
+                .unwrap();
+                let lease =
+                    postal_producer::testing::wal::take_lease(direct, &slot.slot, id, LEASE)
+                        .await
+                        .unwrap()
+                        .expect("the drain takes the slot's lease");
+                Some(wal::SimWal {
+                    pool: direct.clone(),
+                    id,
+                    name: "drain",
+                    slot,
+                    config: wal::config(delete_on_claim, false),
+                    destination: wal::Destination {
+                        name: "drain",
+                        fails: fails.clone(),
+                        log: log.clone(),
+                        drain: true,
+                    },
+                    log: log.clone(),
+                    lease: Some(lease),
+                    received: 0,
+                    carried: Vec::new(),
+                })
+            }
+            _ => None,
         };
         for _ in 0..20 {
             // The clock moves on two days (what waits for a time is due), and what is left
@@ -651,6 +857,9 @@ impl Harness {
                 )
                 .await
                 .unwrap();
+            }
+            if let Some(w) = &mut wal_drain {
+                w.round(true).await;
             }
             relay.round(true).await;
         }
@@ -1017,7 +1226,7 @@ impl SimRelay {
                 None => {
                     if !drain {
                         log.saw(if self.name == "r2" {
-                            "r2 published (after a takeover)"
+                            "r2 published (by claim)"
                         } else {
                             "r1 published"
                         });
@@ -1168,7 +1377,7 @@ fn env_u64(name: &str) -> Option<u64> {
 /// `default_bound`) preemptions, depth first; panics with the choice sequence of the first
 /// that breaks a guarantee. `POSTAL_EXPLORER_REPLAY` runs only the schedule it names.
 async fn enumerate(test: &str, scenario: Scenario, default_bound: u32, atomic: Vec<&'static str>) {
-    let mut h = Harness::new().await;
+    let mut h = Harness::new(scenario.relays.iter().any(|r| r.wal)).await;
     h.engine.atomic = atomic;
     let bound = env_u64("POSTAL_EXPLORER_BOUND").map_or(default_bound, |b| b as u32);
     let replay: Option<Vec<usize>> = std::env::var("POSTAL_EXPLORER_REPLAY").ok().map(|r| {
@@ -1280,7 +1489,7 @@ struct Totals {
 /// `POSTAL_EXPLORER_PARALLEL` (default 1) databases at once. Panics with the seed of the first
 /// schedule that breaks a guarantee; with `POSTAL_EXPLORER_KEEP_GOING` set, runs them all and
 /// reports every failing seed.
-async fn random_schedules(default_schedules: u64) {
+async fn random_schedules(test: &'static str, default_schedules: u64, wal: bool) {
     let schedules = env_u64("POSTAL_EXPLORER_SCHEDULES").unwrap_or(default_schedules);
     let first = env_u64("POSTAL_EXPLORER_SEED").unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -1296,7 +1505,7 @@ async fn random_schedules(default_schedules: u64) {
     let workers = (0..parallel).map(|_| {
         let (next, totals) = (next.clone(), totals.clone());
         async move {
-            let h = Harness::new().await;
+            let h = Harness::new(wal).await;
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if i >= schedules {
@@ -1304,7 +1513,11 @@ async fn random_schedules(default_schedules: u64) {
                 }
                 let seed = first.wrapping_add(i);
                 let mut rng = Rng::new(seed);
-                let scenario = random_scenario(&mut rng);
+                let scenario = if wal {
+                    random_wal_scenario(&mut rng)
+                } else {
+                    random_scenario(&mut rng)
+                };
                 let mut chooser = RandomChooser::new(seed.rotate_left(17), NAMES.len());
                 let (run, log) = h.schedule(&scenario, &mut chooser).await;
                 let mut t = totals.lock().unwrap();
@@ -1318,7 +1531,7 @@ async fn random_schedules(default_schedules: u64) {
                 if !log.violations.is_empty() {
                     let report = format!(
                         "schedule {} (seed {seed}) broke a guarantee after {:.1} s\n  \
-                         replay: POSTAL_EXPLORER_SEED={seed} POSTAL_EXPLORER_SCHEDULES=1 cargo test -p postal-integration-tests --test suite -- explorer::random --exact\n  {}",
+                         replay: POSTAL_EXPLORER_SEED={seed} POSTAL_EXPLORER_SCHEDULES=1 cargo test -p postal-integration-tests --test suite -- {test} --exact\n  {}",
                         i + 1,
                         started.elapsed().as_secs_f64(),
                         report(&scenario, &run, &log)
@@ -1344,7 +1557,7 @@ async fn random_schedules(default_schedules: u64) {
     let secs = started.elapsed().as_secs_f64();
     let t = totals.lock().unwrap();
     eprintln!(
-        "explorer::random: {} schedules from seed {first} on {parallel} database(s) in {secs:.1} s ({:.1} schedules/s, {:.1} steps each, {:.1} s waiting for settled states per database, {} with a deadlock between writers)\n  seen: {:?}",
+        "{test}: {} schedules from seed {first} on {parallel} database(s) in {secs:.1} s ({:.1} schedules/s, {:.1} steps each, {:.1} s waiting for settled states per database, {} with a deadlock between writers)\n  seen: {:?}",
         t.schedules,
         t.schedules as f64 / secs,
         t.steps as f64 / t.schedules.max(1) as f64,
@@ -1372,12 +1585,79 @@ async fn random_schedules(default_schedules: u64) {
 /// for a relay that lost its partitions. (`POSTAL_EXPLORER_SCHEDULES`, default 150.)
 #[tokio::test]
 async fn random() {
-    random_schedules(150).await;
+    random_schedules("explorer::random", 150, false).await;
 }
 
 /// Guarantee: as `random`, over 100,000 schedules (the long run; `--ignored`).
 #[tokio::test]
 #[ignore = "long run: 100,000 schedules (POSTAL_EXPLORER_SCHEDULES)"]
 async fn long_random() {
-    random_schedules(100_000).await;
+    random_schedules("explorer::long_random", 100_000, false).await;
+}
+
+/// Guarantee (issue 50, the WAL relay): for the review's scenario with r1 a WAL relay — two
+/// writers that enqueue one event each for the same key, in transactions that may overlap,
+/// and a relay that reads the slot's committed transactions and publishes them with the WAL
+/// relay's row take, lock and marks (the drain reads and claims what is left) — every
+/// schedule with at most two preemptions publishes both events, the key's first publications
+/// in sequence order, whatever the order of the writers' statements and the relay's slot
+/// reads, takes, marks and confirmations.
+#[tokio::test]
+async fn enumeration_wal() {
+    let rounds = env_u64("POSTAL_EXPLORER_ROUNDS").unwrap_or(1) as u32;
+    enumerate(
+        "explorer::enumeration_wal",
+        on_the_slot(review_scenario(rounds)),
+        2,
+        Vec::new(),
+    )
+    .await;
+}
+
+/// Guarantee (issue 50): when a WAL relay's slot lease runs out while it publishes (its
+/// second event failing once and written back) and a second WAL relay takes the slot over
+/// and reads it from the confirmed position, every schedule with at most one preemption
+/// publishes every event, the key's first publications in sequence order, whether the first
+/// relay's marks commit before the takeover or are refused after it.
+#[tokio::test]
+async fn enumeration_wal_takeover() {
+    enumerate(
+        "explorer::enumeration_wal_takeover",
+        on_the_slot(takeover_scenario()),
+        1,
+        vec!["WITH key_locks"],
+    )
+    .await;
+}
+
+/// Guarantee (issue 50): as `random`, with r1 a WAL relay, and r2 a WAL relay that takes the
+/// slot over when r1's lease runs out, or else (half the time) a polling relay claiming
+/// beside it: nothing committed is lost, nothing uncommitted is published, and each key's
+/// first publications come in sequence order, across the stream, the polling claims and the
+/// takeover. (`POSTAL_EXPLORER_SCHEDULES`, default 150.)
+#[tokio::test]
+async fn random_wal() {
+    random_schedules("explorer::random_wal", 150, true).await;
+}
+
+/// Guarantee: as `random_wal`, over 100,000 schedules (the long run; `--ignored`).
+#[tokio::test]
+#[ignore = "long run: 100,000 schedules (POSTAL_EXPLORER_SCHEDULES)"]
+async fn long_random_wal() {
+    random_schedules("explorer::long_random_wal", 100_000, true).await;
+}
+
+/// Guarantee (issue 50): with a WAL relay and a polling relay on one key — the first event
+/// failing once under the polling relay's claim, which writes it back (the slot gives it
+/// again), the WAL relay reading the slot twice — every schedule with at most one preemption
+/// publishes both events, the key's first publications in sequence order.
+#[tokio::test]
+async fn enumeration_mixed() {
+    enumerate(
+        "explorer::enumeration_mixed",
+        mixed_scenario(),
+        env_u64("POSTAL_EXPLORER_BOUND").map_or(1, |b| b as u32),
+        Vec::new(),
+    )
+    .await;
 }

@@ -50,6 +50,27 @@ impl Drop for Held {
 }
 
 impl Held {
+    /// A lease taken (`token`, valid by this process's clock until `until`) that no task
+    /// renews: for a relay played by hand.
+    #[cfg(feature = "test-util")]
+    pub(super) fn unrenewed(
+        slot: &str,
+        holder: Uuid,
+        token: i64,
+        lease: Duration,
+        until: Instant,
+    ) -> Held {
+        Held {
+            slot: slot.to_owned(),
+            holder,
+            token,
+            lease,
+            until: Arc::new(Mutex::new(until)),
+            lost: CancellationToken::new(),
+            renew: tokio::spawn(async {}),
+        }
+    }
+
     /// Resolves once the lease is lost: another relay took it, or it ran out without a
     /// renewal.
     pub(crate) async fn lost(&self) {
@@ -97,7 +118,7 @@ impl Held {
 }
 
 /// Takes the slot's lease if it is free or expired. `None` when another relay holds it.
-async fn take(
+pub(super) async fn take(
     pool: &PgPool,
     slot: &str,
     holder: Uuid,

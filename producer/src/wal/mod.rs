@@ -18,6 +18,8 @@ use crate::relay::{RelayHealth, RelayStats};
 use crate::transport::Transport;
 use crate::Error;
 
+#[cfg(feature = "test-util")]
+pub(crate) mod by_hand;
 mod check;
 mod confirm;
 mod lease;
