@@ -395,8 +395,21 @@ impl Transport for StuckAndFlaky {
 /// until the slow batch was acknowledged: 491 of 640 events left.)
 #[tokio::test]
 async fn a_slow_batch_and_an_unrelated_failure_do_not_stop_the_other_keys() {
+    slow_batch_and_unrelated_failure(false).await;
+}
+
+/// Guarantee: as the test above, with a WAL relay (issue 50): a chunk whose acknowledgements
+/// are slow is set aside while the stream's other keys go on.
+#[tokio::test]
+async fn a_slow_batch_and_an_unrelated_failure_do_not_stop_the_other_keys_wal() {
+    slow_batch_and_unrelated_failure(true).await;
+}
+
+async fn slow_batch_and_unrelated_failure(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    // A WAL relay's slot exists before the events are written: the stream gives them.
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("settle-narrow");
     const KEYS: usize = 6;
     const EVENTS: usize = 600;
@@ -420,10 +433,13 @@ async fn a_slow_batch_and_an_unrelated_failure_do_not_stop_the_other_keys() {
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = StuckAndFlaky::new();
-    let cfg = fast_config()
-        .batch_size(10)
-        .max_in_flight_batches(4)
-        .lanes(1);
+    let cfg = crate::wal_relay::on_slot(
+        &slot,
+        fast_config()
+            .batch_size(10)
+            .max_in_flight_batches(4)
+            .lanes(1),
+    );
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(
         Duration::from_secs(60),
@@ -447,8 +463,21 @@ async fn a_slow_batch_and_an_unrelated_failure_do_not_stop_the_other_keys() {
 /// other keys were still unpublished after 20 s.)
 #[tokio::test]
 async fn a_hot_key_failure_does_not_wait_for_an_unrelated_slow_batch() {
+    hot_key_failure_beside_slow_batch(false).await;
+}
+
+/// Guarantee: as the test above, with a WAL relay (issue 50): a chunk whose acknowledgements
+/// are slow is set aside while the stream's other keys go on.
+#[tokio::test]
+async fn a_hot_key_failure_does_not_wait_for_an_unrelated_slow_batch_wal() {
+    hot_key_failure_beside_slow_batch(true).await;
+}
+
+async fn hot_key_failure_beside_slow_batch(wal: bool) {
     let svc = services().await;
     let db = svc.fresh_db().await;
+    // A WAL relay's slot exists before the events are written: the stream gives them.
+    let slot = crate::wal_relay::slot_if(&db, wal).await;
     let topic = unique("settle-hot");
     const KEYS: usize = 6;
     const EVENTS: usize = 600;
@@ -468,10 +497,13 @@ async fn a_hot_key_failure_does_not_wait_for_an_unrelated_slow_batch() {
         enqueue_batch(&mut conn, events).await.unwrap();
     }
     let transport = StuckAndFlaky::new();
-    let cfg = fast_config()
-        .batch_size(10)
-        .max_in_flight_batches(4)
-        .lanes(1);
+    let cfg = crate::wal_relay::on_slot(
+        &slot,
+        fast_config()
+            .batch_size(10)
+            .max_in_flight_batches(4)
+            .lanes(1),
+    );
     let relay = RunningRelay::start(&db.pool, transport.clone(), cfg);
     wait::until(
         Duration::from_secs(60),

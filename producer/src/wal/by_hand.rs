@@ -128,11 +128,24 @@ pub async fn publish<T: Transport>(
         paused_until: Default::default(),
     };
     let mut stats = RelayStats::default();
-    match publish::publish(
+    // Chunks aside (slow acknowledgements) are waited for before the call returns.
+    let mut aside = super::aside::Aside::<T>::default();
+    let carry = publish::publish(
         pool, transport, config, carried, due, &b, &lease.0, &mut busy, &judge, &mut stats,
+        &mut aside,
     )
-    .await
-    {
+    .await;
+    if !aside.is_empty() {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+        if !publish::settle_aside(
+            transport, config, &judge, &lease.0, &mut stats, &mut aside, deadline,
+        )
+        .await
+        {
+            return Err(LeaseLost);
+        }
+    }
+    match carry {
         Ok(carry) => Ok(carry.rows),
         Err(super::LeaseLost) => Err(LeaseLost),
     }

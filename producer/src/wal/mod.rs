@@ -20,6 +20,7 @@ use crate::Error;
 
 #[cfg(feature = "test-util")]
 pub(crate) mod by_hand;
+mod aside;
 mod check;
 mod confirm;
 mod lease;
@@ -233,11 +234,32 @@ pub(crate) async fn run<T: Transport>(
         // new session reads them from the slot again.
         let mut carried: Vec<i64> = Vec::new();
         let mut retry_at = tokio::time::Instant::now();
+        // Chunks whose acknowledgements are slow, set aside while other keys go on
+        // (`aside`); given up (their transactions rolled back, their rows read again) when the
+        // session ends.
+        let mut aside = aside::Aside::<T>::default();
         busy.saw(&[]);
         loop {
+            // Set when a chunk aside got its outcomes: the carried rows behind it are due.
+            let mut settled = false;
             let read = tokio::select! {
                 biased;
                 () = &mut shutdown => {
+                    let deadline = tokio::time::Instant::now() + config.shutdown_timeout;
+                    if publish::settle_aside(
+                        &*transport,
+                        &config,
+                        &judge,
+                        lease,
+                        &mut stats,
+                        &mut aside,
+                        deadline,
+                    )
+                    .await
+                        && carried.is_empty()
+                    {
+                        stream.confirm(confirm.finished());
+                    }
                     stream.stop().await;
                     break 'session;
                 }
@@ -251,6 +273,11 @@ pub(crate) async fn run<T: Transport>(
                 r = stream.next(config.batch_size * READ_CHUNKS), if carried.len() < carry_max(&config) => r,
                 // Carried rows are tried again when due, with or without new commits.
                 () = tokio::time::sleep_until(retry_at), if !carried.is_empty() => {
+                    Ok(stream::Read::Batch(stream::Batch::default()))
+                }
+                // A chunk aside got its outcomes: recorded, and the rows behind it sent.
+                () = aside.ready(), if !aside.is_empty() => {
+                    settled = true;
                     Ok(stream::Read::Batch(stream::Batch::default()))
                 }
             };
@@ -279,8 +306,12 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::KeepAlive(lsn)) => {
                     if let Some(lsn) = confirm.keepalive(lsn) {
                         stream.confirm(lsn);
-                        progress.idle();
                     }
+                    // Everything committed before it was read, whether or not it is all
+                    // confirmed yet (a chunk aside, rows carried): what is pending from before
+                    // is the sweep's to look at (a row written back after a failed publish is
+                    // updated, not inserted again, so the stream does not give it again).
+                    progress.idle();
                 }
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
@@ -294,36 +325,61 @@ pub(crate) async fn run<T: Transport>(
                         progress.behind();
                     }
                     let was_carrying = !carried.is_empty();
-                    let due = !was_carrying || tokio::time::Instant::now() >= retry_at;
-                    let publish = publish::publish(
-                        &pool,
-                        &*transport,
-                        &config,
-                        std::mem::take(&mut carried),
-                        due,
-                        &batch,
-                        lease,
-                        &mut busy,
-                        &judge,
-                        &mut stats,
-                    );
-                    let mut publish = std::pin::pin!(publish);
-                    let done = tokio::select! {
-                        () = &mut shutdown => {
-                            let r = tokio::time::timeout(config.shutdown_timeout, &mut publish).await;
-                            if matches!(&r, Ok(Ok(left)) if left.rows.is_empty()) {
-                                stream.confirm(confirm.finished());
+                    let due =
+                        !was_carrying || settled || tokio::time::Instant::now() >= retry_at;
+                    // `None`: shutdown came; `Some(true)` with it when the batch was done
+                    // within the shutdown timeout, leaving nothing to carry.
+                    let mut stopping: Option<(bool, tokio::time::Instant)> = None;
+                    let done = {
+                        let publish = publish::publish(
+                            &pool,
+                            &*transport,
+                            &config,
+                            std::mem::take(&mut carried),
+                            due,
+                            &batch,
+                            lease,
+                            &mut busy,
+                            &judge,
+                            &mut stats,
+                            &mut aside,
+                        );
+                        let mut publish = std::pin::pin!(publish);
+                        tokio::select! {
+                            () = &mut shutdown => {
+                                let deadline = tokio::time::Instant::now() + config.shutdown_timeout;
+                                let r = tokio::time::timeout_at(deadline, &mut publish).await;
+                                let left_none = matches!(&r, Ok(Ok(left)) if left.rows.is_empty());
+                                stopping = Some((left_none, deadline));
+                                Ok(publish::Carry::default())
                             }
-                            stream.stop().await;
-                            break 'session;
+                            r = &mut publish => r,
+                            // A holder cut off from the database waits there forever: the batch
+                            // is given up (not marked, not confirmed; the next holder reads it).
+                            () = lease.lost() => Err(LeaseLost),
                         }
-                        r = &mut publish => r,
-                        // A holder cut off from the database waits there forever: the batch
-                        // is given up (not marked, not confirmed; the next holder reads it).
-                        () = lease.lost() => Err(LeaseLost),
                     };
+                    if let Some((left_none, deadline)) = stopping {
+                        // The chunks aside get what is left of the shutdown timeout.
+                        if left_none
+                            && publish::settle_aside(
+                                &*transport,
+                                &config,
+                                &judge,
+                                lease,
+                                &mut stats,
+                                &mut aside,
+                                deadline,
+                            )
+                            .await
+                        {
+                            stream.confirm(confirm.finished());
+                        }
+                        stream.stop().await;
+                        break 'session;
+                    }
                     match done {
-                        Ok(left) if left.rows.is_empty() => {
+                        Ok(left) if left.rows.is_empty() && aside.is_empty() => {
                             stream.confirm(confirm.finished());
                         }
                         // Not confirmed past the carried rows.

@@ -11,7 +11,7 @@
 //! The sweep claims only rows below a bound on `seq` ([`crate::claim::claim_below`]), so that
 //! it does not race the stream for the rows the stream is about to publish. Each tick the
 //! bound moves up to the highest `seq` in the table at the tick before, and only while the
-//! stream is caught up (its last read was not full, or it confirmed a keepalive): rows
+//! stream is caught up (its last read was not full, or it read a keepalive): rows
 //! committed before then were delivered by the stream already, so those still pending are the
 //! stream's leftovers. A bound on `seq` keeps every key's order (a key's earlier rows have
 //! lower sequence numbers). The bound only decides which rows the sweep looks at: where the
@@ -44,7 +44,7 @@ pub(super) struct Sweep {
 /// What the stream tells the sweep: whether it is caught up, and the bound it keeps.
 #[derive(Clone, Default)]
 pub(super) struct Progress {
-    /// The stream's last read was not full, or it confirmed a keepalive.
+    /// The stream's last read was not full, or it read a keepalive.
     pub caught_up: Arc<AtomicBool>,
     /// The sweep claims rows below this `seq` only.
     pub below: Arc<AtomicI64>,
@@ -61,7 +61,7 @@ impl Progress {
         self.caught_up.store(false, Ordering::Relaxed);
     }
 
-    /// The stream confirmed a keepalive: everything committed before it was received.
+    /// The stream read a keepalive: everything committed before it was received.
     pub(super) fn idle(&self) {
         self.caught_up.store(true, Ordering::Relaxed);
     }
