@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use postal_integration_tests::services;
+use postal_integration_tests::{services, wait};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
@@ -49,12 +49,19 @@ struct Seen {
 }
 
 /// The outbox in use, with SQL every schema version since migration 1 accepts: a writer
-/// enqueuing every 10 ms, a claimer taking and deleting small batches every 10 ms (a relay's
-/// claims), and a long claim that holds rows locked for 1.5 s at a time (a batch waiting on a
-/// slow broker). Runs until `stop`.
+/// enqueuing every 10 ms on `topic` (event `n`, 1, 2, …, on key `k{n % 16}`, its payload
+/// `{"order_id": n, "customer": "k{n % 16}", "seq": n / 16}`, the key's events numbered in
+/// order, as `procs::check_wire` reads them), a claimer taking and deleting small batches
+/// every 10 ms (a relay's claims), and a long claim that holds rows locked for 1.5 s at a time
+/// (a batch waiting on a slow broker). The writer runs until `stop`, the claims until
+/// `claims_stop`. With `wal` (the rows are a WAL relay's to publish) there is no claimer, and
+/// the long claim gives its rows back (rolls back) instead of deleting them.
 async fn load(
     pool: PgPool,
+    topic: String,
+    wal: bool,
     stop: Arc<AtomicBool>,
+    claims_stop: Arc<AtomicBool>,
     started: tokio::sync::oneshot::Sender<()>,
 ) -> Seen {
     let seen = Arc::new(std::sync::Mutex::new(Seen::default()));
@@ -70,12 +77,17 @@ async fn load(
                 tick.tick().await;
                 n += 1;
                 let t = Instant::now();
+                let key = format!("k{}", n % 16);
+                let payload =
+                    serde_json::json!({"order_id": n, "customer": key, "seq": n / 16}).to_string();
                 let r = sqlx::query(
                     "INSERT INTO postal.outbox (event_id, topic, event_key, event_type, payload)
-                     VALUES ($1, 'upgrade', $2, 'e', '\\x00')",
+                     VALUES ($1, $2, $3, 'e', $4)",
                 )
                 .bind(uuid::Uuid::now_v7())
-                .bind(format!("k{}", n % 16))
+                .bind(&topic)
+                .bind(&key)
+                .bind(payload.into_bytes())
                 .execute(&pool)
                 .await;
                 match r {
@@ -90,7 +102,7 @@ async fn load(
         })
     };
     let claim = {
-        let (pool, stop, seen) = (pool.clone(), stop.clone(), seen.clone());
+        let (pool, stop, seen) = (pool.clone(), claims_stop.clone(), seen.clone());
         move |limit: i64,
               hold: Duration,
               long: bool,
@@ -112,6 +124,9 @@ async fn load(
                     }
                     if !hold.is_zero() && !stop.load(Ordering::Relaxed) {
                         tokio::time::sleep(hold).await;
+                    }
+                    if wal {
+                        return tx.rollback().await;
                     }
                     sqlx::query("DELETE FROM postal.outbox WHERE seq = ANY($1)")
                         .bind(&seqs)
@@ -136,18 +151,18 @@ async fn load(
         }
     };
     let claimer = {
-        let stop = stop.clone();
+        let stop = claims_stop.clone();
         let claim = claim.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(10));
-            while !stop.load(Ordering::Relaxed) {
+            while !wal && !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
                 claim(20, Duration::ZERO, false, None).await;
             }
         })
     };
     let long = {
-        let stop = stop.clone();
+        let stop = claims_stop.clone();
         tokio::spawn(async move {
             let mut started = Some(started);
             while !stop.load(Ordering::Relaxed) {
@@ -185,7 +200,14 @@ async fn every_migration_applied_under_load_keeps_enqueue_and_claims_moving() {
         let load_pool = db.pool_of(4).await;
         let stop = Arc::new(AtomicBool::new(false));
         let (started_tx, started) = tokio::sync::oneshot::channel();
-        let running = tokio::spawn(load(load_pool, stop.clone(), started_tx));
+        let running = tokio::spawn(load(
+            load_pool,
+            "upgrade".into(),
+            false,
+            stop.clone(),
+            stop.clone(),
+            started_tx,
+        ));
         // The long claim holds its rows: the migration meets it.
         started.await.unwrap();
         let t = Instant::now();
@@ -218,6 +240,138 @@ async fn every_migration_applied_under_load_keeps_enqueue_and_claims_moving() {
         ));
     }
     eprintln!("upgrades under load:\n{}", report.join("\n"));
+}
+
+/// Guarantee (upgrades without outages, WAL mode): a WAL deployment's slot and publication,
+/// created as soon as the outbox exists (on schemas of migrations 1, 11 and 15), survive the
+/// upgrade to the current schema under load — enqueues every 10 ms, and a claim holding outbox
+/// rows for 1.5 s at a time — with no error in those sessions and no enqueue held up for 2.5 s
+/// or more; and this release's WAL relay, started the moment the upgrade returns (it refuses a
+/// schema behind its own, so none runs during it), publishes from the slot every event, those
+/// enqueued during the upgrade (written under older forms of the outbox: from 1 and 11 across
+/// migration 12's `ALTER TABLE postal.outbox`) and those enqueued meanwhile: publishing catches
+/// up while enqueues go on, nothing is lost, and each key's events are first delivered in
+/// order (read back by an independent client). Prints each path's worst latencies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_migration_applied_under_load_keeps_enqueue_and_claims_moving_wal() {
+    let svc = services().await;
+    let known = postal_shared::known_version();
+    let mut report = Vec::new();
+    for from in [1, 11, 15] {
+        assert!(from < known);
+        let db = svc.empty_db().await;
+        migrate_until(&db.pool, from).await;
+        // The outbox exists (migration 1): its publication and the slot, before any row, so
+        // that every event is in the stream, and before the upgrade, which runs under them.
+        let slot = crate::wal_relay::Slot::create(&db).await;
+        let topic = postal_integration_tests::unique("upgrade-wal");
+        crate::common::create_topic(&svc.bootstrap, &topic, 4).await;
+        let load_pool = db.pool_of(4).await;
+        let (stop, claims_stop) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let running = tokio::spawn(load(
+            load_pool,
+            topic.clone(),
+            true,
+            stop.clone(),
+            claims_stop.clone(),
+            started_tx,
+        ));
+        // The long claim holds its rows: the migration meets it.
+        started.await.unwrap();
+        let t = Instant::now();
+        let migrated = postal_shared::migrate(&db.pool).await;
+        let took = t.elapsed();
+        // The long claim was there for the upgrade to meet; the writer goes on.
+        claims_stop.store(true, Ordering::Relaxed);
+        if let Err(e) = migrated {
+            stop.store(true, Ordering::Relaxed);
+            panic!("upgrade from migration {from}: {e}");
+        }
+        let relay = crate::common::RunningRelay::start(
+            &db.pool,
+            crate::common::kafka_transport(&svc.bootstrap),
+            slot.config(),
+        );
+        // Publishing moves while enqueues go on: every event enqueued during the upgrade
+        // (up to the highest `seq` now) is published, and the writer still writes.
+        let t = Instant::now();
+        let upgraded: i64 = sqlx::query_scalar("SELECT max(seq) FROM postal.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let pool = db.pool.clone();
+        wait::until(
+            Duration::from_secs(90),
+            &format!("upgrade from {from}: the events enqueued during the upgrade published"),
+            || {
+                let pool = pool.clone();
+                async move {
+                    let left: i64 =
+                        sqlx::query_scalar("SELECT count(*) FROM postal.outbox WHERE seq <= $1")
+                            .bind(upgraded)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap();
+                    left == 0
+                }
+            },
+        )
+        .await;
+        let caught_up = t.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        let seen = running.await.unwrap();
+        assert!(
+            seen.errors.is_empty(),
+            "upgrade from migration {from}: the load failed: {:?}",
+            seen.errors
+        );
+        assert!(seen.enqueues > 0 && seen.long_claims > 0, "{seen:?}");
+        let bound = Duration::from_millis(2500);
+        assert!(
+            seen.enqueue_max < bound,
+            "upgrade from migration {from} (took {took:?}) held the outbox up: {seen:?}"
+        );
+        wait::until(
+            Duration::from_secs(90),
+            &format!("upgrade from {from}: the outbox drained"),
+            || {
+                let pool = pool.clone();
+                async move { crate::common::outbox_count(&pool).await == 0 }
+            },
+        )
+        .await;
+        let stats = relay.stop().await;
+        let want: std::collections::BTreeSet<String> =
+            (1..=seen.enqueues).map(|n| n.to_string()).collect();
+        let wire = crate::procs::check_wire(&svc.bootstrap, &topic, want.len() as i64, &want).await;
+        assert_eq!(
+            wire.missing, 0,
+            "upgrade from migration {from}: events missing from the topic ({} enqueued, {} distinct on it)",
+            want.len(),
+            wire.distinct
+        );
+        assert!(
+            wire.out_of_order.is_empty(),
+            "upgrade from migration {from}: {:?}",
+            &wire.out_of_order[..wire.out_of_order.len().min(5)]
+        );
+        report.push(format!(
+            "from {from:>2}: upgrade {:>6.0} ms, enqueue max {:>5.0} ms ({} enqueues, up to seq {} during the upgrade), published {} ({} records), caught up {:>5.0} ms after the upgrade",
+            took.as_secs_f64() * 1e3,
+            seen.enqueue_max.as_secs_f64() * 1e3,
+            seen.enqueues,
+            upgraded,
+            stats.published,
+            wire.records,
+            caught_up.as_secs_f64() * 1e3,
+        ));
+        drop(slot);
+    }
+    eprintln!("upgrades under load, WAL relay:\n{}", report.join("\n"));
 }
 
 /// The pending index's state: (name, valid) of each index on the outbox whose name starts
