@@ -509,6 +509,41 @@ async fn a_wal_relay_stopped_gracefully_hands_its_slot_to_a_standby_at_once() {
     assert_eq!(seen, want, "every event published");
 }
 
+/// Guarantee: a WAL relay stopped gracefully right after it published leaves its slot
+/// confirmed past what it published (helper-69's finding: the replication client reports the
+/// position at most every status interval and not when it ends, so the slot stayed up to 1 s
+/// behind, and the next holder read those transactions again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_relay_stopped_gracefully_leaves_its_slot_confirmed_past_what_it_published() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-stop-confirm");
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
+    wait::until(Duration::from_secs(30), "the relay streams", || async {
+        sqlx::query_scalar::<_, Option<bool>>(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(&slot.source.slot)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+            == Some(true)
+    })
+    .await;
+    let (_, commit) = enqueue_each(&db.pool, &topic, "k", 3).await;
+    wait::until(Duration::from_secs(30), "the relay published", || async {
+        outbox_pending(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    let confirmed = slot.confirmed(&db.pool).await;
+    assert!(
+        confirmed > commit,
+        "the slot is confirmed at {confirmed:X}, not past the published events' last commit (after {commit:X})"
+    );
+}
+
 /// Guarantee: a WAL relay whose replication URL names a CA file it cannot read stops at start
 /// with one line naming the setting and the file, instead of restarting its session for ever.
 #[tokio::test]

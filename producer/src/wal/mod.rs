@@ -260,7 +260,7 @@ pub(crate) async fn run<T: Transport>(
                     {
                         stream.confirm(confirm.finished());
                     }
-                    stream.stop().await;
+                    stream.stop_reported().await;
                     break 'session;
                 }
                 () = lease.lost() => {
@@ -375,7 +375,7 @@ pub(crate) async fn run<T: Transport>(
                         {
                             stream.confirm(confirm.finished());
                         }
-                        stream.stop().await;
+                        stream.stop_reported().await;
                         break 'session;
                     }
                     match done {

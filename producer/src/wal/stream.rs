@@ -42,6 +42,9 @@ pub(crate) struct Stream {
     /// is cancel-safe.
     batch: Batch,
     committed: bool,
+    /// The highest position confirmed ([`Stream::confirm`]), and how often it is reported.
+    confirmed: u64,
+    status_interval: Duration,
 }
 
 impl Stream {
@@ -67,11 +70,14 @@ impl Stream {
             open: None,
             batch: Batch::default(),
             committed: false,
+            confirmed: 0,
+            status_interval: source.status_interval,
         })
     }
 
     /// Reports `lsn` to the server as flushed: the slot's confirmed position advances to it.
-    pub(crate) fn confirm(&self, lsn: u64) {
+    pub(crate) fn confirm(&mut self, lsn: u64) {
+        self.confirmed = self.confirmed.max(lsn);
         self.client.update_applied_lsn(Lsn::from_u64(lsn));
     }
 
@@ -142,6 +148,22 @@ impl Stream {
     /// Ends the session (the server keeps the slot's confirmed position).
     pub(crate) async fn stop(mut self) {
         let _ = self.client.shutdown().await;
+    }
+
+    /// Ends the session once the position confirmed last was reported to the server (the
+    /// replication client reports it at most every `status_interval`, and does not report it
+    /// when it ends): a graceful stop leaves the slot where the relay finished, not up to a
+    /// status interval behind (a next holder would read those transactions again, and the
+    /// slot would show lag). Waits at most a status interval and a little more.
+    pub(crate) async fn stop_reported(self) {
+        let metrics = self.client.metrics();
+        let until = tokio::time::Instant::now() + self.status_interval + Duration::from_millis(250);
+        while metrics.last_applied_lsn().as_u64() < self.confirmed
+            && tokio::time::Instant::now() < until
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop().await;
     }
 }
 
