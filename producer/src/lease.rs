@@ -75,12 +75,14 @@ pub async fn heartbeat(
         .await?;
     }
     sqlx::query(
-        "INSERT INTO postal.relay_instances (relay_id, host, relay_group) VALUES ($1, $2, $3)
+        "INSERT INTO postal.relay_instances (relay_id, host, relay_group, release)
+         VALUES ($1, $2, $3, $4)
          ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()",
     )
     .bind(relay)
     .bind(host)
     .bind(group)
+    .bind(env!("CARGO_PKG_VERSION"))
     .execute(&mut *tx)
     .await?;
     let live: Vec<Uuid> = sqlx::query_scalar(

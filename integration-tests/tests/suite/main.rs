@@ -5,6 +5,7 @@
 //! unique topic names.
 
 mod activity_off_publish_path;
+mod aside_attack;
 mod activity_totals;
 mod batch_attack;
 mod batch_failures;

@@ -77,12 +77,40 @@ impl<T: Transport> Chunk<T> {
 /// The chunks set aside, oldest first.
 pub(super) struct Aside<T: Transport> {
     chunks: VecDeque<Chunk<T>>,
+    /// Told of the chunks given up when this is dropped (`Transport::recorded(_, false)`:
+    /// the Kafka transport's key fence lets a batch's keys go only then).
+    transport: Option<std::sync::Arc<T>>,
 }
 
-impl<T: Transport> Default for Aside<T> {
-    fn default() -> Self {
+impl<T: Transport> Aside<T> {
+    /// Chunks aside for `transport`, which is told of those given up (the session ended, the
+    /// lease lost, the shutdown timeout over) when this is dropped.
+    pub(super) fn new(transport: std::sync::Arc<T>) -> Self {
         Aside {
             chunks: VecDeque::new(),
+            transport: Some(transport),
+        }
+    }
+
+    /// Chunks aside that are always settled before this is dropped.
+    pub(super) fn settled_by_caller() -> Self {
+        Aside {
+            chunks: VecDeque::new(),
+            transport: None,
+        }
+    }
+}
+
+impl<T: Transport> Drop for Aside<T> {
+    fn drop(&mut self) {
+        // Given up unrecorded: their transactions roll back (the rows are read again from the
+        // slot), and the transport hears that they were not recorded (helper-70: the session
+        // ending or the lease lost with a chunk aside left its keys fenced in the Kafka
+        // transport).
+        if let Some(t) = &self.transport {
+            for c in &self.chunks {
+                t.recorded(&c.events, false);
+            }
         }
     }
 }
@@ -102,7 +130,10 @@ impl<T: Transport> Aside<T> {
 
     /// Every row aside, oldest chunk first.
     pub(super) fn seqs(&self) -> Vec<i64> {
-        self.chunks.iter().flat_map(|c| c.seqs.iter().copied()).collect()
+        self.chunks
+            .iter()
+            .flat_map(|c| c.seqs.iter().copied())
+            .collect()
     }
 
     /// Resolves once a chunk's outcomes are in (cancel-safe: they are kept).

@@ -129,7 +129,7 @@ pub async fn publish<T: Transport>(
     };
     let mut stats = RelayStats::default();
     // Chunks aside (slow acknowledgements) are waited for before the call returns.
-    let mut aside = super::aside::Aside::<T>::default();
+    let mut aside = super::aside::Aside::<T>::settled_by_caller();
     let carry = publish::publish(
         pool, transport, config, carried, due, &b, &lease.0, &mut busy, &judge, &mut stats,
         &mut aside,

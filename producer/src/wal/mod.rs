@@ -18,12 +18,13 @@ use crate::relay::{RelayHealth, RelayStats};
 use crate::transport::Transport;
 use crate::Error;
 
+mod aside;
 #[cfg(feature = "test-util")]
 pub(crate) mod by_hand;
-mod aside;
 mod check;
 mod confirm;
 mod lease;
+mod older;
 mod pgoutput;
 mod publish;
 mod rows;
@@ -88,8 +89,8 @@ const BUSY_RETRY: Duration = Duration::from_secs(1);
 /// chunk's rows are taken while a chunk's acknowledgements are awaited.
 const READ_CHUNKS: usize = 4;
 
-/// How many rows may be carried (failed or busy, with their keys' later rows) before the
-/// relay reads nothing more until they are done.
+/// How many rows may be carried (busy, behind a chunk aside, not due yet, with their keys'
+/// later rows); the later ones past it are left pending for the sweep.
 fn carry_max(config: &RelayConfig) -> usize {
     config.batch_size.max(1) * 4
 }
@@ -127,12 +128,22 @@ pub(crate) async fn run<T: Transport>(
     // In a set, which aborts its tasks when dropped: a relay dropped in-process (killed)
     // leaves nothing running on its behalf.
     let mut background = tokio::task::JoinSet::new();
+    // Relays of an earlier release live on this outbox (`older`): the stream stops.
+    let older_live = Arc::new(std::sync::atomic::AtomicBool::new(false));
     background.spawn({
-        let (pool, slot) = (pool.clone(), source.slot.clone());
+        let (pool, slot, lease, older_live) = (
+            pool.clone(),
+            source.slot.clone(),
+            config.lease,
+            older_live.clone(),
+        );
         async move {
             loop {
                 if let Err(e) = slot::record_metrics(&pool, &slot).await {
                     tracing::debug!(error = %e, "WAL relay: could not read the slot's state for metrics");
+                }
+                if let Ok(relays) = older::live(&pool, lease).await {
+                    older_live.store(!relays.is_empty(), std::sync::atomic::Ordering::Relaxed);
                 }
                 tokio::time::sleep(METRICS_INTERVAL).await;
             }
@@ -206,6 +217,11 @@ pub(crate) async fn run<T: Transport>(
                 break 'session;
             }
         }
+        // Not beside a relay of an earlier release (`older`).
+        if !older_gone(&pool, &config, &progress, &mut shutdown).await {
+            break 'session;
+        }
+        older_live.store(false, std::sync::atomic::Ordering::Relaxed);
         let stream = tokio::select! {
             () = &mut shutdown => break 'session,
             s = stream::Stream::start(&source, (config.lease / 2).max(Duration::from_secs(5))) => s,
@@ -237,7 +253,7 @@ pub(crate) async fn run<T: Transport>(
         // Chunks whose acknowledgements are slow, set aside while other keys go on
         // (`aside`); given up (their transactions rolled back, their rows read again) when the
         // session ends.
-        let mut aside = aside::Aside::<T>::default();
+        let mut aside = aside::Aside::new(transport.clone());
         busy.saw(&[]);
         loop {
             // Set when a chunk aside got its outcomes: the carried rows behind it are due.
@@ -268,9 +284,8 @@ pub(crate) async fn run<T: Transport>(
                     stream.stop().await;
                     continue 'session;
                 }
-                // Bounded: with this many rows carried, nothing more is read until they are
-                // done (a broker outage fails them all).
-                r = stream.next(config.batch_size * READ_CHUNKS), if carried.len() < carry_max(&config) => r,
+                // The rows carried are bounded (`carry_max`): reading goes on.
+                r = stream.next(config.batch_size * READ_CHUNKS) => r,
                 // Carried rows are tried again when due, with or without new commits.
                 () = tokio::time::sleep_until(retry_at), if !carried.is_empty() => {
                     Ok(stream::Read::Batch(stream::Batch::default()))
@@ -284,6 +299,13 @@ pub(crate) async fn run<T: Transport>(
             if read.is_ok() && !streamed {
                 streamed = true;
                 failed_starts = None;
+            }
+            // A relay of an earlier release started meanwhile: the stream stops (what it has in
+            // hand is given up, and read again once that relay stopped).
+            if older_live.load(std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!("WAL relay: a relay of an earlier release started on this outbox; stopped streaming until it stops");
+                stream.stop().await;
+                continue 'session;
             }
             match read {
                 Err(e) => {
@@ -316,17 +338,13 @@ pub(crate) async fn run<T: Transport>(
                 Ok(stream::Read::Batch(batch)) => {
                     failures = 0;
                     // Only a read from the slot says whether the stream is caught up, not the
-                    // retry timer's empty batch; and while the carried rows are at their bound
-                    // nothing is read, so the stream is not (the sweep leaves the backlog to it).
+                    // retry timer's empty batch.
                     if batch.end_lsn > 0 {
                         progress.read(batch.seqs.len(), config.batch_size * READ_CHUNKS);
                         confirm.received(batch.end_lsn);
-                    } else if carried.len() >= carry_max(&config) {
-                        progress.behind();
                     }
                     let was_carrying = !carried.is_empty();
-                    let due =
-                        !was_carrying || settled || tokio::time::Instant::now() >= retry_at;
+                    let due = !was_carrying || settled || tokio::time::Instant::now() >= retry_at;
                     // `None`: shutdown came; `Some(true)` with it when the batch was done
                     // within the shutdown timeout, leaving nothing to carry.
                     let mut stopping: Option<(bool, tokio::time::Instant)> = None;
@@ -385,6 +403,16 @@ pub(crate) async fn run<T: Transport>(
                         // Not confirmed past the carried rows.
                         Ok(left) => {
                             carried = left.rows;
+                            // Past the bound, the later rows are left pending for the sweep,
+                            // and reading goes on (a hot key behind a slow chunk or a row
+                            // locked elsewhere does not stop the other keys; helper-70). Each
+                            // is later than the rows kept of its key, and a key's later rows
+                            // read from the stream wait for it (`rows::lock`: an earlier
+                            // pending row the stream did not give).
+                            if carried.len() > carry_max(&config) {
+                                let over = carried.split_off(carry_max(&config));
+                                tracing::info!(rows = over.len(), first = over[0], "WAL relay: more rows wait behind busy rows or slow chunks than the relay carries; the later ones are left pending for the sweep, which publishes them in order");
+                            }
                             if due {
                                 retry_at = tokio::time::Instant::now() + BUSY_RETRY;
                             }
@@ -470,6 +498,62 @@ async fn checked(
                     return Ok(false);
                 }
             }
+        }
+    }
+}
+
+/// Waits while a relay of an earlier release is live on the outbox ([`older`]), with one line
+/// when the wait starts and one when it ends. `false` when `shutdown` came first.
+async fn older_gone(
+    pool: &PgPool,
+    config: &RelayConfig,
+    progress: &sweep::Progress,
+    shutdown: &mut std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+) -> bool {
+    // While the stream waits, the sweep claims without a bound (the stream publishes nothing,
+    // and the other relay only its own partitions); its bound is put back after.
+    let mut bound: Option<i64> = None;
+    let ended = |bound: Option<i64>| {
+        if let Some(b) = bound {
+            progress
+                .below
+                .store(b, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    loop {
+        match older::live(pool, config.lease).await {
+            Ok(relays) if relays.is_empty() => {
+                if bound.is_some() {
+                    tracing::info!(
+                        "WAL relay: no relay of an earlier release runs any more; streaming"
+                    );
+                }
+                ended(bound);
+                return true;
+            }
+            Ok(relays) => {
+                if bound.is_none() {
+                    tracing::warn!("{}", older::waiting_line(&relays));
+                    bound = Some(
+                        progress
+                            .below
+                            .swap(i64::MAX, std::sync::atomic::Ordering::Relaxed),
+                    );
+                }
+            }
+            // Checked again at the next start; the stream's own errors say the rest.
+            Err(e) => {
+                tracing::debug!(error = %e, "WAL relay: could not look for relays of an earlier release");
+                ended(bound);
+                return true;
+            }
+        }
+        tokio::select! {
+            () = shutdown.as_mut() => {
+                ended(bound);
+                return false;
+            }
+            () = tokio::time::sleep((config.lease / 4).clamp(Duration::from_millis(200), Duration::from_secs(5))) => {}
         }
     }
 }

@@ -359,7 +359,9 @@ pub(super) async fn publish<T: Transport>(
 /// How a chunk's outcomes were recorded.
 enum Finished {
     /// Marked: the rows written back (failed, held back) and parked.
-    Marked { written: Vec<crate::complete::Failure> },
+    Marked {
+        written: Vec<crate::complete::Failure>,
+    },
     /// The mark failed (the database): nothing of the chunk is marked; it is published again.
     NotMarked,
 }

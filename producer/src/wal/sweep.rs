@@ -56,11 +56,6 @@ impl Progress {
         self.caught_up.store(rows < max, Ordering::Relaxed);
     }
 
-    /// The stream reads nothing for now (its carried rows are at their bound).
-    pub(super) fn behind(&self) {
-        self.caught_up.store(false, Ordering::Relaxed);
-    }
-
     /// The stream read a keepalive: everything committed before it was received.
     pub(super) fn idle(&self) {
         self.caught_up.store(true, Ordering::Relaxed);

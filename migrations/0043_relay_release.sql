@@ -1,0 +1,12 @@
+-- Which release each relay runs, so that a WAL relay can tell relays whose claim it cannot
+-- stream beside.
+--
+-- A claim of this release leaves a key's later rows behind a row another session holds locked
+-- (`producer/src/skipped.rs`); the claim of 0.1.x does not. A WAL relay holds a chunk's rows
+-- locked until the broker acknowledged them, so a 0.1.x relay claiming beside it could publish
+-- a key's later row first. Relays of this release write their crate version here; 0.1.x
+-- relays do not know the column (NULL), and a WAL relay does not stream while one of them is
+-- live (`producer/src/wal/older.rs`).
+--
+-- Compatible: additive; `oldest_compatible` is unchanged.
+ALTER TABLE postal.relay_instances ADD COLUMN release text;
