@@ -5,8 +5,8 @@
 //! unique topic names.
 
 mod activity_off_publish_path;
-mod aside_attack;
 mod activity_totals;
+mod aside_attack;
 mod batch_attack;
 mod batch_failures;
 mod batch_final_attack;
