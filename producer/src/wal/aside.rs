@@ -92,7 +92,8 @@ impl<T: Transport> Aside<T> {
         }
     }
 
-    /// Chunks aside that are always settled before this is dropped.
+    /// Chunks aside that are always settled before this is dropped (a relay played by hand).
+    #[cfg(feature = "test-util")]
     pub(super) fn settled_by_caller() -> Self {
         Aside {
             chunks: VecDeque::new(),
