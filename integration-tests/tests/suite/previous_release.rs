@@ -101,6 +101,27 @@ async fn the_previous_releases_relay_runs_beside_this_one_on_the_new_schema_wal(
     previous_beside_this_one(true).await;
 }
 
+/// Round `round` of the orders: one event for each of `keys` customers, in one transaction.
+async fn enqueue_round(
+    pool: &sqlx::PgPool,
+    topic: &str,
+    keys: u64,
+    round: u64,
+    want: &mut BTreeSet<String>,
+) {
+    let mut tx = pool.begin().await.unwrap();
+    for k in 0..keys {
+        let order = round * keys + k;
+        want.insert(order.to_string());
+        let payload =
+            serde_json::json!({"order_id": order, "customer": format!("c{k}"), "seq": round});
+        let event =
+            NewEvent::json(topic, format!("c{k}").as_str(), "order.created", &payload).unwrap();
+        enqueue(&mut tx, event).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
 /// The previous release's relay, the upgrade under it, then this release's relay beside it
 /// (reading the WAL when `wal`).
 async fn previous_beside_this_one(wal: bool) {
@@ -200,22 +221,7 @@ async fn previous_beside_this_one(wal: bool) {
             }
         }
         let t = Instant::now();
-        let mut tx = db.pool.begin().await.unwrap();
-        for k in 0..keys {
-            let order = round * keys + k;
-            want.insert(order.to_string());
-            let payload =
-                serde_json::json!({"order_id": order, "customer": format!("c{k}"), "seq": round});
-            let event = NewEvent::json(
-                topic.as_str(),
-                format!("c{k}").as_str(),
-                "order.created",
-                &payload,
-            )
-            .unwrap();
-            enqueue(&mut tx, event).await.unwrap();
-        }
-        tx.commit().await.unwrap();
+        enqueue_round(&db.pool, &topic, keys, round, &mut want).await;
         slowest = slowest.max(t.elapsed());
     }
     assert!(
@@ -266,22 +272,7 @@ async fn previous_beside_this_one(wal: bool) {
             streaming(db.pool.clone(), name.clone())
         })
         .await;
-        let mut tx = db.pool.begin().await.unwrap();
-        for k in 0..keys {
-            let order = per_key * keys + k;
-            want.insert(order.to_string());
-            let payload =
-                serde_json::json!({"order_id": order, "customer": format!("c{k}"), "seq": per_key});
-            let event = NewEvent::json(
-                topic.as_str(),
-                format!("c{k}").as_str(),
-                "order.created",
-                &payload,
-            )
-            .unwrap();
-            enqueue(&mut tx, event).await.unwrap();
-        }
-        tx.commit().await.unwrap();
+        enqueue_round(&db.pool, &topic, keys, per_key, &mut want).await;
         wait::until(
             Duration::from_secs(60),
             "the events after the stop published",
