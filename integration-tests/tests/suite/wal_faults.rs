@@ -384,3 +384,78 @@ async fn a_key_pending_from_before_the_slot_holds_its_later_events_back() {
         "the key's events once each, the one from before the slot first"
     );
 }
+
+/// Guarantee: a key's earlier row that two other sessions hold `FOR SHARE` at once (a
+/// multixact lock, whose holders `pg_locks` does not name by the row's `xmax`) holds the key's
+/// later row back from the WAL relay — the later row is not published before it — while another
+/// key goes on; once the sessions end, both go out, in order (the WAL twin of
+/// `row_locks_by_hand::a_shared_lock_of_two_sessions_holds_the_key`).
+#[tokio::test]
+async fn a_row_share_locked_by_two_sessions_holds_its_key_back_from_the_stream() {
+    let svc = services().await;
+    let db = svc.fresh_db().await;
+    let slot = Slot::create(&db).await;
+    let topic = unique("wal-multixact");
+    let (first, _) = enqueue_each(&db.pool, &topic, "k", 1).await;
+    let first_seq: i64 = sqlx::query_scalar("SELECT max(seq) FROM postal.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // Two sessions share-lock the key's first row (a multixact), before the later rows exist.
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM postal.outbox WHERE seq = $1 FOR SHARE")
+            .bind(first_seq)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        holders.push(tx);
+    }
+    let (later, _) = enqueue_each(&db.pool, &topic, "k", 2).await;
+    let (other, _) = enqueue_each(&db.pool, &topic, "other", 3).await;
+    let relay = RunningRelay::start(&db.pool, kafka_transport(&svc.bootstrap), slot.config());
+    wait::until(
+        Duration::from_secs(30),
+        "the other key published",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM postal.outbox WHERE event_key = 'other' AND status = 'pending'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+    let kept: Vec<i64> =
+        sqlx::query_scalar("SELECT seq FROM postal.outbox WHERE event_key = 'k' ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        kept.len(),
+        3,
+        "the key's rows are all still pending behind the share-locked one: {kept:?}"
+    );
+    for tx in holders {
+        tx.rollback().await.unwrap();
+    }
+    wait::until(Duration::from_secs(30), "everything published", || async {
+        outbox_pending(&db.pool).await == 0
+    })
+    .await;
+    relay.stop().await;
+    let want = first.len() + later.len() + other.len();
+    let records = read_all(&svc.bootstrap, &topic, want, Duration::from_secs(30)).await;
+    let mut order: Vec<String> = Vec::new();
+    for r in records.iter().filter(|r| r.key.as_deref() == Some("k")) {
+        let id = r.header("ce_id").unwrap().to_owned();
+        if !order.contains(&id) {
+            order.push(id);
+        }
+    }
+    let expected: Vec<String> = first.iter().chain(&later).cloned().collect();
+    assert_eq!(order, expected, "the key's events first published in order");
+}
