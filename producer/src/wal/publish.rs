@@ -124,6 +124,7 @@ pub(super) async fn publish<T: Transport>(
         // The rows aside: locked by this relay's own transactions, not to send, and their
         // keys' later rows carried behind them.
         let held_aside = aside.seqs();
+        let aside_set: std::collections::HashSet<i64> = held_aside.iter().copied().collect();
         // One statement takes (reads and deletes) the chunk's rows when nothing in it is to
         // be held back; `rows::lock` does the rest, and the chunks after a busy row. The take
         // may have been done while the previous chunk's acknowledgements were awaited.
@@ -176,7 +177,7 @@ pub(super) async fn publish<T: Transport>(
                 let mut seqs = held_aside.clone();
                 seqs.extend_from_slice(&chunk);
                 let mut not_now = defer.clone();
-                not_now.extend(held_aside.iter().copied());
+                not_now.extend(aside_set.iter().copied());
                 rows::lock(
                     pool,
                     &seqs,
@@ -189,9 +190,9 @@ pub(super) async fn publish<T: Transport>(
                 .await
                 .map(|mut l| {
                     // Its own rows aside are not another session's.
-                    l.busy.retain(|b| !held_aside.contains(&b.seq));
-                    l.again.retain(|s| !held_aside.contains(s));
-                    l.left.retain(|s| !held_aside.contains(s));
+                    l.busy.retain(|b| !aside_set.contains(&b.seq));
+                    l.again.retain(|s| !aside_set.contains(s));
+                    l.left.retain(|s| !aside_set.contains(s));
                     l
                 })
             }
@@ -280,14 +281,7 @@ pub(super) async fn publish<T: Transport>(
                     seqs.extend(refused.iter().map(|f| f.seq));
                     seqs.sort_by_key(|s| known.get(s).copied().unwrap_or(usize::MAX));
                     aside.push(Chunk::new(seqs, locked, events, refused, acks));
-                    let mut next: Vec<i64> = chunk
-                        .iter()
-                        .copied()
-                        .filter(|s| again.contains(s))
-                        .collect();
-                    waiting = next.len();
-                    next.extend_from_slice(&todo[chunk_len..]);
-                    todo = next;
+                    (todo, waiting) = past_chunk(&todo, chunk_len, &again);
                     failures = 0;
                     continue;
                 }
@@ -329,24 +323,17 @@ pub(super) async fn publish<T: Transport>(
         }
         // Done with the chunk, except its deferred and busy rows (and their keys' later
         // rows): they stay ahead of the rest, in commit order.
-        let mut next: Vec<i64> = chunk
-            .iter()
-            .copied()
-            .filter(|s| again.contains(s))
-            .collect();
-        let rest = &todo[chunk_len..];
-        if rest.is_empty() {
+        let rest_empty = todo.len() == chunk_len;
+        (todo, waiting) = past_chunk(&todo, chunk_len, &again);
+        if rest_empty {
             if let Some((_, Ok(Some(l)))) = prefetched.take() {
                 l.undo().await;
             }
-            if next.is_empty() && aside.is_empty() {
+            if todo.is_empty() && aside.is_empty() {
                 busy.saw(&[]);
             }
-            return Ok(Carry { rows: next });
+            return Ok(Carry { rows: todo });
         }
-        waiting = next.len();
-        next.extend_from_slice(rest);
-        todo = next;
         failures = 0;
     }
     if let Some((_, Ok(Some(l)))) = prefetched.take() {
@@ -354,6 +341,24 @@ pub(super) async fn publish<T: Transport>(
     }
     busy.saw(&[]);
     Ok(Carry::default())
+}
+
+/// What is left of `todo` once its first `chunk_len` rows were done: the chunk's rows to try
+/// again (`again`: busy, deferred, and their keys' later rows) ahead of the rest, in commit
+/// order, and how many those are.
+fn past_chunk(
+    todo: &[i64],
+    chunk_len: usize,
+    again: &std::collections::HashSet<i64>,
+) -> (Vec<i64>, usize) {
+    let mut next: Vec<i64> = todo[..chunk_len]
+        .iter()
+        .copied()
+        .filter(|s| again.contains(s))
+        .collect();
+    let waiting = next.len();
+    next.extend_from_slice(&todo[chunk_len..]);
+    (next, waiting)
 }
 
 /// How a chunk's outcomes were recorded.
